@@ -1,0 +1,1 @@
+"""The backend: options, the pass pipeline, fusion reports, explain, export."""

@@ -1,0 +1,50 @@
+"""``torch.compile(model, backend="hecate", options={...})``.
+
+Registered as a ``torch_dynamo_backends`` entry point in ``pyproject.toml``, so it
+works without ``import hecate``. Dynamo calls :func:`hecate_backend` once per
+captured graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import fx
+
+from hecate.compiler.options import Options, parse_options
+from hecate.compiler.pipeline import canonicalize, run_passes
+from hecate.compiler.report import FusionReport
+
+# One report per graph compiled in this process, newest last (see last_report()).
+_REPORTS: list[FusionReport] = []
+
+
+def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
+                   options: Mapping[str, Any] | None = None) -> Callable:
+    """Fuse Hecate's patterns in ``gm`` and compile the rest with the fallback."""
+    import hecate.lowering  # noqa: F401  registers torch.ops.hecate.*
+
+    opts = parse_options(options)
+    report = FusionReport(graphs=1)
+    aten_gm = run_passes(canonicalize(gm, example_inputs), opts, report)
+    _REPORTS.append(report)
+    if opts.print_report:
+        print(report)
+    return _compile_rest(aten_gm, example_inputs, opts)
+
+
+def _compile_rest(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], opts: Options) -> Callable:
+    if opts.fallback == "eager":
+        return gm
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, list(example_inputs))
+
+
+def last_report() -> FusionReport:
+    """The fusion report of the graph the hecate backend compiled most recently."""
+    if not _REPORTS:
+        raise RuntimeError("the hecate backend has not compiled a graph yet in this process; "
+                           "call the torch.compile'd model first, or use hecate.explain(model, *args)")
+    return _REPORTS[-1]

@@ -1,0 +1,41 @@
+"""``hecate.explain(model_or_fn, *args, **kwargs) -> FusionReport``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from hecate.compiler.options import parse_options
+from hecate.compiler.pipeline import canonicalize, run_passes
+from hecate.compiler.report import FusionReport
+
+
+def explain(model_or_fn: Callable, *args: Any, options: Mapping[str, Any] | None = None,
+            **kwargs: Any) -> FusionReport:
+    """Say what ``torch.compile(model_or_fn, backend="hecate")`` would fuse for these inputs.
+
+    Dynamo captures the graphs as it would for a real compile and Hecate's passes
+    run on them with fake tensors. Neither the fused kernels nor Inductor run: the
+    call executes the captured graphs unfused, in eager mode, once. Dynamo's cache
+    is reset first so the capture is fresh.
+    """
+    if not callable(model_or_fn):
+        raise TypeError(f"explain() needs a model or function to call, got {type(model_or_fn).__name__}")
+    import hecate.lowering  # noqa: F401
+
+    opts = parse_options(options)
+    report = FusionReport()
+
+    def recording_backend(gm, example_inputs):
+        graph_report = FusionReport(graphs=1)
+        run_passes(canonicalize(gm, example_inputs), opts, graph_report)
+        report.extend(graph_report)
+        return gm.forward  # the unfused graph, run eagerly
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model_or_fn, backend=recording_backend)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    return report

@@ -1,0 +1,77 @@
+"""What Hecate fused, what it did not, and why.
+
+Every pass writes into one :class:`FusionReport`: a :class:`Fusion` for each
+subgraph it replaced by a ``torch.ops.hecate.*`` op, a :class:`Miss` for each
+subgraph that almost matched (the graph is left as it was, so the result is
+still correct) with the reason in words a user can act on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """One subgraph replaced by one fused op."""
+
+    pattern: str  # pattern name, e.g. "qk_preprocess"
+    op: str  # the op that replaced it, e.g. "hecate.qk_preprocess"
+    nodes_replaced: int  # how many graph nodes the op stands for
+    detail: str = ""  # what variant matched, e.g. "linear → conv(K=4) → silu → elu+1"
+
+
+@dataclass(frozen=True)
+class Miss:
+    """A subgraph that almost matched a pattern and was left unfused."""
+
+    pattern: str
+    reason: str  # what differed, in words: "conv1d has groups=1; the pattern needs depthwise (groups=8)"
+    where: str = ""  # the graph nodes involved, for finding it in a dump
+
+
+@dataclass
+class FusionReport:
+    """The result of running Hecate's passes over one or more captured graphs."""
+
+    fusions: list[Fusion] = field(default_factory=list)
+    misses: list[Miss] = field(default_factory=list)
+    graphs: int = 0  # how many FX graphs Dynamo handed to the backend
+
+    def add_fusion(self, pattern: str, op: str, nodes_replaced: int, detail: str = "") -> None:
+        self.fusions.append(Fusion(pattern, op, nodes_replaced, detail))
+
+    def add_miss(self, pattern: str, reason: str, where: str = "") -> None:
+        self.misses.append(Miss(pattern, reason, where))
+
+    def extend(self, other: "FusionReport") -> None:
+        self.fusions.extend(other.fusions)
+        self.misses.extend(other.misses)
+        self.graphs += other.graphs
+
+    def count(self, pattern: str) -> int:
+        """How many times ``pattern`` was fused."""
+        return sum(f.pattern == pattern for f in self.fusions)
+
+    def __str__(self) -> str:
+        lines = [f"Hecate fusion report: {len(self.fusions)} fused, {len(self.misses)} not fused, "
+                 f"{self.graphs} graph(s)"]
+        if self.fusions:
+            rows = [("pattern", "op", "nodes", "detail")]
+            rows += [(f.pattern, f.op, str(f.nodes_replaced), f.detail) for f in self.fusions]
+            lines += ["", "Fused:"] + _table(rows)
+        if self.misses:
+            rows = [("pattern", "reason", "where")]
+            rows += [(m.pattern, m.reason, m.where) for m in self.misses]
+            lines += ["", "Not fused:"] + _table(rows)
+        return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for n, row in enumerate(rows):
+        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if n == 0:
+            out.append("  " + "  ".join("-" * w for w in widths))
+    return out

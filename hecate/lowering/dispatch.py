@@ -1,0 +1,43 @@
+"""Which implementation a fused op runs: Triton kernels or the CPU path.
+
+CUDA tensors run the Triton kernels. CPU tensors run the op's CPU path (plain,
+fast ATen), except inside :func:`triton_on_cpu`, which routes them through the
+Triton kernels under the interpreter: that is how CI, which has no GPU, tests
+every kernel. ``TRITON_INTERPRET=1`` must be set before triton is imported
+(``tests/conftest.py`` does it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+_force_triton_on_cpu = False
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether an op whose main input is ``x`` should launch its Triton kernels."""
+    if x.device.type == "cuda":
+        return True
+    return x.device.type == "cpu" and _force_triton_on_cpu
+
+
+@contextlib.contextmanager
+def triton_on_cpu() -> Iterator[None]:
+    """Run Hecate's Triton kernels on CPU tensors (needs ``TRITON_INTERPRET=1``)."""
+    global _force_triton_on_cpu
+    if not interpreting():
+        raise RuntimeError("triton_on_cpu() needs TRITON_INTERPRET=1 set before triton is imported")
+    previous, _force_triton_on_cpu = _force_triton_on_cpu, True
+    try:
+        yield
+    finally:
+        _force_triton_on_cpu = previous

@@ -1,0 +1,120 @@
+"""Finding a pattern written as PyTorch in a canonical graph, and replacing it by one op.
+
+A pass writes its pattern as the code a user writes::
+
+    def conv_silu(x, w, b):
+        return F.silu(F.conv1d(F.pad(x, (3, 0)), w, b, groups=8))
+
+:func:`pattern_graph` traces it to the same pre-dispatch ATen form the pipeline
+gives the captured graph, and :func:`find_matches` runs torch's
+``SubgraphMatcher`` over the graph with literals as wildcards (padding, groups,
+slice bounds match any value). The pass then reads the literals of each match
+(:meth:`Match.node`) and either replaces it (:func:`replace_with_op`) or reports a
+near-miss with the reason.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.tools_common import legalize_graph
+from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
+
+
+def pattern_graph(fn: Callable, *example_inputs: torch.Tensor) -> fx.Graph:
+    """Trace ``fn`` (plain PyTorch) to the pre-dispatch ATen graph used as a pattern."""
+    return make_fx(fn, pre_dispatch=True)(*example_inputs).graph
+
+
+@dataclass
+class Match:
+    """One place where a pattern occurs in the graph."""
+
+    pattern: fx.Graph
+    internal: InternalMatch
+
+    @property
+    def inputs(self) -> list[fx.Node]:
+        """The graph nodes bound to the pattern's inputs, in the pattern's argument order."""
+        return list(self.internal.placeholder_nodes)
+
+    @property
+    def outputs(self) -> list[fx.Node]:
+        """The graph nodes bound to the pattern's outputs."""
+        return list(self.internal.returning_nodes)
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        """The graph nodes the pattern's computation covers (inputs excluded)."""
+        return [g for p, g in self.internal.nodes_map.items() if p.op not in ("placeholder", "output")]
+
+    def node(self, target: Any, index: int = 0) -> fx.Node:
+        """The graph node matched by the ``index``-th pattern node calling ``target``."""
+        found = [g for p, g in self.internal.nodes_map.items()
+                 if p.op == "call_function" and p.target == target]
+        if index >= len(found):
+            raise KeyError(f"pattern has {len(found)} node(s) calling {target}, asked for #{index}")
+        return found[index]
+
+    def where(self) -> str:
+        """The matched node names, for reports and dumps."""
+        return ", ".join(n.name for n in self.nodes)
+
+
+def find_matches(gm: fx.GraphModule, pattern: fx.Graph) -> list[Match]:
+    """Every non-overlapping occurrence of ``pattern`` in ``gm``; literals are wildcards."""
+    matcher = SubgraphMatcher(pattern, match_output=False, match_placeholder=False,
+                              remove_overlapping_matches=True, ignore_literals=True)
+    return [Match(pattern, m) for m in matcher.match(gm.graph)]
+
+
+def val(node: Any) -> Any:
+    """The fake value of a node (its shape and dtype), or the literal itself."""
+    return node.meta["val"] if isinstance(node, fx.Node) else node
+
+
+def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
+                    args: Sequence[Any], outputs: Sequence[int | None] | None = None) -> fx.Node:
+    """Replace the matched subgraph by one call ``op(*args)``.
+
+    ``outputs[i]`` says which result of ``op`` stands for ``match.outputs[i]``
+    (``None``: ``op`` returns a single tensor that replaces the single output).
+    The new node gets its fake value, so later passes and exporters can read
+    its shape. Returns the new call node.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max(match.nodes, key=order.__getitem__)
+    with graph.inserting_before(last):
+        call = graph.call_function(op, tuple(args))
+    call.meta["val"] = _fake_run(op, args)
+    if outputs is None:
+        outputs = [None] * len(match.outputs)
+    for old, index in zip(match.outputs, outputs):
+        if index is None:
+            new = call
+        else:
+            with graph.inserting_after(call):
+                new = graph.call_function(operator.getitem, (call, index))
+            new.meta["val"] = call.meta["val"][index]
+        old.replace_all_uses_with(new)
+    for node in sorted(match.nodes, key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+    legalize_graph(gm)  # users of an early output may sit before the new call
+    return call
+
+
+def _fake_run(op: torch._ops.OpOverload, args: Sequence[Any]) -> Any:
+    vals = [val(a) for a in args]
+    fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        return None
+    with fake_mode:
+        return op(*vals)

@@ -1,0 +1,65 @@
+"""The backend end to end, independent of any one pattern."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import hecate
+
+
+def test_entry_point_works_without_importing_hecate():
+    code = textwrap.dedent("""
+        import sys, torch
+        f = torch.compile(lambda x: torch.sin(x) * 2, backend="hecate", options={"fallback": "eager"})
+        x = torch.linspace(-1, 1, 7)
+        assert torch.allclose(f(x), torch.sin(x) * 2)
+        assert "hecate" in torch._dynamo.list_backends()
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("fallback", ["eager", "inductor"])
+def test_unmatched_graph_is_compiled_by_fallback_and_trains(fallback, fresh_dynamo):
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    x = torch.randn(4, 5)
+    compiled = torch.compile(model, backend="hecate", options={"fallback": fallback})
+    loss = compiled(x).square().sum()
+    loss.backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(x).square().sum()
+    ref.backward()
+    assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6)
+    for g, p in zip(got, model.parameters()):
+        assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6)
+    assert hecate.last_report().graphs == 1
+
+
+def test_dump_dir_holds_graph_before_and_after_each_pass(tmp_path, fresh_dynamo):
+    f = torch.compile(lambda x: torch.relu(x) + 1, backend="hecate",
+                      options={"fallback": "eager", "dump_dir": str(tmp_path)})
+    f(torch.randn(3))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert any(n.endswith(".0_before.txt") for n in names)
+    from hecate.passes import PASSES
+    for name in PASSES:
+        assert any(n.endswith(f"_after_{name}.txt") for n in names), (name, names)
+    before = next(p for p in tmp_path.iterdir() if p.name.endswith(".0_before.txt")).read_text()
+    assert "torch.ops.aten.relu.default" in before
+
+
+def test_explain_does_not_need_fusions_and_counts_graphs():
+    report = hecate.explain(lambda x: x.cos() + 1, torch.randn(4))
+    assert report.graphs == 1
+    assert report.fusions == [] and report.misses == []
+
+
+def test_explain_rejects_non_callable():
+    with pytest.raises(TypeError, match="needs a model or function"):
+        hecate.explain(3, torch.randn(2))

@@ -1,0 +1,37 @@
+"""Test set-up: without a GPU, Triton kernels run under the CPU interpreter.
+
+TRITON_INTERPRET must be set before triton is first imported (importing torch
+does not import it), so it is set here, before any test module imports hecate.
+With a GPU the kernels run for real and the ``cuda``-marked tests run too.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Reset Dynamo's caches around a test that compiles."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
