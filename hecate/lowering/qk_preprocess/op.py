@@ -1,0 +1,273 @@
+"""``torch.ops.hecate.qk_preprocess``: projection → depthwise causal conv → activation → φ as one op.
+
+Schema (see :mod:`hecate.lowering.qk_preprocess.naive` for the equations)::
+
+    qk_preprocess(x [B, T, D_in] (or [B, T, D] without projection),
+                  proj_weight [D, D_in]?, proj_bias [D]?,
+                  conv_weight [D, 1, K], conv_bias [D]?,
+                  activation: "silu" | "none",
+                  phi: "identity" | "elu1" | "relu" | "relu2" | "exp",
+                  phi_params: [] (elementwise φ kinds take no tensors),
+                  phi_scalar: clamp max of "exp" (spec default 10.0), ignored otherwise) -> [B, T, D]
+
+Matrix feature maps (learned linear, random Fourier, polynomial, MLP, Performer) are not fused here:
+the pass fuses the chain up to the activation (phi="identity") and leaves φ's matmul to Inductor.
+
+Paths: CUDA tensors (and CPU tensors inside :func:`hecate.lowering.dispatch.triton_on_cpu`) run the
+Triton kernels of :mod:`.kernels`; CPU tensors run plain ATen (:func:`forward_aten` /
+:func:`backward_aten`). Under ``torch.compile`` with Inductor, CPU calls are decomposed into that
+same ATen (an Inductor decomposition that declines CUDA tensors), so Inductor fuses them exactly
+as it fuses the unfused model, while CUDA keeps the Triton kernels.
+
+The backward is its own op, ``torch.ops.hecate.qk_preprocess_backward``, returning the gradients
+of (x, proj_weight, proj_bias, conv_weight, conv_bias); a gradient not asked for in
+``output_mask`` (or of an absent tensor) comes back as an empty tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hecate.lowering.dispatch import use_triton
+from hecate.lowering.qk_preprocess.naive import ACTIVATIONS, ELEMENTWISE_PHI, apply_activation, apply_phi
+
+PHI_KINDS = ELEMENTWISE_PHI
+GRAD_INPUTS = ("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias")
+
+
+def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
+                 conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation: str, phi: str,
+                 phi_params: Sequence[torch.Tensor]) -> None:
+    """Raise a ValueError naming the argument, what it got and what it expected."""
+    if x.dim() != 3:
+        raise ValueError(f"qk_preprocess: x must be [B, T, D_in] (3-D), got shape {tuple(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"qk_preprocess: x must be a floating-point tensor, got dtype {x.dtype}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"qk_preprocess: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    if phi not in PHI_KINDS:
+        raise ValueError(f"qk_preprocess: phi must be one of {list(PHI_KINDS)}, got {phi!r}")
+    if len(phi_params) != 0:
+        raise ValueError(f"qk_preprocess: phi={phi!r} is elementwise and takes no phi_params, "
+                         f"got {len(phi_params)} tensor(s)")
+    if conv_weight.dim() != 3 or conv_weight.shape[1] != 1 or conv_weight.shape[2] < 1:
+        raise ValueError("qk_preprocess: conv_weight must be the depthwise nn.Conv1d(D, D, K, groups=D) "
+                         f"weight [D, 1, K], got shape {tuple(conv_weight.shape)}")
+    D = conv_weight.shape[0]
+    if proj_weight is not None:
+        if proj_weight.dim() != 2 or proj_weight.shape[1] != x.shape[2]:
+            raise ValueError(f"qk_preprocess: proj_weight must be [D, D_in] = [D, {x.shape[2]}] "
+                             f"(nn.Linear layout, D_in = x.shape[-1]), got shape {tuple(proj_weight.shape)}")
+        if proj_weight.shape[0] != D:
+            raise ValueError(f"qk_preprocess: proj_weight has {proj_weight.shape[0]} output channels but "
+                             f"conv_weight has D={D} channels; they must match")
+    else:
+        if proj_bias is not None:
+            raise ValueError("qk_preprocess: proj_bias was given without proj_weight; pass both or neither")
+        if x.shape[2] != D:
+            raise ValueError(f"qk_preprocess: without a projection x must be [B, T, D] with D={D} "
+                             f"(conv_weight channels), got shape {tuple(x.shape)}")
+    for name, t in (("proj_bias", proj_bias), ("conv_bias", conv_bias)):
+        if t is not None and tuple(t.shape) != (D,):
+            raise ValueError(f"qk_preprocess: {name} must be [D] = [{D}], got shape {tuple(t.shape)}")
+    for name, t in (("proj_weight", proj_weight), ("proj_bias", proj_bias), ("conv_weight", conv_weight),
+                    ("conv_bias", conv_bias)):
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            raise ValueError(f"qk_preprocess: {name} has dtype {t.dtype} but x has {x.dtype}; all tensors "
+                             "must share one dtype")
+        if t.device != x.device:
+            raise ValueError(f"qk_preprocess: {name} is on {t.device} but x is on {x.device}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The ATen path: CPU tensors, the Inductor decomposition on CPU, the MLIR decomposition.
+# The conv is written as K shifted slices of the left-padded u in [B, T, D] layout (no transposes),
+# so Inductor fuses conv, activation and φ into one loop over u.
+# --------------------------------------------------------------------------------------------------
+
+def causal_conv_aten(u: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None) -> torch.Tensor:
+    """z[b, t, c] = Σ_j w[c, 0, j] u[b, t-(K-1)+j, c] + b[c] on u [B, T, D] → [B, T, D]."""
+    T = u.shape[1]
+    K = conv_weight.shape[2]
+    w = conv_weight[:, 0, :]                         # [D, K]
+    u_padded = F.pad(u, (0, 0, K - 1, 0))            # [B, K-1+T, D], zeros before t = 0
+    z = u_padded[:, 0:T] * w[:, 0]
+    for j in range(1, K):
+        z = z + u_padded[:, j:j + T] * w[:, j]
+    return z + conv_bias if conv_bias is not None else z
+
+
+def forward_aten(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
+                 conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation: str, phi: str,
+                 phi_scalar: float) -> torch.Tensor:
+    u = F.linear(x, proj_weight, proj_bias) if proj_weight is not None else x
+    return apply_phi(apply_activation(causal_conv_aten(u, conv_weight, conv_bias), activation), phi, phi_scalar)
+
+
+def phi_backward(grad_out: torch.Tensor, a: torch.Tensor, phi: str, phi_scalar: float) -> torch.Tensor:
+    """∂L/∂a from ∂L/∂φ(a) (the subgradients torch's own elu/relu/clamp backward use)."""
+    if phi == "identity":
+        return grad_out
+    if phi == "elu1":
+        return grad_out * torch.where(a > 0, torch.ones_like(a), torch.exp(a))
+    if phi == "relu":
+        return grad_out * (a > 0)
+    if phi == "relu2":
+        return grad_out * 2 * F.relu(a)
+    # exp(min(a, s)): clamp passes the gradient where a <= s
+    return grad_out * torch.where(a <= phi_scalar, torch.exp(a), torch.zeros_like(a))
+
+
+def activation_backward(grad_a: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "none":
+        return grad_a
+    s = torch.sigmoid(z)
+    return grad_a * s * (1 + z * (1 - s))
+
+
+def effective_mask(output_mask: Sequence[bool], proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
+                   conv_bias: torch.Tensor | None) -> list[bool]:
+    """Which of (x, proj_weight, proj_bias, conv_weight, conv_bias) get a gradient: asked for and present."""
+    if len(output_mask) != len(GRAD_INPUTS):
+        raise ValueError(f"qk_preprocess_backward: output_mask must have {len(GRAD_INPUTS)} entries "
+                         f"{list(GRAD_INPUTS)}, got {len(output_mask)}")
+    present = (True, proj_weight is not None, proj_bias is not None, True, conv_bias is not None)
+    return [bool(m) and p for m, p in zip(output_mask, present)]
+
+
+def backward_aten(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
+                  proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                  activation: str, phi: str, phi_scalar: float,
+                  mask: Sequence[bool]) -> tuple[torch.Tensor, ...]:
+    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias); empty where ``mask`` is False."""
+    T = x.shape[1]
+    K = conv_weight.shape[2]
+    w = conv_weight[:, 0, :]                                          # [D, K]
+    u = F.linear(x, proj_weight, proj_bias) if proj_weight is not None else x
+    z = causal_conv_aten(u, conv_weight, conv_bias)                   # recomputed, [B, T, D]
+    grad_a = phi_backward(grad_out, apply_activation(z, activation), phi, phi_scalar)
+    grad_z = activation_backward(grad_a, z, activation)               # [B, T, D]
+    grads = [x.new_empty(0) for _ in GRAD_INPUTS]     # distinct tensors: outputs must not alias
+    if mask[3]:
+        u_padded = F.pad(u, (0, 0, K - 1, 0))                         # [B, K-1+T, D]
+        grads[3] = torch.stack([(grad_z * u_padded[:, j:j + T]).sum((0, 1)) for j in range(K)], 1).unsqueeze(1)
+    if mask[4]:
+        grads[4] = grad_z.sum((0, 1))
+    if mask[0] or mask[1] or mask[2]:
+        # du[t] = Σ_j w[:, j] dz[t + K-1-j]: the conv transposed, reading dz right-padded
+        grad_z_padded = F.pad(grad_z, (0, 0, 0, K - 1))               # [B, T+K-1, D]
+        grad_u = grad_z_padded[:, K - 1:K - 1 + T] * w[:, 0]
+        for j in range(1, K):
+            grad_u = grad_u + grad_z_padded[:, K - 1 - j:K - 1 - j + T] * w[:, j]
+        if proj_weight is None:
+            grads[0] = grad_u
+        else:
+            if mask[0]:
+                grads[0] = grad_u.matmul(proj_weight)                 # [B, T, D_in]
+            if mask[1]:
+                grads[1] = grad_u.flatten(0, 1).t().matmul(x.flatten(0, 1))   # [D, D_in]
+            if mask[2]:
+                grads[2] = grad_u.sum((0, 1))
+    return tuple(grads)
+
+
+# --------------------------------------------------------------------------------------------------
+# The ops
+# --------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("hecate::qk_preprocess", mutates_args=())
+def qk_preprocess(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
+                  conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation: str, phi: str,
+                  phi_params: list[torch.Tensor], phi_scalar: float) -> torch.Tensor:
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
+    if use_triton(x):
+        from hecate.lowering.qk_preprocess import kernels
+
+        return kernels.forward(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar)
+    return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar)
+
+
+@qk_preprocess.register_fake
+def _qk_preprocess_fake(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar):
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
+    return x.new_empty(x.shape[0], x.shape[1], conv_weight.shape[0])
+
+
+@torch.library.custom_op("hecate::qk_preprocess_backward", mutates_args=())
+def qk_preprocess_backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
+                           proj_bias: torch.Tensor | None, conv_weight: torch.Tensor,
+                           conv_bias: torch.Tensor | None, activation: str, phi: str,
+                           phi_params: list[torch.Tensor], phi_scalar: float, output_mask: list[bool]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
+    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias)
+    if use_triton(x):
+        from hecate.lowering.qk_preprocess import kernels
+
+        return kernels.backward(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
+                                phi_scalar, mask)
+    return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
+                         phi_scalar, mask)
+
+
+@qk_preprocess_backward.register_fake
+def _qk_preprocess_backward_fake(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
+                                 phi_params, phi_scalar, output_mask):
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
+    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias)
+    shaped = (x, proj_weight, proj_bias, conv_weight, conv_bias)
+    return tuple(torch.empty_like(t) if m else x.new_empty(0) for m, t in zip(mask, shaped))
+
+
+def _setup_context(ctx, inputs, output):
+    x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar = inputs
+    ctx.save_for_backward(x, proj_weight, proj_bias, conv_weight, conv_bias)
+    ctx.attrs = (activation, phi, phi_params, phi_scalar)
+
+
+def _backward(ctx, grad_out):
+    x, proj_weight, proj_bias, conv_weight, conv_bias = ctx.saved_tensors
+    activation, phi, phi_params, phi_scalar = ctx.attrs
+    output_mask = [bool(n) for n in ctx.needs_input_grad[:5]]
+    grads = torch.ops.hecate.qk_preprocess_backward(grad_out.contiguous(), x, proj_weight, proj_bias, conv_weight,
+                                                    conv_bias, activation, phi, phi_params, phi_scalar, output_mask)
+    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias)
+    return (*(g if m else None for g, m in zip(grads, mask)), None, None, [None] * len(phi_params), None)
+
+
+qk_preprocess.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# Inductor on CPU: decompose both ops into the ATen path (Inductor fuses it as it would the plain
+# model); CUDA tensors (and the interpreter's triton_on_cpu) decline, keeping the Triton kernels.
+# --------------------------------------------------------------------------------------------------
+
+def _register_inductor_decompositions() -> None:
+    from torch._inductor.decomposition import register_decomposition
+
+    @register_decomposition(torch.ops.hecate.qk_preprocess.default)
+    def _forward_on_cpu(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
+                        phi_scalar):
+        if use_triton(x):
+            return NotImplemented
+        check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
+        return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar)
+
+    @register_decomposition(torch.ops.hecate.qk_preprocess_backward.default)
+    def _backward_on_cpu(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
+                         phi_params, phi_scalar, output_mask):
+        if use_triton(x):
+            return NotImplemented
+        check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
+        mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias)
+        return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
+                             phi_scalar, mask)
+
+
+_register_inductor_decompositions()
