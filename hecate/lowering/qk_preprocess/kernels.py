@@ -1,0 +1,303 @@
+"""Triton kernels of ``hecate::qk_preprocess``: forward and backward.
+
+Notation: x [B, T, D_in], W_proj [D, D_in], b_proj [D], w_conv [D, K] (the [D, 1, K] weight viewed flat),
+b_conv [D], out [B, T, D]. H = K - 1 is the conv's causal halo.
+
+Forward, one program per (D block, T block, batch): its tile holds BLOCK_T rows t = t0 - H + r
+(r = 0 .. BLOCK_T-1), i.e. the BLOCK_T - H rows it writes plus the H rows before them. It computes the
+projection u for the whole tile with tl.dot (recomputing the halo rows rather than reading them from
+another program), the conv as K row-shifted copies of u (tl.gather inside the tile), activation and φ
+in registers, and writes its BLOCK_T - H output rows once.
+
+Backward, kernel 1, one program per (D block, T block, batch): the tile holds rows t = s0 - H + r. It
+recomputes u and z, forms dz = g · φ'(a) · act'(z) for rows r >= H, then du[t] = Σ_j w[:, j] dz[t + H - j]
+(the conv transposed, reading up to H rows ahead) for the BLOCK_T - 2H rows it owns, and the partial
+sums of dw_conv[c, j] = Σ_t dz[t, c] u[t - H + j, c] and db_conv = Σ_t dz over its owned rows (summed over
+programs on the host). Then dx = du W_proj, dW_proj = duᵀ x, db_proj = Σ du are matmuls/sums (cuBLAS).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from hecate.lowering.dispatch import interpreting
+
+ACTIVATION_CODES = {"none": 0, "silu": 1}
+PHI_CODES = {"identity": 0, "elu1": 1, "relu": 2, "relu2": 3, "exp": 4}
+
+
+@triton.jit
+def _projected_tile(x_ptr, w_ptr, pb_ptr, b, t, c, T, D, D_in,
+                    HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr):
+    """u[t, c] for the tile's rows t [BLOCK_T] and channels c [BLOCK_D], fp32; 0 where t < 0 or t >= T."""
+    row_ok = (t >= 0) & (t < T)                                             # [BLOCK_T]
+    col_ok = c < D                                                          # [BLOCK_D]
+    if HAS_PROJ:
+        u = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        x_rows = x_ptr + b * T * D_in + t[:, None] * D_in                   # [BLOCK_T, 1]
+        for k0 in range(0, D_in, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)                                  # [BLOCK_K]
+            k_ok = k < D_in
+            x_tile = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
+            w_tile = tl.load(w_ptr + c[None, :] * D_in + k[:, None],
+                             mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_D] = W_projᵀ tile
+            u = tl.dot(x_tile, w_tile, u, input_precision=INPUT_PRECISION)
+        if HAS_PROJ_BIAS:
+            u += tl.load(pb_ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        u = tl.where(row_ok[:, None], u, 0.0)                              # causal zero padding, bias included
+    else:
+        u = tl.load(x_ptr + b * T * D + t[:, None] * D + c[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    return u
+
+
+@triton.jit
+def _shift_rows(v, r, shift, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """v[r + shift] for each tile row r (clamped into the tile; callers mask the rows that fall outside)."""
+    src = tl.minimum(tl.maximum(r + shift, 0), BLOCK_T - 1)                 # [BLOCK_T]
+    index = src[:, None] + tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.int32)     # [BLOCK_T, BLOCK_D]
+    return tl.gather(v, index, axis=0)
+
+
+@triton.jit
+def _causal_conv(u, cw_ptr, cb_ptr, r, c, D, K: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """z[r] = Σ_j w[c, j] u[r - (K-1) + j] + b_conv[c]; valid for tile rows r >= K-1."""
+    col_ok = c < D
+    z = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):
+        w_j = tl.load(cw_ptr + c * K + j, mask=col_ok, other=0.0).to(tl.float32)   # [BLOCK_D]
+        if j == K - 1:
+            z += u * w_j[None, :]
+        else:
+            z += _shift_rows(u, r, j - (K - 1), BLOCK_T, BLOCK_D) * w_j[None, :]
+    if HAS_CONV_BIAS:
+        z += tl.load(cb_ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return z
+
+
+@triton.jit
+def _activation(z, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 1:
+        return z * tl.sigmoid(z)
+    return z
+
+
+@triton.jit
+def _phi(a, phi_scalar, PHI: tl.constexpr):
+    if PHI == 1:    # elu(a) + 1
+        return tl.where(a > 0, a + 1.0, tl.exp(tl.minimum(a, 0.0)))
+    if PHI == 2:    # relu
+        return tl.maximum(a, 0.0)
+    if PHI == 3:    # relu(a)^2
+        return tl.maximum(a, 0.0) * tl.maximum(a, 0.0)
+    if PHI == 4:    # exp(min(a, phi_scalar))
+        return tl.exp(tl.minimum(a, phi_scalar))
+    return a
+
+
+@triton.jit
+def _grad_z(g, z, phi_scalar, ACTIVATION: tl.constexpr, PHI: tl.constexpr):
+    """dz = g · φ'(a) · act'(z), with torch's subgradients (relu' = [a > 0], clamp passes a <= max)."""
+    if ACTIVATION == 1:
+        s = tl.sigmoid(z)
+        a = z * s
+    else:
+        a = z
+    if PHI == 1:
+        g = g * tl.where(a > 0, 1.0, tl.exp(tl.minimum(a, 0.0)))
+    elif PHI == 2:
+        g = tl.where(a > 0, g, 0.0)
+    elif PHI == 3:
+        g = g * 2.0 * tl.maximum(a, 0.0)
+    elif PHI == 4:
+        g = tl.where(a <= phi_scalar, g * tl.exp(tl.minimum(a, phi_scalar)), 0.0)
+    if ACTIVATION == 1:
+        g = g * s * (1.0 + z * (1.0 - s))
+    return g
+
+
+@triton.jit
+def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, out_ptr, T, D, D_in, phi_scalar,
+                    K: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr,
+                    HAS_CONV_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PHI: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr):
+    # grid: (cdiv(D, BLOCK_D), cdiv(T, BLOCK_T - (K-1)), B); D blocks vary fastest so programs that
+    # read the same x rows run together (x tile stays in L2).
+    pid_d = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    r = tl.arange(0, BLOCK_T)                                               # tile row
+    t = pid_t * (BLOCK_T - (K - 1)) - (K - 1) + r                           # [BLOCK_T] sequence position
+    c = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)                             # [BLOCK_D] channel
+    u = _projected_tile(x_ptr, w_ptr, pb_ptr, b, t, c, T, D, D_in, HAS_PROJ, HAS_PROJ_BIAS,
+                        BLOCK_T, BLOCK_D, BLOCK_K, INPUT_PRECISION)         # [BLOCK_T, BLOCK_D]
+    z = _causal_conv(u, cw_ptr, cb_ptr, r, c, D, K, HAS_CONV_BIAS, BLOCK_T, BLOCK_D)
+    out = _phi(_activation(z, ACTIVATION), phi_scalar, PHI)
+    write = ((r >= K - 1) & (t < T))[:, None] & (c < D)[None, :]           # the halo rows are not ours
+    tl.store(out_ptr + b * T * D + t[:, None] * D + c[None, :], out.to(out_ptr.dtype.element_ty), mask=write)
+
+
+@triton.jit
+def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, du_ptr, dcw_partial_ptr, dcb_partial_ptr,
+                          T, D, D_in, phi_scalar,
+                          K: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr,
+                          HAS_CONV_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PHI: tl.constexpr,
+                          WRITE_DU: tl.constexpr, WRITE_DCW: tl.constexpr, WRITE_DCB: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                          INPUT_PRECISION: tl.constexpr):
+    # grid: (cdiv(D, BLOCK_D), cdiv(T, BLOCK_T - 2(K-1)), B). Tile rows r ↔ t = s0 - (K-1) + r; the
+    # program owns rows r in [K-1, BLOCK_T - (K-1)), i.e. t in [s0, s0 + BLOCK_T - 2(K-1)).
+    # dcw_partial [B * n_t, K, D] and dcb_partial [B * n_t, D] (fp32) get one row per program.
+    pid_d = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    H: tl.constexpr = K - 1
+    r = tl.arange(0, BLOCK_T)
+    t = pid_t * (BLOCK_T - 2 * H) - H + r                                   # [BLOCK_T]
+    c = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)                             # [BLOCK_D]
+    col_ok = c < D
+    u = _projected_tile(x_ptr, w_ptr, pb_ptr, b, t, c, T, D, D_in, HAS_PROJ, HAS_PROJ_BIAS,
+                        BLOCK_T, BLOCK_D, BLOCK_K, INPUT_PRECISION)         # [BLOCK_T, BLOCK_D]
+    z = _causal_conv(u, cw_ptr, cb_ptr, r, c, D, K, HAS_CONV_BIAS, BLOCK_T, BLOCK_D)
+    z_ok = ((r >= H) & (t < T))[:, None] & col_ok[None, :]                  # rows whose z is known and real
+    g = tl.load(g_ptr + b * T * D + t[:, None] * D + c[None, :], mask=z_ok, other=0.0).to(tl.float32)
+    dz = tl.where(z_ok, _grad_z(g, z, phi_scalar, ACTIVATION, PHI), 0.0)   # [BLOCK_T, BLOCK_D]
+    owned = ((r >= H) & (r < BLOCK_T - H) & (t < T))[:, None] & col_ok[None, :]
+    if WRITE_DU:
+        du = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(K):
+            w_j = tl.load(cw_ptr + c * K + j, mask=col_ok, other=0.0).to(tl.float32)
+            if j == H:
+                du += dz * w_j[None, :]
+            else:
+                du += _shift_rows(dz, r, H - j, BLOCK_T, BLOCK_D) * w_j[None, :]
+        tl.store(du_ptr + b * T * D + t[:, None] * D + c[None, :], du.to(du_ptr.dtype.element_ty), mask=owned)
+    dz_owned = tl.where(owned, dz, 0.0)
+    program = b * tl.num_programs(1) + pid_t
+    if WRITE_DCW:
+        for j in tl.static_range(K):
+            if j == H:
+                u_j = u
+            else:
+                u_j = _shift_rows(u, r, j - H, BLOCK_T, BLOCK_D)
+            tl.store(dcw_partial_ptr + (program * K + j) * D + c, tl.sum(dz_owned * u_j, axis=0), mask=col_ok)
+    if WRITE_DCB:
+        tl.store(dcb_partial_ptr + program * D + c, tl.sum(dz_owned, axis=0), mask=col_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+
+def _blocks(K: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, BLOCK_K). BLOCK_T leaves at least 2(K-1) + 1 rows for the backward's two halos."""
+    if interpreting():  # tiny tiles keep the interpreter fast; tl.dot needs >= 16
+        return max(16, triton.next_power_of_2(4 * (K - 1) + 1)), 16, 16
+    return max(64, triton.next_power_of_2(4 * (K - 1) + 1)), 64, 32
+
+
+def _input_precision(x: torch.Tensor) -> str:
+    """fp32 matmuls follow torch's TF32 setting (off by default), as cuBLAS would."""
+    if x.dtype == torch.float32 and x.is_cuda and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _flags(proj_weight, proj_bias, conv_bias, activation: str, phi: str) -> dict:
+    return dict(HAS_PROJ=proj_weight is not None, HAS_PROJ_BIAS=proj_bias is not None,
+                HAS_CONV_BIAS=conv_bias is not None, ACTIVATION=ACTIVATION_CODES[activation], PHI=PHI_CODES[phi])
+
+
+def launch_forward(out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
+                   proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                   activation: str, phi: str, phi_scalar: float) -> None:
+    """Write the op's output into ``out`` [B, T, D] (contiguous inputs)."""
+    B, T, D_in = x.shape
+    D, _, K = conv_weight.shape
+    BLOCK_T, BLOCK_D, BLOCK_K = _blocks(K)
+    grid = (triton.cdiv(D, BLOCK_D), triton.cdiv(T, BLOCK_T - (K - 1)), B)
+    _forward_kernel[grid](x, proj_weight if proj_weight is not None else x, proj_bias if proj_bias is not None else x,
+                          conv_weight, conv_bias if conv_bias is not None else x, out, T, D, D_in, float(phi_scalar),
+                          K=K, **_flags(proj_weight, proj_bias, conv_bias, activation, phi),
+                          BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, INPUT_PRECISION=_input_precision(x))
+
+
+def launch_backward_conv(du: torch.Tensor | None, dcw_partial: torch.Tensor | None, dcb_partial: torch.Tensor | None,
+                         grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
+                         proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                         activation: str, phi: str, phi_scalar: float) -> None:
+    """Kernel 1 of the backward: writes du [B, T, D], dcw_partial [B·n_t, K, D], dcb_partial [B·n_t, D]
+    (each only when given)."""
+    B, T, D_in = x.shape
+    D, _, K = conv_weight.shape
+    BLOCK_T, BLOCK_D, BLOCK_K = _blocks(K)
+    grid = (triton.cdiv(D, BLOCK_D), backward_row_blocks(T, K), B)
+    _backward_conv_kernel[grid](
+        grad_out, x, proj_weight if proj_weight is not None else x, proj_bias if proj_bias is not None else x,
+        conv_weight, conv_bias if conv_bias is not None else x,
+        du if du is not None else x, dcw_partial if dcw_partial is not None else x,
+        dcb_partial if dcb_partial is not None else x, T, D, D_in, float(phi_scalar),
+        K=K, **_flags(proj_weight, proj_bias, conv_bias, activation, phi),
+        WRITE_DU=du is not None, WRITE_DCW=dcw_partial is not None, WRITE_DCB=dcb_partial is not None,
+        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, INPUT_PRECISION=_input_precision(x))
+
+
+def backward_row_blocks(T: int, K: int) -> int:
+    """How many T blocks the backward conv kernel's grid has (rows of the partial dconv buffers, per batch)."""
+    BLOCK_T = _blocks(K)[0]
+    return triton.cdiv(T, BLOCK_T - 2 * (K - 1))
+
+
+def _contiguous(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [t.contiguous() if t is not None else None for t in tensors]
+
+
+def forward(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
+            conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation: str, phi: str,
+            phi_scalar: float) -> torch.Tensor:
+    x, proj_weight, proj_bias, conv_weight, conv_bias = _contiguous(x, proj_weight, proj_bias, conv_weight, conv_bias)
+    out = torch.empty(x.shape[0], x.shape[1], conv_weight.shape[0], dtype=x.dtype, device=x.device)
+    launch_forward(out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar)
+    return out
+
+
+def backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
+             proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+             activation: str, phi: str, phi_scalar: float, mask: Sequence[bool]) -> tuple[torch.Tensor, ...]:
+    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias); empty where ``mask`` is False."""
+    grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias = _contiguous(
+        grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias)
+    B, T, D_in = x.shape
+    D, _, K = conv_weight.shape
+    n_partial = B * backward_row_blocks(T, K)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    du = torch.empty(B, T, D, dtype=x.dtype, device=x.device) if (mask[0] or mask[1] or mask[2]) else None
+    dcw_partial = torch.empty(n_partial, K, D, **f32) if mask[3] else None
+    dcb_partial = torch.empty(n_partial, D, **f32) if mask[4] else None
+    launch_backward_conv(du, dcw_partial, dcb_partial, grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias,
+                         activation, phi, phi_scalar)
+    grads = [x.new_empty(0) for _ in range(5)]
+    if dcw_partial is not None:
+        grads[3] = dcw_partial.sum(0).t().unsqueeze(1).to(conv_weight.dtype).contiguous()   # [D, 1, K]
+    if dcb_partial is not None:
+        grads[4] = dcb_partial.sum(0).to(conv_bias.dtype)
+    if du is not None:
+        if proj_weight is None:
+            grads[0] = du
+        else:
+            du_rows = du.view(B * T, D)
+            if mask[0]:
+                grads[0] = (du_rows @ proj_weight).view(B, T, D_in)
+            if mask[1]:
+                grads[1] = du_rows.t() @ x.view(B * T, D_in)
+            if mask[2]:
+                grads[2] = du_rows.sum(0, dtype=torch.float32).to(proj_bias.dtype)
+    return tuple(grads)
