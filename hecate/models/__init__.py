@@ -16,3 +16,7 @@ import torch
 Example = Callable[[], tuple[torch.nn.Module, tuple]]
 
 EXAMPLES: dict[str, Example] = {}
+
+from hecate.models.short_conv import EXAMPLES as _SHORT_CONV_EXAMPLES  # noqa: E402
+
+EXAMPLES.update(_SHORT_CONV_EXAMPLES)

@@ -17,3 +17,7 @@ from hecate.compiler.report import FusionReport
 Pass = Callable[[fx.GraphModule, FusionReport], None]
 
 PASSES: dict[str, Pass] = {}
+
+from hecate.passes import qk_preprocess  # noqa: E402
+
+PASSES["qk_preprocess"] = qk_preprocess.run

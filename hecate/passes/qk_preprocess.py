@@ -1,0 +1,559 @@
+"""``qk_preprocess``: projection → depthwise causal conv1d → SiLU → φ as one ``hecate.qk_preprocess``.
+
+The chain (spec ``short-causal-conv.md``, ``feature-maps-phi.md``) is written in
+many spellings, so the pattern is composed from small spelling *pieces*, each a
+PyTorch function traced to a pattern and found with :func:`find_matches`:
+
+    [projection] → swap to [B,D,T] → causal conv → tail stages
+
+* projection (optional): ``nn.Linear`` / ``F.linear``, ``x @ W.T`` (or ``W.t()``,
+  ``W.transpose(0, 1)``) with an optional ``+ b``;
+* swap [B,T,D] ↔ [B,D,T]: ``transpose``, ``.mT``, ``permute(0, 2, 1)``;
+* causal conv: ``F.conv1d(x, w, b, padding=K-1, groups=D)[..., :T]`` (also ``nn.Conv1d``),
+  or ``F.conv1d(F.pad(x, (K-1, 0)), w, b, groups=D)``;
+* tail stages, each at most once, SiLU before φ: the swap back to [B,T,D]
+  (required: the op returns [B,T,D]); SiLU (``F.silu``, ``z * sigmoid(z)``,
+  ``sigmoid(z) * z``); a head split [B,T,D] → [B,T,H,Dh] after the swap back
+  (``view``/``reshape``/``unflatten``; re-emitted after the op, since SiLU and φ
+  are elementwise and commute with it); an elementwise φ (ELU+1, ReLU, squared
+  ReLU, exp(min(·, c)), exp), which ends the chain.
+
+Pieces are linked where one's output is the next one's input and is used by
+nothing else, so the whole chain is one subgraph whose intermediates nobody
+else reads; it is replaced by one call. Partial chains (conv alone, conv → SiLU,
+projection → conv, ...) fuse the same way. Matrix feature maps (learned linear,
+random Fourier, polynomial, MLP, Performer) are not elementwise: the chain stops
+before them and the report says what is left to the fallback.
+
+Literals are wildcards when matching; each piece's literals are then checked
+(padding K−1 on the left only, first T outputs kept, groups = channels = D,
+stride 1, dilation 1, weight [D, 1, K], transposes swapping T and D, ...). A conv1d
+that fails a check, or that no chain explains, is reported as a near-miss with
+the reason, and the graph around it is left as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+from torch.fx.passes.tools_common import legalize_graph
+from torch.fx.passes.utils.matcher_utils import InternalMatch
+
+from hecate.compiler.report import FusionReport
+from hecate.passes.matching import Match, find_matches, pattern_graph, replace_with_op, val
+
+PATTERN = "qk_preprocess"
+OP_NAME = "hecate.qk_preprocess"
+
+aten = torch.ops.aten
+CONV1D_OPS = (aten.conv1d.default, aten.conv1d.padding)
+
+# Example shapes for tracing the pieces; every literal they produce is a wildcard.
+_B, _T, _D, _K = 2, 5, 6, 4
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One spelling of one stage: ``fn`` traced to a pattern; ``check`` reads its literals.
+
+    ``check(match)`` returns None when the literals fit, else the reason they do not.
+    ``value`` is what the stage contributes to the op's arguments (e.g. φ's kind).
+    """
+
+    stage: str  # "projection" | "swap" | "conv" | "activation" | "heads" | "phi"
+    fn: Callable
+    example: tuple
+    check: Callable[[Match], str | None]
+    value: str = ""
+    pattern: fx.Graph = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "pattern", pattern_graph(self.fn, *self.example))
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    """Argument ``index`` / ``name`` of a call, or its schema default when omitted."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _shape(node) -> tuple:
+    return tuple(val(node).shape)
+
+
+# ---------------------------------------------------------------- projection pieces
+
+def _check_projection(match: Match) -> str | None:
+    out = match.outputs[0]
+    if isinstance(match.inputs[0], fx.Node) and val(match.inputs[0]).dim() != 3:
+        return f"projection input has shape {_shape(match.inputs[0])}; the fused op needs [B, T, D_in]"
+    weight = _projection_weight(match)
+    if val(weight).dim() != 2:
+        return f"projection weight has shape {_shape(weight)}; the fused op needs [D, D_in]"
+    if out.target == aten.add.Tensor:
+        if _arg(out, 2, "alpha", 1) != 1:
+            return f"projection bias is added with alpha={_arg(out, 2, 'alpha', 1)}; the fused op needs alpha 1"
+        bias = out.args[1]
+        if not isinstance(bias, fx.Node) or _shape(bias) != (val(weight).shape[0],):
+            got = _shape(bias) if isinstance(bias, fx.Node) else repr(bias)
+            return f"projection bias is {got}; the fused op needs a [D] = [{val(weight).shape[0]}] tensor"
+    return None
+
+
+def _projection_weight(match: Match) -> fx.Node:
+    """The [D, D_in] weight of a projection match (under its transpose for the matmul spellings)."""
+    for node in match.nodes:
+        if node.target == aten.linear.default:
+            return node.args[1]
+        if node.target == aten.matmul.default:
+            return node.args[1].args[0]
+    raise AssertionError("projection match without linear or matmul")
+
+
+def _projection_bias(match: Match) -> fx.Node | None:
+    out = match.outputs[0]
+    if out.target == aten.add.Tensor:
+        return out.args[1]
+    if out.target == aten.linear.default:
+        return _arg(out, 2, "bias")
+    return None
+
+
+def _check_weight_transpose(match: Match) -> str | None:
+    for node in match.nodes:
+        if node.target == aten.transpose.int and {d % 2 for d in node.args[1:3]} != {0, 1}:
+            return f"weight transpose swaps dims {node.args[1:3]}, not (0, 1)"
+    return _check_projection(match)
+
+
+_WEIGHT_TRANSPOSES = {"W.T": lambda w: w.T, "W.t()": lambda w: w.t(), "W.transpose(0, 1)": lambda w: w.transpose(0, 1)}
+_x_in = torch.randn(_B, _T, _D + 1)
+_w_proj, _b_proj = torch.randn(_D, _D + 1), torch.randn(_D)
+
+
+def _projection_pieces() -> list[Piece]:
+    pieces = [Piece("projection", lambda x, w, b: F.linear(x, w, b), (_x_in, _w_proj, _b_proj),
+                    _check_projection, "linear")]
+    for spelling, transposed in _WEIGHT_TRANSPOSES.items():
+        with_bias, without_bias = _matmul_spellings(transposed)
+        pieces.append(Piece("projection", with_bias, (_x_in, _w_proj, _b_proj),
+                            _check_weight_transpose, f"x @ {spelling} + b"))
+        pieces.append(Piece("projection", without_bias, (_x_in, _w_proj),
+                            _check_weight_transpose, f"x @ {spelling}"))
+    return pieces
+
+
+def _matmul_spellings(transposed: Callable) -> tuple[Callable, Callable]:
+    def with_bias(x, w, b):
+        return x @ transposed(w) + b
+
+    def without_bias(x, w):
+        return x @ transposed(w)
+
+    return with_bias, without_bias
+
+
+# ---------------------------------------------------------------- swap [B,T,D] <-> [B,D,T] pieces
+
+def _check_swap(match: Match) -> str | None:
+    node = match.outputs[0]
+    x = match.inputs[0]
+    if val(x).dim() != 3:
+        return f"{node.target.__name__} of a {val(x).dim()}-D tensor; the chain is [B, T, D] ↔ [B, D, T]"
+    if node.target == aten.transpose.int:
+        dims = {d % 3 for d in node.args[1:3]}
+        if dims != {1, 2}:
+            return f"transpose{tuple(node.args[1:3])} does not swap the T and D dims (1, 2)"
+    if node.target == aten.permute.default and [d % 3 for d in node.args[1]] != [0, 2, 1]:
+        return f"permute{tuple(node.args[1])} is not (0, 2, 1)"
+    return None
+
+
+_x_btd = torch.randn(_B, _T, _D)
+_SWAP_PIECES = [
+    Piece("swap", lambda x: x.transpose(1, 2), (_x_btd,), _check_swap, "transpose"),
+    Piece("swap", lambda x: x.mT, (_x_btd,), _check_swap, "mT"),
+    Piece("swap", lambda x: x.permute(0, 2, 1), (_x_btd,), _check_swap, "permute"),
+]
+
+
+# ---------------------------------------------------------------- causal conv pieces
+
+def _check_conv_common(conv: fx.Node) -> str | None:
+    """Checks every depthwise causal conv1d spelling shares: depthwise, stride 1, dilation 1."""
+    x, weight = val(conv.args[0]), val(conv.args[1])
+    if x.dim() != 3:
+        return f"conv1d input has shape {tuple(x.shape)}; the pattern needs [B, D, T]"
+    channels = x.shape[1]
+    groups = _arg(conv, 6, "groups", 1)
+    if groups != channels or tuple(weight.shape[:2]) != (channels, 1):
+        return (f"conv1d has groups={groups} and weight {tuple(weight.shape)}; the pattern needs a depthwise conv "
+                f"(groups = channels = {channels}, weight [{channels}, 1, K])")
+    stride = list(_arg(conv, 3, "stride", [1]))
+    if stride != [1]:
+        return f"conv1d has stride={stride}; the pattern needs stride 1"
+    dilation = list(_arg(conv, 5, "dilation", [1]))
+    if dilation != [1]:
+        return f"conv1d has dilation={dilation}; the fused op supports dilation 1 only"
+    bias = _arg(conv, 2, "bias")
+    if bias is not None and _shape(bias) != (channels,):
+        return f"conv1d bias has shape {_shape(bias)}; the pattern needs [{channels}]"
+    return None
+
+
+def _check_conv_then_slice(match: Match) -> str | None:
+    conv, cut = match.node(aten.conv1d.default), match.node(aten.slice.Tensor)
+    reason = _check_conv_common(conv)
+    if reason:
+        return reason
+    k, seq_len = val(conv.args[1]).shape[2], val(conv.args[0]).shape[2]
+    padding = list(_arg(conv, 4, "padding", [0]))
+    if padding != [k - 1]:
+        return (f"conv1d padding={padding} with kernel {k}: a causal conv pads K−1={k - 1} and keeps the first "
+                f"T outputs")
+    dim, start, step = cut.args[1], _arg(cut, 2, "start"), _arg(cut, 4, "step", 1)
+    if dim % 3 != 2 or start not in (0, None) or step != 1 or val(cut).shape[2] != seq_len:
+        return (f"conv1d pads {k - 1} on both sides but the slice (dim={dim}, start={start}, step={step}) keeps "
+                f"{val(cut).shape[dim]} outputs, not the first T={seq_len}: not causal")
+    return None
+
+
+def _check_pad_then_conv(match: Match) -> str | None:
+    conv, pad = match.node(aten.conv1d.default), match.node(aten.pad.default)
+    reason = _check_conv_common(conv)
+    if reason:
+        return reason
+    k = val(conv.args[1]).shape[2]
+    amounts, mode, value = list(pad.args[1]), _arg(pad, 2, "mode", "constant"), _arg(pad, 3, "value")
+    if mode != "constant" or value not in (None, 0):
+        return f"F.pad mode={mode!r} value={value}; a causal conv pads with zeros"
+    if amounts[:2] != [k - 1, 0] or any(amounts[2:]):
+        return f"F.pad pads {tuple(amounts)} with kernel {k}; a causal conv pads (K−1, 0) = ({k - 1}, 0)"
+    padding = list(_arg(conv, 4, "padding", [0]))
+    if padding != [0]:
+        return f"conv1d after F.pad also pads {padding}; a causal conv pads only on the left"
+    return None
+
+
+_x_bdt, _w_conv, _b_conv = torch.randn(_B, _D, _T), torch.randn(_D, 1, _K), torch.randn(_D)
+_CONV_PIECES = [
+    Piece("conv", lambda x, w, b: F.conv1d(x, w, b, padding=_K - 1, groups=_D)[..., :_T],
+          (_x_bdt, _w_conv, _b_conv), _check_conv_then_slice, "conv1d(padding=K-1)[..., :T]"),
+    Piece("conv", lambda x, w, b: F.conv1d(F.pad(x, (_K - 1, 0)), w, b, groups=_D),
+          (_x_bdt, _w_conv, _b_conv), _check_pad_then_conv, "F.pad(K-1, 0) → conv1d"),
+]
+
+
+# ---------------------------------------------------------------- tail pieces: activation, heads, φ
+
+def _no_literals(match: Match) -> str | None:
+    return None
+
+
+def _check_heads(match: Match) -> str | None:
+    x, out = val(match.inputs[0]), val(match.outputs[0])
+    if x.dim() != 3 or out.dim() != 4 or tuple(out.shape[:2]) != tuple(x.shape[:2]) \
+            or out.shape[2] * out.shape[3] != x.shape[2]:
+        return f"reshape {tuple(x.shape)} → {tuple(out.shape)} is not a head split [B, T, D] → [B, T, H, D/H]"
+    return None
+
+
+def _check_elu_plus_one(match: Match) -> str | None:
+    elu, add = match.node(aten.elu.default), match.node(aten.add.Tensor)
+    alpha, scale, input_scale = _arg(elu, 1, "alpha", 1), _arg(elu, 2, "scale", 1), _arg(elu, 3, "input_scale", 1)
+    if (alpha, scale, input_scale) != (1, 1, 1):
+        return f"elu(alpha={alpha}, scale={scale}, input_scale={input_scale}) is not the ELU of ELU+1"
+    other, add_alpha = add.args[1], _arg(add, 2, "alpha", 1)
+    if isinstance(other, fx.Node) or other != 1 or add_alpha != 1:
+        return f"elu(x) + {other if not isinstance(other, fx.Node) else other.name} is not ELU+1"
+    return None
+
+
+def _check_square(match: Match) -> str | None:
+    for node in match.nodes:
+        if node.target == aten.pow.Tensor_Scalar and node.args[1] != 2:
+            return f"relu(x) ** {node.args[1]} is not the squared ReLU"
+    return None
+
+
+def _check_clamped_exp(match: Match) -> str | None:
+    clamp = next(n for n in match.nodes if n.target != aten.exp.default)
+    if clamp.target == aten.clamp.default:
+        low, high = _arg(clamp, 1, "min"), _arg(clamp, 2, "max")
+        if low is not None or not isinstance(high, (int, float)):
+            return f"exp(clamp(x, min={low}, max={high})) is not exp(min(x, c)) with a constant c"
+    elif not isinstance(clamp.args[1], (int, float)):
+        return f"exp(clamp_max(x, {clamp.args[1]})) needs a constant bound"
+    return None
+
+
+def _tail_pieces() -> list[Piece]:
+    x = (_x_btd,)
+    return [
+        Piece("activation", lambda z: F.silu(z), x, _no_literals, "silu"),
+        Piece("activation", lambda z: z * torch.sigmoid(z), x, _no_literals, "silu"),
+        Piece("activation", lambda z: torch.sigmoid(z) * z, x, _no_literals, "silu"),
+        Piece("heads", lambda z: z.view(_B, _T, 2, _D // 2), x, _check_heads),
+        Piece("heads", lambda z: z.reshape(_B, _T, 2, _D // 2), x, _check_heads),
+        Piece("heads", lambda z: z.unflatten(-1, (2, _D // 2)), x, _check_heads),
+        # φ: longest spellings first, so relu² is tried before relu
+        Piece("phi", lambda z: F.elu(z) + 1, x, _check_elu_plus_one, "elu1"),
+        Piece("phi", lambda z: F.relu(z) ** 2, x, _check_square, "relu2"),
+        Piece("phi", lambda z: torch.square(F.relu(z)), x, _no_literals, "relu2"),
+        Piece("phi", lambda z: (lambda r: r * r)(F.relu(z)), x, _no_literals, "relu2"),
+        Piece("phi", lambda z: torch.exp(torch.clamp(z, max=10.0)), x, _check_clamped_exp, "exp"),
+        Piece("phi", lambda z: torch.exp(torch.clamp_max(z, 10.0)), x, _check_clamped_exp, "exp"),
+        Piece("phi", lambda z: torch.exp(z), x, _no_literals, "exp"),
+        Piece("phi", lambda z: F.relu(z), x, _no_literals, "relu"),
+    ]
+
+
+_PIECES: list[Piece] | None = None
+
+
+def pieces() -> list[Piece]:
+    """Every spelling piece, traced once on first use."""
+    global _PIECES
+    if _PIECES is None:
+        _PIECES = _projection_pieces() + _SWAP_PIECES + _CONV_PIECES + _tail_pieces()
+    return _PIECES
+
+
+# ---------------------------------------------------------------- linking pieces into chains
+
+@dataclass
+class _Found:
+    piece: Piece
+    match: Match
+
+    @property
+    def input(self):
+        return self.match.inputs[0]
+
+    @property
+    def output(self) -> fx.Node:
+        return self.match.outputs[0]
+
+
+@dataclass
+class _Chain:
+    projection: _Found | None
+    swap_in: _Found
+    conv: _Found
+    tail: list[_Found]
+
+    @property
+    def parts(self) -> list[_Found]:
+        return [p for p in [self.projection, self.swap_in, self.conv, *self.tail] if p is not None]
+
+    def stage(self, name: str) -> _Found | None:
+        return next((p for p in self.tail if p.piece.stage == name), None)
+
+
+class _Index:
+    """Every piece match in the graph, looked up by the node it reads or produces."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.by_output: dict[tuple[str, fx.Node], list[_Found]] = {}
+        self.by_input: dict[fx.Node, list[_Found]] = {}
+        self.conv_by_node: dict[fx.Node, _Found] = {}
+        for piece in pieces():
+            for match in find_matches(gm, piece.pattern):
+                found = _Found(piece, match)
+                self.by_output.setdefault((piece.stage, found.output), []).append(found)
+                if piece.stage in ("swap", "activation", "heads", "phi") and isinstance(found.input, fx.Node):
+                    self.by_input.setdefault(found.input, []).append(found)
+                if piece.stage == "conv":
+                    self.conv_by_node[match.node(aten.conv1d.default)] = found
+
+    def producer(self, stage: str, node: fx.Node) -> _Found | None:
+        """The ``stage`` piece whose output is ``node`` and is read only by its consumer."""
+        if not isinstance(node, fx.Node) or len(node.users) != 1:
+            return None
+        return next(iter(self.by_output.get((stage, node), [])), None)
+
+    def consumers(self, node: fx.Node) -> list[_Found]:
+        """The tail pieces reading ``node`` that contain every user of ``node``."""
+        return [f for f in self.by_input.get(node, []) if set(node.users) <= set(f.match.nodes)]
+
+
+def _conv_input_node(conv: _Found) -> fx.Node:
+    first = conv.match.node(aten.pad.default) if conv.piece.check is _check_pad_then_conv \
+        else conv.match.node(aten.conv1d.default)
+    return first.args[0]
+
+
+def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Chain | str:
+    """The fusable chain around ``conv_node``, or the reason there is none."""
+    if conv_node.target == aten.conv1d.padding:
+        return (f"conv1d padding={conv_node.args[4]!r} pads both sides (or none): a causal conv pads K−1 on "
+                f"the left only")
+    common = _check_conv_common(conv_node)
+    if common:
+        return common
+    conv = index.conv_by_node.get(conv_node)
+    if conv is None:
+        k, padding = val(conv_node.args[1]).shape[2], list(_arg(conv_node, 4, "padding", [0]))
+        return (f"conv1d padding={padding} with kernel {k}, not preceded by F.pad(K−1, 0) nor followed by a "
+                f"slice keeping the first T outputs: not a causal conv")
+    reason = conv.piece.check(conv.match)
+    if reason:
+        return reason
+
+    swap_in = index.producer("swap", _conv_input_node(conv))
+    if swap_in is None:
+        return (f"conv1d input {_conv_input_node(conv).name} is not a [B, T, D] → [B, D, T] transpose used only by "
+                f"the conv; the fused op reads [B, T, D]")
+    reason = swap_in.piece.check(swap_in.match)
+    if reason:
+        return reason
+
+    projection = index.producer("projection", swap_in.input)
+    if projection is not None:
+        reason = projection.piece.check(projection.match)
+        if reason:
+            report.add_miss(PATTERN, f"projection not fused: {reason}", projection.match.where())
+            projection = None
+
+    tail = _walk_tail(conv.output, index, report)
+    if not any(p.piece.stage == "swap" for p in tail):
+        users = ", ".join(u.name for u in conv.output.users) or "nothing"
+        return (f"the conv output stays [B, D, T] (read by {users}); the fused op returns [B, T, D], so the chain "
+                f"needs the transpose back")
+    chain = _Chain(projection, swap_in, conv, tail)
+    reason = _check_dtypes(chain)
+    return reason or chain
+
+
+def _walk_tail(node: fx.Node, index: _Index, report: FusionReport) -> list[_Found]:
+    """The tail stages after the conv, each once: swap back, SiLU, head split (after the swap), φ (last)."""
+    tail: list[_Found] = []
+    while True:
+        done = {p.piece.stage for p in tail}
+        found = None
+        for candidate in index.consumers(node):
+            stage = candidate.piece.stage
+            if stage in done or (stage == "activation" and "phi" in done) or (stage == "heads" and "swap" not in done):
+                continue
+            reason = candidate.piece.check(candidate.match)
+            if reason:
+                report.add_miss(PATTERN, f"{stage} not fused: {reason}", candidate.match.where())
+                continue
+            found = candidate
+            break
+        if found is None or "phi" in done:
+            break
+        tail.append(found)
+        node = found.output
+    return tail
+
+
+def _check_dtypes(chain: _Chain) -> str | None:
+    tensors = [n for n in _op_tensor_args(chain) if isinstance(n, fx.Node)]
+    dtypes = {val(n).dtype for n in tensors}
+    if len(dtypes) > 1:
+        return f"inputs have mixed dtypes {sorted(map(str, dtypes))}; the fused op needs one dtype"
+    return None
+
+
+def _op_tensor_args(chain: _Chain) -> list:
+    conv_node = chain.conv.match.node(aten.conv1d.default)
+    if chain.projection is not None:
+        x = chain.projection.input
+        weight, bias = _projection_weight(chain.projection.match), _projection_bias(chain.projection.match)
+    else:
+        x, weight, bias = chain.swap_in.input, None, None
+    return [x, weight, bias, conv_node.args[1], _arg(conv_node, 2, "bias")]
+
+
+# ---------------------------------------------------------------- the pass
+
+def run(gm: fx.GraphModule, report: FusionReport) -> None:
+    """Replace every projection → causal conv → SiLU → φ chain (or partial chain) by one op."""
+    import hecate.lowering  # noqa: F401  registers torch.ops.hecate.qk_preprocess
+
+    op = torch.ops.hecate.qk_preprocess.default
+    index = _Index(gm)
+    fusable = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in CONV1D_OPS:
+            chain = _build_chain(node, index, report)
+            if isinstance(chain, str):
+                report.add_miss(PATTERN, chain, node.name)
+            else:
+                fusable.append(node.name)
+    for name in fusable:
+        # replace_with_op re-creates the graph's nodes (legalize_graph), so find the chain again
+        _replace(gm, _build_chain(_node_named(gm, name), _Index(gm), FusionReport()), op, report)
+
+
+def _node_named(gm: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> None:
+    phi, heads = chain.stage("phi"), chain.stage("heads")
+    phi_kind = phi.piece.value if phi is not None else "identity"
+    args = _op_tensor_args(chain) + [
+        "silu" if chain.stage("activation") else "none", phi_kind, [], _phi_scalar(phi)]
+    merged = InternalMatch(anchors=[], returning_nodes=[chain.tail[-1].output])
+    for part in chain.parts:
+        merged.nodes_map.update(part.match.internal.nodes_map)
+    match = Match(chain.conv.match.pattern, merged)
+    detail = _describe(chain, phi_kind, _phi_scalar(phi))
+    nodes_replaced = len(match.nodes)
+    if heads is not None:  # read before replace_with_op erases it
+        split_target, split_args = heads.output.target, heads.output.args[1:]
+        split_kwargs, split_val = dict(heads.output.kwargs), val(chain.tail[-1].output)
+    call = replace_with_op(gm, match, op, args)
+    if heads is not None:
+        call = _node_named(gm, call.name)  # replace_with_op's legalize_graph copied the graph's nodes
+        # SiLU and φ ran after the head split; they are elementwise, so split the op's [B,T,D] result instead.
+        with gm.graph.inserting_after(call):
+            split = gm.graph.call_function(split_target, (call, *split_args), split_kwargs)
+        split.meta["val"] = split_val
+        call.replace_all_uses_with(split, delete_user_cb=lambda user: user is not split)
+        legalize_graph(gm)
+        nodes_replaced -= 1  # the head split stays in the graph
+    report.add_fusion(PATTERN, OP_NAME, nodes_replaced, detail)
+
+
+def _phi_scalar(phi: _Found | None) -> float:
+    """exp's clamp bound c of exp(min(x, c)); +inf for an unclamped exp; 0 for the other kinds."""
+    if phi is None or phi.piece.value != "exp":
+        return 0.0
+    for node in phi.match.nodes:
+        if node.target == aten.clamp.default:
+            return float(_arg(node, 2, "max"))
+        if node.target == aten.clamp_max.default:
+            return float(node.args[1])
+    return math.inf
+
+
+_PHI_NAMES = {"elu1": "elu+1", "relu": "relu", "relu2": "relu²"}
+
+
+def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
+    """The variant, e.g. "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]"."""
+    k = val(chain.conv.match.node(aten.conv1d.default).args[1]).shape[2]
+    steps = [chain.projection.piece.value] if chain.projection else []
+    steps.append(f"conv(K={k})")
+    if chain.stage("activation"):
+        steps.append("silu")
+    if phi_kind == "exp":
+        steps.append("exp" if math.isinf(phi_scalar) else f"exp(min(·, {phi_scalar:g}))")
+    elif phi_kind != "identity":
+        steps.append(_PHI_NAMES[phi_kind])
+    layout = "[B,T,H,Dh]" if chain.stage("heads") else "[B,T,D]"
+    text = " → ".join(steps) + " " + layout
+    if phi_kind == "identity":
+        readers = sorted({str(u.target) for u in chain.tail[-1].output.users if u.op == "call_function"})
+        if readers:
+            text += f"; then {', '.join(readers)}: not an elementwise φ, left to the fallback"
+    return text
