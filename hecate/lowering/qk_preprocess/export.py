@@ -1,1 +1,62 @@
-"""ONNX translation and ATen decomposition of ``hecate::qk_preprocess`` (filled in below)."""
+"""Export of ``hecate::qk_preprocess``: an ONNX translation (standard ONNX ops) and an ATen decomposition.
+
+ONNX: MatMul (+ Add) for the projection; Transpose to [B, D, T], Pad K-1 zeros on the left, Conv with
+group=D (the depthwise causal conv), Transpose back; Sigmoid·Mul for SiLU; Elu/Relu/Mul/Min/Exp for φ.
+ATen: the op's own ATen path (:func:`~hecate.lowering.qk_preprocess.op.forward_aten`), so torch-mlir sees
+only ops it knows.
+"""
+
+from __future__ import annotations
+
+import torch
+from onnxscript import opset18 as ox
+
+from hecate.lowering.qk_preprocess.op import backward_aten, check_inputs, effective_mask, forward_aten
+from hecate.lowering.registry import decomposition, onnx_translation
+
+
+@onnx_translation(torch.ops.hecate.qk_preprocess.default)
+def qk_preprocess_onnx(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar):
+    if activation not in ("silu", "none") or phi not in ("identity", "elu1", "relu", "relu2", "exp"):
+        raise ValueError(f"qk_preprocess ONNX export: unsupported activation={activation!r} / phi={phi!r}")
+    D, _, K = conv_weight.shape
+    u = x                                                                    # [B, T, D]
+    if proj_weight is not None:
+        u = ox.MatMul(x, ox.Transpose(proj_weight, perm=[1, 0]))
+        if proj_bias is not None:
+            u = ox.Add(u, proj_bias)
+    u_padded = ox.Pad(ox.Transpose(u, perm=[0, 2, 1]),                       # [B, D, K-1+T]
+                      ox.Constant(value_ints=[0, 0, K - 1, 0, 0, 0]))
+    if conv_bias is not None:
+        z = ox.Conv(u_padded, conv_weight, conv_bias, group=D)               # [B, D, T]
+    else:
+        z = ox.Conv(u_padded, conv_weight, group=D)
+    a = ox.Transpose(z, perm=[0, 2, 1])                                      # [B, T, D]
+    if activation == "silu":
+        a = ox.Mul(a, ox.Sigmoid(a))
+    if phi == "elu1":
+        return ox.Add(ox.Elu(a), ox.CastLike(ox.Constant(value_float=1.0), a))
+    if phi == "relu":
+        return ox.Relu(a)
+    if phi == "relu2":
+        r = ox.Relu(a)
+        return ox.Mul(r, r)
+    if phi == "exp":
+        return ox.Exp(ox.Min(a, ox.CastLike(ox.Constant(value_float=float(phi_scalar)), a)))
+    return ox.Identity(a)
+
+
+@decomposition(torch.ops.hecate.qk_preprocess.default)
+def qk_preprocess_decomposition(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
+                                phi_scalar):
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
+    return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar)
+
+
+@decomposition(torch.ops.hecate.qk_preprocess_backward.default)
+def qk_preprocess_backward_decomposition(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation,
+                                         phi, phi_params, phi_scalar, output_mask):
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
+    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias)
+    return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar,
+                         mask)
