@@ -156,7 +156,8 @@ def _orthogonal_gaussian(m: int, d: int) -> torch.Tensor:
     """m rows, orthogonal within each block of d, with the norms of N(0, I_d) samples."""
     blocks = []
     for start in range(0, m, d):
-        q, _ = torch.linalg.qr(torch.randn(d, d))
+        q, r = torch.linalg.qr(torch.randn(d, d))
+        q = q * torch.sign(torch.diagonal(r))  # makes q Haar-distributed, so each row is uniform on the sphere
         blocks.append(q.T[: min(d, m - start)])
     norms = torch.randn(m, d).norm(dim=1, keepdim=True)
     return torch.cat(blocks) * norms
