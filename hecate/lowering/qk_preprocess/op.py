@@ -249,6 +249,7 @@ qk_preprocess.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------------------
 
 def _register_inductor_decompositions() -> None:
+    from torch._inductor import decomposition as inductor_decomposition
     from torch._inductor.decomposition import register_decomposition
 
     @register_decomposition(torch.ops.hecate.qk_preprocess.default)
@@ -268,6 +269,11 @@ def _register_inductor_decompositions() -> None:
         mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias)
         return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
                              phi_scalar, mask)
+
+    # Inductor memoises its table on first use: drop a copy made before these were registered.
+    cached_table = getattr(inductor_decomposition, "fast_random_decomps", None)
+    if hasattr(cached_table, "cache_clear"):
+        cached_table.cache_clear()
 
 
 _register_inductor_decompositions()
