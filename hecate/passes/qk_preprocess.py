@@ -513,7 +513,9 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
         split_kwargs, split_val = dict(heads.output.kwargs), val(chain.tail[-1].output)
     call = replace_with_op(gm, match, op, args)
     if heads is not None:
-        call = _node_named(gm, call.name)  # replace_with_op's legalize_graph copied the graph's nodes
+        # replace_with_op's legalize_graph copied the graph's nodes: find the copies by name
+        call = _node_named(gm, call.name)
+        split_args = fx.node.map_arg(split_args, lambda n: _node_named(gm, n.name))
         # SiLU and φ ran after the head split; they are elementwise, so split the op's [B,T,D] result instead.
         with gm.graph.inserting_after(call):
             split = gm.graph.call_function(split_target, (call, *split_args), split_kwargs)
@@ -555,5 +557,5 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
     if phi_kind == "identity":
         readers = sorted({str(u.target) for u in chain.tail[-1].output.users if u.op == "call_function"})
         if readers:
-            text += f"; then {', '.join(readers)}: not an elementwise φ, left to the fallback"
+            text += f"; read by {', '.join(readers)}, left to the fallback (the op fuses only elementwise φ)"
     return text

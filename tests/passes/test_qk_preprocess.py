@@ -1,0 +1,340 @@
+"""The qk_preprocess pass end to end: what it fuses in each spelling, what it refuses and why,
+and that the compiled model still equals eager (forward and every gradient)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hecate
+from hecate.models.short_conv import KeyQueryPreprocess
+from hecate.testing import assert_close, rel_err
+
+TOL = 1e-5  # fp32, compiled vs eager
+
+ELEMENTWISE = ["identity", "elu1", "relu", "relu2", "exp"]
+PHI_DETAIL = {"identity": "", "elu1": " → elu+1", "relu": " → relu", "relu2": " → relu²", "exp": " → exp(min(·, 10))"}
+PROJ_DETAIL = {"linear": "linear", "functional": "linear", "matmul": "x @ W.T + b"}
+
+
+def _randomize(module: nn.Module) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+
+
+def _compare_with_eager(model: nn.Module, *args: torch.Tensor, options=None) -> hecate.FusionReport:
+    """Compile with hecate; forward and the gradients of every parameter and input equal eager's."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="hecate", options={"fallback": "eager"} if options is None else options)
+    inputs = [a.detach().clone().requires_grad_() for a in args]
+    ref_inputs = [a.detach().clone().requires_grad_() for a in args]
+    got = compiled(*inputs)
+    report = hecate.last_report()
+    got = got if isinstance(got, tuple) else (got,)
+    weights = [torch.randn_like(g) for g in got]  # a loss whose gradient differs per element
+    sum(((g * w).sum() for g, w in zip(got, weights))).backward()
+    got_grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ref = model(*ref_inputs)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    sum(((r * w).sum() for r, w in zip(ref, weights))).backward()
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_close(f"output {i}", g, r, TOL)
+    for name, p in model.named_parameters():
+        if p.grad is None:  # a parameter the spelling does not use
+            assert got_grads[name] is None, name
+            continue
+        assert_close(f"d/d{name}", got_grads[name], p.grad, TOL)
+    for i, (a, r) in enumerate(zip(inputs, ref_inputs)):
+        assert_close(f"d/dinput{i}", a.grad, r.grad, TOL)
+    model.zero_grad()
+    torch._dynamo.reset()
+    return report
+
+
+def _details(report: hecate.FusionReport) -> list[str]:
+    return [f.detail for f in report.fusions if f.pattern == "qk_preprocess"]
+
+
+# ---------------------------------------------------------------- every φ kind × every spelling
+
+# Pairwise coverage: every φ kind meets every projection, conv and SiLU spelling (the pass
+# recognises each stage by its own pieces, so pairs are what can interact), in both layouts.
+CASES = [(phi, proj, ["conv1d_slice", "pad_conv1d"][(i + j) % 2], ["silu", "sigmoid_mul"][(i + j // 2) % 2],
+          (i + j) % 3 != 1)
+         for i, phi in enumerate(ELEMENTWISE) for j, proj in enumerate(["linear", "functional", "matmul"])]
+
+
+def test_cases_cover_every_pair_of_spellings():
+    for column in (1, 2, 3, 4):
+        for phi in ELEMENTWISE:
+            assert len({case[column] for case in CASES if case[0] == phi}) == 2 or column == 1
+    assert {(c[0], c[1]) for c in CASES} == set(itertools.product(ELEMENTWISE, PROJ_DETAIL))
+
+
+@pytest.mark.parametrize("phi,proj_style,conv_style,silu_style,heads", CASES)
+def test_every_elementwise_phi_and_spelling_fuses_and_matches_eager(phi, proj_style, conv_style, silu_style, heads):
+    model = KeyQueryPreprocess(7, 6, n_heads=3 if heads else None, kernel_size=4, phi=phi,
+                               proj_bias=proj_style == "matmul", proj_style=proj_style, conv_style=conv_style,
+                               silu_style=silu_style)
+    _randomize(model)
+    x = torch.randn(2, 5, 7)
+    layout = "[B,T,H,Dh]" if heads else "[B,T,D]"
+    expected = f"{PROJ_DETAIL[proj_style]} → conv(K=4) → silu{PHI_DETAIL[phi]} {layout}"
+
+    explained = hecate.explain(model, x, options={"fallback": "eager"})
+    assert _details(explained) == [expected, expected], str(explained)
+    assert explained.misses == []
+    assert all(f.op == "hecate.qk_preprocess" for f in explained.fusions)
+
+    compiled_report = _compare_with_eager(model, x)
+    assert _details(compiled_report) == [expected, expected]
+
+
+@pytest.mark.parametrize("phi,phi_kwargs", [("elu1", dict(spelling="one_plus_elu")), ("relu2", dict(spelling="square")),
+                                            ("relu2", dict(spelling="mul")), ("exp", dict(max_val=3.5))])
+def test_phi_spellings(phi, phi_kwargs):
+    model = KeyQueryPreprocess(6, 6, phi=phi, **phi_kwargs)
+    _randomize(model)
+    report = _compare_with_eager(model, torch.randn(2, 9, 6))
+    name = "exp(min(·, 3.5))" if phi == "exp" else PHI_DETAIL[phi][3:]
+    assert _details(report) == [f"linear → conv(K=4) → silu → {name} [B,T,D]"] * 2
+
+
+@pytest.mark.parametrize("phi", ["elu1", "relu", "identity"])
+def test_no_activation_kernel_sizes_and_short_sequences(phi):
+    for kernel_size, T in [(3, 1), (4, 2), (2, 7)]:
+        model = KeyQueryPreprocess(5, 5, kernel_size=kernel_size, activation="none", phi=phi, conv_bias=False)
+        _randomize(model)
+        report = _compare_with_eager(model, torch.randn(3, T, 5))
+        assert _details(report) == [f"linear → conv(K={kernel_size}){PHI_DETAIL[phi]} [B,T,D]"] * 2
+
+
+# ---------------------------------------------------------------- more spellings, written out
+
+class Chain(nn.Module):
+    """Parameters of one projection → conv chain; ``spelling(self, x)`` writes the forward."""
+
+    def __init__(self, spelling, d_in=5, d=6, k=4, conv_bias=True):
+        super().__init__()
+        self.spelling, self.k = spelling, k
+        self.w = nn.Parameter(torch.randn(d, d_in) * 0.5)
+        self.b = nn.Parameter(torch.randn(d) * 0.5)
+        self.cw = nn.Parameter(torch.randn(d, 1, k) * 0.5)
+        self.cb = nn.Parameter(torch.randn(d) * 0.5) if conv_bias else None
+
+    def forward(self, x):
+        return self.spelling(self, x)
+
+
+def _causal(m, u):  # [B, D, T] → [B, D, T]
+    return F.conv1d(F.pad(u, (m.k - 1, 0)), m.cw, m.cb, groups=u.shape[1])
+
+
+SPELLED = {
+    "mT and silu before the transpose back": (
+        lambda m, x: F.silu(_causal(m, (x @ m.w.t()).mT)).mT,
+        "x @ W.t() → conv(K=4) → silu [B,T,D]"),
+    "permute, sigmoid(z) * z, exp without clamp": (
+        lambda m, x: (lambda z: torch.exp(torch.sigmoid(z) * z))(
+            _causal(m, F.linear(x, m.w, m.b).permute(0, 2, 1)).permute(0, 2, 1)),
+        "linear → conv(K=4) → silu → exp [B,T,D]"),
+    "transpose(-1, -2), W.transpose(0, 1), clamp_max": (
+        lambda m, x: torch.exp(torch.clamp_max(F.silu(_causal(m, (x @ m.w.transpose(0, 1) + m.b).transpose(-1, -2))
+                                                      .transpose(-1, -2)), 2.0)),
+        "x @ W.transpose(0, 1) + b → conv(K=4) → silu → exp(min(·, 2)) [B,T,D]"),
+    "reshape heads before silu, nn-style slice [..., :-(K-1)]": (
+        lambda m, x: F.relu(F.silu(F.conv1d(F.linear(x, m.w).transpose(1, 2), m.cw, m.cb, padding=m.k - 1,
+                                            groups=6)[..., :-(m.k - 1)].transpose(1, 2).reshape(*x.shape[:2], 2, 3))),
+        "linear → conv(K=4) → silu → relu [B,T,H,Dh]"),
+    "unflatten heads": (
+        lambda m, x: F.elu(F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)).transpose(1, 2))
+                           .unflatten(-1, (3, 2))) + 1,
+        "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]"),
+    "conv alone": (
+        lambda m, x: _causal(m, torch.cat([x, x[..., :1]], -1).transpose(1, 2)).transpose(1, 2),  # D_in 5 → D 6
+        "conv(K=4) [B,T,D]"),
+}
+
+
+@pytest.mark.parametrize("name", list(SPELLED))
+def test_written_out_spellings(name):
+    spelling, expected = SPELLED[name]
+    report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
+    assert _details(report) == [expected], str(report)
+    assert report.misses == []
+
+
+def test_projection_read_elsewhere_is_left_out_of_the_fusion():
+    def spelling(m, x):
+        u = F.linear(x, m.w, m.b)
+        return F.silu(_causal(m, u.transpose(1, 2)).transpose(1, 2)) + u  # u also feeds the residual
+
+    report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
+    assert _details(report) == ["conv(K=4) → silu [B,T,D]; read by aten.add.Tensor, left to the fallback "
+                                "(the op fuses only elementwise φ)"]
+
+
+def test_intermediate_read_elsewhere_stops_the_chain_there():
+    def spelling(m, x):
+        a = F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)).transpose(1, 2))
+        return F.elu(a) + 1, a  # the SiLU output is returned too
+
+    report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
+    assert _details(report)[0].startswith("linear → conv(K=4) → silu [B,T,D]")
+
+
+# ---------------------------------------------------------------- matrix φ: fused up to SiLU
+
+@pytest.mark.parametrize("phi", ["linear", "random_fourier", "poly2", "mlp", "performer"])
+def test_matrix_phi_fuses_up_to_silu_and_leaves_phi(phi):
+    model = KeyQueryPreprocess(6, 6, n_heads=2, phi=phi, d_phi=5)
+    _randomize(model)
+    report = _compare_with_eager(model, torch.randn(2, 5, 6))
+    details = _details(report)
+    assert len(details) == 2
+    for detail in details:
+        assert detail.startswith("linear → conv(K=4) → silu [B,T,H,Dh]; read by aten."), detail
+        assert detail.endswith("left to the fallback (the op fuses only elementwise φ)")
+
+
+# ---------------------------------------------------------------- near-misses
+
+class NearMiss(nn.Module):
+    def __init__(self, conv: nn.Conv1d, forward):
+        super().__init__()
+        self.proj, self.conv, self.fn = nn.Linear(6, 6), conv, forward
+
+    def forward(self, x):
+        return F.elu(F.silu(self.fn(self, self.proj(x).transpose(1, 2)).transpose(1, 2))) + 1
+
+
+NEAR_MISSES = {
+    "symmetric padding": (nn.Conv1d(6, 6, 3, groups=6, padding=1), lambda m, u: m.conv(u),
+                          "conv1d padding=[1] with kernel 3, not preceded by F.pad(K−1, 0) nor followed by a slice"),
+    "groups=1": (nn.Conv1d(6, 6, 4, padding=3), lambda m, u: m.conv(u)[..., :u.shape[2]],
+                 "conv1d has groups=1 and weight (6, 6, 4); the pattern needs a depthwise conv (groups = channels = 6"),
+    "dilation 2": (nn.Conv1d(6, 6, 4, groups=6, padding=6, dilation=2), lambda m, u: m.conv(u)[..., :u.shape[2]],
+                   "conv1d has dilation=[2]; the fused op supports dilation 1 only"),
+    "padding='same'": (nn.Conv1d(6, 6, 4, groups=6, padding="same"), lambda m, u: m.conv(u),
+                       "conv1d padding='same' pads both sides"),
+    "F.pad on both sides": (nn.Conv1d(6, 6, 4, groups=6), lambda m, u: m.conv(F.pad(u, (2, 1))),
+                            "F.pad pads (2, 1) with kernel 4; a causal conv pads (K−1, 0) = (3, 0)"),
+    "slice keeps the last T": (nn.Conv1d(6, 6, 4, groups=6, padding=3), lambda m, u: m.conv(u)[..., 3:],
+                               "keeps 5 outputs, not the first T=5: not causal"),
+    "stride 2": (nn.Conv1d(6, 6, 4, groups=6, padding=3, stride=2), lambda m, u: m.conv(u)[..., :3],
+                 "conv1d has stride=[2]; the pattern needs stride 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(NEAR_MISSES))
+def test_near_miss_is_not_fused_and_says_why(name):
+    conv, forward, reason = NEAR_MISSES[name]
+    model = NearMiss(conv, forward)
+    x = torch.randn(2, 5, 6)
+    report = _compare_with_eager(model, x)
+    assert report.fusions == []
+    assert len(report.misses) == 1, str(report)
+    assert report.misses[0].pattern == "qk_preprocess"
+    assert reason in report.misses[0].reason, report.misses[0].reason
+    assert "conv" in report.misses[0].where
+
+
+def test_conv_output_kept_channels_first_is_a_near_miss():
+    def spelling(m, x):
+        return F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)))  # returns [B, D, T]
+
+    report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
+    assert report.fusions == []
+    assert "the conv output stays [B, D, T]" in report.misses[0].reason
+
+
+def test_phi_with_wrong_literal_is_reported_and_chain_stops_before_it():
+    def spelling(m, x):
+        return F.elu(F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)).transpose(1, 2))) + 2
+
+    report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
+    assert _details(report)[0].startswith("linear → conv(K=4) → silu [B,T,D]; read by aten.elu.default")
+    assert [m.reason for m in report.misses] == ["phi not fused: elu(x) + 2 is not ELU+1"]
+
+
+# ---------------------------------------------------------------- Inductor, options, CLI, export
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [dict(n_heads=2, phi="elu1"),
+                                    dict(phi="relu2", proj_style="matmul", proj_bias=True, conv_style="pad_conv1d",
+                                         silu_style="sigmoid_mul")])
+def test_inductor_fallback(kwargs):
+    model = KeyQueryPreprocess(6, 6, **kwargs)
+    _randomize(model)
+    report = _compare_with_eager(model, torch.randn(2, 5, 6), options={})
+    assert report.count("qk_preprocess") == 2
+
+
+def test_patterns_option_disables_the_fusion():
+    model = KeyQueryPreprocess(6, 6, phi="elu1")
+    x = torch.randn(2, 5, 6)
+    assert hecate.explain(model, x, options={"patterns": []}).fusions == []
+    report = _compare_with_eager(model, x, options={"fallback": "eager", "patterns": []})
+    assert report.fusions == [] and report.misses == []
+    assert hecate.explain(model, x, options={"patterns": ["qk_preprocess"]}).count("qk_preprocess") == 2
+
+
+def test_dynamic_shapes_fuse_and_match_eager():
+    model = KeyQueryPreprocess(6, 6, n_heads=2, phi="relu2")
+    _randomize(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="hecate", options={"fallback": "eager"}, dynamic=True)
+    for T in (3, 8):
+        x = torch.randn(2, T, 6)
+        for got, ref in zip(compiled(x), model(x)):
+            assert_close(f"T={T}", got, ref, TOL)
+        assert hecate.last_report().count("qk_preprocess") == 2
+    torch._dynamo.reset()
+
+
+def test_cli_explain_prints_the_report(capsys):
+    from hecate.compiler.cli import main
+
+    assert main(["explain", "qk_preprocess", "qk_preprocess_performer", "--fallback", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert "== qk_preprocess ==" in out and "== qk_preprocess_performer ==" in out
+    assert out.count("hecate.qk_preprocess") == 4
+    assert "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]" in out
+    assert "left to the fallback (the op fuses only elementwise φ)" in out
+
+
+def _fused_example():
+    model = KeyQueryPreprocess(6, 6, n_heads=2, phi="elu1", proj_style="matmul", proj_bias=True)
+    _randomize(model)
+    return model, torch.randn(2, 5, 6)
+
+
+def test_onnx_export_runs_in_onnxruntime(tmp_path):
+    import onnxruntime as ort
+
+    model, x = _fused_example()
+    path = tmp_path / "qk.onnx"
+    report = hecate.export_onnx(model, (x,), path)
+    assert report.count("qk_preprocess") == 2, str(report)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    outputs = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    for got, ref in zip(outputs, model(x)):
+        assert rel_err(torch.from_numpy(got), ref) <= 1e-4
+
+
+@pytest.mark.parametrize("output_type", ["torch", "linalg-on-tensors"])
+def test_mlir_export(output_type):
+    from hecate.compiler.export import export_program
+
+    model, x = _fused_example()
+    _, report = export_program(model, (x,))
+    assert report.count("qk_preprocess") == 2
+    text = hecate.export_mlir(model, (x,), output_type=output_type)
+    assert "func.func @main" in text
+    assert "hecate" not in text and "torch.operator" not in text
+    if output_type == "linalg-on-tensors":
+        assert "linalg." in text and "torch.aten" not in text
