@@ -84,32 +84,31 @@ def _causal_conv(u, cw_ptr, cb_ptr, r, c, D, K: tl.constexpr, HAS_CONV_BIAS: tl.
 
 @triton.jit
 def _activation(z, ACTIVATION: tl.constexpr):
+    a = z
     if ACTIVATION == 1:
-        return z * tl.sigmoid(z)
-    return z
+        a = z * tl.sigmoid(z)
+    return a
 
 
 @triton.jit
 def _phi(a, phi_scalar, PHI: tl.constexpr):
+    out = a                                                              # identity
     if PHI == 1:    # elu(a) + 1
-        return tl.where(a > 0, a + 1.0, tl.exp(tl.minimum(a, 0.0)))
-    if PHI == 2:    # relu
-        return tl.maximum(a, 0.0)
-    if PHI == 3:    # relu(a)^2
-        return tl.maximum(a, 0.0) * tl.maximum(a, 0.0)
-    if PHI == 4:    # exp(min(a, phi_scalar))
-        return tl.exp(tl.minimum(a, phi_scalar))
-    return a
+        out = tl.where(a > 0, a + 1.0, tl.exp(tl.minimum(a, 0.0)))
+    elif PHI == 2:  # relu
+        out = tl.maximum(a, 0.0)
+    elif PHI == 3:  # relu(a)^2
+        out = tl.maximum(a, 0.0) * tl.maximum(a, 0.0)
+    elif PHI == 4:  # exp(min(a, phi_scalar))
+        out = tl.exp(tl.minimum(a, phi_scalar))
+    return out
 
 
 @triton.jit
 def _grad_z(g, z, phi_scalar, ACTIVATION: tl.constexpr, PHI: tl.constexpr):
     """dz = g · φ'(a) · act'(z), with torch's subgradients (relu' = [a > 0], clamp passes a <= max)."""
-    if ACTIVATION == 1:
-        s = tl.sigmoid(z)
-        a = z * s
-    else:
-        a = z
+    s = tl.sigmoid(z)                                                    # unused (and removed) without SiLU
+    a = _activation(z, ACTIVATION)
     if PHI == 1:
         g = g * tl.where(a > 0, 1.0, tl.exp(tl.minimum(a, 0.0)))
     elif PHI == 2:
