@@ -168,7 +168,33 @@ def qk_preprocess_performer_example() -> tuple[nn.Module, tuple]:
             (torch.randn(2, 16, 32),))
 
 
+class BidirectionalConvMixer(nn.Module):
+    """Token mixing for an encoder: a centred (non-causal) depthwise conv and a dense causal conv.
+
+    Neither is the short causal depthwise conv of the spec: the first sees K//2 future
+    tokens, the second mixes channels (groups=1). Hecate leaves both alone and says why.
+    """
+
+    def __init__(self, d: int, kernel_size: int = 3):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.centred = nn.Conv1d(d, d, kernel_size, groups=d, padding=kernel_size // 2)
+        self.dense = nn.Conv1d(d, d, kernel_size, padding=kernel_size - 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.proj(x).transpose(1, 2)
+        mixed = self.centred(u) + self.dense(u)[..., : x.shape[1]]
+        return F.silu(mixed.transpose(1, 2))
+
+
+def near_miss_example() -> tuple[nn.Module, tuple]:
+    """A centred conv and a dense conv: no fusion, two near-misses with their reasons."""
+    torch.manual_seed(0)
+    return BidirectionalConvMixer(16), (torch.randn(2, 10, 16),)
+
+
 EXAMPLES = {
     "qk_preprocess": qk_preprocess_example,
     "qk_preprocess_performer": qk_preprocess_performer_example,
+    "qk_preprocess_near_miss": near_miss_example,
 }

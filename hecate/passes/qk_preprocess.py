@@ -241,12 +241,30 @@ def _check_pad_then_conv(match: Match) -> str | None:
     return None
 
 
+def _check_unpadded_conv(match: Match) -> str | None:
+    """A conv1d neither sliced nor after F.pad is causal only as a pointwise (K = 1) conv."""
+    conv = match.node(aten.conv1d.default)
+    reason = _check_conv_common(conv)
+    if reason:
+        return reason
+    k, padding = val(conv.args[1]).shape[2], list(_arg(conv, 4, "padding", [0]))
+    if any(padding):
+        return (f"conv1d padding={padding} pads both sides (kernel {k}) and no slice keeps the first T outputs: "
+                f"outputs see future tokens, not causal")
+    if k != 1:
+        return f"conv1d has no padding (kernel {k}) and no F.pad(K−1, 0) before it: not a causal conv"
+    return None
+
+
 _x_bdt, _w_conv, _b_conv = torch.randn(_B, _D, _T), torch.randn(_D, 1, _K), torch.randn(_D)
 _CONV_PIECES = [
     Piece("conv", lambda x, w, b: F.conv1d(x, w, b, padding=_K - 1, groups=_D)[..., :_T],
           (_x_bdt, _w_conv, _b_conv), _check_conv_then_slice, "conv1d(padding=K-1)[..., :T]"),
     Piece("conv", lambda x, w, b: F.conv1d(F.pad(x, (_K - 1, 0)), w, b, groups=_D),
           (_x_bdt, _w_conv, _b_conv), _check_pad_then_conv, "F.pad(K-1, 0) → conv1d"),
+    # any other conv1d: only K = 1 is causal without padding; tried last
+    Piece("conv", lambda x, w, b: F.conv1d(x, w, b, groups=_D), (_x_bdt, _w_conv[..., :1], _b_conv),
+          _check_unpadded_conv, "conv1d(K=1)"),
 ]
 
 
@@ -369,8 +387,8 @@ class _Index:
                 self.by_output.setdefault((piece.stage, found.output), []).append(found)
                 if piece.stage in ("swap", "activation", "heads", "phi") and isinstance(found.input, fx.Node):
                     self.by_input.setdefault(found.input, []).append(found)
-                if piece.stage == "conv":
-                    self.conv_by_node[match.node(aten.conv1d.default)] = found
+                if piece.stage == "conv":  # the first conv spelling that covers a conv1d wins
+                    self.conv_by_node.setdefault(match.node(aten.conv1d.default), found)
 
     def producer(self, stage: str, node: fx.Node) -> _Found | None:
         """The ``stage`` piece whose output is ``node`` and is read only by its consumer."""
@@ -397,11 +415,7 @@ def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Ch
     common = _check_conv_common(conv_node)
     if common:
         return common
-    conv = index.conv_by_node.get(conv_node)
-    if conv is None:
-        k, padding = val(conv_node.args[1]).shape[2], list(_arg(conv_node, 4, "padding", [0]))
-        return (f"conv1d padding={padding} with kernel {k}, not preceded by F.pad(K−1, 0) nor followed by a "
-                f"slice keeping the first T outputs: not a causal conv")
+    conv = index.conv_by_node[conv_node]
     reason = conv.piece.check(conv.match)
     if reason:
         return reason

@@ -154,6 +154,9 @@ SPELLED = {
         lambda m, x: F.elu(F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)).transpose(1, 2))
                            .unflatten(-1, (3, 2))) + 1,
         "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]"),
+    "pointwise conv (K=1) without padding, bias-free": (
+        lambda m, x: F.silu(F.conv1d(F.linear(x, m.w, m.b).transpose(1, 2), m.cw, None, groups=6).transpose(1, 2)),
+        "linear → conv(K=1) → silu [B,T,D]", dict(k=1)),
     "conv alone": (
         lambda m, x: _causal(m, torch.cat([x, x[..., :1]], -1).transpose(1, 2)).transpose(1, 2),  # D_in 5 → D 6
         "conv(K=4) [B,T,D]"),
@@ -162,8 +165,8 @@ SPELLED = {
 
 @pytest.mark.parametrize("name", list(SPELLED))
 def test_written_out_spellings(name):
-    spelling, expected = SPELLED[name]
-    report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
+    spelling, expected, *chain_kwargs = SPELLED[name]
+    report = _compare_with_eager(Chain(spelling, **(chain_kwargs[0] if chain_kwargs else {})), torch.randn(2, 7, 5))
     assert _details(report) == [expected], str(report)
     assert report.misses == []
 
@@ -214,7 +217,9 @@ class NearMiss(nn.Module):
 
 NEAR_MISSES = {
     "symmetric padding": (nn.Conv1d(6, 6, 3, groups=6, padding=1), lambda m, u: m.conv(u),
-                          "conv1d padding=[1] with kernel 3, not preceded by F.pad(K−1, 0) nor followed by a slice"),
+                          "conv1d padding=[1] pads both sides (kernel 3) and no slice keeps the first T outputs"),
+    "no padding": (nn.Conv1d(6, 6, 3, groups=6), lambda m, u: m.conv(u),
+                   "conv1d has no padding (kernel 3) and no F.pad(K−1, 0) before it: not a causal conv"),
     "groups=1": (nn.Conv1d(6, 6, 4, padding=3), lambda m, u: m.conv(u)[..., :u.shape[2]],
                  "conv1d has groups=1 and weight (6, 6, 4); the pattern needs a depthwise conv (groups = channels = 6"),
     "dilation 2": (nn.Conv1d(6, 6, 4, groups=6, padding=6, dilation=2), lambda m, u: m.conv(u)[..., :u.shape[2]],
@@ -299,10 +304,13 @@ def test_dynamic_shapes_fuse_and_match_eager():
 def test_cli_explain_prints_the_report(capsys):
     from hecate.compiler.cli import main
 
-    assert main(["explain", "qk_preprocess", "qk_preprocess_performer", "--fallback", "eager"]) == 0
+    assert main(["explain", "qk_preprocess", "qk_preprocess_performer", "qk_preprocess_near_miss",
+                 "--fallback", "eager"]) == 0
     out = capsys.readouterr().out
     assert "== qk_preprocess ==" in out and "== qk_preprocess_performer ==" in out
     assert out.count("hecate.qk_preprocess") == 4
+    assert "0 fused, 2 not fused" in out
+    assert "outputs see future tokens, not causal" in out and "conv1d has groups=1" in out
     assert "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]" in out
     assert "left to the fallback (the op fuses only elementwise φ)" in out
 
