@@ -446,7 +446,8 @@ def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Ch
 
 
 def _walk_tail(node: fx.Node, index: _Index, report: FusionReport) -> list[_Found]:
-    """The tail stages after the conv, each once: swap back, SiLU, head split (after the swap), φ (last)."""
+    """The tail stages after the conv, each at most once: swap back, SiLU (before φ), head split
+    (after the swap back), φ. The order of the rest is free: they are elementwise or layout-only."""
     tail: list[_Found] = []
     while True:
         done = {p.piece.stage for p in tail}
@@ -461,11 +462,10 @@ def _walk_tail(node: fx.Node, index: _Index, report: FusionReport) -> list[_Foun
                 continue
             found = candidate
             break
-        if found is None or "phi" in done:
-            break
+        if found is None:
+            return tail
         tail.append(found)
         node = found.output
-    return tail
 
 
 def _check_dtypes(chain: _Chain) -> str | None:

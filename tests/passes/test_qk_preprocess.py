@@ -157,6 +157,9 @@ SPELLED = {
     "pointwise conv (K=1) without padding, bias-free": (
         lambda m, x: F.silu(F.conv1d(F.linear(x, m.w, m.b).transpose(1, 2), m.cw, None, groups=6).transpose(1, 2)),
         "linear → conv(K=1) → silu [B,T,D]", dict(k=1)),
+    "silu and φ before the transpose back": (
+        lambda m, x: (F.relu(F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)))) ** 2).transpose(1, 2),
+        "linear → conv(K=4) → silu → relu² [B,T,D]"),
     "conv alone": (
         lambda m, x: _causal(m, torch.cat([x, x[..., :1]], -1).transpose(1, 2)).transpose(1, 2),  # D_in 5 → D 6
         "conv(K=4) [B,T,D]"),
