@@ -349,3 +349,14 @@ def test_mlir_export(output_type):
     assert "hecate" not in text and "torch.operator" not in text
     if output_type == "linalg-on-tensors":
         assert "linalg." in text and "torch.aten" not in text
+
+
+def test_fused_model_through_the_triton_kernels():
+    """The compiled model with the op on its Triton path (interpreted on CPU) still equals eager."""
+    from hecate.lowering.dispatch import triton_on_cpu
+
+    model = KeyQueryPreprocess(5, 6, n_heads=2, phi="elu1", proj_bias=True)
+    _randomize(model)
+    with triton_on_cpu():
+        report = _compare_with_eager(model, torch.randn(2, 3, 5))
+    assert report.count("qk_preprocess") == 2
