@@ -41,7 +41,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import fx
-from torch.fx.passes.tools_common import legalize_graph
 from torch.fx.passes.utils.matcher_utils import InternalMatch
 
 from hecate.compiler.report import FusionReport
@@ -522,21 +521,16 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
     match = Match(chain.conv.match.pattern, merged)
     detail = _describe(chain, phi_kind, _phi_scalar(phi))
     nodes_replaced = len(match.nodes)
-    if heads is not None:  # read before replace_with_op erases it
-        split_target, split_args = heads.output.target, heads.output.args[1:]
-        split_kwargs, split_val = dict(heads.output.kwargs), val(chain.tail[-1].output)
+    result = val(chain.tail[-1].output)  # [B, T, H, Dh] when the chain splits heads
     call = replace_with_op(gm, match, op, args)
     if heads is not None:
-        # replace_with_op's legalize_graph copied the graph's nodes: find the copies by name
-        call = _node_named(gm, call.name)
-        split_args = fx.node.map_arg(split_args, lambda n: _node_named(gm, n.name))
-        # SiLU and φ ran after the head split; they are elementwise, so split the op's [B,T,D] result instead.
+        # SiLU and φ ran after the head split; they act per channel, so split the op's [B,T,D] result instead.
+        call = _node_named(gm, call.name)  # replace_with_op's legalize_graph copied the graph's nodes
         with gm.graph.inserting_after(call):
-            split = gm.graph.call_function(split_target, (call, *split_args), split_kwargs)
-        split.meta["val"] = split_val
+            split = gm.graph.call_function(aten.unflatten.int, (call, -1, list(result.shape[2:])))
+        split.meta["val"] = result
         call.replace_all_uses_with(split, delete_user_cb=lambda user: user is not split)
-        legalize_graph(gm)
-        nodes_replaced -= 1  # the head split stays in the graph
+        nodes_replaced -= 1  # a head split is still there
     report.add_fusion(PATTERN, OP_NAME, nodes_replaced, detail)
 
 
