@@ -1,7 +1,8 @@
 """Export of ``hecate::qk_preprocess``: an ONNX translation (standard ONNX ops) and an ATen decomposition.
 
 ONNX: MatMul (+ Add) for the projection; Transpose to [B, D, T], Pad K-1 zeros on the left, Conv with
-group=D (the depthwise causal conv), Transpose back; Sigmoid·Mul for SiLU; Elu/Relu/Mul/Min/Exp for φ.
+group=D (the depthwise causal conv), Transpose back; Sigmoid·Mul for SiLU; Elu/Relu/Mul/Min/Exp for φ,
+Reshape to heads + MatMul for the learned linear φ.
 ATen: the op's own ATen path (:func:`~hecate.lowering.qk_preprocess.op.forward_aten`), so torch-mlir sees
 only ops it knows.
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 import torch
 from onnxscript import opset18 as ox
 
+from hecate.lowering.qk_preprocess.naive import ACTIVATIONS, PHI_KINDS
 from hecate.lowering.qk_preprocess.op import backward_aten, check_inputs, effective_mask, forward_aten
 from hecate.lowering.registry import decomposition, onnx_translation
 
 
 @onnx_translation(torch.ops.hecate.qk_preprocess.default)
 def qk_preprocess_onnx(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar):
-    if activation not in ("silu", "none") or phi not in ("identity", "elu1", "relu", "relu2", "exp"):
+    if activation not in ACTIVATIONS or phi not in PHI_KINDS:
         raise ValueError(f"qk_preprocess ONNX export: unsupported activation={activation!r} / phi={phi!r}")
     D, _, K = conv_weight.shape
     u = x                                                                    # [B, T, D]
@@ -43,6 +45,12 @@ def qk_preprocess_onnx(x, proj_weight, proj_bias, conv_weight, conv_bias, activa
         return ox.Mul(r, r)
     if phi == "exp":
         return ox.Exp(ox.Min(a, ox.CastLike(ox.Constant(value_float=float(phi_scalar)), a)))
+    if phi == "linear":                                                     # per head: [B, T, H, Dh] · W_phiᵀ
+        (phi_weight,) = phi_params
+        d_phi, head_dim = phi_weight.shape
+        heads = ox.Reshape(a, ox.Constant(value_ints=[0, 0, D // head_dim, head_dim]))
+        features = ox.MatMul(heads, ox.Transpose(phi_weight, perm=[1, 0]))   # [B, T, H, d_phi]
+        return ox.Reshape(features, ox.Constant(value_ints=[0, 0, D // head_dim * d_phi]))
     return ox.Identity(a)
 
 
@@ -50,13 +58,13 @@ def qk_preprocess_onnx(x, proj_weight, proj_bias, conv_weight, conv_bias, activa
 def qk_preprocess_decomposition(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
                                 phi_scalar):
     check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-    return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar)
+    return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar)
 
 
 @decomposition(torch.ops.hecate.qk_preprocess_backward.default)
 def qk_preprocess_backward_decomposition(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation,
                                          phi, phi_params, phi_scalar, output_mask):
     check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias)
-    return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar,
-                         mask)
+    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)
+    return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
+                         phi_scalar, mask)

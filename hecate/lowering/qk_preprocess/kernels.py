@@ -14,6 +14,11 @@ recomputes u and z, forms dz = g · φ'(a) · act'(z) for rows r >= H, then du[t
 (the conv transposed, reading up to H rows ahead) for the BLOCK_T - 2H rows it owns, and the partial
 sums of dw_conv[c, j] = Σ_t dz[t, c] u[t - H + j, c] and db_conv = Σ_t dz over its owned rows (summed over
 programs on the host). Then dx = du W_proj, dW_proj = duᵀ x, db_proj = Σ du are matmuls/sums (cuBLAS).
+
+Learned linear φ (phi="linear", W_phi [d_phi, Dh]): a program's channel block is one head (BLOCK_D >= Dh,
+channels past Dh masked), the forward writes φ = a W_phiᵀ [BLOCK_T, d_phi] by tl.dot in BLOCK_P column
+chunks, and the backward forms da = dφ W_phi the same way plus the partial dW_phi = dφᵀ a over its owned
+rows, [B·n_t·H, d_phi, Dh], summed on the host.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import triton.language as tl
 from hecate.lowering.dispatch import interpreting
 
 ACTIVATION_CODES = {"none": 0, "silu": 1}
-PHI_CODES = {"identity": 0, "elu1": 1, "relu": 2, "relu2": 3, "exp": 4}
+PHI_CODES = {"identity": 0, "elu1": 1, "relu": 2, "relu2": 3, "exp": 4, "linear": 5}
+LINEAR_PHI = tl.constexpr(PHI_CODES["linear"])
 
 
 @triton.jit
@@ -109,7 +115,7 @@ def _grad_z(g, z, phi_scalar, ACTIVATION: tl.constexpr, PHI: tl.constexpr):
     """dz = g · φ'(a) · act'(z), with torch's subgradients (relu' = [a > 0], clamp passes a <= max)."""
     s = tl.sigmoid(z)                                                    # unused (and removed) without SiLU
     a = _activation(z, ACTIVATION)
-    if PHI == 1:
+    if PHI == 1:      # (linear φ arrives here with g = ∂L/∂a already)
         g = g * tl.where(a > 0, 1.0, tl.exp(tl.minimum(a, 0.0)))
     elif PHI == 2:
         g = tl.where(a > 0, g, 0.0)
@@ -123,53 +129,93 @@ def _grad_z(g, z, phi_scalar, ACTIVATION: tl.constexpr, PHI: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, out_ptr, T, D, D_in, phi_scalar,
+def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, out_ptr, T, D, D_in, CH, d_phi, out_width,
+                    phi_scalar,
                     K: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr,
                     HAS_CONV_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PHI: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr):
-    # grid: (cdiv(D, BLOCK_D), cdiv(T, BLOCK_T - (K-1)), B); D blocks vary fastest so programs that
-    # read the same x rows run together (x tile stays in L2).
+    # grid: (cdiv(D, CH), cdiv(T, BLOCK_T - (K-1)), B); each program takes CH channels (BLOCK_D, or one head
+    # of Dh for linear φ). Channel blocks vary fastest so programs reading the same x rows run together.
+    # out [B, T, out_width]: out_width = D, or H·d_phi for linear φ.
     pid_d = tl.program_id(0)
     pid_t = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     r = tl.arange(0, BLOCK_T)                                               # tile row
     t = pid_t * (BLOCK_T - (K - 1)) - (K - 1) + r                           # [BLOCK_T] sequence position
-    c = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)                             # [BLOCK_D] channel
+    i = tl.arange(0, BLOCK_D)
+    c = pid_d * CH + i                                                      # [BLOCK_D] channel
     u = _projected_tile(x_ptr, w_ptr, pb_ptr, b, t, c, T, D, D_in, HAS_PROJ, HAS_PROJ_BIAS,
                         BLOCK_T, BLOCK_D, BLOCK_K, INPUT_PRECISION)         # [BLOCK_T, BLOCK_D]
     z = _causal_conv(u, cw_ptr, cb_ptr, r, c, D, K, HAS_CONV_BIAS, BLOCK_T, BLOCK_D)
-    out = _phi(_activation(z, ACTIVATION), phi_scalar, PHI)
-    write = ((r >= K - 1) & (t < T))[:, None] & (c < D)[None, :]           # the halo rows are not ours
-    tl.store(out_ptr + b * T * D + t[:, None] * D + c[None, :], out.to(out_ptr.dtype.element_ty), mask=write)
+    rows = (r >= K - 1) & (t < T)                                           # the halo rows are not ours
+    out_rows = out_ptr + b * T * out_width + t[:, None] * out_width         # [BLOCK_T, 1]
+    if PHI == LINEAR_PHI:
+        a = _activation(z, ACTIVATION)
+        for p0 in range(0, d_phi, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)                                  # [BLOCK_P] feature
+            w_phi_t = tl.load(phi_w_ptr + p[None, :] * CH + i[:, None], mask=(i < CH)[:, None] & (p < d_phi)[None, :],
+                              other=0.0).to(tl.float32)                     # [BLOCK_D, BLOCK_P] = W_phiᵀ
+            features = tl.dot(a, w_phi_t, input_precision=INPUT_PRECISION)  # [BLOCK_T, BLOCK_P]
+            tl.store(out_rows + pid_d * d_phi + p[None, :], features.to(out_ptr.dtype.element_ty),
+                     mask=rows[:, None] & (p < d_phi)[None, :])
+    else:
+        out = _phi(_activation(z, ACTIVATION), phi_scalar, PHI)
+        tl.store(out_rows + c[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=rows[:, None] & ((i < CH) & (c < D))[None, :])
 
 
 @triton.jit
-def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, du_ptr, dcw_partial_ptr, dcb_partial_ptr,
-                          T, D, D_in, phi_scalar,
+def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr,
+                          du_ptr, dcw_partial_ptr, dcb_partial_ptr, dphi_partial_ptr,
+                          T, D, D_in, CH, d_phi, out_width, phi_scalar,
                           K: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr,
                           HAS_CONV_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PHI: tl.constexpr,
                           WRITE_DU: tl.constexpr, WRITE_DCW: tl.constexpr, WRITE_DCB: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                          WRITE_DPHI: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr):
-    # grid: (cdiv(D, BLOCK_D), cdiv(T, BLOCK_T - 2(K-1)), B). Tile rows r ↔ t = s0 - (K-1) + r; the
+    # grid: (cdiv(D, CH), cdiv(T, BLOCK_T - 2(K-1)), B). Tile rows r ↔ t = s0 - (K-1) + r; the
     # program owns rows r in [K-1, BLOCK_T - (K-1)), i.e. t in [s0, s0 + BLOCK_T - 2(K-1)).
-    # dcw_partial [B * n_t, K, D] and dcb_partial [B * n_t, D] (fp32) get one row per program.
+    # g = ∂L/∂out [B, T, out_width]. dcw_partial [B·n_t, K, D] and dcb_partial [B·n_t, D] (fp32) get one
+    # row per (batch, T block); dphi_partial [B·n_t·H, d_phi, Dh] one slice per program.
     pid_d = tl.program_id(0)
     pid_t = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     H: tl.constexpr = K - 1
     r = tl.arange(0, BLOCK_T)
     t = pid_t * (BLOCK_T - 2 * H) - H + r                                   # [BLOCK_T]
-    c = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)                             # [BLOCK_D]
-    col_ok = c < D
+    i = tl.arange(0, BLOCK_D)
+    c = pid_d * CH + i                                                      # [BLOCK_D]
+    col_ok = (i < CH) & (c < D)
     u = _projected_tile(x_ptr, w_ptr, pb_ptr, b, t, c, T, D, D_in, HAS_PROJ, HAS_PROJ_BIAS,
                         BLOCK_T, BLOCK_D, BLOCK_K, INPUT_PRECISION)         # [BLOCK_T, BLOCK_D]
     z = _causal_conv(u, cw_ptr, cb_ptr, r, c, D, K, HAS_CONV_BIAS, BLOCK_T, BLOCK_D)
-    z_ok = ((r >= H) & (t < T))[:, None] & col_ok[None, :]                  # rows whose z is known and real
-    g = tl.load(g_ptr + b * T * D + t[:, None] * D + c[None, :], mask=z_ok, other=0.0).to(tl.float32)
+    z_rows = (r >= H) & (t < T)                                             # rows whose z is known and real
+    z_ok = z_rows[:, None] & col_ok[None, :]
+    owned_rows = (r >= H) & (r < BLOCK_T - H) & (t < T)
+    owned = owned_rows[:, None] & col_ok[None, :]
+    g_rows = g_ptr + b * T * out_width + t[:, None] * out_width             # [BLOCK_T, 1]
+    if PHI == LINEAR_PHI:
+        # da = dφ W_phi and the partial dW_phi = dφᵀ a over the owned rows, in BLOCK_P feature chunks
+        a = _activation(z, ACTIVATION)
+        g = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)                  # becomes ∂L/∂a
+        program = (b * tl.num_programs(1) + pid_t) * tl.num_programs(0) + pid_d
+        for p0 in range(0, d_phi, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            g_phi = tl.load(g_rows + pid_d * d_phi + p[None, :], mask=z_rows[:, None] & (p < d_phi)[None, :],
+                            other=0.0).to(tl.float32)                       # [BLOCK_T, BLOCK_P]
+            w_phi = tl.load(phi_w_ptr + p[:, None] * CH + i[None, :], mask=(p < d_phi)[:, None] & (i < CH)[None, :],
+                            other=0.0).to(tl.float32)                       # [BLOCK_P, BLOCK_D]
+            g = tl.dot(g_phi, w_phi, g, input_precision=INPUT_PRECISION)
+            if WRITE_DPHI:
+                g_owned = tl.where(owned_rows[:, None], g_phi, 0.0)
+                dphi = tl.dot(tl.trans(g_owned), a, input_precision=INPUT_PRECISION)   # [BLOCK_P, BLOCK_D]
+                tl.store(dphi_partial_ptr + (program * d_phi + p[:, None]) * CH + i[None, :], dphi,
+                         mask=(p < d_phi)[:, None] & (i < CH)[None, :])
+    else:
+        g = tl.load(g_rows + c[None, :], mask=z_ok, other=0.0).to(tl.float32)
     dz = tl.where(z_ok, _grad_z(g, z, phi_scalar, ACTIVATION, PHI), 0.0)   # [BLOCK_T, BLOCK_D]
-    owned = ((r >= H) & (r < BLOCK_T - H) & (t < T))[:, None] & col_ok[None, :]
     if WRITE_DU:
         du = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
         for j in tl.static_range(K):
@@ -203,6 +249,20 @@ def _blocks(K: int) -> tuple[int, int, int]:
     return max(64, triton.next_power_of_2(4 * (K - 1) + 1)), 64, 32
 
 
+def _launch_config(x: torch.Tensor, conv_weight: torch.Tensor, phi: str, phi_params) -> dict:
+    """Block sizes and the channel split: CH channels per program (a whole head of Dh for linear φ)."""
+    D, _, K = conv_weight.shape
+    BLOCK_T, BLOCK_D, BLOCK_K = _blocks(K)
+    CH, d_phi, BLOCK_P = BLOCK_D, 0, 16
+    if phi == "linear":
+        d_phi, CH = phi_params[0].shape
+        BLOCK_D = max(16, triton.next_power_of_2(CH))
+        BLOCK_P = 16 if interpreting() else min(64, max(16, triton.next_power_of_2(d_phi)))
+    return dict(K=K, CH=CH, d_phi=d_phi, out_width=D // CH * d_phi if phi == "linear" else D,
+                BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
+                INPUT_PRECISION=_input_precision(x))
+
+
 def _input_precision(x: torch.Tensor) -> str:
     """fp32 matmuls follow torch's TF32 setting (off by default), as cuBLAS would."""
     if x.dtype == torch.float32 and x.is_cuda and not torch.backends.cuda.matmul.allow_tf32:
@@ -217,36 +277,41 @@ def _flags(proj_weight, proj_bias, conv_bias, activation: str, phi: str) -> dict
 
 def launch_forward(out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
                    proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-                   activation: str, phi: str, phi_scalar: float) -> None:
-    """Write the op's output into ``out`` [B, T, D] (contiguous inputs)."""
+                   activation: str, phi: str, phi_params: Sequence[torch.Tensor], phi_scalar: float) -> None:
+    """Write the op's output into ``out`` [B, T, D or H·d_phi] (contiguous inputs)."""
     B, T, D_in = x.shape
-    D, _, K = conv_weight.shape
-    BLOCK_T, BLOCK_D, BLOCK_K = _blocks(K)
-    grid = (triton.cdiv(D, BLOCK_D), triton.cdiv(T, BLOCK_T - (K - 1)), B)
+    D = conv_weight.shape[0]
+    cfg = _launch_config(x, conv_weight, phi, phi_params)
+    CH, d_phi, out_width = cfg.pop("CH"), cfg.pop("d_phi"), cfg.pop("out_width")
+    grid = (triton.cdiv(D, CH), triton.cdiv(T, cfg["BLOCK_T"] - (cfg["K"] - 1)), B)
     _forward_kernel[grid](x, proj_weight if proj_weight is not None else x, proj_bias if proj_bias is not None else x,
-                          conv_weight, conv_bias if conv_bias is not None else x, out, T, D, D_in, float(phi_scalar),
-                          K=K, **_flags(proj_weight, proj_bias, conv_bias, activation, phi),
-                          BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, INPUT_PRECISION=_input_precision(x))
+                          conv_weight, conv_bias if conv_bias is not None else x,
+                          phi_params[0] if phi == "linear" else x, out,
+                          T, D, D_in, CH, d_phi, out_width, float(phi_scalar),
+                          **_flags(proj_weight, proj_bias, conv_bias, activation, phi), **cfg)
 
 
 def launch_backward_conv(du: torch.Tensor | None, dcw_partial: torch.Tensor | None, dcb_partial: torch.Tensor | None,
-                         grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
-                         proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-                         activation: str, phi: str, phi_scalar: float) -> None:
-    """Kernel 1 of the backward: writes du [B, T, D], dcw_partial [B·n_t, K, D], dcb_partial [B·n_t, D]
-    (each only when given)."""
+                         dphi_partial: torch.Tensor | None, grad_out: torch.Tensor, x: torch.Tensor,
+                         proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None, conv_weight: torch.Tensor,
+                         conv_bias: torch.Tensor | None, activation: str, phi: str,
+                         phi_params: Sequence[torch.Tensor], phi_scalar: float) -> None:
+    """Kernel 1 of the backward: writes du [B, T, D], dcw_partial [B·n_t, K, D], dcb_partial [B·n_t, D],
+    dphi_partial [B·n_t·H, d_phi, Dh] (each only when given)."""
     B, T, D_in = x.shape
-    D, _, K = conv_weight.shape
-    BLOCK_T, BLOCK_D, BLOCK_K = _blocks(K)
-    grid = (triton.cdiv(D, BLOCK_D), backward_row_blocks(T, K), B)
+    D = conv_weight.shape[0]
+    cfg = _launch_config(x, conv_weight, phi, phi_params)
+    CH, d_phi, out_width = cfg.pop("CH"), cfg.pop("d_phi"), cfg.pop("out_width")
+    grid = (triton.cdiv(D, CH), backward_row_blocks(T, cfg["K"]), B)
     _backward_conv_kernel[grid](
         grad_out, x, proj_weight if proj_weight is not None else x, proj_bias if proj_bias is not None else x,
-        conv_weight, conv_bias if conv_bias is not None else x,
+        conv_weight, conv_bias if conv_bias is not None else x, phi_params[0] if phi == "linear" else x,
         du if du is not None else x, dcw_partial if dcw_partial is not None else x,
-        dcb_partial if dcb_partial is not None else x, T, D, D_in, float(phi_scalar),
-        K=K, **_flags(proj_weight, proj_bias, conv_bias, activation, phi),
+        dcb_partial if dcb_partial is not None else x, dphi_partial if dphi_partial is not None else x,
+        T, D, D_in, CH, d_phi, out_width, float(phi_scalar),
+        **_flags(proj_weight, proj_bias, conv_bias, activation, phi),
         WRITE_DU=du is not None, WRITE_DCW=dcw_partial is not None, WRITE_DCB=dcb_partial is not None,
-        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, INPUT_PRECISION=_input_precision(x))
+        WRITE_DPHI=dphi_partial is not None, **cfg)
 
 
 def backward_row_blocks(T: int, K: int) -> int:
@@ -261,19 +326,24 @@ def _contiguous(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
 
 def forward(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
             conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation: str, phi: str,
-            phi_scalar: float) -> torch.Tensor:
+            phi_params: Sequence[torch.Tensor], phi_scalar: float) -> torch.Tensor:
     x, proj_weight, proj_bias, conv_weight, conv_bias = _contiguous(x, proj_weight, proj_bias, conv_weight, conv_bias)
-    out = torch.empty(x.shape[0], x.shape[1], conv_weight.shape[0], dtype=x.dtype, device=x.device)
-    launch_forward(out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar)
+    phi_params = _contiguous(*phi_params)
+    D = conv_weight.shape[0]
+    width = D // phi_params[0].shape[1] * phi_params[0].shape[0] if phi == "linear" else D
+    out = torch.empty(x.shape[0], x.shape[1], width, dtype=x.dtype, device=x.device)
+    launch_forward(out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar)
     return out
 
 
 def backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
              proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-             activation: str, phi: str, phi_scalar: float, mask: Sequence[bool]) -> tuple[torch.Tensor, ...]:
-    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias); empty where ``mask`` is False."""
+             activation: str, phi: str, phi_params: Sequence[torch.Tensor], phi_scalar: float,
+             mask: Sequence[bool]) -> tuple[torch.Tensor, ...]:
+    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias, W_phi); empty where ``mask`` is False."""
     grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias = _contiguous(
         grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias)
+    phi_params = _contiguous(*phi_params)
     B, T, D_in = x.shape
     D, _, K = conv_weight.shape
     n_partial = B * backward_row_blocks(T, K)
@@ -281,13 +351,19 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor 
     du = torch.empty(B, T, D, dtype=x.dtype, device=x.device) if (mask[0] or mask[1] or mask[2]) else None
     dcw_partial = torch.empty(n_partial, K, D, **f32) if mask[3] else None
     dcb_partial = torch.empty(n_partial, D, **f32) if mask[4] else None
-    launch_backward_conv(du, dcw_partial, dcb_partial, grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias,
-                         activation, phi, phi_scalar)
-    grads = [x.new_empty(0) for _ in range(5)]
+    dphi_partial = None
+    if mask[5]:
+        d_phi, head_dim = phi_params[0].shape
+        dphi_partial = torch.empty(n_partial * (D // head_dim), d_phi, head_dim, **f32)
+    launch_backward_conv(du, dcw_partial, dcb_partial, dphi_partial, grad_out, x, proj_weight, proj_bias,
+                         conv_weight, conv_bias, activation, phi, phi_params, phi_scalar)
+    grads = [x.new_empty(0) for _ in range(6)]
     if dcw_partial is not None:
         grads[3] = dcw_partial.sum(0).t().unsqueeze(1).to(conv_weight.dtype).contiguous()   # [D, 1, K]
     if dcb_partial is not None:
         grads[4] = dcb_partial.sum(0).to(conv_bias.dtype)
+    if dphi_partial is not None:
+        grads[5] = dphi_partial.sum(0).to(phi_params[0].dtype)                               # [d_phi, Dh]
     if du is not None:
         if proj_weight is None:
             grads[0] = du

@@ -6,12 +6,16 @@ Schema (see :mod:`hecate.lowering.qk_preprocess.naive` for the equations)::
                   proj_weight [D, D_in]?, proj_bias [D]?,
                   conv_weight [D, 1, K], conv_bias [D]?,
                   activation: "silu" | "none",
-                  phi: "identity" | "elu1" | "relu" | "relu2" | "exp",
-                  phi_params: [] (elementwise φ kinds take no tensors),
-                  phi_scalar: clamp max of "exp" (spec default 10.0), ignored otherwise) -> [B, T, D]
+                  phi: "identity" | "elu1" | "relu" | "relu2" | "exp" | "linear",
+                  phi_params: [] for the elementwise kinds; [W_phi [d_phi, Dh]] for "linear",
+                  phi_scalar: clamp max of "exp" (spec default 10.0), ignored otherwise)
+        -> [B, T, D] (elementwise φ) or [B, T, H·d_phi] ("linear", H = D / Dh heads)
 
-Matrix feature maps (learned linear, random Fourier, polynomial, MLP, Performer) are not fused here:
-the pass fuses the chain up to the activation (phi="identity") and leaves φ's matmul to Inductor.
+phi="linear" is the learned linear feature map applied per head: channels c = h·Dh + i of the
+activation form head h, out[b, t, h·d_phi + p] = Σ_i W_phi[p, i] a[b, t, h·Dh + i] (the model's
+[B, T, H, Dh] → nn.Linear(Dh, d_phi, bias=False) → flatten; Dh = D for a single head). The other matrix
+feature maps (random Fourier, polynomial, residual MLP, Performer) are not fused: fuse the chain up to the
+activation (phi="identity") and leave φ to Inductor.
 
 Paths: CUDA tensors (and CPU tensors inside :func:`hecate.lowering.dispatch.triton_on_cpu`) run the
 Triton kernels of :mod:`.kernels`; CPU tensors run plain ATen (:func:`forward_aten` /
@@ -20,7 +24,7 @@ same ATen (an Inductor decomposition that declines CUDA tensors), so Inductor fu
 as it fuses the unfused model, while CUDA keeps the Triton kernels.
 
 The backward is its own op, ``torch.ops.hecate.qk_preprocess_backward``, returning the gradients
-of (x, proj_weight, proj_bias, conv_weight, conv_bias); a gradient not asked for in
+of (x, proj_weight, proj_bias, conv_weight, conv_bias, W_phi); a gradient not asked for in
 ``output_mask`` (or of an absent tensor) comes back as an empty tensor.
 """
 
@@ -32,10 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from hecate.lowering.dispatch import use_triton
-from hecate.lowering.qk_preprocess.naive import ACTIVATIONS, ELEMENTWISE_PHI, apply_activation, apply_phi
+from hecate.lowering.qk_preprocess.naive import ACTIVATIONS, PHI_KINDS, apply_activation, apply_phi
 
-PHI_KINDS = ELEMENTWISE_PHI
-GRAD_INPUTS = ("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias")
+GRAD_INPUTS = ("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias", "phi_weight")
 
 
 def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
@@ -50,7 +53,7 @@ def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: t
         raise ValueError(f"qk_preprocess: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     if phi not in PHI_KINDS:
         raise ValueError(f"qk_preprocess: phi must be one of {list(PHI_KINDS)}, got {phi!r}")
-    if len(phi_params) != 0:
+    if phi != "linear" and len(phi_params) != 0:
         raise ValueError(f"qk_preprocess: phi={phi!r} is elementwise and takes no phi_params, "
                          f"got {len(phi_params)} tensor(s)")
     if conv_weight.dim() != 3 or conv_weight.shape[1] != 1 or conv_weight.shape[2] < 1:
@@ -73,8 +76,17 @@ def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: t
     for name, t in (("proj_bias", proj_bias), ("conv_bias", conv_bias)):
         if t is not None and tuple(t.shape) != (D,):
             raise ValueError(f"qk_preprocess: {name} must be [D] = [{D}], got shape {tuple(t.shape)}")
+    phi_weight = None
+    if phi == "linear":
+        if len(phi_params) != 1 or phi_params[0].dim() != 2:
+            raise ValueError("qk_preprocess: phi='linear' takes phi_params=[W_phi] with W_phi [d_phi, Dh], got "
+                             f"{[tuple(p.shape) for p in phi_params]}")
+        phi_weight = phi_params[0]
+        if D % phi_weight.shape[1] != 0:
+            raise ValueError(f"qk_preprocess: phi='linear' W_phi is [d_phi, Dh] = {tuple(phi_weight.shape)}, and "
+                             f"Dh={phi_weight.shape[1]} must divide D={D} (the channels split into heads of Dh)")
     for name, t in (("proj_weight", proj_weight), ("proj_bias", proj_bias), ("conv_weight", conv_weight),
-                    ("conv_bias", conv_bias)):
+                    ("conv_bias", conv_bias), ("phi_params[0]", phi_weight)):
         if t is None:
             continue
         if t.dtype != x.dtype:
@@ -82,6 +94,15 @@ def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: t
                              "must share one dtype")
         if t.device != x.device:
             raise ValueError(f"qk_preprocess: {name} is on {t.device} but x is on {x.device}")
+
+
+def output_channels(conv_weight: torch.Tensor, phi: str, phi_params: Sequence[torch.Tensor]) -> int:
+    """D for elementwise φ; H·d_phi for "linear"."""
+    D = conv_weight.shape[0]
+    if phi == "linear":
+        d_phi, head_dim = phi_params[0].shape
+        return D // head_dim * d_phi
+    return D
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,13 +125,19 @@ def causal_conv_aten(u: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torc
 
 def forward_aten(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
                  conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation: str, phi: str,
-                 phi_scalar: float) -> torch.Tensor:
+                 phi_params: Sequence[torch.Tensor], phi_scalar: float) -> torch.Tensor:
     u = F.linear(x, proj_weight, proj_bias) if proj_weight is not None else x
-    return apply_phi(apply_activation(causal_conv_aten(u, conv_weight, conv_bias), activation), phi, phi_scalar)
+    a = apply_activation(causal_conv_aten(u, conv_weight, conv_bias), activation)
+    return apply_phi(a, phi, list(phi_params), phi_scalar)
 
 
-def phi_backward(grad_out: torch.Tensor, a: torch.Tensor, phi: str, phi_scalar: float) -> torch.Tensor:
+def phi_backward(grad_out: torch.Tensor, a: torch.Tensor, phi: str, phi_params: Sequence[torch.Tensor],
+                 phi_scalar: float) -> torch.Tensor:
     """∂L/∂a from ∂L/∂φ(a) (the subgradients torch's own elu/relu/clamp backward use)."""
+    if phi == "linear":
+        (phi_weight,) = phi_params                                    # [d_phi, Dh]
+        B, T, _ = grad_out.shape
+        return grad_out.reshape(B, T, -1, phi_weight.shape[0]).matmul(phi_weight).flatten(2)
     if phi == "identity":
         return grad_out
     if phi == "elu1":
@@ -131,28 +158,34 @@ def activation_backward(grad_a: torch.Tensor, z: torch.Tensor, activation: str) 
 
 
 def effective_mask(output_mask: Sequence[bool], proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
-                   conv_bias: torch.Tensor | None) -> list[bool]:
-    """Which of (x, proj_weight, proj_bias, conv_weight, conv_bias) get a gradient: asked for and present."""
+                   conv_bias: torch.Tensor | None, phi: str) -> list[bool]:
+    """Which of (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight) get a gradient: asked for and
+    present."""
     if len(output_mask) != len(GRAD_INPUTS):
         raise ValueError(f"qk_preprocess_backward: output_mask must have {len(GRAD_INPUTS)} entries "
                          f"{list(GRAD_INPUTS)}, got {len(output_mask)}")
-    present = (True, proj_weight is not None, proj_bias is not None, True, conv_bias is not None)
+    present = (True, proj_weight is not None, proj_bias is not None, True, conv_bias is not None, phi == "linear")
     return [bool(m) and p for m, p in zip(output_mask, present)]
 
 
 def backward_aten(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
                   proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-                  activation: str, phi: str, phi_scalar: float,
+                  activation: str, phi: str, phi_params: Sequence[torch.Tensor], phi_scalar: float,
                   mask: Sequence[bool]) -> tuple[torch.Tensor, ...]:
-    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias); empty where ``mask`` is False."""
+    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight); empty where ``mask`` is
+    False."""
     T = x.shape[1]
     K = conv_weight.shape[2]
     w = conv_weight[:, 0, :]                                          # [D, K]
     u = F.linear(x, proj_weight, proj_bias) if proj_weight is not None else x
     z = causal_conv_aten(u, conv_weight, conv_bias)                   # recomputed, [B, T, D]
-    grad_a = phi_backward(grad_out, apply_activation(z, activation), phi, phi_scalar)
+    a = apply_activation(z, activation)
+    grad_a = phi_backward(grad_out, a, phi, phi_params, phi_scalar)
     grad_z = activation_backward(grad_a, z, activation)               # [B, T, D]
     grads = [x.new_empty(0) for _ in GRAD_INPUTS]     # distinct tensors: outputs must not alias
+    if mask[5]:
+        d_phi, head_dim = phi_params[0].shape                         # dW_phi = Σ_{b,t,h} dφ_h a_hᵀ
+        grads[5] = grad_out.reshape(-1, d_phi).t().matmul(a.reshape(-1, head_dim))
     if mask[3]:
         u_padded = F.pad(u, (0, 0, K - 1, 0))                         # [B, K-1+T, D]
         grads[3] = torch.stack([(grad_z * u_padded[:, j:j + T]).sum((0, 1)) for j in range(K)], 1).unsqueeze(1)
@@ -188,14 +221,15 @@ def qk_preprocess(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: 
     if use_triton(x):
         from hecate.lowering.qk_preprocess import kernels
 
-        return kernels.forward(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar)
-    return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar)
+        return kernels.forward(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
+                               phi_scalar)
+    return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar)
 
 
 @qk_preprocess.register_fake
 def _qk_preprocess_fake(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar):
     check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-    return x.new_empty(x.shape[0], x.shape[1], conv_weight.shape[0])
+    return x.new_empty(x.shape[0], x.shape[1], output_channels(conv_weight, phi, phi_params))
 
 
 @torch.library.custom_op("hecate::qk_preprocess_backward", mutates_args=())
@@ -203,15 +237,16 @@ def qk_preprocess_backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight:
                            proj_bias: torch.Tensor | None, conv_weight: torch.Tensor,
                            conv_bias: torch.Tensor | None, activation: str, phi: str,
                            phi_params: list[torch.Tensor], phi_scalar: float, output_mask: list[bool]
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor]:
     check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias)
+    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)
     if use_triton(x):
         from hecate.lowering.qk_preprocess import kernels
 
         return kernels.backward(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
-                                phi_scalar, mask)
-    return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
+                                phi_params, phi_scalar, mask)
+    return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
                          phi_scalar, mask)
 
 
@@ -219,25 +254,29 @@ def qk_preprocess_backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight:
 def _qk_preprocess_backward_fake(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
                                  phi_params, phi_scalar, output_mask):
     check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias)
-    shaped = (x, proj_weight, proj_bias, conv_weight, conv_bias)
+    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)
+    shaped = (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_params[0] if phi == "linear" else None)
     return tuple(torch.empty_like(t) if m else x.new_empty(0) for m, t in zip(mask, shaped))
 
 
 def _setup_context(ctx, inputs, output):
     x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar = inputs
-    ctx.save_for_backward(x, proj_weight, proj_bias, conv_weight, conv_bias)
-    ctx.attrs = (activation, phi, phi_params, phi_scalar)
+    ctx.save_for_backward(x, proj_weight, proj_bias, conv_weight, conv_bias, *phi_params)
+    ctx.attrs = (activation, phi, phi_scalar)
 
 
 def _backward(ctx, grad_out):
-    x, proj_weight, proj_bias, conv_weight, conv_bias = ctx.saved_tensors
-    activation, phi, phi_params, phi_scalar = ctx.attrs
-    output_mask = [bool(n) for n in ctx.needs_input_grad[:5]]
+    x, proj_weight, proj_bias, conv_weight, conv_bias = ctx.saved_tensors[:5]
+    activation, phi, phi_scalar = ctx.attrs
+    phi_params = ctx.saved_tensors[5:]
+    needs = ctx.needs_input_grad
+    output_mask = [bool(n) for n in needs[:5]] + [phi == "linear" and bool(needs[7][0])]
     grads = torch.ops.hecate.qk_preprocess_backward(grad_out.contiguous(), x, proj_weight, proj_bias, conv_weight,
                                                     conv_bias, activation, phi, phi_params, phi_scalar, output_mask)
-    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias)
-    return (*(g if m else None for g, m in zip(grads, mask)), None, None, [None] * len(phi_params), None)
+    grads = [g if m else None for g, m in zip(grads, effective_mask(output_mask, proj_weight, proj_bias, conv_bias,
+                                                                     phi))]
+    grad_phi_params = [grads[5]] if phi == "linear" else []
+    return (*grads[:5], None, None, grad_phi_params, None)
 
 
 qk_preprocess.register_autograd(_backward, setup_context=_setup_context)
@@ -258,7 +297,8 @@ def _register_inductor_decompositions() -> None:
         if use_triton(x):
             return NotImplemented
         check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-        return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_scalar)
+        return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
+                            phi_scalar)
 
     @register_decomposition(torch.ops.hecate.qk_preprocess_backward.default)
     def _backward_on_cpu(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
@@ -266,9 +306,9 @@ def _register_inductor_decompositions() -> None:
         if use_triton(x):
             return NotImplemented
         check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-        mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias)
+        mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)
         return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
-                             phi_scalar, mask)
+                             phi_params, phi_scalar, mask)
 
     # Inductor memoises its table on first use: drop a copy made before these were registered.
     cached_table = getattr(inductor_decomposition, "fast_random_decomps", None)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import hecate
+import hecate.lowering  # noqa: F401  registers torch.ops.hecate.*
 from hecate.testing import rel_err
 
 OP = torch.ops.hecate.qk_preprocess.default
@@ -15,11 +16,15 @@ class DirectCall(torch.nn.Module):
         self.proj = torch.nn.Linear(d_in, d, bias=bias) if projection else None
         self.conv = torch.nn.Conv1d(d, d, k, groups=d, bias=bias)
         self.activation, self.phi = activation, phi
+        # learned linear φ on heads of 3 channels, 5 features each
+        self.phi_weight = torch.nn.Parameter(torch.randn(5, 3)) if phi == "linear" else None
 
     def forward(self, x):
         proj_weight = self.proj.weight if self.proj is not None else None
         proj_bias = self.proj.bias if self.proj is not None else None
-        return OP(x, proj_weight, proj_bias, self.conv.weight, self.conv.bias, self.activation, self.phi, [], 0.5)
+        phi_params = [self.phi_weight] if self.phi_weight is not None else []
+        return OP(x, proj_weight, proj_bias, self.conv.weight, self.conv.bias, self.activation, self.phi,
+                  phi_params, 0.5)
 
 
 VARIANTS = {
@@ -28,6 +33,7 @@ VARIANTS = {
     "nobias-none-relu": dict(projection=True, bias=False, activation="none", phi="relu"),
     "conv-only-silu-exp": dict(projection=False, bias=True, activation="silu", phi="exp"),
     "conv-only-none-identity": dict(projection=False, bias=False, activation="none", phi="identity"),
+    "full-silu-linear": dict(projection=True, bias=True, activation="silu", phi="linear"),
 }
 
 
@@ -51,7 +57,7 @@ def test_onnx_export_matches_pytorch(variant, tmp_path):
 
 
 @pytest.mark.parametrize("output_type", ["torch", "linalg-on-tensors"])
-@pytest.mark.parametrize("variant", ["full-silu-elu1", "conv-only-silu-exp"])
+@pytest.mark.parametrize("variant", ["full-silu-elu1", "conv-only-silu-exp", "full-silu-linear"])
 def test_mlir_export_has_no_hecate_op(variant, output_type):
     model, x = _model_and_input(variant)
     text = hecate.export_mlir(model, (x,), output_type=output_type)

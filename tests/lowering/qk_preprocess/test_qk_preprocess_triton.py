@@ -8,7 +8,7 @@ from hecate.lowering.qk_preprocess import kernels
 from hecate.lowering.qk_preprocess.naive import ACTIVATIONS, ELEMENTWISE_PHI, qk_preprocess_reference
 from hecate.testing import assert_close, poisoned
 
-from qk_preprocess_cases import Case, check_against_reference
+from qk_preprocess_cases import Case, check_against_reference, detached
 
 OP = torch.ops.hecate.qk_preprocess.default
 FP32_TOL = 1e-5
@@ -34,7 +34,11 @@ def test_every_activation_and_phi(activation, phi):
     Case(B=2, T=33, D=10, K=4, proj=False, proj_bias=False, conv_bias=False, phi="exp"),  # 3 T blocks
     Case(B=2, T=21, D_in=7, D=6, K=2, proj_bias=False, activation="none", phi="relu"),
     Case(B=1, T=18, D_in=33, D=10, K=4, conv_bias=False, phi="identity"),  # D_in over two BLOCK_K steps
-], ids=["T<K", "T=1", "no-proj", "no-bias-3-blocks", "K=2-no-proj-bias", "D_in=33-no-conv-bias"])
+    Case(B=2, T=19, D_in=7, D=12, K=4, phi="linear", head_dim=6, d_phi=5),  # 2 heads, Dh and d_phi odd
+    Case(B=1, T=5, D=16, K=3, proj=False, proj_bias=False, activation="none", phi="linear", head_dim=16,
+         d_phi=20),                                                       # one head, d_phi over two chunks
+], ids=["T<K", "T=1", "no-proj", "no-bias-3-blocks", "K=2-no-proj-bias", "D_in=33-no-conv-bias",
+        "linear-phi-2-heads", "linear-phi-1-head-no-proj"])
 def test_shapes_and_optional_tensors(case):
     check_against_reference(triton_op, case, FP32_TOL)
 
@@ -49,65 +53,75 @@ def test_only_requested_gradients():
     with triton_on_cpu():
         (dx,) = torch.autograd.grad(OP(*case.args(t)), [t["x"]], grad_out)
     x_ref = t["x"].detach().double().requires_grad_()
-    ref = qk_preprocess_reference(x_ref, *[v.detach().double() for v in list(t.values())[1:]], case.activation,
+    ref = qk_preprocess_reference(x_ref, *[v.detach().double() for v in list(t.values())[1:5]], case.activation,
                                   case.phi, [], case.phi_scalar)
     (dx_ref,) = torch.autograd.grad(ref, [x_ref], grad_out.double())
     assert_close("dx", dx, dx_ref, FP32_TOL)
 
 
-def test_kernels_write_every_output_element():
+@pytest.mark.parametrize("case", [Case(B=2, T=19, D_in=7, D=17, K=4),
+                                  Case(B=2, T=19, D_in=7, D=12, K=4, phi="linear", head_dim=6, d_phi=5)],
+                         ids=["elu1", "linear-phi"])
+def test_kernels_write_every_output_element(case):
     """NaN-filled output buffers: every element the kernels own must be written."""
-    case = Case(B=2, T=19, D_in=7, D=17, K=4)
-    t = {n: v.detach() for n, v in case.tensors().items()}
+    t = {n: v.detach() if v is not None else None for n, v in case.tensors().items()}
+    phi_params = [t["phi_weight"]] if case.phi == "linear" else []
     args = (t["x"], t["proj_weight"], t["proj_bias"], t["conv_weight"], t["conv_bias"], case.activation, case.phi,
-            case.phi_scalar)
-    out = poisoned(case.B, case.T, case.D)
+            phi_params, case.phi_scalar)
+    out = poisoned(case.B, case.T, case.out_width)
     kernels.launch_forward(out, *args)
-    ref = qk_preprocess_reference(*args[:7], [], case.phi_scalar)
-    assert_close("out", out, ref, FP32_TOL)
+    assert_close("out", out, qk_preprocess_reference(*args), FP32_TOL)
 
     n_partial = case.B * kernels.backward_row_blocks(case.T, case.K)
     du, dcw_partial, dcb_partial = (poisoned(case.B, case.T, case.D), poisoned(n_partial, case.K, case.D),
                                     poisoned(n_partial, case.D))
-    grad_out = torch.randn(case.B, case.T, case.D)
-    kernels.launch_backward_conv(du, dcw_partial, dcb_partial, grad_out, *args)
+    dphi_partial = (poisoned(n_partial * case.D // case.head_dim, case.d_phi, case.head_dim)
+                    if case.phi == "linear" else None)
+    grad_out = torch.randn(case.B, case.T, case.out_width)
+    kernels.launch_backward_conv(du, dcw_partial, dcb_partial, dphi_partial, grad_out, *args)
     u = torch.nn.functional.linear(t["x"], t["proj_weight"], t["proj_bias"]).requires_grad_()
-    cw, cb = t["conv_weight"].clone().requires_grad_(), t["conv_bias"].clone().requires_grad_()
-    ref = qk_preprocess_reference(u, None, None, cw, cb, case.activation, case.phi, [], case.phi_scalar)
-    du_ref, dcw_ref, dcb_ref = torch.autograd.grad(ref, [u, cw, cb], grad_out)
-    assert_close("du", du, du_ref, FP32_TOL)
-    assert_close("dconv_weight", dcw_partial.sum(0).t().unsqueeze(1), dcw_ref, FP32_TOL)
-    assert_close("dconv_bias", dcb_partial.sum(0), dcb_ref, FP32_TOL)
+    leaves = [u, t["conv_weight"].clone().requires_grad_(), t["conv_bias"].clone().requires_grad_()]
+    leaves += [p.clone().requires_grad_() for p in phi_params]
+    ref = qk_preprocess_reference(u, None, None, leaves[1], leaves[2], case.activation, case.phi, leaves[3:],
+                                  case.phi_scalar)
+    ref_grads = torch.autograd.grad(ref, leaves, grad_out)
+    assert_close("du", du, ref_grads[0], FP32_TOL)
+    assert_close("dconv_weight", dcw_partial.sum(0).t().unsqueeze(1), ref_grads[1], FP32_TOL)
+    assert_close("dconv_bias", dcb_partial.sum(0), ref_grads[2], FP32_TOL)
+    if dphi_partial is not None:
+        assert_close("dphi_weight", dphi_partial.sum(0), ref_grads[3], FP32_TOL)
 
 
 def test_non_contiguous_inputs():
     case = Case(B=2, T=9, D_in=5, D=6, K=3)
-    t = {n: v.detach() for n, v in case.tensors().items()}
+    t = {n: v.detach() for n, v in case.tensors().items() if v is not None}
     x_t = t["x"].transpose(0, 1).contiguous().transpose(0, 1)               # same values, other strides
     w_t = t["proj_weight"].t().contiguous().t()
     assert not x_t.is_contiguous() and not w_t.is_contiguous()
     got = triton_op(x_t, w_t, t["proj_bias"], t["conv_weight"], t["conv_bias"], case.activation, case.phi, [],
                     case.phi_scalar)
-    assert_close("out", got, qk_preprocess_reference(*case.args(t)), FP32_TOL)
+    assert_close("out", got, qk_preprocess_reference(*case.args({**t, "phi_weight": None})), FP32_TOL)
 
 
-def test_opcheck_triton_path():
-    case = Case(B=1, T=5, D_in=4, D=6, K=3)
+@pytest.mark.parametrize("case", [Case(B=1, T=5, D_in=4, D=6, K=3),
+                                  Case(B=1, T=5, D_in=4, D=6, K=3, phi="linear", head_dim=3, d_phi=4)],
+                         ids=["elu1", "linear-phi"])
+def test_opcheck_triton_path(case):
     args = case.args(case.tensors())
     with triton_on_cpu():
         torch.library.opcheck(OP, args)
-        grad_out = torch.randn(1, 5, 6)
+        grad_out = torch.randn(1, 5, case.out_width)
         torch.library.opcheck(torch.ops.hecate.qk_preprocess_backward.default,
-                              (grad_out, *[a.detach() if isinstance(a, torch.Tensor) else a for a in args],
-                               [True, True, False, True, True]))
+                              (grad_out, *detached(args),
+                               [True, True, False, True, True, False]))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("phi", ["elu1", "exp"])
+@pytest.mark.parametrize("phi", ["elu1", "exp", "linear"])
 def test_half_precision_on_cuda(dtype, phi):
     """bf16/fp16 inputs, fp32 accumulation inside the kernels: close to the float64 reference."""
-    case = Case(B=2, T=300, D_in=96, D=130, K=4, phi=phi)
+    case = Case(B=2, T=300, D_in=96, D=128, K=4, phi=phi, head_dim=64, d_phi=80)
     check_against_reference(OP, case, 2e-2, dtype=dtype, device="cuda")
 
 
