@@ -112,7 +112,7 @@ def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
 
 
 def _fake_run(op: torch._ops.OpOverload, args: Sequence[Any]) -> Any:
-    vals = [val(a) for a in args]
+    vals = [fx.node.map_aggregate(a, val) for a in args]  # also inside lists, e.g. Tensor[] args
     fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if fake_mode is None:
         return None

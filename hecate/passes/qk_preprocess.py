@@ -310,6 +310,82 @@ def _check_clamped_exp(match: Match) -> str | None:
     return None
 
 
+def _check_linear_phi(match: Match) -> str | None:
+    linear = match.node(aten.linear.default)
+    if _arg(linear, 2, "bias") is not None:
+        return "the linear feature map has a bias; φ(k) = W_phi k has none"
+    return _check_phi_weight(match)
+
+
+def _check_phi_weight(match: Match) -> str | None:
+    z, weight = val(match.inputs[0]), val(match.inputs[1])
+    if weight.dim() != 2 or weight.shape[1] != z.shape[-1]:
+        return f"feature-map weight {tuple(weight.shape)} is not [d_phi, {z.shape[-1]}]"
+    return None
+
+
+def _is_close(value, expected: float) -> bool:
+    return isinstance(value, (int, float)) and math.isclose(value, expected, rel_tol=1e-6)
+
+
+def _check_random_fourier(match: Match) -> str | None:
+    reason = _check_phi_weight(match)
+    if reason:
+        return reason
+    d_phi = val(match.inputs[1]).shape[0]
+    if val(match.inputs[2]).shape != (d_phi,):
+        return f"random Fourier bias has shape {_shape(match.inputs[2])}, not [d_phi] = [{d_phi}]"
+    scale = match.outputs[0].args[1]
+    if not _is_close(scale, math.sqrt(2.0 / d_phi)):
+        return f"random Fourier features scaled by {scale}, not sqrt(2/d_phi) = {math.sqrt(2.0 / d_phi):.6g}"
+    return None
+
+
+def _check_performer(match: Match) -> str | None:
+    reason = _check_phi_weight(match)
+    if reason:
+        return reason
+    z, d_phi = val(match.inputs[0]), val(match.inputs[1]).shape[0]
+    total = match.node(aten.sum.dim_IntList)
+    dims, keepdim = [d % z.dim() for d in total.args[1]], _arg(total, 2, "keepdim", False)
+    if dims != [z.dim() - 1] or not keepdim:
+        return f"‖k‖² sums over dims {total.args[1]} (keepdim={keepdim}), not the feature dim"
+    outer = match.outputs[0]  # exp(...) / sqrt(d_phi); the other division halves ‖k‖²
+    inner = next(n for n in match.nodes if n.target == aten.div.Tensor and n is not outer)
+    half, scale = inner.args[1], outer.args[1]
+    if not _is_close(half, 2.0) or not _is_close(scale, math.sqrt(d_phi)):
+        return (f"exp(Wk − ‖k‖²/{half}) / {scale} is not the FAVOR+ map exp(Wk − ‖k‖²/2) / sqrt(d_phi) "
+                f"(sqrt(d_phi) = {math.sqrt(d_phi):.6g})")
+    return None
+
+
+_w_phi, _b_phi = torch.randn(_D + 2, _D), torch.randn(_D + 2)  # d_phi ≠ D
+
+
+def _linear_phi(z, w):
+    return F.linear(z, w)
+
+
+def _linear_phi_matmul(z, w):
+    return z @ w.T
+
+
+def _random_fourier(z, w, b):
+    return math.sqrt(2.0 / (_D + 2)) * torch.cos(z @ w.T + b)
+
+
+def _random_fourier_linear(z, w, b):
+    return math.sqrt(2.0 / (_D + 2)) * torch.cos(F.linear(z, w, b))
+
+
+def _performer(z, w):
+    return torch.exp(z @ w.T - z.square().sum(dim=-1, keepdim=True) / 2) / math.sqrt(_D + 2)
+
+
+MATRIX_PHI = ("linear", "random_fourier", "performer")
+"""φ kinds that mix the feature dimension: they act per head, after the head split, and end the chain."""
+
+
 def _tail_pieces() -> list[Piece]:
     x = (_x_btd,)
     return [
@@ -328,6 +404,11 @@ def _tail_pieces() -> list[Piece]:
         Piece("phi", lambda z: torch.exp(torch.clamp_max(z, 10.0)), x, _check_clamped_exp, "exp"),
         Piece("phi", lambda z: torch.exp(z), x, _no_literals, "exp"),
         Piece("phi", lambda z: F.relu(z), x, _no_literals, "relu"),
+        Piece("phi", _random_fourier, (_x_btd, _w_phi, _b_phi), _check_random_fourier, "random_fourier"),
+        Piece("phi", _random_fourier_linear, (_x_btd, _w_phi, _b_phi), _check_random_fourier, "random_fourier"),
+        Piece("phi", _performer, (_x_btd, _w_phi), _check_performer, "performer"),
+        Piece("phi", _linear_phi, (_x_btd, _w_phi), _check_linear_phi, "linear"),
+        Piece("phi", _linear_phi_matmul, (_x_btd, _w_phi), _check_phi_weight, "linear"),
     ]
 
 
@@ -446,14 +527,20 @@ def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Ch
 
 def _walk_tail(node: fx.Node, index: _Index, report: FusionReport) -> list[_Found]:
     """The tail stages after the conv, each at most once: swap back, SiLU (before φ), head split
-    (after the swap back), φ. The order of the rest is free: they are elementwise or layout-only."""
+    (after the swap back), φ. The order of the rest is free: they are elementwise or layout-only,
+    except a matrix φ, which needs the channels last (after the swap back) and ends the chain."""
+    from hecate.lowering.qk_preprocess.naive import PHI_KINDS as fused_phi  # what the op computes
+
+
     tail: list[_Found] = []
     while True:
         done = {p.piece.stage for p in tail}
         found = None
         for candidate in index.consumers(node):
-            stage = candidate.piece.stage
-            if stage in done or (stage == "activation" and "phi" in done) or (stage == "heads" and "swap" not in done):
+            stage, matrix = candidate.piece.stage, candidate.piece.value in MATRIX_PHI
+            if stage in done or (stage == "activation" and "phi" in done) \
+                    or ((stage == "heads" or matrix) and "swap" not in done) \
+                    or (stage == "phi" and candidate.piece.value not in fused_phi):
                 continue
             reason = candidate.piece.check(candidate.match)
             if reason:
@@ -464,6 +551,8 @@ def _walk_tail(node: fx.Node, index: _Index, report: FusionReport) -> list[_Foun
         if found is None:
             return tail
         tail.append(found)
+        if found.piece.value in MATRIX_PHI:  # the feature dim changed: nothing after it is per channel
+            return tail
         node = found.output
 
 
@@ -513,18 +602,20 @@ def _node_named(gm: fx.GraphModule, name: str) -> fx.Node:
 def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> None:
     phi, heads = chain.stage("phi"), chain.stage("heads")
     phi_kind = phi.piece.value if phi is not None else "identity"
+    phi_params = phi.match.inputs[1:] if phi is not None else []  # W_phi (and b_phi) of a matrix φ
     args = _op_tensor_args(chain) + [
-        "silu" if chain.stage("activation") else "none", phi_kind, [], _phi_scalar(phi)]
+        "silu" if chain.stage("activation") else "none", phi_kind, phi_params, _phi_scalar(phi)]
     merged = InternalMatch(anchors=[], returning_nodes=[chain.tail[-1].output])
     for part in chain.parts:
         merged.nodes_map.update(part.match.internal.nodes_map)
     match = Match(chain.conv.match.pattern, merged)
     detail = _describe(chain, phi_kind, _phi_scalar(phi))
     nodes_replaced = len(match.nodes)
-    result = val(chain.tail[-1].output)  # [B, T, H, Dh] when the chain splits heads
+    result = val(chain.tail[-1].output)  # [B, T, H, Dh or d_phi] when the chain splits heads
     call = replace_with_op(gm, match, op, args)
     if heads is not None:
-        # SiLU and φ ran after the head split; they act per channel, so split the op's [B,T,D] result instead.
+        # SiLU and φ ran after the head split; they act per channel (per head for a matrix φ),
+        # so split the op's [B, T, H·Dh] result instead.
         call = _node_named(gm, call.name)  # replace_with_op's legalize_graph copied the graph's nodes
         with gm.graph.inserting_after(call):
             split = gm.graph.call_function(aten.unflatten.int, (call, -1, list(result.shape[2:])))
@@ -546,11 +637,12 @@ def _phi_scalar(phi: _Found | None) -> float:
     return math.inf
 
 
-_PHI_NAMES = {"elu1": "elu+1", "relu": "relu", "relu2": "relu²"}
+_PHI_NAMES = {"elu1": "elu+1", "relu": "relu", "relu2": "relu²",
+              "linear": "linear φ", "random_fourier": "random Fourier φ", "performer": "Performer φ"}
 
 
 def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
-    """The variant, e.g. "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]"."""
+    """The variant, e.g. "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]"; the layout is the op's input's."""
     k = val(chain.conv.match.node(aten.conv1d.default).args[1]).shape[2]
     steps = [chain.projection.piece.value] if chain.projection else []
     steps.append(f"conv(K={k})")
@@ -558,6 +650,9 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
         steps.append("silu")
     if phi_kind == "exp":
         steps.append("exp" if math.isinf(phi_scalar) else f"exp(min(·, {phi_scalar:g}))")
+    elif phi_kind in MATRIX_PHI:
+        d_phi = val(chain.stage("phi").match.inputs[1]).shape[0]
+        steps.append(f"{_PHI_NAMES[phi_kind]}(d_phi={d_phi})")
     elif phi_kind != "identity":
         steps.append(_PHI_NAMES[phi_kind])
     layout = "[B,T,H,Dh]" if chain.stage("heads") else "[B,T,D]"
@@ -565,5 +660,5 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
     if phi_kind == "identity":
         readers = sorted({str(u.target) for u in chain.tail[-1].output.users if u.op == "call_function"})
         if readers:
-            text += f"; read by {', '.join(readers)}, left to the fallback (the op fuses only elementwise φ)"
+            text += f"; read by {', '.join(readers)}, left to the fallback (not a φ the op fuses)"
     return text

@@ -181,7 +181,7 @@ def test_projection_read_elsewhere_is_left_out_of_the_fusion():
 
     report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
     assert _details(report) == ["conv(K=4) → silu [B,T,D]; read by aten.add.Tensor, left to the fallback "
-                                "(the op fuses only elementwise φ)"]
+                                "(not a φ the op fuses)"]
 
 
 def test_intermediate_read_elsewhere_stops_the_chain_there():
@@ -193,18 +193,42 @@ def test_intermediate_read_elsewhere_stops_the_chain_there():
     assert _details(report)[0].startswith("linear → conv(K=4) → silu [B,T,D]")
 
 
-# ---------------------------------------------------------------- matrix φ: fused up to SiLU
+# ---------------------------------------------------------------- matrix φ
 
-@pytest.mark.parametrize("phi", ["linear", "random_fourier", "poly2", "mlp", "performer"])
-def test_matrix_phi_fuses_up_to_silu_and_leaves_phi(phi):
-    model = KeyQueryPreprocess(6, 6, n_heads=2, phi=phi, d_phi=5)
+MATRIX_PHI_DETAIL = {"linear": "linear φ", "random_fourier": "random Fourier φ", "performer": "Performer φ"}
+
+
+@pytest.mark.parametrize("heads", [2, None])
+@pytest.mark.parametrize("phi", ["linear", "random_fourier", "performer", "poly2", "mlp"])
+def test_matrix_phi(phi, heads):
+    """φ kinds the op computes (its PHI_KINDS) fuse whole; the others fuse up to SiLU and φ is left."""
+    from hecate.lowering.qk_preprocess.naive import PHI_KINDS
+
+    model = KeyQueryPreprocess(6, 6, n_heads=heads, phi=phi, d_phi=5)
     _randomize(model)
     report = _compare_with_eager(model, torch.randn(2, 5, 6))
-    details = _details(report)
-    assert len(details) == 2
-    for detail in details:
-        assert detail.startswith("linear → conv(K=4) → silu [B,T,H,Dh]; read by aten."), detail
-        assert detail.endswith("left to the fallback (the op fuses only elementwise φ)")
+    layout = "[B,T,H,Dh]" if heads else "[B,T,D]"
+    if phi in PHI_KINDS:
+        assert _details(report) == [f"linear → conv(K=4) → silu → {MATRIX_PHI_DETAIL[phi]}(d_phi=5) {layout}"] * 2
+    else:
+        assert len(_details(report)) == 2
+        for detail in _details(report):
+            assert detail.startswith(f"linear → conv(K=4) → silu {layout}; read by aten."), detail
+            assert detail.endswith("left to the fallback (not a φ the op fuses)")
+    assert report.misses == []
+
+
+def test_linear_phi_with_bias_is_left_and_reported():
+    def spelling(m, x):
+        a = F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)).transpose(1, 2))
+        return F.linear(a, m.w_phi, m.b_phi)
+
+    chain = Chain(spelling)
+    chain.w_phi, chain.b_phi = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(4))
+    report = _compare_with_eager(chain, torch.randn(2, 7, 5))
+    assert _details(report)[0].startswith("linear → conv(K=4) → silu [B,T,D]; read by aten.linear.default")
+    assert [m.reason for m in report.misses] == [
+        "phi not fused: the linear feature map has a bias; φ(k) = W_phi k has none"]
 
 
 # ---------------------------------------------------------------- near-misses
@@ -315,7 +339,7 @@ def test_cli_explain_prints_the_report(capsys):
     assert "0 fused, 2 not fused" in out
     assert "outputs see future tokens, not causal" in out and "conv1d has groups=1" in out
     assert "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]" in out
-    assert "left to the fallback (the op fuses only elementwise φ)" in out
+    assert "Performer φ(d_phi=16)" in out or "left to the fallback (not a φ the op fuses)" in out
 
 
 def _fused_example():
