@@ -2,17 +2,19 @@
 
 ONNX: MatMul (+ Add) for the projection; Transpose to [B, D, T], Pad K-1 zeros on the left, Conv with
 group=D (the depthwise causal conv), Transpose back; Sigmoid·Mul for SiLU; Elu/Relu/Mul/Min/Exp for φ,
-Reshape to heads + MatMul for the learned linear φ.
+Reshape to heads + MatMul (+ Cos / Exp, ReduceSum) for the matrix φ kinds.
 ATen: the op's own ATen path (:func:`~hecate.lowering.qk_preprocess.op.forward_aten`), so torch-mlir sees
 only ops it knows.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from onnxscript import opset18 as ox
 
-from hecate.lowering.qk_preprocess.naive import ACTIVATIONS, PHI_KINDS
+from hecate.lowering.qk_preprocess.naive import ACTIVATIONS, MATRIX_PHI, PHI_KINDS
 from hecate.lowering.qk_preprocess.op import backward_aten, check_inputs, effective_mask, forward_aten
 from hecate.lowering.registry import decomposition, onnx_translation
 
@@ -45,11 +47,19 @@ def qk_preprocess_onnx(x, proj_weight, proj_bias, conv_weight, conv_bias, activa
         return ox.Mul(r, r)
     if phi == "exp":
         return ox.Exp(ox.Min(a, ox.CastLike(ox.Constant(value_float=float(phi_scalar)), a)))
-    if phi == "linear":                                                     # per head: [B, T, H, Dh] · W_phiᵀ
-        (phi_weight,) = phi_params
+    if phi in MATRIX_PHI:                                                   # per head: [B, T, H, Dh] · W_phiᵀ
+        phi_weight = phi_params[0]
         d_phi, head_dim = phi_weight.shape
         heads = ox.Reshape(a, ox.Constant(value_ints=[0, 0, D // head_dim, head_dim]))
         features = ox.MatMul(heads, ox.Transpose(phi_weight, perm=[1, 0]))   # [B, T, H, d_phi]
+        if phi == "random_fourier":
+            features = ox.Mul(ox.Cos(ox.Add(features, phi_params[1])),
+                              ox.CastLike(ox.Constant(value_float=math.sqrt(2.0 / d_phi)), a))
+        elif phi == "performer":
+            half_sq_norm = ox.Mul(ox.ReduceSum(ox.Mul(heads, heads), ox.Constant(value_ints=[-1]), keepdims=1),
+                                  ox.CastLike(ox.Constant(value_float=0.5), a))
+            features = ox.Mul(ox.Exp(ox.Sub(features, half_sq_norm)),
+                              ox.CastLike(ox.Constant(value_float=1.0 / math.sqrt(d_phi)), a))
         return ox.Reshape(features, ox.Constant(value_ints=[0, 0, D // head_dim * d_phi]))
     return ox.Identity(a)
 

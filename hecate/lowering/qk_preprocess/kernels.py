@@ -15,10 +15,12 @@ recomputes u and z, forms dz = g · φ'(a) · act'(z) for rows r >= H, then du[t
 sums of dw_conv[c, j] = Σ_t dz[t, c] u[t - H + j, c] and db_conv = Σ_t dz over its owned rows (summed over
 programs on the host). Then dx = du W_proj, dW_proj = duᵀ x, db_proj = Σ du are matmuls/sums (cuBLAS).
 
-Learned linear φ (phi="linear", W_phi [d_phi, Dh]): a program's channel block is one head (BLOCK_D >= Dh,
-channels past Dh masked), the forward writes φ = a W_phiᵀ [BLOCK_T, d_phi] by tl.dot in BLOCK_P column
-chunks, and the backward forms da = dφ W_phi the same way plus the partial dW_phi = dφᵀ a over its owned
-rows, [B·n_t·H, d_phi, Dh], summed on the host.
+Matrix φ (linear, random Fourier, Performer; W_phi [d_phi, Dh]): a program's channel block is one head
+(BLOCK_D >= Dh, channels past Dh zeroed), the forward computes pre = a W_phiᵀ [BLOCK_T, BLOCK_P] by tl.dot
+in BLOCK_P feature chunks and writes φ(pre) per chunk; the backward recomputes pre per chunk, forms
+dpre = dφ · φ'(pre), da = dpre W_phi (− a Σ_p dpre for the Performer's −‖a‖²/2), and the partial
+dW_phi = dpreᵀ a [B·n_t·H, d_phi, Dh] and db_phi = Σ dpre [B·n_t·H, d_phi] over its owned rows, summed on
+the host.
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ import triton
 import triton.language as tl
 
 from hecate.lowering.dispatch import interpreting
+from hecate.lowering.qk_preprocess.naive import MATRIX_PHI
 
 ACTIVATION_CODES = {"none": 0, "silu": 1}
-PHI_CODES = {"identity": 0, "elu1": 1, "relu": 2, "relu2": 3, "exp": 4, "linear": 5}
-LINEAR_PHI = tl.constexpr(PHI_CODES["linear"])
+PHI_CODES = {"identity": 0, "elu1": 1, "relu": 2, "relu2": 3, "exp": 4,
+             "linear": 5, "random_fourier": 6, "performer": 7}
+LINEAR_PHI = tl.constexpr(PHI_CODES["linear"])          # the matrix kinds are the codes >= LINEAR_PHI
+RANDOM_FOURIER_PHI = tl.constexpr(PHI_CODES["random_fourier"])
+PERFORMER_PHI = tl.constexpr(PHI_CODES["performer"])
 
 
 @triton.jit
@@ -129,15 +135,26 @@ def _grad_z(g, z, phi_scalar, ACTIVATION: tl.constexpr, PHI: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, out_ptr, T, D, D_in, CH, d_phi, out_width,
-                    phi_scalar,
+def _matrix_phi_pre(a, phi_w_ptr, phi_b_ptr, p, i, CH, d_phi, PHI: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """pre = a W_phiᵀ (+ b_phi for random Fourier) for the features p [BLOCK_P]: [BLOCK_T, BLOCK_P]."""
+    w_phi_t = tl.load(phi_w_ptr + p[None, :] * CH + i[:, None], mask=(i < CH)[:, None] & (p < d_phi)[None, :],
+                      other=0.0).to(tl.float32)                             # [BLOCK_D, BLOCK_P] = W_phiᵀ
+    pre = tl.dot(a, w_phi_t, input_precision=INPUT_PRECISION)
+    if PHI == RANDOM_FOURIER_PHI:
+        pre += tl.load(phi_b_ptr + p, mask=p < d_phi, other=0.0).to(tl.float32)[None, :]
+    return pre
+
+
+@triton.jit
+def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, phi_b_ptr, out_ptr, T, D, D_in, CH, d_phi,
+                    out_width, phi_scalar, feature_scale,
                     K: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr,
                     HAS_CONV_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PHI: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr):
     # grid: (cdiv(D, CH), cdiv(T, BLOCK_T - (K-1)), B); each program takes CH channels (BLOCK_D, or one head
     # of Dh for linear φ). Channel blocks vary fastest so programs reading the same x rows run together.
-    # out [B, T, out_width]: out_width = D, or H·d_phi for linear φ.
+    # out [B, T, out_width]: out_width = D, or H·d_phi for matrix φ.
     pid_d = tl.program_id(0)
     pid_t = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -150,13 +167,16 @@ def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, out_ptr, T,
     z = _causal_conv(u, cw_ptr, cb_ptr, r, c, D, K, HAS_CONV_BIAS, BLOCK_T, BLOCK_D)
     rows = (r >= K - 1) & (t < T)                                           # the halo rows are not ours
     out_rows = out_ptr + b * T * out_width + t[:, None] * out_width         # [BLOCK_T, 1]
-    if PHI == LINEAR_PHI:
-        a = _activation(z, ACTIVATION)
+    if PHI >= LINEAR_PHI:
+        a = tl.where((i < CH)[None, :], _activation(z, ACTIVATION), 0.0)   # one head; columns past it zeroed
+        half_sq_norm = 0.5 * tl.sum(a * a, axis=1)                          # [BLOCK_T] ‖a_h‖²/2 (Performer)
         for p0 in range(0, d_phi, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)                                  # [BLOCK_P] feature
-            w_phi_t = tl.load(phi_w_ptr + p[None, :] * CH + i[:, None], mask=(i < CH)[:, None] & (p < d_phi)[None, :],
-                              other=0.0).to(tl.float32)                     # [BLOCK_D, BLOCK_P] = W_phiᵀ
-            features = tl.dot(a, w_phi_t, input_precision=INPUT_PRECISION)  # [BLOCK_T, BLOCK_P]
+            features = _matrix_phi_pre(a, phi_w_ptr, phi_b_ptr, p, i, CH, d_phi, PHI, INPUT_PRECISION)
+            if PHI == RANDOM_FOURIER_PHI:
+                features = feature_scale * tl.cos(features)
+            elif PHI == PERFORMER_PHI:
+                features = feature_scale * tl.exp(features - half_sq_norm[:, None])
             tl.store(out_rows + pid_d * d_phi + p[None, :], features.to(out_ptr.dtype.element_ty),
                      mask=rows[:, None] & (p < d_phi)[None, :])
     else:
@@ -166,19 +186,20 @@ def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, out_ptr, T,
 
 
 @triton.jit
-def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr,
-                          du_ptr, dcw_partial_ptr, dcb_partial_ptr, dphi_partial_ptr,
-                          T, D, D_in, CH, d_phi, out_width, phi_scalar,
+def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, phi_b_ptr,
+                          du_ptr, dcw_partial_ptr, dcb_partial_ptr, dphi_partial_ptr, dphib_partial_ptr,
+                          T, D, D_in, CH, d_phi, out_width, phi_scalar, feature_scale,
                           K: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr,
                           HAS_CONV_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PHI: tl.constexpr,
                           WRITE_DU: tl.constexpr, WRITE_DCW: tl.constexpr, WRITE_DCB: tl.constexpr,
-                          WRITE_DPHI: tl.constexpr,
+                          WRITE_DPHI: tl.constexpr, WRITE_DPHIB: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr):
     # grid: (cdiv(D, CH), cdiv(T, BLOCK_T - 2(K-1)), B). Tile rows r ↔ t = s0 - (K-1) + r; the
     # program owns rows r in [K-1, BLOCK_T - (K-1)), i.e. t in [s0, s0 + BLOCK_T - 2(K-1)).
     # g = ∂L/∂out [B, T, out_width]. dcw_partial [B·n_t, K, D] and dcb_partial [B·n_t, D] (fp32) get one
-    # row per (batch, T block); dphi_partial [B·n_t·H, d_phi, Dh] one slice per program.
+    # row per (batch, T block); dphi_partial [B·n_t·H, d_phi, Dh] and dphib_partial [B·n_t·H, d_phi] one
+    # slice per program.
     pid_d = tl.program_id(0)
     pid_t = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -196,23 +217,38 @@ def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr
     owned_rows = (r >= H) & (r < BLOCK_T - H) & (t < T)
     owned = owned_rows[:, None] & col_ok[None, :]
     g_rows = g_ptr + b * T * out_width + t[:, None] * out_width             # [BLOCK_T, 1]
-    if PHI == LINEAR_PHI:
-        # da = dφ W_phi and the partial dW_phi = dφᵀ a over the owned rows, in BLOCK_P feature chunks
-        a = _activation(z, ACTIVATION)
+    if PHI >= LINEAR_PHI:
+        # per BLOCK_P feature chunk: dpre = dφ · φ'(pre), da += dpre W_phi, partial dW_phi += dpreᵀ a and
+        # db_phi += Σ dpre over the owned rows
+        a = tl.where((i < CH)[None, :], _activation(z, ACTIVATION), 0.0)   # one head; columns past it zeroed
+        half_sq_norm = 0.5 * tl.sum(a * a, axis=1)                          # [BLOCK_T]
         g = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)                  # becomes ∂L/∂a
+        g_pre_sum = tl.zeros([BLOCK_T], dtype=tl.float32)                   # Σ_p dpre (Performer)
         program = (b * tl.num_programs(1) + pid_t) * tl.num_programs(0) + pid_d
         for p0 in range(0, d_phi, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
-            g_phi = tl.load(g_rows + pid_d * d_phi + p[None, :], mask=z_rows[:, None] & (p < d_phi)[None, :],
-                            other=0.0).to(tl.float32)                       # [BLOCK_T, BLOCK_P]
+            g_pre = tl.load(g_rows + pid_d * d_phi + p[None, :], mask=z_rows[:, None] & (p < d_phi)[None, :],
+                            other=0.0).to(tl.float32)                       # [BLOCK_T, BLOCK_P] = dφ
+            if PHI != LINEAR_PHI:
+                pre = _matrix_phi_pre(a, phi_w_ptr, phi_b_ptr, p, i, CH, d_phi, PHI, INPUT_PRECISION)
+                if PHI == RANDOM_FOURIER_PHI:
+                    g_pre = g_pre * (-feature_scale) * tl.sin(pre)
+                else:
+                    g_pre = g_pre * feature_scale * tl.exp(pre - half_sq_norm[:, None])
+                g_pre = tl.where(z_rows[:, None], g_pre, 0.0)               # no 0·inf from rows we do not own
+                g_pre_sum += tl.sum(g_pre, axis=1)
             w_phi = tl.load(phi_w_ptr + p[:, None] * CH + i[None, :], mask=(p < d_phi)[:, None] & (i < CH)[None, :],
                             other=0.0).to(tl.float32)                       # [BLOCK_P, BLOCK_D]
-            g = tl.dot(g_phi, w_phi, g, input_precision=INPUT_PRECISION)
+            g = tl.dot(g_pre, w_phi, g, input_precision=INPUT_PRECISION)
+            g_owned = tl.where(owned_rows[:, None], g_pre, 0.0)
             if WRITE_DPHI:
-                g_owned = tl.where(owned_rows[:, None], g_phi, 0.0)
                 dphi = tl.dot(tl.trans(g_owned), a, input_precision=INPUT_PRECISION)   # [BLOCK_P, BLOCK_D]
                 tl.store(dphi_partial_ptr + (program * d_phi + p[:, None]) * CH + i[None, :], dphi,
                          mask=(p < d_phi)[:, None] & (i < CH)[None, :])
+            if WRITE_DPHIB:
+                tl.store(dphib_partial_ptr + program * d_phi + p, tl.sum(g_owned, axis=0), mask=p < d_phi)
+        if PHI == PERFORMER_PHI:                                            # ∂(−‖a‖²/2)/∂a = −a
+            g -= a * g_pre_sum[:, None]
     else:
         g = tl.load(g_rows + c[None, :], mask=z_ok, other=0.0).to(tl.float32)
     dz = tl.where(z_ok, _grad_z(g, z, phi_scalar, ACTIVATION, PHI), 0.0)   # [BLOCK_T, BLOCK_D]
@@ -250,16 +286,17 @@ def _blocks(K: int) -> tuple[int, int, int]:
 
 
 def _launch_config(x: torch.Tensor, conv_weight: torch.Tensor, phi: str, phi_params) -> dict:
-    """Block sizes and the channel split: CH channels per program (a whole head of Dh for linear φ)."""
+    """Block sizes and the channel split: CH channels per program (a whole head of Dh for matrix φ)."""
     D, _, K = conv_weight.shape
     BLOCK_T, BLOCK_D, BLOCK_K = _blocks(K)
-    CH, d_phi, BLOCK_P = BLOCK_D, 0, 16
-    if phi == "linear":
+    CH, d_phi, BLOCK_P, feature_scale = BLOCK_D, 0, 16, 1.0
+    if phi in MATRIX_PHI:
         d_phi, CH = phi_params[0].shape
         BLOCK_D = max(16, triton.next_power_of_2(CH))
         BLOCK_P = 16 if interpreting() else min(64, max(16, triton.next_power_of_2(d_phi)))
-    return dict(K=K, CH=CH, d_phi=d_phi, out_width=D // CH * d_phi if phi == "linear" else D,
-                BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
+        feature_scale = {"linear": 1.0, "random_fourier": (2.0 / d_phi) ** 0.5, "performer": d_phi ** -0.5}[phi]
+    return dict(K=K, CH=CH, d_phi=d_phi, out_width=D // CH * d_phi if phi in MATRIX_PHI else D,
+                feature_scale=feature_scale, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_P=BLOCK_P,
                 INPUT_PRECISION=_input_precision(x))
 
 
@@ -282,36 +319,43 @@ def launch_forward(out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor
     B, T, D_in = x.shape
     D = conv_weight.shape[0]
     cfg = _launch_config(x, conv_weight, phi, phi_params)
-    CH, d_phi, out_width = cfg.pop("CH"), cfg.pop("d_phi"), cfg.pop("out_width")
+    CH, d_phi, out_width, scale = cfg.pop("CH"), cfg.pop("d_phi"), cfg.pop("out_width"), cfg.pop("feature_scale")
     grid = (triton.cdiv(D, CH), triton.cdiv(T, cfg["BLOCK_T"] - (cfg["K"] - 1)), B)
+    phi_weight, phi_bias = _phi_tensors(phi, phi_params, x)
     _forward_kernel[grid](x, proj_weight if proj_weight is not None else x, proj_bias if proj_bias is not None else x,
-                          conv_weight, conv_bias if conv_bias is not None else x,
-                          phi_params[0] if phi == "linear" else x, out,
-                          T, D, D_in, CH, d_phi, out_width, float(phi_scalar),
+                          conv_weight, conv_bias if conv_bias is not None else x, phi_weight, phi_bias, out,
+                          T, D, D_in, CH, d_phi, out_width, float(phi_scalar), scale,
                           **_flags(proj_weight, proj_bias, conv_bias, activation, phi), **cfg)
 
 
+def _phi_tensors(phi: str, phi_params: Sequence[torch.Tensor], dummy: torch.Tensor):
+    """(W_phi, b_phi) pointers for the kernels, ``dummy`` where the kind has none."""
+    return (phi_params[0] if phi in MATRIX_PHI else dummy, phi_params[1] if phi == "random_fourier" else dummy)
+
+
 def launch_backward_conv(du: torch.Tensor | None, dcw_partial: torch.Tensor | None, dcb_partial: torch.Tensor | None,
-                         dphi_partial: torch.Tensor | None, grad_out: torch.Tensor, x: torch.Tensor,
+                         dphi_partial: torch.Tensor | None, dphib_partial: torch.Tensor | None,
+                         grad_out: torch.Tensor, x: torch.Tensor,
                          proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None, conv_weight: torch.Tensor,
                          conv_bias: torch.Tensor | None, activation: str, phi: str,
                          phi_params: Sequence[torch.Tensor], phi_scalar: float) -> None:
     """Kernel 1 of the backward: writes du [B, T, D], dcw_partial [B·n_t, K, D], dcb_partial [B·n_t, D],
-    dphi_partial [B·n_t·H, d_phi, Dh] (each only when given)."""
+    dphi_partial [B·n_t·H, d_phi, Dh], dphib_partial [B·n_t·H, d_phi] (each only when given)."""
     B, T, D_in = x.shape
     D = conv_weight.shape[0]
     cfg = _launch_config(x, conv_weight, phi, phi_params)
-    CH, d_phi, out_width = cfg.pop("CH"), cfg.pop("d_phi"), cfg.pop("out_width")
+    CH, d_phi, out_width, scale = cfg.pop("CH"), cfg.pop("d_phi"), cfg.pop("out_width"), cfg.pop("feature_scale")
     grid = (triton.cdiv(D, CH), backward_row_blocks(T, cfg["K"]), B)
+    phi_weight, phi_bias = _phi_tensors(phi, phi_params, x)
+    written = [du, dcw_partial, dcb_partial, dphi_partial, dphib_partial]
     _backward_conv_kernel[grid](
         grad_out, x, proj_weight if proj_weight is not None else x, proj_bias if proj_bias is not None else x,
-        conv_weight, conv_bias if conv_bias is not None else x, phi_params[0] if phi == "linear" else x,
-        du if du is not None else x, dcw_partial if dcw_partial is not None else x,
-        dcb_partial if dcb_partial is not None else x, dphi_partial if dphi_partial is not None else x,
-        T, D, D_in, CH, d_phi, out_width, float(phi_scalar),
+        conv_weight, conv_bias if conv_bias is not None else x, phi_weight, phi_bias,
+        *[t if t is not None else x for t in written],
+        T, D, D_in, CH, d_phi, out_width, float(phi_scalar), scale,
         **_flags(proj_weight, proj_bias, conv_bias, activation, phi),
         WRITE_DU=du is not None, WRITE_DCW=dcw_partial is not None, WRITE_DCB=dcb_partial is not None,
-        WRITE_DPHI=dphi_partial is not None, **cfg)
+        WRITE_DPHI=dphi_partial is not None, WRITE_DPHIB=dphib_partial is not None, **cfg)
 
 
 def backward_row_blocks(T: int, K: int) -> int:
@@ -330,7 +374,7 @@ def forward(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.
     x, proj_weight, proj_bias, conv_weight, conv_bias = _contiguous(x, proj_weight, proj_bias, conv_weight, conv_bias)
     phi_params = _contiguous(*phi_params)
     D = conv_weight.shape[0]
-    width = D // phi_params[0].shape[1] * phi_params[0].shape[0] if phi == "linear" else D
+    width = D // phi_params[0].shape[1] * phi_params[0].shape[0] if phi in MATRIX_PHI else D
     out = torch.empty(x.shape[0], x.shape[1], width, dtype=x.dtype, device=x.device)
     launch_forward(out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar)
     return out
@@ -340,7 +384,8 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor 
              proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
              activation: str, phi: str, phi_params: Sequence[torch.Tensor], phi_scalar: float,
              mask: Sequence[bool]) -> tuple[torch.Tensor, ...]:
-    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias, W_phi); empty where ``mask`` is False."""
+    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias, W_phi, b_phi); empty where ``mask`` is
+    False."""
     grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias = _contiguous(
         grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias)
     phi_params = _contiguous(*phi_params)
@@ -351,19 +396,23 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor 
     du = torch.empty(B, T, D, dtype=x.dtype, device=x.device) if (mask[0] or mask[1] or mask[2]) else None
     dcw_partial = torch.empty(n_partial, K, D, **f32) if mask[3] else None
     dcb_partial = torch.empty(n_partial, D, **f32) if mask[4] else None
-    dphi_partial = None
-    if mask[5]:
+    dphi_partial = dphib_partial = None
+    if mask[5] or mask[6]:
         d_phi, head_dim = phi_params[0].shape
-        dphi_partial = torch.empty(n_partial * (D // head_dim), d_phi, head_dim, **f32)
-    launch_backward_conv(du, dcw_partial, dcb_partial, dphi_partial, grad_out, x, proj_weight, proj_bias,
-                         conv_weight, conv_bias, activation, phi, phi_params, phi_scalar)
-    grads = [x.new_empty(0) for _ in range(6)]
+        n_head_partial = n_partial * (D // head_dim)
+        dphi_partial = torch.empty(n_head_partial, d_phi, head_dim, **f32) if mask[5] else None
+        dphib_partial = torch.empty(n_head_partial, d_phi, **f32) if mask[6] else None
+    launch_backward_conv(du, dcw_partial, dcb_partial, dphi_partial, dphib_partial, grad_out, x, proj_weight,
+                         proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar)
+    grads = [x.new_empty(0) for _ in range(7)]
     if dcw_partial is not None:
         grads[3] = dcw_partial.sum(0).t().unsqueeze(1).to(conv_weight.dtype).contiguous()   # [D, 1, K]
     if dcb_partial is not None:
         grads[4] = dcb_partial.sum(0).to(conv_bias.dtype)
     if dphi_partial is not None:
         grads[5] = dphi_partial.sum(0).to(phi_params[0].dtype)                               # [d_phi, Dh]
+    if dphib_partial is not None:
+        grads[6] = dphib_partial.sum(0).to(phi_params[1].dtype)                              # [d_phi]
     if du is not None:
         if proj_weight is None:
             grads[0] = du

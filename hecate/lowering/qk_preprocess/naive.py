@@ -9,18 +9,24 @@ Spec (``short-causal-conv.md``, ``feature-maps-phi.md``, ``linear-attention-feat
     out         = φ(a)                                             (elementwise feature map)
 
 Elementwise φ kinds: identity; elu1 = elu(a) + 1; relu; relu2 = relu(a)²; exp = exp(min(a, phi_scalar)).
-Matrix φ kind: linear, φ(a)[b, t, h, :] = W_phi a[b, t, h, :] with phi_params = [W_phi [d_phi, Dh]] shared by
-the H = D / Dh heads (channels c = h·Dh + i); the output is [B, T, H·d_phi].
+Matrix φ kinds act on each head a_h = a[b, t, h·Dh:(h+1)·Dh] (H = D / Dh heads, one W_phi [d_phi, Dh] shared
+by all heads) and give [B, T, H·d_phi]:
+    linear:          φ(a_h) = W_phi a_h                                        phi_params = [W_phi]
+    random_fourier:  φ(a_h) = sqrt(2/d_phi) · cos(W_phi a_h + b_phi)           phi_params = [W_phi, b_phi [d_phi]]
+    performer:       φ(a_h) = exp(W_phi a_h − ‖a_h‖²/2) / sqrt(d_phi)          phi_params = [W_phi]  (FAVOR+)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 ACTIVATIONS = ("silu", "none")
 ELEMENTWISE_PHI = ("identity", "elu1", "relu", "relu2", "exp")
-MATRIX_PHI = ("linear",)
+MATRIX_PHI = ("linear", "random_fourier", "performer")
+PHI_PARAM_COUNT = {"linear": 1, "random_fourier": 2, "performer": 1}
 PHI_KINDS = ELEMENTWISE_PHI + MATRIX_PHI
 
 
@@ -40,10 +46,17 @@ def apply_phi(a: torch.Tensor, phi: str, phi_params: list[torch.Tensor], phi_sca
         return F.relu(a).square()
     if phi == "exp":
         return torch.exp(torch.clamp(a, max=phi_scalar))
-    if phi == "linear":
-        (w_phi,) = phi_params                                                     # [d_phi, Dh]
+    if phi in MATRIX_PHI:
+        w_phi = phi_params[0]                                                     # [d_phi, Dh]
+        d_phi, head_dim = w_phi.shape
         B, T, D = a.shape
-        return F.linear(a.reshape(B, T, D // w_phi.shape[1], w_phi.shape[1]), w_phi).flatten(2)
+        heads = a.reshape(B, T, D // head_dim, head_dim)                          # [B, T, H, Dh]
+        pre = F.linear(heads, w_phi)                                              # [B, T, H, d_phi]
+        if phi == "random_fourier":
+            pre = math.sqrt(2.0 / d_phi) * torch.cos(pre + phi_params[1])
+        elif phi == "performer":
+            pre = torch.exp(pre - heads.square().sum(-1, keepdim=True) / 2) / math.sqrt(d_phi)
+        return pre.flatten(2)
     raise ValueError(f"phi must be one of {list(PHI_KINDS)}, got {phi!r}")
 
 

@@ -6,16 +6,20 @@ Schema (see :mod:`hecate.lowering.qk_preprocess.naive` for the equations)::
                   proj_weight [D, D_in]?, proj_bias [D]?,
                   conv_weight [D, 1, K], conv_bias [D]?,
                   activation: "silu" | "none",
-                  phi: "identity" | "elu1" | "relu" | "relu2" | "exp" | "linear",
-                  phi_params: [] for the elementwise kinds; [W_phi [d_phi, Dh]] for "linear",
+                  phi: elementwise "identity" | "elu1" | "relu" | "relu2" | "exp"
+                       or matrix "linear" | "random_fourier" | "performer",
+                  phi_params: [] for the elementwise kinds; [W_phi [d_phi, Dh]] for "linear" and "performer";
+                              [W_phi [d_phi, Dh], b_phi [d_phi]] for "random_fourier",
                   phi_scalar: clamp max of "exp" (spec default 10.0), ignored otherwise)
-        -> [B, T, D] (elementwise φ) or [B, T, H·d_phi] ("linear", H = D / Dh heads)
+        -> [B, T, D] (elementwise φ) or [B, T, H·d_phi] (matrix φ, H = D / Dh heads)
 
-phi="linear" is the learned linear feature map applied per head: channels c = h·Dh + i of the
-activation form head h, out[b, t, h·d_phi + p] = Σ_i W_phi[p, i] a[b, t, h·Dh + i] (the model's
-[B, T, H, Dh] → nn.Linear(Dh, d_phi, bias=False) → flatten; Dh = D for a single head). The other matrix
-feature maps (random Fourier, polynomial, residual MLP, Performer) are not fused: fuse the chain up to the
-activation (phi="identity") and leave φ to Inductor.
+Matrix φ kinds act per head: channels c = h·Dh + i of the activation a form head a_h, and with
+pre = W_phi a_h (one W_phi shared by the heads; Dh = D for a single head):
+    linear          out[b, t, h·d_phi + p] = pre_p                  (nn.Linear(Dh, d_phi, bias=False))
+    random_fourier  sqrt(2/d_phi) · cos(pre_p + b_phi[p])
+    performer       exp(pre_p − ‖a_h‖²/2) / sqrt(d_phi)               (FAVOR+ positive random features)
+i.e. the model's [B, T, H, Dh] → φ → [B, T, H, d_phi] flattened to [B, T, H·d_phi]. Polynomial and residual-MLP
+φ are not fused: fuse the chain up to the activation (phi="identity") and leave φ to Inductor.
 
 Paths: CUDA tensors (and CPU tensors inside :func:`hecate.lowering.dispatch.triton_on_cpu`) run the
 Triton kernels of :mod:`.kernels`; CPU tensors run plain ATen (:func:`forward_aten` /
@@ -32,13 +36,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from hecate.lowering.dispatch import use_triton
-from hecate.lowering.qk_preprocess.naive import ACTIVATIONS, PHI_KINDS, apply_activation, apply_phi
+from hecate.lowering.qk_preprocess.naive import (ACTIVATIONS, MATRIX_PHI, PHI_KINDS, PHI_PARAM_COUNT,
+                                                 apply_activation, apply_phi)
 
-GRAD_INPUTS = ("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias", "phi_weight")
+GRAD_INPUTS = ("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias", "phi_weight", "phi_bias")
 
 
 def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
@@ -53,7 +60,7 @@ def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: t
         raise ValueError(f"qk_preprocess: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     if phi not in PHI_KINDS:
         raise ValueError(f"qk_preprocess: phi must be one of {list(PHI_KINDS)}, got {phi!r}")
-    if phi != "linear" and len(phi_params) != 0:
+    if phi not in MATRIX_PHI and len(phi_params) != 0:
         raise ValueError(f"qk_preprocess: phi={phi!r} is elementwise and takes no phi_params, "
                          f"got {len(phi_params)} tensor(s)")
     if conv_weight.dim() != 3 or conv_weight.shape[1] != 1 or conv_weight.shape[2] < 1:
@@ -76,17 +83,23 @@ def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: t
     for name, t in (("proj_bias", proj_bias), ("conv_bias", conv_bias)):
         if t is not None and tuple(t.shape) != (D,):
             raise ValueError(f"qk_preprocess: {name} must be [D] = [{D}], got shape {tuple(t.shape)}")
-    phi_weight = None
-    if phi == "linear":
-        if len(phi_params) != 1 or phi_params[0].dim() != 2:
-            raise ValueError("qk_preprocess: phi='linear' takes phi_params=[W_phi] with W_phi [d_phi, Dh], got "
+    phi_weight = phi_bias = None
+    if phi in MATRIX_PHI:
+        expected = "[W_phi [d_phi, Dh], b_phi [d_phi]]" if phi == "random_fourier" else "[W_phi [d_phi, Dh]]"
+        if len(phi_params) != PHI_PARAM_COUNT[phi] or phi_params[0].dim() != 2:
+            raise ValueError(f"qk_preprocess: phi={phi!r} takes phi_params={expected}, got shapes "
                              f"{[tuple(p.shape) for p in phi_params]}")
         phi_weight = phi_params[0]
         if D % phi_weight.shape[1] != 0:
-            raise ValueError(f"qk_preprocess: phi='linear' W_phi is [d_phi, Dh] = {tuple(phi_weight.shape)}, and "
+            raise ValueError(f"qk_preprocess: phi={phi!r} W_phi is [d_phi, Dh] = {tuple(phi_weight.shape)}, and "
                              f"Dh={phi_weight.shape[1]} must divide D={D} (the channels split into heads of Dh)")
+        if phi == "random_fourier":
+            phi_bias = phi_params[1]
+            if tuple(phi_bias.shape) != (phi_weight.shape[0],):
+                raise ValueError(f"qk_preprocess: phi='random_fourier' b_phi must be [d_phi] = "
+                                 f"[{phi_weight.shape[0]}], got shape {tuple(phi_bias.shape)}")
     for name, t in (("proj_weight", proj_weight), ("proj_bias", proj_bias), ("conv_weight", conv_weight),
-                    ("conv_bias", conv_bias), ("phi_params[0]", phi_weight)):
+                    ("conv_bias", conv_bias), ("phi_params[0]", phi_weight), ("phi_params[1]", phi_bias)):
         if t is None:
             continue
         if t.dtype != x.dtype:
@@ -97,9 +110,9 @@ def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: t
 
 
 def output_channels(conv_weight: torch.Tensor, phi: str, phi_params: Sequence[torch.Tensor]) -> int:
-    """D for elementwise φ; H·d_phi for "linear"."""
+    """D for elementwise φ; H·d_phi for matrix φ."""
     D = conv_weight.shape[0]
-    if phi == "linear":
+    if phi in MATRIX_PHI:
         d_phi, head_dim = phi_params[0].shape
         return D // head_dim * d_phi
     return D
@@ -131,13 +144,31 @@ def forward_aten(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: t
     return apply_phi(a, phi, list(phi_params), phi_scalar)
 
 
-def phi_backward(grad_out: torch.Tensor, a: torch.Tensor, phi: str, phi_params: Sequence[torch.Tensor],
-                 phi_scalar: float) -> torch.Tensor:
-    """∂L/∂a from ∂L/∂φ(a) (the subgradients torch's own elu/relu/clamp backward use)."""
-    if phi == "linear":
-        (phi_weight,) = phi_params                                    # [d_phi, Dh]
-        B, T, _ = grad_out.shape
-        return grad_out.reshape(B, T, -1, phi_weight.shape[0]).matmul(phi_weight).flatten(2)
+def matrix_phi_backward(grad_out: torch.Tensor, a: torch.Tensor, phi: str, phi_params: Sequence[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(∂L/∂a, ∂L/∂W_phi, ∂L/∂b_phi or None) from ∂L/∂φ [B, T, H·d_phi] for a matrix φ."""
+    phi_weight = phi_params[0]                                        # [d_phi, Dh]
+    d_phi, head_dim = phi_weight.shape
+    B, T, D = a.shape
+    heads = a.reshape(B, T, D // head_dim, head_dim)                  # [B, T, H, Dh]
+    grad_pre = grad_out.reshape(B, T, D // head_dim, d_phi)           # ∂L/∂(W_phi a_h), [B, T, H, d_phi]
+    if phi == "random_fourier":
+        pre = F.linear(heads, phi_weight, phi_params[1])
+        grad_pre = grad_pre * (-math.sqrt(2.0 / d_phi)) * torch.sin(pre)
+    elif phi == "performer":
+        pre = F.linear(heads, phi_weight) - heads.square().sum(-1, keepdim=True) / 2
+        grad_pre = grad_pre * torch.exp(pre) / math.sqrt(d_phi)
+    grad_heads = grad_pre.matmul(phi_weight)
+    if phi == "performer":                                            # the −‖a_h‖²/2 term
+        grad_heads = grad_heads - heads * grad_pre.sum(-1, keepdim=True)
+    grad_pre_rows = grad_pre.reshape(-1, d_phi)
+    grad_weight = grad_pre_rows.t().matmul(heads.reshape(-1, head_dim))
+    grad_bias = grad_pre_rows.sum(0) if phi == "random_fourier" else None
+    return grad_heads.flatten(2), grad_weight, grad_bias
+
+
+def phi_backward(grad_out: torch.Tensor, a: torch.Tensor, phi: str, phi_scalar: float) -> torch.Tensor:
+    """∂L/∂a from ∂L/∂φ(a) for an elementwise φ (the subgradients torch's elu/relu/clamp backward use)."""
     if phi == "identity":
         return grad_out
     if phi == "elu1":
@@ -159,12 +190,13 @@ def activation_backward(grad_a: torch.Tensor, z: torch.Tensor, activation: str) 
 
 def effective_mask(output_mask: Sequence[bool], proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
                    conv_bias: torch.Tensor | None, phi: str) -> list[bool]:
-    """Which of (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight) get a gradient: asked for and
-    present."""
+    """Which of (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight, phi_bias) get a gradient: asked
+    for and present."""
     if len(output_mask) != len(GRAD_INPUTS):
         raise ValueError(f"qk_preprocess_backward: output_mask must have {len(GRAD_INPUTS)} entries "
                          f"{list(GRAD_INPUTS)}, got {len(output_mask)}")
-    present = (True, proj_weight is not None, proj_bias is not None, True, conv_bias is not None, phi == "linear")
+    present = (True, proj_weight is not None, proj_bias is not None, True, conv_bias is not None,
+               phi in MATRIX_PHI, phi == "random_fourier")
     return [bool(m) and p for m, p in zip(output_mask, present)]
 
 
@@ -172,20 +204,24 @@ def backward_aten(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Te
                   proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                   activation: str, phi: str, phi_params: Sequence[torch.Tensor], phi_scalar: float,
                   mask: Sequence[bool]) -> tuple[torch.Tensor, ...]:
-    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight); empty where ``mask`` is
-    False."""
+    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight, phi_bias); empty where
+    ``mask`` is False."""
     T = x.shape[1]
     K = conv_weight.shape[2]
     w = conv_weight[:, 0, :]                                          # [D, K]
     u = F.linear(x, proj_weight, proj_bias) if proj_weight is not None else x
     z = causal_conv_aten(u, conv_weight, conv_bias)                   # recomputed, [B, T, D]
     a = apply_activation(z, activation)
-    grad_a = phi_backward(grad_out, a, phi, phi_params, phi_scalar)
-    grad_z = activation_backward(grad_a, z, activation)               # [B, T, D]
     grads = [x.new_empty(0) for _ in GRAD_INPUTS]     # distinct tensors: outputs must not alias
-    if mask[5]:
-        d_phi, head_dim = phi_params[0].shape                         # dW_phi = Σ_{b,t,h} dφ_h a_hᵀ
-        grads[5] = grad_out.reshape(-1, d_phi).t().matmul(a.reshape(-1, head_dim))
+    if phi in MATRIX_PHI:
+        grad_a, grad_phi_weight, grad_phi_bias = matrix_phi_backward(grad_out, a, phi, phi_params)
+        if mask[5]:
+            grads[5] = grad_phi_weight
+        if mask[6]:
+            grads[6] = grad_phi_bias
+    else:
+        grad_a = phi_backward(grad_out, a, phi, phi_scalar)
+    grad_z = activation_backward(grad_a, z, activation)               # [B, T, D]
     if mask[3]:
         u_padded = F.pad(u, (0, 0, K - 1, 0))                         # [B, K-1+T, D]
         grads[3] = torch.stack([(grad_z * u_padded[:, j:j + T]).sum((0, 1)) for j in range(K)], 1).unsqueeze(1)
@@ -238,7 +274,7 @@ def qk_preprocess_backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight:
                            conv_bias: torch.Tensor | None, activation: str, phi: str,
                            phi_params: list[torch.Tensor], phi_scalar: float, output_mask: list[bool]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor]:
+                                      torch.Tensor, torch.Tensor]:
     check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
     mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)
     if use_triton(x):
@@ -255,7 +291,8 @@ def _qk_preprocess_backward_fake(grad_out, x, proj_weight, proj_bias, conv_weigh
                                  phi_params, phi_scalar, output_mask):
     check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
     mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)
-    shaped = (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_params[0] if phi == "linear" else None)
+    shaped = (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_params[0] if phi in MATRIX_PHI else None,
+              phi_params[1] if phi == "random_fourier" else None)
     return tuple(torch.empty_like(t) if m else x.new_empty(0) for m, t in zip(mask, shaped))
 
 
@@ -270,12 +307,12 @@ def _backward(ctx, grad_out):
     activation, phi, phi_scalar = ctx.attrs
     phi_params = ctx.saved_tensors[5:]
     needs = ctx.needs_input_grad
-    output_mask = [bool(n) for n in needs[:5]] + [phi == "linear" and bool(needs[7][0])]
+    output_mask = [bool(n) for n in needs[:5]] + [bool(n) for n in needs[7]] + [False] * (2 - len(phi_params))
     grads = torch.ops.hecate.qk_preprocess_backward(grad_out.contiguous(), x, proj_weight, proj_bias, conv_weight,
                                                     conv_bias, activation, phi, phi_params, phi_scalar, output_mask)
     grads = [g if m else None for g, m in zip(grads, effective_mask(output_mask, proj_weight, proj_bias, conv_bias,
                                                                      phi))]
-    grad_phi_params = [grads[5]] if phi == "linear" else []
+    grad_phi_params = grads[5:5 + len(phi_params)]
     return (*grads[:5], None, None, grad_phi_params, None)
 
 

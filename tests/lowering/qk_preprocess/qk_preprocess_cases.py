@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hecate.lowering.qk_preprocess.naive import qk_preprocess_reference
+from hecate.lowering.qk_preprocess.naive import MATRIX_PHI, qk_preprocess_reference
 from hecate.testing import assert_close
 
 
@@ -23,16 +23,16 @@ class Case:
     activation: str = "silu"
     phi: str = "elu1"
     phi_scalar: float = 0.5     # low enough that "exp" clamps some entries
-    head_dim: int = 0           # phi="linear": W_phi is [d_phi, head_dim], head_dim divides D
+    head_dim: int = 0           # matrix φ: W_phi is [d_phi, head_dim], head_dim divides D
     d_phi: int = 0
 
     @property
     def out_width(self) -> int:
-        return self.D // self.head_dim * self.d_phi if self.phi == "linear" else self.D
+        return self.D // self.head_dim * self.d_phi if self.phi in MATRIX_PHI else self.D
 
     def tensors(self, dtype=torch.float32, device="cpu") -> dict:
-        """x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight (None where absent), all requiring
-        grad."""
+        """x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight, phi_bias (None where absent), all
+        requiring grad."""
         def make(*shape, scale=1.0):
             return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype=dtype, device=device).requires_grad_()
         return dict(
@@ -41,13 +41,16 @@ class Case:
             proj_bias=make(self.D) if self.proj and self.proj_bias else None,
             conv_weight=make(self.D, 1, self.K, scale=0.5),
             conv_bias=make(self.D) if self.conv_bias else None,
-            phi_weight=make(self.d_phi, self.head_dim, scale=self.head_dim ** -0.5) if self.phi == "linear" else None,
+            phi_weight=make(self.d_phi, self.head_dim, scale=self.head_dim ** -0.5) if self.phi in MATRIX_PHI else None,
+            phi_bias=make(self.d_phi) if self.phi == "random_fourier" else None,
         )
 
     def args(self, tensors: dict) -> tuple:
         return (tensors["x"], tensors["proj_weight"], tensors["proj_bias"], tensors["conv_weight"],
-                tensors["conv_bias"], self.activation, self.phi,
-                [tensors["phi_weight"]] if self.phi == "linear" else [], self.phi_scalar)
+                tensors["conv_bias"], self.activation, self.phi, self.phi_params(tensors), self.phi_scalar)
+
+    def phi_params(self, tensors: dict) -> list:
+        return [t for t in (tensors["phi_weight"], tensors["phi_bias"]) if t is not None]
 
 
 def output_and_grads(fn, case: Case, tensors: dict, grad_out: torch.Tensor):

@@ -16,13 +16,15 @@ class DirectCall(torch.nn.Module):
         self.proj = torch.nn.Linear(d_in, d, bias=bias) if projection else None
         self.conv = torch.nn.Conv1d(d, d, k, groups=d, bias=bias)
         self.activation, self.phi = activation, phi
-        # learned linear φ on heads of 3 channels, 5 features each
-        self.phi_weight = torch.nn.Parameter(torch.randn(5, 3)) if phi == "linear" else None
+        # matrix φ on heads of 3 channels, 5 features each
+        matrix = phi in ("linear", "random_fourier", "performer")
+        self.phi_weight = torch.nn.Parameter(torch.randn(5, 3) * 0.5) if matrix else None
+        self.phi_bias = torch.nn.Parameter(torch.rand(5) * 6.28) if phi == "random_fourier" else None
 
     def forward(self, x):
         proj_weight = self.proj.weight if self.proj is not None else None
         proj_bias = self.proj.bias if self.proj is not None else None
-        phi_params = [self.phi_weight] if self.phi_weight is not None else []
+        phi_params = [p for p in (self.phi_weight, self.phi_bias) if p is not None]
         return OP(x, proj_weight, proj_bias, self.conv.weight, self.conv.bias, self.activation, self.phi,
                   phi_params, 0.5)
 
@@ -34,6 +36,8 @@ VARIANTS = {
     "conv-only-silu-exp": dict(projection=False, bias=True, activation="silu", phi="exp"),
     "conv-only-none-identity": dict(projection=False, bias=False, activation="none", phi="identity"),
     "full-silu-linear": dict(projection=True, bias=True, activation="silu", phi="linear"),
+    "full-silu-random-fourier": dict(projection=True, bias=True, activation="silu", phi="random_fourier"),
+    "conv-only-none-performer": dict(projection=False, bias=True, activation="none", phi="performer"),
 }
 
 
@@ -57,7 +61,8 @@ def test_onnx_export_matches_pytorch(variant, tmp_path):
 
 
 @pytest.mark.parametrize("output_type", ["torch", "linalg-on-tensors"])
-@pytest.mark.parametrize("variant", ["full-silu-elu1", "conv-only-silu-exp", "full-silu-linear"])
+@pytest.mark.parametrize("variant", ["full-silu-elu1", "conv-only-silu-exp", "full-silu-random-fourier",
+                                     "conv-only-none-performer"])
 def test_mlir_export_has_no_hecate_op(variant, output_type):
     model, x = _model_and_input(variant)
     text = hecate.export_mlir(model, (x,), output_type=output_type)

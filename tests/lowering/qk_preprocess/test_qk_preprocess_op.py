@@ -27,22 +27,26 @@ def test_cpu_path_matches_reference_float64(activation, phi):
     Case(B=2, T=7, D=6, K=3, proj=False, proj_bias=False, conv_bias=False, phi="exp"),
     Case(B=2, T=9, D_in=4, D=5, K=2, proj_bias=False, activation="none", phi="relu"),
     Case(B=2, T=9, D_in=4, D=6, K=4, phi="linear", head_dim=3, d_phi=5),
-], ids=["T<K", "no-proj-no-bias", "K=2-no-proj-bias", "linear-phi"])
+    Case(B=2, T=9, D_in=4, D=6, K=4, phi="random_fourier", head_dim=3, d_phi=5),
+    Case(B=2, T=9, D=6, K=3, proj=False, proj_bias=False, phi="performer", head_dim=6, d_phi=7),
+], ids=["T<K", "no-proj-no-bias", "K=2-no-proj-bias", "linear-phi", "random-fourier-phi", "performer-phi"])
 def test_cpu_path_shapes_and_optional_tensors(case):
     check_against_reference(OP, case, 1e-12, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("case", [Case(B=2, T=6, D_in=5, D=6, K=4, phi="exp"),
                                   Case(B=1, T=3, D=4, K=4, proj=False, proj_bias=False, conv_bias=False),
-                                  Case(B=1, T=4, D_in=3, D=4, K=2, phi="linear", head_dim=2, d_phi=3)],
-                         ids=["full-chain", "conv-only", "linear-phi"])
+                                  Case(B=1, T=4, D_in=3, D=4, K=2, phi="linear", head_dim=2, d_phi=3),
+                                  Case(B=1, T=4, D_in=3, D=4, K=2, phi="random_fourier", head_dim=2, d_phi=3),
+                                  Case(B=1, T=4, D_in=3, D=4, K=2, phi="performer", head_dim=4, d_phi=3)],
+                         ids=["full-chain", "conv-only", "linear-phi", "random-fourier-phi", "performer-phi"])
 def test_opcheck_cpu_path(case):
     args = case.args(case.tensors())
     torch.library.opcheck(OP, args)
     grad_out = torch.randn(case.B, case.T, case.out_width)
     plain = detached(args)
-    torch.library.opcheck(BACKWARD_OP, (grad_out, *plain, [True] * 6))
-    torch.library.opcheck(BACKWARD_OP, (grad_out, *plain, [False, True, False, True, False, True]))
+    torch.library.opcheck(BACKWARD_OP, (grad_out, *plain, [True] * 7))
+    torch.library.opcheck(BACKWARD_OP, (grad_out, *plain, [False, True, False, True, False, True, False]))
 
 
 def _valid():
@@ -62,8 +66,13 @@ def _valid():
     (dict(conv_bias=torch.randn(6, 1)), r"conv_bias must be \[D\] = \[6\], got shape \(6, 1\)"),
     (dict(activation="gelu"), r"activation must be one of \['silu', 'none'\], got 'gelu'"),
     (dict(phi="softmax"),
-     r"phi must be one of \['identity', 'elu1', 'relu', 'relu2', 'exp', 'linear'\], got 'softmax'"),
-    (dict(phi="linear"), r"phi='linear' takes phi_params=\[W_phi\] with W_phi \[d_phi, Dh\], got \[\]"),
+     r"phi must be one of \['identity', 'elu1', 'relu', 'relu2', 'exp', 'linear', 'random_fourier', 'performer'\], "
+     r"got 'softmax'"),
+    (dict(phi="linear"), r"phi='linear' takes phi_params=\[W_phi \[d_phi, Dh\]\], got shapes \[\]"),
+    (dict(phi="random_fourier", phi_params=[torch.randn(5, 3)]),
+     r"phi='random_fourier' takes phi_params=\[W_phi \[d_phi, Dh\], b_phi \[d_phi\]\], got shapes \[\(5, 3\)\]"),
+    (dict(phi="random_fourier", phi_params=[torch.randn(5, 3), torch.randn(4)]),
+     r"b_phi must be \[d_phi\] = \[5\], got shape \(4,\)"),
     (dict(phi="linear", phi_params=[torch.randn(5, 4)]), r"Dh=4 must divide D=6"),
     (dict(phi="linear", phi_params=[torch.randn(5, 3, dtype=torch.float64)]),
      r"phi_params\[0\] has dtype torch.float64 but x has torch.float32"),
@@ -84,7 +93,7 @@ def test_bad_inputs_raise_clear_errors(change, message):
 
 def test_backward_output_mask_must_have_five_entries():
     v = _valid()
-    with pytest.raises(ValueError, match=r"output_mask must have 6 entries .* got 2"):
+    with pytest.raises(ValueError, match=r"output_mask must have 7 entries .* got 2"):
         BACKWARD_OP(torch.randn(2, 5, 6), *v.values(), [True, True])
 
 
@@ -108,7 +117,7 @@ def test_inductor_decomposition_declines_triton_path():
     assert isinstance(inductor_decompositions[OP](*args), torch.Tensor)
     with triton_on_cpu():
         assert inductor_decompositions[OP](*args) is NotImplemented
-        assert inductor_decompositions[BACKWARD_OP](torch.randn(2, 5, 6), *args, [True] * 6) is NotImplemented
+        assert inductor_decompositions[BACKWARD_OP](torch.randn(2, 5, 6), *args, [True] * 7) is NotImplemented
 
 
 @pytest.mark.slow

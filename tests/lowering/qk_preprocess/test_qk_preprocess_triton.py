@@ -37,8 +37,14 @@ def test_every_activation_and_phi(activation, phi):
     Case(B=2, T=19, D_in=7, D=12, K=4, phi="linear", head_dim=6, d_phi=5),  # 2 heads, Dh and d_phi odd
     Case(B=1, T=5, D=16, K=3, proj=False, proj_bias=False, activation="none", phi="linear", head_dim=16,
          d_phi=20),                                                       # one head, d_phi over two chunks
+    Case(B=2, T=19, D_in=7, D=12, K=4, phi="random_fourier", head_dim=6, d_phi=5),
+    Case(B=1, T=17, D=16, K=3, proj=False, proj_bias=False, phi="random_fourier", head_dim=16, d_phi=20),
+    Case(B=2, T=19, D_in=7, D=12, K=4, phi="performer", head_dim=6, d_phi=5),
+    Case(B=1, T=17, D=16, K=3, proj=False, proj_bias=False, activation="none", phi="performer", head_dim=16,
+         d_phi=20),
 ], ids=["T<K", "T=1", "no-proj", "no-bias-3-blocks", "K=2-no-proj-bias", "D_in=33-no-conv-bias",
-        "linear-phi-2-heads", "linear-phi-1-head-no-proj"])
+        "linear-phi-2-heads", "linear-phi-1-head-no-proj", "random-fourier-2-heads", "random-fourier-1-head-no-proj",
+        "performer-2-heads", "performer-1-head-no-proj"])
 def test_shapes_and_optional_tensors(case):
     check_against_reference(triton_op, case, FP32_TOL)
 
@@ -60,12 +66,12 @@ def test_only_requested_gradients():
 
 
 @pytest.mark.parametrize("case", [Case(B=2, T=19, D_in=7, D=17, K=4),
-                                  Case(B=2, T=19, D_in=7, D=12, K=4, phi="linear", head_dim=6, d_phi=5)],
-                         ids=["elu1", "linear-phi"])
+                                  Case(B=2, T=19, D_in=7, D=12, K=4, phi="random_fourier", head_dim=6, d_phi=5)],
+                         ids=["elu1", "random-fourier-phi"])
 def test_kernels_write_every_output_element(case):
     """NaN-filled output buffers: every element the kernels own must be written."""
     t = {n: v.detach() if v is not None else None for n, v in case.tensors().items()}
-    phi_params = [t["phi_weight"]] if case.phi == "linear" else []
+    phi_params = case.phi_params(t)
     args = (t["x"], t["proj_weight"], t["proj_bias"], t["conv_weight"], t["conv_bias"], case.activation, case.phi,
             phi_params, case.phi_scalar)
     out = poisoned(case.B, case.T, case.out_width)
@@ -75,10 +81,12 @@ def test_kernels_write_every_output_element(case):
     n_partial = case.B * kernels.backward_row_blocks(case.T, case.K)
     du, dcw_partial, dcb_partial = (poisoned(case.B, case.T, case.D), poisoned(n_partial, case.K, case.D),
                                     poisoned(n_partial, case.D))
-    dphi_partial = (poisoned(n_partial * case.D // case.head_dim, case.d_phi, case.head_dim)
-                    if case.phi == "linear" else None)
+    matrix = case.phi == "random_fourier"
+    n_head_partial = n_partial * case.D // max(case.head_dim, 1)
+    dphi_partial = poisoned(n_head_partial, case.d_phi, case.head_dim) if matrix else None
+    dphib_partial = poisoned(n_head_partial, case.d_phi) if matrix else None
     grad_out = torch.randn(case.B, case.T, case.out_width)
-    kernels.launch_backward_conv(du, dcw_partial, dcb_partial, dphi_partial, grad_out, *args)
+    kernels.launch_backward_conv(du, dcw_partial, dcb_partial, dphi_partial, dphib_partial, grad_out, *args)
     u = torch.nn.functional.linear(t["x"], t["proj_weight"], t["proj_bias"]).requires_grad_()
     leaves = [u, t["conv_weight"].clone().requires_grad_(), t["conv_bias"].clone().requires_grad_()]
     leaves += [p.clone().requires_grad_() for p in phi_params]
@@ -88,8 +96,9 @@ def test_kernels_write_every_output_element(case):
     assert_close("du", du, ref_grads[0], FP32_TOL)
     assert_close("dconv_weight", dcw_partial.sum(0).t().unsqueeze(1), ref_grads[1], FP32_TOL)
     assert_close("dconv_bias", dcb_partial.sum(0), ref_grads[2], FP32_TOL)
-    if dphi_partial is not None:
+    if matrix:
         assert_close("dphi_weight", dphi_partial.sum(0), ref_grads[3], FP32_TOL)
+        assert_close("dphi_bias", dphib_partial.sum(0), ref_grads[4], FP32_TOL)
 
 
 def test_non_contiguous_inputs():
@@ -100,12 +109,12 @@ def test_non_contiguous_inputs():
     assert not x_t.is_contiguous() and not w_t.is_contiguous()
     got = triton_op(x_t, w_t, t["proj_bias"], t["conv_weight"], t["conv_bias"], case.activation, case.phi, [],
                     case.phi_scalar)
-    assert_close("out", got, qk_preprocess_reference(*case.args({**t, "phi_weight": None})), FP32_TOL)
+    assert_close("out", got, qk_preprocess_reference(*case.args({**t, "phi_weight": None, "phi_bias": None})), FP32_TOL)
 
 
 @pytest.mark.parametrize("case", [Case(B=1, T=5, D_in=4, D=6, K=3),
-                                  Case(B=1, T=5, D_in=4, D=6, K=3, phi="linear", head_dim=3, d_phi=4)],
-                         ids=["elu1", "linear-phi"])
+                                  Case(B=1, T=5, D_in=4, D=6, K=3, phi="random_fourier", head_dim=3, d_phi=4)],
+                         ids=["elu1", "random-fourier-phi"])
 def test_opcheck_triton_path(case):
     args = case.args(case.tensors())
     with triton_on_cpu():
@@ -113,12 +122,12 @@ def test_opcheck_triton_path(case):
         grad_out = torch.randn(1, 5, case.out_width)
         torch.library.opcheck(torch.ops.hecate.qk_preprocess_backward.default,
                               (grad_out, *detached(args),
-                               [True, True, False, True, True, False]))
+                               [True, True, False, True, True, True, False]))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("phi", ["elu1", "exp", "linear"])
+@pytest.mark.parametrize("phi", ["elu1", "exp", "linear", "random_fourier", "performer"])
 def test_half_precision_on_cuda(dtype, phi):
     """bf16/fp16 inputs, fp32 accumulation inside the kernels: close to the float64 reference."""
     case = Case(B=2, T=300, D_in=96, D=128, K=4, phi=phi, head_dim=64, d_phi=80)
