@@ -210,6 +210,8 @@ def test_matrix_phi(phi, heads):
     layout = "[B,T,H,Dh]" if heads else "[B,T,D]"
     if phi in PHI_KINDS:
         assert _details(report) == [f"linear → conv(K=4) → silu → {MATRIX_PHI_DETAIL[phi]}(d_phi=5) {layout}"] * 2
+    elif phi == "random_fourier" and "linear" in PHI_KINDS:  # cos(W a + b): the op takes W a, the rest is left
+        assert _details(report) == [f"linear → conv(K=4) → silu → linear φ(d_phi=5) {layout}"] * 2
     else:
         assert len(_details(report)) == 2
         for detail in _details(report):
