@@ -162,7 +162,7 @@ def qk_preprocess_example() -> tuple[nn.Module, tuple]:
 
 
 def qk_preprocess_performer_example() -> tuple[nn.Module, tuple]:
-    """Performer φ (not elementwise): the chains fuse up to SiLU, φ stays with Inductor."""
+    """Performer FAVOR+ φ over 4 heads: a feature map that mixes each head's features."""
     torch.manual_seed(0)
     return (KeyQueryPreprocess(d_model=32, d_key=32, n_heads=4, phi="performer", d_phi=16),
             (torch.randn(2, 16, 32),))

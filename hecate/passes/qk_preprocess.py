@@ -15,15 +15,18 @@ PyTorch function traced to a pattern and found with :func:`find_matches`:
   (required: the op returns [B,T,D]); SiLU (``F.silu``, ``z * sigmoid(z)``,
   ``sigmoid(z) * z``); a head split [B,T,D] → [B,T,H,Dh] after the swap back
   (``view``/``reshape``/``unflatten``; re-emitted after the op, since SiLU and φ
-  are elementwise and commute with it); an elementwise φ (ELU+1, ReLU, squared
-  ReLU, exp(min(·, c)), exp), which ends the chain.
+  act per channel or per head); φ: elementwise (ELU+1, ReLU, squared ReLU,
+  exp(min(·, c)), exp), or a matrix map applied per head after the swap back
+  (learned linear ``F.linear(a, W)`` / ``a @ W.T``, random Fourier, Performer FAVOR+),
+  which ends the chain.
 
 Pieces are linked where one's output is the next one's input and is used by
 nothing else, so the whole chain is one subgraph whose intermediates nobody
 else reads; it is replaced by one call. Partial chains (conv alone, conv → SiLU,
-projection → conv, ...) fuse the same way. Matrix feature maps (learned linear,
-random Fourier, polynomial, MLP, Performer) are not elementwise: the chain stops
-before them and the report says what is left to the fallback.
+projection → conv, ...) fuse the same way. A φ is fused only if the op computes
+it (``hecate.lowering.qk_preprocess.naive.PHI_KINDS``); otherwise (polynomial,
+residual MLP, ...) the chain stops before it and the report says what is left to
+the fallback.
 
 Literals are wildcards when matching; each piece's literals are then checked
 (padding K−1 on the left only, first T outputs kept, groups = channels = D,

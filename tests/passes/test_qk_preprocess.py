@@ -344,16 +344,17 @@ def test_cli_explain_prints_the_report(capsys):
     assert "Performer φ(d_phi=16)" in out or "left to the fallback (not a φ the op fuses)" in out
 
 
-def _fused_example():
-    model = KeyQueryPreprocess(6, 6, n_heads=2, phi="elu1", proj_style="matmul", proj_bias=True)
+def _fused_example(phi="elu1"):
+    model = KeyQueryPreprocess(6, 6, n_heads=2, phi=phi, proj_style="matmul", proj_bias=True, d_phi=5)
     _randomize(model)
     return model, torch.randn(2, 5, 6)
 
 
-def test_onnx_export_runs_in_onnxruntime(tmp_path):
+@pytest.mark.parametrize("phi", ["elu1", "linear"])
+def test_onnx_export_runs_in_onnxruntime(tmp_path, phi):
     import onnxruntime as ort
 
-    model, x = _fused_example()
+    model, x = _fused_example(phi)
     path = tmp_path / "qk.onnx"
     report = hecate.export_onnx(model, (x,), path)
     assert report.count("qk_preprocess") == 2, str(report)
@@ -363,11 +364,12 @@ def test_onnx_export_runs_in_onnxruntime(tmp_path):
         assert rel_err(torch.from_numpy(got), ref) <= 1e-4
 
 
-@pytest.mark.parametrize("output_type", ["torch", "linalg-on-tensors"])
-def test_mlir_export(output_type):
+@pytest.mark.parametrize("output_type,phi", [("torch", "elu1"), ("linalg-on-tensors", "elu1"),
+                                            ("linalg-on-tensors", "linear")])
+def test_mlir_export(output_type, phi):
     from hecate.compiler.export import export_program
 
-    model, x = _fused_example()
+    model, x = _fused_example(phi)
     _, report = export_program(model, (x,))
     assert report.count("qk_preprocess") == 2
     text = hecate.export_mlir(model, (x,), output_type=output_type)
