@@ -14,6 +14,7 @@ Writes ``results/qk_preprocess-<device>.json`` and a plot beside it.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -28,23 +29,37 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hecate  # noqa: E402
 from benchmarks.common import RESULTS, median_time, peak_memory_mb, plot_bars, write_json  # noqa: E402
 
-SHAPES = [dict(B=8, T=2048, D=1024, K=4), dict(B=4, T=512, D=256, K=4)]
-QUICK_SHAPES = [dict(B=2, T=64, D=64, K=4), dict(B=1, T=37, D=48, K=3)]
+# phi "elu1": elementwise ELU+1 on [B, T, D]; "performer": FAVOR+ features per head of 64 channels, d_phi = 128
+CONFIGS = [dict(B=8, T=2048, D=1024, K=4, phi="elu1"), dict(B=4, T=512, D=256, K=4, phi="elu1"),
+           dict(B=4, T=512, D=256, K=4, phi="performer")]
+QUICK_CONFIGS = [dict(B=2, T=64, D=64, K=4, phi="elu1"), dict(B=1, T=37, D=48, K=3, phi="elu1"),
+                 dict(B=2, T=64, D=128, K=4, phi="performer")]
+HEAD_DIM, PERFORMER_FEATURES = 64, 128
 
 
 class QKPreprocess(nn.Module):
-    """k = φ(silu(causal_conv(W x))) as a researcher writes it (spec: short-causal-conv.md)."""
+    """k = φ(silu(causal_conv(W x))) as a researcher writes it (spec: short-causal-conv.md, feature-maps-phi.md)."""
 
-    def __init__(self, d: int, kernel_size: int):
+    def __init__(self, d: int, kernel_size: int, phi: str):
         super().__init__()
         self.proj = nn.Linear(d, d)
         self.conv = nn.Conv1d(d, d, kernel_size, groups=d, padding=kernel_size - 1)
+        self.phi = phi
+        if phi == "performer":
+            self.register_buffer("w_rand", torch.randn(PERFORMER_FEATURES, HEAD_DIM))
+
+    def features(self, k: torch.Tensor) -> torch.Tensor:
+        if self.phi == "elu1":
+            return F.elu(k) + 1
+        heads = k.unflatten(-1, (-1, HEAD_DIM))                     # [B, T, H, Dh]
+        sq_norm = heads.square().sum(dim=-1, keepdim=True) / 2
+        return (torch.exp(heads @ self.w_rand.T - sq_norm) / math.sqrt(PERFORMER_FEATURES)).flatten(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[1]
         k = self.proj(x)                                            # [B, T, D]
         k = self.conv(k.transpose(1, 2))[..., :T].transpose(1, 2)    # causal: keep the first T outputs
-        return F.elu(F.silu(k)) + 1
+        return self.features(F.silu(k))
 
 
 def unfused_ops(model: QKPreprocess, x: torch.Tensor) -> torch.Tensor:
@@ -53,14 +68,15 @@ def unfused_ops(model: QKPreprocess, x: torch.Tensor) -> torch.Tensor:
     u = torch.addmm(model.proj.bias, x.flatten(0, 1), model.proj.weight.t()).view(*x.shape[:2], -1)
     z = F.conv1d(u.transpose(1, 2), model.conv.weight, model.conv.bias, padding=model.conv.padding,
                  groups=model.conv.groups)[..., :T].transpose(1, 2)
-    return F.elu(F.silu(z)) + 1
+    return model.features(F.silu(z))
 
 
 def bench_shape(shape: dict, device: str, dtype: torch.dtype, repeat: int) -> dict:
     B, T, D, K = shape["B"], shape["T"], shape["D"], shape["K"]
-    model = QKPreprocess(D, K).to(device=device, dtype=dtype)
+    model = QKPreprocess(D, K, shape["phi"]).to(device=device, dtype=dtype)
     x = torch.randn(B, T, D, device=device, dtype=dtype)
-    grad = torch.randn(B, T, D, device=device, dtype=dtype)
+    with torch.no_grad():
+        grad = torch.randn_like(model(x))
     repeat = max(3, repeat)
     row: dict = {"shape": shape, "dtype": str(dtype).replace("torch.", ""), "forward_ms": {}, "train_ms": {},
                  "compile_s": {}}
@@ -94,11 +110,12 @@ def bench_shape(shape: dict, device: str, dtype: torch.dtype, repeat: int) -> di
     if device == "cuda":
         with torch.no_grad():
             row["forward_ms"]["unfused_ops"] = median_time(lambda: unfused_ops(model, x), device, repeat=repeat)
-            op_args = (x, model.proj.weight, model.proj.bias, model.conv.weight, model.conv.bias, "silu", "elu1",
-                       [], 10.0)
+            phi_params = [model.w_rand] if model.phi == "performer" else []
+            op_args = (x, model.proj.weight, model.proj.bias, model.conv.weight, model.conv.bias, "silu", model.phi,
+                       phi_params, 10.0)
             row["forward_ms"]["hecate_op"] = median_time(lambda: torch.ops.hecate.qk_preprocess(*op_args), device,
                                                          repeat=repeat)
-            n = (x.numel() + B * T * D) // 2          # a copy of n elements reads n and writes n
+            n = (x.numel() + grad.numel()) // 2       # a copy of n elements reads n and writes n
             src, dst = torch.empty(n, device=device, dtype=dtype), torch.empty(n, device=device, dtype=dtype)
             row["forward_ms"]["copy_bound"] = median_time(lambda: dst.copy_(src), device, repeat=repeat)
             row["peak_memory_mb"] = {k: peak_memory_mb(lambda: candidates[k](x), device) for k in candidates}
@@ -126,9 +143,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
-    shapes = QUICK_SHAPES if args.quick else SHAPES
+    configs = QUICK_CONFIGS if args.quick else CONFIGS
     rows = []
-    for shape in shapes:
+    for shape in configs:
         # the big shape takes seconds per step on a CPU: fewer repeats there
         big = shape["B"] * shape["T"] * shape["D"] >= 2 ** 23
         repeat = args.repeat or (5 if big and device == "cpu" else 20)
@@ -139,12 +156,13 @@ def main() -> None:
               f"train {row['ratio_hecate_over_inductor']['train']:.2f} | fused: {row['hecate_fusions']}")
     name = "qk_preprocess" + ("-quick" if args.quick else "")
     path = write_json(name, device, {"model": "Linear(D, D) → Conv1d(D, D, K, groups=D, padding=K-1)[..., :T] → "
-                                              "SiLU → ELU+1", "rows": rows})
+                                              "SiLU → φ (phi: elu1 = ELU+1; performer = FAVOR+ per head of "
+                                              f"{HEAD_DIM}, {PERFORMER_FEATURES} features)", "rows": rows})
     labels, series = [], {"eager": [], "inductor": [], "hecate": []}
     for row in rows:
         s = row["shape"]
         for kind in ("forward_ms", "train_ms"):
-            labels.append(f"B{s['B']} T{s['T']} D{s['D']} {'fwd' if kind == 'forward_ms' else 'fwd+bwd'}")
+            labels.append(f"B{s['B']} T{s['T']} D{s['D']} {s['phi']} {'fwd' if kind == 'forward_ms' else 'fwd+bwd'}")
             for k in series:
                 series[k].append(row[kind][k])
     plot_bars(os.path.join(RESULTS, f"{name}-{device}.png"), f"qk_preprocess on {device} ({dtype})", labels, series)
