@@ -585,21 +585,41 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
 
     op = torch.ops.hecate.qk_preprocess.default
     index = _Index(gm)
-    fusable = []
+    chains = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in CONV1D_OPS:
             chain = _build_chain(node, index, report)
             if isinstance(chain, str):
                 report.add_miss(PATTERN, chain, node.name)
             else:
-                fusable.append(node.name)
-    for name in fusable:
-        # replace_with_op re-creates the graph's nodes (legalize_graph), so find the chain again
-        _replace(gm, _build_chain(_node_named(gm, name), _Index(gm), FusionReport()), op, report)
+                chains.append(chain)
+    for n, chain in enumerate(chains):
+        if n:  # replace_with_op re-creates the graph's nodes (legalize_graph): follow them by name
+            chain = _follow(chain, {node.name: node for node in gm.graph.nodes})
+        _replace(gm, chain, op, report)
 
 
 def _node_named(gm: fx.GraphModule, name: str) -> fx.Node:
     return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def _follow(chain: _Chain, by_name: dict[str, fx.Node]) -> _Chain:
+    """``chain`` with its graph nodes replaced by the nodes of the same name in the current graph."""
+    def new(node):
+        return by_name[node.name] if isinstance(node, fx.Node) else node
+
+    def follow(found: _Found | None) -> _Found | None:
+        if found is None:
+            return None
+        old = found.match.internal
+        internal = InternalMatch(anchors=old.anchors,  # pattern nodes, like the keys of nodes_map
+                                 nodes_map={p: new(g) for p, g in old.nodes_map.items()},
+                                 placeholder_nodes=[new(n) for n in old.placeholder_nodes],
+                                 returning_nodes=[new(n) for n in old.returning_nodes])
+        return _Found(found.piece, Match(found.match.pattern, internal))
+
+    return _Chain(follow(chain.projection), follow(chain.swap_in), follow(chain.conv),
+                  [follow(part) for part in chain.tail])
 
 
 def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> None:

@@ -388,3 +388,23 @@ def test_fused_model_through_the_triton_kernels():
     with triton_on_cpu():
         report = _compare_with_eager(model, torch.randn(2, 3, 5))
     assert report.count("qk_preprocess") == 2
+
+
+def test_many_chains_in_one_graph():
+    """Three stacked blocks: six chains, each replaced after the graph was rebuilt by the previous one."""
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(KeyQueryPreprocess(6, 6, n_heads=2, phi=phi) for phi in ("elu1", "relu2", "exp"))
+
+        def forward(self, x):
+            for block in self.blocks:
+                q, k = block(x)
+                x = x + 0.1 * (q * k).flatten(-2)
+            return x
+
+    model = Stack()
+    _randomize(model)
+    report = _compare_with_eager(model, torch.randn(2, 5, 6))
+    assert [d.split(" → ")[-1] for d in _details(report)] == \
+        ["elu+1 [B,T,H,Dh]"] * 2 + ["relu² [B,T,H,Dh]"] * 2 + ["exp(min(·, 10)) [B,T,H,Dh]"] * 2
