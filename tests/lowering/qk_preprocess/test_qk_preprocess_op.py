@@ -91,7 +91,7 @@ def test_bad_inputs_raise_clear_errors(change, message):
             OP(*kwargs.values())
 
 
-def test_backward_output_mask_must_have_five_entries():
+def test_backward_output_mask_length_is_checked():
     v = _valid()
     with pytest.raises(ValueError, match=r"output_mask must have 7 entries .* got 2"):
         BACKWARD_OP(torch.randn(2, 5, 6), *v.values(), [True, True])
