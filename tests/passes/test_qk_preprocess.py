@@ -201,23 +201,32 @@ MATRIX_PHI_DETAIL = {"linear": "linear φ", "random_fourier": "random Fourier φ
 @pytest.mark.parametrize("heads", [2, None])
 @pytest.mark.parametrize("phi", ["linear", "random_fourier", "performer", "poly2", "mlp"])
 def test_matrix_phi(phi, heads):
-    """φ kinds the op computes (its PHI_KINDS) fuse whole; the others fuse up to SiLU and φ is left."""
-    from hecate.lowering.qk_preprocess.naive import PHI_KINDS
-
+    """Learned linear, random Fourier and Performer φ fuse per head; the others fuse up to SiLU, φ is left."""
     model = KeyQueryPreprocess(6, 6, n_heads=heads, phi=phi, d_phi=5)
     _randomize(model)
     report = _compare_with_eager(model, torch.randn(2, 5, 6))
     layout = "[B,T,H,Dh]" if heads else "[B,T,D]"
-    if phi in PHI_KINDS:
+    if phi in MATRIX_PHI_DETAIL:
         assert _details(report) == [f"linear → conv(K=4) → silu → {MATRIX_PHI_DETAIL[phi]}(d_phi=5) {layout}"] * 2
-    elif phi == "random_fourier" and "linear" in PHI_KINDS:  # cos(W a + b): the op takes W a, the rest is left
-        assert _details(report) == [f"linear → conv(K=4) → silu → linear φ(d_phi=5) {layout}"] * 2
     else:
         assert len(_details(report)) == 2
         for detail in _details(report):
             assert detail.startswith(f"linear → conv(K=4) → silu {layout}; read by aten."), detail
             assert detail.endswith("left to the fallback (not a φ the op fuses)")
     assert report.misses == []
+
+
+def test_random_fourier_with_wrong_scale_fuses_only_its_linear_map():
+    def spelling(m, x):
+        a = F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)).transpose(1, 2))
+        return 0.5 * torch.cos(a @ m.w_phi.T + m.b_phi)  # sqrt(2/4) would be 0.7071
+
+    chain = Chain(spelling)
+    chain.w_phi, chain.b_phi = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(4))
+    report = _compare_with_eager(chain, torch.randn(2, 7, 5))
+    assert _details(report) == ["linear → conv(K=4) → silu → linear φ(d_phi=4) [B,T,D]"]
+    assert [m.reason for m in report.misses] == [
+        "phi not fused: random Fourier features scaled by 0.5, not sqrt(2/d_phi) = 0.707107"]
 
 
 def test_linear_phi_with_bias_is_left_and_reported():
@@ -341,7 +350,7 @@ def test_cli_explain_prints_the_report(capsys):
     assert "0 fused, 2 not fused" in out
     assert "outputs see future tokens, not causal" in out and "conv1d has groups=1" in out
     assert "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]" in out
-    assert "Performer φ(d_phi=16)" in out or "left to the fallback (not a φ the op fuses)" in out
+    assert "linear → conv(K=4) → silu → Performer φ(d_phi=16) [B,T,H,Dh]" in out
 
 
 def _fused_example(phi="elu1"):
@@ -395,7 +404,8 @@ def test_many_chains_in_one_graph():
     class Stack(nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = nn.ModuleList(KeyQueryPreprocess(6, 6, n_heads=2, phi=phi) for phi in ("elu1", "relu2", "exp"))
+            self.blocks = nn.ModuleList(KeyQueryPreprocess(6, 6, n_heads=2, phi=phi)
+                                        for phi in ("elu1", "relu2", "exp"))
 
         def forward(self, x):
             for block in self.blocks:
