@@ -55,7 +55,8 @@ OP_NAME = "hecate.qk_preprocess"
 aten = torch.ops.aten
 CONV1D_OPS = (aten.conv1d.default, aten.conv1d.padding)
 
-# Example shapes for tracing the pieces; every literal they produce is a wildcard.
+# Example shapes for tracing the pieces; every literal they produce is a wildcard. The example
+# tensors are zeros: tracing reads no values, and drawing random ones would move the user's RNG.
 _B, _T, _D, _K = 2, 5, 6, 4
 
 
@@ -135,8 +136,8 @@ def _check_weight_transpose(match: Match) -> str | None:
 
 
 _WEIGHT_TRANSPOSES = {"W.T": lambda w: w.T, "W.t()": lambda w: w.t(), "W.transpose(0, 1)": lambda w: w.transpose(0, 1)}
-_x_in = torch.randn(_B, _T, _D + 1)
-_w_proj, _b_proj = torch.randn(_D, _D + 1), torch.randn(_D)
+_x_in = torch.zeros(_B, _T, _D + 1)
+_w_proj, _b_proj = torch.zeros(_D, _D + 1), torch.zeros(_D)
 
 
 def _projection_pieces() -> list[Piece]:
@@ -177,12 +178,13 @@ def _check_swap(match: Match) -> str | None:
     return None
 
 
-_x_btd = torch.randn(_B, _T, _D)
-_SWAP_PIECES = [
-    Piece("swap", lambda x: x.transpose(1, 2), (_x_btd,), _check_swap, "transpose"),
-    Piece("swap", lambda x: x.mT, (_x_btd,), _check_swap, "mT"),
-    Piece("swap", lambda x: x.permute(0, 2, 1), (_x_btd,), _check_swap, "permute"),
-]
+_x_btd = torch.zeros(_B, _T, _D)
+def _swap_pieces() -> list[Piece]:
+    return [
+        Piece("swap", lambda x: x.transpose(1, 2), (_x_btd,), _check_swap, "transpose"),
+        Piece("swap", lambda x: x.mT, (_x_btd,), _check_swap, "mT"),
+        Piece("swap", lambda x: x.permute(0, 2, 1), (_x_btd,), _check_swap, "permute"),
+    ]
 
 
 # ---------------------------------------------------------------- causal conv pieces
@@ -258,16 +260,17 @@ def _check_unpadded_conv(match: Match) -> str | None:
     return None
 
 
-_x_bdt, _w_conv, _b_conv = torch.randn(_B, _D, _T), torch.randn(_D, 1, _K), torch.randn(_D)
-_CONV_PIECES = [
-    Piece("conv", lambda x, w, b: F.conv1d(x, w, b, padding=_K - 1, groups=_D)[..., :_T],
-          (_x_bdt, _w_conv, _b_conv), _check_conv_then_slice, "conv1d(padding=K-1)[..., :T]"),
-    Piece("conv", lambda x, w, b: F.conv1d(F.pad(x, (_K - 1, 0)), w, b, groups=_D),
-          (_x_bdt, _w_conv, _b_conv), _check_pad_then_conv, "F.pad(K-1, 0) → conv1d"),
-    # any other conv1d: only K = 1 is causal without padding; tried last
-    Piece("conv", lambda x, w, b: F.conv1d(x, w, b, groups=_D), (_x_bdt, _w_conv[..., :1], _b_conv),
-          _check_unpadded_conv, "conv1d(K=1)"),
-]
+_x_bdt, _w_conv, _b_conv = torch.zeros(_B, _D, _T), torch.zeros(_D, 1, _K), torch.zeros(_D)
+def _conv_pieces() -> list[Piece]:
+    return [
+        Piece("conv", lambda x, w, b: F.conv1d(x, w, b, padding=_K - 1, groups=_D)[..., :_T],
+              (_x_bdt, _w_conv, _b_conv), _check_conv_then_slice, "conv1d(padding=K-1)[..., :T]"),
+        Piece("conv", lambda x, w, b: F.conv1d(F.pad(x, (_K - 1, 0)), w, b, groups=_D),
+              (_x_bdt, _w_conv, _b_conv), _check_pad_then_conv, "F.pad(K-1, 0) → conv1d"),
+        # any other conv1d: only K = 1 is causal without padding; tried last
+        Piece("conv", lambda x, w, b: F.conv1d(x, w, b, groups=_D), (_x_bdt, _w_conv[..., :1], _b_conv),
+              _check_unpadded_conv, "conv1d(K=1)"),
+    ]
 
 
 # ---------------------------------------------------------------- tail pieces: activation, heads, φ
@@ -362,7 +365,7 @@ def _check_performer(match: Match) -> str | None:
     return None
 
 
-_w_phi, _b_phi = torch.randn(_D + 2, _D), torch.randn(_D + 2)  # d_phi ≠ D
+_w_phi, _b_phi = torch.zeros(_D + 2, _D), torch.zeros(_D + 2)  # d_phi ≠ D
 
 
 def _linear_phi(z, w):
@@ -422,7 +425,7 @@ def pieces() -> list[Piece]:
     """Every spelling piece, traced once on first use."""
     global _PIECES
     if _PIECES is None:
-        _PIECES = _projection_pieces() + _SWAP_PIECES + _CONV_PIECES + _tail_pieces()
+        _PIECES = _projection_pieces() + _swap_pieces() + _conv_pieces() + _tail_pieces()
     return _PIECES
 
 
