@@ -69,10 +69,11 @@ CASES = [(phi, proj, ["conv1d_slice", "pad_conv1d"][(i + j) % 2], ["silu", "sigm
 
 
 def test_cases_cover_every_pair_of_spellings():
-    for column in (1, 2, 3, 4):
-        for phi in ELEMENTWISE:
-            assert len({case[column] for case in CASES if case[0] == phi}) == 2 or column == 1
-    assert {(c[0], c[1]) for c in CASES} == set(itertools.product(ELEMENTWISE, PROJ_DETAIL))
+    choices = [ELEMENTWISE, list(PROJ_DETAIL), ["conv1d_slice", "pad_conv1d"], ["silu", "sigmoid_mul"]]
+    for a, b in itertools.combinations(range(4), 2):
+        assert {(c[a], c[b]) for c in CASES} == set(itertools.product(choices[a], choices[b])), (a, b)
+    for phi in ELEMENTWISE:
+        assert {c[4] for c in CASES if c[0] == phi} == {True, False}  # both layouts
 
 
 @pytest.mark.parametrize("phi,proj_style,conv_style,silu_style,heads", CASES)
