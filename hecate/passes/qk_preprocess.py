@@ -631,10 +631,11 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
     phi_params = phi.match.inputs[1:] if phi is not None else []  # W_phi (and b_phi) of a matrix φ
     args = _op_tensor_args(chain) + [
         "silu" if chain.stage("activation") else "none", phi_kind, phi_params, _phi_scalar(phi)]
-    merged = InternalMatch(anchors=[], returning_nodes=[chain.tail[-1].output])
-    for part in chain.parts:
-        merged.nodes_map.update(part.match.internal.nodes_map)
-    match = Match(chain.conv.match.pattern, merged)
+    # One match covering every part's computation nodes. They key themselves: two parts may come
+    # from the same piece (the swap in and the swap back), whose pattern nodes would collide.
+    covered = {node: node for part in chain.parts for node in part.match.nodes}
+    match = Match(chain.conv.match.pattern,
+                  InternalMatch(anchors=[], nodes_map=covered, returning_nodes=[chain.tail[-1].output]))
     detail = _describe(chain, phi_kind, _phi_scalar(phi))
     nodes_replaced = len(match.nodes)
     result = val(chain.tail[-1].output)  # [B, T, H, Dh or d_phi] when the chain splits heads

@@ -114,6 +114,19 @@ def test_no_activation_kernel_sizes_and_short_sequences(phi):
         assert _details(report) == [f"linear → conv(K={kernel_size}){PHI_DETAIL[phi]} [B,T,D]"] * 2
 
 
+@pytest.mark.parametrize("n_heads", [None, 2])
+def test_nodes_replaced_counts_every_node_of_the_chain(n_heads, tmp_path):
+    """linear, transpose, conv1d, slice, transpose, silu, elu, add: 8 nodes, none left behind."""
+    model = KeyQueryPreprocess(6, 6, n_heads=n_heads, phi="elu1")
+    report = hecate.explain(model, torch.randn(2, 5, 6), options={"dump_dir": str(tmp_path)})
+    assert [f.nodes_replaced for f in report.fusions] == [8, 8]
+    after = next(tmp_path.glob("*after_qk_preprocess.txt")).read_text()
+    for leftover in ("aten.linear", "aten.transpose", "aten.conv1d", "aten.slice", "aten.silu", "aten.elu"):
+        assert leftover not in after, leftover
+    assert after.count("torch.ops.hecate.qk_preprocess.default") == 2
+    assert after.count("aten.unflatten") == (2 if n_heads else 0)
+
+
 # ---------------------------------------------------------------- more spellings, written out
 
 class Chain(nn.Module):
