@@ -23,7 +23,6 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.passes.tools_common import legalize_graph
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 
 
@@ -107,8 +106,40 @@ def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
     for node in sorted(match.nodes, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
-    legalize_graph(gm)  # users of an early output may sit before the new call
+    _restore_topological_order(graph)  # users of an early output may sit before the new call
     return call
+
+
+def _restore_topological_order(graph: fx.Graph) -> None:
+    """Move nodes, in place, so every node follows its inputs; otherwise keep their order.
+
+    In place (unlike ``legalize_graph``, which rebuilds the graph) so node objects a pass
+    holds stay valid.
+    """
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    if all(position[i] < position[n] for n in nodes for i in n.all_input_nodes):
+        return
+    placed: set[fx.Node] = set()
+    order: list[fx.Node] = []
+    for root in nodes:  # depth-first, inputs before users, iterative (graphs can be deep)
+        stack = [(root, False)]
+        while stack:
+            node, inputs_done = stack.pop()
+            if node in placed:
+                continue
+            if inputs_done:
+                placed.add(node)
+                order.append(node)
+                continue
+            stack.append((node, True))
+            for i in sorted(node.all_input_nodes, key=position.__getitem__, reverse=True):
+                if i not in placed:
+                    stack.append((i, False))
+    previous = order[0]
+    for n in order[1:]:
+        previous.append(n)  # fx moves ``n`` to just after ``previous``
+        previous = n
 
 
 def _fake_run(op: torch._ops.OpOverload, args: Sequence[Any]) -> Any:

@@ -596,33 +596,8 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
                 report.add_miss(PATTERN, chain, node.name)
             else:
                 chains.append(chain)
-    for n, chain in enumerate(chains):
-        if n:  # replace_with_op re-creates the graph's nodes (legalize_graph): follow them by name
-            chain = _follow(chain, {node.name: node for node in gm.graph.nodes})
+    for chain in chains:
         _replace(gm, chain, op, report)
-
-
-def _node_named(gm: fx.GraphModule, name: str) -> fx.Node:
-    return next(n for n in gm.graph.nodes if n.name == name)
-
-
-def _follow(chain: _Chain, by_name: dict[str, fx.Node]) -> _Chain:
-    """``chain`` with its graph nodes replaced by the nodes of the same name in the current graph."""
-    def new(node):
-        return by_name[node.name] if isinstance(node, fx.Node) else node
-
-    def follow(found: _Found | None) -> _Found | None:
-        if found is None:
-            return None
-        old = found.match.internal
-        internal = InternalMatch(anchors=old.anchors,  # pattern nodes, like the keys of nodes_map
-                                 nodes_map={p: new(g) for p, g in old.nodes_map.items()},
-                                 placeholder_nodes=[new(n) for n in old.placeholder_nodes],
-                                 returning_nodes=[new(n) for n in old.returning_nodes])
-        return _Found(found.piece, Match(found.match.pattern, internal))
-
-    return _Chain(follow(chain.projection), follow(chain.swap_in), follow(chain.conv),
-                  [follow(part) for part in chain.tail])
 
 
 def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> None:
@@ -643,7 +618,6 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
     if heads is not None:
         # SiLU and φ ran after the head split; they act per channel (per head for a matrix φ),
         # so split the op's [B, T, H·Dh] result instead.
-        call = _node_named(gm, call.name)  # replace_with_op's legalize_graph copied the graph's nodes
         with gm.graph.inserting_after(call):
             split = gm.graph.call_function(aten.unflatten.int, (call, -1, list(result.shape[2:])))
         split.meta["val"] = result
