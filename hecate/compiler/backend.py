@@ -7,6 +7,9 @@ captured graph.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import pathlib
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -39,7 +42,19 @@ def _compile_rest(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], op
         return gm
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, list(example_inputs))
+    # Inductor's on-disk caches do not see changes to Hecate's ops and decompositions;
+    # tagging the cache key with Hecate's source keeps a stale artifact from being reused.
+    with torch.compiler.config.patch(cache_key_tag=f"hecate-{_source_hash()}"):
+        return compile_fx(gm, list(example_inputs))
+
+
+@functools.cache
+def _source_hash() -> str:
+    package = pathlib.Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def last_report() -> FusionReport:
