@@ -16,3 +16,7 @@ import torch
 Example = Callable[[], tuple[torch.nn.Module, tuple]]
 
 EXAMPLES: dict[str, Example] = {}
+
+from hecate.models import fep as _fep  # noqa: E402
+
+EXAMPLES["pure_fep"] = _fep.demo_example
