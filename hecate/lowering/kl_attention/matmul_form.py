@@ -1,0 +1,156 @@
+"""KL between diagonal Gaussians as a dot product, and the op's CPU path built on it.
+
+DESIGN fact "Pairwise KL is a dot product"::
+
+    KL(q_i ‖ q_j) = c_i + a_i · b_j + d_j
+    a_i = [v_i + μ_i², μ_i]                 [.., 2K]   (query side)
+    b_j = [1 / (2 v_j), −μ_j / v_j]         [.., 2K]   (key side)
+    c_i = −½ Σ_k (log v_ik + 1)             [..]
+    d_j =  ½ Σ_k (log v_jk + μ_jk² / v_jk)  [..]
+
+KL is unchanged when every μ is shifted by the same vector, so the means are
+centred first (:func:`center`): the dot product subtracts terms of size μ²/v, and
+centring keeps them as small as the spread of the beliefs allows. Because the
+shift leaves every KL unchanged, the gradient with respect to the centred means
+is the gradient with respect to the means.
+
+The CPU path materialises [B, N, N] scores (never [B, N, N, K]) and does the
+rest with matmuls; the Triton kernels do the same tile by tile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 inputs are computed in fp32; fp32 and fp64 in their own precision."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def center(mu: torch.Tensor, dim: int) -> torch.Tensor:
+    """μ minus its mean over ``dim`` (KL is shift-invariant; this keeps a · b well-conditioned)."""
+    return mu - mu.mean(dim=dim, keepdim=True)
+
+
+def query_features(mu: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, c): a = [v + μ², μ] [.., 2K], c = −½ Σ(log v + 1) [..]."""
+    a = torch.cat([var + mu * mu, mu], dim=-1)
+    c = -0.5 * (torch.log(var) + 1.0).sum(-1)
+    return a, c
+
+
+def key_features(mu: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, d): b = [1/(2v), −μ/v] [.., 2K], d = ½ Σ(log v + μ²/v) [..]."""
+    inv = 1.0 / var
+    b = torch.cat([0.5 * inv, -mu * inv], dim=-1)
+    d = 0.5 * (torch.log(var) + mu * mu * inv).sum(-1)
+    return b, d
+
+
+def query_features_backward(mu, var, grad_a, grad_c):
+    """(dμ, dv) from the gradients of (a, c) of :func:`query_features`."""
+    k = mu.shape[-1]
+    ga_var, ga_mu = grad_a[..., :k], grad_a[..., k:]
+    grad_mu = 2.0 * mu * ga_var + ga_mu
+    grad_var = ga_var - 0.5 * grad_c.unsqueeze(-1) / var
+    return grad_mu, grad_var
+
+
+def key_features_backward(mu, var, grad_b, grad_d):
+    """(dμ, dv) from the gradients of (b, d) of :func:`key_features`."""
+    k = mu.shape[-1]
+    inv = 1.0 / var
+    gb_var, gb_mu = grad_b[..., :k], grad_b[..., k:]
+    gd = grad_d.unsqueeze(-1)
+    grad_mu = -gb_mu * inv + gd * mu * inv
+    grad_var = (-0.5 * gb_var + gb_mu * mu) * inv * inv + gd * (0.5 * inv - 0.5 * mu * mu * inv * inv)
+    return grad_mu, grad_var
+
+
+def allowed_keys(n: int, causal: bool, mask_diagonal: bool, device) -> torch.Tensor | None:
+    """[N, N] bool mask of allowed (query, key) pairs, or None when every pair is allowed."""
+    if not causal and not mask_diagonal:
+        return None
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    if causal and mask_diagonal:
+        return j < i
+    return j <= i if causal else j != i
+
+
+def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
+    """(KL [B,N,N] with 0 at masked pairs, β [B,N,N] with 0 at masked pairs, lse [B,N])."""
+    ct = compute_dtype(mu.dtype)
+    muc = center(mu.to(ct), dim=1)
+    v = var.to(ct)
+    a, c = query_features(muc, v)
+    b, d = key_features(muc, v)
+    kl = torch.baddbmm(c.unsqueeze(-1) + d.unsqueeze(-2), a, b.transpose(1, 2))
+    logits = kl * (-1.0 / kappa)
+    allowed = allowed_keys(mu.shape[1], causal, mask_diagonal, mu.device)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        kl = kl.masked_fill(~allowed, 0.0)
+    m = logits.amax(-1, keepdim=True)
+    m = m.masked_fill(torch.isinf(m), 0.0)  # a row with no allowed key: every p below is exp(−inf) = 0
+    p = torch.exp(logits - m)
+    total = p.sum(-1, keepdim=True)
+    beta = p / total.clamp_min(torch.finfo(p.dtype).tiny)
+    lse = (m + torch.log(total)).squeeze(-1)
+    return kl, beta, lse
+
+
+def forward(mu, var, row_values, col_values, kappa: float, causal: bool, mask_diagonal: bool):
+    """The op's seven outputs in the matmul form (CPU path, and the ATen decomposition)."""
+    kl, beta, lse = scores_and_beta(mu, var, kappa, causal, mask_diagonal)
+    beta_kl = beta * kl
+    energy = beta_kl.sum(-1)
+    rv, cv = row_values.to(kl.dtype), col_values.to(kl.dtype)
+    col = beta.transpose(1, 2) @ torch.cat([cv, energy.unsqueeze(-1) * cv], dim=-1)
+    dw = cv.shape[-1]
+    dt = mu.dtype
+    return ((beta @ rv).to(dt), (beta_kl @ rv).to(dt), energy.to(dt), col[..., :dw].to(dt).clone(),
+            (beta_kl.transpose(1, 2) @ cv).to(dt), col[..., dw:].to(dt).clone(), lse.to(dt))
+
+
+def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool, mask_diagonal: bool):
+    """(dμ, dv, d row_values, d col_values) given the gradients of the seven outputs.
+
+    With P = β, S = KL, E = rowsum(P∘S), the outputs are O1 = P V, O2 = (P∘S) V, E,
+    O3 = Pᵀ W, O4 = (P∘S)ᵀ W, O5 = Pᵀ (E⊙W), lse. O5 is O3 over the values E⊙W, so
+    with Y = P dO5 the energy's total gradient is dE' = dE + rowsum(W⊙Y), and::
+
+        dP_ij = dO1_i·V_j + S_ij (dO2_i·V_j + dE'_i) + W_i·dO3_j + S_ij W_i·dO4_j + E_i W_i·dO5_j
+        dS_ij = P_ij (dO2_i·V_j + dE'_i + W_i·dO4_j − dlse_i/κ) − P_ij (dP_ij − D_i) / κ
+        D_i   = Σ_j P_ij dP_ij = dO1_i·O1_i + dO2_i·O2_i + dE'_i E_i + W_i·X_i + E_i W_i·Y_i
+        dV    = Pᵀ dO1 + (P∘S)ᵀ dO2,      dW = X + E⊙Y,   X = P dO3 + (P∘S) dO4
+    """
+    kl, beta, _ = scores_and_beta(mu, var, kappa, causal, mask_diagonal)
+    g_row, g_row_kl, g_energy, g_col, g_col_kl, g_col_energy, g_lse = (g.to(kl.dtype) for g in grads)
+    rv, cv = row_values.to(kl.dtype), col_values.to(kl.dtype)
+    beta_kl = beta * kl
+    energy = beta_kl.sum(-1, keepdim=True)
+    x = beta @ g_col + beta_kl @ g_col_kl
+    y = beta @ g_col_energy
+    g_energy = g_energy.unsqueeze(-1) + (cv * y).sum(-1, keepdim=True)
+    grad_rv = beta.transpose(1, 2) @ g_row + beta_kl.transpose(1, 2) @ g_row_kl
+    direct = g_row_kl @ rv.transpose(1, 2) + g_energy + cv @ g_col_kl.transpose(1, 2)  # ∂/∂S at fixed P
+    grad_p = (g_row @ rv.transpose(1, 2) + kl * direct + cv @ g_col.transpose(1, 2)
+              + (energy * cv) @ g_col_energy.transpose(1, 2))
+    row_dot = (beta * grad_p).sum(-1, keepdim=True)
+    grad_s = beta * (direct - g_lse.unsqueeze(-1) / kappa) - beta * (grad_p - row_dot) / kappa
+    grad_cv = x + energy * y
+    return _scores_backward(mu, var, grad_s) + (grad_rv.to(row_values.dtype), grad_cv.to(col_values.dtype))
+
+
+def _scores_backward(mu, var, grad_s):
+    """(dμ, dv) from dKL [B, N, N] through KL = c_i + a_i·b_j + d_j."""
+    ct = compute_dtype(mu.dtype)
+    muc = center(mu.to(ct), dim=1)
+    v = var.to(ct)
+    a, _ = query_features(muc, v)
+    b, _ = key_features(muc, v)
+    gq_mu, gq_var = query_features_backward(muc, v, grad_s @ b, grad_s.sum(-1))
+    gk_mu, gk_var = key_features_backward(muc, v, grad_s.transpose(1, 2) @ a, grad_s.sum(-2))
+    return (gq_mu + gk_mu).to(mu.dtype), (gq_var + gk_var).to(var.dtype)
