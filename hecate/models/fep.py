@@ -34,8 +34,10 @@ language model, and what the options do about it:
   ``observation_in_q_flow=False`` drops it in training too, so training and
   evaluation run the same Q-flow.
 
-Numerical safety: every variance is ``σ² + eps``; the σ update is multiplicative
-(positive) with its log-step clamped and σ floored at ``sqrt(variance_floor)``;
+Numerical safety: every variance is ``σ² + eps``; every σ (beliefs, position and
+token priors) is floored at ``sqrt(variance_floor)``; the σ update is
+multiplicative (positive) and each natural-gradient step is clipped to a trust
+region of MAX_FISHER_STEP Fisher units;
 a row whose keys are all masked (the first row with a causal mask and the
 diagonal masked) gets β = 0 instead of softmax's NaN.
 """
@@ -49,9 +51,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The σ update is σ·exp(step); |step| is capped so one huge gradient cannot
-# send σ to 0 or inf in a single step (exp(±10) ≈ 2.2e4).
-MAX_LOG_SIGMA_STEP = 10.0
+# Trust region of one natural-gradient step, in Fisher units: |Δμ_k| ≤ c·σ_k and
+# |Δ log σ_k| ≤ c. Normal steps are far smaller; it only stops one huge gradient
+# (e.g. (μ_i − μ_j)/v_j with v_j ≪ v_i) from overshooting into overflow.
+MAX_FISHER_STEP = 1.0
 
 Q_FLOW_GRADIENTS = ("joint", "agent")
 
@@ -209,14 +212,16 @@ class TokenPriorBank(nn.Module):
     ENCODING: ``q_i ← π_{token[i]}``; DECODING: ``logits_v = −KL(q_i‖π_v)/τ``.
     """
 
-    def __init__(self, vocab_size: int, embed_dim: int):
+    def __init__(self, vocab_size: int, embed_dim: int, variance_floor: float = 1e-4):
         super().__init__()
         self.mu = nn.Parameter(torch.randn(vocab_size, embed_dim))
         self.log_sigma = nn.Parameter(torch.zeros(vocab_size, embed_dim))
+        self.sigma_min = math.sqrt(variance_floor)
 
     @property
     def sigma(self):
-        return self.log_sigma.exp()
+        """σ_v, floored like the beliefs' (σ² ≥ variance_floor)."""
+        return self.log_sigma.exp().clamp(min=self.sigma_min)
 
     def encode(self, token_ids):
         return self.mu[token_ids], self.sigma[token_ids]
@@ -417,13 +422,15 @@ def natural_gradient_step(μ_q, σ_q, grad_μ, grad_σ, lr_μ=0.1, lr_σ=0.01, v
         σ_new = σ · exp(−η_σ σ² ∂F/∂v)           (natural gradient on log σ, G = 2:
                                                   ½ ∂F/∂log σ = σ² ∂F/∂v = ½ σ ∂F/∂σ)
 
-    The σ update is multiplicative, so σ stays positive; its log-step is capped at
-    ±MAX_LOG_SIGMA_STEP and σ floored at ``sqrt(variance_floor)`` (σ² ≥ floor).
+    The σ update is multiplicative, so σ stays positive, and σ is floored at
+    ``sqrt(variance_floor)`` (σ² ≥ floor). Both steps are clipped to the trust
+    region ``MAX_FISHER_STEP`` (|Δμ| ≤ c σ, |Δ log σ| ≤ c).
     """
     var_q = σ_q.square()
-    μ_new = μ_q - lr_μ * var_q * grad_μ
+    max_μ_step = MAX_FISHER_STEP * σ_q
+    μ_new = μ_q - torch.clamp(lr_μ * var_q * grad_μ, min=-max_μ_step, max=max_μ_step)
 
-    log_step = (-lr_σ * 0.5 * σ_q * grad_σ).clamp(-MAX_LOG_SIGMA_STEP, MAX_LOG_SIGMA_STEP)
+    log_step = (-lr_σ * 0.5 * σ_q * grad_σ).clamp(-MAX_FISHER_STEP, MAX_FISHER_STEP)
     σ_new = σ_q * torch.exp(log_step)
     σ_new = σ_new.clamp(min=math.sqrt(variance_floor))
     return μ_new, σ_new
@@ -576,7 +583,7 @@ class PureFEPTransformer(nn.Module):
     def __init__(self, config: PureFEPConfig):
         super().__init__()
         self.config = config
-        self.token_priors = TokenPriorBank(config.vocab_size, config.embed_dim)
+        self.token_priors = TokenPriorBank(config.vocab_size, config.embed_dim, config.variance_floor)
         self.position_priors = nn.ModuleList(
             PositionPriors(config.max_seq_len, config.embed_dim) for _ in range(config.n_layers))
 
@@ -598,7 +605,7 @@ class PureFEPTransformer(nn.Module):
         beliefs = []
         for priors in self.position_priors:
             μ_p = priors.mu[:N]  # (N, K)
-            σ_p = priors.log_sigma[:N].exp()
+            σ_p = priors.log_sigma[:N].exp().clamp(min=math.sqrt(config.variance_floor))
             μ_q, σ_q, β = q_flow(μ_q, σ_q, μ_p, σ_p, mask, self.token_priors, target_ids, config)
             beliefs.append((μ_q, σ_q))
 
@@ -607,7 +614,7 @@ class PureFEPTransformer(nn.Module):
 
         loss = None
         if target_ids is not None:
-            loss = F.cross_entropy(logits.view(-1, config.vocab_size), target_ids.view(-1))
+            loss = F.cross_entropy(logits.view(-1, config.vocab_size), target_ids.reshape(-1))
         if return_beliefs:
             return logits, loss, beliefs
         return logits, loss
