@@ -17,3 +17,7 @@ from hecate.compiler.report import FusionReport
 Pass = Callable[[fx.GraphModule, FusionReport], None]
 
 PASSES: dict[str, Pass] = {}
+
+from hecate.passes import kl_attention as _kl_attention  # noqa: E402
+
+PASSES["kl_attention"] = _kl_attention.run
