@@ -8,3 +8,4 @@ PyTorch reference), ``kernels.py`` (Triton forward and backward), ``op.py`` (the
 """
 
 from hecate.lowering import kl_attention  # noqa: F401,E402
+from hecate.lowering import kl_decode  # noqa: F401,E402

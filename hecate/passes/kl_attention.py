@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 from torch._guards import detect_fake_mode
-from torch.fx.passes.tools_common import legalize_graph
 
 from hecate.compiler.report import FusionReport
 from hecate.passes.matching import Match, find_matches, pattern_graph
@@ -570,7 +569,14 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, mu, var, kappa, caus
     b, n, k = _shape(mu)
     new_value: dict[fx.Node, fx.Node] = {}
 
+    leaf_cache, product_cache = {}, {}
+
     def leaf_tensor(key) -> fx.Node:
+        if key not in leaf_cache:
+            leaf_cache[key] = normalized_leaf(key)
+        return leaf_cache[key]
+
+    def normalized_leaf(key) -> fx.Node:
         leaf = algebra.leaves[key]
         src = new_value.get(leaf.source, leaf.source)
         if leaf.normalize == "squeeze2":
@@ -582,6 +588,11 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, mu, var, kappa, caus
         return src
 
     def product(leaves) -> fx.Node | None:
+        if leaves not in product_cache:
+            product_cache[leaves] = leaf_product(leaves)
+        return product_cache[leaves]
+
+    def leaf_product(leaves) -> fx.Node | None:
         out = None
         for key, power in leaves:
             t = leaf_tensor(key)
@@ -638,7 +649,33 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, mu, var, kappa, caus
         root.replace_all_uses_with(total)
     for root in reversed(roots):
         graph.erase_node(root)
-    legalize_graph(gm)
+    _reorder_topologically(graph)
+
+
+def _reorder_topologically(graph: fx.Graph) -> None:
+    """Move nodes (keeping them, unlike ``legalize_graph``, which copies) so inputs precede users.
+
+    The new nodes sit before the last sum they replace, and the users of an earlier sum
+    now read them; the other matches found in this graph still hold these node objects.
+    """
+    placed, order = set(), []
+    for start in list(graph.nodes):
+        stack = [(start, False)]
+        while stack:
+            node, inputs_placed = stack.pop()
+            if node in placed:
+                continue
+            if inputs_placed:
+                placed.add(node)
+                order.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((i, False) for i in node.all_input_nodes if i not in placed)
+    cursor = order[0]
+    for node in order[1:]:
+        if cursor.next is not node:
+            cursor.append(node)
+        cursor = node
 
 
 def _val(node):
