@@ -21,3 +21,7 @@ PASSES: dict[str, Pass] = {}
 from hecate.passes import kl_attention as _kl_attention  # noqa: E402
 
 PASSES["kl_attention"] = _kl_attention.run
+
+from hecate.passes import kl_decode as _kl_decode  # noqa: E402
+
+PASSES["kl_decode"] = _kl_decode.run

@@ -90,13 +90,15 @@ _FREE_LITERALS = {
     (aten.div.Tensor, 1): "kappa",  # −kl / κ
     (aten.softmax.int, 1): "softmax_dim",
     (aten.sum.dim_IntList, 1): "sum_dims",
-}
+}  # (op, argument index) -> name
 
 
-def _literal_differences(match: Match) -> tuple[list[str], dict[str, object]]:
+def literal_differences(match: Match, free_literals: dict) -> tuple[list[str], dict[str, object]]:
     """Differences between the pattern's literals and the graph's, except the free ones.
 
-    Returns (differences in words, the free literals found).
+    ``free_literals`` maps (op, argument index) to a name; those literals may differ
+    and are returned by name (a division's name applies only to a division of a negation,
+    the "−x / t" of a temperature). Returns (differences in words, the free literals found).
     """
     diffs, free = [], {}
     for p, g in match.internal.nodes_map.items():
@@ -105,19 +107,17 @@ def _literal_differences(match: Match) -> tuple[list[str], dict[str, object]]:
         for index, (pa, ga) in enumerate(zip(p.args, g.args)):
             if isinstance(pa, fx.Node):
                 continue
-            key = _FREE_LITERALS.get((p.target, index))
-            if key == "kappa" and p.args[0].target == aten.neg.default:
-                free["kappa"] = ga
-            elif key is not None and key != "kappa":
+            key = free_literals.get((p.target, index))
+            if key is not None and (p.target != aten.div.Tensor or p.args[0].target == aten.neg.default):
                 free[key] = ga
-            elif pa != ga and not (isinstance(pa, float) and isinstance(ga, float) and math.isnan(pa)):
-                diffs.append(f"{g.name} ({_short(g.target)}) has {ga!r} where the spec's form has {pa!r}")
+            elif pa != ga:
+                diffs.append(f"{g.name} ({short(g.target)}) has {ga!r} where the spec's form has {pa!r}")
         if len(p.args) != len(g.args) and p.target != aten.sum.dim_IntList:
-            diffs.append(f"{g.name} ({_short(g.target)}) has arguments {g.args[len(p.args):]!r} the spec's form lacks")
+            diffs.append(f"{g.name} ({short(g.target)}) has arguments {g.args[len(p.args):]!r} the spec's form lacks")
     return diffs, free
 
 
-def _short(target) -> str:
+def short(target) -> str:
     return getattr(target, "__name__", str(target))
 
 
@@ -142,7 +142,7 @@ def _read_mask(mask: fx.Node, n: int) -> tuple[bool, bool] | str:
         a, b = mask.args[:2]
         if (is_tril_ones(a) and is_not_eye(b)) or (is_tril_ones(b) and is_not_eye(a)):
             return True, True
-    what = _short(mask.target) if mask.op == "call_function" else f"{mask.op} {mask.name}"
+    what = short(mask.target) if mask.op == "call_function" else f"{mask.op} {mask.name}"
     return (f"attention mask {mask.name} ({what}) is not the causal lower-triangular mask "
             f"torch.tril(torch.ones({n}, {n})), the diagonal mask ~torch.eye({n}), or their &")
 
@@ -274,7 +274,7 @@ class _PairAlgebra:
                 if _rank(x) == 3 and dim in (-1, 3):
                     return self.read(x)
                 raise _NotSeparable(f"{node.name} unsqueezes a pair tensor at dim {dim}, not at the end")
-            return self._leaf(x, "i" if dim % 4 == 2 else "j", "as_is", _shape(x)[-1] != 1)
+            return self._leaf(x, "i" if dim % 4 == 2 else "j", "as_is", shape_of(x)[-1] != 1)
         if t == aten.transpose.int:
             if sorted(d % _rank(node) for d in args[1:3]) != [1, 2]:
                 raise _NotSeparable(f"{node.name} transposes dims {args[1:3]}, not the two position dims")
@@ -296,7 +296,7 @@ class _PairAlgebra:
             return _poly_mul(self.read(args[0]), self._inverse(args[1], node))
         if t == aten.reciprocal.default:
             return self._inverse(args[0], node)
-        raise _NotSeparable(f"{node.name} ({_short(t)}) is not an elementwise op the fused op can express")
+        raise _NotSeparable(f"{node.name} ({short(t)}) is not an elementwise op the fused op can express")
 
     def _inverse(self, denominator, node) -> Poly:
         if not isinstance(denominator, fx.Node):
@@ -313,7 +313,7 @@ class _PairAlgebra:
 
     def _outside_leaf(self, node: fx.Node) -> Poly:
         """A tensor computed outside the pair space, broadcast into it: classify it by its shape."""
-        shape = _shape(node)
+        shape = shape_of(node)
         if shape is None:
             raise _NotSeparable(f"{node.name} has no shape information")
         rank = len(shape)
@@ -332,13 +332,14 @@ class _PairAlgebra:
         raise _NotSeparable(f"{node.name} of shape {list(shape)} is neither per-query nor per-key")
 
 
-def _shape(node):
+def shape_of(node):
+    """The static shape of a node's fake value (None without one)."""
     v = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _rank(node) -> int:
-    s = _shape(node)
+    s = shape_of(node)
     return len(s) if s is not None else -1
 
 
@@ -370,13 +371,13 @@ def _fuse(gm: fx.GraphModule, match: Match, masked: bool, report: FusionReport) 
     kl = match.node(aten.sum.dim_IntList)
     where = softmax.name
     mu, var = match.inputs[0], match.inputs[1]
-    shape = _shape(mu)
-    if shape is None or len(shape) != 3 or _shape(var) != shape:
-        report.add_miss(PATTERN, f"pairwise KL of μ {shape} and var {_shape(var)}: the op needs two [B, N, K] "
+    shape = shape_of(mu)
+    if shape is None or len(shape) != 3 or shape_of(var) != shape:
+        report.add_miss(PATTERN, f"pairwise KL of μ {shape} and var {shape_of(var)}: the op needs two [B, N, K] "
                                  "tensors of the same shape", where)
         return
     n = shape[1]
-    diffs, free = _literal_differences(match)
+    diffs, free = literal_differences(match, _FREE_LITERALS)
     if free.get("softmax_dim") not in (-1, 2):
         diffs.append(f"softmax over dim {free.get('softmax_dim')}, the attention needs the key dim (-1)")
     if free.get("sum_dims") not in ([-1], [3]):
@@ -445,7 +446,7 @@ def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node] | str:
             elif user.op == "output":
                 return f"β or KL (through {node.name}) is an output of the graph; the fused op does not form it"
             else:
-                return (f"{user.name} ({_short(user.target)}) uses {node.name}, computed from β or KL; the fused "
+                return (f"{user.name} ({short(user.target)}) uses {node.name}, computed from β or KL; the fused "
                         "op cannot provide it")
     order = {nd: i for i, nd in enumerate(algebra.beta.graph.nodes)}
     return sorted(roots, key=order.__getitem__)
@@ -456,7 +457,7 @@ def _outside_users(algebra: _PairAlgebra, roots, match: Match) -> str | None:
     for node in algebra.visited:
         for user in node.users:
             if user not in inside:
-                return (f"{user.name} ({_short(user.target)}) uses {node.name}, a [B, N, N] tensor the fused op "
+                return (f"{user.name} ({short(user.target)}) uses {node.name}, a [B, N, N] tensor the fused op "
                         "does not form")
     return None
 
@@ -542,7 +543,7 @@ def _describe(factors) -> str:
 # rewriting the graph
 
 
-class _Emitter:
+class Emitter:
     """Inserts aten calls before a node, each with its fake value (for later passes and export)."""
 
     def __init__(self, graph: fx.Graph, before: fx.Node):
@@ -563,10 +564,10 @@ class _Emitter:
 
 def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, mu, var, kappa, causal, mask_diagonal):
     graph = gm.graph
-    emit = _Emitter(graph, roots[-1])
+    emit = Emitter(graph, roots[-1])
     if emit.fake_mode is None:
         emit.fake_mode = detect_fake_mode([_val(mu)])
-    b, n, k = _shape(mu)
+    b, n, k = shape_of(mu)
     new_value: dict[fx.Node, fx.Node] = {}
 
     leaf_cache, product_cache = {}, {}
@@ -606,7 +607,7 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, mu, var, kappa, caus
         cols, spans, start = [], [], 0
         for leaves in products:
             t = product(leaves)
-            width = k if (t is not None and _shape(t)[-1] != 1) else 1
+            width = k if (t is not None and shape_of(t)[-1] != 1) else 1
             t = emit(aten.new_ones.default, mu, [b, n, 1]) if t is None else t
             t = emit(aten.expand.default, t, [b, n, width])
             if _val(t).dtype != _val(mu).dtype:
@@ -639,7 +640,7 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, mu, var, kappa, caus
             if term.coef != 1.0:
                 t = emit(aten.mul.Tensor, t, term.coef)
             total = t if total is None else emit(aten.add.Tensor, total, t)
-        target = list(_shape(root))
+        target = list(shape_of(root))
         if total is None:
             total = emit(aten.new_zeros.default, mu, target)
         width = target[-1] if _rank(root.args[0]) == 4 else 1  # a [B,N,N,K'] sum keeps K'; [B,N,N] none
