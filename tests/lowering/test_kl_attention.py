@@ -18,6 +18,10 @@ OP = torch.ops.hecate.kl_attention
 MASKS = [(False, False), (True, False), (True, True), (False, True)]  # (causal, mask_diagonal)
 
 
+def _poison(t):
+    return t.fill_(float("nan")) if t.dtype.is_floating_point else t
+
+
 def _path(name):
     return triton_on_cpu() if name == "triton" else contextlib.nullcontext()
 
@@ -93,8 +97,8 @@ def test_triton_writes_every_output(monkeypatch):
     """Every buffer the Triton path allocates starts as NaN: an unwritten element would stay NaN."""
     mu, var, rv, cv = _inputs(2, 21, 3, 2, 3)
     real_new_empty, real_empty_like = torch.Tensor.new_empty, torch.empty_like
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *s, **kw: real_new_empty(self, *s, **kw).fill_(float("nan")))
-    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *s, **kw: _poison(real_new_empty(self, *s, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: _poison(real_empty_like(t, **kw)))
     for causal, mask_diagonal in [(True, False), (False, False)]:
         with triton_on_cpu():
             out = OP(mu, var, rv, cv, 0.9, causal, mask_diagonal)
