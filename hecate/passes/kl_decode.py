@@ -64,6 +64,8 @@ def _fuse(gm: fx.GraphModule, match: Match, report: FusionReport) -> None:
     where = logits.name
     mu, var, prior_mu, prior_var = match.inputs
     q_shape, p_shape = shape_of(mu), shape_of(prior_mu)
+    if prior_mu.target == aten.unsqueeze.default and prior_mu.args[0] is mu:
+        return  # KL(q_i ‖ q_j) between the beliefs themselves: the attention's, not a decode
     if (q_shape is None or p_shape is None or len(q_shape) != 3 or len(p_shape) != 2
             or shape_of(var) != q_shape or shape_of(prior_var) != p_shape or q_shape[2] != p_shape[1]):
         report.add_miss(PATTERN, f"KL of beliefs {q_shape}/{shape_of(var)} to priors {p_shape}/{shape_of(prior_var)}: "
