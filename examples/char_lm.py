@@ -125,6 +125,9 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int, default=50, help="score a quarter of the windows every this many steps")
     p.add_argument("--fallback", choices=["inductor", "eager"], default="eager",
                    help="what compiles the rest of each graph after Hecate's fusions")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads; 1 by default: these graphs are many small ops, and on a shared "
+                        "2-core machine OpenMP barriers made 2 threads ~10x slower than 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--no-progress", action="store_true")
@@ -156,6 +159,7 @@ def main(argv=None):
     from tqdm import tqdm
     from hecate.compiler.backend import last_report
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     data, chars = load_corpus()
     V = len(chars)
@@ -190,6 +194,11 @@ def main(argv=None):
         "device": "cpu", "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
         "models": {},
+        "notes": ("FEP runs causally: q_flow_gradient='agent' (the spec's joint gradient includes "
+                  "others-aligning-to-i, which under a causal mask lets belief j>i move belief i, leaking "
+                  "the next token) and observation_in_q_flow=False (the CE term in Q-flow needs the "
+                  "targets). Evaluation: held-out windows of seq_len+1 chars, each without context, "
+                  "scored through the compiled training graph (no backward)."),
     }
 
     def run(name, model, train_one, eval_call, report=True):

@@ -214,7 +214,9 @@ class TokenPriorBank(nn.Module):
 
     def __init__(self, vocab_size: int, embed_dim: int, variance_floor: float = 1e-4):
         super().__init__()
-        self.mu = nn.Parameter(torch.randn(vocab_size, embed_dim))
+        # scale 1/sqrt(K): two token priors start ~1 nat apart (E KL = 1), so the
+        # initial decode is near uniform instead of ~K nats sharp
+        self.mu = nn.Parameter(torch.randn(vocab_size, embed_dim) / math.sqrt(embed_dim))
         self.log_sigma = nn.Parameter(torch.zeros(vocab_size, embed_dim))
         self.sigma_min = math.sqrt(variance_floor)
 
