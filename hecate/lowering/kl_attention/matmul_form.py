@@ -68,19 +68,34 @@ def key_features_backward(mu, var, grad_b, grad_d):
     return grad_mu, grad_var
 
 
+_MASKS: dict = {}
+
+
 def allowed_keys(n: int, causal: bool, mask_diagonal: bool, device) -> torch.Tensor | None:
-    """[N, N] bool mask of allowed (query, key) pairs, or None when every pair is allowed."""
+    """[N, N] bool mask of allowed (query, key) pairs, or None when every pair is allowed (cached)."""
     if not causal and not mask_diagonal:
         return None
-    i = torch.arange(n, device=device)[:, None]
-    j = torch.arange(n, device=device)[None, :]
-    if causal and mask_diagonal:
-        return j < i
-    return j <= i if causal else j != i
+    key = (n, causal, mask_diagonal, str(device))
+    tracing = torch._C._len_torch_dispatch_stack() > 0  # fake / proxy modes: a cached tensor would leak
+    if tracing or key not in _MASKS:
+        if len(_MASKS) > 64:
+            _MASKS.clear()
+        allowed = torch.ones(n, n, dtype=torch.bool, device=device)
+        if causal:
+            allowed = allowed.tril(-1 if mask_diagonal else 0)
+        else:
+            allowed = allowed & ~torch.eye(n, dtype=torch.bool, device=device)
+        if tracing:
+            return allowed
+        _MASKS[key] = allowed
+    return _MASKS[key]
 
 
 def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
-    """(KL [B,N,N] with 0 at masked pairs, β [B,N,N] with 0 at masked pairs, lse [B,N])."""
+    """(KL [B,N,N], β [B,N,N] with 0 at masked pairs, lse [B,N]).
+
+    KL is finite at masked pairs too; every use multiplies it by β, which is 0 there.
+    """
     ct = compute_dtype(mu.dtype)
     muc = center(mu.to(ct), dim=1)
     v = var.to(ct)
@@ -91,13 +106,8 @@ def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
     allowed = allowed_keys(mu.shape[1], causal, mask_diagonal, mu.device)
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
-        kl = kl.masked_fill(~allowed, 0.0)
-    m = logits.amax(-1, keepdim=True)
-    m = m.masked_fill(torch.isinf(m), 0.0)  # a row with no allowed key: every p below is exp(−inf) = 0
-    p = torch.exp(logits - m)
-    total = p.sum(-1, keepdim=True)
-    beta = p / total.clamp_min(torch.finfo(p.dtype).tiny)
-    lse = (m + torch.log(total)).squeeze(-1)
+    lse = torch.logsumexp(logits, dim=-1)  # −inf on a row with no allowed key
+    beta = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))  # exp(−inf) = 0 where masked
     return kl, beta, lse
 
 
