@@ -71,23 +71,27 @@ def key_features_backward(mu, var, grad_b, grad_d):
 _MASKS: dict = {}
 
 
-def allowed_keys(n: int, causal: bool, mask_diagonal: bool, device) -> torch.Tensor | None:
-    """[N, N] bool mask of allowed (query, key) pairs, or None when every pair is allowed (cached)."""
+def masked_keys(n: int, causal: bool, mask_diagonal: bool, device) -> torch.Tensor | None:
+    """[N, N] bool, True where query i may NOT attend to key j; None when every pair is allowed.
+
+    Cached per (N, mask, device) outside tracing (under fake/proxy modes a cached tensor would leak).
+    """
     if not causal and not mask_diagonal:
         return None
     key = (n, causal, mask_diagonal, str(device))
-    tracing = torch._C._len_torch_dispatch_stack() > 0  # fake / proxy modes: a cached tensor would leak
+    tracing = torch._C._len_torch_dispatch_stack() > 0
     if tracing or key not in _MASKS:
+        i = torch.arange(n, device=device)
+        j, i = i.unsqueeze(0), i.unsqueeze(1)
+        if causal:
+            masked = (j >= i) if mask_diagonal else (j > i)
+        else:
+            masked = j == i
+        if tracing:
+            return masked
         if len(_MASKS) > 64:
             _MASKS.clear()
-        allowed = torch.ones(n, n, dtype=torch.bool, device=device)
-        if causal:
-            allowed = allowed.tril(-1 if mask_diagonal else 0)
-        else:
-            allowed = allowed & ~torch.eye(n, dtype=torch.bool, device=device)
-        if tracing:
-            return allowed
-        _MASKS[key] = allowed
+        _MASKS[key] = masked
     return _MASKS[key]
 
 
@@ -95,6 +99,8 @@ def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
     """(KL [B,N,N], β [B,N,N] with 0 at masked pairs, lse [B,N]).
 
     KL is finite at masked pairs too; every use multiplies it by β, which is 0 there.
+    One pass of exp: β = exp(l − m) / Σ, lse = m + log Σ (m = 0 on a row with no key, so
+    its β is exp(−inf) = 0 and its lse is log 0 = −inf).
     """
     ct = compute_dtype(mu.dtype)
     muc = center(mu.to(ct), dim=1)
@@ -103,12 +109,22 @@ def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
     b, d = key_features(muc, v)
     kl = torch.baddbmm(c.unsqueeze(-1) + d.unsqueeze(-2), a, b.transpose(1, 2))
     logits = kl * (-1.0 / kappa)
-    allowed = allowed_keys(mu.shape[1], causal, mask_diagonal, mu.device)
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # −inf on a row with no allowed key
-    beta = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))  # exp(−inf) = 0 where masked
+    masked = masked_keys(mu.shape[1], causal, mask_diagonal, mu.device)
+    if masked is not None:
+        logits = logits.masked_fill_(masked, float("-inf"))
+    m = logits.amax(-1, keepdim=True)
+    if masked is not None:
+        m = m.masked_fill(torch.isinf(m), 0.0)
+    p = torch.exp_(logits.sub_(m))
+    total = p.sum(-1, keepdim=True)
+    beta = p.div_(total.clamp_min(torch.finfo(p.dtype).tiny))
+    lse = (m + torch.log(total)).squeeze(-1)
     return kl, beta, lse
+
+
+def _t_matmul(x, y):
+    """xᵀ @ y for x [B, N, N], y [B, N, D], as (yᵀ @ x)ᵀ: the big matrix is never transposed."""
+    return (y.transpose(1, 2) @ x).transpose(1, 2)
 
 
 def forward(mu, var, row_values, col_values, kappa: float, causal: bool, mask_diagonal: bool):
@@ -117,11 +133,10 @@ def forward(mu, var, row_values, col_values, kappa: float, causal: bool, mask_di
     beta_kl = beta * kl
     energy = beta_kl.sum(-1)
     rv, cv = row_values.to(kl.dtype), col_values.to(kl.dtype)
-    col = beta.transpose(1, 2) @ torch.cat([cv, energy.unsqueeze(-1) * cv], dim=-1)
-    dw = cv.shape[-1]
     dt = mu.dtype
-    return ((beta @ rv).to(dt), (beta_kl @ rv).to(dt), energy.to(dt), col[..., :dw].to(dt).clone(),
-            (beta_kl.transpose(1, 2) @ cv).to(dt), col[..., dw:].to(dt).clone(), lse.to(dt))
+    return ((beta @ rv).to(dt), (beta_kl @ rv).to(dt), energy.to(dt), _t_matmul(beta, cv).to(dt).contiguous(),
+            _t_matmul(beta_kl, cv).to(dt).contiguous(),
+            _t_matmul(beta, energy.unsqueeze(-1) * cv).to(dt).contiguous(), lse.to(dt))
 
 
 def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool, mask_diagonal: bool):
@@ -144,7 +159,7 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
     x = beta @ g_col + beta_kl @ g_col_kl
     y = beta @ g_col_energy
     g_energy = g_energy.unsqueeze(-1) + (cv * y).sum(-1, keepdim=True)
-    grad_rv = beta.transpose(1, 2) @ g_row + beta_kl.transpose(1, 2) @ g_row_kl
+    grad_rv = _t_matmul(beta, g_row) + _t_matmul(beta_kl, g_row_kl)
     direct = g_row_kl @ rv.transpose(1, 2) + g_energy + cv @ g_col_kl.transpose(1, 2)  # ∂/∂S at fixed P
     grad_p = (g_row @ rv.transpose(1, 2) + kl * direct + cv @ g_col.transpose(1, 2)
               + (energy * cv) @ g_col_energy.transpose(1, 2))
@@ -162,5 +177,5 @@ def _scores_backward(mu, var, grad_s):
     a, _ = query_features(muc, v)
     b, _ = key_features(muc, v)
     gq_mu, gq_var = query_features_backward(muc, v, grad_s @ b, grad_s.sum(-1))
-    gk_mu, gk_var = key_features_backward(muc, v, grad_s.transpose(1, 2) @ a, grad_s.sum(-2))
+    gk_mu, gk_var = key_features_backward(muc, v, _t_matmul(grad_s, a), grad_s.sum(-2))
     return (gq_mu + gk_mu).to(mu.dtype), (gq_var + gk_var).to(var.dtype)
