@@ -46,8 +46,9 @@ from hecate.models.fep import (PureFEPConfig, PureFEPTransformer, attention_mask
 BROADCAST_LIVE = {"attention": 8, "train_step": 48}
 
 
-def attention_step(mu, sigma, mu_p, sigma_p, mask, config):
+def attention_step(mu, sigma, mu_p, sigma_p, config):
     """One Q-flow step's attention and alignment gradient, as the model writes it."""
+    mask = attention_mask(mu.shape[1], True, False, mu.device)
     kl = kl_pairwise(mu, sigma, config.eps)
     beta = compute_attention(kl, config.kappa, mask)
     return compute_mu_gradient(mu, sigma, mu_p, sigma_p, beta, kl, None, None, config)
@@ -77,8 +78,7 @@ def bench_attention(n, k, device, impls, max_gib, repeat):
     sigma = (0.5 + torch.rand(1, n, k, generator=gen)).to(device)
     mu_p = (0.1 * torch.randn(n, k, generator=gen)).to(device)
     sigma_p = torch.ones(n, k, device=device)
-    mask = attention_mask(n, True, False, device)
-    fn = lambda m, s: attention_step(m, s, mu_p, sigma_p, mask, config)  # noqa: E731
+    fn = lambda m, s: attention_step(m, s, mu_p, sigma_p, config)  # noqa: E731
     return _run_impls("attention", fn, (mu, sigma), n, k, device, impls, max_gib, repeat,
                       extra={"sdpa": lambda: sdpa_equivalent(mu, sigma, config)})
 

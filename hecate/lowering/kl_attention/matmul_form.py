@@ -111,13 +111,18 @@ def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
     logits = kl * (-1.0 / kappa)
     masked = masked_keys(mu.shape[1], causal, mask_diagonal, mu.device)
     if masked is not None:
-        logits = logits.masked_fill_(masked, float("-inf"))
+        logits = logits.masked_fill(masked, float("-inf"))
     m = logits.amax(-1, keepdim=True)
     if masked is not None:
         m = m.masked_fill(torch.isinf(m), 0.0)
-    p = torch.exp_(logits.sub_(m))
-    total = p.sum(-1, keepdim=True)
-    beta = p.div_(total.clamp_min(torch.finfo(p.dtype).tiny))
+    if torch._C._len_torch_dispatch_stack() > 0:  # traced (decomposition for export): stay functional
+        p = torch.exp(logits - m)
+        total = p.sum(-1, keepdim=True)
+        beta = p / total.clamp_min(torch.finfo(p.dtype).tiny)
+    else:  # the CPU path: reuse the [B, N, N] buffer
+        p = torch.exp_(logits.sub_(m))
+        total = p.sum(-1, keepdim=True)
+        beta = p.div_(total.clamp_min(torch.finfo(p.dtype).tiny))
     lse = (m + torch.log(total)).squeeze(-1)
     return kl, beta, lse
 
@@ -166,7 +171,8 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
     row_dot = (beta * grad_p).sum(-1, keepdim=True)
     grad_s = beta * (direct - g_lse.unsqueeze(-1) / kappa) - beta * (grad_p - row_dot) / kappa
     grad_cv = x + energy * y
-    return _scores_backward(mu, var, grad_s) + (grad_rv.to(row_values.dtype), grad_cv.to(col_values.dtype))
+    return _scores_backward(mu, var, grad_s) + (grad_rv.to(row_values.dtype).contiguous(),
+                                                grad_cv.to(col_values.dtype).contiguous())
 
 
 def _scores_backward(mu, var, grad_s):
@@ -178,4 +184,4 @@ def _scores_backward(mu, var, grad_s):
     b, _ = key_features(muc, v)
     gq_mu, gq_var = query_features_backward(muc, v, grad_s @ b, grad_s.sum(-1))
     gk_mu, gk_var = key_features_backward(muc, v, _t_matmul(grad_s, a), grad_s.sum(-2))
-    return (gq_mu + gk_mu).to(mu.dtype), (gq_var + gk_var).to(var.dtype)
+    return (gq_mu + gk_mu).to(mu.dtype).contiguous(), (gq_var + gk_var).to(var.dtype).contiguous()
