@@ -26,8 +26,10 @@ How (two steps):
    become the op's row values V (β_ij terms) or column values W (β_ji terms). The
    sums are then rebuilt from the op's outputs and the [B, N, N(, K)] nodes die.
 
-Everything is all-or-nothing per β: if β or kl is used by anything the algebra cannot
-read (a sum over another axis, a non-separable expression, β itself returned), the
+A user that reads β or kl whole (β returned by the model, β.sum(), ...) gets them in the
+matmul form, [B, N, N], formed beside the op (never [B, N, N, K]); the report says so.
+Otherwise it is all-or-nothing per β: if something computed from β or kl is used in a
+way the algebra cannot read (a sum over another axis, a non-separable expression), the
 graph is left as is and the reason is reported.
 """
 
@@ -223,6 +225,7 @@ class _PairAlgebra:
     visited: set = field(default_factory=set)  # pair-space nodes read
     memo: dict = field(default_factory=dict)
     pair_memo: dict = field(default_factory=dict)
+    escapes: list = field(default_factory=list)  # (β or KL, a user that reads it whole): formed for it
 
     def read(self, node) -> Poly:
         if not isinstance(node, fx.Node):
@@ -422,6 +425,8 @@ def _fuse(gm: fx.GraphModule, match: Match, masked: bool, report: FusionReport) 
     replaced = len(match.nodes) + len(algebra.visited | set(roots))
     _rewrite(gm, algebra, roots, plan, mu, var, float(kappa), causal, mask_diagonal)
     mode = ("causal" if causal else "full") + (", diagonal masked" if mask_diagonal else "")
+    if algebra.escapes:
+        mode += ", [B, N, N] formed for " + ", ".join(sorted({u.name for _, u in algebra.escapes}))
     report.add_fusion(PATTERN, OP_NAME, replaced,
                       f"{mode}, κ={kappa:g}, {len(roots)} β-weighted sums (row values {plan.v_width}, "
                       f"column values {plan.w_width} wide)")
@@ -436,6 +441,9 @@ def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node] | str:
             if user in seen:
                 continue
             seen.add(user)
+            if node in (algebra.beta, algebra.kl) and not _sum_over_keys(user) and user.target not in _ELEMENTWISE:
+                algebra.escapes.append((node, user))  # e.g. β returned: the op forms β [B, N, N] for it
+                continue
             if _sum_over_keys(user):
                 roots.append(user)
             elif user.target == aten.sum.dim_IntList:
@@ -454,9 +462,10 @@ def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node] | str:
 
 def _outside_users(algebra: _PairAlgebra, roots, match: Match) -> str | None:
     inside = algebra.visited | set(roots) | set(match.nodes)
+    escapes = set(algebra.escapes)
     for node in algebra.visited:
         for user in node.users:
-            if user not in inside:
+            if user not in inside and (node, user) not in escapes:
                 return (f"{user.name} ({short(user.target)}) uses {node.name}, a [B, N, N] tensor the fused op "
                         "does not form")
     return None
@@ -648,9 +657,35 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, mu, var, kappa, caus
         total = emit(aten.reshape.default, total, target)
         new_value[root] = total
         root.replace_all_uses_with(total)
+    if algebra.escapes:
+        _form_beta_for_escapes(graph, emit, algebra, mu, var, kappa, causal, mask_diagonal)
     for root in reversed(roots):
         graph.erase_node(root)
     _reorder_topologically(graph)
+
+
+def _form_beta_for_escapes(graph, emit, algebra, mu, var, kappa, causal, mask_diagonal):
+    """β and KL [B, N, N] in the matmul form (never [B, N, N, K]) for users that read them whole.
+
+    The matmul form is traced to ATen and inlined, so autograd, Inductor and the exporters
+    see ordinary ops.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hecate.lowering.kl_attention.matmul_form import scores_and_beta
+
+    def kl_and_beta(m, v):
+        kl, beta, _ = scores_and_beta(m, v, kappa, causal, mask_diagonal)
+        return kl, beta
+
+    with emit.fake_mode:
+        traced = make_fx(kl_and_beta, pre_dispatch=True)(_val(mu), _val(var))
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(emit.before):
+        kl, beta = graph.graph_copy(traced.graph, dict(zip(placeholders, (mu, var))))
+    formed = {algebra.beta: beta, algebra.kl: kl}
+    for node, user in algebra.escapes:
+        user.replace_input_with(node, formed[node])
 
 
 def _reorder_topologically(graph: fx.Graph) -> None:

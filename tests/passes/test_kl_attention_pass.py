@@ -115,7 +115,6 @@ def _fused(mu, var):
 @pytest.mark.parametrize("fn,reason", [
     (_softmax_over_queries, "softmax over dim 1"),
     (_upper_triangular_mask, "is not the causal lower-triangular mask"),
-    (_beta_returned, "is an output of the graph"),
     (_not_separable, "exp of shape [2, 4, 4, 3] is neither per-query nor per-key"),
 ])
 def test_near_misses_are_reported_and_left_unfused(fn, reason, fresh_dynamo):
@@ -126,6 +125,22 @@ def test_near_misses_are_reported_and_left_unfused(fn, reason, fresh_dynamo):
     compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
     for got, ref in zip(torch.utils._pytree.tree_leaves(compiled(mu, var)), torch.utils._pytree.tree_leaves(fn(mu, var))):
         assert_close("output", got, ref, 1e-6)
+
+
+def test_returned_beta_is_formed_in_matmul_form_beside_the_op(fresh_dynamo):
+    """β returned by the model: the sums still come from the op; β [B, N, N] is formed (no [B, N, N, K])."""
+    mu = torch.randn(2, 4, 3, requires_grad=True)
+    var = (torch.rand(2, 4, 3) + 0.5).requires_grad_()
+    compiled = torch.compile(_beta_returned, backend="hecate", options={"fallback": "eager"})
+    got = compiled(mu, var)
+    report = hecate.last_report()
+    assert report.count("kl_attention") == 1 and "[B, N, N] formed for output" in report.fusions[0].detail
+    ref = _beta_returned(mu, var)
+    for name, a, b in zip(("gradient", "beta"), got, ref):
+        assert_close(name, a, b, 1e-5)
+    loss = lambda out: out[0].square().sum() + (out[1] * torch.arange(4.0)).sum()  # noqa: E731
+    for a, b in zip(torch.autograd.grad(loss(got), (mu, var)), torch.autograd.grad(loss(ref), (mu, var))):
+        assert_close("grad", a, b, 1e-5)
 
 
 def test_a_handwritten_attention_gradient_is_fused(fresh_dynamo):
