@@ -141,9 +141,17 @@ def _block(d: int) -> int:
 
 
 def _tiles(d2: int, dv: int, dw: int, backward: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): smaller tiles when the feature widths are wide (registers, shared memory).
+
+    Untuned: no GPU was available when this was written; the widths the FEP model
+    produces are 2K (scores), 3K+1 (row values) and 2(3K+1) (column values and their
+    energy-weighted copy).
+    """
     if interpreting():
         return 16, 16
     widest = max(_block(d2), _block(dv), _block(dw))
+    if widest >= 256:
+        return 16, 16
     if backward or widest > 64:
         return 32, 32
     return 64, 64
