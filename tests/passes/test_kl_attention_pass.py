@@ -171,7 +171,9 @@ def test_full_model_to_onnx_runs_in_onnxruntime(tmp_path):
     assert_close("loss", torch.from_numpy(got[1]), loss, 1e-4)
 
 
-def test_full_model_to_mlir():
+@pytest.mark.parametrize("output_type", ["torch", "linalg-on-tensors"])
+def test_full_model_to_mlir(output_type):
     model, ids, targets = _model(n=4, n_layers=1, n_vfe_steps=1)
-    text = hecate.export_mlir(model, (ids, targets), output_type="linalg-on-tensors")
-    assert "hecate" not in text and "torch.operator" not in text and "linalg" in text
+    text = hecate.export_mlir(model, (ids, targets), output_type=output_type)
+    assert "hecate" not in text and "torch.operator" not in text
+    assert ("linalg" in text) if output_type == "linalg-on-tensors" else ("torch.aten" in text)
