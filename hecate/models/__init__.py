@@ -15,8 +15,9 @@ import torch
 
 Example = Callable[[], tuple[torch.nn.Module, tuple]]
 
-EXAMPLES: dict[str, Example] = {}
+from hecate.models import fep, short_conv  # noqa: E402
 
-from hecate.models.short_conv import EXAMPLES as _SHORT_CONV_EXAMPLES  # noqa: E402
-
-EXAMPLES.update(_SHORT_CONV_EXAMPLES)
+EXAMPLES: dict[str, Example] = {
+    **short_conv.EXAMPLES,
+    "pure_fep": fep.demo_example,
+}

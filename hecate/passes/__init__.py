@@ -16,8 +16,10 @@ from hecate.compiler.report import FusionReport
 
 Pass = Callable[[fx.GraphModule, FusionReport], None]
 
-PASSES: dict[str, Pass] = {}
+from hecate.passes import kl_attention, kl_decode, qk_preprocess  # noqa: E402
 
-from hecate.passes import qk_preprocess  # noqa: E402
-
-PASSES["qk_preprocess"] = qk_preprocess.run
+PASSES: dict[str, Pass] = {
+    "qk_preprocess": qk_preprocess.run,
+    "kl_attention": kl_attention.run,
+    "kl_decode": kl_decode.run,
+}

@@ -1,0 +1,201 @@
+"""Pure FEP transformer: spec-style eager vs Inductor vs Hecate, side by side.
+
+Two workloads, N ∈ {256, 1024, 4096}, K ∈ {16, 64} (``--quick``: N ∈ {64, 256}, K = 16):
+
+* ``attention``: one Q-flow step's attention as the model writes it — ``kl_pairwise``,
+  ``compute_attention`` (causal) and the alignment terms of ``compute_mu_gradient``
+  (direct, product rule through β, others aligning to i with their product rule).
+  Hecate turns it into one ``hecate.kl_attention`` call. The speed limit is
+  ``scaled_dot_product_attention`` on the equivalent problem: queries [a_i, 1] and keys
+  [b_j, d_j] of head dim 2K+1, values of width 2K (only the row pass; the op also
+  makes the column pass).
+* ``train_step``: forward + backward of the whole model (1 layer, 2 Q-flow steps,
+  vocabulary 64, batch 1, observation term in the Q-flow), the loss backpropagated
+  through the unrolled Q-flow to every prior.
+
+On a CPU, Inductor compiles the unrolled training graph in minutes (~4 min on a shared
+2-core machine), so the Inductor-compiled training step (``inductor`` and ``hecate``, whose
+fallback is Inductor) is measured only at the sizes in ``--compiled-train-sizes``;
+``hecate_eager`` (Hecate's fusions, the rest run eagerly: compiles in seconds) is measured
+at every size.
+
+The spec's broadcast form builds [B, N, N, K] tensors: a cell whose estimated peak
+memory exceeds ``--max-gib`` is skipped and the reason written to the JSON. Times are
+medians in ms; memory is the CUDA peak on a GPU (None on CPU).
+
+    PYTHONPATH=. python3 benchmarks/fep.py [--quick] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import RESULTS, median_time, peak_memory_mb, plot_bars, write_json  # noqa: E402
+from hecate.models.fep import (PureFEPConfig, PureFEPTransformer, attention_mask, compute_attention,  # noqa: E402
+                               compute_mu_gradient, kl_pairwise)
+
+# live [B, N, N, K] temporaries of the broadcast form (counted in the traced graphs, rounded up)
+BROADCAST_LIVE = {"attention": 8, "train_step": 48}
+
+
+def attention_step(mu, sigma, mu_p, sigma_p, config):
+    """One Q-flow step's attention and alignment gradient, as the model writes it."""
+    mask = attention_mask(mu.shape[1], True, False, mu.device)
+    kl = kl_pairwise(mu, sigma, config.eps)
+    beta = compute_attention(kl, config.kappa, mask)
+    return compute_mu_gradient(mu, sigma, mu_p, sigma_p, beta, kl, None, None, config)
+
+
+def sdpa_equivalent(mu, sigma, config):
+    """The same softmax as SDPA with head dim 2K+1 (the speed limit for the row pass)."""
+    from hecate.lowering.kl_attention.matmul_form import center, key_features, query_features
+    var = sigma.square() + config.eps
+    muc = center(mu, 1)
+    a, _ = query_features(muc, var)
+    b, d = key_features(muc, var)
+    q = torch.cat([a, torch.ones_like(d).unsqueeze(-1)], -1).unsqueeze(1)
+    k = torch.cat([b, d.unsqueeze(-1)], -1).unsqueeze(1)
+    v = torch.cat([1 / var, muc / var], -1).unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=-1.0 / config.kappa)
+
+
+def _estimate_gib(workload, b, n, k):
+    return BROADCAST_LIVE[workload] * b * n * n * k * 4 / 2**30
+
+
+def bench_attention(n, k, device, impls, max_gib, repeat):
+    config = PureFEPConfig(embed_dim=k, max_seq_len=n)
+    gen = torch.Generator().manual_seed(0)
+    mu = torch.randn(1, n, k, generator=gen).to(device)
+    sigma = (0.5 + torch.rand(1, n, k, generator=gen)).to(device)
+    mu_p = (0.1 * torch.randn(n, k, generator=gen)).to(device)
+    sigma_p = torch.ones(n, k, device=device)
+    fn = lambda m, s: attention_step(m, s, mu_p, sigma_p, config)  # noqa: E731
+    return _run_impls("attention", fn, (mu, sigma), n, k, device, impls, max_gib, repeat,
+                      extra={"sdpa": lambda: sdpa_equivalent(mu, sigma, config)})
+
+
+def bench_train_step(n, k, device, impls, max_gib, repeat):
+    config = PureFEPConfig(vocab_size=64, embed_dim=k, n_layers=1, max_seq_len=n, n_vfe_steps=2)
+    torch.manual_seed(0)
+    model = PureFEPTransformer(config).to(device)
+    ids = torch.randint(0, 64, (1, n + 1), device=device)
+    inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+    def step(forward):
+        def run():
+            model.zero_grad(set_to_none=True)
+            _, loss = forward(inputs, targets)
+            loss.backward()
+            return loss
+        return run
+
+    return _run_impls("train_step", None, None, n, k, device, impls, max_gib, repeat, model=model, step=step)
+
+
+COMPILE_SKIP = ("the Inductor compile of the unrolled training graph takes minutes on this CPU; "
+                "measured only at --compiled-train-sizes")
+
+
+def _run_impls(workload, fn, args, n, k, device, impls, max_gib, repeat, extra=None, model=None, step=None):
+    cell = {"workload": workload, "N": n, "K": k, "B": 1}
+    need = _estimate_gib(workload, 1, n, k)
+    for impl in impls:
+        if impl in ("eager", "inductor") and need > max_gib:
+            cell[impl] = {"skipped": f"the broadcast form needs ~{need:.1f} GiB of [B, N, N, K] temporaries "
+                                     f"(> --max-gib {max_gib})"}
+            continue
+        if isinstance(impl, tuple):  # (name, reason): not measured here
+            cell[impl[0]] = {"skipped": impl[1]}
+            continue
+        torch._dynamo.reset()
+        if impl == "eager":
+            target = model if model is not None else fn
+        elif impl == "inductor":
+            target = torch.compile(model if model is not None else fn)
+        elif impl == "hecate_eager":
+            target = torch.compile(model if model is not None else fn, backend="hecate",
+                                   options={"fallback": "eager"})
+        else:
+            target = torch.compile(model if model is not None else fn, backend="hecate")
+        call = step(target) if step is not None else (lambda t=target: t(*args))
+        start = time.perf_counter()
+        call()
+        first = time.perf_counter() - start
+        if impl == "eager" and first > 10.0:  # nothing to compile: a call this long is its own measurement
+            ms, peak = first * 1e3, None
+        else:
+            ms = median_time(call, device, warmup=0, repeat=repeat, max_seconds=10.0)
+            peak = peak_memory_mb(call, device)
+        cell[impl] = {"ms": ms, "first_call_s": first, "peak_mib": peak}
+        if impl.startswith("hecate"):
+            from hecate import last_report
+            report = last_report()
+            cell[impl]["fused"] = {p: report.count(p) for p in ("kl_attention", "kl_decode")}
+        print(f"  {workload} N={n} K={k} {impl}: {ms:.2f} ms (first call {first:.1f} s)", flush=True)
+    for name, call in (extra or {}).items():
+        ms = median_time(call, device, warmup=1, repeat=repeat, max_seconds=5.0)
+        cell[name] = {"ms": ms, "peak_mib": peak_memory_mb(call, device)}
+        print(f"  {workload} N={n} K={k} {name}: {ms:.2f} ms", flush=True)
+    return cell
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes only (N ∈ {64, 256}, K = 16)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-gib", type=float, default=4.0,
+                        help="skip broadcast-form cells whose estimated temporaries exceed this")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--impls", default="eager,inductor,hecate")
+    parser.add_argument("--compiled-train-sizes", default="256x16,64x16",
+                        help="NxK cells where the Inductor-compiled training step is measured")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (default 1: on a shared machine OpenMP barriers make timings noise)")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    sizes = [(64, 16), (256, 16)] if args.quick else [(n, k) for k in (16, 64) for n in (256, 1024, 4096)]
+    impls = args.impls.split(",")
+    compiled_train = {tuple(int(x) for x in s.split("x")) for s in args.compiled_train_sizes.split(",") if s}
+    cells = []
+    for n, k in sizes:
+        cells.append(bench_attention(n, k, args.device, impls, args.max_gib, args.repeat))
+        train_impls = [i if i == "eager" or (n, k) in compiled_train or args.device == "cuda"
+                       else (i, COMPILE_SKIP) for i in impls] + ["hecate_eager"]
+        cells.append(bench_train_step(n, k, args.device, train_impls, args.max_gib, args.repeat))
+    for cell in cells:
+        base = cell.get("eager", {}).get("ms")
+        for impl in ("inductor", "hecate", "hecate_eager", "sdpa"):
+            if base and impl in cell and "ms" in cell[impl]:
+                cell[impl]["speedup_vs_eager"] = base / cell[impl]["ms"]
+        if "sdpa" in cell and "ms" in cell.get("hecate", {}):
+            cell["hecate"]["ratio_to_sdpa"] = cell["hecate"]["ms"] / cell["sdpa"]["ms"]
+    name = "fep-quick" if args.quick else "fep"
+    path = write_json(name, args.device, {
+        "workloads": {"attention": bench_attention.__doc__ or "one Q-flow step's attention + alignment gradient",
+                      "train_step": "forward + backward, 1 layer, 2 Q-flow steps, V = 64, B = 1"},
+        "notes": "CPU: hecate's kl_attention runs its matmul-form CPU path ([B,N,N] scores, no [B,N,N,K]); "
+                 "the rest of the graph goes to Inductor. Memory only measured on CUDA.",
+        "cells": cells})
+    series = {impl: [] for impl in impls + ["hecate_eager", "sdpa"]}
+    labels = []
+    for cell in cells:
+        labels.append(f"{cell['workload']} N={cell['N']} K={cell['K']}")
+        for impl in series:
+            series[impl].append(cell.get(impl, {}).get("ms"))
+    plot_bars(os.path.join(RESULTS, f"{name}-{args.device}.png"), f"Pure FEP transformer ({args.device})", labels,
+              series)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

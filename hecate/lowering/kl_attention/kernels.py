@@ -1,0 +1,294 @@
+"""Triton kernels of ``hecate.kl_attention``: flash-style, never forming [B, N, N, K] or [B, N, N].
+
+Every kernel works on tiles of the KL matrix in its dot-product form
+(:mod:`.matmul_form`)::
+
+    S_ij = c_i + a_i · b_j + d_j             a [B,N,D2], b [B,N,D2] (D2 = 2K), c, d [B,N]
+    P_ij = exp(−S_ij/κ − lse_i) on allowed pairs, 0 elsewhere (β)
+
+All tensors are contiguous [B, N, D] (or [B, N]); one program handles one block of
+rows (queries) or columns (keys) of one batch element. Scores and sums are fp32;
+the score dot product runs in IEEE fp32 (not TF32): it subtracts terms of size μ²/v.
+
+Forward:  ``_fwd_rows``  (row blocks; online softmax over key blocks) → row_sum, row_kl_sum, energy, lse
+          ``_fwd_cols``  (key blocks; loops over query blocks, needs lse)  → col_sum, col_kl_sum
+Backward (recomputing P from lse):
+          ``_bwd_col_values`` (row blocks) → dW = P dO3 + (P∘S) dO4   (only with column values)
+          ``_bwd_rows`` (row blocks)   → da, dc
+          ``_bwd_cols`` (key blocks)   → db, dd, dV
+The formulas are in :func:`hecate.lowering.kl_attention.matmul_form.backward`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_rows(ptr, b, offs, N, D, BLOCK_D: tl.constexpr):
+    """[len(offs), BLOCK_D] rows ``offs`` of batch ``b`` of a contiguous [B, N, D] tensor (0 outside)."""
+    cols = tl.arange(0, BLOCK_D)
+    mask = (offs[:, None] < N) & (cols[None, :] < D)
+    return tl.load(ptr + b * N * D + offs[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(ptr, value, b, offs, N, D, BLOCK_D: tl.constexpr):
+    cols = tl.arange(0, BLOCK_D)
+    mask = (offs[:, None] < N) & (cols[None, :] < D)
+    tl.store(ptr + b * N * D + offs[:, None] * D + cols[None, :], value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_vec(ptr, b, offs, N):
+    return tl.load(ptr + b * N + offs, mask=offs < N, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_vec(ptr, value, b, offs, N):
+    tl.store(ptr + b * N + offs, value.to(ptr.dtype.element_ty), mask=offs < N)
+
+
+@triton.jit
+def _kl_tile(a_i, c_i, b_j, d_j):
+    """S_ij = c_i + a_i·b_j + d_j, [BLOCK_M, BLOCK_N]."""
+    return c_i[:, None] + tl.dot(a_i, tl.trans(b_j), input_precision="ieee") + d_j[None, :]
+
+
+@triton.jit
+def _allowed(offs_m, offs_n, N, CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr):
+    ok = (offs_m[:, None] < N) & (offs_n[None, :] < N)
+    if CAUSAL:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None])
+    if MASK_DIAGONAL:
+        ok = ok & (offs_n[None, :] != offs_m[:, None])
+    return ok
+
+
+@triton.jit
+def _beta_tile(s, lse_i, ok, neg_inv_kappa):
+    """P_ij from the scores and the row log-sum-exp (0 on masked pairs and on rows with no key)."""
+    return tl.where(ok, tl.exp(s * neg_inv_kappa - lse_i[:, None]), 0.0)
+
+
+@triton.jit
+def _fwd_rows(a_ptr, c_ptr, b_ptr, d_ptr, rv_ptr,
+              row_ptr, row_kl_ptr, energy_ptr, lse_ptr,
+              N, D2, DV, neg_inv_kappa,
+              CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr, HAS_V: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_i = _load_rows(a_ptr, b, offs_m, N, D2, BLOCK_D)  # [BM, BD]
+    c_i = _load_vec(c_ptr, b, offs_m, N)  # [BM]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    e_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+    acc_kl = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+    hi = N
+    if CAUSAL:
+        hi = tl.minimum(N, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        b_j = _load_rows(b_ptr, b, offs_n, N, D2, BLOCK_D)
+        d_j = _load_vec(d_ptr, b, offs_n, N)
+        s = _kl_tile(a_i, c_i, b_j, d_j)  # [BM, BN]
+        ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
+        logit = tl.where(ok, s * neg_inv_kappa, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logit, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp(−inf) = 0
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(logit - m_ref[:, None])
+        ps = p * tl.where(ok, s, 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        e_i = e_i * alpha + tl.sum(ps, 1)
+        if HAS_V:
+            v_j = _load_rows(rv_ptr, b, offs_n, N, DV, BLOCK_V)  # [BN, BV]
+            acc = acc * alpha[:, None] + tl.dot(p, v_j, input_precision="ieee")
+            acc_kl = acc_kl * alpha[:, None] + tl.dot(ps, v_j, input_precision="ieee")
+        m_i = m_new
+    has_key = l_i > 0
+    inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)
+    lse = tl.where(has_key, m_i + tl.log(tl.where(has_key, l_i, 1.0)), float("-inf"))
+    _store_vec(energy_ptr, e_i * inv_l, b, offs_m, N)
+    _store_vec(lse_ptr, lse, b, offs_m, N)
+    if HAS_V:
+        _store_rows(row_ptr, acc * inv_l[:, None], b, offs_m, N, DV, BLOCK_V)
+        _store_rows(row_kl_ptr, acc_kl * inv_l[:, None], b, offs_m, N, DV, BLOCK_V)
+
+
+@triton.jit
+def _fwd_cols(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, cv_ptr,
+              col_ptr, col_kl_ptr,
+              N, D2, DW, neg_inv_kappa,
+              CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_j = _load_rows(b_ptr, b, offs_n, N, D2, BLOCK_D)
+    d_j = _load_vec(d_ptr, b, offs_n, N)
+    acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    acc_kl = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    lo = 0
+    if CAUSAL:
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # queries before the key block see none of it
+    for start_m in range(lo, N, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        a_i = _load_rows(a_ptr, b, offs_m, N, D2, BLOCK_D)
+        c_i = _load_vec(c_ptr, b, offs_m, N)
+        lse_i = _load_vec(lse_ptr, b, offs_m, N)
+        w_i = _load_rows(cv_ptr, b, offs_m, N, DW, BLOCK_W)  # [BM, BW]
+        s = _kl_tile(a_i, c_i, b_j, d_j)
+        ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
+        p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
+        acc += tl.dot(tl.trans(p), w_i, input_precision="ieee")
+        acc_kl += tl.dot(tl.trans(p * tl.where(ok, s, 0.0)), w_i, input_precision="ieee")
+    _store_rows(col_ptr, acc, b, offs_n, N, DW, BLOCK_W)
+    _store_rows(col_kl_ptr, acc_kl, b, offs_n, N, DW, BLOCK_W)
+
+
+@triton.jit
+def _bwd_col_values(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, g_col_ptr, g_col_kl_ptr,
+                    grad_cv_ptr,
+                    N, D2, DW, neg_inv_kappa,
+                    CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
+    """dW_i = Σ_j P_ij dO3_j + P_ij S_ij dO4_j."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_i = _load_rows(a_ptr, b, offs_m, N, D2, BLOCK_D)
+    c_i = _load_vec(c_ptr, b, offs_m, N)
+    lse_i = _load_vec(lse_ptr, b, offs_m, N)
+    acc = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+    hi = N
+    if CAUSAL:
+        hi = tl.minimum(N, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        b_j = _load_rows(b_ptr, b, offs_n, N, D2, BLOCK_D)
+        d_j = _load_vec(d_ptr, b, offs_n, N)
+        s = _kl_tile(a_i, c_i, b_j, d_j)
+        ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
+        p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
+        g3 = _load_rows(g_col_ptr, b, offs_n, N, DW, BLOCK_W)
+        g4 = _load_rows(g_col_kl_ptr, b, offs_n, N, DW, BLOCK_W)
+        acc += tl.dot(p, g3, input_precision="ieee") + tl.dot(p * tl.where(ok, s, 0.0), g4, input_precision="ieee")
+    _store_rows(grad_cv_ptr, acc, b, offs_m, N, DW, BLOCK_W)
+
+
+@triton.jit
+def _grad_scores(s, ok, p, i_rv1, i_rv2, i_energy, i_lse, i_rowdot, i_cv, j_rv, j_g3, j_g4, inv_kappa,
+                 HAS_V: tl.constexpr, HAS_W: tl.constexpr):
+    """dS on one tile (see matmul_form.backward); i_* are per-query, j_* per-key operands."""
+    sv = tl.where(ok, s, 0.0)
+    direct = tl.zeros_like(s) + i_energy[:, None]
+    grad_p = tl.zeros_like(s)
+    if HAS_V:
+        direct += tl.dot(i_rv2, tl.trans(j_rv), input_precision="ieee")
+        grad_p += tl.dot(i_rv1, tl.trans(j_rv), input_precision="ieee")
+    if HAS_W:
+        direct += tl.dot(i_cv, tl.trans(j_g4), input_precision="ieee")
+        grad_p += tl.dot(i_cv, tl.trans(j_g3), input_precision="ieee")
+    grad_p += sv * direct
+    return p * (direct - i_lse[:, None] * inv_kappa - (grad_p - i_rowdot[:, None]) * inv_kappa)
+
+
+@triton.jit
+def _bwd_rows(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
+              g_row_ptr, g_row_kl_ptr, g_energy_ptr, g_col_ptr, g_col_kl_ptr, g_lse_ptr,
+              grad_a_ptr, grad_c_ptr,
+              N, D2, DV, DW, neg_inv_kappa,
+              CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr):
+    """da_i = Σ_j dS_ij b_j, dc_i = Σ_j dS_ij."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_i = _load_rows(a_ptr, b, offs_m, N, D2, BLOCK_D)
+    c_i = _load_vec(c_ptr, b, offs_m, N)
+    lse_i = _load_vec(lse_ptr, b, offs_m, N)
+    rowdot_i = _load_vec(rowdot_ptr, b, offs_m, N)
+    ge_i = _load_vec(g_energy_ptr, b, offs_m, N)
+    gl_i = _load_vec(g_lse_ptr, b, offs_m, N)
+    g1_i = _load_rows(g_row_ptr, b, offs_m, N, DV, BLOCK_V)
+    g2_i = _load_rows(g_row_kl_ptr, b, offs_m, N, DV, BLOCK_V)
+    w_i = _load_rows(cv_ptr, b, offs_m, N, DW, BLOCK_W)
+    inv_kappa = -neg_inv_kappa
+    grad_a = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    grad_c = tl.zeros([BLOCK_M], tl.float32)
+    hi = N
+    if CAUSAL:
+        hi = tl.minimum(N, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        b_j = _load_rows(b_ptr, b, offs_n, N, D2, BLOCK_D)
+        d_j = _load_vec(d_ptr, b, offs_n, N)
+        v_j = _load_rows(rv_ptr, b, offs_n, N, DV, BLOCK_V)
+        g3_j = _load_rows(g_col_ptr, b, offs_n, N, DW, BLOCK_W)
+        g4_j = _load_rows(g_col_kl_ptr, b, offs_n, N, DW, BLOCK_W)
+        s = _kl_tile(a_i, c_i, b_j, d_j)
+        ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
+        p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
+        ds = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, v_j, g3_j, g4_j, inv_kappa,
+                          HAS_V, HAS_W)
+        grad_a += tl.dot(ds, b_j, input_precision="ieee")
+        grad_c += tl.sum(ds, 1)
+    _store_rows(grad_a_ptr, grad_a, b, offs_m, N, D2, BLOCK_D)
+    _store_vec(grad_c_ptr, grad_c, b, offs_m, N)
+
+
+@triton.jit
+def _bwd_cols(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
+              g_row_ptr, g_row_kl_ptr, g_energy_ptr, g_col_ptr, g_col_kl_ptr, g_lse_ptr,
+              grad_b_ptr, grad_d_ptr, grad_rv_ptr,
+              N, D2, DV, DW, neg_inv_kappa,
+              CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr):
+    """db_j = Σ_i dS_ij a_i, dd_j = Σ_i dS_ij, dV_j = Σ_i P_ij dO1_i + P_ij S_ij dO2_i."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    b_j = _load_rows(b_ptr, b, offs_n, N, D2, BLOCK_D)
+    d_j = _load_vec(d_ptr, b, offs_n, N)
+    v_j = _load_rows(rv_ptr, b, offs_n, N, DV, BLOCK_V)
+    g3_j = _load_rows(g_col_ptr, b, offs_n, N, DW, BLOCK_W)
+    g4_j = _load_rows(g_col_kl_ptr, b, offs_n, N, DW, BLOCK_W)
+    inv_kappa = -neg_inv_kappa
+    grad_b = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    grad_d = tl.zeros([BLOCK_N], tl.float32)
+    grad_v = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+    lo = 0
+    if CAUSAL:
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, N, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        a_i = _load_rows(a_ptr, b, offs_m, N, D2, BLOCK_D)
+        c_i = _load_vec(c_ptr, b, offs_m, N)
+        lse_i = _load_vec(lse_ptr, b, offs_m, N)
+        rowdot_i = _load_vec(rowdot_ptr, b, offs_m, N)
+        ge_i = _load_vec(g_energy_ptr, b, offs_m, N)
+        gl_i = _load_vec(g_lse_ptr, b, offs_m, N)
+        g1_i = _load_rows(g_row_ptr, b, offs_m, N, DV, BLOCK_V)
+        g2_i = _load_rows(g_row_kl_ptr, b, offs_m, N, DV, BLOCK_V)
+        w_i = _load_rows(cv_ptr, b, offs_m, N, DW, BLOCK_W)
+        s = _kl_tile(a_i, c_i, b_j, d_j)
+        ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
+        p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
+        ds = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, v_j, g3_j, g4_j, inv_kappa,
+                          HAS_V, HAS_W)
+        grad_b += tl.dot(tl.trans(ds), a_i, input_precision="ieee")
+        grad_d += tl.sum(ds, 0)
+        if HAS_V:
+            grad_v += tl.dot(tl.trans(p), g1_i, input_precision="ieee")
+            grad_v += tl.dot(tl.trans(p * tl.where(ok, s, 0.0)), g2_i, input_precision="ieee")
+    _store_rows(grad_b_ptr, grad_b, b, offs_n, N, D2, BLOCK_D)
+    _store_vec(grad_d_ptr, grad_d, b, offs_n, N)
+    if HAS_V:
+        _store_rows(grad_rv_ptr, grad_v, b, offs_n, N, DV, BLOCK_V)

@@ -1,0 +1,248 @@
+"""``torch.ops.hecate.kl_attention``: pairwise-KL attention and what the Q-flow reads from it.
+
+Schema::
+
+    kl_attention(Tensor mu, Tensor var, Tensor row_values, Tensor col_values,
+                 float kappa, bool causal, bool mask_diagonal)
+        -> (row_sum, row_kl_sum, energy, col_sum, col_kl_sum, col_energy_sum, lse)
+
+    mu, var        [B, N, K]   belief means and variances (var > 0; the caller adds any eps)
+    row_values V   [B, N, Dv]  per-key features (Dv may be 0)
+    col_values W   [B, N, Dw]  per-query features for the transposed sums (Dw may be 0)
+    kappa          > 0         attention temperature
+    causal         key j allowed for query i only if j ≤ i
+    mask_diagonal  key i never allowed for query i
+
+    β_ij           = softmax_j(−KL(q_i‖q_j)/κ) over the allowed keys
+    row_sum        [B, N, Dv]  Σ_j β_ij V_j
+    row_kl_sum     [B, N, Dv]  Σ_j β_ij KL_ij V_j
+    energy         [B, N]      Σ_j β_ij KL_ij
+    col_sum        [B, N, Dw]  Σ_k β_ki W_k
+    col_kl_sum     [B, N, Dw]  Σ_k β_ki KL_ki W_k
+    col_energy_sum [B, N, Dw]  Σ_k β_ki energy_k W_k   (product rule through row k's softmax)
+    lse            [B, N]      log Σ_j exp(−KL_ij/κ)   (−inf on a row with no allowed key)
+
+These are exactly the sums the spec's Q-flow needs (see ``hecate/passes/kl_attention.py``
+for how its gradient terms map onto them), and neither [B, N, N, K] nor [B, N, N] is
+ever formed on the Triton path. A row with no allowed key (N = 1 with the diagonal
+masked; row 0 when causal and diagonal-masked) has β_i· = 0: its sums are 0, not NaN.
+
+Differentiable in mu, var, row_values and col_values for every output (the
+training step backprops through the unrolled Q-flow). The backward is its own op,
+``hecate.kl_attention_backward``, which recomputes β from lse.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from hecate.lowering.dispatch import interpreting, use_triton
+from hecate.lowering.kl_attention import matmul_form
+
+OUTPUT_NAMES = ("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum", "lse")
+
+
+def check_inputs(mu, var, row_values, col_values, kappa) -> None:
+    """Raise a ValueError naming the argument, what it was and what was expected."""
+    if mu.dim() != 3:
+        raise ValueError(f"kl_attention: mu must be [B, N, K], got shape {tuple(mu.shape)}")
+    if not mu.dtype.is_floating_point:
+        raise ValueError(f"kl_attention: mu must be a floating tensor, got dtype {mu.dtype}")
+    if var.shape != mu.shape:
+        raise ValueError(f"kl_attention: var must have mu's shape {tuple(mu.shape)}, got {tuple(var.shape)}")
+    if var.dtype != mu.dtype:
+        raise ValueError(f"kl_attention: var must have mu's dtype {mu.dtype}, got {var.dtype}")
+    for name, t in (("row_values", row_values), ("col_values", col_values)):
+        if t.dim() != 3 or t.shape[:2] != mu.shape[:2]:
+            raise ValueError(f"kl_attention: {name} must be [B, N, D] with B, N = {tuple(mu.shape[:2])}, "
+                             f"got shape {tuple(t.shape)}")
+        if t.dtype != mu.dtype:
+            raise ValueError(f"kl_attention: {name} must have mu's dtype {mu.dtype}, got {t.dtype}")
+    if not (isinstance(kappa, (int, float)) and math.isfinite(kappa) and kappa > 0):
+        raise ValueError(f"kl_attention: kappa must be a finite number > 0, got {kappa!r}")
+    if mu.shape[1] == 0 or mu.shape[2] == 0:
+        raise ValueError(f"kl_attention: mu must have N >= 1 and K >= 1, got shape {tuple(mu.shape)}")
+
+
+@torch.library.custom_op("hecate::kl_attention", mutates_args=())
+def kl_attention(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, col_values: torch.Tensor,
+                 kappa: float, causal: bool, mask_diagonal: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor]:
+    check_inputs(mu, var, row_values, col_values, kappa)
+    if use_triton(mu):
+        return _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal)
+    return matmul_form.forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal)
+
+
+@kl_attention.register_fake
+def _(mu, var, row_values, col_values, kappa, causal, mask_diagonal):
+    check_inputs(mu, var, row_values, col_values, kappa)
+    b, n, _ = mu.shape
+    row = mu.new_empty(b, n, row_values.shape[2])
+    col = mu.new_empty(b, n, col_values.shape[2])
+    return (row, torch.empty_like(row), mu.new_empty(b, n), col, torch.empty_like(col), torch.empty_like(col),
+            mu.new_empty(b, n))
+
+
+@torch.library.custom_op("hecate::kl_attention_backward", mutates_args=())
+def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, col_values: torch.Tensor,
+                          row_sum: torch.Tensor, row_kl_sum: torch.Tensor, energy: torch.Tensor, lse: torch.Tensor,
+                          grad_row_sum: torch.Tensor, grad_row_kl_sum: torch.Tensor, grad_energy: torch.Tensor,
+                          grad_col_sum: torch.Tensor, grad_col_kl_sum: torch.Tensor, grad_col_energy_sum: torch.Tensor,
+                          grad_lse: torch.Tensor,
+                          kappa: float, causal: bool, mask_diagonal: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = (grad_row_sum, grad_row_kl_sum, grad_energy, grad_col_sum, grad_col_kl_sum, grad_col_energy_sum, grad_lse)
+    if use_triton(mu):
+        return _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
+                                kappa, causal, mask_diagonal)
+    return matmul_form.backward(mu, var, row_values, col_values, grads, kappa, causal, mask_diagonal)
+
+
+@kl_attention_backward.register_fake
+def _(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, g1, g2, g3, g4, g5, g6, g7,
+      kappa, causal, mask_diagonal):
+    return (torch.empty_like(mu), torch.empty_like(var), torch.empty_like(row_values), torch.empty_like(col_values))
+
+
+def _setup_context(ctx, inputs, output):
+    mu, var, row_values, col_values, kappa, causal, mask_diagonal = inputs
+    row_sum, row_kl_sum, energy, _, _, _, lse = output
+    ctx.save_for_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse)
+    ctx.config = (kappa, causal, mask_diagonal)
+
+
+def _backward(ctx, *grads):
+    mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse = ctx.saved_tensors
+    col_shape = row_sum.new_empty(col_values.shape)
+    outputs = (row_sum, row_kl_sum, energy, col_shape, col_shape, col_shape, lse)
+    grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
+    # a row with no allowed key has lse = −inf and no dependence on anything
+    grads[6] = torch.where(torch.isinf(lse), 0.0, grads[6])
+    grad_mu, grad_var, grad_rv, grad_cv = torch.ops.hecate.kl_attention_backward(
+        mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, *grads, *ctx.config)
+    return grad_mu, grad_var, grad_rv, grad_cv, None, None, None
+
+
+kl_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton path
+
+
+def _block(d: int) -> int:
+    """Padded feature width: a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def _tiles(d2: int, dv: int, dw: int, backward: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): smaller tiles when the feature widths are wide (registers, shared memory).
+
+    Untuned: no GPU was available when this was written; the widths the FEP model
+    produces are 2K (scores), 3K+1 (row values) and 2(3K+1) (column values and their
+    energy-weighted copy).
+    """
+    if interpreting():
+        return 16, 16
+    widest = max(_block(d2), _block(dv), _block(dw))
+    if widest >= 256:
+        return 16, 16
+    if backward or widest > 64:
+        return 32, 32
+    return 64, 64
+
+
+def _features(mu, var):
+    muc = matmul_form.center(mu.float(), dim=1)
+    v = var.float()
+    a, c = matmul_form.query_features(muc, v)
+    b, d = matmul_form.key_features(muc, v)
+    return muc, v, a.contiguous(), c.contiguous(), b.contiguous(), d.contiguous()
+
+
+def _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal):
+    from hecate.lowering.kl_attention import kernels
+
+    bsz, n, k = mu.shape
+    dv, dw, d2 = row_values.shape[2], col_values.shape[2], 2 * k
+    _, _, a, c, b, d = _features(mu, var)
+    rv = row_values.contiguous()
+    row = mu.new_empty(bsz, n, dv)
+    row_kl = torch.empty_like(row)
+    energy = mu.new_empty(bsz, n)
+    lse = mu.new_empty(bsz, n)
+    bm, bn = _tiles(d2, dv, 2 * dw, backward=False)
+    blocks = dict(BLOCK_D=_block(d2))
+    kernels._fwd_rows[(triton.cdiv(n, bm), bsz)](
+        a, c, b, d, rv if dv else a, row, row_kl, energy, lse, n, d2, dv, -1.0 / kappa,
+        CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, HAS_V=dv > 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_V=_block(dv), **blocks)
+    # the column pass runs over [W, energy ⊙ W]: col_energy_sum is col_sum of the second half
+    cv = _energy_scaled(col_values, energy)
+    col = mu.new_empty(bsz, n, 2 * dw)
+    col_kl = torch.empty_like(col)
+    if dw:
+        kernels._fwd_cols[(triton.cdiv(n, bn), bsz)](
+            a, c, b, d, lse, cv, col, col_kl, n, d2, 2 * dw, -1.0 / kappa,
+            CAUSAL=causal, MASK_DIAGONAL=mask_diagonal,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=_block(2 * dw), **blocks)
+    return row, row_kl, energy, col[..., :dw].clone(), col_kl[..., :dw].clone(), col[..., dw:].clone(), lse
+
+
+def _energy_scaled(col_values, energy):
+    """[W, energy ⊙ W] (fp32, contiguous): the column values the column passes run over."""
+    w = col_values.float()
+    return torch.cat([w, energy.float().unsqueeze(-1) * w], dim=-1).contiguous()
+
+
+def _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
+                     kappa, causal, mask_diagonal):
+    """The formulas of :func:`matmul_form.backward`, with the column values [W, E⊙W]."""
+    from hecate.lowering.kl_attention import kernels
+
+    bsz, n, k = mu.shape
+    dv, dw, d2 = row_values.shape[2], col_values.shape[2], 2 * k
+    muc, v, a, c, b, d = _features(mu, var)
+    rv = row_values.contiguous()
+    cv = _energy_scaled(col_values, energy)
+    g_row, g_row_kl, g_energy, g_col, g_col_kl, g_col_energy, g_lse = (g.float().contiguous() for g in grads)
+    g_cols = torch.cat([g_col, g_col_energy], dim=-1).contiguous()
+    g_cols_kl = torch.cat([g_col_kl, torch.zeros_like(g_col_kl)], dim=-1).contiguous()
+    bm, bn = _tiles(d2, dv, 2 * dw, backward=True)
+    config = dict(CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_block(d2))
+    lse32 = lse.float().contiguous()
+    energy32 = energy.float()
+    rowdot = (g_row * row_sum.float()).sum(-1) + (g_row_kl * row_kl_sum.float()).sum(-1)
+    grad_cols = torch.zeros(bsz, n, 2 * dw, device=mu.device)
+    if dw:
+        # [X, Y] = P [dO3, dO5] + (P∘S) [dO4, 0]
+        kernels._bwd_col_values[(triton.cdiv(n, bm), bsz)](
+            a, c, b, d, lse32, g_cols, g_cols_kl, grad_cols, n, d2, 2 * dw, -1.0 / kappa,
+            BLOCK_W=_block(2 * dw), **config)
+        g_energy = g_energy + (col_values.float() * grad_cols[..., dw:]).sum(-1)
+        rowdot = rowdot + (cv * grad_cols).sum(-1)
+    rowdot = (rowdot + g_energy * energy32).contiguous()
+    g_energy = g_energy.contiguous()
+    grad_a = torch.empty_like(a)
+    grad_c = torch.empty_like(c)
+    grad_b = torch.empty_like(b)
+    grad_d = torch.empty_like(d)
+    grad_rv = row_values.new_empty(row_values.shape)
+    operands = (a, c, b, d, lse32, rowdot, rv if dv else a, cv if dw else a,
+                g_row if dv else a, g_row_kl if dv else a, g_energy, g_cols if dw else a, g_cols_kl if dw else a,
+                g_lse)
+    flags = dict(HAS_V=dv > 0, HAS_W=dw > 0, BLOCK_V=_block(dv), BLOCK_W=_block(2 * dw), **config)
+    kernels._bwd_rows[(triton.cdiv(n, bm), bsz)](
+        *operands, grad_a, grad_c, n, d2, dv, 2 * dw, -1.0 / kappa, **flags)
+    kernels._bwd_cols[(triton.cdiv(n, bn), bsz)](
+        *operands, grad_b, grad_d, grad_rv if dv else a, n, d2, dv, 2 * dw, -1.0 / kappa, **flags)
+    gq_mu, gq_var = matmul_form.query_features_backward(muc, v, grad_a, grad_c)
+    gk_mu, gk_var = matmul_form.key_features_backward(muc, v, grad_b, grad_d)
+    grad_cv = grad_cols[..., :dw] + energy32.unsqueeze(-1) * grad_cols[..., dw:]
+    return ((gq_mu + gk_mu).to(mu.dtype), (gq_var + gk_var).to(var.dtype), grad_rv,
+            grad_cv.to(col_values.dtype))

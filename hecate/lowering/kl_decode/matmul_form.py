@@ -1,0 +1,61 @@
+"""KL decode as a matmul plus per-token bias, and the CPU path built on it.
+
+With the dot-product form of :mod:`hecate.lowering.kl_attention.matmul_form`
+(beliefs on the query side, token priors on the key side)::
+
+    KL(q_i ‖ π_v) = c_i + a_i · b_v + d_v,     logits_iv = −KL / τ
+
+Means are shifted by the prior bank's mean first (KL is shift-invariant; this keeps
+the dot product well-conditioned), so the logits are one [M, 2K] × [2K, V] matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hecate.lowering.kl_attention.matmul_form import (compute_dtype, key_features, key_features_backward,
+                                                      query_features, query_features_backward)
+
+
+def features(mu, var, prior_mu, prior_var):
+    """(a, c, b, d, shifted μ, shifted prior means) in the compute dtype; mu is [M, K], prior [V, K]."""
+    ct = compute_dtype(mu.dtype)
+    shift = prior_mu.to(ct).mean(0)
+    muc, pmc = mu.to(ct) - shift, prior_mu.to(ct) - shift
+    a, c = query_features(muc, var.to(ct))
+    b, d = key_features(pmc, prior_var.to(ct))
+    return a, c, b, d, muc, pmc
+
+
+def logits(mu, var, prior_mu, prior_var, tau: float) -> torch.Tensor:
+    a, c, b, d, _, _ = features(mu, var, prior_mu, prior_var)
+    return (torch.addmm(c.unsqueeze(-1) + d, a, b.t()) * (-1.0 / tau)).to(mu.dtype)
+
+
+def grad_from_logits(mu, var, prior_mu, prior_var, grad_logits, tau: float):
+    """(dμ, dv, d prior_mu, d prior_var) from d logits [M, V]."""
+    a, _, b, _, muc, pmc = features(mu, var, prior_mu, prior_var)
+    ct = a.dtype
+    ct_var, ct_pvar = var.to(ct), prior_var.to(ct)
+    grad_s = grad_logits.to(ct) * (-1.0 / tau)  # dKL
+    gq_mu, gq_var = query_features_backward(muc, ct_var, grad_s @ b, grad_s.sum(-1))
+    gk_mu, gk_var = key_features_backward(pmc, ct_pvar, grad_s.t() @ a, grad_s.sum(0))
+    # the shift by the prior mean: KL is invariant under it, so its gradient adds nothing
+    return gq_mu.to(mu.dtype), gq_var.to(var.dtype), gk_mu.to(prior_mu.dtype), gk_var.to(prior_var.dtype)
+
+
+def ce(mu, var, prior_mu, prior_var, targets, tau: float, ignore_index: int):
+    """(loss [M], lse [M]) in the matmul form (materialises [M, V]: the CPU path)."""
+    z = logits(mu, var, prior_mu, prior_var, tau).to(compute_dtype(mu.dtype))
+    loss = F.cross_entropy(z, targets, reduction="none", ignore_index=ignore_index)
+    return loss.to(mu.dtype), torch.logsumexp(z, -1).to(mu.dtype)
+
+
+def ce_grad_logits(mu, var, prior_mu, prior_var, targets, lse, grad_loss, tau: float, ignore_index: int):
+    """d logits = g_i (softmax_iv − [v = t_i]), 0 on ignored rows."""
+    z = logits(mu, var, prior_mu, prior_var, tau).to(compute_dtype(mu.dtype))
+    p = torch.exp(z - lse.to(z.dtype).unsqueeze(-1))
+    valid = targets != ignore_index
+    p = p - F.one_hot(torch.where(valid, targets, 0), z.shape[-1]).to(z.dtype)
+    return p * (grad_loss.to(z.dtype) * valid).unsqueeze(-1)

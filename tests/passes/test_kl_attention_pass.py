@@ -1,0 +1,179 @@
+"""Pass kl_attention (and kl_decode) on the Pure FEP transformer: fused = eager, 40 fusions, near-misses, export."""
+
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hecate
+from hecate.models.fep import PureFEPConfig, PureFEPTransformer
+from hecate.testing import assert_close
+
+
+def _model(n=5, **overrides):
+    config = dict(vocab_size=9, embed_dim=3, n_layers=1, max_seq_len=8, n_vfe_steps=2)
+    config.update(overrides)
+    model = PureFEPTransformer(PureFEPConfig(**config))
+    ids = torch.randint(0, config["vocab_size"], (2, n + 1))
+    return model, ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def _loss_and_grads(fn, model, ids, targets):
+    _, loss = fn(ids, targets)
+    return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+
+def _check_compiled_equals_eager(model, ids, targets, fallback="eager", tol=1e-5):
+    compiled = torch.compile(model, backend="hecate", options={"fallback": fallback})
+    loss, grads = _loss_and_grads(compiled, model, ids, targets)
+    report = hecate.last_report()
+    ref_loss, ref_grads = _loss_and_grads(model, model, ids, targets)
+    assert_close("loss", loss, ref_loss, tol)
+    for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads):
+        assert_close(f"d {name}", g, r, tol)
+    return report
+
+
+@pytest.mark.parametrize("overrides", [
+    {},                                                     # the spec: causal, joint gradient, observation in Q-flow
+    {"mask_diagonal": True},
+    {"causal": False, "kappa": 0.5},
+    {"q_flow_gradient": "agent", "observation_in_q_flow": False},
+], ids=["spec", "mask_diagonal", "full_attention", "agent_gradient"])
+def test_compiled_model_equals_eager(overrides, fresh_dynamo):
+    model, ids, targets = _model(**overrides)
+    report = _check_compiled_equals_eager(model, ids, targets)
+    assert report.count("kl_attention") == 2, str(report)  # 1 layer × 2 Q-flow steps
+    assert report.count("kl_decode") >= 1, str(report)
+    assert not [m for m in report.misses if m.pattern == "kl_attention"], str(report)
+
+
+def test_single_position_with_masked_diagonal(fresh_dynamo):
+    """N = 1 and the diagonal masked: no key at all; the model's β = 0, the op's sums are 0."""
+    model, ids, targets = _model(n=1, mask_diagonal=True)
+    report = _check_compiled_equals_eager(model, ids, targets)
+    assert report.count("kl_attention") == 2
+
+
+@pytest.mark.slow
+def test_compiled_with_inductor_equals_eager(fresh_dynamo):
+    model, ids, targets = _model(n_vfe_steps=1, observation_in_q_flow=False)
+    report = _check_compiled_equals_eager(model, ids, targets, fallback="inductor", tol=1e-4)
+    assert report.count("kl_attention") == 1
+
+
+def test_explain_shows_forty_fused_q_flow_steps():
+    """4 layers × 10 Q-flow steps unrolled: 40 fused attentions (no targets: a smaller graph to trace)."""
+    model, ids, _ = _model(n=3, vocab_size=5, embed_dim=2, n_layers=4, n_vfe_steps=10)
+    report = hecate.explain(model, ids)
+    assert report.count("kl_attention") == 40, str(report)
+    assert not [m for m in report.misses if m.pattern == "kl_attention"]
+
+
+# near-misses: reported with the reason, left unfused, still correct
+
+
+def _kl(mu, var):
+    mu_i, mu_j, var_i, var_j = mu.unsqueeze(2), mu.unsqueeze(1), var.unsqueeze(2), var.unsqueeze(1)
+    return (0.5 * (torch.log(var_j / var_i) + var_i / var_j + (mu_i - mu_j).square() / var_j - 1.0)).sum(dim=-1)
+
+
+def _direct_gradient(beta, mu, var):
+    return (beta.unsqueeze(-1) * (mu.unsqueeze(2) - mu.unsqueeze(1)) / var.unsqueeze(1)).sum(dim=2)
+
+
+def _softmax_over_queries(mu, var):
+    mask = torch.tril(torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool))
+    beta = F.softmax((-_kl(mu, var) / 1.0).masked_fill(~mask, float("-inf")), dim=1)
+    return _direct_gradient(beta, mu, var)
+
+
+def _upper_triangular_mask(mu, var):
+    mask = torch.triu(torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool))
+    beta = F.softmax((-_kl(mu, var) / 1.0).masked_fill(~mask, float("-inf")), dim=-1)
+    return _direct_gradient(beta, mu, var)
+
+
+def _beta_returned(mu, var):
+    mask = torch.tril(torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool))
+    beta = F.softmax((-_kl(mu, var) / 1.0).masked_fill(~mask, float("-inf")), dim=-1)
+    return _direct_gradient(beta, mu, var), beta
+
+
+def _not_separable(mu, var):
+    mask = torch.tril(torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool))
+    beta = F.softmax((-_kl(mu, var) / 1.0).masked_fill(~mask, float("-inf")), dim=-1)
+    return (beta.unsqueeze(-1) * torch.exp(mu.unsqueeze(2) * mu.unsqueeze(1))).sum(dim=2)
+
+
+def _fused(mu, var):
+    mask = torch.tril(torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool))
+    beta = F.softmax((-_kl(mu, var) / 2.0).masked_fill(~mask, float("-inf")), dim=-1)
+    return _direct_gradient(beta, mu, var)
+
+
+@pytest.mark.parametrize("fn,reason", [
+    (_softmax_over_queries, "softmax over dim 1"),
+    (_upper_triangular_mask, "is not the causal lower-triangular mask"),
+    (_not_separable, "exp of shape [2, 4, 4, 3] is neither per-query nor per-key"),
+])
+def test_near_misses_are_reported_and_left_unfused(fn, reason, fresh_dynamo):
+    mu, var = torch.randn(2, 4, 3), torch.rand(2, 4, 3) + 0.5
+    report = hecate.explain(fn, mu, var)
+    assert report.count("kl_attention") == 0
+    assert any(m.pattern == "kl_attention" and reason in m.reason for m in report.misses), str(report)
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
+    for got, ref in zip(torch.utils._pytree.tree_leaves(compiled(mu, var)), torch.utils._pytree.tree_leaves(fn(mu, var))):
+        assert_close("output", got, ref, 1e-6)
+
+
+def test_returned_beta_is_formed_in_matmul_form_beside_the_op(fresh_dynamo):
+    """β returned by the model: the sums still come from the op; β [B, N, N] is formed (no [B, N, N, K])."""
+    mu = torch.randn(2, 4, 3, requires_grad=True)
+    var = (torch.rand(2, 4, 3) + 0.5).requires_grad_()
+    compiled = torch.compile(_beta_returned, backend="hecate", options={"fallback": "eager"})
+    got = compiled(mu, var)
+    report = hecate.last_report()
+    assert report.count("kl_attention") == 1 and "[B, N, N] formed for output" in report.fusions[0].detail
+    ref = _beta_returned(mu, var)
+    for name, a, b in zip(("gradient", "beta"), got, ref):
+        assert_close(name, a, b, 1e-5)
+    loss = lambda out: out[0].square().sum() + (out[1] * torch.arange(4.0)).sum()  # noqa: E731
+    for a, b in zip(torch.autograd.grad(loss(got), (mu, var)), torch.autograd.grad(loss(ref), (mu, var))):
+        assert_close("grad", a, b, 1e-5)
+
+
+def test_a_handwritten_attention_gradient_is_fused(fresh_dynamo):
+    mu = torch.randn(2, 4, 3, requires_grad=True)
+    var = (torch.rand(2, 4, 3) + 0.5).requires_grad_()
+    compiled = torch.compile(_fused, backend="hecate", options={"fallback": "eager"})
+    out = compiled(mu, var)
+    assert hecate.last_report().count("kl_attention") == 1
+    ref = _fused(mu, var)
+    assert_close("output", out, ref, 1e-5)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((out * g).sum(), (mu, var)), torch.autograd.grad((ref * g).sum(), (mu, var))):
+        assert_close("grad", a, b, 1e-5)
+
+
+# export of the whole (tiny) model
+
+
+def test_full_model_to_onnx_runs_in_onnxruntime(tmp_path):
+    model, ids, targets = _model(n=4, n_layers=1, n_vfe_steps=2)
+    path = tmp_path / "fep.onnx"
+    report = hecate.export_onnx(model, (ids, targets), path)
+    assert report.count("kl_attention") == 2 and report.count("kl_decode") >= 1
+    session = ort.InferenceSession(str(path))
+    got = session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), (ids, targets))})
+    logits, loss = model(ids, targets)
+    assert_close("logits", torch.from_numpy(got[0]), logits, 1e-4)
+    assert_close("loss", torch.from_numpy(got[1]), loss, 1e-4)
+
+
+@pytest.mark.parametrize("output_type", ["torch", "linalg-on-tensors"])
+def test_full_model_to_mlir(output_type):
+    model, ids, targets = _model(n=4, n_layers=1, n_vfe_steps=1)
+    text = hecate.export_mlir(model, (ids, targets), output_type=output_type)
+    assert "hecate" not in text and "torch.operator" not in text
+    assert ("linalg" in text) if output_type == "linalg-on-tensors" else ("torch.aten" in text)

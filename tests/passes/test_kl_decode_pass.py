@@ -1,0 +1,61 @@
+"""Pass kl_decode: the token-bank KL logits, with or without their cross-entropy."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hecate
+from hecate.models.fep import kl_to_token_priors
+from hecate.testing import assert_close
+
+
+def _decode_loss(reduction, ignore_index=-100, label_smoothing=0.0):
+    def loss_fn(mu, sigma, prior_mu, prior_sigma, targets):
+        logits = -kl_to_token_priors(mu, sigma, prior_mu, prior_sigma) / 0.7
+        return F.cross_entropy(logits.view(-1, prior_mu.shape[0]), targets.view(-1), reduction=reduction,
+                               ignore_index=ignore_index, label_smoothing=label_smoothing)
+    return loss_fn
+
+
+def _inputs():
+    mu = torch.randn(2, 5, 3, requires_grad=True)
+    sigma = (torch.rand(2, 5, 3) + 0.5).requires_grad_()
+    prior_mu = torch.randn(7, 3, requires_grad=True)
+    prior_sigma = (torch.rand(7, 3) + 0.5).requires_grad_()
+    targets = torch.randint(0, 7, (2, 5))
+    targets[0, 1] = 2
+    return mu, sigma, prior_mu, prior_sigma, targets
+
+
+@pytest.mark.parametrize("reduction,ignore_index", [("mean", -100), ("mean", 2), ("sum", -100), ("none", 2)])
+def test_fused_decode_and_cross_entropy_equal_materialised_logits(reduction, ignore_index, fresh_dynamo):
+    fn = _decode_loss(reduction, ignore_index)
+    args = _inputs()
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
+    got = compiled(*args)
+    report = hecate.last_report()
+    assert [f.op for f in report.fusions] == ["hecate.kl_decode_ce"], str(report)
+    ref = fn(*args)
+    assert_close("loss", got, ref, 1e-5)
+    g = torch.randn_like(ref)
+    params = args[:4]
+    for a, b in zip(torch.autograd.grad((got * g).sum(), params), torch.autograd.grad((ref * g).sum(), params)):
+        assert_close("grad", a, b, 1e-5)
+
+
+def test_label_smoothing_keeps_the_cross_entropy_and_says_why(fresh_dynamo):
+    fn = _decode_loss("mean", label_smoothing=0.1)
+    args = _inputs()
+    report = hecate.explain(fn, *args)
+    assert [f.op for f in report.fusions] == ["hecate.kl_decode_logits"]
+    assert "label_smoothing=0.1" in report.fusions[0].detail
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
+    assert_close("loss", compiled(*args), fn(*args), 1e-5)
+
+
+def test_a_temperature_that_is_a_tensor_is_left_unfused(fresh_dynamo):
+    def fn(mu, sigma, prior_mu, prior_sigma, tau):
+        return -kl_to_token_priors(mu, sigma, prior_mu, prior_sigma) / tau
+    args = (*_inputs()[:4], torch.tensor(0.5))
+    report = hecate.explain(fn, *args)
+    assert report.fusions == []
