@@ -6,3 +6,5 @@ PyTorch reference), ``kernels.py`` (Triton forward and backward), ``op.py`` (the
 ``export.py`` (ONNX translation and ATen decomposition, registered in
 :mod:`hecate.lowering.registry`). Importing this package registers every op.
 """
+
+from hecate.lowering import memory_scan  # noqa: F401
