@@ -2,3 +2,4 @@
 
 from hecate.lowering.memory_scan import op  # noqa: F401  (registers the op)
 from hecate.lowering.memory_scan.naive import memory_scan_naive  # noqa: F401
+from hecate.lowering.memory_scan import export  # noqa: F401  (registers the ONNX translation and decomposition)
