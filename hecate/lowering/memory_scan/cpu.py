@@ -51,8 +51,8 @@ def _bh(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _unbh(x: torch.Tensor, B: int, H: int) -> torch.Tensor:
-    """[B·H, T, ...] -> [B, T, H, ...]."""
-    return x.reshape(B, H, *x.shape[1:]).transpose(1, 2)
+    """[B·H, T, ...] -> [B, T, H, ...] (contiguous)."""
+    return x.reshape(B, H, *x.shape[1:]).transpose(1, 2).contiguous()
 
 
 class _Step:

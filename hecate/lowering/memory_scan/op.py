@@ -141,8 +141,8 @@ def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: 
 
 @memory_scan_backward.register_fake
 def _memory_scan_backward_fake(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm):
-    return (torch.empty_like(k), torch.empty_like(v), torch.empty_like(q), torch.empty_like(alpha),
-            torch.empty_like(eta), torch.empty_like(dm_final))
+    return (k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(q.shape), alpha.new_empty(alpha.shape),
+            eta.new_empty(eta.shape), dm_final.new_empty(dm_final.shape))
 
 
 def _setup_context(ctx, inputs, output):
