@@ -16,3 +16,4 @@ import torch
 Example = Callable[[], tuple[torch.nn.Module, tuple]]
 
 EXAMPLES: dict[str, Example] = {}
+from hecate.models import memory  # noqa: E402,F401  registers lp_memory, hebbian_memory

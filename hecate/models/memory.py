@@ -272,3 +272,9 @@ def hebbian_memory_example() -> tuple[nn.Module, tuple]:
     torch.manual_seed(0)
     model = HebbianMemory(32, n_heads=2, d_k=8, d_v=8, alpha=None, normalise=True)
     return model, (torch.randn(2, 16, 32),)
+
+
+from hecate.models import EXAMPLES  # noqa: E402  (registration)
+
+EXAMPLES["lp_memory"] = lp_memory_example
+EXAMPLES["hebbian_memory"] = hebbian_memory_example
