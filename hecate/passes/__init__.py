@@ -17,4 +17,4 @@ from hecate.compiler.report import FusionReport
 Pass = Callable[[fx.GraphModule, FusionReport], None]
 
 PASSES: dict[str, Pass] = {}
-from hecate.passes import memory_scan  # noqa: E402,F401  registers "memory_scan"
+from hecate.passes import memory_scan  # noqa: E402,F401  registers "memory_scan", "linear_attention"

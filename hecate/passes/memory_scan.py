@@ -16,7 +16,10 @@ copies of the step. This pass
    eps, momentum, q_norm)`` on the sliced source tensors, whose ``y`` stands for the
    stacked per-step reads and whose ``m_final`` stands for the last state.
 
-It does the same for ``torch.ops.higher_order.scan`` whose body is the step.
+It does the same for ``torch.ops.higher_order.scan`` whose body is the step, and,
+as the "linear_attention" pass, for the Hebbian / fast-weight step
+``M ← α_t M + v_t φ(k_t)ᵀ, y_t = M φ(q_t)`` (optionally normalised by
+``z ← α_t z + φ(k_t)``, ``y_t / (z·φ(q_t) + eps)``), replaced by one ``linear_attention``.
 Chains that fail a check are left as they are (still correct) and reported as
 near-misses with the reason.
 """
@@ -37,7 +40,6 @@ from hecate.compiler.report import FusionReport
 from hecate.passes.matching import Match, pattern_graph
 
 aten = torch.ops.aten
-PATTERN = "memory_scan"
 
 # Distinctive literal values traced into the patterns, so the pass can tell where
 # each hyper-parameter sits in a matched step (every other literal is structural
@@ -90,46 +92,77 @@ def _momentum_step(bias: Callable) -> Callable:
     return step
 
 
+def _hebbian_step(M, k_t, v_t, q_t, alpha_t):
+    M = alpha_t[..., None, None] * M + v_t.unsqueeze(-1) * k_t.unsqueeze(-2)
+    return M, (M @ q_t.unsqueeze(-1)).squeeze(-1)
+
+
+def _hebbian_normalised_step(M, z, k_t, v_t, q_t, alpha_t):
+    M = alpha_t[..., None, None] * M + v_t.unsqueeze(-1) * k_t.unsqueeze(-2)
+    y = (M @ q_t.unsqueeze(-1)).squeeze(-1)
+    z = alpha_t.unsqueeze(-1) * z + k_t
+    return M, z, y / ((z * q_t).sum(-1, keepdim=True) + _EPS)
+
+
 @dataclass
 class _Variant:
     """One form of the step: its pattern and where its hyper-parameters sit."""
 
-    bias: str  # "l2", "l1", "lp"
-    retention: str  # "plain", "momentum", "moneta"
+    bias: str  # "l2", "l1", "lp"; "hebbian" for the linear-attention family
+    retention: str  # "plain", "momentum", "moneta"; "hebbian", "hebbian-normalised"
     pattern: fx.Graph
-    n_state: int  # chained states: M, or (M, S) with momentum
+    states: tuple[str, ...]  # the chained states: ("M",), ("M", "S") with momentum, ("M", "z") normalised
+    roles: tuple[str, ...]  # the per-step inputs after the states
+
+    @property
+    def n_state(self) -> int:
+        return len(self.states)
+
+    @property
+    def op(self) -> str:
+        return "linear_attention" if self.bias == "hebbian" else "memory_scan"
     # (pattern node, arg position) -> role ("p", "a", ...) or None for a structural literal
     literal_slots: list[tuple[fx.Node, int, str | None, Any]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
+        if self.bias == "hebbian":
+            return "Hebbian" + (" normalised" if self.retention == "hebbian-normalised" else "")
         return {"plain": "GD", "momentum": "GD with momentum", "moneta": "MONETA L_q retention"}[
             self.retention] + f", {self.bias} bias"
 
 
 _VARIANTS: list[_Variant] | None = None
+_LP_ROLES = ("k", "v", "q", "alpha", "eta")
+_HEBBIAN_ROLES = ("k", "v", "q", "alpha")
 
 
-def _variants() -> list[_Variant]:
-    """The step patterns, traced once (B=2, H=3, Dv=4, Dk=5)."""
+def _variants(op: str | None = None) -> list[_Variant]:
+    """The step patterns (traced once, B=2, H=3, Dv=4, Dk=5), all or those replaced by ``op``."""
     global _VARIANTS
     if _VARIANTS is None:
         # distinct tensors per argument: make_fx binds one placeholder per tensor object
         M, S, k, v, q, alpha, eta = (torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5), torch.randn(2, 3, 5),
                                      torch.randn(2, 3, 4), torch.randn(2, 3, 5), torch.rand(2, 3), torch.rand(2, 3))
+        z = torch.randn(2, 3, 5)
         variants = []
         for bias_name, bias in (("l2", _bias_l2), ("l1", _bias_l1), ("lp", _bias_lp)):
             for retention in ("plain", "momentum", "moneta"):
                 if retention == "momentum":
-                    fn, example, n_state = _momentum_step(bias), (M, S, k, v, q, alpha, eta), 2
+                    fn, example, states = _momentum_step(bias), (M, S, k, v, q, alpha, eta), ("M", "S")
                 else:
                     fn = _plain_step(bias, _lq_normalise if retention == "moneta" else _identity)
-                    example, n_state = (M, k, v, q, alpha, eta), 1
-                variant = _Variant(bias_name, retention, pattern_graph(fn, *example), n_state)
-                variant.literal_slots = _literal_slots(variant.pattern)
-                variants.append(variant)
+                    example, states = (M, k, v, q, alpha, eta), ("M",)
+                variants.append(_Variant(bias_name, retention, pattern_graph(fn, *example), states, _LP_ROLES))
+        variants.append(_Variant("hebbian", "hebbian-normalised",
+                                 pattern_graph(_hebbian_normalised_step, M, z, k, v, q, alpha),
+                                 ("M", "z"), _HEBBIAN_ROLES))
+        variants.append(_Variant("hebbian", "hebbian", pattern_graph(_hebbian_step, M, k, v, q, alpha),
+                                 ("M",), _HEBBIAN_ROLES))
+        for variant in variants:
+            variant.literal_slots = _literal_slots(variant.pattern)
         _VARIANTS = variants
-    return _VARIANTS
+    return [v for v in _VARIANTS if op is None or v.op == op]
 
 
 def _literal_slots(pattern: fx.Graph) -> list[tuple[fx.Node, int, str | None, Any]]:
@@ -160,11 +193,9 @@ class _Step:
     state_in: list[fx.Node]
     state_out: list[fx.Node]
     y: fx.Node
-    per_step: dict[str, fx.Node]  # "k", "v", "q", "alpha", "eta" -> graph node
+    per_step: dict[str, fx.Node]  # variant.roles ("k", "v", "q", "alpha"[, "eta"]) -> graph node
     literals: list[Any]  # the graph's literal at each of variant.literal_slots
 
-
-_ROLES = ("k", "v", "q", "alpha", "eta")
 
 
 def _find_steps(graph: fx.Graph, variant: _Variant) -> list[_Step]:
@@ -200,7 +231,7 @@ def _find_steps(graph: fx.Graph, variant: _Variant) -> list[_Step]:
         n = variant.n_state
         literals = [_flat_args(internal.nodes_map[pn])[i] for pn, i, _, _ in variant.literal_slots]
         steps.append(_Step(variant, match, nodes, inputs[:n], outputs[:n], outputs[n],
-                           dict(zip(_ROLES, inputs[n:])), literals))
+                           dict(zip(variant.roles, inputs[n:])), literals))
     return steps
 
 
@@ -223,8 +254,10 @@ def _read_params(step: _Step) -> dict[str, float]:
             raise _NotFused(f"{role} is {value!r}, expected a number")
         if role in params and params[role] != value:
             raise _NotFused(f"{role} differs inside one step ({params[role]} and {value}); "
-                            "memory_scan takes one value")
+                            f"hecate.{variant.op} takes one value")
         params[role] = float(value)
+    if variant.bias == "hebbian":
+        return {"eps": params.get("eps", 1e-6)}
     p = {"l2": 2.0, "l1": 1.0, "lp": params.get("p")}[variant.bias]
     q = params.get("q_norm", 2.0)
     if "p_power" in params and not math.isclose(params["p_power"], (p - 1) / 2, rel_tol=1e-9):
@@ -329,13 +362,15 @@ def _verify_chain(chain: list[_Step]) -> tuple[dict[str, float], dict[str, _Sour
                                 "memory_scan only returns the final state")
     last = chain[-1]
     for s in range(1, last.variant.n_state):
+        if last.variant.states[s] != "S":  # the normaliser z goes in and comes out of linear_attention
+            continue
         if not _is_zeros(chain[0].state_in[s]):
             raise _NotFused(f"the momentum buffer starts as {chain[0].state_in[s].name}, not zeros "
                             "(memory_scan starts it at zero)")
         if any(u not in last.nodes for u in last.state_out[s].users):
             raise _NotFused(f"the final momentum buffer ({last.state_out[s].name}) is used after the loop; "
                             "memory_scan does not return it")
-    sources = {role: _per_step_source(role, [s.per_step[role] for s in chain]) for role in _ROLES}
+    sources = {role: _per_step_source(role, [s.per_step[role] for s in chain]) for role in last.variant.roles}
     _check_shapes(chain[0], sources)
     return params, sources
 
@@ -346,7 +381,8 @@ def _check_shapes(step: _Step, sources: dict[str, _Source]) -> None:
         raise _NotFused(f"the memory state has shape {list(M.shape)}, memory_scan needs [B, H, Dv, Dk]")
     B, H, Dv, Dk = M.shape
     expected = {"k": [B, H, Dk], "q": [B, H, Dk], "v": [B, H, Dv], "alpha": [B, H], "eta": [B, H]}
-    for role, shape in expected.items():
+    for role in step.variant.roles:
+        shape = expected[role]
         got = list(step.per_step[role].meta["val"].shape)
         if got != list(shape):
             raise _NotFused(f"{role}_t has shape {got}, memory_scan needs {list(shape)} for a state of "
@@ -354,7 +390,7 @@ def _check_shapes(step: _Step, sources: dict[str, _Source]) -> None:
     dtypes = {r: step.per_step[r].meta["val"].dtype for r in ("k", "v", "q")}
     if len(set(dtypes.values())) != 1 or M.dtype not in (torch.float32, torch.float64):
         raise _NotFused(f"dtypes k/v/q {sorted(str(d) for d in dtypes.values())} and state {M.dtype}: "
-                        "memory_scan needs one input dtype and an fp32/fp64 state")
+                        f"hecate.{step.variant.op} needs one input dtype and an fp32/fp64 state")
 
 
 # ---------------------------------------------------------------- assembling chains
@@ -420,31 +456,47 @@ def _whole(graph: fx.Graph, src: _Source, length: int, batch_heads: list[int]) -
     return x
 
 
-def _emit(gm: fx.GraphModule, m0: fx.Node, sources: dict[str, _Source], length: int,
-          params: dict[str, float]) -> tuple[fx.Node, fx.Node]:
-    """Insert memory_scan after the last of its inputs; return its (y [B, T, H, Dv], m_final)."""
+def _emit(gm: fx.GraphModule, variant: _Variant, init: list[fx.Node], sources: dict[str, _Source],
+          length: int, params: dict[str, float]) -> tuple[fx.Node, list[fx.Node | None]]:
+    """Insert the fused op after the last of its inputs.
+
+    Returns its y [B, T, H, Dv] and, per chained state, the node standing for the final
+    state (None for the momentum buffer, which memory_scan does not return).
+    """
     graph = gm.graph
-    B, H = m0.meta["val"].shape[:2]
+    B, H = init[0].meta["val"].shape[:2]
     position = {n: i for i, n in enumerate(graph.nodes)}
-    last_input = max([m0] + [s.node for s in sources.values()], key=position.__getitem__)
+    last_input = max(list(init) + [s.node for s in sources.values()], key=position.__getitem__)
     with graph.inserting_before(last_input.next):
-        whole = {role: _whole(graph, sources[role], length, [B, H]) for role in _ROLES}
-        call = _call(graph, torch.ops.hecate.memory_scan.default,
-                     whole["k"], whole["v"], whole["q"], whole["alpha"], whole["eta"],
-                     None if _is_zeros(m0) else m0, None,
-                     params["p"], params["a"], params["eps"], params["momentum"], params["q_norm"])
+        whole = {role: _whole(graph, sources[role], length, [B, H]) for role in variant.roles}
+        m0 = None if _is_zeros(init[0]) else init[0]
+        if variant.op == "memory_scan":
+            call = _call(graph, torch.ops.hecate.memory_scan.default,
+                         whole["k"], whole["v"], whole["q"], whole["alpha"], whole["eta"], m0, None,
+                         params["p"], params["a"], params["eps"], params["momentum"], params["q_norm"])
+            finals = {"M": 1}
+        else:
+            normalise = "z" in variant.states
+            z0 = None if not normalise or _is_zeros(init[1]) else init[1]
+            call = _call(graph, torch.ops.hecate.linear_attention.default,
+                         whole["k"], whole["v"], whole["q"], whole["alpha"], m0, z0, normalise,
+                         params["eps"], True)
+            finals = {"M": 1, "z": 2}
         y = _call(graph, operator.getitem, call, 0)
-        m_final = _call(graph, operator.getitem, call, 1)
-    return y, m_final
+        final_states = [_call(graph, operator.getitem, call, finals[name]) if name in finals else None
+                        for name in variant.states]
+    return y, final_states
 
 
 def _replace_loop(gm: fx.GraphModule, order: dict[fx.Node, int], chain: list[_Step],
                   params: dict[str, float], sources: dict[str, _Source]) -> int:
     graph = gm.graph
-    y, m_final = _emit(gm, chain[0].state_in[0], sources, len(chain), params)
-    step_nodes = set().union(*(s.nodes for s in chain))
     last = chain[-1]
-    last.state_out[0].replace_all_uses_with(m_final, delete_user_cb=lambda u: u not in step_nodes)
+    y, final_states = _emit(gm, last.variant, chain[0].state_in, sources, len(chain), params)
+    step_nodes = set().union(*(s.nodes for s in chain))
+    for old, new in zip(last.state_out, final_states):
+        if new is not None:
+            old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in step_nodes)
     ys = [s.y for s in chain]
     stacks = {u for y_t in ys for u in y_t.users
               if u.target == aten.stack.default and list(u.args[0]) == ys}
@@ -468,6 +520,9 @@ def _replace_loop(gm: fx.GraphModule, order: dict[fx.Node, int], chain: list[_St
 
 def _describe(variant: _Variant, params: dict[str, float], steps: int, form: str) -> str:
     """The report's detail: the variant, p, and how many steps were rolled up."""
+    if variant.bias == "hebbian":
+        what = "Hebbian M ← α M + v φ(k)ᵀ" + (", normalised by z ← α z + φ(k)" if "z" in variant.states else "")
+        return f"{what}; {form} rolled up {steps} steps"
     bias = {"l2": "l_2 bias p=2 (2e fast path)", "l1": "l_1 bias p=1 (tanh fast path)",
             "lp": f"l_p bias p={params['p']:g} (general form)"}[variant.bias]
     retention = {"plain": "GD", "momentum": f"GD with momentum β={params['momentum']:g}",
@@ -481,93 +536,100 @@ def _scan_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.scan]
 
 
-def _fuse_scan(gm: fx.GraphModule, node: fx.Node, report: FusionReport) -> None:
-    """Replace ``scan(step_body, init, xs, ())`` whose body is exactly one memory step."""
+def _fuse_scan(gm: fx.GraphModule, node: fx.Node, op: str, report: FusionReport) -> None:
+    """Replace ``scan(step_body, init, xs, ())`` whose body is exactly one step replaced by ``op``."""
     body_attr, init, xs, additional = node.args[:4]
     body: fx.GraphModule = getattr(gm, body_attr.target)
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
     body_out = list(next(reversed(body.graph.nodes)).args[0])
     compute = [n for n in body.graph.nodes if n.op == "call_function"]
-    for variant in _variants():
+    for variant in _variants(op):
         steps = _find_steps(body.graph, variant)
         if len(steps) != 1:
             continue
         step = steps[0]
-        n = variant.n_state
         if (len(step.nodes) != len(compute) or additional
-                or step.state_in + [step.per_step[r] for r in _ROLES] != placeholders
+                or step.state_in + [step.per_step[r] for r in variant.roles] != placeholders
                 or step.state_out + [step.y] != body_out):
-            report.add_miss(PATTERN, f"scan body contains a {variant.name} step but also other inputs, "
+            report.add_miss(op, f"scan body contains a {variant.name} step but also other inputs, "
                             "outputs or ops", node.name)
             return
         try:
             params = _read_params(step)
-            _check_scan_inputs(gm, node, variant, init, xs)
+            _check_scan_inputs(node, variant, init)
+            if not hasattr(torch.ops.hecate, op):
+                raise _NotFused(f"the op hecate.{op} is not registered (import hecate.lowering)")
         except _NotFused as why:
-            report.add_miss(PATTERN, f"scan over a {variant.name} step: {why}", node.name)
+            report.add_miss(op, f"scan over a {variant.name} step: {why}", node.name)
             return
         graph = gm.graph
         sources = {}
-        for role, x in zip(_ROLES, xs):
+        for role, x in zip(variant.roles, xs):
             if x.op == "call_function" and x.target == aten.movedim.int and x.args[2] == 0:
                 sources[role] = _Source(x.args[0], x.args[1] % x.args[0].meta["val"].dim(), 0)
             else:  # xs are scanned along dim 0
                 sources[role] = _Source(x, 0, 0)
         T = xs[0].meta["val"].shape[0]
-        y, m_final = _emit(gm, init[0], sources, T, params)
+        y, final_states = _emit(gm, variant, list(init), sources, T, params)
         for user in list(node.users):
             index = user.args[1]
-            if index == 0:
-                user.replace_all_uses_with(m_final)
-            elif index == n:
+            if index == variant.n_state:  # the stacked reads, [T, B, H, Dv]
                 with graph.inserting_after(y):
                     user.replace_all_uses_with(_call(graph, aten.movedim.int, y, 1, 0))
+            elif final_states[index] is not None:
+                user.replace_all_uses_with(final_states[index])
             graph.erase_node(user)
         graph.erase_node(node)
-        report.add_fusion(PATTERN, "hecate.memory_scan", len(compute) + 1,
-                          _describe(variant, params, T, "scan higher-order op"))
+        report.add_fusion(op, f"hecate.{op}", len(compute) + 1, _describe(variant, params, T, "scan higher-order op"))
         return
 
 
-def _check_scan_inputs(gm, node, variant, init, xs) -> None:
-    for s in range(1, variant.n_state):
-        if not _is_zeros(init[s]):
+def _check_scan_inputs(node: fx.Node, variant: _Variant, init: list[fx.Node]) -> None:
+    for s, name in enumerate(variant.states):
+        if name == "S" and not _is_zeros(init[s]):
             raise _NotFused(f"the momentum buffer starts as {init[s].name}, not zeros")
     for user in node.users:
-        if user.target is not operator.getitem or user.args[1] not in (0, variant.n_state):
-            if user.users:
-                raise _NotFused(f"scan output {user.args[1]} (an extra state) is used after the scan")
+        index = user.args[1]
+        if index < variant.n_state and variant.states[index] == "S" and user.users:
+            raise _NotFused("the final momentum buffer is used after the scan; memory_scan does not return it")
     M = init[0].meta["val"]
     if M.dim() != 4:
-        raise _NotFused(f"the memory state has shape {list(M.shape)}, memory_scan needs [B, H, Dv, Dk]")
+        raise _NotFused(f"the memory state has shape {list(M.shape)}, hecate.{variant.op} needs [B, H, Dv, Dk]")
 
 
-# ---------------------------------------------------------------- the pass
+# ---------------------------------------------------------------- the passes
 
-def run(gm: fx.GraphModule, report: FusionReport) -> None:
-    """Replace every unrolled memory loop (and memory scan) in ``gm`` by one memory_scan."""
-    for node in _scan_nodes(gm):
-        _fuse_scan(gm, node, report)
-    for variant in _variants():
-        steps = _find_steps(gm.graph, variant)
-        if not steps:
-            continue
-        chains = _chains(steps)
-        fragments = _broken_loops(chains)
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        for chain in chains:
-            where = f"{chain[0].y.name} .. {chain[-1].y.name}"
-            if id(chain) in fragments:
-                report.add_miss(PATTERN, fragments[id(chain)], where)
+def _run(op: str) -> Callable[[fx.GraphModule, FusionReport], None]:
+    def run(gm: fx.GraphModule, report: FusionReport) -> None:
+        for node in _scan_nodes(gm):
+            _fuse_scan(gm, node, op, report)
+        for variant in _variants(op):
+            steps = _find_steps(gm.graph, variant)
+            if not steps:
                 continue
-            try:
-                params, sources = _verify_chain(chain)
-            except _NotFused as why:
-                report.add_miss(PATTERN, f"{len(chain)} {variant.name} steps not fused: {why}", where)
-                continue
-            replaced = _replace_loop(gm, order, chain, params, sources)
-            report.add_fusion(PATTERN, "hecate.memory_scan", replaced,
-                              _describe(variant, params, len(chain), "loop"))
+            chains = _chains(steps)
+            fragments = _broken_loops(chains)
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            for chain in chains:
+                where = f"{chain[0].y.name} .. {chain[-1].y.name}"
+                if id(chain) in fragments:
+                    report.add_miss(op, fragments[id(chain)], where)
+                    continue
+                try:
+                    params, sources = _verify_chain(chain)
+                    if not hasattr(torch.ops.hecate, op):
+                        raise _NotFused(f"the op hecate.{op} is not registered (import hecate.lowering)")
+                except _NotFused as why:
+                    report.add_miss(op, f"{len(chain)} {variant.name} steps not fused: {why}", where)
+                    continue
+                replaced = _replace_loop(gm, order, chain, params, sources)
+                report.add_fusion(op, f"hecate.{op}", replaced, _describe(variant, params, len(chain), "loop"))
+    run.__doc__ = f"Replace every unrolled loop (and scan) of a step that hecate.{op} computes by one call."
+    return run
+
+
+run_memory_scan = _run("memory_scan")
+run_linear_attention = _run("linear_attention")
 
 
 def _broken_loops(chains: list[list[_Step]]) -> dict[int, str]:
@@ -589,6 +651,7 @@ def _k_source(chain: list[_Step]) -> fx.Node:
     return k.args[0] if k.op == "call_function" and k.target == aten.select.int else k
 
 
-from hecate.passes import PASSES  # noqa: E402  (registration, after run is defined)
+from hecate.passes import PASSES  # noqa: E402  (registration, after the passes are defined)
 
-PASSES[PATTERN] = run
+PASSES["memory_scan"] = run_memory_scan
+PASSES["linear_attention"] = run_linear_attention
