@@ -7,4 +7,4 @@ PyTorch reference), ``kernels.py`` (Triton forward and backward), ``op.py`` (the
 :mod:`hecate.lowering.registry`). Importing this package registers every op.
 """
 
-from hecate.lowering import memory_scan  # noqa: F401
+from hecate.lowering import linear_attention, memory_scan  # noqa: F401

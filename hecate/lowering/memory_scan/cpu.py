@@ -44,61 +44,75 @@ def lq_normalize_vjp(A: torch.Tensor, dW: torch.Tensor, q_norm: float, eps: floa
     return c * dW - r * inner * c / s * ds_dA
 
 
-def _bh(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, T, H, ...] -> [B·H, T, ...] in ``dtype``."""
+def _tm(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, H, ...] -> time-major [T, B·H, ...] in ``dtype`` (each step's slice is contiguous)."""
     B, T, H = x.shape[:3]
-    return x.to(dtype).transpose(1, 2).reshape(B * H, T, *x.shape[3:])
+    return x.to(dtype).transpose(0, 1).reshape(T, B * H, *x.shape[3:]).contiguous()
 
 
-def _unbh(x: torch.Tensor, B: int, H: int) -> torch.Tensor:
-    """[B·H, T, ...] -> [B, T, H, ...] (contiguous)."""
-    return x.reshape(B, H, *x.shape[1:]).transpose(1, 2).contiguous()
+def _untm(x: torch.Tensor, B: int, H: int) -> torch.Tensor:
+    """[T, B·H, ...] -> [B, T, H, ...] (contiguous)."""
+    return x.reshape(x.shape[0], B, H, *x.shape[2:]).transpose(0, 1).contiguous()
 
 
 class _Step:
-    """One token of the recurrence on [B·H, Dv, Dk] states (arguments as in the op)."""
+    """One token of the recurrence on [B·H, Dv, Dk] states (arguments as in the op).
 
-    def __init__(self, p, a, eps, momentum, q_norm):
+    The gates come precomputed per step: ``keep`` = 1 − α_t [B·H, 1, 1] and ``neg_eta`` = −η_t [B·H, 1].
+    """
+
+    def __init__(self, p, a, eps, momentum, q_norm, hebbian):
         self.p, self.a, self.eps, self.momentum, self.q_norm = p, a, eps, momentum, q_norm
+        self.hebbian = hebbian
 
-    def error(self, A, kt, vt):
+    def error_and_gradient(self, A, kt, vt):
+        """(e, g): the prediction error and bias gradient; Hebbian: (None, −v), the memory is not read."""
+        if self.hebbian:
+            return None, -vt
         W = lq_normalize(A, self.q_norm, self.eps)
-        return torch.bmm(W, kt.unsqueeze(-1)).squeeze(-1) - vt
+        e = torch.bmm(W, kt.unsqueeze(-1)).squeeze(-1) - vt
+        return e, bias_grad(e, self.p, self.a, self.eps)
 
-    def __call__(self, A, S, kt, vt, at, et):
-        g = bias_grad(self.error(A, kt, vt), self.p, self.a, self.eps)
-        minus_eta_g = (g * et.unsqueeze(-1)).neg_().unsqueeze(-1)  # [BH, Dv, 1]
+    def __call__(self, A, S, kt, vt, keep, neg_eta):
+        g = self.error_and_gradient(A, kt, vt)[1]
+        minus_eta_g = (g * neg_eta).unsqueeze(-1)  # [BH, Dv, 1]
         if self.momentum != 0.0:
             S = torch.baddbmm(S, minus_eta_g, kt.unsqueeze(1), beta=self.momentum)
-            return (1.0 - at)[:, None, None] * A + S, S
-        return torch.baddbmm((1.0 - at)[:, None, None] * A, minus_eta_g, kt.unsqueeze(1)), S
+            return keep * A + S, S
+        return torch.baddbmm(keep * A, minus_eta_g, kt.unsqueeze(1)), S
 
 
 def _prepare(k, v, q, alpha, eta, m0):
+    """Time-major inputs, the per-step gate factors (1 − α_t, −η_t) and the initial state."""
     dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
-    K, V, Q = _bh(k, dtype), _bh(v, dtype), _bh(q, dtype)
-    AL, ET = _bh(alpha, dtype), _bh(eta, dtype)
+    K, V, Q = _tm(k, dtype), _tm(v, dtype), _tm(q, dtype)
+    AL, ET = _tm(alpha, dtype), _tm(eta, dtype)  # [T, BH]
+    keep, neg_eta = (1.0 - AL)[..., None, None], (-ET)[..., None]
     A0 = (m0.to(dtype).reshape(B * H, Dv, Dk).clone() if m0 is not None
           else k.new_zeros(B * H, Dv, Dk, dtype=dtype))
-    return dtype, K, V, Q, AL, ET, A0
+    return K, V, Q, AL, ET, keep, neg_eta, A0
 
 
-def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm):
-    """y [B, T, H, Dv] (dtype of v), A_T [B, H, Dv, Dk] for one unpacked batch."""
+def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False):
+    """y [B, T, H, Dv] (dtype of v), A_T [B, H, Dv, Dk] for one unpacked batch.
+
+    ``hebbian``: the update ignores the memory, U = −v kᵀ (so A ← (1 − α) A + η v kᵀ): the
+    linear-attention recurrence, run by ``hecate.linear_attention`` through this same loop.
+    """
     B, T, H, _ = k.shape
-    dtype, K, V, Q, AL, ET, A = _prepare(k, v, q, alpha, eta, m0)
-    step = _Step(p, a, eps, momentum, q_norm)
+    K, V, Q, _, _, keep, neg_eta, A = _prepare(k, v, q, alpha, eta, m0)
+    step = _Step(p, a, eps, momentum, q_norm, hebbian)
     S = torch.zeros_like(A)
     Y = V.new_empty(V.shape)
     for t in range(T):
-        A, S = step(A, S, K[:, t], V[:, t], AL[:, t], ET[:, t])
-        torch.bmm(lq_normalize(A, q_norm, eps), Q[:, t].unsqueeze(-1), out=Y[:, t].unsqueeze(-1))
-    return _unbh(Y, B, H).to(v.dtype), A.reshape(B, H, *A.shape[1:])
+        A, S = step(A, S, K[t], V[t], keep[t], neg_eta[t])
+        torch.bmm(lq_normalize(A, q_norm, eps), Q[t].unsqueeze(-1), out=Y[t].unsqueeze(-1))
+    return _untm(Y, B, H).to(v.dtype), A.reshape(B, H, *A.shape[1:])
 
 
-def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm):
+def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False):
     """Gradients (dk, dv, dq, dalpha, deta, dm0) of one unpacked batch.
 
     Reverse step for token t (pre-state A_{t−1}, post-state A_t), carrying
@@ -112,19 +126,22 @@ def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm)
         dg_t = −η_t D k_t ;  de_t = bias_grad'(e_t) ⊙ dg_t ;  dv_t = −de_t
         dk_t = −η_t Dᵀ g_t + W_{t−1}ᵀ de_t
         P ← (1 − α_t) dA_t ;  Q ← de_t k_tᵀ
+
+    Hebbian (g_t = −v_t, no error): dv_t = −dg_t, and neither the W_{t−1} term nor Q exist.
     """
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
-    dtype, K, V, Q, AL, ET, A = _prepare(k, v, q, alpha, eta, m0)
-    dY = _bh(dy, dtype)
-    step = _Step(p, a, eps, momentum, q_norm)
+    K, V, Q, AL, ET, keep, neg_eta, A = _prepare(k, v, q, alpha, eta, m0)
+    dtype = K.dtype
+    dY = _tm(dy, dtype)
+    step = _Step(p, a, eps, momentum, q_norm, hebbian)
     lq = q_norm != 2.0
     S = torch.zeros_like(A)
     checkpoints = []
     for t in range(T):
         if t % CHUNK == 0:
             checkpoints.append((A, S))
-        A, S = step(A, S, K[:, t], V[:, t], AL[:, t], ET[:, t])
+        A, S = step(A, S, K[t], V[t], keep[t], neg_eta[t])
 
     dK, dV, dQ = torch.empty_like(K), torch.empty_like(V), torch.empty_like(Q)
     dAL, dET = torch.empty_like(AL), torch.empty_like(ET)
@@ -137,41 +154,45 @@ def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm)
         pre_states = []
         for t in range(start, stop):
             pre_states.append(A)
-            A, S = step(A, S, K[:, t], V[:, t], AL[:, t], ET[:, t])
+            A, S = step(A, S, K[t], V[t], keep[t], neg_eta[t])
         A_post = A
         for t in range(stop - 1, start - 1, -1):
             A_pre = pre_states[t - start]
-            kt, qt, dyt = K[:, t], Q[:, t], dY[:, t]
+            kt, qt, dyt = K[t], Q[t], dY[t]
             W_post = lq_normalize(A_post, q_norm, eps)
-            dQ[:, t] = torch.bmm(W_post.transpose(1, 2), dyt.unsqueeze(-1)).squeeze(-1)
-            dW = torch.baddbmm(Qc, dyt.unsqueeze(-1), qt.unsqueeze(1)) if lq else None
-            dA = P + lq_normalize_vjp(A_post, dW, q_norm, eps) if lq else torch.baddbmm(P, dyt.unsqueeze(-1), qt.unsqueeze(1))
+            torch.bmm(W_post.transpose(1, 2), dyt.unsqueeze(-1), out=dQ[t].unsqueeze(-1))
+            if lq:
+                dA = P + lq_normalize_vjp(A_post, torch.baddbmm(Qc, dyt.unsqueeze(-1), qt.unsqueeze(1)), q_norm, eps)
+            else:
+                dA = torch.baddbmm(P, dyt.unsqueeze(-1), qt.unsqueeze(1))
             if momentum != 0.0:
                 dS = momentum * dS + dA
                 D = dS
             else:
                 D = dA
-            e = step.error(A_pre, kt, V[:, t])
-            g = bias_grad(e, p, a, eps)
+            e, g = step.error_and_gradient(A_pre, kt, V[t])
             Dk_t = torch.bmm(D, kt.unsqueeze(-1)).squeeze(-1)  # [BH, Dv]
-            et, at = ET[:, t], AL[:, t]
-            dET[:, t] = -(g * Dk_t).sum(-1)
-            dAL[:, t] = -(dA * A_pre).sum((1, 2))
-            de = bias_grad_derivative(e, p, a, eps) * Dk_t * (-et).unsqueeze(-1)
-            dV[:, t] = -de
-            W_pre = lq_normalize(A_pre, q_norm, eps)
-            dK[:, t] = (torch.bmm(W_pre.transpose(1, 2), de.unsqueeze(-1)).squeeze(-1)
-                        - et.unsqueeze(-1) * torch.bmm(D.transpose(1, 2), g.unsqueeze(-1)).squeeze(-1))
-            outer = de.unsqueeze(-1) * kt.unsqueeze(1)
-            P = (1.0 - at)[:, None, None] * dA
-            if lq:
-                Qc = outer
+            dET[t] = -(g * Dk_t).sum(-1)
+            dAL[t] = -(dA * A_pre).sum((1, 2))
+            dg = Dk_t * neg_eta[t]
+            torch.bmm(D.transpose(1, 2), g.unsqueeze(-1), out=dK[t].unsqueeze(-1))
+            dK[t] *= neg_eta[t]
+            P = keep[t] * dA
+            if hebbian:
+                dV[t] = -dg
             else:
-                P = P + outer
+                de = bias_grad_derivative(e, p, a, eps) * dg
+                dV[t] = -de
+                W_pre = lq_normalize(A_pre, q_norm, eps)
+                dK[t] += torch.bmm(W_pre.transpose(1, 2), de.unsqueeze(-1)).squeeze(-1)
+                if lq:
+                    Qc = de.unsqueeze(-1) * kt.unsqueeze(1)
+                else:
+                    P = torch.baddbmm(P, de.unsqueeze(-1), kt.unsqueeze(1))
             A_post = A_pre
     dA0 = P + lq_normalize_vjp(A_post, Qc, q_norm, eps) if lq else P
-    return (_unbh(dK, B, H).to(k.dtype), _unbh(dV, B, H).to(v.dtype), _unbh(dQ, B, H).to(q.dtype),
-            _unbh(dAL, B, H).to(alpha.dtype), _unbh(dET, B, H).to(eta.dtype),
+    return (_untm(dK, B, H).to(k.dtype), _untm(dV, B, H).to(v.dtype), _untm(dQ, B, H).to(q.dtype),
+            _untm(dAL, B, H).to(alpha.dtype), _untm(dET, B, H).to(eta.dtype),
             dA0.reshape(B, H, Dv, Dk))
 
 
@@ -182,29 +203,31 @@ def _sequences(cu_seqlens: Optional[torch.Tensor], T: int):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm):
+def forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False):
     """The CPU forward for either layout (packed: one call per sequence)."""
     seqs = _sequences(cu_seqlens, k.shape[1])
     if seqs is None:
-        return forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm)
+        return forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian)
     ys, finals = [], []
     for n, (bos, eos) in enumerate(seqs):
         y, A = forward(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
-                       None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm)
+                       None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm, hebbian)
         ys.append(y)
         finals.append(A)
     return torch.cat(ys, 1), torch.cat(finals, 0)
 
 
-def backward_packed(dy, dA_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm):
+def backward_packed(dy, dA_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
+                    hebbian=False):
     """The CPU backward for either layout."""
     seqs = _sequences(cu_seqlens, k.shape[1])
     if seqs is None:
-        return backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm)
+        return backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian)
     parts = []
     for n, (bos, eos) in enumerate(seqs):
         sl = slice(bos, eos)
         parts.append(backward(dy[:, sl], dA_final[n:n + 1], k[:, sl], v[:, sl], q[:, sl], alpha[:, sl],
-                              eta[:, sl], None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm))
+                              eta[:, sl], None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm,
+                              hebbian))
     dk, dv, dq, dal, det, dm0 = (torch.cat([part[i] for part in parts], 1 if i < 5 else 0) for i in range(6))
     return dk, dv, dq, dal, det, dm0

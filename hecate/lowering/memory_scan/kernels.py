@@ -118,7 +118,7 @@ def memory_scan_fwd_kernel(
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, LQ: tl.constexpr,
     HAS_M0: tl.constexpr, STORE_Y: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_CKPT: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, HEBBIAN: tl.constexpr,
 ):
     # grid (cdiv(DV, BV), N·H); state tile A [BV, BK] fp32 on chip across the sequence
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -147,8 +147,12 @@ def memory_scan_fwd_kernel(
         v_t = tl.load(v + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
         a_t = tl.load(alpha + row).to(tl.float32)
         eta_t = tl.load(eta + row).to(tl.float32)
-        e = tl.sum(W * k_t[None, :], 1) - v_t  # [BV]
-        U = _bias_grad(e, p, a, eps, P_MODE)[:, None] * k_t[None, :]
+        if HEBBIAN:  # linear attention: U = −v kᵀ, the memory is not read
+            g = -v_t
+        else:
+            e = tl.sum(W * k_t[None, :], 1) - v_t  # [BV]
+            g = _bias_grad(e, p, a, eps, P_MODE)
+        U = g[:, None] * k_t[None, :]
         if USE_MOMENTUM:
             S = momentum * S - eta_t * U
             A = (1.0 - a_t) * A + S
@@ -170,7 +174,7 @@ def memory_scan_bwd_kernel(
     T, ROWS, p, a, eps, momentum, q_norm,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, LQ: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, HEBBIAN: tl.constexpr,
 ):
     # grid (NV = cdiv(DV, BV), N·H). Partials over value tiles: dk_part, dq_part [NV, ROWS, DK];
     # dalpha_part, deta_part [NV, ROWS] (ROWS = B·T·H). dv [B, T, H, DV]; dm0 [N, H, DV, DK] fp32;
@@ -212,8 +216,12 @@ def memory_scan_bwd_kernel(
             v_t = tl.load(v + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
             a_t = tl.load(alpha + row).to(tl.float32)
             eta_t = tl.load(eta + row).to(tl.float32)
-            e = tl.sum(_lq_normalize(A, q_norm, eps, LQ) * k_t[None, :], 1) - v_t
-            U = _bias_grad(e, p, a, eps, P_MODE)[:, None] * k_t[None, :]
+            if HEBBIAN:
+                g = -v_t
+            else:
+                e = tl.sum(_lq_normalize(A, q_norm, eps, LQ) * k_t[None, :], 1) - v_t
+                g = _bias_grad(e, p, a, eps, P_MODE)
+            U = g[:, None] * k_t[None, :]
             if USE_MOMENTUM:
                 S = momentum * S - eta_t * U
                 A = (1.0 - a_t) * A + S
@@ -243,21 +251,29 @@ def memory_scan_bwd_kernel(
                 D = dS
             else:
                 D = dA
-            W_pre = _lq_normalize(A_pre, q_norm, eps, LQ)
-            e = tl.sum(W_pre * k_t[None, :], 1) - v_t
-            g = _bias_grad(e, p, a, eps, P_MODE)
+            if HEBBIAN:
+                g = -v_t
+            else:
+                W_pre = _lq_normalize(A_pre, q_norm, eps, LQ)
+                e = tl.sum(W_pre * k_t[None, :], 1) - v_t
+                g = _bias_grad(e, p, a, eps, P_MODE)
             D_k = tl.sum(D * k_t[None, :], 1)  # [BV]
             tl.store(deta_part + i_v * ROWS + row, -tl.sum(g * D_k, 0))
             tl.store(dalpha_part + i_v * ROWS + row, -tl.sum(tl.sum(dA * A_pre, 1), 0))
-            de = _bias_grad_derivative(e, p, a, eps, P_MODE) * D_k * (-eta_t)
-            tl.store(dv + row * DV + o_v, (-de).to(dv.dtype.element_ty), mask=mask_v)
-            dk_t = tl.sum(W_pre * de[:, None], 0) - eta_t * tl.sum(D * g[:, None], 0)
-            tl.store(dk_part + (i_v * ROWS + row) * DK + o_k, dk_t, mask=mask_k)
+            dg = D_k * (-eta_t)
+            dk_t = -eta_t * tl.sum(D * g[:, None], 0)
             P = (1.0 - a_t) * dA
-            if LQ:
-                Qc = de[:, None] * k_t[None, :]
+            if HEBBIAN:  # g = −v: no error, no read of W_{t−1}
+                tl.store(dv + row * DV + o_v, (-dg).to(dv.dtype.element_ty), mask=mask_v)
             else:
-                P = P + de[:, None] * k_t[None, :]
+                de = _bias_grad_derivative(e, p, a, eps, P_MODE) * dg
+                tl.store(dv + row * DV + o_v, (-de).to(dv.dtype.element_ty), mask=mask_v)
+                dk_t += tl.sum(W_pre * de[:, None], 0)
+                if LQ:
+                    Qc = de[:, None] * k_t[None, :]
+                else:
+                    P = P + de[:, None] * k_t[None, :]
+            tl.store(dk_part + (i_v * ROWS + row) * DK + o_k, dk_t, mask=mask_k)
             A_post = A_pre
     if LQ:
         if L > 0:
@@ -290,7 +306,7 @@ def _check_dtypes(k):
 
 
 def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                    y, m_final, ckpt_a, ckpt_s):
+                    y, m_final, ckpt_a, ckpt_s, hebbian):
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     BK, BV = _blocks(DK, DV, q_norm)
     dummy = k
@@ -304,7 +320,7 @@ def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_
         H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=CHUNK, P_MODE=_p_mode(p),
         USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, HAS_M0=m0 is not None,
         STORE_Y=y is not None, STORE_FINAL=m_final is not None, STORE_CKPT=ckpt_a is not None,
-        VARLEN=cu_seqlens is not None,
+        VARLEN=cu_seqlens is not None, HEBBIAN=hebbian,
     )
 
 
@@ -312,18 +328,22 @@ def _contiguous(*xs):
     return [None if x is None else x.contiguous() for x in xs]
 
 
-def forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm):
-    """y [B, T, H, Dv] (dtype of v) and m_final [N, H, Dv, Dk] fp32."""
+def forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False):
+    """y [B, T, H, Dv] (dtype of v) and m_final [N, H, Dv, Dk] fp32.
+
+    ``hebbian``: U = −v kᵀ (the memory is not read), the linear-attention recurrence.
+    """
     _check_dtypes(k)
     k, v, q, alpha, eta, m0, cu_seqlens = _contiguous(k, v, q, alpha, eta, m0, cu_seqlens)
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     y = torch.empty_like(v)
     m_final = torch.empty(N, H, DV, DK, dtype=torch.float32, device=k.device)
-    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, y, m_final, None, None)
+    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, y, m_final, None, None,
+                    hebbian)
     return y, m_final
 
 
-def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm):
+def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False):
     """(dk, dv, dq, dalpha, deta, dm0): re-run the forward keeping checkpoints, then the reverse kernel."""
     _check_dtypes(k)
     dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens = _contiguous(
@@ -333,7 +353,8 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momen
     f32 = dict(dtype=torch.float32, device=k.device)
     ckpt_a = torch.empty(slots, H, DV, DK, **f32)
     ckpt_s = torch.empty(slots, H, DV, DK, **f32) if momentum != 0.0 else None
-    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, None, None, ckpt_a, ckpt_s)
+    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, None, None, ckpt_a, ckpt_s,
+                    hebbian)
 
     BK, BV = _blocks(DK, DV, q_norm)
     NV = triton.cdiv(DV, BV)
@@ -352,7 +373,7 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momen
         cu_seqlens if cu_seqlens is not None else k,
         T, rows, float(p), float(a), float(eps), float(momentum), float(q_norm),
         H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=CHUNK, P_MODE=_p_mode(p),
-        USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, VARLEN=cu_seqlens is not None,
+        USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, VARLEN=cu_seqlens is not None, HEBBIAN=hebbian,
     )
     dk = dk_part.sum(0).view(B, T, H, DK).to(k.dtype)
     dq = dq_part.sum(0).view(B, T, H, DK).to(q.dtype)
