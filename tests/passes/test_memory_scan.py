@@ -16,7 +16,7 @@ from hecate.compiler.pipeline import canonicalize, run_passes
 from hecate.compiler.options import parse_options
 from hecate.compiler.report import FusionReport
 from hecate.models import EXAMPLES
-from hecate.models.memory import LpMemory
+from hecate.models.memory import HebbianMemory, LpMemory
 from hecate.testing import assert_close
 
 TOL = 2e-5
@@ -34,14 +34,14 @@ def _grads(fn, inputs, params):
     return y, m, torch.autograd.grad(_loss(y, m, weight), leaves)
 
 
-def check_fused(model, inputs, detail):
-    """Compiled (hecate, eager fallback) vs eager: outputs, every gradient, one fusion named ``detail``."""
+def check_fused(model, inputs, detail, op="hecate.memory_scan"):
+    """Compiled (hecate, eager fallback) vs eager: outputs, every gradient, one ``op`` fusion named ``detail``."""
     y_ref, m_ref, g_ref = _grads(model, inputs, model.parameters())
     compiled = torch.compile(model, backend="hecate", options=EAGER)
     y, m, g = _grads(compiled, inputs, model.parameters())
     report = hecate.last_report()
     assert [f.detail for f in report.fusions] == [detail], str(report)
-    assert report.fusions[0].op == "hecate.memory_scan"
+    assert report.fusions[0].op == op
     assert not report.misses, str(report)
     assert_close("y", y, y_ref, TOL)
     assert_close("m_final", m, m_ref, TOL)
@@ -93,6 +93,31 @@ def test_scan_is_fused_and_matches_eager(kwargs, detail, fresh_dynamo):
     model = LpMemory(11, n_heads=2, d_k=3, d_v=5, use_scan=True, **kwargs)
     x = torch.randn(2, 5, 11, requires_grad=True)
     check_fused(model, (x,), detail)
+
+
+import hecate.lowering  # noqa: E402,F401  registers the ops
+
+needs_linear_attention = pytest.mark.skipif(not hasattr(torch.ops.hecate, "linear_attention"),
+                                            reason="hecate.linear_attention is not registered on this branch")
+HEBBIAN = "Hebbian M ← α M + v φ(k)ᵀ"
+HEBBIAN_CASES = [
+    (dict(alpha=None), False, 5, f"{HEBBIAN}; loop rolled up 5 steps"),
+    (dict(alpha=None, normalise=True), False, 1, f"{HEBBIAN}, normalised by z ← α z + φ(k); loop rolled up 1 steps"),
+    (dict(alpha=1.0, normalise=True), False, 6,
+     f"{HEBBIAN}, normalised by z ← α z + φ(k); loop rolled up 6 steps"),
+    (dict(alpha=None, normalise=True), True, 5,
+     f"{HEBBIAN}, normalised by z ← α z + φ(k); scan higher-order op rolled up 5 steps"),
+]
+
+
+@needs_linear_attention
+@pytest.mark.parametrize("kwargs,use_scan,T,detail", HEBBIAN_CASES,
+                         ids=["gated", "normalised-T1", "normalised-no-decay", "normalised-scan"])
+def test_hebbian_is_fused_into_linear_attention(kwargs, use_scan, T, detail, fresh_dynamo):
+    # elu+1 features (the default) keep z·φ(q) away from 0, so the normaliser is well conditioned
+    model = HebbianMemory(11, n_heads=2, d_k=3, d_v=5, use_scan=use_scan, **kwargs)
+    x = torch.randn(2, T, 11, requires_grad=True)
+    check_fused(model, (x,), detail, op="hecate.linear_attention")
 
 
 # ---------------------------------------------------------------- a user's own loop, and near-misses
