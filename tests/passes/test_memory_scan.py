@@ -219,3 +219,33 @@ def test_explain_lp_memory_example_names_the_steps(fresh_dynamo):
     assert "rolled up 16 steps" in report.fusions[0].detail
     assert "p=3" in report.fusions[0].detail
     assert "memory_scan" in str(report)
+
+
+# ---------------------------------------------------------------- Inductor fallback, export
+
+def test_loop_with_inductor_fallback_trains(fresh_dynamo):
+    model = LpMemory(7, n_heads=2, d_k=3, d_v=4, p=1.0, alpha=None, eta=None)
+    x = torch.randn(1, 3, 7, requires_grad=True)
+    y_ref, m_ref, g_ref = _grads(model, (x,), model.parameters())
+    y, m, g = _grads(torch.compile(model, backend="hecate"), (x,), model.parameters())
+    assert hecate.last_report().count("memory_scan") == 1
+    assert_close("y", y, y_ref, TOL)
+    assert_close("m_final", m, m_ref, TOL)
+    for a, b in zip(g, g_ref):
+        assert_close("grad", a, b, TOL)
+
+
+def test_model_exports_to_onnx_with_the_recurrence_as_one_scan(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    model = LpMemory(16, n_heads=2, d_k=3, d_v=5, p=2.5, alpha=None, eta=None).eval()
+    x = torch.randn(2, 6, 16)
+    report = hecate.export_onnx(model, (x,), tmp_path / "memory.onnx")
+    assert report.count("memory_scan") == 1, str(report)
+    ops = [n.op_type for n in onnx.load(tmp_path / "memory.onnx").graph.node]
+    assert ops.count("Scan") == 1 and "Tanh" not in ops  # the step lives once, inside the Scan body
+    session = ort.InferenceSession(str(tmp_path / "memory.onnx"))
+    y, m = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    y_ref, m_ref = model(x)
+    assert_close("onnx y", torch.from_numpy(y), y_ref, 1e-5)
+    assert_close("onnx m_final", torch.from_numpy(m), m_ref, 1e-5)
