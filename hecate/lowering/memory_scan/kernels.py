@@ -28,7 +28,11 @@ import triton.language as tl
 from hecate.lowering.dispatch import interpreting
 
 CHUNK = 32
-MAX_BLOCK_V = 32  # value rows per program (q_norm = 2); tests lower it to exercise several tiles
+# value rows per program (q_norm = 2); tests lower both to exercise several tiles. The backward holds
+# about eight [BV, BK] fp32 tiles live (states before/after the step, adjoints, carries), so it takes
+# fewer rows than the forward to stay in registers.
+MAX_BLOCK_V = 32
+MAX_BLOCK_V_BACKWARD = 16
 
 
 @triton.jit
@@ -285,9 +289,10 @@ def _p_mode(p: float) -> int:
     return 2 if p == 2.0 else 1 if p == 1.0 else 0
 
 
-def _blocks(DK: int, DV: int, q_norm: float) -> tuple[int, int]:
+def _blocks(DK: int, DV: int, q_norm: float, max_block_v: int) -> tuple[int, int]:
+    # MONETA's norm spans the whole [DV, DK] matrix: one program holds all of it
     BK = triton.next_power_of_2(DK)
-    BV = triton.next_power_of_2(DV) if q_norm != 2.0 else min(triton.next_power_of_2(DV), MAX_BLOCK_V)
+    BV = triton.next_power_of_2(DV) if q_norm != 2.0 else min(triton.next_power_of_2(DV), max_block_v)
     return BK, BV
 
 
@@ -308,7 +313,7 @@ def _check_dtypes(k):
 def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
                     y, m_final, ckpt_a, ckpt_s, hebbian):
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
-    BK, BV = _blocks(DK, DV, q_norm)
+    BK, BV = _blocks(DK, DV, q_norm, MAX_BLOCK_V)
     dummy = k
     memory_scan_fwd_kernel[(triton.cdiv(DV, BV), N * H)](
         k, v, q, alpha, eta,
@@ -356,7 +361,7 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momen
     _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, None, None, ckpt_a, ckpt_s,
                     hebbian)
 
-    BK, BV = _blocks(DK, DV, q_norm)
+    BK, BV = _blocks(DK, DV, q_norm, MAX_BLOCK_V_BACKWARD)
     NV = triton.cdiv(DV, BV)
     rows = B * T * H
     scratch = torch.empty(NV * N * H, CHUNK, BV, BK, **f32)

@@ -20,6 +20,7 @@ op = torch.ops.hecate.memory_scan
 def small_blocks(monkeypatch):
     # two value tiles for Dv = 3 (partials summed) and several checkpoint segments at T = 7
     monkeypatch.setattr(kernels, "MAX_BLOCK_V", 2)
+    monkeypatch.setattr(kernels, "MAX_BLOCK_V_BACKWARD", 2)
     monkeypatch.setattr(kernels, "CHUNK", 3)
 
 
