@@ -121,6 +121,9 @@ def run_one(backend: str, T: int, use_scan: bool, timeout: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="T = 16, 64 only")
+    parser.add_argument("--lengths", help="comma-separated T values (default 64,256,1024)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the runs already in the JSON file, replacing those measured again")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per compile (default 600)")
     parser.add_argument("--worker", nargs=2, metavar=("BACKEND", "T"), help=argparse.SUPPRESS)
     parser.add_argument("--scan", action="store_true", help=argparse.SUPPRESS)
@@ -131,7 +134,10 @@ def main() -> None:
 
     from common import RESULTS, plot_bars, write_json
 
-    lengths = [16, 64] if args.quick else [64, 256, 1024]
+    if args.lengths:
+        lengths = [int(t) for t in args.lengths.split(",")]
+    else:
+        lengths = [16, 64] if args.quick else [64, 256, 1024]
     runs = []
     for form in ("loop", "scan"):
         for backend in ("hecate", "inductor"):
@@ -147,18 +153,25 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in result.items() if k != "error"}), flush=True)
                 if result["status"] != "ok":
                     gave_up = T
+    json_path = os.path.join(RESULTS, "memory_compile_time-cpu.json")
+    if args.merge and os.path.exists(json_path):
+        with open(json_path) as f:
+            measured = {(r["form"], r["backend"], r["T"]) for r in runs}
+            runs = [r for r in json.load(f)["runs"] if (r["form"], r["backend"], r["T"]) not in measured] + runs
+    runs.sort(key=lambda r: (r["form"], r["backend"], r["T"]))
     path = write_json("memory_compile_time", "cpu", {
         "model": "LpMemory(32, n_heads=2, d_k=8, d_v=8, p=3, data-dependent gates), B=2",
         "timeout_s": args.timeout, "runs": runs})
-    labels = [f"{form} T={T}" for form in ("loop", "scan") for T in lengths]
+    all_lengths = sorted({r["T"] for r in runs})
+    labels = [f"{form} T={T}" for form in ("loop", "scan") for T in all_lengths]
 
     def series(backend, key):
         by = {(r["form"], r["T"]): r for r in runs if r["backend"] == backend}
-        return [by[(f, T)].get(key) if by[(f, T)]["status"] == "ok" else None
-                for f in ("loop", "scan") for T in lengths]
+        return [by[(f, T)].get(key) if (f, T) in by and by[(f, T)]["status"] == "ok" else None
+                for f in ("loop", "scan") for T in all_lengths]
 
     plot_bars(os.path.join(RESULTS, "memory_compile_time-cpu.png"),
-              "compile time (first fwd+bwd − warm), missing bar = did not finish", labels,
+              "compile time (first fwd+bwd − warm); no bar = did not finish / not run", labels,
               {"hecate": series("hecate", "compile_s"), "hecate: Dynamo trace": series("hecate", "dynamo_s"),
                "hecate: backend": series("hecate", "backend_s"), "inductor": series("inductor", "compile_s")},
               ylabel="seconds")

@@ -115,10 +115,14 @@ class LpMemory(_GatedMemory):
         A ← (1 − α_t) A − η_t g_t φ(k_t)ᵀ,  W = A / ‖A‖_q^(q−2) (‖·‖_q entrywise per head,
         computed as (Σ|A|^q + eps)^(1/q)); e_t and y_t read W; the state carried is A.
 
-    α_t and η_t are fixed numbers, or data-dependent gates σ(W x_t + b) per head when
-    given as ``None``. ``forward(x, m0=None) -> (out, m_final)``: m0/m_final are the
-    memory (the accumulator A for MONETA), [B, H, d_v, d_k], for chunked processing
-    and decoding.
+    α_t (forget rate, as in the spec's ``(1 − α_t) W`` retention, also for MONETA whose
+    Eq 25 writes the keep factor) and η_t are fixed numbers, or data-dependent gates
+    σ(W x_t + b) per head when given as ``None``. Eq 51 here applies φ (the key feature
+    map) to the gradient's key factor; a separate nonlinearity on the whole gradient is
+    not modelled. ``forward(x, m0=None) -> (out, m_final)``: m0/m_final are the memory
+    (the accumulator A for MONETA), [B, H, d_v, d_k], for chunked processing and
+    decoding (the momentum buffer restarts at zero, and the short conv's left context
+    is not carried across chunks).
     """
 
     def __init__(self, d_model: int, n_heads: int = 2, d_k: int = 8, d_v: int = 8, *,
