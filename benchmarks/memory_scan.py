@@ -127,7 +127,9 @@ def fwd_only(fn, args):
 
 
 def timed_compile(fn, args, backend, backward, options=None):
-    """Compile and run once (forward, plus backward if asked): returns (compiled fn, seconds)."""
+    """Compile and run once (forward, plus backward if asked): returns (compiled fn, seconds of that first call).
+
+    The first call is compile plus one run: callers subtract a steady-state run to report compile time."""
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=backend, **({"options": options} if options else {}))
     start = time.perf_counter()
@@ -140,11 +142,11 @@ def hecate_fused() -> bool:
     return report is not None and any(f.op == "hecate.memory_scan" for f in report.fusions)
 
 
-def hecate_compiled(fn, x, backward, p):
-    """(callable, compile seconds or None, mode): Hecate's compile of ``fn`` when its pass rolls the
-    recurrence up (checked first with the eager fallback so an un-rolled loop never reaches Inductor),
-    else the direct op call."""
-    _, _ = timed_compile(fn, x, "hecate", backward, {"fallback": "eager"})
+def hecate_compiled(fn, x, backward, p, probe):
+    """(callable, first-call seconds or None, mode): Hecate's compile of ``fn`` when its pass rolls the
+    recurrence up (checked first on the small ``probe`` inputs with the eager fallback, so an un-rolled
+    loop never reaches Inductor), else the direct op call."""
+    timed_compile(fn, probe, "hecate", backward, {"fallback": "eager"})
     if not hecate_fused():
         return direct_op(p), None, "direct memory_scan call (the pass did not roll the recurrence up)"
     compiled, secs = timed_compile(fn, x, "hecate", backward)
@@ -186,14 +188,16 @@ def run(args):
                     else:
                         res["eager_ms"] = median_time(builder(loop, x), device, warmup=warm, repeat=reps)
                     try:
-                        compiled, secs = timed_compile(scan_form, x, "inductor", backward)
-                        res["inductor_scan_compile_s"] = secs
+                        compiled, first = timed_compile(scan_form, x, "inductor", backward)
                         res["inductor_scan_ms"] = median_time(builder(compiled, x), device, warmup=warm, repeat=reps)
+                        res["inductor_scan_compile_s"] = max(0.0, first - res["inductor_scan_ms"] / 1e3)
                     except Exception as e:  # noqa: BLE001 - recorded in the JSON
                         res["inductor_scan_ms"] = None
                         res["inductor_scan_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    fn, res["hecate_compile_s"], res["hecate_mode"] = hecate_compiled(scan_form, x, backward, p)
+                    probe = inputs(B, H, 16, d, device, requires_grad=backward)
+                    fn, first, res["hecate_mode"] = hecate_compiled(scan_form, x, backward, p, probe)
                     res["hecate_ms"] = median_time(builder(fn, x), device, warmup=warm, repeat=reps)
+                    res["hecate_compile_s"] = None if first is None else max(0.0, first - res["hecate_ms"] / 1e3)
                     if res["eager_ms"]:
                         res["hecate_speedup_vs_eager"] = res["eager_ms"] / res["hecate_ms"]
                     if res.get("inductor_scan_ms"):
@@ -222,12 +226,13 @@ def run(args):
         for mode, builder in (("forward", fwd_only), ("forward+backward", fwd_bwd)):
             backward = mode != "forward"
             x = inputs(B, H, T, d, device, requires_grad=backward)
-            compiled, secs = timed_compile(loop, x, "inductor", backward)
-            res = {"inductor_unrolled_compile_s": secs,
-                   "inductor_unrolled_ms": median_time(builder(compiled, x), device, repeat=repeat),
+            compiled, first = timed_compile(loop, x, "inductor", backward)
+            res = {"inductor_unrolled_ms": median_time(builder(compiled, x), device, repeat=repeat),
                    "eager_ms": median_time(builder(loop, x), device, repeat=repeat)}
-            fn, res["hecate_compile_s"], res["hecate_mode"] = hecate_compiled(loop, x, backward, p)
+            res["inductor_unrolled_compile_s"] = first - res["inductor_unrolled_ms"] / 1e3
+            fn, first, res["hecate_mode"] = hecate_compiled(loop, x, backward, p, x)
             res["hecate_ms"] = median_time(builder(fn, x), device, repeat=repeat)
+            res["hecate_compile_s"] = None if first is None else first - res["hecate_ms"] / 1e3
             entry[mode] = res
             print(f"unrolled T={T} {mode}: {res}", flush=True)
         unrolled.append(entry)
@@ -245,6 +250,9 @@ def run(args):
             "the machine is shared (2 cores, other jobs running): CPU timings are noisy",
             "hecate forward+backward = memory_scan forward + memory_scan_backward (re-runs the forward "
             "keeping a checkpoint every CHUNK steps, then recomputes each segment)",
+            "compile_s = first call (compile + one run) minus one steady-state run",
+            "Inductor could not compile the scan form on this torch (InductorError DataDependentOutputException "
+            "in decompose_scan_to_while_loop, even for a trivial scan body): its timings are null, error recorded",
         ],
         "rows": rows,
         "inductor_unrolled": unrolled,
