@@ -118,6 +118,27 @@ def run_one(backend: str, T: int, use_scan: bool, timeout: float) -> dict:
     return result
 
 
+def plot(runs: list[dict]) -> None:
+    from common import RESULTS, plot_bars
+
+    lengths = sorted({r["T"] for r in runs})
+    labels = [f"{form} T={T}" for form in ("loop", "scan") for T in lengths]
+
+    def series(backend, key):
+        by = {(r["form"], r["T"]): r for r in runs if r["backend"] == backend}
+        return [by[(f, T)].get(key) if (f, T) in by and by[(f, T)]["status"] == "ok" else None
+                for f in ("loop", "scan") for T in lengths]
+
+    plot_bars(os.path.join(RESULTS, "memory_compile_time-cpu.png"),
+              "compile time (first fwd+bwd − warm); no bar = did not finish / failed / not run", labels,
+              {"hecate": series("hecate", "compile_s"), "hecate: Dynamo trace": series("hecate", "dynamo_s"),
+               "hecate: backend": series("hecate", "backend_s"),
+               "hecate: canonicalise (in backend)": series("hecate", "canonicalize_s"),
+               "hecate: passes (in backend)": series("hecate", "passes_s"),
+               "inductor": series("inductor", "compile_s")},
+              ylabel="seconds")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="T = 16, 64 only")
@@ -125,6 +146,7 @@ def main() -> None:
     parser.add_argument("--merge", action="store_true",
                         help="keep the runs already in the JSON file, replacing those measured again")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per compile (default 600)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON file")
     parser.add_argument("--worker", nargs=2, metavar=("BACKEND", "T"), help=argparse.SUPPRESS)
     parser.add_argument("--scan", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -132,8 +154,13 @@ def main() -> None:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.scan)))
         return
 
-    from common import RESULTS, plot_bars, write_json
+    from common import RESULTS, write_json
 
+    json_path = os.path.join(RESULTS, "memory_compile_time-cpu.json")
+    if args.plot_only:
+        with open(json_path) as f:
+            plot(json.load(f)["runs"])
+        return
     if args.lengths:
         lengths = [int(t) for t in args.lengths.split(",")]
     else:
@@ -145,7 +172,7 @@ def main() -> None:
             for T in lengths:
                 if gave_up is not None:  # a longer T cannot finish sooner
                     runs.append({"form": form, "backend": backend, "T": T,
-                                 "status": f"not run: T={gave_up} already did not finish"})
+                                 "status": f"not run: T={gave_up} did not finish or failed"})
                     continue
                 result = run_one(backend, T, form == "scan", args.timeout)
                 result.update(form=form, backend=backend, T=T)
@@ -153,7 +180,6 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in result.items() if k != "error"}), flush=True)
                 if result["status"] != "ok":
                     gave_up = T
-    json_path = os.path.join(RESULTS, "memory_compile_time-cpu.json")
     if args.merge and os.path.exists(json_path):
         with open(json_path) as f:
             measured = {(r["form"], r["backend"], r["T"]) for r in runs}
@@ -162,19 +188,7 @@ def main() -> None:
     path = write_json("memory_compile_time", "cpu", {
         "model": "LpMemory(32, n_heads=2, d_k=8, d_v=8, p=3, data-dependent gates), B=2",
         "timeout_s": args.timeout, "runs": runs})
-    all_lengths = sorted({r["T"] for r in runs})
-    labels = [f"{form} T={T}" for form in ("loop", "scan") for T in all_lengths]
-
-    def series(backend, key):
-        by = {(r["form"], r["T"]): r for r in runs if r["backend"] == backend}
-        return [by[(f, T)].get(key) if (f, T) in by and by[(f, T)]["status"] == "ok" else None
-                for f in ("loop", "scan") for T in all_lengths]
-
-    plot_bars(os.path.join(RESULTS, "memory_compile_time-cpu.png"),
-              "compile time (first fwd+bwd − warm); no bar = did not finish / not run", labels,
-              {"hecate": series("hecate", "compile_s"), "hecate: Dynamo trace": series("hecate", "dynamo_s"),
-               "hecate: backend": series("hecate", "backend_s"), "inductor": series("inductor", "compile_s")},
-              ylabel="seconds")
+    plot(runs)
     print(path)
 
 
