@@ -206,7 +206,11 @@ def run(args):
                     if fla is not None:
                         x0 = [t.detach().requires_grad_(backward) for t in x]
                         x0[3] = torch.zeros_like(x0[3])  # α = 0: the plain delta rule
-                        res["fla_fused_recurrent_delta_rule_ms"] = median_time(builder(fla, x0), device, repeat=reps)
+                        try:
+                            res["fla_fused_recurrent_delta_rule_ms"] = median_time(builder(fla, x0), device,
+                                                                                   repeat=reps)
+                        except Exception as e:  # noqa: BLE001 - fla is optional: recorded, not fatal
+                            res["fla_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                         res["hecate_alpha0_ms"] = median_time(builder(direct_op(p), x0), device, repeat=reps)
                     row[mode] = res
                     series = fwd_series if mode == "forward" else bwd_series

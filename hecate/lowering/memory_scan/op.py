@@ -26,7 +26,10 @@ k, v and q share one dtype (fp32, bf16, fp16; fp64 on the CPU path); the state i
 fp32 (fp64 for fp64 inputs). Differentiable in k, v, q, alpha, eta and m0; the
 backward is ``torch.ops.hecate.memory_scan_backward`` (same arguments plus dy and
 dm_final first), which re-runs the forward keeping the state every C steps
-(B·H·ceil(T/C)·Dv·Dk·4 bytes, twice with momentum) and recomputes inside each segment.
+(B·H·ceil(T/C)·Dv·Dk·4 bytes, twice with momentum; C = ``kernels.CHUNK`` = 32 on
+Triton, ``cpu.CHUNK`` = 64 on CPU) and recomputes inside each segment (Triton:
+a scratch of B·H·C·Dv·Dk·4 bytes; CPU: C states held). Nothing is saved between
+forward and backward but the inputs: the forward itself stores no checkpoints.
 """
 
 from __future__ import annotations
