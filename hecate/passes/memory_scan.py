@@ -325,7 +325,8 @@ def _per_step_source(role: str, nodes: list[fx.Node]) -> _Source:
     src, dim, start = srcs[0]
     for t, (s, d, index) in enumerate(srcs):
         if s is not src or d != dim:
-            raise _NotFused(f"{role} at step {t} slices {s.name} along dim {d}, step 0 slices {src.name} along dim {dim}")
+            raise _NotFused(f"{role} at step {t} slices {s.name} along dim {d}, "
+                            f"step 0 slices {src.name} along dim {dim}")
         if index != start + t:
             raise _NotFused(f"{role} at step {t} reads time index {index}, expected {start + t} (steps must "
                             "visit consecutive tokens in order)")
@@ -521,7 +522,9 @@ def _replace_loop(gm: fx.GraphModule, order: dict[fx.Node, int], chain: list[_St
 def _describe(variant: _Variant, params: dict[str, float], steps: int, form: str) -> str:
     """The report's detail: the variant, p, and how many steps were rolled up."""
     if variant.bias == "hebbian":
-        what = "Hebbian M ← α M + v φ(k)ᵀ" + (", normalised by z ← α z + φ(k)" if "z" in variant.states else "")
+        what = "Hebbian M ← α M + v φ(k)ᵀ"
+        if "z" in variant.states:
+            what += ", normalised by z ← α z + φ(k)"
         return f"{what}; {form} rolled up {steps} steps"
     bias = {"l2": "l_2 bias p=2 (2e fast path)", "l1": "l_1 bias p=1 (tanh fast path)",
             "lp": f"l_p bias p={params['p']:g} (general form)"}[variant.bias]

@@ -102,7 +102,8 @@ needs_linear_attention = pytest.mark.skipif(not hasattr(torch.ops.hecate, "linea
 HEBBIAN = "Hebbian M ← α M + v φ(k)ᵀ"
 HEBBIAN_CASES = [
     (dict(alpha=None), False, 5, f"{HEBBIAN}; loop rolled up 5 steps"),
-    (dict(alpha=None, normalise=True), False, 1, f"{HEBBIAN}, normalised by z ← α z + φ(k); loop rolled up 1 steps"),
+    (dict(alpha=None, normalise=True), False, 1,
+     f"{HEBBIAN}, normalised by z ← α z + φ(k); loop rolled up 1 steps"),
     (dict(alpha=1.0, normalise=True), False, 6,
      f"{HEBBIAN}, normalised by z ← α z + φ(k); loop rolled up 6 steps"),
     (dict(alpha=None, normalise=True), True, 5,
