@@ -155,6 +155,8 @@ def hecate_compiled(fn, x, backward, p, probe):
 
 def run(args):
     device = args.device
+    # compile times must not come from a previous run's cache
+    torch._inductor.config.force_disable_caches = True
     if device == "cpu":
         torch.set_num_threads(args.threads)
     B, H = 2, 16
@@ -254,7 +256,7 @@ def run(args):
             "the machine is shared (2 cores, other jobs running): CPU timings are noisy",
             "hecate forward+backward = memory_scan forward + memory_scan_backward (re-runs the forward "
             "keeping a checkpoint every CHUNK steps, then recomputes each segment)",
-            "compile_s = first call (compile + one run) minus one steady-state run",
+            "compile_s = first call (compile + one run) minus one steady-state run, Inductor caches disabled",
             "Inductor could not compile the scan form on this torch (InductorError DataDependentOutputException "
             "in decompose_scan_to_while_loop, even for a trivial scan body): its timings are null, error recorded",
         ],
