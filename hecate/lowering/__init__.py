@@ -7,4 +7,4 @@ PyTorch reference), ``kernels.py`` (Triton forward and backward), ``op.py`` (the
 :mod:`hecate.lowering.registry`). Importing this package registers every op.
 """
 
-from hecate.lowering import kl_attention, kl_decode, qk_preprocess  # noqa: E402,F401
+from hecate.lowering import kl_attention, kl_decode, linear_attention, memory_scan, qk_preprocess  # noqa: E402,F401

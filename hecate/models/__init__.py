@@ -15,9 +15,11 @@ import torch
 
 Example = Callable[[], tuple[torch.nn.Module, tuple]]
 
-from hecate.models import fep, short_conv  # noqa: E402
+from hecate.models import fep, memory, short_conv  # noqa: E402
 
 EXAMPLES: dict[str, Example] = {
     **short_conv.EXAMPLES,
+    "lp_memory": memory.lp_memory_example,
+    "hebbian_memory": memory.hebbian_memory_example,
     "pure_fep": fep.demo_example,
 }

@@ -1,0 +1,144 @@
+"""Export of ``memory_scan``: an ONNX ``Scan`` over T, and an ATen decomposition for torch-mlir.
+
+ONNX: the recurrence becomes ONE ``Scan`` node (not T copies of the step): the
+state A (and the momentum buffer S) are the Scan's carried state, k, v, q, α, η
+are scanned along axis 1 (T) and y is the scan output stacked along axis 1. The
+step body is written with onnxscript standard ops and recorded into its own
+graph, which becomes the Scan's ``body`` attribute.
+
+MLIR: the decomposition is the reference loop of :mod:`.naive` unrolled over the
+(static) T: plain ATen ops that torch-mlir lowers to linalg. The graph grows with
+T; ONNX is the export that keeps the loop rolled.
+
+Not exported: packed sequences (``cu_seqlens``), whose boundaries are data.
+"""
+
+from __future__ import annotations
+
+import onnxscript
+import torch
+from onnxscript import ir
+from onnxscript import opset18 as op
+
+from hecate.lowering.memory_scan.naive import memory_scan_naive
+from hecate.lowering.registry import decomposition, onnx_translation
+
+_FLOAT = 1  # onnx TensorProto.FLOAT
+
+
+def _bias_grad(e, p: float, a: float, eps: float):
+    if p == 2.0:
+        return op.Mul(e, op.Constant(value_float=2.0))
+    sign = op.Tanh(op.Mul(e, op.Constant(value_float=a)))
+    if p == 1.0:
+        return sign
+    power = op.Pow(op.Add(op.Mul(e, e), op.Constant(value_float=eps)), op.Constant(value_float=(p - 1.0) / 2.0))
+    return op.Mul(op.Mul(sign, power), op.Constant(value_float=p))
+
+
+def _lq_normalize(A, q_norm: float, eps: float):
+    if q_norm == 2.0:
+        return A
+    s = op.ReduceSum(op.Pow(op.Abs(A), op.Constant(value_float=q_norm)),
+                     op.Constant(value_ints=[-2, -1]), keepdims=1)
+    scale = op.Pow(op.Add(s, op.Constant(value_float=eps)), op.Constant(value_float=-(q_norm - 2.0) / q_norm))
+    return op.Mul(A, scale)
+
+
+def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebbian):
+    """One token on [B, H, Dv, Dk] states; k_t, q_t [B, H, Dk]; v_t [B, H, Dv]; gates [B, H]."""
+    k_row = op.Unsqueeze(k_t, op.Constant(value_ints=[-2]))        # [B, H, 1, Dk]
+    if hebbian:  # U = −v kᵀ: the memory is not read
+        g = op.Neg(v_t)
+    else:
+        W = _lq_normalize(A, q_norm, eps)
+        e = op.Sub(op.ReduceSum(op.Mul(W, k_row), op.Constant(value_ints=[-1]), keepdims=0), v_t)  # [B, H, Dv]
+        g = _bias_grad(e, p, a, eps)
+    g = op.Unsqueeze(g, op.Constant(value_ints=[-1]))
+    gates = op.Constant(value_ints=[-2, -1])
+    eta_u = op.Mul(op.Mul(g, k_row), op.Unsqueeze(eta_t, gates))   # η_t U [B, H, Dv, Dk]
+    keep = op.Sub(op.Constant(value_float=1.0), op.Unsqueeze(alpha_t, gates))
+    if momentum != 0.0:
+        S = op.Sub(op.Mul(S, op.Constant(value_float=momentum)), eta_u)
+        A = op.Add(op.Mul(keep, A), S)
+    else:
+        A = op.Sub(op.Mul(keep, A), eta_u)
+    q_row = op.Unsqueeze(q_t, op.Constant(value_ints=[-2]))
+    y_t = op.ReduceSum(op.Mul(_lq_normalize(A, q_norm, eps), q_row), op.Constant(value_ints=[-1]), keepdims=0)
+    return A, S, y_t
+
+
+def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian) -> ir.Graph:
+    """Record one step into its own graph: inputs (A, [S], k_t, v_t, q_t, α_t, η_t), outputs (A, [S], y_t)."""
+    from torch.onnx._internal.exporter import _building
+
+    def value(name, like, drop_axis=None):
+        dims = list(like.shape) if like.shape is not None else None
+        if dims is not None and drop_axis is not None:
+            del dims[drop_axis]
+        return ir.Value(name=name, shape=ir.Shape(dims) if dims is not None else None,
+                        type=ir.TensorType(ir.DataType.FLOAT))
+
+    use_momentum = momentum != 0.0
+    A = value("memory_scan_A", A0)
+    S = value("memory_scan_S", A0) if use_momentum else None
+    sliced = [value(f"memory_scan_{n}_t", x, 1) for n, x in
+              (("k", k), ("v", v), ("q", q), ("alpha", alpha), ("eta", eta))]
+    recorder = _building.OpRecorder(opset, {})
+    with onnxscript.evaluator.default_as(recorder):
+        A_next, S_next, y_t = _step(A, S, *sliced, p, a, eps, momentum, q_norm, hebbian)
+        # Scan outputs must be fresh values, not graph inputs passed through
+        A_next = op.Identity(A_next)
+        if use_momentum:
+            S_next = op.Identity(S_next)
+    states_in = [A, S] if use_momentum else [A]
+    states_out = [A_next, S_next] if use_momentum else [A_next]
+    return ir.Graph([*states_in, *sliced], [*states_out, y_t], nodes=recorder.nodes, name="memory_scan_step")
+
+
+def zeros_state(k, v):
+    """ONNX zeros [B, H, Dv, Dk] (FLOAT) shaped after k [B, T, H, Dk] and v [B, T, H, Dv]."""
+    shape = op.Concat(op.Shape(k, start=0, end=1), op.Shape(k, start=2, end=3),
+                      op.Shape(v, start=3, end=4), op.Shape(k, start=3, end=4), axis=0)
+    return op.ConstantOfShape(shape, value=ir.tensor([0.0], dtype=ir.DataType.FLOAT))
+
+
+def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbian=False):
+    """One ONNX ``Scan`` over T for FLOAT k, v, q [B, T, H, ·], gates [B, T, H], A0 [B, H, Dv, Dk].
+
+    Returns (y [B, T, H, Dv] FLOAT, A_final). Shared with ``hecate.linear_attention`` (``hebbian``).
+    """
+    from torch.onnx._internal.exporter import _core
+    from torch.onnx._internal.exporter._torchlib.ops.hop import call_op
+
+    if k.shape is not None and v.shape is not None:
+        A0.shape = ir.Shape([k.shape[0], k.shape[2], v.shape[3], k.shape[3]])
+    use_momentum = momentum != 0.0
+    body = _scan_body(_core.current_tracer.opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian)
+    inits = [A0, op.Mul(A0, op.Constant(value_float=0.0))] if use_momentum else [A0]
+    outputs = call_op("Scan", *inits, k, v, q, alpha, eta, _num_outputs=len(inits) + 1, body=body,
+                      num_scan_inputs=5, scan_input_axes=[1] * 5, scan_output_axes=[1])
+    return outputs[-1], outputs[0]
+
+
+@onnx_translation(torch.ops.hecate.memory_scan.default)
+def memory_scan_onnx(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.0, eps=1e-6,
+                     momentum=0.0, q_norm=2.0):
+    if cu_seqlens is not None:
+        raise NotImplementedError("memory_scan ONNX export: packed sequences (cu_seqlens) are not supported; "
+                                  "export with a padded batch")
+    out_dtype = v.dtype
+    k, v, q, alpha, eta = (op.Cast(x, to=_FLOAT) for x in (k, v, q, alpha, eta))
+    A0 = zeros_state(k, v) if m0 is None else op.Cast(m0, to=_FLOAT)
+    y, A_final = recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm)
+    if out_dtype != ir.DataType.FLOAT:
+        y = op.Cast(y, to=int(out_dtype))
+    return y, A_final
+
+
+@decomposition(torch.ops.hecate.memory_scan.default)
+def memory_scan_decomposition(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.0, eps=1e-6,
+                              momentum=0.0, q_norm=2.0):
+    if cu_seqlens is not None:
+        raise NotImplementedError("memory_scan decomposition: packed sequences (cu_seqlens) are not supported")
+    return memory_scan_naive(k, v, q, alpha, eta, m0, None, p, a, eps, momentum, q_norm)

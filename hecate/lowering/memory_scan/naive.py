@@ -1,0 +1,104 @@
+"""The l_p associative-memory recurrence, written as the plain per-token loop.
+
+Spec: ``spec/lp-attentional-bias.md`` (MIRAS Eqs 10-12, Remark 5, MONETA Eqs 24-25)
+and ``spec/feature-maps-phi.md`` (HOPE Eq 5: φ is applied to keys and queries
+*before* this op, so here ``k`` and ``q`` already are φ(k_t), φ(q_t)).
+
+Per head, with memory M [Dv, Dk] and token t (the read comes after the update)::
+
+    e_t = W_{t-1} k_t − v_t                                   (prediction error)
+    g_t = bias_grad_p(e_t)                                    (MIRAS Eq 11, Remark 5)
+          p = 2 : 2 e                  p = 1 : tanh(a e)
+          else  : p · tanh(a e) · (e² + eps)^((p−1)/2)
+    U_t = g_t k_tᵀ                                            (gradient of ‖W k − v‖_p^p)
+    plain     : A_t = (1 − α_t) A_{t−1} − η_t U_t
+    momentum β: S_t = β S_{t−1} − η_t U_t ;  A_t = (1 − α_t) A_{t−1} + S_t
+    W_t = A_t                             (q_norm = 2)
+    W_t = A_t / ‖A_t‖_q^{q−2}             (MONETA L_q retention, q_norm = q ≠ 2),
+          computed as A_t · (Σ|A_t|^q + eps)^{−(q−2)/q}   (eps keeps A = 0 finite)
+    y_t = W_t q_t
+
+The state the op takes (``m0``) and returns (``m_final``) is A: the memory M
+itself when q_norm = 2, the un-normalised accumulator of MONETA otherwise. With
+momentum the momentum buffer S starts at zero and is not returned (so chunked
+processing with momentum restarts S at each chunk).
+
+Choices where the spec is ambiguous (documented here and in the report):
+* MONETA retention: the spec writes ``A = alpha * A − eta * grad`` with alpha a
+  retention *keep* factor; this op keeps the convention of every other variant,
+  ``A ← (1 − α_t) A − η_t grad`` (α_t is the forget rate), so the same gates drive
+  all variants.
+* HOPE Eq 51's higher-order momentum applies φ to the gradient. Inside this op the
+  gradient feature map is the identity (P_i = identity, φ = identity); the
+  momentum decay of Eq 51 is the fixed ``momentum`` β.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def bias_grad(e: torch.Tensor, p: float, a: float, eps: float) -> torch.Tensor:
+    """∂/∂e of the smoothed ‖e‖_p^p (spec fast paths for p = 2 and p = 1)."""
+    if p == 2.0:
+        return 2.0 * e
+    if p == 1.0:
+        return torch.tanh(a * e)
+    return p * torch.tanh(a * e) * (e * e + eps).pow((p - 1.0) / 2.0)
+
+
+def lq_normalize(A: torch.Tensor, q_norm: float, eps: float) -> torch.Tensor:
+    """MONETA's read weight W = A / ‖A‖_q^{q−2} over the last two dims (identity for q = 2)."""
+    if q_norm == 2.0:
+        return A
+    s = A.abs().pow(q_norm).sum((-2, -1), keepdim=True)
+    return A * (s + eps).pow(-(q_norm - 2.0) / q_norm)
+
+
+def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm):
+    B, T, H, Dk = k.shape
+    Dv = v.shape[-1]
+    dtype = torch.promote_types(k.dtype, torch.float32)
+    A = m0.to(dtype) if m0 is not None else k.new_zeros(B, H, Dv, Dk, dtype=dtype)
+    S = torch.zeros_like(A)
+    ys = []
+    for t in range(T):
+        kt, vt, qt = k[:, t].to(dtype), v[:, t].to(dtype), q[:, t].to(dtype)
+        at = alpha[:, t].to(dtype)[..., None, None]
+        et = eta[:, t].to(dtype)[..., None, None]
+        W = lq_normalize(A, q_norm, eps)
+        e = torch.einsum("bhvk,bhk->bhv", W, kt) - vt
+        U = bias_grad(e, p, a, eps)[..., :, None] * kt[..., None, :]
+        if momentum != 0.0:
+            S = momentum * S - et * U
+            A = (1.0 - at) * A + S
+        else:
+            A = (1.0 - at) * A - et * U
+        ys.append(torch.einsum("bhvk,bhk->bhv", lq_normalize(A, q_norm, eps), qt))
+    y = torch.stack(ys, 1) if ys else v.new_zeros(B, 0, H, Dv, dtype=dtype)
+    return y.to(v.dtype), A
+
+
+def memory_scan_naive(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor,
+                      eta: torch.Tensor, m0: Optional[torch.Tensor] = None,
+                      cu_seqlens: Optional[torch.Tensor] = None, p: float = 2.0, a: float = 10.0,
+                      eps: float = 1e-6, momentum: float = 0.0,
+                      q_norm: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for ``torch.ops.hecate.memory_scan`` (same arguments, same results).
+
+    k, q [B, T, H, Dk]; v [B, T, H, Dv]; alpha, eta [B, T, H]; m0 [B, H, Dv, Dk] or None.
+    With ``cu_seqlens`` [N+1] the batch is packed (B == 1) and m0 / m_final are [N, H, Dv, Dk].
+    Returns y [B, T, H, Dv] (dtype of v) and m_final (fp32, or fp64 for fp64 inputs).
+    """
+    if cu_seqlens is None:
+        return _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm)
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    ys, finals = [], []
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        y, A = _scan_one(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
+                         None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm)
+        ys.append(y)
+        finals.append(A)
+    return torch.cat(ys, 1), torch.cat(finals, 0)

@@ -1,0 +1,166 @@
+"""``torch.ops.hecate.memory_scan``: the l_p associative-memory recurrence as one op.
+
+Contract (the recognition pass in ``hecate/passes/memory_scan.py`` emits exactly this)::
+
+    torch.ops.hecate.memory_scan(
+        k,          # [B, T, H, Dk]  φ(k_t), already feature-mapped
+        v,          # [B, T, H, Dv]
+        q,          # [B, T, H, Dk]  φ(q_t)
+        alpha,      # [B, T, H]  retention (forget rate) α_t; a fixed α is expanded by the caller
+        eta,        # [B, T, H]  step size η_t
+        m0,         # [B, H, Dv, Dk] initial state A_0, or None (zeros)
+        cu_seqlens, # [N+1] int32/int64 offsets of packed sequences (then B == 1 and m0 is
+                    # [N, H, Dv, Dk]), or None
+        p,          # l_p exponent >= 1 (p = 2 and p = 1 are fast paths)
+        a,          # tanh sharpness of the Sign approximator (spec default 10)
+        eps,        # eps of the |e|^(p-1) approximator and of MONETA's norm (spec default 1e-6)
+        momentum,   # β: 0 = plain GD; else S ← β S − η_t U ; A ← (1 − α_t) A + S (S_0 = 0)
+        q_norm,     # 2 = plain; else MONETA: W = A / ‖A‖_q^{q−2} over the whole [Dv, Dk] per head
+    ) -> (y [B, T, H, Dv] in the dtype of v, m_final [B or N, H, Dv, Dk] fp32)
+
+Per step: e = W_{t−1} k_t − v_t ; U = bias_grad_p(e) k_tᵀ ; A_t = (1 − α_t) A_{t−1} − η_t U
+(or the momentum form) ; W_t = A_t (q_norm = 2) or the MONETA normalisation ; y_t = W_t q_t.
+The state in and out is A (the memory M itself when q_norm = 2). Full statement: :mod:`.naive`.
+
+k, v and q share one dtype (fp32, bf16, fp16; fp64 on the CPU path); the state is
+fp32 (fp64 for fp64 inputs). Differentiable in k, v, q, alpha, eta and m0; the
+backward is ``torch.ops.hecate.memory_scan_backward`` (same arguments plus dy and
+dm_final first), which re-runs the forward keeping the state every C steps
+(B·H·ceil(T/C)·Dv·Dk·4 bytes, twice with momentum; C = ``kernels.CHUNK`` = 32 on
+Triton, ``cpu.CHUNK`` = 64 on CPU) and recomputes inside each segment (Triton:
+a scratch of B·H·C·Dv·Dk·4 bytes; CPU: C states held). Nothing is saved between
+forward and backward but the inputs: the forward itself stores no checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from hecate.lowering.dispatch import use_triton
+from hecate.lowering.memory_scan import cpu
+
+
+def _state_dtype(k: Tensor) -> torch.dtype:
+    return torch.float64 if k.dtype == torch.float64 else torch.float32
+
+
+def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm) -> None:
+    """Shape, dtype and scalar checks (no data reads: also run at trace time)."""
+    if not (isinstance(p, (int, float)) and p >= 1.0 and math.isfinite(p)):
+        raise ValueError(f"memory_scan: p must be a finite number >= 1 (the l_p exponent), got {p!r}")
+    if not q_norm >= 1.0 or not math.isfinite(q_norm):
+        raise ValueError(f"memory_scan: q_norm must be a finite number >= 1 (2 = no L_q retention), got {q_norm!r}")
+    if not (a > 0.0 and math.isfinite(a)):
+        raise ValueError(f"memory_scan: a (tanh sharpness) must be finite and > 0, got {a!r}")
+    if not (eps > 0.0 and math.isfinite(eps)):
+        raise ValueError(f"memory_scan: eps must be finite and > 0, got {eps!r}")
+    if not math.isfinite(momentum):
+        raise ValueError(f"memory_scan: momentum must be finite, got {momentum!r}")
+    if k.dim() != 4:
+        raise ValueError(f"memory_scan: k must be [B, T, H, Dk], got shape {tuple(k.shape)}")
+    B, T, H, Dk = k.shape
+    if q.shape != k.shape:
+        raise ValueError(f"memory_scan: q shape {tuple(q.shape)} must equal k shape {tuple(k.shape)} ([B, T, H, Dk])")
+    if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"memory_scan: v shape {tuple(v.shape)} must be [B, T, H, Dv] with B, T, H of "
+                         f"k shape {tuple(k.shape)}")
+    for name, gate in (("alpha", alpha), ("eta", eta)):
+        if gate.shape != k.shape[:3]:
+            raise ValueError(f"memory_scan: {name} shape {tuple(gate.shape)} must be [B, T, H] = "
+                             f"{tuple(k.shape[:3])} from k shape {tuple(k.shape)}")
+        if not gate.is_floating_point():
+            raise TypeError(f"memory_scan: {name} must be a floating tensor, got {gate.dtype}")
+    if v.dtype != k.dtype or q.dtype != k.dtype:
+        raise TypeError(f"memory_scan: k, v and q must share one dtype, got k {k.dtype}, v {v.dtype}, q {q.dtype}")
+    if not k.is_floating_point():
+        raise TypeError(f"memory_scan: k must be a floating tensor, got {k.dtype}")
+    n_states = B
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"memory_scan: cu_seqlens must be 1-D [N+1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"memory_scan: cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+        if B != 1:
+            raise ValueError(f"memory_scan: with cu_seqlens the batch is packed, so B must be 1; k shape {tuple(k.shape)}")
+        n_states = cu_seqlens.shape[0] - 1
+    Dv = v.shape[-1]
+    if m0 is not None and tuple(m0.shape) != (n_states, H, Dv, Dk):
+        raise ValueError(f"memory_scan: m0 shape {tuple(m0.shape)} must be [{'N' if cu_seqlens is not None else 'B'}, "
+                         f"H, Dv, Dk] = {(n_states, H, Dv, Dk)} from k shape {tuple(k.shape)} and v shape {tuple(v.shape)}")
+
+
+def check_values(k, alpha, eta, cu_seqlens) -> None:
+    """Data checks: finite gates, well-formed cu_seqlens (one host sync each)."""
+    for name, gate in (("alpha", alpha), ("eta", eta)):
+        if not bool(torch.isfinite(gate).all()):
+            bad = gate[~torch.isfinite(gate)][0].item()
+            raise ValueError(f"memory_scan: {name} must be finite everywhere, found {bad} "
+                             f"(a NaN/inf gate would poison the whole state)")
+    if cu_seqlens is not None:
+        T = k.shape[1]
+        first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+        if first != 0 or last != T:
+            raise ValueError(f"memory_scan: cu_seqlens must start at 0 and end at T = {T}, got {cu_seqlens.tolist()}")
+        if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            raise ValueError(f"memory_scan: cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
+
+
+@torch.library.custom_op("hecate::memory_scan", mutates_args=())
+def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0: Optional[Tensor],
+                cu_seqlens: Optional[Tensor], p: float = 2.0, a: float = 10.0, eps: float = 1e-6,
+                momentum: float = 0.0, q_norm: float = 2.0) -> tuple[Tensor, Tensor]:
+    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
+    check_values(k, alpha, eta, cu_seqlens)
+    if use_triton(k):
+        from hecate.lowering.memory_scan import kernels
+        return kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
+    return cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
+
+
+@memory_scan.register_fake
+def _memory_scan_fake(k, v, q, alpha, eta, m0, cu_seqlens, p=2.0, a=10.0, eps=1e-6, momentum=0.0, q_norm=2.0):
+    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
+    B, T, H, Dk = k.shape
+    Dv = v.shape[-1]
+    n_states = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return v.new_empty(B, T, H, Dv), k.new_empty(n_states, H, Dv, Dk, dtype=_state_dtype(k))
+
+
+@torch.library.custom_op("hecate::memory_scan_backward", mutates_args=())
+def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: Tensor, alpha: Tensor,
+                         eta: Tensor, m0: Optional[Tensor], cu_seqlens: Optional[Tensor], p: float,
+                         a: float, eps: float, momentum: float,
+                         q_norm: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dk, dv, dq, dalpha, deta, dm0) of ``memory_scan`` (dm0 is fp32, zeros-shaped when m0 is None)."""
+    if use_triton(k):
+        from hecate.lowering.memory_scan import kernels
+        return kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
+    return cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
+
+
+@memory_scan_backward.register_fake
+def _memory_scan_backward_fake(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm):
+    return (k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(q.shape), alpha.new_empty(alpha.shape),
+            eta.new_empty(eta.shape), dm_final.new_empty(dm_final.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm = inputs
+    ctx.save_for_backward(k, v, q, alpha, eta, m0, cu_seqlens)
+    ctx.scalars = (p, a, eps, momentum, q_norm)
+    ctx.m0_dtype = None if m0 is None else m0.dtype
+
+
+def _backward(ctx, dy, dm_final):
+    k, v, q, alpha, eta, m0, cu_seqlens = ctx.saved_tensors
+    dk, dv, dq, dalpha, deta, dm0 = torch.ops.hecate.memory_scan_backward(
+        dy.contiguous(), dm_final.contiguous(), k, v, q, alpha, eta, m0, cu_seqlens, *ctx.scalars)
+    return (dk, dv, dq, dalpha, deta, None if m0 is None else dm0.to(ctx.m0_dtype),
+            None, None, None, None, None, None)
+
+
+memory_scan.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,278 @@
+"""Associative memory layers with the l_p attentional bias, and their Hebbian sibling.
+
+Plain PyTorch, written the way a researcher writes them: a per-token Python loop
+(or, with ``use_scan=True``, torch's ``scan`` higher-order op over the same step).
+Spec: ``lp-attentional-bias.md`` (MIRAS Eqs 10-12, 24-25), ``feature-maps-phi.md``
+(HOPE Eqs 5 and 51), ``linear-attention-feature-maps.md``, ``short-causal-conv.md``.
+
+Shapes: x [B, T, d_model]; per head, keys/queries φ(k), φ(q) [d_phi] (d_phi = d_k for
+the element-wise feature maps here), values [d_v], memory M [d_v, d_phi].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._higher_order_ops.scan import scan
+
+FEATURE_MAPS = ("identity", "elu+1", "relu")
+
+
+def feature_map(x: torch.Tensor, phi: str) -> torch.Tensor:
+    """φ of ``feature-maps-phi.md`` (types 1 and 6) and ``linear-attention-feature-maps.md``."""
+    if phi == "identity":
+        return x
+    if phi == "elu+1":
+        return F.elu(x) + 1
+    if phi == "relu":
+        return F.relu(x)
+    raise ValueError(f"phi must be one of {FEATURE_MAPS}, got {phi!r}")
+
+
+class ShortConvFeatures(nn.Module):
+    """Projection → depthwise causal conv1d (kernel 4, left-padded) → SiLU → φ.
+
+    ``short-causal-conv.md``: ``k_t = Σ_{j<K} w[j] · (W_K x)_{t−j}``, zero left padding,
+    so position t sees only positions t−K+1..t.
+    """
+
+    def __init__(self, d_model: int, d_out: int, kernel_size: int = 4, phi: str = "identity"):
+        super().__init__()
+        if phi not in FEATURE_MAPS:
+            raise ValueError(f"phi must be one of {FEATURE_MAPS}, got {phi!r}")
+        self.proj = nn.Linear(d_model, d_out, bias=False)
+        self.conv = nn.Conv1d(d_out, d_out, kernel_size, groups=d_out)
+        self.kernel_size = kernel_size
+        self.phi = phi
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x).transpose(1, 2)  # [B, d_out, T]
+        h = self.conv(F.pad(h, (self.kernel_size - 1, 0))).transpose(1, 2)
+        return feature_map(F.silu(h), self.phi)
+
+
+def _check_gate(name: str, value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be a number in [0, 1] (a fixed gate) or None "
+                         f"(a data-dependent gate), got {value!r}")
+
+
+class _GatedMemory(nn.Module):
+    """What the memory layers share: q/k/v with short conv and φ, per-token gates, output."""
+
+    def __init__(self, d_model: int, n_heads: int, d_k: int, d_v: int, phi: str,
+                 gates: dict[str, float | None]):
+        super().__init__()
+        for name, value in gates.items():
+            _check_gate(name, value)
+        self.n_heads, self.d_k, self.d_v = n_heads, d_k, d_v
+        self.q = ShortConvFeatures(d_model, n_heads * d_k, phi=phi)
+        self.k = ShortConvFeatures(d_model, n_heads * d_k, phi=phi)
+        self.v = nn.Linear(d_model, n_heads * d_v, bias=False)
+        self.out = nn.Linear(n_heads * d_v, d_model, bias=False)
+        self.fixed_gates = {n: v for n, v in gates.items() if v is not None}
+        # data-dependent gate: sigmoid of a projection of x_t, one per head
+        self.gate_proj = nn.ModuleDict({n: nn.Linear(d_model, n_heads) for n, v in gates.items() if v is None})
+
+    def gate(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The gate ``name`` per token and head, [B, T, H]."""
+        if name in self.gate_proj:
+            return torch.sigmoid(self.gate_proj[name](x))
+        return x.new_full((x.shape[0], x.shape[1], self.n_heads), self.fixed_gates[name])
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """φ(q), φ(k) [B, T, H, d_k] and v [B, T, H, d_v]."""
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.d_k)
+        k = self.k(x).view(B, T, self.n_heads, self.d_k)
+        v = self.v(x).view(B, T, self.n_heads, self.d_v)
+        return q, k, v
+
+    def check_state(self, m0: torch.Tensor | None, x: torch.Tensor) -> None:
+        expected = (x.shape[0], self.n_heads, self.d_v, self.d_k)
+        if m0 is not None and tuple(m0.shape) != expected:
+            raise ValueError(f"m0 must have shape [B, H, d_v, d_k] = {list(expected)}, got {list(m0.shape)}")
+
+
+class LpMemory(_GatedMemory):
+    """A multi-head associative memory trained online with the l_p attentional bias.
+
+    Per head and token t (``lp-attentional-bias.md``, ``feature-maps-phi.md``)::
+
+        e_t = M φ(k_t) − v_t                                     (Eq 11, φ of HOPE Eq 5)
+        g_t = 2 e_t                                   if p = 2   (L2 fast path)
+              tanh(a e_t)                             if p = 1   (L1 fast path, Eq 12)
+              p · tanh(a e_t) ⊙ (e_t² + eps)^((p−1)/2)  else      (Remark 5 approximators)
+        M  ← (1 − α_t) M − η_t g_t φ(k_t)ᵀ                        (retention + update)
+        y_t = M φ(q_t)                                            (read after the update)
+
+    Variants:
+      * ``momentum = β > 0``: GD with momentum, the higher-order momentum of HOPE Eq 51
+        with the gradient taken in feature space:  S ← β S − η_t g_t φ(k_t)ᵀ,
+        M ← (1 − α_t) M + S  (S starts at zero).
+      * ``q_norm = q ≠ 2``: MONETA (p, q) with L_q retention (MIRAS Eqs 24-25):
+        A ← (1 − α_t) A − η_t g_t φ(k_t)ᵀ,  W = A / ‖A‖_q^(q−2) (‖·‖_q entrywise per head,
+        computed as (Σ|A|^q + eps)^(1/q)); e_t and y_t read W; the state carried is A.
+
+    α_t (forget rate, as in the spec's ``(1 − α_t) W`` retention, also for MONETA whose
+    Eq 25 writes the keep factor) and η_t are fixed numbers, or data-dependent gates
+    σ(W x_t + b) per head when given as ``None``. Eq 51 here applies φ (the key feature
+    map) to the gradient's key factor; a separate nonlinearity on the whole gradient is
+    not modelled. ``forward(x, m0=None) -> (out, m_final)``: m0/m_final are the memory
+    (the accumulator A for MONETA), [B, H, d_v, d_k], for chunked processing and
+    decoding (the momentum buffer restarts at zero, and the short conv's left context
+    is not carried across chunks).
+    """
+
+    def __init__(self, d_model: int, n_heads: int = 2, d_k: int = 8, d_v: int = 8, *,
+                 p: float = 2.0, a: float = 10.0, eps: float = 1e-6,
+                 alpha: float | None = 0.1, eta: float | None = 0.1,
+                 momentum: float = 0.0, q_norm: float = 2.0, phi: str = "identity",
+                 use_scan: bool = False):
+        super().__init__(d_model, n_heads, d_k, d_v, phi, {"alpha": alpha, "eta": eta})
+        if not (isinstance(p, (int, float)) and p >= 1):
+            raise ValueError(f"p must be a number >= 1 (the l_p exponent), got {p!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if not q_norm >= 2.0:
+            raise ValueError(f"q_norm must be >= 2 (L_q retention), got {q_norm!r}")
+        if momentum > 0 and q_norm != 2.0:
+            raise ValueError(f"momentum={momentum} with q_norm={q_norm}: choose GD with momentum "
+                             "or MONETA L_q retention, not both")
+        self.p, self.a, self.eps = float(p), float(a), float(eps)
+        self.momentum, self.q_norm, self.use_scan = float(momentum), float(q_norm), use_scan
+        self.lq_power = (self.q_norm - 2) / self.q_norm  # ‖A‖_q^(q−2) = (Σ|A|^q)^((q−2)/q)
+
+    def bias_gradient(self, e: torch.Tensor) -> torch.Tensor:
+        """∂/∂(Mk) of ‖Mk − v‖_p^p with the spec's fast paths at p = 2 and p = 1."""
+        if self.p == 2.0:
+            return 2 * e
+        if self.p == 1.0:
+            return torch.tanh(self.a * e)
+        return self.p * torch.tanh(self.a * e) * (e * e + self.eps) ** ((self.p - 1) / 2)
+
+    def lq_normalise(self, A: torch.Tensor) -> torch.Tensor:
+        """W = A / ‖A‖_q^(q−2) = A / (Σ|A|^q + eps)^((q−2)/q), the sum over each head's [d_v, d_k]."""
+        return A / (A.abs().pow(self.q_norm).sum((-2, -1), keepdim=True) + self.eps) ** self.lq_power
+
+    def step(self, state: tuple, k_t, v_t, q_t, alpha_t, eta_t):
+        """One token: ``state`` is (M,), or (M, S) with momentum; for MONETA M is the accumulator A."""
+        alpha_t, eta_t = alpha_t[..., None, None], eta_t[..., None, None]
+        M = state[0]
+        W = self.lq_normalise(M) if self.q_norm != 2.0 else M
+        e = (W @ k_t.unsqueeze(-1)).squeeze(-1) - v_t
+        grad = self.bias_gradient(e).unsqueeze(-1) * k_t.unsqueeze(-2)  # g φ(k)ᵀ
+        if self.momentum > 0:
+            S = self.momentum * state[1] - eta_t * grad
+            M = (1 - alpha_t) * M + S
+            new_state = (M, S)
+        else:
+            M = (1 - alpha_t) * M - eta_t * grad
+            new_state = (M,)
+        W = self.lq_normalise(M) if self.q_norm != 2.0 else M
+        return new_state, (W @ q_t.unsqueeze(-1)).squeeze(-1)
+
+    def forward(self, x: torch.Tensor, m0: torch.Tensor | None = None):
+        self.check_state(m0, x)
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x)
+        alpha, eta = self.gate("alpha", x), self.gate("eta", x)
+        M = x.new_zeros(B, self.n_heads, self.d_v, self.d_k) if m0 is None else m0
+        state = (M, torch.zeros_like(M)) if self.momentum > 0 else (M,)
+        if self.use_scan:
+            # scan slices xs along dim 1 and stacks the per-step y along dim 1 again
+            state, y = scan(lambda s, xs: self.step(s, *xs), state, (k, v, q, alpha, eta), dim=1)
+        else:
+            ys = []
+            for t in range(T):
+                state, y_t = self.step(state, k[:, t], v[:, t], q[:, t], alpha[:, t], eta[:, t])
+                ys.append(y_t)
+            y = torch.stack(ys, dim=1)  # [B, T, H, d_v]
+        return self.out(y.reshape(B, T, -1)), state[0]
+
+
+class HebbianMemory(_GatedMemory):
+    """Fast-weight / linear-attention memory (HOPE Eq 5; ``linear-attention-feature-maps.md``).
+
+    Per head and token t::
+
+        M ← α_t M + v_t φ(k_t)ᵀ          y_t = M φ(q_t)
+        normalise=True:  z ← α_t z + φ(k_t),   y_t = M φ(q_t) / (z · φ(q_t) + eps)
+
+    ``form``:
+      * "loop": the recurrence as a Python loop (``use_scan=True``: the scan higher-order op);
+      * "cumsum": causal linear attention without decay, M_t = Σ_{s≤t} v_s φ(k_s)ᵀ by cumulative sum
+        (needs a fixed α = 1);
+      * "noncausal": φ(Q)(φ(K)ᵀV) with einsum (needs a fixed α = 1).
+    ``forward(x, m0=None) -> (out, m_final)`` (m_final is None for the non-causal form).
+    """
+
+    FORMS = ("loop", "cumsum", "noncausal")
+
+    def __init__(self, d_model: int, n_heads: int = 2, d_k: int = 8, d_v: int = 8, *,
+                 alpha: float | None = 0.9, normalise: bool = False, eps: float = 1e-6,
+                 phi: str = "elu+1", form: str = "loop", use_scan: bool = False):
+        super().__init__(d_model, n_heads, d_k, d_v, phi, {"alpha": alpha})
+        if form not in self.FORMS:
+            raise ValueError(f"form must be one of {self.FORMS}, got {form!r}")
+        if form != "loop" and alpha != 1.0:
+            raise ValueError(f"form={form!r} has no decay: it needs alpha=1.0, got {alpha!r}")
+        self.normalise, self.eps, self.form, self.use_scan = normalise, float(eps), form, use_scan
+
+    def step(self, state: tuple, k_t, v_t, q_t, alpha_t):
+        """One token: ``state`` is (M,) or (M, z) with the normaliser."""
+        M = alpha_t[..., None, None] * state[0] + v_t.unsqueeze(-1) * k_t.unsqueeze(-2)
+        y = (M @ q_t.unsqueeze(-1)).squeeze(-1)
+        if not self.normalise:
+            return (M,), y
+        z = alpha_t.unsqueeze(-1) * state[1] + k_t
+        return (M, z), y / ((z * q_t).sum(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor, m0: torch.Tensor | None = None):
+        self.check_state(m0, x)
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x)
+        if self.form == "noncausal":
+            if m0 is not None:
+                raise ValueError("m0 must be None for the non-causal form (it has no recurrent state)")
+            kv = torch.einsum("bthk,bthv->bhvk", k, v)
+            y = torch.einsum("bthk,bhvk->bthv", q, kv)
+            if self.normalise:
+                y = y / (torch.einsum("bthk,bhk->bth", q, k.sum(1)).unsqueeze(-1) + self.eps)
+            return self.out(y.reshape(B, T, -1)), None
+        if self.form == "cumsum":
+            Ms = torch.cumsum(v.unsqueeze(-1) * k.unsqueeze(-2), dim=1)  # [B, T, H, d_v, d_k]
+            if m0 is not None:
+                Ms = Ms + m0.unsqueeze(1)
+            y = (Ms @ q.unsqueeze(-1)).squeeze(-1)
+            if self.normalise:
+                y = y / ((torch.cumsum(k, dim=1) * q).sum(-1, keepdim=True) + self.eps)
+            return self.out(y.reshape(B, T, -1)), Ms[:, -1]
+        alpha = self.gate("alpha", x)
+        M = x.new_zeros(B, self.n_heads, self.d_v, self.d_k) if m0 is None else m0
+        state = (M, x.new_zeros(B, self.n_heads, self.d_k)) if self.normalise else (M,)
+        if self.use_scan:
+            # scan slices xs along dim 1 and stacks the per-step y along dim 1 again
+            state, y = scan(lambda s, xs: self.step(s, *xs), state, (k, v, q, alpha), dim=1)
+        else:
+            ys = []
+            for t in range(T):
+                state, y_t = self.step(state, k[:, t], v[:, t], q[:, t], alpha[:, t])
+                ys.append(y_t)
+            y = torch.stack(ys, dim=1)
+        return self.out(y.reshape(B, T, -1)), state[0]
+
+
+def lp_memory_example() -> tuple[nn.Module, tuple]:
+    """``hecate explain lp_memory``: p = 3, data-dependent gates, φ = elu+1, T = 16."""
+    torch.manual_seed(0)
+    model = LpMemory(32, n_heads=2, d_k=8, d_v=8, p=3.0, alpha=None, eta=None, phi="elu+1")
+    return model, (torch.randn(2, 16, 32),)
+
+
+def hebbian_memory_example() -> tuple[nn.Module, tuple]:
+    """``hecate explain hebbian_memory``: normalised fast weights, gated decay, T = 16."""
+    torch.manual_seed(0)
+    model = HebbianMemory(32, n_heads=2, d_k=8, d_v=8, alpha=None, normalise=True)
+    return model, (torch.randn(2, 16, 32),)

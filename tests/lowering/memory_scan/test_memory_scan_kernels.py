@@ -1,0 +1,175 @@
+"""memory_scan's Triton kernels (under the interpreter on CPU) against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hecate.lowering  # noqa: F401
+from hecate.lowering.dispatch import triton_on_cpu
+from hecate.lowering.memory_scan import kernels
+from hecate.lowering.memory_scan.naive import memory_scan_naive
+from hecate.testing import assert_close
+
+from memory_scan_cases import CASES, GRAD_NAMES, Case, grads_of, make_inputs
+
+op = torch.ops.hecate.memory_scan
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    # two value tiles for Dv = 3 (partials summed) and several checkpoint segments at T = 7
+    monkeypatch.setattr(kernels, "MAX_BLOCK_V", 2)
+    monkeypatch.setattr(kernels, "MAX_BLOCK_V_BACKWARD", 2)
+    monkeypatch.setattr(kernels, "CHUNK", 3)
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """Every buffer the launcher allocates starts NaN: an element a kernel forgets to write shows."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    def nan_empty_like(*args, **kwargs):
+        return empty_like(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(kernels.torch, "empty", nan_empty)
+    monkeypatch.setattr(kernels.torch, "empty_like", nan_empty_like)
+
+
+def _to32(inputs):
+    return [x.detach().float().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in inputs]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_triton_matches_reference(case, small_blocks, poisoned_allocations):
+    inputs64 = make_inputs(case)
+    inputs32 = _to32(inputs64)
+    y_ref, m_ref = memory_scan_naive(*inputs64, *case.scalars())
+    dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
+    with triton_on_cpu():
+        y, m, grads = grads_of(lambda *x: op(*x, *case.scalars()), inputs32, dy, dm)
+    _, _, grads_ref = grads_of(lambda *x: memory_scan_naive(*x, *case.scalars()), inputs64, dy, dm)
+    assert_close("y", y, y_ref, 1e-5)
+    assert_close("m_final", m, m_ref, 1e-5)
+    names = [n for n, x in zip(GRAD_NAMES, inputs64[:6]) if x is not None]
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert_close(name, g, g_ref, 1e-5)
+
+
+def test_triton_p2_without_retention_is_the_delta_rule():
+    from test_memory_scan_op import delta_rule
+
+    k, v, q, _, eta, m0, _ = [x.detach().float() if isinstance(x, torch.Tensor) else x for x in make_inputs(CASES[0])]
+    with triton_on_cpu():
+        y, m = op(k, v, q, torch.zeros_like(eta), eta, m0, None, 2.0, 10.0, 1e-6, 0.0, 2.0)
+    y_ref, m_ref = delta_rule(k.double(), v.double(), q.double(), 2.0 * eta.double(), m0.double())
+    assert_close("y", y, y_ref, 1e-6)
+    assert_close("m_final", m, m_ref, 1e-6)
+
+
+def test_triton_float16_inputs_keep_an_fp32_state():
+    case = Case("p2.5", p=2.5)
+    inputs64 = make_inputs(case)
+    inputs16 = [x.detach().half() if isinstance(x, torch.Tensor) and x.is_floating_point() and i < 3
+                else (x.detach().float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+                for i, x in enumerate(inputs64)]
+    with triton_on_cpu():
+        y, m = op(*inputs16, *case.scalars())
+    y_ref, m_ref = memory_scan_naive(*[x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                                       for x in inputs16], *case.scalars())
+    assert y.dtype == torch.float16 and m.dtype == torch.float32
+    assert_close("y", y, y_ref, 2e-3)
+    assert_close("m_final", m, m_ref, 1e-5)
+
+
+def test_opcheck_triton():
+    case = Case("p2.5_momentum", p=2.5, momentum=0.5, T=3)
+    k, v, q, alpha, eta, m0, _ = [x.detach() if isinstance(x, torch.Tensor) else x
+                                  for x in make_inputs(case, dtype=torch.float32, B=1, H=1)]
+    with triton_on_cpu():
+        torch.library.opcheck(op.default, (k, v, q, alpha, eta, m0, None, *case.scalars()),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [Case("p2", T=300), Case("p3", p=3.0, T=300), Case("p1", p=1.0, T=300),
+                                  Case("moneta", p=3.0, q_norm=4.0, T=300),
+                                  Case("varlen", p=2.5, momentum=0.3, cu_seqlens=(0, 100, 100, 300))],
+                         ids=lambda c: c.name)
+def test_cuda_matches_reference(case, dtype):
+    inputs64 = make_inputs(case, B=2, H=2, Dk=64, Dv=48)
+    inputs = [x.detach().to("cuda", dtype if i < 3 else torch.float32).requires_grad_()
+              if isinstance(x, torch.Tensor) and x.is_floating_point() else (x.cuda() if x is not None else None)
+              for i, x in enumerate(inputs64)]
+    y_ref, m_ref = memory_scan_naive(*inputs64, *case.scalars())
+    dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
+    y, m, grads = grads_of(lambda *x: op(*x, *case.scalars()), inputs, dy.cuda(), dm.cuda())
+    _, _, grads_ref = grads_of(lambda *x: memory_scan_naive(*x, *case.scalars()), inputs64, dy, dm)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert_close("y", y.cpu(), y_ref, tol)
+    assert_close("m_final", m.cpu(), m_ref, tol)
+    names = [n for n, x in zip(GRAD_NAMES, inputs64[:6]) if x is not None]
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert_close(name, g.cpu(), g_ref, tol)
+
+
+_COMPILE_FOR_SM90 = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hecate.lowering.memory_scan import kernels as K
+
+FLOATS = {"p", "a", "eps", "momentum", "q_norm"}
+INPUTS = {"k", "v", "q", "y", "dy", "dv"}
+
+
+def compile_for_sm90(fn, constexprs):
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("T", "ROWS"):
+            signature[name] = "i32"
+        elif name in FLOATS:
+            signature[name] = "fp32"
+        elif name == "cu_seqlens":
+            signature[name] = "*i32"
+        else:
+            signature[name] = "*bf16" if name in INPUTS else "*fp32"
+    src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+# every constexpr branch once: general p + momentum + packed; p = 1 + MONETA; p = 2 + Hebbian
+for p_mode, momentum, lq, varlen, hebbian in [(0, True, False, True, False), (1, False, True, False, False),
+                                              (2, False, False, False, True)]:
+    common = dict(H=4, DK=64, DV=64, BK=64, CHUNK=32, P_MODE=p_mode, USE_MOMENTUM=momentum, LQ=lq,
+                  VARLEN=varlen, HEBBIAN=hebbian)
+    fwd = compile_for_sm90(K.memory_scan_fwd_kernel, dict(common, BV=64 if lq else 32, HAS_M0=True, STORE_Y=True,
+                                                           STORE_FINAL=True, STORE_CKPT=True))
+    bwd = compile_for_sm90(K.memory_scan_bwd_kernel, dict(common, BV=64 if lq else 16))
+    assert ".entry memory_scan_fwd_kernel" in fwd and ".entry memory_scan_bwd_kernel" in bwd
+print("compiled")
+'''
+
+
+def test_kernels_compile_for_a_gpu_without_one():
+    """The interpreter accepts code the GPU compiler rejects: compile both kernels to PTX for sm_90."""
+    import os
+    import subprocess
+    import sys
+
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("triton has no NVIDIA backend here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

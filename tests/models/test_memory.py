@@ -1,0 +1,121 @@
+"""The memory models themselves (eager): forms agree, equations hold, bad inputs are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hecate.models.memory import HebbianMemory, LpMemory, ShortConvFeatures
+from hecate.testing import assert_close
+
+
+def test_p2_without_retention_is_the_classic_delta_rule():
+    # p = 2, α = 0: M ← M − η·2(Mk − v)kᵀ = M + β(v − Mk)kᵀ with β = 2η
+    model = LpMemory(4, n_heads=2, d_k=3, d_v=5, p=2.0, alpha=0.0, eta=0.1)
+    M = torch.randn(2, 2, 5, 3, dtype=torch.float64)
+    k, q = torch.randn(2, 2, 3, dtype=torch.float64), torch.randn(2, 2, 3, dtype=torch.float64)
+    v = torch.randn(2, 2, 5, dtype=torch.float64)
+    (new,), y = model.step((M,), k, v, q, torch.zeros(2, 2, dtype=torch.float64),
+                           torch.full((2, 2), 0.1, dtype=torch.float64))
+    beta = 0.2
+    expected = M + beta * torch.einsum("bhv,bhk->bhvk", v - torch.einsum("bhvk,bhk->bhv", M, k), k)
+    assert_close("delta rule M", new, expected, 1e-12)
+    assert_close("read after update", y, torch.einsum("bhvk,bhk->bhv", expected, q), 1e-12)
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 2.5])
+def test_bias_gradient_is_the_lp_gradient_away_from_zero(p):
+    # p·sign(e)|e|^(p−1) (MIRAS Eq 11); the tanh/eps approximators are exact to ~1e-4 at |e| >= 0.5
+    model = LpMemory(4, p=p)
+    e = torch.tensor([-2.0, -0.5, 0.7, 1.5], dtype=torch.float64)
+    exact = torch.sign(e) * e.abs() ** (p - 1) * (p if p != 1.0 else 1.0)
+    assert_close(f"l_{p} gradient", model.bias_gradient(e), exact, 1e-4)
+
+
+def test_short_conv_is_causal():
+    feats = ShortConvFeatures(6, 4, phi="elu+1")
+    x = torch.randn(1, 9, 6)
+    y = feats(x)
+    x2 = x.clone()
+    x2[:, 5:] += 1.0  # change the future
+    assert torch.equal(feats(x2)[:, :5], y[:, :5])
+    assert (y > 0).all()  # elu + 1 is positive
+
+
+@pytest.mark.parametrize("kwargs", [dict(p=2.5, alpha=None, eta=None), dict(p=3.0, q_norm=4.0),
+                                    dict(p=1.0, momentum=0.5)], ids=["lp-gated", "moneta", "momentum"])
+def test_scan_form_equals_loop_form(kwargs, fresh_dynamo):
+    loop = LpMemory(10, n_heads=2, d_k=3, d_v=4, **kwargs)
+    scan = LpMemory(10, n_heads=2, d_k=3, d_v=4, use_scan=True, **kwargs)
+    scan.load_state_dict(loop.state_dict())
+    x, m0 = torch.randn(2, 5, 10), 0.1 * torch.randn(2, 2, 4, 3)
+    (y1, m1), (y2, m2) = loop(x, m0), scan(x, m0)
+    assert_close("y", y2, y1, 1e-6)
+    assert_close("m_final", m2, m1, 1e-6)
+
+
+@pytest.mark.parametrize("normalise", [False, True])
+def test_hebbian_cumsum_and_scan_equal_loop(normalise, fresh_dynamo):
+    loop = HebbianMemory(10, n_heads=2, d_k=3, d_v=4, alpha=1.0, normalise=normalise)
+    cumsum = HebbianMemory(10, n_heads=2, d_k=3, d_v=4, alpha=1.0, normalise=normalise, form="cumsum")
+    scan = HebbianMemory(10, n_heads=2, d_k=3, d_v=4, alpha=1.0, normalise=normalise, use_scan=True)
+    cumsum.load_state_dict(loop.state_dict())
+    scan.load_state_dict(loop.state_dict())
+    x = torch.randn(2, 6, 10)
+    y, m = loop(x)
+    for name, other in (("cumsum", cumsum), ("scan", scan)):
+        y2, m2 = other(x)
+        assert_close(f"{name} y", y2, y, 1e-5)
+        assert_close(f"{name} m_final", m2, m, 1e-5)
+
+
+@pytest.mark.parametrize("normalise", [False, True])
+def test_hebbian_noncausal_is_phi_q_phi_k_t_v(normalise):
+    model = HebbianMemory(10, n_heads=1, d_k=3, d_v=4, alpha=1.0, normalise=normalise, form="noncausal")
+    x = torch.randn(1, 5, 10)
+    y, m = model(x)
+    assert m is None
+    q, k, v = (t[:, :, 0] for t in model.qkv(x))  # one head: [1, T, d]
+    scores = q @ k.transpose(1, 2)  # φ(q_t)·φ(k_s) for all s (no mask)
+    expected = scores @ v
+    if normalise:
+        expected = expected / (scores.sum(-1, keepdim=True) + 1e-6)
+    assert_close("non-causal y", y, model.out(expected), 1e-5)
+
+
+def test_hebbian_gated_loop_is_the_fast_weight_recurrence():
+    # HOPE Eq 5: M_t = α_t M_{t−1} + v_t φ(k_t)ᵀ,  y_t = M_t φ(q_t)
+    model = HebbianMemory(6, n_heads=1, d_k=2, d_v=3, alpha=None)
+    x = torch.randn(1, 4, 6, dtype=torch.float64)
+    model.double()
+    y, m = model(x)
+    q, k, v = (t[0, :, 0] for t in model.qkv(x))
+    alpha = model.gate("alpha", x)[0, :, 0]
+    M, ys = torch.zeros(3, 2, dtype=torch.float64), []
+    for t in range(4):
+        M = alpha[t] * M + torch.outer(v[t], k[t])
+        ys.append(M @ q[t])
+    assert_close("y", y, model.out(torch.stack(ys)[None]), 1e-12)
+    assert_close("m_final", m[0, 0], M, 1e-12)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: LpMemory(4, p=0.5), "p must be a number >= 1"),
+    (lambda: LpMemory(4, alpha=1.5), "alpha must be a number in \\[0, 1\\]"),
+    (lambda: LpMemory(4, eta=-0.1), "eta must be a number in \\[0, 1\\]"),
+    (lambda: LpMemory(4, momentum=1.0), "momentum must be in \\[0, 1\\)"),
+    (lambda: LpMemory(4, q_norm=1.0), "q_norm must be >= 2"),
+    (lambda: LpMemory(4, momentum=0.5, q_norm=4.0), "choose GD with momentum or MONETA"),
+    (lambda: LpMemory(4, phi="tanh"), "phi must be one of"),
+    (lambda: HebbianMemory(4, form="chunked"), "form must be one of"),
+    (lambda: HebbianMemory(4, alpha=0.9, form="cumsum"), "needs alpha=1.0, got 0.9"),
+])
+def test_bad_configuration_is_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_bad_initial_state_shape_is_refused():
+    model = LpMemory(4, n_heads=2, d_k=3, d_v=5)
+    with pytest.raises(ValueError, match=r"m0 must have shape \[B, H, d_v, d_k\] = \[1, 2, 5, 3\], got \[1, 2, 3, 5\]"):
+        model(torch.randn(1, 3, 4), torch.zeros(1, 2, 3, 5))

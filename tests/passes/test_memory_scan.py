@@ -1,0 +1,283 @@
+"""The memory_scan pass: unrolled per-token loops and scans rolled up into one op.
+
+Every fused case is checked against the same model run eagerly (the plain loop):
+forward, final state, and the gradient of every parameter, the input and the
+initial state. Tolerance: relative error 2e-5 (fp32; the fused op sums in a
+different order than the loop). T stays small: Dynamo traces every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hecate
+from hecate.compiler.pipeline import canonicalize, run_passes
+from hecate.compiler.options import parse_options
+from hecate.compiler.report import FusionReport
+from hecate.models import EXAMPLES
+from hecate.models.memory import HebbianMemory, LpMemory
+from hecate.testing import assert_close
+
+TOL = 2e-5
+EAGER = {"fallback": "eager"}
+
+
+def _loss(y, m, weight):
+    return y.square().sum() + (m * weight).sum()
+
+
+def _grads(fn, inputs, params):
+    y, m = fn(*inputs)
+    weight = torch.linspace(-1, 1, m.numel()).view_as(m)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad] + list(params)
+    return y, m, torch.autograd.grad(_loss(y, m, weight), leaves)
+
+
+def check_fused(model, inputs, detail, op="hecate.memory_scan"):
+    """Compiled (hecate, eager fallback) vs eager: outputs, every gradient, one ``op`` fusion named ``detail``."""
+    y_ref, m_ref, g_ref = _grads(model, inputs, model.parameters())
+    compiled = torch.compile(model, backend="hecate", options=EAGER)
+    y, m, g = _grads(compiled, inputs, model.parameters())
+    report = hecate.last_report()
+    assert [f.detail for f in report.fusions] == [detail], str(report)
+    assert report.fusions[0].op == op
+    assert not report.misses, str(report)
+    assert_close("y", y, y_ref, TOL)
+    assert_close("m_final", m, m_ref, TOL)
+    names = ["input"] * (len(g_ref) - len(list(model.parameters()))) + [n for n, _ in model.named_parameters()]
+    for name, a, b in zip(names, g, g_ref):
+        assert_close(f"grad {name}", a, b, TOL)
+
+
+LOOP_CASES = [
+    # (model kwargs, T, detail)
+    (dict(p=2.0), 1, "GD, l_2 bias p=2 (2e fast path); loop rolled up 1 steps"),
+    (dict(p=1.0, alpha=None, eta=None, phi="elu+1"), 5, "GD, l_1 bias p=1 (tanh fast path); loop rolled up 5 steps"),
+    (dict(p=3.0, alpha=0.05, eta=0.2, phi="relu"), 7, "GD, l_p bias p=3 (general form); loop rolled up 7 steps"),
+    (dict(p=2.5, alpha=None, eta=None), 6, "GD, l_p bias p=2.5 (general form); loop rolled up 6 steps"),
+    (dict(p=3.0, q_norm=4.0, alpha=None, eta=None), 5,
+     "MONETA L_q retention q=4, l_p bias p=3 (general form); loop rolled up 5 steps"),
+    (dict(p=2.0, momentum=0.5, alpha=None), 5,
+     "GD with momentum β=0.5, l_2 bias p=2 (2e fast path); loop rolled up 5 steps"),
+    (dict(p=2.5, momentum=0.75, phi="elu+1"), 4,
+     "GD with momentum β=0.75, l_p bias p=2.5 (general form); loop rolled up 4 steps"),
+]
+
+
+@pytest.mark.parametrize("kwargs,T,detail", LOOP_CASES, ids=[d.split(";")[0] + f" T={t}" for _, t, d in LOOP_CASES])
+def test_loop_is_fused_and_matches_eager(kwargs, T, detail, fresh_dynamo):
+    model = LpMemory(11, n_heads=2, d_k=3, d_v=5, **kwargs)  # odd d_model, d_k != d_v
+    x = torch.randn(2, T, 11, requires_grad=True)
+    check_fused(model, (x,), detail)
+
+
+def test_initial_state_in_final_state_out(fresh_dynamo):
+    model = LpMemory(8, n_heads=3, d_k=4, d_v=3, p=2.5, alpha=None, eta=None)
+    x = torch.randn(1, 5, 8, requires_grad=True)
+    m0 = (0.1 * torch.randn(1, 3, 3, 4)).requires_grad_()
+    check_fused(model, (x, m0), "GD, l_p bias p=2.5 (general form); loop rolled up 5 steps")
+
+
+SCAN_CASES = [
+    (dict(p=2.5, alpha=None, eta=None), "GD, l_p bias p=2.5 (general form); scan higher-order op rolled up 5 steps"),
+    (dict(p=3.0, q_norm=4.0), "MONETA L_q retention q=4, l_p bias p=3 (general form); "
+                              "scan higher-order op rolled up 5 steps"),
+    (dict(p=1.0, momentum=0.5, alpha=None), "GD with momentum β=0.5, l_1 bias p=1 (tanh fast path); "
+                                            "scan higher-order op rolled up 5 steps"),
+]
+
+
+@pytest.mark.parametrize("kwargs,detail", SCAN_CASES, ids=[d.split(";")[0] for _, d in SCAN_CASES])
+def test_scan_is_fused_and_matches_eager(kwargs, detail, fresh_dynamo):
+    model = LpMemory(11, n_heads=2, d_k=3, d_v=5, use_scan=True, **kwargs)
+    x = torch.randn(2, 5, 11, requires_grad=True)
+    check_fused(model, (x,), detail)
+
+
+import hecate.lowering  # noqa: E402,F401  registers the ops
+
+needs_linear_attention = pytest.mark.skipif(not hasattr(torch.ops.hecate, "linear_attention"),
+                                            reason="hecate.linear_attention is not registered on this branch")
+HEBBIAN = "Hebbian M ← α M + v φ(k)ᵀ"
+HEBBIAN_CASES = [
+    (dict(alpha=None), False, 5, f"{HEBBIAN}; loop rolled up 5 steps"),
+    (dict(alpha=None, normalise=True), False, 1,
+     f"{HEBBIAN}, normalised by z ← α z + φ(k); loop rolled up 1 steps"),
+    (dict(alpha=1.0, normalise=True), False, 6,
+     f"{HEBBIAN}, normalised by z ← α z + φ(k); loop rolled up 6 steps"),
+    (dict(alpha=None, normalise=True), True, 5,
+     f"{HEBBIAN}, normalised by z ← α z + φ(k); scan higher-order op rolled up 5 steps"),
+]
+
+
+@needs_linear_attention
+@pytest.mark.parametrize("kwargs,use_scan,T,detail", HEBBIAN_CASES,
+                         ids=["gated", "normalised-T1", "normalised-no-decay", "normalised-scan"])
+def test_hebbian_is_fused_into_linear_attention(kwargs, use_scan, T, detail, fresh_dynamo):
+    # elu+1 features (the default) keep z·φ(q) away from 0, so the normaliser is well conditioned
+    model = HebbianMemory(11, n_heads=2, d_k=3, d_v=5, use_scan=use_scan, **kwargs)
+    x = torch.randn(2, T, 11, requires_grad=True)
+    check_fused(model, (x,), detail, op="hecate.linear_attention")
+
+
+# ---------------------------------------------------------------- a user's own loop, and near-misses
+
+def user_loop(k, v, q, alpha, eta, p_at=lambda t: 2.5, odd_step=None, read_state_at=None):
+    """An l_p memory written as a plain function over [B, T, H, D] tensors.
+
+    ``p_at(t)``: p used at step t; ``odd_step``: a step that uses sign() instead of tanh();
+    ``read_state_at``: a step whose intermediate state is also read into the output.
+    """
+    B, T, H, Dk = k.shape
+    M = k.new_zeros(B, H, v.shape[-1], Dk)
+    ys, extra = [], 0
+    for t in range(T):
+        k_t, v_t, q_t = k[:, t], v[:, t], q[:, t]
+        a_t, e_t = alpha[:, t][..., None, None], eta[:, t][..., None, None]
+        e = (M @ k_t.unsqueeze(-1)).squeeze(-1) - v_t
+        p = p_at(t)
+        sign = torch.sign(e) if t == odd_step else torch.tanh(10.0 * e)
+        g = p * sign * (e * e + 1e-6) ** ((p - 1) / 2)
+        M = (1 - a_t) * M - e_t * (g.unsqueeze(-1) * k_t.unsqueeze(-2))
+        if t == read_state_at:
+            extra = M.sum()
+        ys.append((M @ q_t.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1) + extra, M
+
+
+def _user_inputs(T=6):
+    B, H, Dk, Dv = 2, 2, 3, 4
+    k, q = torch.randn(B, T, H, Dk), torch.randn(B, T, H, Dk)
+    v = torch.randn(B, T, H, Dv)
+    alpha, eta = 0.1 * torch.rand(B, T, H), 0.2 * torch.rand(B, T, H)
+    return [t.requires_grad_() for t in (k, v, q, alpha, eta)]
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.kwargs = kwargs
+
+    def forward(self, *inputs):
+        return user_loop(*inputs, **self.kwargs)
+
+
+def test_user_function_over_bthd_tensors_is_fused(fresh_dynamo):
+    check_fused(_Fn(), _user_inputs(), "GD, l_p bias p=2.5 (general form); loop rolled up 6 steps")
+
+
+NEAR_MISSES = [
+    (dict(read_state_at=2), "the memory state after step 2"),
+    (dict(p_at=lambda t: 2.5 if t < 4 else 3.0), "p changes between steps: 2.5 at step 0, 3.0 at step 4"),
+    (dict(odd_step=3), "one loop with a step that differs"),
+    (dict(p_at=lambda t: 2.0), "the general l_p form is written with p = 2"),
+]
+
+
+@pytest.mark.parametrize("kwargs,reason", NEAR_MISSES, ids=["reads-state", "p-changes", "odd-op", "general-p2"])
+def test_near_miss_is_reported_not_fused_and_correct(kwargs, reason, fresh_dynamo):
+    fn = _Fn(**kwargs)
+    inputs = _user_inputs()
+    y_ref, m_ref, g_ref = _grads(fn, inputs, [])
+    y, m, g = _grads(torch.compile(fn, backend="hecate", options=EAGER), inputs, [])
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 0, str(report)
+    assert any(reason in miss.reason for miss in report.misses), str(report)
+    assert_close("y", y, y_ref, 1e-6)
+    assert_close("m_final", m, m_ref, 1e-6)
+    for a, b in zip(g, g_ref):
+        assert_close("grad", a, b, 1e-6)
+
+
+class _ScanWithExtraRead(torch.nn.Module):
+    """A scan whose body is the l_2 step plus one more read of the new state."""
+
+    def forward(self, k, v, q, alpha, eta):
+        from torch._higher_order_ops.scan import scan
+
+        def body(M, xs):
+            k_t, v_t, q_t, a_t, e_t = xs
+            a_t, e_t = a_t[..., None, None], e_t[..., None, None]
+            e = (M @ k_t.unsqueeze(-1)).squeeze(-1) - v_t
+            M = (1 - a_t) * M - e_t * ((2 * e).unsqueeze(-1) * k_t.unsqueeze(-2))
+            return M, (M @ q_t.unsqueeze(-1)).squeeze(-1) + M.mean()
+
+        M0 = k.new_zeros(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1])
+        return scan(body, M0, (k, v, q, alpha, eta), dim=1)[::-1]
+
+
+def test_scan_body_with_an_extra_op_is_a_near_miss(fresh_dynamo):
+    fn = _ScanWithExtraRead()
+    inputs = _user_inputs(4)
+    y_ref, m_ref, g_ref = _grads(fn, inputs, [])
+    y, m, g = _grads(torch.compile(fn, backend="hecate", options=EAGER), inputs, [])
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 0, str(report)
+    assert any("scan body contains a GD, l2 bias step but also other inputs, outputs or ops" in miss.reason
+               for miss in report.misses), str(report)
+    assert_close("y", y, y_ref, 1e-6)
+    for a, b in zip(g, g_ref):
+        assert_close("grad", a, b, 1e-6)
+
+
+# ---------------------------------------------------------------- compile cost, explain
+
+def _graph_after_passes(model, x):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(run_passes(canonicalize(gm, example_inputs), parse_options(EAGER), FusionReport()))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(x)
+    (gm,) = graphs
+    return [n.target for n in gm.graph.nodes]
+
+
+def test_fused_graph_does_not_grow_with_T(fresh_dynamo):
+    model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=3.0, alpha=None, eta=None)
+    short = _graph_after_passes(model, torch.randn(2, 4, 8))
+    long = _graph_after_passes(model, torch.randn(2, 16, 8))
+    assert short == long  # the same graph goes to the fallback at T=4 and T=16
+    assert short.count(torch.ops.hecate.memory_scan.default) == 1
+
+
+def test_explain_lp_memory_example_names_the_steps(fresh_dynamo):
+    model, args = EXAMPLES["lp_memory"]()
+    report = hecate.explain(model, *args)
+    assert report.count("memory_scan") == 1, str(report)
+    assert "rolled up 16 steps" in report.fusions[0].detail
+    assert "p=3" in report.fusions[0].detail
+    assert "memory_scan" in str(report)
+
+
+# ---------------------------------------------------------------- Inductor fallback, export
+
+def test_loop_with_inductor_fallback_trains(fresh_dynamo):
+    model = LpMemory(7, n_heads=2, d_k=3, d_v=4, p=1.0, alpha=None, eta=None)
+    x = torch.randn(1, 3, 7, requires_grad=True)
+    y_ref, m_ref, g_ref = _grads(model, (x,), model.parameters())
+    y, m, g = _grads(torch.compile(model, backend="hecate"), (x,), model.parameters())
+    assert hecate.last_report().count("memory_scan") == 1
+    assert_close("y", y, y_ref, TOL)
+    assert_close("m_final", m, m_ref, TOL)
+    for a, b in zip(g, g_ref):
+        assert_close("grad", a, b, TOL)
+
+
+def test_model_exports_to_onnx_with_the_recurrence_as_one_scan(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    model = LpMemory(16, n_heads=2, d_k=3, d_v=5, p=2.5, alpha=None, eta=None).eval()
+    x = torch.randn(2, 6, 16)
+    report = hecate.export_onnx(model, (x,), tmp_path / "memory.onnx")
+    assert report.count("memory_scan") == 1, str(report)
+    ops = [n.op_type for n in onnx.load(tmp_path / "memory.onnx").graph.node]
+    assert ops.count("Scan") == 1 and "Tanh" not in ops  # the step lives once, inside the Scan body
+    session = ort.InferenceSession(str(tmp_path / "memory.onnx"))
+    y, m = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    y_ref, m_ref = model(x)
+    assert_close("onnx y", torch.from_numpy(y), y_ref, 1e-5)
+    assert_close("onnx m_final", torch.from_numpy(m), m_ref, 1e-5)
