@@ -12,44 +12,13 @@ the element-wise feature maps here), values [d_v], memory M [d_v, d_phi].
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._higher_order_ops.scan import scan
 
-FEATURE_MAPS = ("identity", "elu+1", "relu")
+from hecate.models.short_conv import KeyQueryPreprocess
 
-
-def feature_map(x: torch.Tensor, phi: str) -> torch.Tensor:
-    """φ of ``feature-maps-phi.md`` (types 1 and 6) and ``linear-attention-feature-maps.md``."""
-    if phi == "identity":
-        return x
-    if phi == "elu+1":
-        return F.elu(x) + 1
-    if phi == "relu":
-        return F.relu(x)
-    raise ValueError(f"phi must be one of {FEATURE_MAPS}, got {phi!r}")
-
-
-class ShortConvFeatures(nn.Module):
-    """Projection → depthwise causal conv1d (kernel 4, left-padded) → SiLU → φ.
-
-    ``short-causal-conv.md``: ``k_t = Σ_{j<K} w[j] · (W_K x)_{t−j}``, zero left padding,
-    so position t sees only positions t−K+1..t.
-    """
-
-    def __init__(self, d_model: int, d_out: int, kernel_size: int = 4, phi: str = "identity"):
-        super().__init__()
-        if phi not in FEATURE_MAPS:
-            raise ValueError(f"phi must be one of {FEATURE_MAPS}, got {phi!r}")
-        self.proj = nn.Linear(d_model, d_out, bias=False)
-        self.conv = nn.Conv1d(d_out, d_out, kernel_size, groups=d_out)
-        self.kernel_size = kernel_size
-        self.phi = phi
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.proj(x).transpose(1, 2)  # [B, d_out, T]
-        h = self.conv(F.pad(h, (self.kernel_size - 1, 0))).transpose(1, 2)
-        return feature_map(F.silu(h), self.phi)
+# φ acts element-wise here, so φ(k) keeps d_k features and M is [d_v, d_k] per head.
+FEATURE_MAPS = ("identity", "elu1", "relu", "relu2", "exp")
 
 
 def _check_gate(name: str, value: float | None) -> None:
@@ -67,8 +36,10 @@ class _GatedMemory(nn.Module):
         for name, value in gates.items():
             _check_gate(name, value)
         self.n_heads, self.d_k, self.d_v = n_heads, d_k, d_v
-        self.q = ShortConvFeatures(d_model, n_heads * d_k, phi=phi)
-        self.k = ShortConvFeatures(d_model, n_heads * d_k, phi=phi)
+        if phi not in FEATURE_MAPS:
+            raise ValueError(f"phi must be one of {FEATURE_MAPS}, got {phi!r}")
+        # projection → causal depthwise conv (K=4) → SiLU → φ, separate weights for q and k
+        self.qk = KeyQueryPreprocess(d_model, d_key=n_heads * d_k, n_heads=n_heads, phi=phi)
         self.v = nn.Linear(d_model, n_heads * d_v, bias=False)
         self.out = nn.Linear(n_heads * d_v, d_model, bias=False)
         self.fixed_gates = {n: v for n, v in gates.items() if v is not None}
@@ -84,8 +55,7 @@ class _GatedMemory(nn.Module):
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """φ(q), φ(k) [B, T, H, d_k] and v [B, T, H, d_v]."""
         B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.n_heads, self.d_k)
-        k = self.k(x).view(B, T, self.n_heads, self.d_k)
+        q, k = self.qk(x)
         v = self.v(x).view(B, T, self.n_heads, self.d_v)
         return q, k, v
 
@@ -212,7 +182,7 @@ class HebbianMemory(_GatedMemory):
 
     def __init__(self, d_model: int, n_heads: int = 2, d_k: int = 8, d_v: int = 8, *,
                  alpha: float | None = 0.9, normalise: bool = False, eps: float = 1e-6,
-                 phi: str = "elu+1", form: str = "loop", use_scan: bool = False):
+                 phi: str = "elu1", form: str = "loop", use_scan: bool = False):
         super().__init__(d_model, n_heads, d_k, d_v, phi, {"alpha": alpha})
         if form not in self.FORMS:
             raise ValueError(f"form must be one of {self.FORMS}, got {form!r}")
@@ -267,7 +237,7 @@ class HebbianMemory(_GatedMemory):
 def lp_memory_example() -> tuple[nn.Module, tuple]:
     """``hecate explain lp_memory``: p = 3, data-dependent gates, φ = elu+1, T = 16."""
     torch.manual_seed(0)
-    model = LpMemory(32, n_heads=2, d_k=8, d_v=8, p=3.0, alpha=None, eta=None, phi="elu+1")
+    model = LpMemory(32, n_heads=2, d_k=8, d_v=8, p=3.0, alpha=None, eta=None, phi="elu1")
     return model, (torch.randn(2, 16, 32),)
 
 

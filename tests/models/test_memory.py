@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hecate.models.memory import HebbianMemory, LpMemory, ShortConvFeatures
+from hecate.models.memory import HebbianMemory, LpMemory
 from hecate.testing import assert_close
 
 
@@ -30,16 +30,6 @@ def test_bias_gradient_is_the_lp_gradient_away_from_zero(p):
     e = torch.tensor([-2.0, -0.5, 0.7, 1.5], dtype=torch.float64)
     exact = torch.sign(e) * e.abs() ** (p - 1) * (p if p != 1.0 else 1.0)
     assert_close(f"l_{p} gradient", model.bias_gradient(e), exact, 1e-4)
-
-
-def test_short_conv_is_causal():
-    feats = ShortConvFeatures(6, 4, phi="elu+1")
-    x = torch.randn(1, 9, 6)
-    y = feats(x)
-    x2 = x.clone()
-    x2[:, 5:] += 1.0  # change the future
-    assert torch.equal(feats(x2)[:, :5], y[:, :5])
-    assert (y > 0).all()  # elu + 1 is positive
 
 
 @pytest.mark.parametrize("kwargs", [dict(p=2.5, alpha=None, eta=None), dict(p=3.0, q_norm=4.0),

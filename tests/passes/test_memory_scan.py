@@ -40,8 +40,11 @@ def check_fused(model, inputs, detail, op="hecate.memory_scan"):
     compiled = torch.compile(model, backend="hecate", options=EAGER)
     y, m, g = _grads(compiled, inputs, model.parameters())
     report = hecate.last_report()
-    assert [f.detail for f in report.fusions] == [detail], str(report)
-    assert report.fusions[0].op == op
+    memory = [f for f in report.fusions if f.pattern != "qk_preprocess"]
+    assert [f.detail for f in memory] == [detail], str(report)
+    assert memory[0].op == op
+    # the memory layers' key and query preprocessing is fused by qk_preprocess beside the scan
+    assert report.count("qk_preprocess") == (2 if hasattr(model, "qk") else 0), str(report)
     assert not report.misses, str(report)
     assert_close("y", y, y_ref, TOL)
     assert_close("m_final", m, m_ref, TOL)
@@ -53,14 +56,14 @@ def check_fused(model, inputs, detail, op="hecate.memory_scan"):
 LOOP_CASES = [
     # (model kwargs, T, detail)
     (dict(p=2.0), 1, "GD, l_2 bias p=2 (2e fast path); loop rolled up 1 steps"),
-    (dict(p=1.0, alpha=None, eta=None, phi="elu+1"), 5, "GD, l_1 bias p=1 (tanh fast path); loop rolled up 5 steps"),
+    (dict(p=1.0, alpha=None, eta=None, phi="elu1"), 5, "GD, l_1 bias p=1 (tanh fast path); loop rolled up 5 steps"),
     (dict(p=3.0, alpha=0.05, eta=0.2, phi="relu"), 7, "GD, l_p bias p=3 (general form); loop rolled up 7 steps"),
     (dict(p=2.5, alpha=None, eta=None), 6, "GD, l_p bias p=2.5 (general form); loop rolled up 6 steps"),
     (dict(p=3.0, q_norm=4.0, alpha=None, eta=None), 5,
      "MONETA L_q retention q=4, l_p bias p=3 (general form); loop rolled up 5 steps"),
     (dict(p=2.0, momentum=0.5, alpha=None), 5,
      "GD with momentum β=0.5, l_2 bias p=2 (2e fast path); loop rolled up 5 steps"),
-    (dict(p=2.5, momentum=0.75, phi="elu+1"), 4,
+    (dict(p=2.5, momentum=0.75, phi="elu1"), 4,
      "GD with momentum β=0.75, l_p bias p=2.5 (general form); loop rolled up 4 steps"),
 ]
 
@@ -95,15 +98,13 @@ def test_scan_is_fused_and_matches_eager(kwargs, detail, fresh_dynamo):
     check_fused(model, (x,), detail)
 
 
-import hecate.lowering  # noqa: E402,F401  registers the ops
 
-needs_linear_attention = pytest.mark.skipif(not hasattr(torch.ops.hecate, "linear_attention"),
-                                            reason="hecate.linear_attention is not registered on this branch")
 HEBBIAN = "Hebbian M ← α M + v φ(k)ᵀ"
 HEBBIAN_CASES = [
     (dict(alpha=None), False, 5, f"{HEBBIAN}; loop rolled up 5 steps"),
-    (dict(alpha=None, normalise=True), False, 1,
-     f"{HEBBIAN}, normalised by z ← α z + φ(k); loop rolled up 1 steps"),
+    # T = 1 without the normaliser: normalised, y_1 = v_1 s/(s + eps) does not depend on q, and
+    # the ~1e-8 q gradients are rounding that no relative tolerance can compare
+    (dict(alpha=None), False, 1, f"{HEBBIAN}; loop rolled up 1 steps"),
     (dict(alpha=1.0, normalise=True), False, 6,
      f"{HEBBIAN}, normalised by z ← α z + φ(k); loop rolled up 6 steps"),
     (dict(alpha=None, normalise=True), True, 5,
@@ -111,9 +112,8 @@ HEBBIAN_CASES = [
 ]
 
 
-@needs_linear_attention
 @pytest.mark.parametrize("kwargs,use_scan,T,detail", HEBBIAN_CASES,
-                         ids=["gated", "normalised-T1", "normalised-no-decay", "normalised-scan"])
+                         ids=["gated", "gated-T1", "normalised-no-decay", "normalised-scan"])
 def test_hebbian_is_fused_into_linear_attention(kwargs, use_scan, T, detail, fresh_dynamo):
     # elu+1 features (the default) keep z·φ(q) away from 0, so the normaliser is well conditioned
     model = HebbianMemory(11, n_heads=2, d_k=3, d_v=5, use_scan=use_scan, **kwargs)
@@ -248,8 +248,9 @@ def test_explain_lp_memory_example_names_the_steps(fresh_dynamo):
     model, args = EXAMPLES["lp_memory"]()
     report = hecate.explain(model, *args)
     assert report.count("memory_scan") == 1, str(report)
-    assert "rolled up 16 steps" in report.fusions[0].detail
-    assert "p=3" in report.fusions[0].detail
+    (scan,) = [f for f in report.fusions if f.pattern == "memory_scan"]
+    assert "rolled up 16 steps" in scan.detail
+    assert "p=3" in scan.detail
     assert "memory_scan" in str(report)
 
 
