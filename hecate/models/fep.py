@@ -590,9 +590,15 @@ class PureFEPTransformer(nn.Module):
         self.position_priors = nn.ModuleList(
             PositionPriors(config.max_seq_len, config.embed_dim) for _ in range(config.n_layers))
 
-    def forward(self, input_ids, target_ids=None, return_beliefs=False):
+    def forward(self, input_ids, target_ids=None, return_beliefs=False, return_logits=True,
+                reduction="mean"):
         """``(logits (B, N, V), loss or None)``; with ``return_beliefs`` also the
-        list of each layer's output beliefs ``(μ_q, σ_q)`` (what P-flow uses)."""
+        list of each layer's output beliefs ``(μ_q, σ_q)`` (what P-flow uses).
+
+        ``reduction`` is F.cross_entropy's ("mean", "sum" or "none": per token, (B·N,)).
+        ``return_logits=False`` puts None in the logits' place: training that only needs
+        the loss then never forms the (B, N, V) logits once compiled (decode and
+        cross-entropy fuse)."""
         config = self.config
         _check_token_ids("input_ids", input_ids, config.vocab_size, config.max_seq_len)
         if target_ids is not None:
@@ -617,7 +623,10 @@ class PureFEPTransformer(nn.Module):
 
         loss = None
         if target_ids is not None:
-            loss = F.cross_entropy(logits.view(-1, config.vocab_size), target_ids.reshape(-1))
+            loss = F.cross_entropy(logits.view(-1, config.vocab_size), target_ids.reshape(-1),
+                                   reduction=reduction)
+        if not return_logits:
+            logits = None
         if return_beliefs:
             return logits, loss, beliefs
         return logits, loss
@@ -637,16 +646,15 @@ class PureFEPTransformer(nn.Module):
         forward = self if forward is None else forward
         config = self.config
         optimizer.zero_grad(set_to_none=True)
-        logits, loss, beliefs = forward(input_ids, target_ids, return_beliefs=True)
+        _, token_loss, beliefs = forward(input_ids, target_ids, return_beliefs=True,
+                                         return_logits=False, reduction="none")
+        loss = token_loss.mean()
         loss.backward()
         optimizer.step()
 
         with torch.no_grad():
             B, N = input_ids.shape
-            per_position_loss = F.cross_entropy(
-                logits.detach().reshape(-1, config.vocab_size), target_ids.reshape(-1), reduction='none'
-            ).view(B, N)
-            errors = per_position_loss.mean(dim=0)  # (N,)
+            errors = token_loss.detach().view(B, N).mean(dim=0)  # per-position loss (N,)
             if config.lr_prior > 0:
                 for priors, (μ_q, σ_q) in zip(self.position_priors, beliefs):
                     μ_p_new, _ = p_flow(priors.mu[:N], priors.log_sigma[:N].exp(),

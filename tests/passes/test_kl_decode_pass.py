@@ -59,3 +59,24 @@ def test_a_temperature_that_is_a_tensor_is_left_unfused(fresh_dynamo):
     args = (*_inputs()[:4], torch.tensor(0.5))
     report = hecate.explain(fn, *args)
     assert report.fusions == []
+
+
+def test_fep_training_step_never_forms_the_logits(fresh_dynamo):
+    """train_step asks for the per-token loss only, so the final decode fuses with its cross-entropy."""
+    import copy
+
+    from hecate.models import EXAMPLES
+
+    model, (ids, targets) = EXAMPLES["pure_fep"]()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="hecate", options={"fallback": "eager"})
+    loss = model.train_step(ids, targets, torch.optim.SGD(model.parameters(), lr=0.1), forward=compiled)
+    report = hecate.last_report()
+    decode_ops = [f.op for f in report.fusions if f.pattern == "kl_decode"]
+    assert decode_ops.count("hecate.kl_decode_ce") == 1, str(report)
+    assert not any("cross_entropy" in m.reason for m in report.misses), str(report)
+
+    ref_loss = reference.train_step(ids, targets, torch.optim.SGD(reference.parameters(), lr=0.1))
+    assert_close("loss", loss, ref_loss, 1e-5)
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        assert_close(name, p, p_ref, 1e-5)
