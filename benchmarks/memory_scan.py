@@ -18,7 +18,6 @@ Writes results/memory_scan-<device>.json and a PNG beside it.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time

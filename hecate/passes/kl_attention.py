@@ -35,7 +35,6 @@ graph is left as is and the reason is reported.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 
 from hecate.compiler.report import FusionReport
-from hecate.passes.matching import Match, find_matches, pattern_graph
+from hecate.passes.matching import Match, find_matches, pattern_graph, restore_topological_order
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -661,7 +660,7 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, mu, var, kappa, caus
         _form_beta_for_escapes(graph, emit, algebra, mu, var, kappa, causal, mask_diagonal)
     for root in reversed(roots):
         graph.erase_node(root)
-    _reorder_topologically(graph)
+    restore_topological_order(graph)
 
 
 def _form_beta_for_escapes(graph, emit, algebra, mu, var, kappa, causal, mask_diagonal):
@@ -686,32 +685,6 @@ def _form_beta_for_escapes(graph, emit, algebra, mu, var, kappa, causal, mask_di
     formed = {algebra.beta: beta, algebra.kl: kl}
     for node, user in algebra.escapes:
         user.replace_input_with(node, formed[node])
-
-
-def _reorder_topologically(graph: fx.Graph) -> None:
-    """Move nodes (keeping them, unlike ``legalize_graph``, which copies) so inputs precede users.
-
-    The new nodes sit before the last sum they replace, and the users of an earlier sum
-    now read them; the other matches found in this graph still hold these node objects.
-    """
-    placed, order = set(), []
-    for start in list(graph.nodes):
-        stack = [(start, False)]
-        while stack:
-            node, inputs_placed = stack.pop()
-            if node in placed:
-                continue
-            if inputs_placed:
-                placed.add(node)
-                order.append(node)
-                continue
-            stack.append((node, True))
-            stack.extend((i, False) for i in node.all_input_nodes if i not in placed)
-    cursor = order[0]
-    for node in order[1:]:
-        if cursor.next is not node:
-            cursor.append(node)
-        cursor = node
 
 
 def _val(node):

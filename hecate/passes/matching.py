@@ -106,11 +106,11 @@ def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
     for node in sorted(match.nodes, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
-    _restore_topological_order(graph)  # users of an early output may sit before the new call
+    restore_topological_order(graph)  # users of an early output may sit before the new call
     return call
 
 
-def _restore_topological_order(graph: fx.Graph) -> None:
+def restore_topological_order(graph: fx.Graph) -> None:
     """Move nodes, in place, so every node follows its inputs; otherwise keep their order.
 
     In place (unlike ``legalize_graph``, which rebuilds the graph) so node objects a pass
