@@ -143,6 +143,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="T = 16, 64 only")
     parser.add_argument("--lengths", help="comma-separated T values (default 64,256,1024)")
+    parser.add_argument("--backends", default="hecate,inductor", help="comma-separated (default hecate,inductor)")
+    parser.add_argument("--forms", default="loop,scan", help="comma-separated (default loop,scan)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the runs already in the JSON file, replacing those measured again")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per compile (default 600)")
@@ -166,8 +168,8 @@ def main() -> None:
     else:
         lengths = [16, 64] if args.quick else [64, 256, 1024]
     runs = []
-    for form in ("loop", "scan"):
-        for backend in ("hecate", "inductor"):
+    for form in args.forms.split(","):
+        for backend in args.backends.split(","):
             gave_up = None
             for T in lengths:
                 if gave_up is not None:  # a longer T cannot finish sooner
