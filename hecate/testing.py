@@ -31,3 +31,104 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
 def poisoned(*shape: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
     """A NaN-filled tensor: any element a kernel forgets to write stays NaN."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+# --- compiling Triton kernels for a GPU that is not here -------------------------------------------------------
+# TRITON_INTERPRET=1 (how CI runs the kernels) accepts code the GPU compiler rejects, so tests also compile each
+# kernel to PTX. Triton reads TRITON_INTERPRET when it is imported: the compiling runs in a fresh python without it.
+
+def kernel_signature(kernel, constexprs: dict, types: dict[str, str]) -> dict[str, str]:
+    """The Triton signature of ``kernel`` (a ``@triton.jit`` function) for :func:`compile_for_gpu`:
+    ``"constexpr"`` for the names in ``constexprs``, ``types[name]`` ("*bf16", "*fp32", "i32", "fp32", ...) for
+    every other argument."""
+    names = list(kernel.arg_names)
+    unknown = sorted((set(constexprs) | set(types)) - set(names))
+    if unknown:
+        raise ValueError(f"kernel_signature: {kernel.__name__} has no arguments {unknown}; its arguments are {names}")
+    missing = [n for n in names if n not in constexprs and n not in types]
+    if missing:
+        raise ValueError(f"kernel_signature: arguments {missing} of {kernel.__name__} need a type or a constexpr value")
+    return {n: "constexpr" if n in constexprs else types[n] for n in names}
+
+
+def compile_for_gpu(kernel, signature: dict[str, str], constexprs: dict, arch: int = 90) -> str:
+    """Compile ``kernel`` for CUDA sm_``arch`` (no GPU needed) and return its PTX.
+
+    Pointer arguments are taken as 16-byte aligned, as Triton's launcher marks fresh torch allocations.
+    Raises when this process imported triton under ``TRITON_INTERPRET=1`` (see :func:`compile_for_gpu_in_subprocess`).
+    """
+    import os
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_for_gpu: TRITON_INTERPRET is set; compile in a process without it "
+                           "(compile_for_gpu_in_subprocess)")
+    names = list(kernel.arg_names)
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
+    source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                       attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+
+
+def compile_for_gpu_in_subprocess(jobs: dict[str, tuple[object, dict[str, str], dict]], arch: int = 90,
+                                  timeout: float = 600) -> dict[str, str | None]:
+    """Run :func:`compile_for_gpu` for each job ``{name: (kernel, signature, constexprs)}`` (kernels defined at
+    module level, imported again there) in a fresh python without ``TRITON_INTERPRET``. Returns ``{name: None}``
+    where the PTX holds the kernel's entry, else ``{name: the error}``; one failing kernel does not stop the others."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    by_path = {name: (f"{kernel.fn.__module__}:{kernel.fn.__name__}", signature, constexprs)
+               for name, (kernel, signature, constexprs) in jobs.items()}
+    done = subprocess.run([sys.executable, "-m", "hecate.testing", str(arch)], input=json.dumps(by_path), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULTS)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"compile_for_gpu_in_subprocess: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len(_RESULTS):])
+
+
+_RESULTS = "compile_for_gpu results: "
+
+
+def _compile_job(job: tuple[str, dict[str, str], dict], arch: int) -> str | None:
+    import importlib
+    import traceback
+
+    where, signature, constexprs = job
+    module, attr = where.split(":")
+    kernel = getattr(importlib.import_module(module), attr)
+    try:
+        ptx = compile_for_gpu(kernel, signature, constexprs, arch)
+    except Exception:  # noqa: BLE001 - reported per kernel to the test that asked
+        return traceback.format_exc()[-3000:]
+    return None if f".entry {attr}" in ptx else f"no .entry {attr} in the PTX"
+
+
+def _compile_jobs_from_stdin(arch: int) -> None:
+    """The subprocess of :func:`compile_for_gpu_in_subprocess`: compiles the jobs on every core (forked workers)."""
+    import functools
+    import json
+    import multiprocessing
+    import os
+    import sys
+
+    jobs = json.load(sys.stdin)
+    workers = max(1, min(len(jobs), len(os.sched_getaffinity(0))))
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        errors = pool.map(functools.partial(_compile_job, arch=arch), list(jobs.values()), chunksize=1)
+    print(_RESULTS + json.dumps(dict(zip(jobs, errors))))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _compile_jobs_from_stdin(int(sys.argv[1]))

@@ -9,7 +9,7 @@ import hecate.lowering  # noqa: F401
 from hecate.lowering.dispatch import triton_on_cpu
 from hecate.lowering.memory_scan import kernels
 from hecate.lowering.memory_scan.naive import memory_scan_naive
-from hecate.testing import assert_close
+from hecate.testing import assert_close, compile_for_gpu_in_subprocess, kernel_signature
 
 from memory_scan_cases import CASES, GRAD_NAMES, Case, grads_of, make_inputs
 
@@ -118,58 +118,33 @@ def test_cuda_matches_reference(case, dtype):
         assert_close(name, g.cpu(), g_ref, tol)
 
 
-_COMPILE_FOR_SM90 = r'''
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hecate.lowering.memory_scan import kernels as K
-
-FLOATS = {"p", "a", "eps", "momentum", "q_norm"}
-INPUTS = {"k", "v", "q", "y", "dy", "dv"}
+# memory_scan's argument types as the launcher passes them with bf16 inputs (the state and its gradients fp32)
+_SCALAR_TYPES = {"T": "i32", "ROWS": "i32", "p": "fp32", "a": "fp32", "eps": "fp32", "momentum": "fp32",
+                 "q_norm": "fp32", "cu_seqlens": "*i32"}
+_BF16_INPUTS = {"k", "v", "q", "y", "dy", "dv"}
 
 
-def compile_for_sm90(fn, constexprs):
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in ("T", "ROWS"):
-            signature[name] = "i32"
-        elif name in FLOATS:
-            signature[name] = "fp32"
-        elif name == "cu_seqlens":
-            signature[name] = "*i32"
-        else:
-            signature[name] = "*bf16" if name in INPUTS else "*fp32"
-    src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-
-
-# every constexpr branch once: general p + momentum + packed; p = 1 + MONETA; p = 2 + Hebbian
-for p_mode, momentum, lq, varlen, hebbian in [(0, True, False, True, False), (1, False, True, False, False),
-                                              (2, False, False, False, True)]:
-    common = dict(H=4, DK=64, DV=64, BK=64, CHUNK=32, P_MODE=p_mode, USE_MOMENTUM=momentum, LQ=lq,
-                  VARLEN=varlen, HEBBIAN=hebbian)
-    fwd = compile_for_sm90(K.memory_scan_fwd_kernel, dict(common, BV=64 if lq else 32, HAS_M0=True, STORE_Y=True,
-                                                           STORE_FINAL=True, STORE_CKPT=True))
-    bwd = compile_for_sm90(K.memory_scan_bwd_kernel, dict(common, BV=64 if lq else 16))
-    assert ".entry memory_scan_fwd_kernel" in fwd and ".entry memory_scan_bwd_kernel" in bwd
-print("compiled")
-'''
+def _memory_scan_types(kernel, constexprs):
+    return {n: _SCALAR_TYPES.get(n, "*bf16" if n in _BF16_INPUTS else "*fp32")
+            for n in kernel.arg_names if n not in constexprs}
 
 
 def test_kernels_compile_for_a_gpu_without_one():
-    """The interpreter accepts code the GPU compiler rejects: compile both kernels to PTX for sm_90."""
-    import os
-    import subprocess
-    import sys
-
+    """The interpreter accepts code the GPU compiler rejects: compile both kernels to PTX for sm_90, each
+    constexpr branch once: general p + momentum + packed; p = 1 + MONETA; p = 2 + Hebbian."""
     try:
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
         pytest.skip("triton has no NVIDIA backend here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    jobs = {}
+    for p_mode, momentum, lq, varlen, hebbian in [(0, True, False, True, False), (1, False, True, False, False),
+                                                  (2, False, False, False, True)]:
+        common = dict(H=4, DK=64, DV=64, BK=64, CHUNK=32, P_MODE=p_mode, USE_MOMENTUM=momentum, LQ=lq,
+                      VARLEN=varlen, HEBBIAN=hebbian)
+        fwd = dict(common, BV=64 if lq else 32, HAS_M0=True, STORE_Y=True, STORE_FINAL=True, STORE_CKPT=True)
+        bwd = dict(common, BV=64 if lq else 16)
+        for kernel, constexprs in [(kernels.memory_scan_fwd_kernel, fwd), (kernels.memory_scan_bwd_kernel, bwd)]:
+            signature = kernel_signature(kernel, constexprs, _memory_scan_types(kernel, constexprs))
+            jobs[f"{kernel.fn.__name__} P_MODE={p_mode}"] = (kernel, signature, constexprs)
+    errors = {name: error for name, error in compile_for_gpu_in_subprocess(jobs, arch=90).items() if error}
+    assert not errors, "\n".join(f"{name}:\n{error}" for name, error in errors.items())

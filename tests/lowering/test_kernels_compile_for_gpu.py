@@ -1,0 +1,144 @@
+"""Every Triton kernel of qk_preprocess, kl_attention and kl_decode compiles to PTX for sm_90.
+
+CI runs the kernels only under TRITON_INTERPRET=1, which accepts code the GPU compiler rejects. Each case
+below is one kernel with one set of constexprs as its launcher passes them on a GPU (block sizes of the
+non-interpreted path, bf16 or fp32 pointers as the op allocates them); together the cases take every
+constexpr branch at least once. (linear_attention runs memory_scan's kernels, compiled in
+tests/lowering/memory_scan/test_memory_scan_kernels.py.) All cases compile in one subprocess.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hecate.lowering.kl_attention import kernels as kl_attention_kernels
+from hecate.lowering.kl_decode import kernels as kl_decode_kernels
+from hecate.lowering.qk_preprocess import kernels as qk_kernels
+from hecate.testing import compile_for_gpu_in_subprocess, kernel_signature
+
+# --- qk_preprocess: kernels._blocks(K) off the interpreter gives BLOCK_T = max(64, 2^⌈log2(4(K-1)+1)⌉),
+# BLOCK_D = 64, BLOCK_K = 32; matrix φ: BLOCK_D = 2^⌈log2 Dh⌉, BLOCK_P = min(64, 2^⌈log2 d_phi⌉), else 16.
+# Every tensor pointer has x's dtype except the backward's fp32 partial sums; INPUT_PRECISION is "tf32"
+# unless x is fp32 with TF32 off ("ieee").
+QK_SCALARS = dict(T="i32", D="i32", D_in="i32", CH="i32", d_phi="i32", out_width="i32", phi_scalar="fp32",
+                  feature_scale="fp32")
+QK_FLOAT_PARTIALS = ("dcw_partial_ptr", "dcb_partial_ptr", "dphi_partial_ptr", "dphib_partial_ptr")
+
+
+def _qk_types(kernel, x_dtype: str) -> dict[str, str]:
+    return {n: ("*fp32" if n in QK_FLOAT_PARTIALS else f"*{x_dtype}") for n in kernel.arg_names if n.endswith("_ptr")} \
+        | QK_SCALARS
+
+
+def _qk_flags(proj, proj_bias, conv_bias, activation, phi):
+    return dict(HAS_PROJ=proj, HAS_PROJ_BIAS=proj_bias, HAS_CONV_BIAS=conv_bias,
+                ACTIVATION=qk_kernels.ACTIVATION_CODES[activation], PHI=qk_kernels.PHI_CODES[phi])
+
+
+def _qk_blocks(K, dtype, head_dim=None, d_phi=None):
+    block_d = 64 if head_dim is None else max(16, 1 << (head_dim - 1).bit_length())
+    block_p = 16 if d_phi is None else min(64, max(16, 1 << (d_phi - 1).bit_length()))
+    return dict(K=K, BLOCK_T=max(64, 1 << (4 * (K - 1)).bit_length()), BLOCK_D=block_d, BLOCK_K=32,
+                BLOCK_P=block_p, INPUT_PRECISION="tf32" if dtype == "bf16" else "ieee")
+
+
+# (name, flags, blocks, x dtype): each φ kind once, the other flags varied across them
+QK_SETTINGS = [
+    ("elu1_proj_silu_bf16", _qk_flags(True, True, True, "silu", "elu1"), _qk_blocks(4, "bf16"), "bf16"),
+    ("identity_fp32", _qk_flags(False, False, False, "none", "identity"), _qk_blocks(4, "fp32"), "fp32"),
+    ("relu_proj_nobias_bf16", _qk_flags(True, False, True, "silu", "relu"), _qk_blocks(3, "bf16"), "bf16"),
+    ("relu2_proj_fp32", _qk_flags(True, True, True, "none", "relu2"), _qk_blocks(4, "fp32"), "fp32"),
+    ("exp_proj_bf16", _qk_flags(True, True, False, "silu", "exp"), _qk_blocks(4, "bf16"), "bf16"),
+    ("linear_phi_bf16", _qk_flags(True, False, True, "silu", "linear"), _qk_blocks(4, "bf16", 64, 64), "bf16"),
+    ("random_fourier_bf16", _qk_flags(False, False, True, "none", "random_fourier"),
+     _qk_blocks(4, "bf16", 24, 32), "bf16"),
+    ("performer_bf16", _qk_flags(True, True, True, "silu", "performer"), _qk_blocks(4, "bf16", 64, 32), "bf16"),
+]
+
+
+def _qk_writes(phi: str, index: int) -> dict:
+    """Which backward outputs a case writes: all the op has, except every third case drops dconv."""
+    matrix = phi in ("linear", "random_fourier", "performer")
+    return dict(WRITE_DU=True, WRITE_DCW=index % 3 != 1, WRITE_DCB=index % 3 != 1, WRITE_DPHI=matrix,
+                WRITE_DPHIB=phi == "random_fourier")
+
+
+CASES = {}
+for i, (name, flags, blocks, x_dtype) in enumerate(QK_SETTINGS):
+    phi = next(k for k, v in qk_kernels.PHI_CODES.items() if v == flags["PHI"])
+    CASES[f"qk_preprocess_forward-{name}"] = (
+        qk_kernels._forward_kernel, _qk_types(qk_kernels._forward_kernel, x_dtype), flags | blocks)
+    CASES[f"qk_preprocess_backward_conv-{name}"] = (
+        qk_kernels._backward_conv_kernel, _qk_types(qk_kernels._backward_conv_kernel, x_dtype),
+        flags | _qk_writes(phi, i) | blocks)
+
+# --- kl_attention (op.py): features a, b, c, d and everything the backward allocates are fp32; row values
+# and the forward's outputs have mu's dtype (bf16 here). BLOCK_* = max(16, 2^⌈log2 width⌉); tiles (_tiles)
+# 64×64 in the forward when every width <= 64, 32×32 in the backward or when wider, 16×16 from width 256.
+# FEP widths for K: D2 = 2K, DV = 3K+1, column pass 2(3K+1).
+KL_SCALARS = dict(N="i32", D2="i32", DV="i32", DW="i32", neg_inv_kappa="fp32")
+# the forward writes its outputs (lse included) in mu's dtype; the backward gets lse back as fp32
+KL_FORWARD_BF16 = {"rv_ptr", "row_ptr", "row_kl_ptr", "energy_ptr", "lse_ptr", "col_ptr", "col_kl_ptr"}
+KL_BACKWARD_BF16 = {"rv_ptr", "grad_rv_ptr"}
+
+
+def _kl_types(kernel, bf16: set[str]) -> dict[str, str]:
+    return {n: ("*bf16" if n in bf16 else "*fp32") for n in kernel.arg_names if n.endswith("_ptr")} | \
+        {n: t for n, t in KL_SCALARS.items() if n in kernel.arg_names}
+
+
+KA = kl_attention_kernels
+for masks, tiles, widths, tag in [
+        (dict(CAUSAL=True, MASK_DIAGONAL=True), (64, 64), dict(BLOCK_D=16, BLOCK_V=32, BLOCK_W=64), "causal_K8"),
+        (dict(CAUSAL=False, MASK_DIAGONAL=False), (32, 32), dict(BLOCK_D=32, BLOCK_V=64, BLOCK_W=128), "full_K16")]:
+    blocks = dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1], BLOCK_D=widths["BLOCK_D"])
+    has_values = tag.startswith("causal")  # the full case runs without row values (HAS_V = False, BLOCK_V = 16)
+    CASES[f"kl_attention_fwd_rows-{tag}"] = (
+        KA._fwd_rows, _kl_types(KA._fwd_rows, KL_FORWARD_BF16 if has_values else KL_FORWARD_BF16 - {"rv_ptr"}),
+        masks | blocks | dict(HAS_V=has_values, BLOCK_V=widths["BLOCK_V"] if has_values else 16))
+    CASES[f"kl_attention_fwd_cols-{tag}"] = (KA._fwd_cols, _kl_types(KA._fwd_cols, KL_FORWARD_BF16),
+                                             masks | blocks | dict(BLOCK_W=widths["BLOCK_W"]))
+    backward_blocks = blocks | dict(BLOCK_M=32, BLOCK_N=32)
+    CASES[f"kl_attention_bwd_col_values-{tag}"] = (KA._bwd_col_values, _kl_types(KA._bwd_col_values, set()),
+                                                   masks | backward_blocks | dict(BLOCK_W=widths["BLOCK_W"]))
+    # with values and columns (bf16 row values), then with neither (their pointers are the fp32 features)
+    values = (dict(HAS_V=True, HAS_W=True, BLOCK_V=widths["BLOCK_V"], BLOCK_W=widths["BLOCK_W"]) if has_values
+              else dict(HAS_V=False, HAS_W=False, BLOCK_V=16, BLOCK_W=16))
+    bf16 = KL_BACKWARD_BF16 if has_values else set()
+    for kernel in (KA._bwd_rows, KA._bwd_cols):
+        CASES[f"kl_attention{kernel.fn.__name__}-{tag}"] = (kernel, _kl_types(kernel, bf16),
+                                                            masks | backward_blocks | values)
+
+# --- kl_decode (op.py): features fp32, targets int64, loss/lse/logits in mu's dtype (bf16), the backward's
+# lse and grads fp32; tiles 64×64, BLOCK_D = max(16, 2^⌈log2 2K⌉) (K = 16 here).
+KD = kl_decode_kernels
+DECODE_TILES = dict(BLOCK_M=64, BLOCK_V=64, BLOCK_D=32)
+DECODE_SCALARS = dict(M="i32", V="i32", D2="i32", neg_inv_tau="fp32", ignore_index="i32")
+
+
+def _decode_types(kernel, bf16: set[str]) -> dict[str, str]:
+    types = {n: ("*bf16" if n in bf16 else "*i64" if n == "t_ptr" else "*fp32")
+             for n in kernel.arg_names if n.endswith("_ptr")}
+    return types | {n: t for n, t in DECODE_SCALARS.items() if n in kernel.arg_names}
+
+
+CASES["kl_decode_logits"] = (KD._logits, _decode_types(KD._logits, {"z_ptr"}), DECODE_TILES)
+CASES["kl_decode_ce_fwd"] = (KD._ce_fwd, _decode_types(KD._ce_fwd, {"loss_ptr", "lse_ptr"}), DECODE_TILES)
+CASES["kl_decode_ce_bwd_rows"] = (KD._ce_bwd_rows, _decode_types(KD._ce_bwd_rows, set()), DECODE_TILES)
+CASES["kl_decode_ce_bwd_cols"] = (KD._ce_bwd_cols, _decode_types(KD._ce_bwd_cols, set()), DECODE_TILES)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("triton has no NVIDIA backend here")
+    jobs = {name: (kernel, kernel_signature(kernel, constexprs, types), constexprs)
+            for name, (kernel, types, constexprs) in CASES.items()}
+    return compile_for_gpu_in_subprocess(jobs, arch=90)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_compiles_for_sm90(case, compiled):
+    assert compiled[case] is None, f"{case} does not compile for sm_90:\n{compiled[case]}"
