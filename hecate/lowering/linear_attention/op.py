@@ -32,18 +32,13 @@ from torch import Tensor
 
 from hecate.lowering.dispatch import use_triton
 from hecate.lowering.memory_scan import cpu
+from hecate.lowering.memory_scan.op import check_kvq_shapes
 
 
 def check_inputs(k, v, q, alpha, m0, z0, normalize, eps, causal) -> None:
     """Shape and argument checks (no data reads: also run at trace time)."""
-    if k.dim() != 4:
-        raise ValueError(f"linear_attention: k must be [B, T, H, Dk], got shape {tuple(k.shape)}")
+    check_kvq_shapes("linear_attention", k, v, q)
     B, T, H, Dk = k.shape
-    if q.shape != k.shape:
-        raise ValueError(f"linear_attention: q shape {tuple(q.shape)} must equal k shape {tuple(k.shape)}")
-    if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"linear_attention: v shape {tuple(v.shape)} must be [B, T, H, Dv] with B, T, H of "
-                         f"k shape {tuple(k.shape)}")
     if v.dtype != k.dtype or q.dtype != k.dtype or not k.is_floating_point():
         raise TypeError(f"linear_attention: k, v and q must share one floating dtype, got k {k.dtype}, "
                         f"v {v.dtype}, q {q.dtype}")

@@ -48,6 +48,17 @@ def _state_dtype(k: Tensor) -> torch.dtype:
     return torch.float64 if k.dtype == torch.float64 else torch.float32
 
 
+def check_kvq_shapes(op: str, k: Tensor, v: Tensor, q: Tensor) -> None:
+    """k, q [B, T, H, Dk] and v [B, T, H, Dv] (shared with linear_attention)."""
+    if k.dim() != 4:
+        raise ValueError(f"{op}: k must be [B, T, H, Dk], got shape {tuple(k.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"{op}: q shape {tuple(q.shape)} must equal k shape {tuple(k.shape)} ([B, T, H, Dk])")
+    if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"{op}: v shape {tuple(v.shape)} must be [B, T, H, Dv] with B, T, H of "
+                         f"k shape {tuple(k.shape)}")
+
+
 def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm) -> None:
     """Shape, dtype and scalar checks (no data reads: also run at trace time)."""
     if not (isinstance(p, (int, float)) and p >= 1.0 and math.isfinite(p)):
@@ -60,14 +71,8 @@ def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_nor
         raise ValueError(f"memory_scan: eps must be finite and > 0, got {eps!r}")
     if not math.isfinite(momentum):
         raise ValueError(f"memory_scan: momentum must be finite, got {momentum!r}")
-    if k.dim() != 4:
-        raise ValueError(f"memory_scan: k must be [B, T, H, Dk], got shape {tuple(k.shape)}")
+    check_kvq_shapes("memory_scan", k, v, q)
     B, T, H, Dk = k.shape
-    if q.shape != k.shape:
-        raise ValueError(f"memory_scan: q shape {tuple(q.shape)} must equal k shape {tuple(k.shape)} ([B, T, H, Dk])")
-    if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"memory_scan: v shape {tuple(v.shape)} must be [B, T, H, Dv] with B, T, H of "
-                         f"k shape {tuple(k.shape)}")
     for name, gate in (("alpha", alpha), ("eta", eta)):
         if gate.shape != k.shape[:3]:
             raise ValueError(f"memory_scan: {name} shape {tuple(gate.shape)} must be [B, T, H] = "
