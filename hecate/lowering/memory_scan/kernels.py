@@ -102,6 +102,29 @@ def _lq_normalize_vjp(A, dW, q_norm, eps):
 
 
 @triton.jit
+def _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum,
+                 P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, HEBBIAN: tl.constexpr):
+    """One token's update of the state tile A [BV, BK] (and momentum S), reading the memory W.
+
+    U = g kᵀ with g the l_p bias gradient of e = W k − v (Hebbian: g = −v, W not read);
+    A ← (1 − α) A − η U, or with momentum S ← β S − η U, A ← (1 − α) A + S.
+    The forward and the backward's recomputation share it, so they cannot drift apart.
+    """
+    if HEBBIAN:
+        g = -v_t
+    else:
+        e = tl.sum(W * k_t[None, :], 1) - v_t  # [BV]
+        g = _bias_grad(e, p, a, eps, P_MODE)
+    U = g[:, None] * k_t[None, :]
+    if USE_MOMENTUM:
+        S = momentum * S - eta_t * U
+        A = (1.0 - a_t) * A + S
+    else:
+        A = (1.0 - a_t) * A - eta_t * U
+    return A, S
+
+
+@triton.jit
 def _sequence(cu_seqlens, i_n, T, CHUNK: tl.constexpr, VARLEN: tl.constexpr):
     # (first row, length, first checkpoint slot) of sequence i_n
     if VARLEN:
@@ -151,17 +174,7 @@ def memory_scan_fwd_kernel(
         v_t = tl.load(v + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
         a_t = tl.load(alpha + row).to(tl.float32)
         eta_t = tl.load(eta + row).to(tl.float32)
-        if HEBBIAN:  # linear attention: U = −v kᵀ, the memory is not read
-            g = -v_t
-        else:
-            e = tl.sum(W * k_t[None, :], 1) - v_t  # [BV]
-            g = _bias_grad(e, p, a, eps, P_MODE)
-        U = g[:, None] * k_t[None, :]
-        if USE_MOMENTUM:
-            S = momentum * S - eta_t * U
-            A = (1.0 - a_t) * A + S
-        else:
-            A = (1.0 - a_t) * A - eta_t * U
+        A, S = _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, P_MODE, USE_MOMENTUM, HEBBIAN)
         W = _lq_normalize(A, q_norm, eps, LQ)
         if STORE_Y:
             q_t = tl.load(q + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -220,17 +233,8 @@ def memory_scan_bwd_kernel(
             v_t = tl.load(v + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
             a_t = tl.load(alpha + row).to(tl.float32)
             eta_t = tl.load(eta + row).to(tl.float32)
-            if HEBBIAN:
-                g = -v_t
-            else:
-                e = tl.sum(_lq_normalize(A, q_norm, eps, LQ) * k_t[None, :], 1) - v_t
-                g = _bias_grad(e, p, a, eps, P_MODE)
-            U = g[:, None] * k_t[None, :]
-            if USE_MOMENTUM:
-                S = momentum * S - eta_t * U
-                A = (1.0 - a_t) * A + S
-            else:
-                A = (1.0 - a_t) * A - eta_t * U
+            A, S = _memory_step(A, S, _lq_normalize(A, q_norm, eps, LQ), k_t, v_t, a_t, eta_t, p, a, eps,
+                                momentum, P_MODE, USE_MOMENTUM, HEBBIAN)
         A_post = A
         # walk it backwards
         for jj in range(0, seg):
