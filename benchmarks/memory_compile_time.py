@@ -1,7 +1,8 @@
 """Compile time of an l_p memory layer written as a per-token loop (and as ``scan``), vs T.
 
-Dynamo unrolls the loop into T copies of the step. Hecate rolls the copies up into one
-``memory_scan`` op, so what it hands to Inductor no longer grows with T; Inductor on
+Dynamo unrolls the loop into T copies of the step. Hecate rolls the copies back up into
+a scan before re-tracing (hecate.compiler.loops) and fuses it into one ``memory_scan`` op,
+so what it re-traces, matches and hands to Inductor no longer grows with T; Inductor on
 the same model compiles all T copies. Each measurement runs in a fresh subprocess with
 a time limit (a run past it is recorded as "did not finish in N s").
 
@@ -12,7 +13,8 @@ Per run (model ``LpMemory(32, n_heads=2, d_k=d_v=8, p=3, data-dependent gates)``
               and is in compile_s only)
   dynamo_s    first forward minus backend_s minus a warm forward: Dynamo tracing the
               Python loop (grows with T for every backend)
-  canonicalize_s, passes_s (Hecate only): the parts of backend_s
+  roll_s, canonicalize_s, passes_s (Hecate only): parts of backend_s (rolling the loop up,
+              re-tracing to ATen, the passes; the rest is Inductor)
   warm_ms     a warm forward + backward
 
 ``python3 benchmarks/memory_compile_time.py [--quick] [--timeout S]``
@@ -42,7 +44,7 @@ def worker(backend: str, T: int, use_scan: bool) -> dict:
     torch.manual_seed(0)
     model = LpMemory(32, n_heads=2, d_k=8, d_v=8, p=3.0, alpha=None, eta=None, use_scan=use_scan)
     x = torch.randn(2, T, 32, requires_grad=True)
-    timings = {"backend_s": 0.0, "canonicalize_s": 0.0, "passes_s": 0.0}
+    timings = {"backend_s": 0.0, "roll_s": 0.0, "canonicalize_s": 0.0, "passes_s": 0.0}
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -55,9 +57,11 @@ def worker(backend: str, T: int, use_scan: bool) -> dict:
 
     if backend == "hecate":
         import hecate.compiler.backend as hb
+        import hecate.compiler.pipeline as pipeline
 
-        hb.canonicalize = timed("canonicalize_s", hb.canonicalize)
-        hb.run_passes = timed("passes_s", hb.run_passes)
+        pipeline.roll_loops = timed("roll_s", pipeline.roll_loops)
+        pipeline.canonicalize = timed("canonicalize_s", pipeline.canonicalize)
+        pipeline.run_passes = timed("passes_s", pipeline.run_passes)
         inner = timed("backend_s", lambda gm, ex: hb.hecate_backend(gm, ex, options={"fallback": "inductor"}))
     elif backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
@@ -87,7 +91,7 @@ def worker(backend: str, T: int, use_scan: bool) -> dict:
         import hecate
 
         report = hecate.last_report()
-        result.update(canonicalize_s=timings["canonicalize_s"], passes_s=timings["passes_s"],
+        result.update(roll_s=timings["roll_s"], canonicalize_s=timings["canonicalize_s"], passes_s=timings["passes_s"],
                       fused=[f.detail for f in report.fusions], missed=[m.reason for m in report.misses])
     eager = min(_time(lambda: model(x)[0].square().sum().backward()) for _ in range(2))
     result["eager_ms"] = eager * 1e3

@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from hecate.compiler.options import Options, parse_options
-from hecate.compiler.pipeline import canonicalize, run_passes
+from hecate.compiler.pipeline import fuse
 from hecate.compiler.report import FusionReport
 
 # One report per graph compiled in this process, newest last (see last_report()).
@@ -29,8 +29,7 @@ def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
     import hecate.lowering  # noqa: F401  registers torch.ops.hecate.*
 
     opts = parse_options(options)
-    report = FusionReport(graphs=1)
-    aten_gm = run_passes(canonicalize(gm, example_inputs), opts, report)
+    aten_gm, report = fuse(gm, example_inputs, opts)
     _REPORTS.append(report)
     if opts.print_report:
         print(report)

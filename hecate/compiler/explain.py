@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hecate.compiler.options import parse_options
-from hecate.compiler.pipeline import canonicalize, run_passes
+from hecate.compiler.pipeline import fuse
 from hecate.compiler.report import FusionReport
 
 
@@ -28,9 +28,7 @@ def explain(model_or_fn: Callable, *args: Any, options: Mapping[str, Any] | None
     report = FusionReport()
 
     def recording_backend(gm, example_inputs):
-        graph_report = FusionReport(graphs=1)
-        run_passes(canonicalize(gm, example_inputs), opts, graph_report)
-        report.extend(graph_report)
+        report.extend(fuse(gm, example_inputs, opts)[1])
         return gm.forward  # the unfused graph, run eagerly
 
     torch._dynamo.reset()

@@ -1,12 +1,17 @@
 """The pipeline every captured graph goes through.
 
 Dynamo graph (torch-level, many spellings)
+  → roll the loops Dynamo unrolled back up into scans (:mod:`hecate.compiler.loops`), so
+    what follows sees a loop body once, not T times
   → canonicalise: re-trace to the pre-autograd ATen graph (``make_fx(pre_dispatch=True)``),
     so ``nn.Linear``/``F.linear`` both read ``aten.linear``, ``x.transpose``/``torch.transpose``
     both read ``aten.transpose``, and composite ops such as ``aten.linear`` are kept whole
   → the enabled passes, in registration order, each replacing its subgraphs by one
     ``torch.ops.hecate.*`` call and writing fusions and near-misses into the report
   → the fallback compiler (Inductor or eager) for everything that is left.
+
+A rolled loop that no pass fuses would reach the fallback as a scan, which Inductor cannot
+compile on CPU; such a graph is run through the pipeline again unrolled, as Dynamo gave it.
 
 Substitution happens before autograd, so a fused op's backward is its own fused backward.
 """
@@ -22,8 +27,12 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from hecate.compiler.loops import RolledGraph, roll_loops
 from hecate.compiler.options import Options
 from hecate.compiler.report import FusionReport
+
+# the passes that fuse a scan; rolling loops up serves no other
+_SCAN_PASSES = ("memory_scan", "linear_attention")
 
 _graph_counter = itertools.count()
 
@@ -39,6 +48,31 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> 
         fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
                        for x in example_inputs]
         return make_fx(gm, pre_dispatch=True)(*fake_inputs)
+
+
+def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
+         options: Options) -> tuple[fx.GraphModule, FusionReport]:
+    """Dynamo's graph → the ATen graph with Hecate's ops in it, and what was fused and why."""
+    rolled = roll_loops(gm) if any(p in options.patterns for p in _SCAN_PASSES) else None
+    report = FusionReport(graphs=1)
+    if rolled is not None:
+        try:
+            aten_gm = canonicalize(rolled.gm, example_inputs)
+            rolled.mark(aten_gm)
+        except Exception as e:  # e.g. a body torch's scan rejects; the unrolled graph is always valid
+            report.add_miss("loops", f"rolled-up loop(s) of {rolled.steps} steps could not be traced "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                            "compiled unrolled", "")
+        else:
+            rolled_report = FusionReport(graphs=1)
+            run_passes(aten_gm, options, rolled_report)
+            unfused = RolledGraph.unfused(aten_gm)
+            if not unfused:
+                return aten_gm, rolled_report
+            for steps, ops in unfused:
+                report.add_miss("loops", f"a Python loop of {steps} steps is not a step any pass fuses "
+                                f"(its body calls {', '.join(ops)}); compiled unrolled", "")
+    return run_passes(canonicalize(gm, example_inputs), options, report), report
 
 
 def run_passes(gm: fx.GraphModule, options: Options, report: FusionReport,

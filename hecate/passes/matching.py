@@ -78,6 +78,52 @@ def val(node: Any) -> Any:
     return node.meta["val"] if isinstance(node, fx.Node) else node
 
 
+def flat_args(node: fx.Node) -> list[Any]:
+    """A node's positional arguments, then its keyword arguments by name."""
+    return list(node.args) + [node.kwargs[k] for k in sorted(node.kwargs)]
+
+
+def literal_slots(pattern: fx.Graph, roles: dict[float, str] | None = None) -> list[tuple[fx.Node, int, str | None, Any]]:
+    """``(pattern node, argument index, role, value)`` of every literal in the pattern.
+
+    ``roles`` names the literals that are parameters (traced with distinctive values, e.g.
+    ``{2.75: "p"}``); every other literal is structural and must match (:func:`same_literal`).
+    """
+    roles = roles or {}
+    slots = []
+    for pn in pattern.nodes:
+        if pn.op != "call_function":
+            continue
+        for i, value in enumerate(flat_args(pn)):
+            if not isinstance(value, fx.Node):
+                slots.append((pn, i, roles.get(value) if isinstance(value, float) else None, value))
+    return slots
+
+
+# ops whose argument 1 is a dim (or dims), and how much rank the dim is counted against adds
+_DIM_OPS = {torch.ops.aten.unsqueeze.default: 1, torch.ops.aten.squeeze.dim: 0, torch.ops.aten.sum.dim_IntList: 0,
+            torch.ops.aten.cumsum.default: 0, torch.ops.aten.select.int: 0}
+
+
+def same_literal(pn: fx.Node, gn: fx.Node, i: int, expected: Any, got: Any) -> bool:
+    """Whether literal ``i`` of graph node ``gn`` means what ``expected`` means in pattern node ``pn``.
+
+    Equal values match (ints and floats alike); a dim written negative in one and positive in
+    the other matches too (-1 and 3 on a rank-4 tensor).
+    """
+    if expected == got and (type(expected) is type(got) or _is_number(expected) and _is_number(got)):
+        return True
+    if pn.target in _DIM_OPS and i == 1:
+        rank = gn.args[0].meta["val"].dim() + _DIM_OPS[pn.target]
+        norm = lambda d: [x % rank for x in (d if isinstance(d, (list, tuple)) else [d])]  # noqa: E731
+        return norm(expected) == norm(got)
+    return False
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
                     args: Sequence[Any], outputs: Sequence[int | None] | None = None) -> fx.Node:
     """Replace the matched subgraph by one call ``op(*args)``.

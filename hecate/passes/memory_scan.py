@@ -37,7 +37,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 
 from hecate.compiler.report import FusionReport
-from hecate.passes.matching import Match, pattern_graph
+from hecate.passes.matching import Match, flat_args, literal_slots, pattern_graph, same_literal
 
 aten = torch.ops.aten
 
@@ -160,25 +160,9 @@ def _variants(op: str | None = None) -> list[_Variant]:
         variants.append(_Variant("hebbian", "hebbian", pattern_graph(_hebbian_step, M, k, v, q, alpha),
                                  ("M",), _HEBBIAN_ROLES))
         for variant in variants:
-            variant.literal_slots = _literal_slots(variant.pattern)
+            variant.literal_slots = literal_slots(variant.pattern, _SENTINELS)
         _VARIANTS = variants
     return [v for v in _VARIANTS if op is None or v.op == op]
-
-
-def _literal_slots(pattern: fx.Graph) -> list[tuple[fx.Node, int, str | None, Any]]:
-    slots = []
-    for pn in pattern.nodes:
-        if pn.op != "call_function":
-            continue
-        for i, value in enumerate(_flat_args(pn)):
-            if not isinstance(value, fx.Node):
-                role = _SENTINELS.get(value) if isinstance(value, float) else None
-                slots.append((pn, i, role, value))
-    return slots
-
-
-def _flat_args(node: fx.Node) -> list[Any]:
-    return list(node.args) + [node.kwargs[k] for k in sorted(node.kwargs)]
 
 
 # ---------------------------------------------------------------- finding the steps
@@ -229,7 +213,7 @@ def _find_steps(graph: fx.Graph, variant: _Variant) -> list[_Step]:
         claimed |= nodes
         inputs, outputs = match.inputs, match.outputs
         n = variant.n_state
-        literals = [_flat_args(internal.nodes_map[pn])[i] for pn, i, _, _ in variant.literal_slots]
+        literals = [flat_args(internal.nodes_map[pn])[i] for pn, i, _, _ in variant.literal_slots]
         steps.append(_Step(variant, match, nodes, inputs[:n], outputs[:n], outputs[n],
                            dict(zip(variant.roles, inputs[n:])), literals))
     return steps
@@ -246,7 +230,7 @@ def _read_params(step: _Step) -> dict[str, float]:
     variant, params = step.variant, {}
     for (pn, i, role, pattern_value), value in zip(variant.literal_slots, step.literals):
         if role is None:
-            if not _same_structural_literal(pn, step.match.internal.nodes_map[pn], i, pattern_value, value):
+            if not same_literal(pn, step.match.internal.nodes_map[pn], i, pattern_value, value):
                 raise _NotFused(f"{_op_name(pn)} has literal {value!r} where the {variant.name} step "
                                 f"has {pattern_value!r}")
             continue
@@ -275,23 +259,6 @@ def _read_params(step: _Step) -> dict[str, float]:
         raise _NotFused("the L_q normalisation is written with q = 2, which memory_scan treats as no normalisation")
     return {"p": p, "a": params.get("a", 10.0), "eps": params.get("eps", 1e-6),
             "momentum": params.get("momentum", 0.0), "q_norm": q}
-
-
-_DIM_OPS = {aten.unsqueeze.default: 1, aten.squeeze.dim: 0, aten.sum.dim_IntList: 0}
-
-
-def _same_structural_literal(pn: fx.Node, gn: fx.Node, i: int, expected: Any, got: Any) -> bool:
-    if expected == got and (type(expected) is type(got) or _is_number(expected) and _is_number(got)):
-        return True
-    if pn.target in _DIM_OPS and i == 1:  # a dim written negative in one and positive in the other
-        rank = gn.args[0].meta["val"].dim() + _DIM_OPS[pn.target]
-        norm = lambda d: [x % rank for x in (d if isinstance(d, (list, tuple)) else [d])]  # noqa: E731
-        return norm(expected) == norm(got)
-    return False
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _op_name(node: fx.Node) -> str:
@@ -540,7 +507,11 @@ def _scan_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _fuse_scan(gm: fx.GraphModule, node: fx.Node, op: str, report: FusionReport) -> None:
-    """Replace ``scan(step_body, init, xs, ())`` whose body is exactly one step replaced by ``op``."""
+    """Replace ``scan(step_body, init, xs, ())`` whose body is exactly one step replaced by ``op``.
+
+    The body's states and per-step inputs may come in any order (a rolled-up loop orders
+    its carries by where they are computed).
+    """
     body_attr, init, xs, additional = node.args[:4]
     body: fx.GraphModule = getattr(gm, body_attr.target)
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
@@ -551,15 +522,21 @@ def _fuse_scan(gm: fx.GraphModule, node: fx.Node, op: str, report: FusionReport)
         if len(steps) != 1:
             continue
         step = steps[0]
-        if (len(step.nodes) != len(compute) or additional
-                or step.state_in + [step.per_step[r] for r in variant.roles] != placeholders
-                or step.state_out + [step.y] != body_out):
+        inputs = step.state_in + [step.per_step[r] for r in variant.roles]
+        outputs = step.state_out + [step.y]
+        if (len(step.nodes) != len(compute) or additional or sorted(inputs, key=placeholders.index) != placeholders
+                or sorted(outputs, key=body_out.index) != body_out):
             report.add_miss(op, f"scan body contains a {variant.name} step but also other inputs, "
                             "outputs or ops", node.name)
             return
+        # the scan's operands and results in the variant's order (states, then roles; states, then y)
+        operands = [(list(init) + list(xs))[placeholders.index(n)] for n in inputs]
+        state_init, per_step = operands[:variant.n_state], operands[variant.n_state:]
+        result_index = [body_out.index(n) for n in outputs]
+        results = {i: user for user in node.users for i, r in enumerate(result_index) if user.args[1] == r}
         try:
             params = _read_params(step)
-            _check_scan_inputs(node, variant, init)
+            _check_scan_inputs(variant, state_init, results)
             if not hasattr(torch.ops.hecate, op):
                 raise _NotFused(f"the op hecate.{op} is not registered (import hecate.lowering)")
         except _NotFused as why:
@@ -567,33 +544,37 @@ def _fuse_scan(gm: fx.GraphModule, node: fx.Node, op: str, report: FusionReport)
             return
         graph = gm.graph
         sources = {}
-        for role, x in zip(variant.roles, xs):
+        for role, x in zip(variant.roles, per_step):
             if x.op == "call_function" and x.target == aten.movedim.int and x.args[2] == 0:
                 sources[role] = _Source(x.args[0], x.args[1] % x.args[0].meta["val"].dim(), 0)
             else:  # xs are scanned along dim 0
                 sources[role] = _Source(x, 0, 0)
         T = xs[0].meta["val"].shape[0]
-        y, final_states = _emit(gm, variant, list(init), sources, T, params)
-        for user in list(node.users):
-            index = user.args[1]
-            if index == variant.n_state:  # the stacked reads, [T, B, H, Dv]
+        y, final_states = _emit(gm, variant, state_init, sources, T, params)
+        for i, user in results.items():
+            if i == variant.n_state:  # the stacked reads, [T, B, H, Dv]
                 with graph.inserting_after(y):
                     user.replace_all_uses_with(_call(graph, aten.movedim.int, y, 1, 0))
-            elif final_states[index] is not None:
-                user.replace_all_uses_with(final_states[index])
+            elif final_states[i] is not None:
+                user.replace_all_uses_with(final_states[i])
             graph.erase_node(user)
         graph.erase_node(node)
-        report.add_fusion(op, f"hecate.{op}", len(compute) + 1, _describe(variant, params, T, "scan higher-order op"))
+        if "hecate_rolled_loop" in node.meta:  # a Python loop Dynamo unrolled, rolled up before tracing
+            report.add_fusion(op, f"hecate.{op}", T * len(compute) + 1, _describe(variant, params, T, "loop"))
+        else:
+            report.add_fusion(op, f"hecate.{op}", len(compute) + 1,
+                              _describe(variant, params, T, "scan higher-order op"))
         return
 
 
-def _check_scan_inputs(node: fx.Node, variant: _Variant, init: list[fx.Node]) -> None:
+def _check_scan_inputs(variant: _Variant, init: list[fx.Node], results: dict[int, fx.Node]) -> None:
+    """``init``: the initial states in the variant's order; ``results``: state index (or n_state: y) -> getitem."""
     for s, name in enumerate(variant.states):
-        if name == "S" and not _is_zeros(init[s]):
+        if name != "S":
+            continue
+        if not _is_zeros(init[s]):
             raise _NotFused(f"the momentum buffer starts as {init[s].name}, not zeros")
-    for user in node.users:
-        index = user.args[1]
-        if index < variant.n_state and variant.states[index] == "S" and user.users:
+        if s in results and results[s].users:
             raise _NotFused("the final momentum buffer is used after the scan; memory_scan does not return it")
     M = init[0].meta["val"]
     if M.dim() != 4:

@@ -1,0 +1,227 @@
+"""Rolling Dynamo's unrolled loops back up into one scan (hecate.compiler.loops).
+
+Each rolled graph is run eagerly and compared with Dynamo's unrolled graph on the same
+inputs, so a wrong carry, slice or stack shows as a numerical difference.
+"""
+
+import pytest
+import torch
+
+import hecate
+
+from hecate.compiler.loops import roll_loops
+from hecate.compiler.options import parse_options
+from hecate.compiler.pipeline import fuse
+from hecate.models.memory import LpMemory
+from hecate.testing import assert_close
+
+SCAN = torch.ops.higher_order.scan
+
+
+def _dynamo_graph(fn, *args):
+    """Dynamo's graph of ``fn(*args)`` and its example inputs (real tensors)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    (graph,) = graphs
+    return graph
+
+
+def _scans(gm):
+    return [n for n in gm.graph.nodes if n.target is SCAN]
+
+
+def _check_rolled(fn, *args, steps):
+    gm, inputs = _dynamo_graph(fn, *args)
+    rolled = roll_loops(gm)
+    assert rolled is not None, "the loop was not rolled up"
+    assert rolled.steps == steps
+    assert len(_scans(rolled.gm)) == len(steps)
+    expected, got = gm(*inputs), rolled.gm(*inputs)
+    assert len(got) == len(expected)
+    for name, a, b in zip(range(len(got)), got, expected):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert_close(f"output {name}", a, b, 1e-6)
+    return rolled
+
+
+def rnn(x, h, W):
+    """A plain RNN: a carry, a per-step slice along dim 1, an invariant weight, stacked outputs."""
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.tanh(h @ W + x[:, t])
+        ys.append(h * 2)
+    return torch.stack(ys, dim=1), h
+
+
+def test_rnn_loop_is_rolled_into_one_scan():
+    rolled = _check_rolled(rnn, torch.randn(3, 7, 5), torch.randn(3, 5), torch.randn(5, 5), steps=[7])
+    (scan,) = _scans(rolled.gm)
+    body, init, xs, invariants = scan.args
+    assert len(init) == 1 and len(xs) == 1 and len(invariants) == 1  # h; x_t; W
+
+
+def two_states_mixed_slices(a, b, c):
+    """Two carries, slices written three ways (dim 0, x[..., t], select), an offset start, stack at dim -1."""
+    s, u, outs = a.new_zeros(a.shape[1]), a.new_ones(a.shape[1]), []
+    for t in range(2, a.shape[0]):
+        s = s * 0.5 + a[t] * u
+        u = u + b[..., t].sin()
+        outs.append(s - c.select(1, t))
+    return torch.stack(outs, -1), s, u
+
+
+def test_two_carries_and_every_slice_spelling_are_rolled():
+    _check_rolled(two_states_mixed_slices, torch.randn(9, 4), torch.randn(4, 9), torch.randn(4, 9), steps=[7])
+
+
+def two_loops(x):
+    h, g = x[:, 0] * 0, x[:, 0] * 0
+    for t in range(x.shape[1]):
+        h = h + x[:, t].cos()
+    for t in range(x.shape[1]):
+        g = g * 0.9 + x[:, t] * h
+    return h, g
+
+
+def test_two_loops_in_one_graph_are_both_rolled():
+    _check_rolled(two_loops, torch.randn(2, 6), steps=[6, 6])
+
+
+def intermediate_read(x):
+    h, seen = x[:, 0] * 0, 0
+    for t in range(x.shape[1]):
+        h = h * 0.9 + x[:, t]
+        if t == 2:
+            seen = h.sum()
+    return h + seen
+
+
+def test_state_read_midway_splits_the_loop_in_two():
+    """Reading the state after step 2 ends one scan there; the second starts from its final carry."""
+    _check_rolled(intermediate_read, torch.randn(3, 6), steps=[3, 3])
+
+
+def step_differs(x):
+    h = x[:, 0] * 0
+    for t in range(x.shape[1]):
+        h = h * (0.5 if t == 3 else 0.9) + x[:, t]
+    return h
+
+
+def in_place(x):
+    h = x[:, 0] * 0
+    for t in range(x.shape[1]):
+        h = h * 0.9
+        h.add_(x[:, t])
+    return h
+
+
+def random_step(x):
+    h = x[:, 0] * 0
+    for t in range(x.shape[1]):
+        h = h * 0.9 + torch.rand_like(h) * x[:, t]
+    return h
+
+
+@pytest.mark.parametrize("fn", [step_differs, in_place, random_step],
+                         ids=lambda f: f.__name__)
+def test_what_is_not_one_loop_stays_unrolled(fn):
+    gm, _ = _dynamo_graph(fn, torch.randn(3, 6))
+    assert roll_loops(gm) is None
+
+
+def test_graph_traced_to_aten_does_not_grow_with_T():
+    """What canonicalise re-traces and what the passes match on has one body, at any T."""
+    model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=3.0, alpha=None, eta=None)
+    sizes = []
+    for T in (4, 16):
+        gm, _ = _dynamo_graph(model, torch.randn(2, T, 8))
+        rolled = roll_loops(gm)
+        assert rolled is not None and rolled.steps == [T]
+        sizes.append((len(gm.graph.nodes), len(rolled.gm.graph.nodes)))
+    (short_unrolled, short_rolled), (long_unrolled, long_rolled) = sizes
+    assert long_unrolled > 3 * short_unrolled  # Dynamo's graph grows with T ...
+    assert short_rolled == long_rolled  # ... the rolled one does not
+
+
+def test_rolled_loop_that_no_pass_fuses_is_compiled_unrolled(fresh_dynamo):
+    """A scan would reach the fallback unfused (Inductor cannot compile it on CPU): compile it unrolled."""
+    x, h, W = torch.randn(2, 5, 4), torch.randn(2, 4), torch.randn(4, 4)
+    gm, inputs = _dynamo_graph(rnn, x, h, W)
+    aten_gm, report = fuse(gm, inputs, parse_options({"fallback": "eager"}))
+    assert not _scans(aten_gm)
+    assert report.fusions == [] and report.graphs == 1
+    (miss,) = report.misses  # not silent: the report says a loop was found and not fused
+    assert miss.pattern == "loops" and "a Python loop of 5 steps is not a step any pass fuses" in miss.reason
+    assert "tanh" in miss.reason and "compiled unrolled" in miss.reason
+    expected = rnn(x, h, W)
+    got = torch.compile(rnn, backend="hecate")(x, h, W)  # Inductor compiles the unrolled graph
+    for a, b in zip(got, expected):
+        assert_close("rnn output", a, b, 1e-5)
+
+
+def test_memory_loop_is_fused_through_the_rolled_scan(fresh_dynamo):
+    model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=2.0, momentum=0.5)
+    gm, inputs = _dynamo_graph(model, torch.randn(2, 9, 8))
+    aten_gm, report = fuse(gm, inputs, parse_options({"fallback": "eager"}))
+    assert not _scans(aten_gm)
+    assert [n.target for n in aten_gm.graph.nodes].count(torch.ops.hecate.memory_scan.default) == 1
+    (fusion,) = [f for f in report.fusions if f.pattern == "memory_scan"]
+    assert fusion.detail.endswith("loop rolled up 9 steps"), fusion.detail
+
+
+def test_loop_rolling_is_skipped_without_the_memory_patterns(fresh_dynamo):
+    """Rolling serves only the scan-fusing passes; without them the graph is traced as Dynamo gave it."""
+    model = LpMemory(8, n_heads=2, d_k=4, d_v=4)
+    gm, inputs = _dynamo_graph(model, torch.randn(2, 5, 8))
+    aten_gm, report = fuse(gm, inputs, parse_options({"fallback": "eager", "patterns": ["qk_preprocess"]}))
+    assert not _scans(aten_gm) and report.count("memory_scan") == 0
+    assert [n.target for n in aten_gm.graph.nodes].count(torch.ops.aten.select.int) >= 5 * 3  # k, v, q per step
+
+
+def test_rolled_graph_that_cannot_be_traced_is_compiled_unrolled_and_reported(monkeypatch):
+    import hecate.compiler.pipeline as pipeline
+
+    model = LpMemory(8, n_heads=2, d_k=4, d_v=4)
+    gm, inputs = _dynamo_graph(model, torch.randn(2, 5, 8))
+    real = pipeline.canonicalize
+
+    def failing_on_scans(graph_module, example_inputs):
+        if _scans(graph_module):
+            raise RuntimeError("scan body rejected")
+        return real(graph_module, example_inputs)
+
+    monkeypatch.setattr(pipeline, "canonicalize", failing_on_scans)
+    aten_gm, report = fuse(gm, inputs, parse_options({"fallback": "eager"}))
+    assert report.count("memory_scan") == 1  # the unrolled loop is still fused, the slow way
+    (miss,) = report.misses
+    assert miss.pattern == "loops" and "RuntimeError: scan body rejected" in miss.reason
+    assert "compiled unrolled" in miss.reason
+
+
+def delta_rule_by_einsum(k, v, q):
+    """The p = 2 memory step spelled with einsum: a form the memory pass does not know."""
+    M, ys = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        e = torch.einsum("bvk,bk->bv", M, k[:, t]) - v[:, t]
+        M = M - 0.1 * torch.einsum("bv,bk->bvk", 2 * e, k[:, t])
+        ys.append(torch.einsum("bvk,bk->bv", M, q[:, t]))
+    return torch.stack(ys, 1), M
+
+
+def test_memory_step_in_an_unknown_spelling_is_reported_and_correct(fresh_dynamo):
+    k, v, q = torch.randn(2, 6, 3), torch.randn(2, 6, 4), torch.randn(2, 6, 3)
+    expected = delta_rule_by_einsum(k, v, q)
+    got = torch.compile(delta_rule_by_einsum, backend="hecate", options={"fallback": "eager"})(k, v, q)
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 0
+    assert [m for m in report.misses if m.pattern == "loops" and "einsum" in m.reason], str(report)
+    for a, b in zip(got, expected):
+        assert_close("output", a, b, 1e-6)
