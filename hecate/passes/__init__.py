@@ -16,12 +16,12 @@ from hecate.compiler.report import FusionReport
 
 Pass = Callable[[fx.GraphModule, FusionReport], None]
 
-from hecate.passes import kl_attention, kl_decode, memory_scan, qk_preprocess  # noqa: E402
+from hecate.passes import kl_attention, kl_decode, linear_attention, memory_scan, qk_preprocess  # noqa: E402
 
 PASSES: dict[str, Pass] = {
     "qk_preprocess": qk_preprocess.run,
     "memory_scan": memory_scan.run_memory_scan,
-    "linear_attention": memory_scan.run_linear_attention,
+    "linear_attention": linear_attention.run,
     "kl_attention": kl_attention.run,
     "kl_decode": kl_decode.run,
 }
