@@ -137,6 +137,7 @@ def plot(runs: list[dict]) -> None:
               "compile time (first fwd+bwd − warm); no bar = did not finish / failed / not run", labels,
               {"hecate": series("hecate", "compile_s"), "hecate: Dynamo trace": series("hecate", "dynamo_s"),
                "hecate: backend": series("hecate", "backend_s"),
+               "hecate: roll up the loop (in backend)": series("hecate", "roll_s"),
                "hecate: canonicalise (in backend)": series("hecate", "canonicalize_s"),
                "hecate: passes (in backend)": series("hecate", "passes_s"),
                "inductor": series("inductor", "compile_s")},
