@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch._higher_order_ops.scan import scan
 
+from hecate.models.feature_maps import ELEMENTWISE_FEATURE_MAPS, make_feature_map
 from hecate.models.short_conv import KeyQueryPreprocess
 
 # φ acts element-wise here, so φ(k) keeps d_k features and M is [d_v, d_k] per head.
@@ -79,8 +80,9 @@ class LpMemory(_GatedMemory):
 
     Variants:
       * ``momentum = β > 0``: GD with momentum, the higher-order momentum of HOPE Eq 51
-        with the gradient taken in feature space:  S ← β S − η_t g_t φ(k_t)ᵀ,
-        M ← (1 − α_t) M + S  (S starts at zero).
+        with the gradient taken in feature space:  S ← β S − η_t φ_g(g_t φ(k_t)ᵀ),
+        M ← (1 − α_t) M + S  (S starts at zero). φ_g (``gradient_phi``, element-wise,
+        default identity) is Eq 51's feature map on the whole gradient, with P_i = I.
       * ``q_norm = q ≠ 2``: MONETA (p, q) with L_q retention (MIRAS Eqs 24-25):
         A ← (1 − α_t) A − η_t g_t φ(k_t)ᵀ,  W = A / ‖A‖_q^(q−2) (‖·‖_q entrywise per head,
         computed as (Σ|A|^q + eps)^(1/q)); e_t and y_t read W; the state carried is A.
@@ -99,7 +101,7 @@ class LpMemory(_GatedMemory):
                  p: float = 2.0, a: float = 10.0, eps: float = 1e-6,
                  alpha: float | None = 0.1, eta: float | None = 0.1,
                  momentum: float = 0.0, q_norm: float = 2.0, phi: str = "identity",
-                 use_scan: bool = False):
+                 gradient_phi: str = "identity", use_scan: bool = False):
         super().__init__(d_model, n_heads, d_k, d_v, phi, {"alpha": alpha, "eta": eta})
         if not (isinstance(p, (int, float)) and p >= 1):
             raise ValueError(f"p must be a number >= 1 (the l_p exponent), got {p!r}")
@@ -110,6 +112,13 @@ class LpMemory(_GatedMemory):
         if momentum > 0 and q_norm != 2.0:
             raise ValueError(f"momentum={momentum} with q_norm={q_norm}: choose GD with momentum "
                              "or MONETA L_q retention, not both")
+        if gradient_phi not in ELEMENTWISE_FEATURE_MAPS:
+            raise ValueError(f"gradient_phi must be one of {ELEMENTWISE_FEATURE_MAPS}, got {gradient_phi!r}")
+        if gradient_phi != "identity" and momentum == 0:
+            raise ValueError(f"gradient_phi={gradient_phi!r} maps the gradient entering the momentum buffer "
+                             "(HOPE Eq 51): it needs momentum > 0, got momentum=0")
+        # Eq 51's φ on the whole gradient; None when it is the identity (plain momentum)
+        self.gradient_phi = None if gradient_phi == "identity" else make_feature_map(gradient_phi, d_k)
         self.p, self.a, self.eps = float(p), float(a), float(eps)
         self.momentum, self.q_norm, self.use_scan = float(momentum), float(q_norm), use_scan
         self.lq_power = (self.q_norm - 2) / self.q_norm  # ‖A‖_q^(q−2) = (Σ|A|^q)^((q−2)/q)
@@ -134,6 +143,8 @@ class LpMemory(_GatedMemory):
         e = (W @ k_t.unsqueeze(-1)).squeeze(-1) - v_t
         grad = self.bias_gradient(e).unsqueeze(-1) * k_t.unsqueeze(-2)  # g φ(k)ᵀ
         if self.momentum > 0:
+            if self.gradient_phi is not None:
+                grad = self.gradient_phi(grad)
             S = self.momentum * state[1] - eta_t * grad
             M = (1 - alpha_t) * M + S
             new_state = (M, S)

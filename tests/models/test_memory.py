@@ -23,6 +23,20 @@ def test_p2_without_retention_is_the_classic_delta_rule():
     assert_close("read after update", y, torch.einsum("bhvk,bhk->bhv", expected, q), 1e-12)
 
 
+def test_gradient_phi_is_hope_eq51_momentum():
+    # Eq 51 with P = I: m ← β m − η φ_g(∇), W ← (1 − α) W + m; ∇ = g φ(k)ᵀ, here g = 2e (p = 2)
+    model = LpMemory(4, n_heads=2, d_k=3, d_v=5, p=2.0, alpha=0.1, eta=0.3, momentum=0.5, gradient_phi="elu1")
+    f64 = dict(dtype=torch.float64)
+    M, S = torch.randn(2, 2, 5, 3, **f64), torch.randn(2, 2, 5, 3, **f64)
+    k, v, q = torch.randn(2, 2, 3, **f64), torch.randn(2, 2, 5, **f64), torch.randn(2, 2, 3, **f64)
+    (new_M, new_S), y = model.step((M, S), k, v, q, torch.full((2, 2), 0.1, **f64), torch.full((2, 2), 0.3, **f64))
+    grad = torch.einsum("bhv,bhk->bhvk", 2 * (torch.einsum("bhvk,bhk->bhv", M, k) - v), k)
+    expected_S = 0.5 * S - 0.3 * (torch.nn.functional.elu(grad) + 1)
+    assert_close("momentum m", new_S, expected_S, 1e-12)
+    assert_close("memory W", new_M, 0.9 * M + expected_S, 1e-12)
+    assert_close("read", y, torch.einsum("bhvk,bhk->bhv", new_M, q), 1e-12)
+
+
 @pytest.mark.parametrize("p", [1.0, 2.0, 2.5])
 def test_bias_gradient_is_the_lp_gradient_away_from_zero(p):
     # p·sign(e)|e|^(p−1) (MIRAS Eq 11); the tanh/eps approximators are exact to ~1e-4 at |e| >= 0.5
@@ -97,6 +111,8 @@ def test_hebbian_gated_loop_is_the_fast_weight_recurrence():
     (lambda: LpMemory(4, q_norm=1.0), "q_norm must be >= 2"),
     (lambda: LpMemory(4, momentum=0.5, q_norm=4.0), "choose GD with momentum or MONETA"),
     (lambda: LpMemory(4, phi="tanh"), "phi must be one of"),
+    (lambda: LpMemory(4, momentum=0.5, gradient_phi="tanh"), "gradient_phi must be one of"),
+    (lambda: LpMemory(4, gradient_phi="elu1"), "gradient_phi='elu1' .* needs momentum > 0"),
     (lambda: HebbianMemory(4, form="chunked"), "form must be one of"),
     (lambda: HebbianMemory(4, alpha=0.9, form="cumsum"), "needs alpha=1.0, got 0.9"),
 ])

@@ -190,6 +190,22 @@ def test_near_miss_is_reported_not_fused_and_correct(kwargs, reason, fresh_dynam
         assert_close("grad", a, b, 1e-6)
 
 
+def test_momentum_with_phi_on_the_gradient_is_reported_not_fused(fresh_dynamo):
+    """HOPE Eq 51 with φ on the whole gradient: memory_scan has no such step; said, and correct."""
+    model = LpMemory(7, n_heads=2, d_k=3, d_v=4, p=2.0, momentum=0.5, gradient_phi="elu1")
+    x = torch.randn(2, 5, 7, requires_grad=True)
+    y_ref, m_ref, g_ref = _grads(model, (x,), model.parameters())
+    y, m, g = _grads(torch.compile(model, backend="hecate", options=EAGER), (x,), model.parameters())
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 0, str(report)
+    assert [m for m in report.misses if m.pattern == "loops" and "5 steps" in m.reason and "elu" in m.reason], \
+        str(report)
+    assert_close("y", y, y_ref, 1e-6)
+    assert_close("m_final", m, m_ref, 1e-6)
+    for a, b in zip(g, g_ref):
+        assert_close("grad", a, b, 1e-6)
+
+
 class _ScanWithExtraRead(torch.nn.Module):
     """A scan whose body is the l_2 step plus one more read of the new state."""
 
