@@ -163,7 +163,7 @@ def run(args):
         lengths, dims, unrolled_lengths, repeat = [64, 256], [64], [16], 3
         general_p_max_T = 256
     else:
-        lengths, dims, unrolled_lengths, repeat = [256, 1024, 4096], [64], [16, 32], 5
+        lengths, dims, unrolled_lengths, repeat = [256, 1024, 4096], args.dims, [16, 32], 5
         general_p_max_T = 1024
     rows, labels = [], []
     fwd_series = {"eager loop": [], "inductor scan form": [], "hecate": []}
@@ -275,4 +275,6 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="small shapes (T = 64, 256; unrolled T = 16)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    parser.add_argument("--dims", type=lambda s: [int(d) for d in s.split(",")], default=[64, 128],
+                        help="d_k = d_v values, comma-separated (default 64,128)")
     run(parser.parse_args())
