@@ -16,7 +16,10 @@ copies of the step. This pass
    eps, momentum, q_norm)`` on the sliced source tensors, whose ``y`` stands for the
    stacked per-step reads and whose ``m_final`` stands for the last state.
 
-It does the same for ``torch.ops.higher_order.scan`` whose body is the step, and,
+It does the same for ``torch.ops.higher_order.scan`` whose body is the step (in the
+backend, a Python loop arrives here as such a scan: :mod:`hecate.compiler.loops` rolls
+Dynamo's copies back up before re-tracing; the unrolled path serves ``torch.export``'s
+graph and loops that could not be rolled), and,
 as the "linear_attention" pass, for the Hebbian / fast-weight step
 ``M ← α_t M + v_t φ(k_t)ᵀ, y_t = M φ(q_t)`` (optionally normalised by
 ``z ← α_t z + φ(k_t)``, ``y_t / (z·φ(q_t) + eps)``), replaced by one ``linear_attention``.
