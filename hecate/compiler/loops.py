@@ -179,6 +179,8 @@ def _candidates(nodes: list[fx.Node], position: dict[fx.Node, int]) -> list[tupl
 
 @dataclass
 class _Loop:
+    """T blocks of L nodes from position s of ``nodes``; :meth:`verify` proves they are one loop."""
+
     nodes: list[fx.Node]
     position: dict[fx.Node, int]
     s: int  # position of block 0's first node
@@ -216,7 +218,9 @@ class _Loop:
         n0 = self.at(0, o)
         if n0.op not in _TENSOR_OPS or not _pure(n0):
             return False
-        if o in self.slices or (1 in ts and self._time_slice(o)):
+        if ts == (1,):
+            self._find_time_slice(o)
+        if o in self.slices:
             x, dim, start = self.slices[o]
             return all(_time_slice(self.at(t, o)) == (x, dim, start + t) for t in ts)
         leaves0, spec0 = pytree.tree_flatten((n0.args, n0.kwargs))
@@ -232,15 +236,13 @@ class _Loop:
                     return False
         return True
 
-    def _time_slice(self, o: int) -> bool:
-        """Whether node o is a per-step slice (its index advances by one per block)."""
+    def _find_time_slice(self, o: int) -> None:
+        """Record node o as a per-step slice if its index advances by one per block (else it is ordinary)."""
         s0, s1 = _time_slice(self.at(0, o)), _time_slice(self.at(1, o))
         if s0 is None or s1 is None or self.block(s0[0]) is not None or s1[:2] != s0[:2] or s1[2] != s0[2] + 1:
-            return False
-        if s0[2] + self.T > _value(s0[0]).shape[s0[1]]:
-            return False
-        self.slices[o] = s0
-        return True
+            return
+        if s0[2] + self.T <= _value(s0[0]).shape[s0[1]]:
+            self.slices[o] = s0
 
     def _same_leaf(self, o: int, j: int, t: int, a0: Any, a: Any) -> bool:
         if not isinstance(a0, fx.Node):
@@ -381,10 +383,15 @@ def _body(loop: _Loop) -> fx.GraphModule:
             continue
         leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
         for j, leaf in enumerate(leaves):
-            if isinstance(leaf, fx.Node):
-                what, ref = loop.args[(o, j)]
-                leaves[j] = {"internal": lambda: env[loop.at(0, ref)], "invariant": lambda: invariant_in[ref],
-                             "carry": lambda: carry_in[ref]}[what]()
+            if not isinstance(leaf, fx.Node):
+                continue
+            what, ref = loop.args[(o, j)]
+            if what == "internal":
+                leaves[j] = env[loop.at(0, ref)]
+            elif what == "invariant":
+                leaves[j] = invariant_in[ref]
+            else:
+                leaves[j] = carry_in[ref]
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         env[node] = body.create_node(node.op, node.target, args, kwargs)
     outputs = [env[loop.at(0, o)] for o in carries]
