@@ -141,10 +141,11 @@ def _check_inputs(k: fx.Node, v: fx.Node, q: fx.Node) -> None:
 
 def _final_state_reads(states: fx.Node, match: Match) -> list[fx.Node]:
     """The reads of the cumulated states M_t outside the match: each must be the last one, M_T."""
-    T = states.meta["val"].shape[1]
-    reads = [u for u in states.users if u not in match.nodes]
+    rank, T = states.meta["val"].dim(), states.meta["val"].shape[1]
+    inside = set(match.nodes)
+    reads = [u for u in states.users if u not in inside]
     for u in reads:
-        if not (u.target is aten.select.int and u.args[1] % 5 == 1 and u.args[2] % T == T - 1):
+        if not (u.target is aten.select.int and u.args[1] % rank == 1 and u.args[2] % T == T - 1):
             raise _NotFused(f"the cumulated states M_t ({states.name}, [B, T, H, Dv, Dk]) are read by {u.name} "
                             f"({str(u.target).removesuffix('.default')}); linear_attention returns only the last")
     return reads
