@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 from torch import fx
+from torch.fx import traceback as fx_traceback
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -47,7 +48,9 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> 
     with fake_mode:
         fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
                        for x in example_inputs]
-        return make_fx(gm, pre_dispatch=True)(*fake_inputs)
+        # run node by node so each ATen node keeps the user's source line (meta["stack_trace"])
+        with fx_traceback.preserve_node_meta():
+            return make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
 
 
 def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],

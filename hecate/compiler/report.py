@@ -8,7 +8,10 @@ still correct) with the reason in words a user can act on.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class Miss:
     pattern: str
     reason: str  # what differed, in words: "conv1d has groups=1; the pattern needs depthwise (groups=8)"
     where: str = ""  # the graph nodes involved, for finding it in a dump
+    source: str = ""  # the user's source line the subgraph came from ("model.py:42: y = beta @ v")
 
 
 @dataclass
@@ -41,8 +45,9 @@ class FusionReport:
     def add_fusion(self, pattern: str, op: str, nodes_replaced: int, detail: str = "") -> None:
         self.fusions.append(Fusion(pattern, op, nodes_replaced, detail))
 
-    def add_miss(self, pattern: str, reason: str, where: str = "") -> None:
-        self.misses.append(Miss(pattern, reason, where))
+    def add_miss(self, pattern: str, reason: str, where: str = "", nodes: Iterable[Any] = ()) -> None:
+        """Record a near-miss; ``nodes`` (graph nodes of the subgraph) give the user's source line."""
+        self.misses.append(Miss(pattern, reason, where, source_line(nodes)))
 
     def extend(self, other: "FusionReport") -> None:
         self.fusions.extend(other.fusions)
@@ -65,6 +70,21 @@ class FusionReport:
             rows += [(m.pattern, m.reason, m.where) for m in self.misses]
             lines += ["", "Not fused:"] + _table(rows)
         return "\n".join(lines)
+
+
+def source_line(nodes: Iterable[Any]) -> str:
+    """``file:line: code`` of the innermost user frame of the first node that has a stack trace.
+
+    Dynamo records each node's Python stack (``node.meta["stack_trace"]``); the last
+    ``File ..., line N`` entry is the user's own line.
+    """
+    for node in nodes:
+        trace = getattr(node, "meta", {}).get("stack_trace") or ""
+        frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+        if frames:
+            path, line, code = frames[-1]
+            return f"{os.path.basename(path)}:{line}: {code.strip()}"
+    return ""
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

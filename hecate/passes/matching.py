@@ -26,6 +26,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 
 
+class NotFused(Exception):
+    """Raised while recognising a match that cannot be fused; the message is the report's reason."""
+
+
 def pattern_graph(fn: Callable, *example_inputs: torch.Tensor) -> fx.Graph:
     """Trace ``fn`` (plain PyTorch) to the pre-dispatch ATen graph used as a pattern."""
     return make_fx(fn, pre_dispatch=True)(*example_inputs).graph
