@@ -105,7 +105,7 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
             if not unfused:
                 return aten_gm, rolled_report
             for steps, ops in unfused:
-                report.add_miss("loops", f"a Python loop of {steps} steps is not a step any pass fuses "
+                report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or linear_attention fuses "
                                 f"(its body calls {', '.join(ops)}); compiled unrolled", "")
     with stage("re-trace to ATen", options.progress):
         aten_gm = canonicalize(gm, example_inputs)
