@@ -85,11 +85,18 @@ def fuse_or_original(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
 def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
          options: Options) -> tuple[fx.GraphModule, FusionReport]:
     """Dynamo's graph → the ATen graph with Hecate's ops in it, and what was fused and why."""
+    report = FusionReport(graphs=1)
     rolled = None
     if any(p in options.patterns for p in _SCAN_PASSES):
-        with stage("roll loops", options.progress):
-            rolled = roll_loops(gm)
-    report = FusionReport(graphs=1)
+        try:
+            with stage("roll loops", options.progress):
+                rolled = roll_loops(gm)
+        except Exception as e:  # the unrolled graph is always valid
+            if options.strict:
+                raise
+            reason = f"internal error rolling loops up: {describe_error(e)}; loops are matched unrolled"
+            report.add_miss("loops", reason)
+            warn_once("loops", e, reason)
     if rolled is not None:
         try:
             with stage("re-trace to ATen (loops rolled)", options.progress):
@@ -105,8 +112,8 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
             if not unfused:
                 return aten_gm, rolled_report
             for steps, ops in unfused:
-                report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or linear_attention fuses "
-                                f"(its body calls {', '.join(ops)}); compiled unrolled", "")
+                report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or "
+                                f"linear_attention fuses (its body calls {', '.join(ops)}); compiled unrolled")
     with stage("re-trace to ATen", options.progress):
         aten_gm = canonicalize(gm, example_inputs)
     return run_passes(aten_gm, options, report), report
@@ -140,7 +147,7 @@ def run_passes(gm: fx.GraphModule, options: Options, report: FusionReport,
             _dump(options, dump_name, f"{n + 1}_after_{name}", gm)
         if enabled:
             misses = len(report.misses)
-            report_unfused_signatures(gm, enabled, report)
+            _run_isolated("signatures", lambda g, r: report_unfused_signatures(g, enabled, r), gm, options, report)
             for m in report.misses[misses:]:
                 log.info("not fused: %s%s", m.reason, f" at {m.source}" if m.source else "")
     return gm
