@@ -223,21 +223,13 @@ def _depthwise_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
             x, w = _shape(conv.args[0]), _shape(conv.args[1])
             if x is None or w is None or len(w) != 3:
                 continue
-            args = list(conv.args) + [None] * 9
-            if target is aten.conv1d.default:
-                stride, padding, dilation, groups = (args[i] for i in (3, 4, 5, 6))
-            else:
-                stride, padding, dilation, transposed, groups = args[3], args[4], args[5], args[6], args[8]
-                if transposed:
-                    continue
-            stride, padding, dilation, groups = (conv.kwargs.get(k, v) for k, v in
-                                                 (("stride", stride), ("padding", padding),
-                                                  ("dilation", dilation), ("groups", groups)))
-            channels, kernel = w[0], w[2]
-            if not (_is(groups or 1, channels) and _is(w[1], 1) and not _is(channels, 1)):
+            args = dict(zip([a.name for a in target._schema.arguments], conv.args)) | conv.kwargs
+            if args.get("transposed", False):
                 continue
-            first = lambda v, default: (v[0] if isinstance(v, (list, tuple)) else v) if v is not None else default  # noqa: E731
-            stride, dilation = first(stride, 1), first(dilation, 1)
+            channels, kernel = w[0], w[2]
+            if not (_is(args.get("groups", 1), channels) and _is(w[1], 1) and not _is(channels, 1)):
+                continue
+            stride, dilation = (_first(args.get(k, 1)) for k in ("stride", "dilation"))
             if stride != 1:
                 why = f"it has stride {stride}; qk_preprocess fuses stride 1"
             elif dilation != 1:
@@ -246,3 +238,8 @@ def _depthwise_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                 why = ("qk_preprocess fuses a causal one: conv1d(padding=K-1) then [..., :T], or "
                        "F.pad(x, (K-1, 0)) then conv1d, on [B, T, D] inputs transposed to [B, D, T]")
             yield f"depthwise conv1d ({channels} channels, kernel {kernel}) not fused: {why}", [conv]
+
+
+def _first(value):
+    """A conv's 1-d stride or dilation, written as an int or a one-element list."""
+    return value[0] if isinstance(value, (list, tuple)) else value
