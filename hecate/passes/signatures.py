@@ -147,7 +147,7 @@ def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
 # ---- memory: a matrix state updated by an outer product -----------------------------------
 
 def _is_outer_product(node: fx.Node) -> bool:
-    """A product that sums over nothing: v ⊗ k however written."""
+    """A product over the last two axes that sums over nothing: v ⊗ k however written."""
     if node.op != "call_function":
         return False
     if node.target in _OUTER:
@@ -159,7 +159,8 @@ def _is_outer_product(node: fx.Node) -> bool:
         inputs, _, output = node.args[0].replace(" ", "").partition("->")
         operands = inputs.split(",")
         return len(operands) >= 2 and set("".join(operands)) <= set(output) and len(output) >= 2
-    return _pair_dims(node) is not None
+    shape = _shape(node)
+    return shape is not None and _pair_dims(node) == (len(shape) - 2, len(shape) - 1)
 
 
 def _is_matrix(shape: tuple | None) -> bool:
@@ -186,18 +187,17 @@ def _rolled_states(gm: fx.GraphModule) -> Iterator[tuple[str, list[fx.Node]]]:
 
 def _unrolled_states(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
     """Chains of matrix updates ``S' = f(S, u ⊗ w)``, each reading the previous one."""
-    updates = []  # pointwise nodes that combine an outer product into a matrix
+    updates = {}  # pointwise node combining an outer product into a matrix -> that outer product
     for node in graph.nodes:
         if _is_pointwise(node) and _is_matrix(_shape(node)) and len(_tensor_args(node)) == 2 \
                 and not _is_outer_product(node):
-            near = list(_ancestors(node, limit=4))
-            if any(_is_outer_product(n) and _shape(n) == _shape(node) for n in near):
-                updates.append(node)
-    chained = set(updates)
+            outer = next((n for n in _ancestors(node, limit=4)
+                          if _is_outer_product(n) and _shape(n) == _shape(node)), None)
+            if outer is not None:
+                updates[node] = outer
     previous = {}
     for node in updates:
-        earlier = next((a for a in _ancestors(node, limit=_SEARCH)
-                        if a in chained and _shape(a) == _shape(node)), None)
+        earlier = _previous_state(node, updates)
         if earlier is not None:
             previous[node] = earlier
     heads = [n for n in updates if n in previous and n not in previous.values()]
@@ -209,6 +209,24 @@ def _unrolled_states(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
         yield (f"a {_dims(_shape(first))} state is updated by an outer product in {len(chain)} chained "
                "steps (an unrolled loop), but the step is not one memory_scan or linear_attention "
                "fuses", [first] + chain[::-1][1:])
+
+
+def _previous_state(update: fx.Node, updates: dict[fx.Node, fx.Node]) -> fx.Node | None:
+    """The update ``update`` carries its state from: reached through nodes of the state's shape
+    (retention such as ``(1 - α) * M`` keeps it), as a loop-carried state is, and not through
+    this step's own outer-product term (``- η · g ⊗ k``)."""
+    shape, outer = _shape(update), updates[update]
+    seen, queue = {update}, [update]
+    while queue and len(seen) <= _SEARCH:
+        for parent in queue.pop(0).all_input_nodes:
+            if parent in seen or _shape(parent) != shape or parent is outer \
+                    or outer in set(_ancestors(parent, limit=4)):
+                continue
+            if parent in updates:
+                return parent
+            seen.add(parent)
+            queue.append(parent)
+    return None
 
 
 def _dims(shape: tuple) -> str:
