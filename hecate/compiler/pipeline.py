@@ -206,7 +206,8 @@ class _Snapshot:
 def _locate_misses(report: FusionReport, start: int, gm: fx.GraphModule) -> None:
     """Give the misses from ``start`` on that name graph nodes (``where``) but no source line
     the user's line of those nodes; an unfused subgraph's nodes are still in ``gm``."""
-    nodes = {n.name: n for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes}
+    graphs = [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)]
+    nodes = {n.name: n for graph in reversed(graphs) for n in graph.nodes}  # gm's own names win
     for i in range(start, len(report.misses)):
         miss = report.misses[i]
         if not miss.source and miss.where:
