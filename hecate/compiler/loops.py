@@ -33,6 +33,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from hecate.compiler.normalize import functionalize
+
 _TENSOR_OPS = ("call_function", "call_method")
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform")
 
@@ -77,7 +79,13 @@ def _scans(graph: fx.Graph) -> list[fx.Node]:
 
 
 def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
-    """A copy of Dynamo's ``gm`` with every provable unrolled loop rolled into a scan, or None."""
+    """A copy of Dynamo's ``gm`` with every provable unrolled loop rolled into a scan, or None.
+
+    In-place updates of tensors nothing else aliases (``M -= ...``) are first made functional
+    in ``gm`` itself (exactly: see :func:`hecate.compiler.normalize.functionalize`).
+    """
+    functionalize(gm.graph)
+    gm.recompile()
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     loops: list[_Loop] = []
@@ -98,36 +106,66 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
 
 # ---------------------------------------------------------------- per-step slices
 
-def _time_slice(node: fx.Node) -> tuple[fx.Node, int, int] | None:
-    """``(x, dim, index)`` if ``node`` is ``x[:, ..., index]`` / ``x.select(dim, index)`` of a tensor x."""
-    if node.op == "call_function" and node.target is operator.getitem:
-        x, index = node.args
-        if not isinstance(x, fx.Node) or not isinstance(_value(x), torch.Tensor) or node.kwargs:
-            return None
-        index = index if isinstance(index, tuple) else (index,)
-        ints = [i for i, e in enumerate(index) if _is_int(e)]
-        if len(ints) != 1:
-            return None
-        (i,) = ints
-        before, after = index[:i], index[i + 1:]
-        if not all(e == slice(None) for e in after):
-            return None
-        if all(e == slice(None) for e in before):
-            dim = i
-        elif before == (Ellipsis,) and not after:
-            dim = _value(x).dim() - 1
-        else:
-            return None
-        return _normalise(x, dim, index[i])
-    if node.op == "call_method" and node.target == "select" or (
-            node.op == "call_function" and node.target is torch.select):
-        if len(node.args) == 3 and not node.kwargs and isinstance(node.args[0], fx.Node) \
-                and _is_int(node.args[1]) and _is_int(node.args[2]):
-            return _normalise(*node.args)
+_SELECTS = ("select", torch.select, torch.ops.aten.select.int)
+_NARROWS = ("narrow", torch.narrow, torch.ops.aten.narrow.default)
+
+
+def _time_slice(node: fx.Node) -> tuple[fx.Node, int, int, Any] | None:
+    """``(x, dim, index, rest)`` if ``node`` reads one time index of a tensor x from before the loop.
+
+    ``node`` is ``x.select(dim, index)`` then ``rest`` applied to it: None (nothing),
+    ``("index", i)`` (the other elements of ``x[..., t, None, :]``), or ``("keep",)``
+    (``x.narrow(dim, t, 1)``, ``x[:, t:t + 1]``: the size-1 time dim stays).
+    All spellings meet in these three: ``x[:, t]``, ``x[:, t, None, None]``, ``x[..., t]``,
+    ``x.select(1, t)``, ``torch.select``, ``narrow``, and ATen's ``select``/``slice``/``narrow``.
+    """
+    target = node.target if node.op in _TENSOR_OPS else None
+    if node.kwargs or not node.args or not isinstance(node.args[0], fx.Node) \
+            or not isinstance(_value(node.args[0]), torch.Tensor):
+        return None
+    x, rank = node.args[0], _value(node.args[0]).dim()
+    if target is operator.getitem:
+        return _getitem_slice(x, rank, node.args[1])
+    if target in _SELECTS and len(node.args) == 3 and _is_int(node.args[1]) and _is_int(node.args[2]):
+        return _normalise(x, node.args[1], node.args[2], None)
+    if target in _NARROWS and len(node.args) == 4 and all(_is_int(a) for a in node.args[1:]) \
+            and node.args[3] == 1:
+        return _normalise(x, node.args[1], node.args[2], ("keep",))
+    if target is torch.ops.aten.slice.Tensor and len(node.args) == 4 and all(_is_int(a) for a in node.args[1:]):
+        _, dim, start, end = node.args
+        if end == start + 1 and start >= 0:
+            return _normalise(x, dim, start, ("keep",))
     return None
 
 
-def _normalise(x: fx.Node, dim: int, index: int) -> tuple[fx.Node, int, int] | None:
+def _getitem_slice(x: fx.Node, rank: int, index: Any) -> tuple[fx.Node, int, int, Any] | None:
+    index = index if isinstance(index, tuple) else (index,)
+    if not all(e is None or e is Ellipsis or _is_int(e) or isinstance(e, slice) for e in index):
+        return None  # tensor (advanced) indexing
+    if sum(e is Ellipsis for e in index) > 1:
+        return None
+    consumed = sum(1 for e in index if e is not None and e is not Ellipsis)
+    ellipsis_span = rank - consumed
+    ints = [i for i, e in enumerate(index) if _is_int(e)]
+    dims, d = [], 0  # the dim of x each element indexes (None for None/Ellipsis)
+    for e in index:
+        dims.append(d if e is not None and e is not Ellipsis else None)
+        d += ellipsis_span if e is Ellipsis else (0 if e is None else 1)
+    if len(ints) == 1:
+        (i,) = ints
+        rest = index[:i] + index[i + 1:]
+        plain = all(e == slice(None) or e is Ellipsis for e in rest)
+        return _normalise(x, dims[i], index[i], None if plain else ("index", rest))
+    steps = [i for i, e in enumerate(index) if isinstance(e, slice) and e != slice(None)]
+    if not ints and len(steps) == 1 and all(e == slice(None) or e is Ellipsis for j, e in enumerate(index)
+                                            if j != steps[0]):
+        sl = index[steps[0]]
+        if _is_int(sl.start) and sl.start >= 0 and sl.stop == sl.start + 1 and sl.step in (None, 1):
+            return _normalise(x, dims[steps[0]], sl.start, ("keep",))
+    return None
+
+
+def _normalise(x: fx.Node, dim: int, index: int, rest: Any) -> tuple[fx.Node, int, int, Any] | None:
     value = _value(x)
     if not isinstance(value, torch.Tensor) or not -value.dim() <= dim < value.dim():
         return None
@@ -135,7 +173,7 @@ def _normalise(x: fx.Node, dim: int, index: int) -> tuple[fx.Node, int, int] | N
     size = value.shape[dim]
     if not isinstance(size, int) or not -size <= index < size:
         return None
-    return x, dim, index % size
+    return x, dim, index % size, rest
 
 
 def _value(node: fx.Node) -> Any:
@@ -152,26 +190,26 @@ def _candidates(nodes: list[fx.Node], position: dict[fx.Node, int]) -> list[tupl
     A loop over T steps slices each per-step input once per step, at the same place in every
     copy: consecutive indices at a constant distance (the period) in the node list.
     """
-    groups: dict[tuple[fx.Node, int], list[tuple[int, int]]] = {}
+    index_at: dict[tuple, dict[int, int]] = {}  # (x, dim, rest) -> position -> time index
     for n in nodes:
         sliced = _time_slice(n)
         if sliced is not None:
-            x, dim, index = sliced
-            groups.setdefault((x, dim), []).append((position[n], index))
+            x, dim, index, rest = sliced
+            index_at.setdefault((x, dim, repr(rest)), {})[position[n]] = index
     runs = []
-    for members in groups.values():
-        i = 0
-        while i + 1 < len(members):
-            (p0, i0), (p1, i1) = members[i], members[i + 1]
-            period, j = p1 - p0, i + 1
-            if i1 != i0 + 1:
-                i += 1
-                continue
-            while j + 1 < len(members) and members[j + 1][1] == members[j][1] + 1 \
-                    and members[j + 1][0] - members[j][0] == period:
-                j += 1
-            runs.append((p0, period, j - i + 1))
-            i = j
+    for reads in index_at.values():  # the same slice may be read several times per step
+        by_index: dict[int, list[int]] = {}
+        for p, i in reads.items():
+            by_index.setdefault(i, []).append(p)
+        for p0, i0 in reads.items():
+            for p1 in by_index.get(i0 + 1, []):
+                period = p1 - p0
+                if period <= 0 or reads.get(p0 - period) == i0 - 1:
+                    continue  # not forward, or not the first step of its run
+                count = 2
+                while reads.get(p0 + count * period) == i0 + count:
+                    count += 1
+                runs.append((p0, period, count))
     return sorted(runs)
 
 
@@ -189,7 +227,7 @@ class _Loop:
     # filled by verify():
     args: dict[tuple[int, int], tuple[str, Any]] = field(default_factory=dict)  # (offset, leaf) -> kind
     carries: dict[int, fx.Node] = field(default_factory=dict)  # offset of the next value -> init
-    slices: dict[int, tuple[fx.Node, int, int]] = field(default_factory=dict)  # offset -> (x, dim, start)
+    slices: dict[int, tuple[fx.Node, int, int, Any]] = field(default_factory=dict)  # offset -> (x, dim, start, rest)
     stacks: dict[fx.Node, int] = field(default_factory=dict)  # torch.stack after the loop -> offset
     finals: dict[fx.Node, int] = field(default_factory=dict)  # last block's carry read after -> offset
 
@@ -221,8 +259,8 @@ class _Loop:
         if ts == (1,):
             self._find_time_slice(o)
         if o in self.slices:
-            x, dim, start = self.slices[o]
-            return all(_time_slice(self.at(t, o)) == (x, dim, start + t) for t in ts)
+            x, dim, start, rest = self.slices[o]
+            return all(_time_slice(self.at(t, o)) == (x, dim, start + t, rest) for t in ts)
         leaves0, spec0 = pytree.tree_flatten((n0.args, n0.kwargs))
         for t in ts:
             nt = self.at(t, o)
@@ -239,7 +277,8 @@ class _Loop:
     def _find_time_slice(self, o: int) -> None:
         """Record node o as a per-step slice if its index advances by one per block (else it is ordinary)."""
         s0, s1 = _time_slice(self.at(0, o)), _time_slice(self.at(1, o))
-        if s0 is None or s1 is None or self.block(s0[0]) is not None or s1[:2] != s0[:2] or s1[2] != s0[2] + 1:
+        if s0 is None or s1 is None or self.block(s0[0]) is not None or s1[:2] != s0[:2] or s1[2] != s0[2] + 1 \
+                or s1[3] != s0[3]:
             return
         if s0[2] + self.T <= _value(s0[0]).shape[s0[1]]:
             self.slices[o] = s0
@@ -294,11 +333,26 @@ class _Loop:
         return True
 
     def _is_stack_of(self, node: fx.Node, o: int) -> bool:
-        if node.op != "call_function" or node.target is not torch.stack or not node.args:
+        """``torch.stack`` of node o of every block in order, or ``torch.cat`` of them along a size-1 dim."""
+        if node.op != "call_function" or node.target not in _STACKS + _CATS or not node.args:
             return False
         items = node.args[0]
-        return isinstance(items, (list, tuple)) and list(items) == [self.at(t, o) for t in range(self.T)] \
-            and set(node.kwargs) <= {"dim"} and len(node.args) <= 2
+        if not (isinstance(items, (list, tuple)) and list(items) == [self.at(t, o) for t in range(self.T)]
+                and set(node.kwargs) <= {"dim"} and len(node.args) <= 2):
+            return False
+        if node.target in _CATS:
+            value = _value(self.at(0, o))
+            dim = _stack_dim(node)
+            return isinstance(value, torch.Tensor) and -value.dim() <= dim < value.dim() and value.shape[dim] == 1
+        return True
+
+
+_STACKS = (torch.stack, torch.ops.aten.stack.default)
+_CATS = (torch.cat, torch.concat, torch.ops.aten.cat.default)
+
+
+def _stack_dim(node: fx.Node) -> int:
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
 
 
 def _pure(node: fx.Node) -> bool:
@@ -333,9 +387,14 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> fx.GraphModule:
             env.update({node: outs[("carry", o)] for node, o in loop.finals.items()})
         if node in skip:
             continue
-        if node in stacks:
-            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-            env[node] = graph.call_function(torch.movedim, (stacks[node], 0, dim))
+        if node in stacks:  # the scan stacks along dim 0
+            dim = _stack_dim(node)
+            if node.target in _CATS:  # cat of [.., 1, ..] pieces: stack them, then drop the size-1 dim
+                dim %= _value(node).dim()
+                env[node] = graph.call_function(torch.squeeze, (
+                    graph.call_function(torch.movedim, (stacks[node], 0, dim)), dim + 1))
+            else:
+                env[node] = graph.call_function(torch.movedim, (stacks[node], 0, dim))
             continue
         env[node] = graph.node_copy(node, env.__getitem__)
         if node.op in ("get_attr", "call_module"):
@@ -348,12 +407,12 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> fx.GraphModule:
 def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str) -> dict[tuple[str, int], fx.Node]:
     carries, ys, invariants = _io(loop)
     xs = []
-    for o in sorted(loop.slices):
-        x, dim, start = loop.slices[o]
+    for x, dim, start in _sources(loop):
+        size = _value(x).shape[dim]
         x = env[x]
         if dim != 0:
             x = graph.call_function(torch.movedim, (x, dim, 0))
-        if start != 0 or _value(loop.slices[o][0]).shape[dim] != loop.T:
+        if start != 0 or size != loop.T:
             x = graph.call_function(torch.narrow, (x, 0, start, loop.T))
         xs.append(x)
     scan = graph.call_function(torch.ops.higher_order.scan, (
@@ -362,6 +421,12 @@ def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str) -> dict[
     for i, key in enumerate([("carry", o) for o in carries] + [("y", o) for o in ys]):
         outs[key] = graph.call_function(operator.getitem, (scan, i))
     return outs
+
+
+def _sources(loop: _Loop) -> list[tuple[fx.Node, int, int]]:
+    """The distinct ``(x, dim, start)`` the loop slices, one scan input each (``k[:, t]`` read at
+    every use is one input)."""
+    return list(dict.fromkeys(loop.slices[o][:3] for o in sorted(loop.slices)))
 
 
 def _io(loop: _Loop) -> tuple[list[int], list[int], list[fx.Node]]:
@@ -375,8 +440,17 @@ def _body(loop: _Loop) -> fx.GraphModule:
     carries, ys, invariants = _io(loop)
     body = fx.Graph()
     carry_in = {o: body.placeholder(f"carry_{i}") for i, o in enumerate(carries)}
-    env = {loop.at(0, o): body.placeholder(f"x_{i}") for i, o in enumerate(sorted(loop.slices))}
+    xs_in = {source: body.placeholder(f"x_{i}") for i, source in enumerate(_sources(loop))}
     invariant_in = {a: body.placeholder(f"invariant_{i}") for i, a in enumerate(invariants)}
+    env = {}
+    for o in sorted(loop.slices):  # x.select(dim, t) is the scan's x_t; then what the user's slice adds
+        x, dim, _, rest = loop.slices[o]
+        x_t = xs_in[loop.slices[o][:3]]
+        if rest is not None and rest[0] == "index":
+            x_t = body.call_function(operator.getitem, (x_t, rest[1]))
+        elif rest is not None:  # ("keep",): the size-1 time dim stays
+            x_t = body.call_function(torch.unsqueeze, (x_t, dim))
+        env[loop.at(0, o)] = x_t
     for o in range(loop.L):
         node = loop.at(0, o)
         if o in loop.slices:

@@ -29,6 +29,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from hecate.compiler.loops import RolledGraph, roll_loops
+from hecate.compiler.normalize import normalize
 from hecate.compiler.options import Options
 from hecate.compiler.report import FusionReport
 
@@ -50,7 +51,7 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> 
                        for x in example_inputs]
         # run node by node so each ATen node keeps the user's source line (meta["stack_trace"])
         with fx_traceback.preserve_node_meta():
-            return make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
+            return normalize(make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs))
 
 
 def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],

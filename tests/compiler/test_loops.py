@@ -115,14 +115,6 @@ def step_differs(x):
     return h
 
 
-def in_place(x):
-    h = x[:, 0] * 0
-    for t in range(x.shape[1]):
-        h = h * 0.9
-        h.add_(x[:, t])
-    return h
-
-
 def random_step(x):
     h = x[:, 0] * 0
     for t in range(x.shape[1]):
@@ -130,11 +122,52 @@ def random_step(x):
     return h
 
 
-@pytest.mark.parametrize("fn", [step_differs, in_place, random_step],
+@pytest.mark.parametrize("fn", [step_differs, random_step],
                          ids=lambda f: f.__name__)
 def test_what_is_not_one_loop_stays_unrolled(fn):
     gm, _ = _dynamo_graph(fn, torch.randn(3, 6))
     assert roll_loops(gm) is None
+
+
+def in_place(x):
+    """In-place updates of a tensor nothing else aliases: made functional, then rolled."""
+    h, ys = x[:, 0] * 0, []
+    for t in range(x.shape[1]):
+        h = h * 0.9
+        h.add_(x[:, t])
+        h -= 0.1 * x[:, t]
+        ys.append(h.clone())
+    return torch.stack(ys, 1), h
+
+
+def in_place_on_an_input(x, h):
+    for t in range(x.shape[1]):
+        h.mul_(0.9).add_(x[:, t])  # mutates the caller's tensor: must stay as it is
+    return h
+
+
+def slices_every_spelling(x, g):
+    """x[:, t] read at each use, x[:, t, None], narrow, g[:, t, None, None], outputs collected by cat."""
+    h, ys = x[:, 0] * 0, []
+    for t in range(x.shape[1]):
+        h = h * g[:, t, None] + x[:, t] * x[:, t] + x.narrow(1, t, 1).squeeze(1) + x[:, t:t + 1, :][:, 0]
+        ys.append((h * x[:, t]).unsqueeze(1))
+    return torch.cat(ys, dim=1), h
+
+
+def test_in_place_updates_are_made_functional_and_rolled():
+    _check_rolled(in_place, torch.randn(3, 6, 2), steps=[6])
+
+
+def test_in_place_update_of_an_input_is_left_alone():
+    gm, _ = _dynamo_graph(in_place_on_an_input, torch.randn(3, 6), torch.randn(3))
+    assert roll_loops(gm) is None
+
+
+def test_every_slice_spelling_and_cat_are_rolled_with_one_input_per_tensor():
+    rolled = _check_rolled(slices_every_spelling, torch.randn(3, 5, 4), torch.rand(3, 5), steps=[5])
+    (scan,) = _scans(rolled.gm)
+    assert len(scan.args[2]) == 2  # x and g, each sliced once per step however often it is read
 
 
 def test_graph_traced_to_aten_does_not_grow_with_T():
