@@ -20,7 +20,7 @@ from hecate.passes import kl_attention, kl_decode, linear_attention, memory_scan
 
 PASSES: dict[str, Pass] = {
     "qk_preprocess": qk_preprocess.run,
-    "memory_scan": memory_scan.run_memory_scan,
+    "memory_scan": memory_scan.run,
     "linear_attention": linear_attention.run,
     "kl_attention": kl_attention.run,
     "kl_decode": kl_decode.run,

@@ -3,8 +3,8 @@
 ``spec/linear-attention-feature-maps.md``, HOPE Eq 5 (``spec/feature-maps-phi.md``); k, q are φ(k), φ(q):
 
 * the per-token loop and the scan: ``M ← α_t M + v_t kᵀ_t, y_t = M q_t``, optionally normalised
-  by ``z ← α_t z + k_t`` (rolled up by :mod:`hecate.passes.memory_scan`, which shares the chain proof
-  with the l_p memory);
+  by ``z ← α_t z + k_t``, recognised in a scan body by :mod:`hecate.passes.memory_step` (loops arrive
+  rolled up by :mod:`hecate.compiler.loops`);
 * causal by cumulative sum (no decay): ``M_t = Σ_{s≤t} v_s k_sᵀ (+ m0)``, ``y_t = M_t q_t``,
   normalised by ``q_t · Σ_{s≤t} k_s + eps``; the [B, T, H, Dv, Dk] tensor of all M_t is never built;
 * non-causal: ``φ(Q)(φ(K)ᵀV)`` by einsum, normalised by ``φ(Q)·Σ_t φ(k_t) + eps``.
@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from hecate.compiler.report import FusionReport
-from hecate.passes import memory_scan
+from hecate.passes.memory_step import fuse_scans
 from hecate.passes.matching import Match, find_matches, flat_args, literal_slots, pattern_graph, replace_with_op, \
     same_literal
 
@@ -155,7 +155,7 @@ def _final_state_reads(states: fx.Node, match: Match) -> list[fx.Node]:
 
 def run(gm: fx.GraphModule, report: FusionReport) -> None:
     """Fuse the loop and scan forms (as memory_scan does), then the cumsum and non-causal forms."""
-    memory_scan.run_linear_attention(gm, report)
+    fuse_scans(gm, report, "linear_attention")
     for form, normalise, with_m0, pattern in _forms():
         for match in find_matches(gm, pattern):  # a form's matches do not overlap
             try:

@@ -42,7 +42,7 @@ def l2_none_indexing_each_use(k, v, q, alpha, eta):
     M, ys = _m0(k, v), []
     for t in range(k.shape[1]):
         e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
-        M = (1 - alpha[:, t, None, None]) * M - eta[:, t, None, None] * (e + e)[:, :, :, None] * k[:, t, :, None, :]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * (e + e)[:, :, :, None] * k[:, t, :, None, :]
         ys.append((M @ q[:, t, :, :, None])[..., 0])
     return torch.stack(ys, 1), M
 
@@ -63,7 +63,7 @@ def l2_key_value_layout(k, v, q, alpha, eta):
     for t in range(k.shape[1]):
         kt, vt, qt = k[:, t], v[:, t], q[:, t]
         e = (kt.unsqueeze(-2) @ M).squeeze(-2) - vt
-        M = (1 - alpha[:, t, None, None]) * M - eta[:, t, None, None] * 2 * kt.unsqueeze(-1) * e.unsqueeze(-2)
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * 2 * kt.unsqueeze(-1) * e.unsqueeze(-2)
         ys.append((qt.unsqueeze(-2) @ M).squeeze(-2))
     return torch.stack(ys, dim=1), M
 
@@ -84,8 +84,8 @@ def l2_inplace(k, v, q, alpha, eta):
     for t in range(k.shape[1]):
         kt = k[:, t]
         e = (M @ kt.unsqueeze(-1)).squeeze(-1) - v[:, t]
-        M = M * (1 - alpha[:, t, None, None])
-        M -= eta[:, t, None, None] * (2 * e).unsqueeze(-1) * kt.unsqueeze(-2)
+        M = M * (1 - alpha[:, t, :, None, None])
+        M -= eta[:, t, :, None, None] * (2 * e).unsqueeze(-1) * kt.unsqueeze(-2)
         ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
     return torch.stack(ys, dim=1), M
 
@@ -96,8 +96,8 @@ def l2_inplace_methods(k, v, q, alpha, eta):
         kt = k[:, t]
         e = (M @ kt.unsqueeze(-1)).squeeze(-1) - v[:, t]
         M = M.clone()
-        M.mul_(1 - alpha[:, t, None, None])
-        M.add_(eta[:, t, None, None] * (2 * e).unsqueeze(-1) * kt.unsqueeze(-2), alpha=-1.0)
+        M.mul_(1 - alpha[:, t, :, None, None])
+        M.add_(eta[:, t, :, None, None] * (2 * e).unsqueeze(-1) * kt.unsqueeze(-2), alpha=-1.0)
         ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
     return torch.stack(ys, dim=1), M
 
@@ -159,7 +159,7 @@ def l1_tanh(k, v, q, alpha, eta):
     for t in range(k.shape[1]):
         e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
         g = torch.tanh(10.0 * e)
-        M = (1 - alpha[:, t, None, None]) * M - eta[:, t, None, None] * g.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * g.unsqueeze(-1) * k[:, t].unsqueeze(-2)
         ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
     return torch.stack(ys, dim=1), M
 
@@ -171,7 +171,7 @@ def lp3_tanh_square(k, v, q, alpha, eta):
         kt = k[:, t]
         e = torch.einsum("bhvk,bhk->bhv", M, kt) - v[:, t]
         g = p * torch.tanh(a * e) * (e.square() + eps) ** ((p - 1) / 2)
-        M = (1 - alpha[:, t, None, None]) * M - eta[:, t, None, None] * torch.einsum("bhv,bhk->bhvk", g, kt)
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * torch.einsum("bhv,bhk->bhvk", g, kt)
         ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
     return torch.stack(ys, dim=1), M
 
@@ -206,7 +206,7 @@ def lp3_exact_abs_sign(k, v, q, alpha, eta):
     for t in range(k.shape[1]):
         e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
         g = 3 * e.abs() ** 2 * torch.sign(e)
-        M = (1 - alpha[:, t, None, None]) * M - eta[:, t, None, None] * g.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * g.unsqueeze(-1) * k[:, t].unsqueeze(-2)
         ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
     return torch.stack(ys, dim=1), M
 
@@ -217,7 +217,7 @@ def huber(k, v, q, alpha, eta):
     for t in range(k.shape[1]):
         e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
         g = torch.clamp(e, -1.0, 1.0)
-        M = (1 - alpha[:, t, None, None]) * M - eta[:, t, None, None] * g.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * g.unsqueeze(-1) * k[:, t].unsqueeze(-2)
         ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
     return torch.stack(ys, dim=1), M
 
