@@ -90,15 +90,25 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
     position = {n: i for i, n in enumerate(nodes)}
     loops: list[_Loop] = []
     end = 0
-    for start_pos, period, count in _candidates(nodes, position):
+    pending = _candidates(nodes, position)
+    while pending:
+        start_pos, period, count = pending.pop(0)
         if start_pos < end:
             continue
+        shortest = count
         for s in range(max(end, start_pos - period + 1), start_pos + 1):
             loop = _Loop(nodes, position, s, period, count)
+            while not loop.verify() and loop.bad is not None and 2 <= loop.bad < loop.T:
+                loop = _Loop(nodes, position, s, period, loop.bad)  # the steps before the first that differs
             if loop.verify():
                 loops.append(loop)
                 end = loop.end
+                shortest = loop.T
                 break
+            shortest = 1
+        if shortest < count and count - shortest >= 2:  # what follows a step that differs may be a loop again
+            pending.append((start_pos + shortest * period, period, count - shortest))
+            pending.sort()
     if not loops:
         return None
     return RolledGraph(_rebuild(gm, loops), [loop.T for loop in loops])
@@ -230,6 +240,7 @@ class _Loop:
     slices: dict[int, tuple[fx.Node, int, int, Any]] = field(default_factory=dict)  # offset -> (x, dim, start, rest)
     stacks: dict[fx.Node, int] = field(default_factory=dict)  # torch.stack after the loop -> offset
     finals: dict[fx.Node, int] = field(default_factory=dict)  # last block's carry read after -> offset
+    bad: int | None = None  # after a failed verify(): the first block that differs, if one was found
 
     @property
     def end(self) -> int:
@@ -246,6 +257,9 @@ class _Loop:
         return divmod(p - self.s, self.L)
 
     def verify(self) -> bool:
+        """Whether the T blocks are one loop; if not, ``bad`` may name the first block that differs."""
+        self.bad = None
+        self.args, self.carries, self.slices, self.stacks, self.finals = {}, {}, {}, {}, {}
         if self.L < 1 or self.T < 2 or self.end > len(self.nodes):
             return False
         # blocks 0 and 1 first: a wrong block boundary fails here, cheaply
@@ -258,21 +272,22 @@ class _Loop:
             return False
         if ts == (1,):
             self._find_time_slice(o)
+        for t in ts:
+            if not self._same_as_block0(o, n0, t):
+                self.bad = t
+                return False
+        return True
+
+    def _same_as_block0(self, o: int, n0: fx.Node, t: int) -> bool:
         if o in self.slices:
             x, dim, start, rest = self.slices[o]
-            return all(_time_slice(self.at(t, o)) == (x, dim, start + t, rest) for t in ts)
+            return _time_slice(self.at(t, o)) == (x, dim, start + t, rest)
+        nt = self.at(t, o)
+        if nt.op != n0.op or nt.target != n0.target:
+            return False
         leaves0, spec0 = pytree.tree_flatten((n0.args, n0.kwargs))
-        for t in ts:
-            nt = self.at(t, o)
-            if nt.op != n0.op or nt.target != n0.target:
-                return False
-            leaves, spec = pytree.tree_flatten((nt.args, nt.kwargs))
-            if spec != spec0:
-                return False
-            for j, (a0, a) in enumerate(zip(leaves0, leaves)):
-                if not self._same_leaf(o, j, t, a0, a):
-                    return False
-        return True
+        leaves, spec = pytree.tree_flatten((nt.args, nt.kwargs))
+        return spec == spec0 and all(self._same_leaf(o, j, t, a0, a) for j, (a0, a) in enumerate(zip(leaves0, leaves)))
 
     def _find_time_slice(self, o: int) -> None:
         """Record node o as a per-step slice if its index advances by one per block (else it is ordinary)."""
@@ -328,7 +343,8 @@ class _Loop:
                         self.stacks[user] = o
                     elif t == self.T - 1 and o in self.carries:
                         self.finals[node] = o
-                    else:
+                    else:  # read after the loop: the loop can end at block t at the latest
+                        self.bad = t + 1
                         return False
         return True
 

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from hecate.compiler.report import FusionReport
-from hecate.passes.memory_step import fuse_scans
+from hecate.passes.memory_step import fuse_scans, report_unrolled_updates
 from hecate.passes.matching import Match, find_matches, flat_args, literal_slots, pattern_graph, replace_with_op, \
     same_literal
 
@@ -156,6 +156,7 @@ def _final_state_reads(states: fx.Node, match: Match) -> list[fx.Node]:
 def run(gm: fx.GraphModule, report: FusionReport) -> None:
     """Fuse the loop and scan forms (as memory_scan does), then the cumsum and non-causal forms."""
     fuse_scans(gm, report, "linear_attention")
+    report_unrolled_updates(gm, report, "linear_attention")
     for form, normalise, with_m0, pattern in _forms():
         for match in find_matches(gm, pattern):  # a form's matches do not overlap
             try:

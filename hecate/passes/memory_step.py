@@ -836,3 +836,43 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
             user.replace_all_uses_with(replacements[i])
         graph.erase_node(user)
     graph.erase_node(node)
+
+
+# ---------------------------------------------------------------- memory updates left unrolled
+
+def _is_outer_product(node: Any) -> bool:
+    """``x[.., A, 1] * y[.., 1, C]`` (A, C > 1), possibly scaled by more factors."""
+    if not isinstance(node, fx.Node) or node.target is not aten.mul.Tensor:
+        return False
+    shapes = [a.meta["val"].shape if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+              else None for a in node.args]
+    if all(s is not None and len(s) >= 2 for s in shapes):
+        (a1, a2), (b1, b2) = shapes[0][-2:], shapes[1][-2:]
+        if (a2 == 1 and b1 == 1 and a1 != 1 and b2 != 1) or (a1 == 1 and b2 == 1 and a2 != 1 and b1 != 1):
+            return True
+    return any(_is_outer_product(a) for a in node.args)
+
+
+def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
+    """Report (once per graph) memory updates ``M ← a·M ± outer product`` left in the graph unrolled."""
+    if gm.meta.get("hecate_unrolled_reported"):
+        return
+    updates = []
+    for node in gm.graph.nodes:
+        if node.target not in (aten.add.Tensor, aten.sub.Tensor):
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or min(value.shape[-2:]) < 2:
+            continue
+        terms = [t for _, t in _terms(node)]
+        if any(_is_outer_product(t) for t in terms) and any(
+                isinstance(t, fx.Node) and not _is_outer_product(t) and isinstance(t.meta.get("val"), torch.Tensor)
+                and t.meta["val"].shape == value.shape for t in terms):
+            updates.append(node)
+    if updates:
+        gm.meta["hecate_unrolled_reported"] = True
+        report.add_miss(op, f"{len(updates)} memory update step(s) M ← a·M + (outer product) are written out step by "
+                        "step and could not be rolled up into one loop: the steps differ (an op, a literal such as "
+                        "p, or a gate's form changes between steps), an intermediate state is read outside the "
+                        "loop, or there is a single step; compiled as written",
+                        f"{updates[0].name} .. {updates[-1].name}", nodes=updates)
