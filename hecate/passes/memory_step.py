@@ -516,19 +516,31 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     gx = G(grid)
     if not _close(G(grid.flip(0)), gx.flip(0)):
         raise NotFused("the update's error factor g(e) is not pointwise in e")
-    ops = sorted({str(n.target).removeprefix("aten.").split(".")[0] for n in inside if n.op == "call_function"
-                  and n is not en})
     params = _identify_bias(gx, grid, b.literals(inside))
-    if params is None:
-        raise NotFused(f"the bias gradient g(e) ({', '.join(ops) or 'e'}) is a pointwise function memory_scan does "
-                       "not compute yet; its built-in ones are 2e, tanh(a·e) and p·tanh(a·e)·(e²+eps)^((p−1)/2)")
-    p, a, eps, scale = params
-    if rec.params["q_norm"] != 2.0 and p not in (1.0, 2.0) and not math.isclose(eps, lq_eps):
-        raise NotFused(f"the bias's eps ({eps:g}) and MONETA's eps ({lq_eps:g}) differ; memory_scan takes one")
-    rec.params.update(p=p, a=a, eps=lq_eps if p in (1.0, 2.0) and rec.params["q_norm"] != 2.0 else eps)
+    if params is None:  # any other pointwise g: the op generates it into its kernels
+        p, a, eps, scale = 2.0, 10.0, lq_eps or 1e-6, 1.0
+        rec.params["bias"] = _bias_expression(en, g_factors, e_sign)
+    else:
+        p, a, eps, scale = params
+        if rec.params["q_norm"] != 2.0 and p not in (1.0, 2.0) and not math.isclose(eps, lq_eps):
+            raise NotFused(f"the bias's eps ({eps:g}) and MONETA's eps ({lq_eps:g}) differ; memory_scan takes one")
+        if rec.params["q_norm"] != 2.0 and p in (1.0, 2.0):
+            eps = lq_eps
+    rec.params.update(p=p, a=a, eps=eps)
     # M_new = keep·M + coef·Π gates·G(e)·kᵀ = (1 − α)·M − η·bias(e)·kᵀ with η = −coef·scale·Π gates
     rec.per_step["eta"] = PerStep(-update.coef * scale, gates, update.divisors)
     rec.per_step["alpha"] = PerStep(keep.coef, keep.factors, keep.divisors, offset=1.0)
+
+
+def _bias_expression(e: fx.Node, g_factors: list[fx.Node], e_sign: float) -> str:
+    """g as a :mod:`hecate.lowering.pointwise` expression of e = M·k − v (the error node is ``e_sign``·e)."""
+    from hecate.lowering import pointwise
+
+    try:
+        factors = [pointwise.extract(e, g) for g in g_factors]
+    except pointwise.NotPointwise as why:
+        raise NotFused(f"the bias gradient g(e) is not elementwise in e: {why}") from None
+    return pointwise.trace(lambda x: math.prod(pointwise.evaluate(f, e_sign * x) for f in factors))
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -568,6 +580,12 @@ def _identify_bias(g: torch.Tensor, e: torch.Tensor, literals: set[float]) -> tu
     return None
 
 
+def _evaluate_bias(expr: str, e: torch.Tensor) -> torch.Tensor:
+    from hecate.lowering import pointwise
+
+    return pointwise.evaluate(expr, e)
+
+
 def _verify(b: _Body, rec: Recurrence) -> None:
     """The whole step, at fresh random points, against the op's own equations with the recovered roles."""
     env = _evaluate(b.graph, _random_inputs(b.placeholders, 1, set(b.carries)))
@@ -593,7 +611,8 @@ def _verify(b: _Body, rec: Recurrence) -> None:
         eta = rec.per_step["eta"].value(env, lead)[..., None, None]
         p, a, eps, qn = rec.params["p"], rec.params["a"], rec.params["eps"], rec.params["q_norm"]
         e = (_lq(M, qn, eps) @ k.unsqueeze(-1)).squeeze(-1) - v
-        U = _bias(e, p, a, eps).unsqueeze(-1) * k.unsqueeze(-2)
+        g = _bias(e, p, a, eps) if "bias" not in rec.params else _evaluate_bias(rec.params["bias"], e)
+        U = g.unsqueeze(-1) * k.unsqueeze(-2)
         if rec.momentum_state is not None:
             S = env[b.carries[rec.momentum_state]]
             S = (S.transpose(-1, -2) if rec.layout == "kv" else S)
@@ -678,6 +697,8 @@ def describe(rec: Recurrence) -> str:
     p = rec.params["p"]
     bias = {2.0: "l_2 bias p=2 (2e fast path)", 1.0: "l_1 bias p=1 (tanh fast path)"}.get(
         p, f"l_p bias p={p:g} (general form)")
+    if "bias" in rec.params:
+        bias = f"bias g(e) = {rec.params['bias']} (generated)"
     if rec.params.get("q_norm", 2.0) != 2.0:
         retention = f"MONETA L_q retention q={rec.params['q_norm']:g}"
     elif rec.momentum_state is not None:
@@ -805,7 +826,8 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
         if rec.kind == "lp":
             p = rec.params
             call = _call(graph, torch.ops.hecate.memory_scan.default, seq["k"], seq["v"], seq["q"], gates["alpha"],
-                         gates["eta"], m0, None, p["p"], p["a"], p["eps"], p.get("momentum", 0.0), p["q_norm"])
+                         gates["eta"], m0, None, p["p"], p["a"], p["eps"], p.get("momentum", 0.0), p["q_norm"],
+                         p.get("bias", ""))
         else:
             normalise = rec.normaliser_state is not None
             z0 = None
