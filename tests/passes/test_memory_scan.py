@@ -164,17 +164,30 @@ def test_user_function_over_bthd_tensors_is_fused(fresh_dynamo):
     check_fused(_Fn(), _user_inputs(), "GD, l_p bias p=2.5 (general form); loop rolled up 6 steps")
 
 
+def test_general_form_at_p2_is_generated_not_taken_for_the_2e_fast_path(fresh_dynamo):
+    """p·tanh(a·e)·(e²+eps)^((p−1)/2) at p = 2 is not 2e: the op computes the user's g itself."""
+    fn, inputs = _Fn(p_at=lambda t: 2.0), _user_inputs()
+    y_ref, m_ref, g_ref = _grads(fn, inputs, [])
+    y, m, g = _grads(torch.compile(fn, backend="hecate", options=EAGER), inputs, [])
+    (fusion,) = hecate.last_report().fusions
+    # the literal factor p = 2 goes to the step size; g is the rest, tanh(10e)·(e² + 1e-6)^0.5
+    assert fusion.detail.startswith("GD, bias g(e) = ") and "tanh" in fusion.detail and "pow" in fusion.detail
+    assert fusion.detail.endswith("(generated); loop rolled up 6 steps")
+    assert_close("y", y, y_ref, TOL)
+    assert_close("m_final", m, m_ref, TOL)
+    for a, b in zip(g, g_ref):
+        assert_close("grad", a, b, TOL)
+
+
 UNROLLED = "written out step by step and could not be rolled up into one loop"
 NEAR_MISSES = [
     (dict(read_state_at=2), UNROLLED),
     (dict(p_at=lambda t: 2.5 if t < 4 else 3.0), UNROLLED),
     (dict(odd_step=3), UNROLLED),
-    # p = 2 in the general form is not memory_scan's 2e fast path
-    (dict(p_at=lambda t: 2.0), "is a pointwise function memory_scan does not compute yet"),
 ]
 
 
-@pytest.mark.parametrize("kwargs,reason", NEAR_MISSES, ids=["reads-state", "p-changes", "odd-op", "general-p2"])
+@pytest.mark.parametrize("kwargs,reason", NEAR_MISSES, ids=["reads-state", "p-changes", "odd-op"])
 def test_near_miss_is_reported_not_fused_and_correct(kwargs, reason, fresh_dynamo):
     fn = _Fn(**kwargs)
     inputs = _user_inputs()
