@@ -372,6 +372,8 @@ def _stack_dim(node: fx.Node) -> int:
 
 
 def _pure(node: fx.Node) -> bool:
+    if isinstance(node.target, torch._ops.OpOverload):  # an ATen graph (torch.export's)
+        return not node.target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in node.target.tags
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     if name.endswith("_") and not name.endswith("__") or "out" in node.kwargs:
         return False  # in place

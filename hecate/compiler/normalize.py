@@ -1,8 +1,11 @@
 """One normal form for the ATen graph, so that spellings collapse before any pass looks.
 
 Every rewrite here is exact: the rewritten graph computes bit-for-bit what the original
-computes (checked in ``tests/compiler/test_normalize.py``). :func:`normalize` applies, to
-the graph and to the body of every ``scan`` in it:
+computes (checked in ``tests/compiler/test_normalize.py``). :func:`normalize` makes in-place
+ops functional in the whole graph, and applies to the body of every ``scan`` in it (where
+the memory passes look) the whole normal form below. (The graph outside loop bodies keeps
+its other spellings until the passes that match fixed patterns there trace their patterns
+into the same normal form: their SubgraphMatcher patterns are not normalised today.)
 
 * :func:`functionalize`: an in-place op on a tensor nothing else aliases (``M.mul_(a)``,
   ``M -= x``, ``M.add_(x, alpha=-1)``) becomes its out-of-place op, later reads of the
@@ -39,23 +42,31 @@ _INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, 
 
 
 def normalize(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite the ATen graph ``gm`` (and its scan bodies) into the normal form, in place; return it."""
-    for graph_module in _graph_modules(gm):
-        graph = graph_module.graph
-        functionalize(graph)
-        outputs = _output_nodes(graph)
-        for node in list(graph.nodes):
-            if node.op != "call_function":
-                continue
-            replacement = _rewrite(graph, node, outputs)
-            if replacement is not None and replacement is not node:
-                node.replace_all_uses_with(replacement)
-                graph.erase_node(node)
-        eliminate_common_subexpressions(graph)
-        graph.eliminate_dead_code()
-        graph.lint()
-        graph_module.recompile()
+    """Make ``gm`` functional and rewrite its scan bodies into the normal form, in place; return it."""
+    functionalize(gm.graph)
+    gm.recompile()
+    for graph_module in _graph_modules(gm)[1:]:
+        normalize_graph(graph_module)
     return gm
+
+
+def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``graph_module`` (not the graphs it calls) into the whole normal form, in place; return it."""
+    graph = graph_module.graph
+    functionalize(graph)
+    outputs = _output_nodes(graph)
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        replacement = _rewrite(graph, node, outputs)
+        if replacement is not None and replacement is not node:
+            node.replace_all_uses_with(replacement)
+            graph.erase_node(node)
+    eliminate_common_subexpressions(graph)
+    graph.eliminate_dead_code()
+    graph.lint()
+    graph_module.recompile()
+    return graph_module
 
 
 def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:

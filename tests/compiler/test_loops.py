@@ -173,6 +173,26 @@ def test_every_slice_spelling_and_cat_are_rolled_with_one_input_per_tensor():
     assert len(scan.args[2]) == 2  # x and g, each sliced once per step however often it is read
 
 
+def test_loop_in_an_aten_graph_is_rolled():
+    """torch.export hands over ATen graphs: per-step inputs are aten.select / aten.slice, outputs aten.stack."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fn(x, h, W):
+        ys = []
+        for t in range(x.shape[1]):
+            h = torch.tanh(h @ W + x[:, t] + x[:, t:t + 1, 0])
+            ys.append(h)
+        return torch.stack(ys, dim=1), h
+
+    args = (torch.randn(3, 5, 4), torch.randn(3, 4), torch.randn(4, 4))
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    assert torch.ops.aten.select.int in [n.target for n in gm.graph.nodes]
+    rolled = roll_loops(gm)
+    assert rolled is not None and rolled.steps == [5]
+    for a, b in zip(rolled.gm(*args), fn(*args)):
+        assert_close("output", a, b, 1e-6)
+
+
 def test_graph_traced_to_aten_does_not_grow_with_T():
     """What canonicalise re-traces and what the passes match on has one body, at any T."""
     model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=3.0, alpha=None, eta=None)

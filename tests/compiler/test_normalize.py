@@ -1,5 +1,8 @@
 """The normal form (hecate.compiler.normalize): spellings collapse, results never change.
 
+``normalize`` (what the pipeline runs) makes the whole graph functional and puts scan bodies
+in the whole normal form; ``normalize_graph`` is that whole normal form on one graph.
+
 Each case traces a function to the ATen graph the passes see (``canonicalize``), checks
 what the normal form made of it, and runs the normalised graph against the original on
 the same inputs: the outputs must be bit-for-bit equal (the rewrites are exact).
@@ -10,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hecate.compiler.normalize import eliminate_common_subexpressions, functionalize, normalize
+from hecate.compiler.normalize import eliminate_common_subexpressions, functionalize, normalize, normalize_graph
 from hecate.compiler.pipeline import canonicalize
 
 aten = torch.ops.aten
@@ -83,7 +86,7 @@ def products(g, k, M, x):
 
 def test_products_that_sum_nothing_become_broadcast_multiplies():
     args = (torch.randn(2, 3, 4), torch.randn(2, 3, 5), torch.randn(2, 3, 4, 5), torch.randn(2, 3))
-    gm = normalize(_traced(products, *args))
+    gm = normalize_graph(_traced(products, *args))
     targets = _targets(gm)
     assert aten.einsum.default not in targets and aten.bmm.default not in targets
     assert aten.matmul.default not in targets
@@ -96,7 +99,7 @@ def contraction(M, k):
 
 def test_contractions_are_kept():
     args = (torch.randn(2, 4, 3), torch.randn(2, 3))
-    gm = normalize(_traced(contraction, *args))
+    gm = normalize_graph(_traced(contraction, *args))
     assert aten.einsum.default in _targets(gm)
     _check_exact(contraction, args, gm)
 
@@ -111,7 +114,7 @@ def spellings(x, k):
 
 def test_narrow_square_copies_and_repeated_slices():
     args = (torch.randn(3, 4), torch.randn(3, 4))
-    gm = normalize(_traced(spellings, *args))
+    gm = normalize_graph(_traced(spellings, *args))
     targets = _targets(gm)
     assert targets.count(aten.select.int) == 1  # k[:, 1] once
     assert aten.narrow.default not in targets and aten.slice.Tensor in targets
