@@ -435,6 +435,11 @@ def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str) -> dict[
         xs.append(x)
     scan = graph.call_function(torch.ops.higher_order.scan, (
         graph.get_attr(body_name), [env[loop.carries[o]] for o in carries], xs, [env[a] for a in invariants]))
+    # the user's line a report names for the loop: where the largest state is updated
+    updates = sorted(carries, key=lambda o: -getattr(_value(loop.at(0, o)), "dim", lambda: 0)())
+    traces = [loop.at(0, o).meta.get("stack_trace") for o in updates]
+    if any(traces):
+        scan.meta["stack_trace"] = next(t for t in traces if t)
     outs = {}
     for i, key in enumerate([("carry", o) for o in carries] + [("y", o) for o in ys]):
         outs[key] = graph.call_function(operator.getitem, (scan, i))

@@ -479,8 +479,8 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     en, kn, vn, e_sign = found
     rec.per_step["k"], rec.per_step["v"] = PerStep(1.0, [kn]), PerStep(1.0, [vn])
     g_factors = [f for f in update.factors if b.depends[f]]
-    if any(b.depends[d] for d in update.divisors):
-        raise NotFused("the update divides by a function of the memory")
+    g_divisors = [d for d in update.divisors if b.depends[d]]
+    update.divisors = [d for d in update.divisors if not b.depends[d]]
     k_val = b.env[kn]
     k_factors = [f for f in update.factors if not b.depends[f] and f is kn
                  or (not b.depends[f] and _as(b.env[f], rec.lead + (rec.dk,)) is not None
@@ -493,14 +493,15 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
             raise NotFused(f"the update's factor {f.name} is neither the key, nor a function of e, nor one "
                            "number per head (a gate)")
     # G: the g-factors as a function of e alone
-    inside = b.between(en, g_factors)
-    outside = {p for g in g_factors for p in _ancestors(g) if p.op == "placeholder"} - set(_ancestors(en))
+    inside = b.between(en, g_factors + g_divisors)
+    outside = {p for g in g_factors + g_divisors for p in _ancestors(g) if p.op == "placeholder"} - set(_ancestors(en))
     if outside:
         raise NotFused("the update's error factor g(e) also reads other inputs (" +
                        ", ".join(sorted(p.name for p in outside)) + ")")
-    for g in g_factors:
+    for g in g_factors + g_divisors:
         if b.env[g].numel() != b.env[en].numel():
-            raise NotFused("the update's error factor g(e) does not have one value per element of e")
+            raise NotFused(f"the update's error factor g(e) is not elementwise in e: {g.name} has "
+                           f"{b.env[g].numel()} values where e has {b.env[en].numel()}")
     grid = torch.cat([torch.linspace(-3, 3, 61, dtype=torch.float64),
                       torch.tensor([1e-4, -1e-4, 0.03, -0.07, 7.5, -11.0], dtype=torch.float64)])
     n = b.env[en].numel()
@@ -511,15 +512,17 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
         out = torch.ones_like(x)
         for g in g_factors:
             out = out * env[g].reshape(-1)
+        for d in g_divisors:
+            out = out / env[d].reshape(-1)
         return out
 
     gx = G(grid)
     if not _close(G(grid.flip(0)), gx.flip(0)):
-        raise NotFused("the update's error factor g(e) is not pointwise in e")
+        raise NotFused("the update's error factor g(e) is not elementwise in e")
     params = _identify_bias(gx, grid, b.literals(inside))
     if params is None:  # any other pointwise g: the op generates it into its kernels
         p, a, eps, scale = 2.0, 10.0, lq_eps or 1e-6, 1.0
-        rec.params["bias"] = _bias_expression(en, g_factors, e_sign)
+        rec.params["bias"] = _bias_expression(en, g_factors, g_divisors, e_sign)
     else:
         p, a, eps, scale = params
         if rec.params["q_norm"] != 2.0 and p not in (1.0, 2.0) and not math.isclose(eps, lq_eps):
@@ -532,15 +535,23 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     rec.per_step["alpha"] = PerStep(keep.coef, keep.factors, keep.divisors, offset=1.0)
 
 
-def _bias_expression(e: fx.Node, g_factors: list[fx.Node], e_sign: float) -> str:
-    """g as a :mod:`hecate.lowering.pointwise` expression of e = M·k − v (the error node is ``e_sign``·e)."""
+def _bias_expression(e: fx.Node, g_factors: list[fx.Node], g_divisors: list[fx.Node], e_sign: float) -> str:
+    """g = Π factors / Π divisors as a :mod:`hecate.lowering.pointwise` expression of e = M·k − v
+    (the error node is ``e_sign``·e)."""
     from hecate.lowering import pointwise
 
     try:
         factors = [pointwise.extract(e, g) for g in g_factors]
+        divisors = [pointwise.extract(e, d) for d in g_divisors]
     except pointwise.NotPointwise as why:
         raise NotFused(f"the bias gradient g(e) is not elementwise in e: {why}") from None
-    return pointwise.trace(lambda x: math.prod(pointwise.evaluate(f, e_sign * x) for f in factors))
+
+    def g(x):
+        out = math.prod(pointwise.evaluate(f, e_sign * x) for f in factors)
+        for d in divisors:
+            out = out / pointwise.evaluate(d, e_sign * x)
+        return out
+    return pointwise.trace(g)
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -876,8 +887,13 @@ def _is_outer_product(node: Any) -> bool:
 
 
 def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
-    """Report (once per graph) memory updates ``M ← a·M ± outer product`` left in the graph unrolled."""
-    if gm.meta.get("hecate_unrolled_reported"):
+    """Report (once per graph) memory updates ``M ← a·M ± outer product`` left in the graph unrolled.
+
+    Not when the report already says why ``op`` did not fuse (a loop rolled up, analysed and
+    found no memory step is then compiled unrolled: its reason is the analysis's).
+    """
+    if gm.meta.get("hecate_unrolled_reported") or any(m.pattern in ("memory_scan", "linear_attention")
+                                                        for m in report.misses):
         return
     updates = []
     for node in gm.graph.nodes:

@@ -312,3 +312,28 @@ def test_model_exports_to_onnx_with_the_recurrence_as_one_scan(tmp_path):
     y_ref, m_ref = model(x)
     assert_close("onnx y", torch.from_numpy(y), y_ref, 1e-5)
     assert_close("onnx m_final", torch.from_numpy(m), m_ref, 1e-5)
+
+
+def normalised_error_step(k, v, q, alpha, eta):
+    """g(e) = e / ‖e‖: not elementwise in e, so no memory_scan bias."""
+    M, ys = k.new_zeros(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        g = e / e.norm(dim=-1, keepdim=True)
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * g.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+def test_bias_that_is_not_elementwise_is_reported_with_its_reason(fresh_dynamo):
+    inputs = _user_inputs(4)
+    y_ref, m_ref, g_ref = _grads(normalised_error_step, inputs, [])
+    y, m, g = _grads(torch.compile(normalised_error_step, backend="hecate", options=EAGER), inputs, [])
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 0
+    (miss,) = [m for m in report.misses if m.pattern == "memory_scan"]
+    assert "loop of 4 steps is not a memory step" in miss.reason and "not elementwise in e" in miss.reason, str(report)
+    assert miss.source.startswith("test_memory_scan.py:"), miss.source  # the user's line
+    assert_close("y", y, y_ref, 1e-6)
+    for a, b in zip(g, g_ref):
+        assert_close("grad", a, b, 1e-6)
