@@ -8,19 +8,26 @@ proves it is one loop, and replaces it by the node Dynamo itself emits for torch
     torch.ops.higher_order.scan(body, init, xs, invariants)
 
 so re-tracing sees the body once and the memory passes fuse the scan like a user's own.
-What :meth:`_Loop.verify` proves, for T ≥ 2 consecutive blocks of L nodes:
+It serves Dynamo's graph and ATen graphs (torch.export's) alike. What :meth:`_Loop.verify`
+proves, for T ≥ 2 consecutive blocks of L nodes:
 
 * node ``o`` of every block has the same op, target and literals, except the time index of
-  a per-step slice: block t reads ``x[..., start + t, ...]`` of one tensor x from before the
-  loop (a getitem or ``select``): those slices become the scan's ``xs``;
+  a per-step slice: block t reads time index start + t of one tensor x from before the loop,
+  written any way (``x[:, t]``, ``x[:, t, None]``, ``x[..., t]``, ``x.select``, ``narrow(.., t, 1)``,
+  ``x[:, t:t + 1]``, ATen ``select``/``slice``): each sliced tensor becomes one of the scan's
+  ``xs`` (read at several places per step, it is still one input);
 * every tensor input of node ``o`` is, in every block, either node ``o'`` of the same block
   (internal), one node from before the loop (an invariant), or node ``o'`` of the previous
   block with a value from before the loop in block 0 (a carry, whose init is that value);
 * after the loop only the last block's carries are read, and ``torch.stack`` of one node
-  from every block, in order (the scan's stacked per-step outputs);
-* nothing in the loop mutates or draws random numbers.
+  from every block, in order, or ``torch.cat`` of them along a size-1 dim (the scan's stacked
+  per-step outputs);
+* nothing in the loop mutates (in-place updates of unaliased tensors are made functional
+  first) or draws random numbers.
 
-A run that fails any check is left unrolled, exactly as Dynamo produced it.
+A run whose blocks differ from block t on (another literal, op or p) is rolled up to t and
+the rest is tried again as a loop of its own. A run that fails any check is left unrolled,
+exactly as Dynamo produced it.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx

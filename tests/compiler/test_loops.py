@@ -4,7 +4,6 @@ Each rolled graph is run eagerly and compared with Dynamo's unrolled graph on th
 inputs, so a wrong carry, slice or stack shows as a numerical difference.
 """
 
-import pytest
 import torch
 
 import hecate
