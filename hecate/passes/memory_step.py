@@ -122,6 +122,10 @@ def _terms(node: Any, sign: float = 1.0, stop: frozenset = frozenset()) -> list[
             return _terms(node.args[0], -sign, stop)
         if node.target in (aten.clone.default, aten.alias.default):
             return _terms(node.args[0], sign, stop)
+        if node.target in (aten.addcmul.default, aten.addcdiv.default) and len(node.args) == 3:
+            value = node.kwargs.get("value", 1)  # self + value·t1·t2 (or t1/t2): a term that is a product
+            kind = "mul" if node.target is aten.addcmul.default else "div"
+            return _terms(node.args[0], sign, stop) + [(sign * value, (kind, node.args[1], node.args[2]))]
     return [(sign, node)]
 
 
@@ -135,6 +139,10 @@ class _Product:
 def _product(node: Any, out: _Product | None = None, invert: bool = False) -> _Product:
     """``node`` as coef · Π factors / Π divisors, through mul/div/neg and views."""
     out = out or _Product()
+    if isinstance(node, tuple):  # ("mul" | "div", a, b) from addcmul / addcdiv
+        kind, a, b = node
+        _product(a, out, invert)
+        return _product(b, out, invert if kind == "mul" else not invert)
     if isinstance(node, (int, float)) and not isinstance(node, bool):
         out.coef = out.coef / node if invert else out.coef * node
         return out

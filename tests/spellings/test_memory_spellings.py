@@ -151,6 +151,20 @@ def l2_delta_rule_no_two(k, v, q, alpha, eta):
     return torch.stack(ys, dim=1), M
 
 
+def l2_phi_and_gates_inside_the_loop(k, v, q, alpha, eta):
+    """φ(k) = elu(k) + 1 and the gates σ(·) computed per step inside the loop; M in place with addcmul_."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        phi_k = torch.nn.functional.elu(k[:, t]) + 1
+        phi_q = torch.nn.functional.elu(q[:, t]) + 1
+        lr = torch.sigmoid(eta[:, t])[..., None, None]
+        e = (M @ phi_k[..., None])[..., 0] - v[:, t]
+        M = M * (1 - alpha[:, t, :, None, None])
+        M.addcmul_((-lr * 2) * e[..., None], phi_k[..., None, :])
+        ys.append((M @ phi_q[..., None])[..., 0])
+    return torch.stack(ys, dim=1), M
+
+
 # ---------------------------------------------------------------- p = 1, general p, momentum
 
 def l1_tanh(k, v, q, alpha, eta):
@@ -257,6 +271,31 @@ def hebbian_float_decay_matmul_outer(k, v, q, alpha, eta):
     return torch.stack(ys, dim=1), M
 
 
+def hebbian_normalised(k, v, q, alpha, eta):
+    """Normalised linear attention: y = M q / (z·q + eps), z ← α z + k; positive features."""
+    k, q = torch.nn.functional.elu(k) + 1, torch.nn.functional.elu(q) + 1
+    M, ys = _m0(k, v), []
+    z = k.new_zeros(k.shape[0], k.shape[2], k.shape[3])
+    for t in range(k.shape[1]):
+        a = alpha[:, t].unsqueeze(-1)
+        M = a.unsqueeze(-1) * M + torch.einsum("bhv,bhk->bhvk", v[:, t], k[:, t])
+        z = a * z + k[:, t]
+        num = torch.einsum("bhvk,bhk->bhv", M, q[:, t])
+        ys.append(num / (torch.einsum("bhk,bhk->bh", z, q[:, t]).unsqueeze(-1) + 1e-6))
+    return torch.stack(ys, dim=1), M
+
+
+def hebbian_single_head_bmm(k, v, q, alpha, eta):
+    """One head, [B, Dv, Dk] state, bmm for the read and the outer product, a gate scaling the write."""
+    k, v, q, alpha, eta = k[:, :, 0], v[:, :, 0], q[:, :, 0], alpha[:, :, 0], eta[:, :, 0]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        write = torch.bmm((eta[:, t, None] * v[:, t]).unsqueeze(2), k[:, t].unsqueeze(1))
+        M = alpha[:, t].view(-1, 1, 1) * M + write
+        ys.append(torch.bmm(M, q[:, t].unsqueeze(2)).squeeze(2))
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
     "l2_reference": (l2_reference, "memory_scan"),
     "l2_none_indexing_each_use": (l2_none_indexing_each_use, "memory_scan"),
@@ -269,6 +308,7 @@ SPELLINGS = {
     "l2_matmul_mT_contiguous": (l2_matmul_mT_contiguous, "memory_scan"),
     "l2_single_head": (l2_single_head, "memory_scan"),
     "l2_delta_rule_no_two": (l2_delta_rule_no_two, "memory_scan"),
+    "l2_phi_and_gates_inside_the_loop": (l2_phi_and_gates_inside_the_loop, "memory_scan"),
     "l1_tanh": (l1_tanh, "memory_scan"),
     "lp3_tanh_square": (lp3_tanh_square, "memory_scan"),
     "lp25_pow_sigmoid_gates": (lp25_pow_sigmoid_gates, "memory_scan"),
@@ -279,6 +319,8 @@ SPELLINGS = {
     "hebbian_einsum": (hebbian_einsum, "linear_attention"),
     "hebbian_key_value_layout_inplace": (hebbian_key_value_layout_inplace, "linear_attention"),
     "hebbian_float_decay_matmul_outer": (hebbian_float_decay_matmul_outer, "linear_attention"),
+    "hebbian_normalised": (hebbian_normalised, "linear_attention"),
+    "hebbian_single_head_bmm": (hebbian_single_head_bmm, "linear_attention"),
 }
 
 
