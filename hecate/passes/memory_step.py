@@ -299,7 +299,11 @@ class _Body:
 
 def analyse(body: fx.GraphModule, n_carries: int) -> Recurrence:
     """Prove ``body`` (a scan body: carries first) is one memory step; raise :class:`NotFused` if not."""
-    b = _Body(body, n_carries)
+    try:
+        b = _Body(body, n_carries)
+    except (RuntimeError, TypeError, ValueError) as why:  # an op that does not run on float64 sample points
+        raise NotFused(f"the loop body could not be evaluated at sample points ({type(why).__name__}: "
+                       f"{str(why).splitlines()[0] if str(why) else ''})") from None
     if len(b.ys) != 1:
         raise NotFused(f"the loop produces {len(b.ys)} per-step outputs; a memory loop produces its reads y_t")
     candidates = [i for i, c in enumerate(b.carries)
@@ -672,7 +676,6 @@ def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
     kind = {"memory_scan": "lp", "linear_attention": "hebbian"}[op]
     for node in scans(gm):
         rec = recognise(gm, node)
-        where = node.meta.get("hecate_source_nodes", [node])
         if isinstance(rec, NotFused):
             if not node.meta.get("hecate_memory_step_reported"):
                 node.meta["hecate_memory_step_reported"] = True
@@ -776,8 +779,12 @@ def _sequence(gm: fx.GraphModule, node: fx.Node, per_step: PerStep, shape: tuple
     fake_vals = [n.meta["val"] for n in outer]
     fake_mode = detect_fake_mode([v for v in fake_vals if isinstance(v, torch.Tensor)])
     in_dims = tuple([0] * len(xs) + [None] * len(invariants))
-    with fake_mode:
-        traced = make_fx(torch.vmap(one_step, in_dims=in_dims))(*fake_vals)  # vmap is not traceable pre-dispatch
+    try:
+        with fake_mode:
+            traced = make_fx(torch.vmap(one_step, in_dims=in_dims))(*fake_vals)  # vmap: not traceable pre-dispatch
+    except (RuntimeError, TypeError, ValueError) as why:
+        raise NotFused(f"a per-step input of the memory could not be computed for all steps at once "
+                       f"({type(why).__name__}: {str(why).splitlines()[0] if str(why) else ''})") from None
     env: dict[fx.Node, Any] = {}
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env.update(zip(placeholders, outer))
