@@ -73,7 +73,8 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
             unfused = RolledGraph.unfused(aten_gm)
             if not unfused:
                 return aten_gm, rolled_report
-            report.misses.extend(rolled_report.misses)  # why each pass did not fuse the rolled loop
+            # why the scan passes did not fuse the rolled loop (the other passes report again below)
+            report.misses.extend(m for m in rolled_report.misses if m.pattern in _SCAN_PASSES)
             for steps, ops in unfused:
                 report.add_miss("loops", f"a Python loop of {steps} steps is not a step any pass fuses "
                                 f"(its body calls {', '.join(ops)}); compiled unrolled", "")
