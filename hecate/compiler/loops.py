@@ -8,19 +8,26 @@ proves it is one loop, and replaces it by the node Dynamo itself emits for torch
     torch.ops.higher_order.scan(body, init, xs, invariants)
 
 so re-tracing sees the body once and the memory passes fuse the scan like a user's own.
-What :meth:`_Loop.verify` proves, for T ≥ 2 consecutive blocks of L nodes:
+It serves Dynamo's graph and ATen graphs (torch.export's) alike. What :meth:`_Loop.verify`
+proves, for T ≥ 2 consecutive blocks of L nodes:
 
 * node ``o`` of every block has the same op, target and literals, except the time index of
-  a per-step slice: block t reads ``x[..., start + t, ...]`` of one tensor x from before the
-  loop (a getitem or ``select``): those slices become the scan's ``xs``;
+  a per-step slice: block t reads time index start + t of one tensor x from before the loop,
+  written any way (``x[:, t]``, ``x[:, t, None]``, ``x[..., t]``, ``x.select``, ``narrow(.., t, 1)``,
+  ``x[:, t:t + 1]``, ATen ``select``/``slice``): each sliced tensor becomes one of the scan's
+  ``xs`` (read at several places per step, it is still one input);
 * every tensor input of node ``o`` is, in every block, either node ``o'`` of the same block
   (internal), one node from before the loop (an invariant), or node ``o'`` of the previous
   block with a value from before the loop in block 0 (a carry, whose init is that value);
 * after the loop only the last block's carries are read, and ``torch.stack`` of one node
-  from every block, in order (the scan's stacked per-step outputs);
-* nothing in the loop mutates or draws random numbers.
+  from every block, in order, or ``torch.cat`` of them along a size-1 dim (the scan's stacked
+  per-step outputs);
+* nothing in the loop mutates (in-place updates of unaliased tensors are made functional
+  first) or draws random numbers.
 
-A run that fails any check is left unrolled, exactly as Dynamo produced it.
+A run whose blocks differ from block t on (another literal, op or p) is rolled up to t and
+the rest is tried again as a loop of its own. A run that fails any check is left unrolled,
+exactly as Dynamo produced it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from typing import Any
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
+
+from hecate.compiler.normalize import functionalize
 
 _TENSOR_OPS = ("call_function", "call_method")
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform")
@@ -77,20 +86,36 @@ def _scans(graph: fx.Graph) -> list[fx.Node]:
 
 
 def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
-    """A copy of Dynamo's ``gm`` with every provable unrolled loop rolled into a scan, or None."""
+    """A copy of Dynamo's ``gm`` with every provable unrolled loop rolled into a scan, or None.
+
+    In-place updates of tensors nothing else aliases (``M -= ...``) are first made functional
+    in ``gm`` itself (exactly: see :func:`hecate.compiler.normalize.functionalize`).
+    """
+    functionalize(gm.graph)
+    gm.recompile()
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     loops: list[_Loop] = []
     end = 0
-    for start_pos, period, count in _candidates(nodes, position):
+    pending = _candidates(nodes, position)
+    while pending:
+        start_pos, period, count = pending.pop(0)
         if start_pos < end:
             continue
+        shortest = count
         for s in range(max(end, start_pos - period + 1), start_pos + 1):
             loop = _Loop(nodes, position, s, period, count)
+            while not loop.verify() and loop.bad is not None and 2 <= loop.bad < loop.T:
+                loop = _Loop(nodes, position, s, period, loop.bad)  # the steps before the first that differs
             if loop.verify():
                 loops.append(loop)
                 end = loop.end
+                shortest = loop.T
                 break
+            shortest = 1
+        if shortest < count and count - shortest >= 2:  # what follows a step that differs may be a loop again
+            pending.append((start_pos + shortest * period, period, count - shortest))
+            pending.sort()
     if not loops:
         return None
     return RolledGraph(_rebuild(gm, loops), [loop.T for loop in loops])
@@ -98,36 +123,66 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
 
 # ---------------------------------------------------------------- per-step slices
 
-def _time_slice(node: fx.Node) -> tuple[fx.Node, int, int] | None:
-    """``(x, dim, index)`` if ``node`` is ``x[:, ..., index]`` / ``x.select(dim, index)`` of a tensor x."""
-    if node.op == "call_function" and node.target is operator.getitem:
-        x, index = node.args
-        if not isinstance(x, fx.Node) or not isinstance(_value(x), torch.Tensor) or node.kwargs:
-            return None
-        index = index if isinstance(index, tuple) else (index,)
-        ints = [i for i, e in enumerate(index) if _is_int(e)]
-        if len(ints) != 1:
-            return None
-        (i,) = ints
-        before, after = index[:i], index[i + 1:]
-        if not all(e == slice(None) for e in after):
-            return None
-        if all(e == slice(None) for e in before):
-            dim = i
-        elif before == (Ellipsis,) and not after:
-            dim = _value(x).dim() - 1
-        else:
-            return None
-        return _normalise(x, dim, index[i])
-    if node.op == "call_method" and node.target == "select" or (
-            node.op == "call_function" and node.target is torch.select):
-        if len(node.args) == 3 and not node.kwargs and isinstance(node.args[0], fx.Node) \
-                and _is_int(node.args[1]) and _is_int(node.args[2]):
-            return _normalise(*node.args)
+_SELECTS = ("select", torch.select, torch.ops.aten.select.int)
+_NARROWS = ("narrow", torch.narrow, torch.ops.aten.narrow.default)
+
+
+def _time_slice(node: fx.Node) -> tuple[fx.Node, int, int, Any] | None:
+    """``(x, dim, index, rest)`` if ``node`` reads one time index of a tensor x from before the loop.
+
+    ``node`` is ``x.select(dim, index)`` then ``rest`` applied to it: None (nothing),
+    ``("index", i)`` (the other elements of ``x[..., t, None, :]``), or ``("keep",)``
+    (``x.narrow(dim, t, 1)``, ``x[:, t:t + 1]``: the size-1 time dim stays).
+    All spellings meet in these three: ``x[:, t]``, ``x[:, t, None, None]``, ``x[..., t]``,
+    ``x.select(1, t)``, ``torch.select``, ``narrow``, and ATen's ``select``/``slice``/``narrow``.
+    """
+    target = node.target if node.op in _TENSOR_OPS else None
+    if node.kwargs or not node.args or not isinstance(node.args[0], fx.Node) \
+            or not isinstance(_value(node.args[0]), torch.Tensor):
+        return None
+    x, rank = node.args[0], _value(node.args[0]).dim()
+    if target is operator.getitem:
+        return _getitem_slice(x, rank, node.args[1])
+    if target in _SELECTS and len(node.args) == 3 and _is_int(node.args[1]) and _is_int(node.args[2]):
+        return _normalise(x, node.args[1], node.args[2], None)
+    if target in _NARROWS and len(node.args) == 4 and all(_is_int(a) for a in node.args[1:]) \
+            and node.args[3] == 1:
+        return _normalise(x, node.args[1], node.args[2], ("keep",))
+    if target is torch.ops.aten.slice.Tensor and len(node.args) == 4 and all(_is_int(a) for a in node.args[1:]):
+        _, dim, start, end = node.args
+        if end == start + 1 and start >= 0:
+            return _normalise(x, dim, start, ("keep",))
     return None
 
 
-def _normalise(x: fx.Node, dim: int, index: int) -> tuple[fx.Node, int, int] | None:
+def _getitem_slice(x: fx.Node, rank: int, index: Any) -> tuple[fx.Node, int, int, Any] | None:
+    index = index if isinstance(index, tuple) else (index,)
+    if not all(e is None or e is Ellipsis or _is_int(e) or isinstance(e, slice) for e in index):
+        return None  # tensor (advanced) indexing
+    if sum(e is Ellipsis for e in index) > 1:
+        return None
+    consumed = sum(1 for e in index if e is not None and e is not Ellipsis)
+    ellipsis_span = rank - consumed
+    ints = [i for i, e in enumerate(index) if _is_int(e)]
+    dims, d = [], 0  # the dim of x each element indexes (None for None/Ellipsis)
+    for e in index:
+        dims.append(d if e is not None and e is not Ellipsis else None)
+        d += ellipsis_span if e is Ellipsis else (0 if e is None else 1)
+    if len(ints) == 1:
+        (i,) = ints
+        rest = index[:i] + index[i + 1:]
+        plain = all(e == slice(None) or e is Ellipsis for e in rest)
+        return _normalise(x, dims[i], index[i], None if plain else ("index", rest))
+    steps = [i for i, e in enumerate(index) if isinstance(e, slice) and e != slice(None)]
+    if not ints and len(steps) == 1 and all(e == slice(None) or e is Ellipsis for j, e in enumerate(index)
+                                            if j != steps[0]):
+        sl = index[steps[0]]
+        if _is_int(sl.start) and sl.start >= 0 and sl.stop == sl.start + 1 and sl.step in (None, 1):
+            return _normalise(x, dims[steps[0]], sl.start, ("keep",))
+    return None
+
+
+def _normalise(x: fx.Node, dim: int, index: int, rest: Any) -> tuple[fx.Node, int, int, Any] | None:
     value = _value(x)
     if not isinstance(value, torch.Tensor) or not -value.dim() <= dim < value.dim():
         return None
@@ -135,7 +190,7 @@ def _normalise(x: fx.Node, dim: int, index: int) -> tuple[fx.Node, int, int] | N
     size = value.shape[dim]
     if not isinstance(size, int) or not -size <= index < size:
         return None
-    return x, dim, index % size
+    return x, dim, index % size, rest
 
 
 def _value(node: fx.Node) -> Any:
@@ -152,26 +207,26 @@ def _candidates(nodes: list[fx.Node], position: dict[fx.Node, int]) -> list[tupl
     A loop over T steps slices each per-step input once per step, at the same place in every
     copy: consecutive indices at a constant distance (the period) in the node list.
     """
-    groups: dict[tuple[fx.Node, int], list[tuple[int, int]]] = {}
+    index_at: dict[tuple, dict[int, int]] = {}  # (x, dim, rest) -> position -> time index
     for n in nodes:
         sliced = _time_slice(n)
         if sliced is not None:
-            x, dim, index = sliced
-            groups.setdefault((x, dim), []).append((position[n], index))
+            x, dim, index, rest = sliced
+            index_at.setdefault((x, dim, repr(rest)), {})[position[n]] = index
     runs = []
-    for members in groups.values():
-        i = 0
-        while i + 1 < len(members):
-            (p0, i0), (p1, i1) = members[i], members[i + 1]
-            period, j = p1 - p0, i + 1
-            if i1 != i0 + 1:
-                i += 1
-                continue
-            while j + 1 < len(members) and members[j + 1][1] == members[j][1] + 1 \
-                    and members[j + 1][0] - members[j][0] == period:
-                j += 1
-            runs.append((p0, period, j - i + 1))
-            i = j
+    for reads in index_at.values():  # the same slice may be read several times per step
+        by_index: dict[int, list[int]] = {}
+        for p, i in reads.items():
+            by_index.setdefault(i, []).append(p)
+        for p0, i0 in reads.items():
+            for p1 in by_index.get(i0 + 1, []):
+                period = p1 - p0
+                if period <= 0 or reads.get(p0 - period) == i0 - 1:
+                    continue  # not forward, or not the first step of its run
+                count = 2
+                while reads.get(p0 + count * period) == i0 + count:
+                    count += 1
+                runs.append((p0, period, count))
     return sorted(runs)
 
 
@@ -189,9 +244,10 @@ class _Loop:
     # filled by verify():
     args: dict[tuple[int, int], tuple[str, Any]] = field(default_factory=dict)  # (offset, leaf) -> kind
     carries: dict[int, fx.Node] = field(default_factory=dict)  # offset of the next value -> init
-    slices: dict[int, tuple[fx.Node, int, int]] = field(default_factory=dict)  # offset -> (x, dim, start)
+    slices: dict[int, tuple[fx.Node, int, int, Any]] = field(default_factory=dict)  # offset -> (x, dim, start, rest)
     stacks: dict[fx.Node, int] = field(default_factory=dict)  # torch.stack after the loop -> offset
     finals: dict[fx.Node, int] = field(default_factory=dict)  # last block's carry read after -> offset
+    bad: int | None = None  # after a failed verify(): the first block that differs, if one was found
 
     @property
     def end(self) -> int:
@@ -208,6 +264,9 @@ class _Loop:
         return divmod(p - self.s, self.L)
 
     def verify(self) -> bool:
+        """Whether the T blocks are one loop; if not, ``bad`` may name the first block that differs."""
+        self.bad = None
+        self.args, self.carries, self.slices, self.stacks, self.finals = {}, {}, {}, {}, {}
         if self.L < 1 or self.T < 2 or self.end > len(self.nodes):
             return False
         # blocks 0 and 1 first: a wrong block boundary fails here, cheaply
@@ -220,26 +279,28 @@ class _Loop:
             return False
         if ts == (1,):
             self._find_time_slice(o)
-        if o in self.slices:
-            x, dim, start = self.slices[o]
-            return all(_time_slice(self.at(t, o)) == (x, dim, start + t) for t in ts)
-        leaves0, spec0 = pytree.tree_flatten((n0.args, n0.kwargs))
         for t in ts:
-            nt = self.at(t, o)
-            if nt.op != n0.op or nt.target != n0.target:
+            if not self._same_as_block0(o, n0, t):
+                self.bad = t
                 return False
-            leaves, spec = pytree.tree_flatten((nt.args, nt.kwargs))
-            if spec != spec0:
-                return False
-            for j, (a0, a) in enumerate(zip(leaves0, leaves)):
-                if not self._same_leaf(o, j, t, a0, a):
-                    return False
         return True
+
+    def _same_as_block0(self, o: int, n0: fx.Node, t: int) -> bool:
+        if o in self.slices:
+            x, dim, start, rest = self.slices[o]
+            return _time_slice(self.at(t, o)) == (x, dim, start + t, rest)
+        nt = self.at(t, o)
+        if nt.op != n0.op or nt.target != n0.target:
+            return False
+        leaves0, spec0 = pytree.tree_flatten((n0.args, n0.kwargs))
+        leaves, spec = pytree.tree_flatten((nt.args, nt.kwargs))
+        return spec == spec0 and all(self._same_leaf(o, j, t, a0, a) for j, (a0, a) in enumerate(zip(leaves0, leaves)))
 
     def _find_time_slice(self, o: int) -> None:
         """Record node o as a per-step slice if its index advances by one per block (else it is ordinary)."""
         s0, s1 = _time_slice(self.at(0, o)), _time_slice(self.at(1, o))
-        if s0 is None or s1 is None or self.block(s0[0]) is not None or s1[:2] != s0[:2] or s1[2] != s0[2] + 1:
+        if s0 is None or s1 is None or self.block(s0[0]) is not None or s1[:2] != s0[:2] or s1[2] != s0[2] + 1 \
+                or s1[3] != s0[3]:
             return
         if s0[2] + self.T <= _value(s0[0]).shape[s0[1]]:
             self.slices[o] = s0
@@ -289,19 +350,37 @@ class _Loop:
                         self.stacks[user] = o
                     elif t == self.T - 1 and o in self.carries:
                         self.finals[node] = o
-                    else:
+                    else:  # read after the loop: the loop can end at block t at the latest
+                        self.bad = t + 1
                         return False
         return True
 
     def _is_stack_of(self, node: fx.Node, o: int) -> bool:
-        if node.op != "call_function" or node.target is not torch.stack or not node.args:
+        """``torch.stack`` of node o of every block in order, or ``torch.cat`` of them along a size-1 dim."""
+        if node.op != "call_function" or node.target not in _STACKS + _CATS or not node.args:
             return False
         items = node.args[0]
-        return isinstance(items, (list, tuple)) and list(items) == [self.at(t, o) for t in range(self.T)] \
-            and set(node.kwargs) <= {"dim"} and len(node.args) <= 2
+        if not (isinstance(items, (list, tuple)) and list(items) == [self.at(t, o) for t in range(self.T)]
+                and set(node.kwargs) <= {"dim"} and len(node.args) <= 2):
+            return False
+        if node.target in _CATS:
+            value = _value(self.at(0, o))
+            dim = _stack_dim(node)
+            return isinstance(value, torch.Tensor) and -value.dim() <= dim < value.dim() and value.shape[dim] == 1
+        return True
+
+
+_STACKS = (torch.stack, torch.ops.aten.stack.default)
+_CATS = (torch.cat, torch.concat, torch.ops.aten.cat.default)
+
+
+def _stack_dim(node: fx.Node) -> int:
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
 
 
 def _pure(node: fx.Node) -> bool:
+    if isinstance(node.target, torch._ops.OpOverload):  # an ATen graph (torch.export's)
+        return not node.target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in node.target.tags
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     if name.endswith("_") and not name.endswith("__") or "out" in node.kwargs:
         return False  # in place
@@ -333,9 +412,14 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> fx.GraphModule:
             env.update({node: outs[("carry", o)] for node, o in loop.finals.items()})
         if node in skip:
             continue
-        if node in stacks:
-            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-            env[node] = graph.call_function(torch.movedim, (stacks[node], 0, dim))
+        if node in stacks:  # the scan stacks along dim 0
+            dim = _stack_dim(node)
+            if node.target in _CATS:  # cat of [.., 1, ..] pieces: stack them, then drop the size-1 dim
+                dim %= _value(node).dim()
+                env[node] = graph.call_function(torch.squeeze, (
+                    graph.call_function(torch.movedim, (stacks[node], 0, dim)), dim + 1))
+            else:
+                env[node] = graph.call_function(torch.movedim, (stacks[node], 0, dim))
             continue
         env[node] = graph.node_copy(node, env.__getitem__)
         if node.op in ("get_attr", "call_module"):
@@ -348,20 +432,31 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> fx.GraphModule:
 def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str) -> dict[tuple[str, int], fx.Node]:
     carries, ys, invariants = _io(loop)
     xs = []
-    for o in sorted(loop.slices):
-        x, dim, start = loop.slices[o]
+    for x, dim, start in _sources(loop):
+        size = _value(x).shape[dim]
         x = env[x]
         if dim != 0:
             x = graph.call_function(torch.movedim, (x, dim, 0))
-        if start != 0 or _value(loop.slices[o][0]).shape[dim] != loop.T:
+        if start != 0 or size != loop.T:
             x = graph.call_function(torch.narrow, (x, 0, start, loop.T))
         xs.append(x)
     scan = graph.call_function(torch.ops.higher_order.scan, (
         graph.get_attr(body_name), [env[loop.carries[o]] for o in carries], xs, [env[a] for a in invariants]))
+    # the user's line a report names for the loop: where the largest state is updated
+    updates = sorted(carries, key=lambda o: -getattr(_value(loop.at(0, o)), "dim", lambda: 0)())
+    traces = [loop.at(0, o).meta.get("stack_trace") for o in updates]
+    if any(traces):
+        scan.meta["stack_trace"] = next(t for t in traces if t)
     outs = {}
     for i, key in enumerate([("carry", o) for o in carries] + [("y", o) for o in ys]):
         outs[key] = graph.call_function(operator.getitem, (scan, i))
     return outs
+
+
+def _sources(loop: _Loop) -> list[tuple[fx.Node, int, int]]:
+    """The distinct ``(x, dim, start)`` the loop slices, one scan input each (``k[:, t]`` read at
+    every use is one input)."""
+    return list(dict.fromkeys(loop.slices[o][:3] for o in sorted(loop.slices)))
 
 
 def _io(loop: _Loop) -> tuple[list[int], list[int], list[fx.Node]]:
@@ -375,8 +470,17 @@ def _body(loop: _Loop) -> fx.GraphModule:
     carries, ys, invariants = _io(loop)
     body = fx.Graph()
     carry_in = {o: body.placeholder(f"carry_{i}") for i, o in enumerate(carries)}
-    env = {loop.at(0, o): body.placeholder(f"x_{i}") for i, o in enumerate(sorted(loop.slices))}
+    xs_in = {source: body.placeholder(f"x_{i}") for i, source in enumerate(_sources(loop))}
     invariant_in = {a: body.placeholder(f"invariant_{i}") for i, a in enumerate(invariants)}
+    env = {}
+    for o in sorted(loop.slices):  # x.select(dim, t) is the scan's x_t; then what the user's slice adds
+        x, dim, _, rest = loop.slices[o]
+        x_t = xs_in[loop.slices[o][:3]]
+        if rest is not None and rest[0] == "index":
+            x_t = body.call_function(operator.getitem, (x_t, rest[1]))
+        elif rest is not None:  # ("keep",): the size-1 time dim stays
+            x_t = body.call_function(torch.unsqueeze, (x_t, dim))
+        env[loop.at(0, o)] = x_t
     for o in range(loop.L):
         node = loop.at(0, o)
         if o in loop.slices:

@@ -41,6 +41,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hecate.compiler.logs import log, stage
 from hecate.compiler.loops import RolledGraph, roll_loops
+from hecate.compiler.normalize import normalize
 from hecate.compiler.options import Options
 from hecate.passes.report import FusionReport, source_line
 
@@ -62,7 +63,7 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> 
                        for x in example_inputs]
         # run node by node so each ATen node keeps the user's source line (meta["stack_trace"])
         with fx_traceback.preserve_node_meta():
-            return make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
+            return normalize(make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs))
 
 
 def fuse_or_original(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
@@ -111,6 +112,8 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
             unfused = RolledGraph.unfused(aten_gm)
             if not unfused:
                 return aten_gm, rolled_report
+            # why the scan passes did not fuse the rolled loop (the other passes report again below)
+            report.misses.extend(m for m in rolled_report.misses if m.pattern in _SCAN_PASSES)
             for steps, ops in unfused:
                 report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or "
                                 f"linear_attention fuses (its body calls {', '.join(ops)}); compiled unrolled")

@@ -6,7 +6,9 @@ Spec: ``lp-attentional-bias.md`` (MIRAS Eqs 10-12, 24-25), ``feature-maps-phi.md
 (HOPE Eqs 5 and 51), ``linear-attention-feature-maps.md``, ``short-causal-conv.md``.
 
 Shapes: x [B, T, d_model]; per head, keys/queries φ(k), φ(q) [d_phi] (d_phi = d_k for
-the element-wise feature maps here), values [d_v], memory M [d_v, d_phi].
+the element-wise feature maps; the learned linear, random Fourier and Performer maps have
+their own d_phi, poly-2 has d_k + d_k²), values [d_v], memory M [d_v, d_phi]
+(``feature-maps-phi.md``, Note 2).
 """
 
 from __future__ import annotations
@@ -15,11 +17,8 @@ import torch
 from torch import nn
 from torch._higher_order_ops.scan import scan
 
-from hecate.models.feature_maps import ELEMENTWISE_FEATURE_MAPS, make_feature_map
+from hecate.models.feature_maps import ELEMENTWISE_FEATURE_MAPS, FEATURE_MAPS, make_feature_map
 from hecate.models.short_conv import KeyQueryPreprocess
-
-# φ acts element-wise here, so φ(k) keeps d_k features and M is [d_v, d_k] per head.
-FEATURE_MAPS = ("identity", "elu1", "relu", "relu2", "exp")
 
 
 def _check_gate(name: str, value: float | None) -> None:
@@ -32,15 +31,20 @@ class _GatedMemory(nn.Module):
     """What the memory layers share: q/k/v with short conv and φ, per-token gates, output."""
 
     def __init__(self, d_model: int, n_heads: int, d_k: int, d_v: int, phi: str,
-                 gates: dict[str, float | None]):
+                 gates: dict[str, float | None], d_phi: int | None = None):
         super().__init__()
         for name, value in gates.items():
             _check_gate(name, value)
-        self.n_heads, self.d_k, self.d_v = n_heads, d_k, d_v
         if phi not in FEATURE_MAPS:
             raise ValueError(f"phi must be one of {FEATURE_MAPS}, got {phi!r}")
+        if d_phi is not None and phi in ELEMENTWISE_FEATURE_MAPS + ("poly2",):
+            raise ValueError(f"d_phi={d_phi} sizes the learned linear, random Fourier, MLP and Performer maps; "
+                             f"phi={phi!r} fixes its own size, so d_phi must be None")
         # projection → causal depthwise conv (K=4) → SiLU → φ, separate weights for q and k
-        self.qk = KeyQueryPreprocess(d_model, d_key=n_heads * d_k, n_heads=n_heads, phi=phi)
+        phi_kwargs = {} if d_phi is None else {"d_phi": d_phi}
+        self.qk = KeyQueryPreprocess(d_model, d_key=n_heads * d_k, n_heads=n_heads, phi=phi, **phi_kwargs)
+        # the size of φ(k): M is [d_v, d_phi] per head (read from φ's output on zeros)
+        self.n_heads, self.d_phi, self.d_v = n_heads, self.qk.phi(torch.zeros(1, d_k)).shape[-1], d_v
         self.v = nn.Linear(d_model, n_heads * d_v, bias=False)
         self.out = nn.Linear(n_heads * d_v, d_model, bias=False)
         self.fixed_gates = {n: v for n, v in gates.items() if v is not None}
@@ -54,16 +58,16 @@ class _GatedMemory(nn.Module):
         return x.new_full((x.shape[0], x.shape[1], self.n_heads), self.fixed_gates[name])
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """φ(q), φ(k) [B, T, H, d_k] and v [B, T, H, d_v]."""
+        """φ(q), φ(k) [B, T, H, d_phi] and v [B, T, H, d_v]."""
         B, T, _ = x.shape
         q, k = self.qk(x)
         v = self.v(x).view(B, T, self.n_heads, self.d_v)
         return q, k, v
 
     def check_state(self, m0: torch.Tensor | None, x: torch.Tensor) -> None:
-        expected = (x.shape[0], self.n_heads, self.d_v, self.d_k)
+        expected = (x.shape[0], self.n_heads, self.d_v, self.d_phi)
         if m0 is not None and tuple(m0.shape) != expected:
-            raise ValueError(f"m0 must have shape [B, H, d_v, d_k] = {list(expected)}, got {list(m0.shape)}")
+            raise ValueError(f"m0 must have shape [B, H, d_v, d_phi] = {list(expected)}, got {list(m0.shape)}")
 
 
 class LpMemory(_GatedMemory):
@@ -92,7 +96,7 @@ class LpMemory(_GatedMemory):
     σ(W x_t + b) per head when given as ``None``. Eq 51 here applies φ (the key feature
     map) to the gradient's key factor; a separate nonlinearity on the whole gradient is
     not modelled. ``forward(x, m0=None) -> (out, m_final)``: m0/m_final are the memory
-    (the accumulator A for MONETA), [B, H, d_v, d_k], for chunked processing and
+    (the accumulator A for MONETA), [B, H, d_v, d_phi], for chunked processing and
     decoding (the momentum buffer restarts at zero, and the short conv's left context
     is not carried across chunks).
     """
@@ -100,9 +104,9 @@ class LpMemory(_GatedMemory):
     def __init__(self, d_model: int, n_heads: int = 2, d_k: int = 8, d_v: int = 8, *,
                  p: float = 2.0, a: float = 10.0, eps: float = 1e-6,
                  alpha: float | None = 0.1, eta: float | None = 0.1,
-                 momentum: float = 0.0, q_norm: float = 2.0, phi: str = "identity",
+                 momentum: float = 0.0, q_norm: float = 2.0, phi: str = "identity", d_phi: int | None = None,
                  gradient_phi: str = "identity", use_scan: bool = False):
-        super().__init__(d_model, n_heads, d_k, d_v, phi, {"alpha": alpha, "eta": eta})
+        super().__init__(d_model, n_heads, d_k, d_v, phi, {"alpha": alpha, "eta": eta}, d_phi)
         if not (isinstance(p, (int, float)) and p >= 1):
             raise ValueError(f"p must be a number >= 1 (the l_p exponent), got {p!r}")
         if not 0.0 <= momentum < 1.0:
@@ -159,7 +163,7 @@ class LpMemory(_GatedMemory):
         B, T, _ = x.shape
         q, k, v = self.qkv(x)
         alpha, eta = self.gate("alpha", x), self.gate("eta", x)
-        M = x.new_zeros(B, self.n_heads, self.d_v, self.d_k) if m0 is None else m0
+        M = x.new_zeros(B, self.n_heads, self.d_v, self.d_phi) if m0 is None else m0
         state = (M, torch.zeros_like(M)) if self.momentum > 0 else (M,)
         if self.use_scan:
             # scan slices xs along dim 1 and stacks the per-step y along dim 1 again
@@ -193,8 +197,8 @@ class HebbianMemory(_GatedMemory):
 
     def __init__(self, d_model: int, n_heads: int = 2, d_k: int = 8, d_v: int = 8, *,
                  alpha: float | None = 0.9, normalise: bool = False, eps: float = 1e-6,
-                 phi: str = "elu1", form: str = "loop", use_scan: bool = False):
-        super().__init__(d_model, n_heads, d_k, d_v, phi, {"alpha": alpha})
+                 phi: str = "elu1", d_phi: int | None = None, form: str = "loop", use_scan: bool = False):
+        super().__init__(d_model, n_heads, d_k, d_v, phi, {"alpha": alpha}, d_phi)
         if form not in self.FORMS:
             raise ValueError(f"form must be one of {self.FORMS}, got {form!r}")
         if form != "loop" and alpha != 1.0:
@@ -223,7 +227,7 @@ class HebbianMemory(_GatedMemory):
                 y = y / (torch.einsum("bthk,bhk->bth", q, k.sum(1)).unsqueeze(-1) + self.eps)
             return self.out(y.reshape(B, T, -1)), None
         if self.form == "cumsum":
-            Ms = torch.cumsum(v.unsqueeze(-1) * k.unsqueeze(-2), dim=1)  # [B, T, H, d_v, d_k]
+            Ms = torch.cumsum(v.unsqueeze(-1) * k.unsqueeze(-2), dim=1)  # [B, T, H, d_v, d_phi]
             if m0 is not None:
                 Ms = Ms + m0.unsqueeze(1)
             y = (Ms @ q.unsqueeze(-1)).squeeze(-1)
@@ -231,8 +235,8 @@ class HebbianMemory(_GatedMemory):
                 y = y / ((torch.cumsum(k, dim=1) * q).sum(-1, keepdim=True) + self.eps)
             return self.out(y.reshape(B, T, -1)), Ms[:, -1]
         alpha = self.gate("alpha", x)
-        M = x.new_zeros(B, self.n_heads, self.d_v, self.d_k) if m0 is None else m0
-        state = (M, x.new_zeros(B, self.n_heads, self.d_k)) if self.normalise else (M,)
+        M = x.new_zeros(B, self.n_heads, self.d_v, self.d_phi) if m0 is None else m0
+        state = (M, x.new_zeros(B, self.n_heads, self.d_phi)) if self.normalise else (M,)
         if self.use_scan:
             # scan slices xs along dim 1 and stacks the per-step y along dim 1 again
             state, y = scan(lambda s, xs: self.step(s, *xs), state, (k, v, q, alpha), dim=1)

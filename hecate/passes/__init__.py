@@ -23,7 +23,7 @@ Pass = Callable[[fx.GraphModule, FusionReport], None]
 # pattern name -> (module, entry point), in the order the passes run
 _ENTRY_POINTS = {
     "qk_preprocess": ("hecate.passes.qk_preprocess", "run"),
-    "memory_scan": ("hecate.passes.memory_scan", "run_memory_scan"),
+    "memory_scan": ("hecate.passes.memory_scan", "run"),
     "linear_attention": ("hecate.passes.linear_attention", "run"),
     "kl_attention": ("hecate.passes.kl_attention", "run"),
     "kl_decode": ("hecate.passes.kl_decode", "run"),

@@ -3,8 +3,8 @@
 ``spec/linear-attention-feature-maps.md``, HOPE Eq 5 (``spec/feature-maps-phi.md``); k, q are φ(k), φ(q):
 
 * the per-token loop and the scan: ``M ← α_t M + v_t kᵀ_t, y_t = M q_t``, optionally normalised
-  by ``z ← α_t z + k_t`` (rolled up by :mod:`hecate.passes.memory_scan`, which shares the chain proof
-  with the l_p memory);
+  by ``z ← α_t z + k_t``, recognised in a scan body by :mod:`hecate.passes.memory_step` (loops arrive
+  rolled up by :mod:`hecate.compiler.loops`);
 * causal by cumulative sum (no decay): ``M_t = Σ_{s≤t} v_s k_sᵀ (+ m0)``, ``y_t = M_t q_t``,
   normalised by ``q_t · Σ_{s≤t} k_s + eps``; the [B, T, H, Dv, Dk] tensor of all M_t is never built;
 * non-causal: ``φ(Q)(φ(K)ᵀV)`` by einsum, normalised by ``φ(Q)·Σ_t φ(k_t) + eps``.
@@ -16,15 +16,16 @@ indices) is reported as a near-miss and left as it is.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
 from hecate.compiler.report import FusionReport
-from hecate.passes import memory_scan
-from hecate.passes.matching import Match, find_matches, flat_args, literal_slots, pattern_graph, replace_with_op, \
-    same_literal
+from hecate.passes.memory_step import fuse_scans, report_unrolled_updates
+from hecate.passes.matching import Match, NotFused, find_matches, flat_args, literal_slots, pattern_graph, \
+    replace_with_op, same_literal
 
 aten = torch.ops.aten
 _EPS = 3.5e-7  # a distinctive eps traced into the patterns, read back from each match
@@ -58,28 +59,21 @@ def _noncausal_normalised(k, v, q):
     return _noncausal(k, v, q) / (torch.einsum("bthk,bhk->bth", q, k.sum(1)).unsqueeze(-1) + _EPS)
 
 
-_FORMS: list[tuple[str, bool, bool, fx.Graph]] | None = None  # (form, normalised, with m0, pattern)
-
-
+@functools.cache
 def _forms() -> list[tuple[str, bool, bool, fx.Graph]]:
-    """The patterns (traced once, B=2 T=3 H=2 Dk=5 Dv=4), larger ones first so they match first."""
-    global _FORMS
-    if _FORMS is None:
-        k, v, q, m0 = torch.randn(2, 3, 2, 5), torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 5), torch.randn(2, 2, 4, 5)
-        _FORMS = [("cumsum", True, True, pattern_graph(_normalised(_cumsum_m0), k, v, q, m0)),
-                  ("cumsum", True, False, pattern_graph(_normalised(_cumsum), k, v, q)),
-                  ("cumsum", False, True, pattern_graph(_cumsum_m0, k, v, q, m0)),
-                  ("cumsum", False, False, pattern_graph(_cumsum, k, v, q)),
-                  ("noncausal", True, False, pattern_graph(_noncausal_normalised, k, v, q)),
-                  ("noncausal", False, False, pattern_graph(_noncausal, k, v, q))]
-    return _FORMS
+    """(form, normalised, with m0, pattern) of each form, traced once from zeros (B=2 T=3 H=2 Dk=5 Dv=4),
+    larger ones first so they match first."""
+    # distinct tensors: make_fx binds one placeholder per tensor object
+    k, v, q, m0 = torch.zeros(2, 3, 2, 5), torch.zeros(2, 3, 2, 4), torch.zeros(2, 3, 2, 5), torch.zeros(2, 2, 4, 5)
+    return [("cumsum", True, True, pattern_graph(_normalised(_cumsum_m0), k, v, q, m0)),
+            ("cumsum", True, False, pattern_graph(_normalised(_cumsum), k, v, q)),
+            ("cumsum", False, True, pattern_graph(_cumsum_m0, k, v, q, m0)),
+            ("cumsum", False, False, pattern_graph(_cumsum, k, v, q)),
+            ("noncausal", True, False, pattern_graph(_noncausal_normalised, k, v, q)),
+            ("noncausal", False, False, pattern_graph(_noncausal, k, v, q))]
 
 
 # ---------------------------------------------------------------- checking a match
-
-class _NotFused(Exception):
-    """The message is the near-miss reason."""
-
 
 def _eps(match: Match, pattern: fx.Graph) -> float:
     """Check every structural literal of the match; return its eps (1e-6 when the form has none)."""
@@ -89,13 +83,13 @@ def _eps(match: Match, pattern: fx.Graph) -> float:
         got = flat_args(gn)[i]
         if role == "eps":
             if not isinstance(got, (int, float)) or isinstance(got, bool):
-                raise _NotFused(f"the normaliser adds {got!r}, expected a number eps")
+                raise NotFused(f"the normaliser adds {got!r}, expected a number eps")
             eps = float(got)
         elif pn.target is aten.einsum.default:
             continue  # equations are read by meaning, in _einsum_roles
         elif not same_literal(pn, gn, i, expected, got):
             what = "the time dim of the cumulative sum" if pn.target is aten.cumsum.default else f"{gn.name}"
-            raise _NotFused(f"{what} has {got!r} where the pattern has {expected!r} "
+            raise NotFused(f"{what} has {got!r} where the pattern has {expected!r} "
                             "(linear_attention takes [B, T, H, D] tensors, time on dim 1)")
     return eps
 
@@ -121,11 +115,11 @@ def _einsum_roles(match: Match) -> tuple[fx.Node, fx.Node]:
     shapes_ok = all(len(t) == 4 for t in (a, b, c, d, m, o)) and len(set(a)) == len(set(b)) == len(set(c)) == 4
     if not (shapes_ok and a[:3] == b[:3] and a[3] != b[3] and m[:2] == a[0] + a[2] and set(m[2:]) == {a[3], b[3]}
             and d[:2] == c[0] + c[2] and c[3] in d[2:] and o == c[:3] + d[2:].replace(c[3], "")):
-        raise _NotFused(reason)
+        raise NotFused(reason)
     if len(nodes) == 3:  # the normaliser q · Σ_t k_t: einsum(q, k.sum(1))
         (e, f), g = _terms(nodes[2].args[0])
         if not (len(e) == 4 and e[:3] == g and f == e[0] + e[2] + e[3]):
-            raise _NotFused(f"the normaliser einsum {nodes[2].args[0]!r} is not q_t · Σ_s k_s (e.g. 'bthk,bhk->bth')")
+            raise NotFused(f"the normaliser einsum {nodes[2].args[0]!r} is not q_t · Σ_s k_s (e.g. 'bthk,bhk->bth')")
     k_is_x = m[2 + d[2:].index(c[3])] == a[3]
     return (x, y) if k_is_x else (y, x)
 
@@ -133,10 +127,10 @@ def _einsum_roles(match: Match) -> tuple[fx.Node, fx.Node]:
 def _check_inputs(k: fx.Node, v: fx.Node, q: fx.Node) -> None:
     kv, vv, qv = (n.meta["val"] for n in (k, v, q))
     if kv.dim() != 4 or vv.dim() != 4 or qv.dim() != 4 or kv.shape != qv.shape or kv.shape[:3] != vv.shape[:3]:
-        raise _NotFused(f"k {list(kv.shape)}, v {list(vv.shape)}, q {list(qv.shape)}: linear_attention needs "
+        raise NotFused(f"k {list(kv.shape)}, v {list(vv.shape)}, q {list(qv.shape)}: linear_attention needs "
                         "k, q [B, T, H, Dk] and v [B, T, H, Dv]")
     if not kv.dtype == vv.dtype == qv.dtype:
-        raise _NotFused(f"k, v, q have dtypes {kv.dtype}, {vv.dtype}, {qv.dtype}; linear_attention needs one")
+        raise NotFused(f"k, v, q have dtypes {kv.dtype}, {vv.dtype}, {qv.dtype}; linear_attention needs one")
 
 
 def _final_state_reads(states: fx.Node, match: Match) -> list[fx.Node]:
@@ -146,7 +140,7 @@ def _final_state_reads(states: fx.Node, match: Match) -> list[fx.Node]:
     reads = [u for u in states.users if u not in inside]
     for u in reads:
         if not (u.target is aten.select.int and u.args[1] % rank == 1 and u.args[2] % T == T - 1):
-            raise _NotFused(f"the cumulated states M_t ({states.name}, [B, T, H, Dv, Dk]) are read by {u.name} "
+            raise NotFused(f"the cumulated states M_t ({states.name}, [B, T, H, Dv, Dk]) are read by {u.name} "
                             f"({str(u.target).removesuffix('.default')}); linear_attention returns only the last")
     return reads
 
@@ -155,12 +149,13 @@ def _final_state_reads(states: fx.Node, match: Match) -> list[fx.Node]:
 
 def run(gm: fx.GraphModule, report: FusionReport) -> None:
     """Fuse the loop and scan forms (as memory_scan does), then the cumsum and non-causal forms."""
-    memory_scan.run_linear_attention(gm, report)
+    fuse_scans(gm, report, "linear_attention")
+    report_unrolled_updates(gm, report, "linear_attention")
     for form, normalise, with_m0, pattern in _forms():
         for match in find_matches(gm, pattern):  # a form's matches do not overlap
             try:
                 _fuse(gm, match, pattern, form, normalise, with_m0, report)
-            except _NotFused as why:
+            except NotFused as why:
                 report.add_miss("linear_attention", f"{_describe(form, normalise)}: {why}", match.where())
 
 
@@ -175,7 +170,7 @@ def _fuse(gm: fx.GraphModule, match: Match, pattern: fx.Graph, form: str, normal
         k, v = _einsum_roles(match)
     _check_inputs(k, v, q)
     if not hasattr(torch.ops.hecate, "linear_attention"):
-        raise _NotFused("the op hecate.linear_attention is not registered (import hecate.lowering)")
+        raise NotFused("the op hecate.linear_attention is not registered (import hecate.lowering)")
     args: list[Any] = [k, v, q, None, m0[0] if with_m0 else None, None, normalise, eps, causal]
     nodes = len(match.nodes)
     replace_with_op(gm, match, torch.ops.hecate.linear_attention.default, args, [0, 1] if causal else [0])

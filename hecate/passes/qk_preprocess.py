@@ -15,18 +15,21 @@ PyTorch function traced to a pattern and found with :func:`find_matches`:
   (required: the op returns [B,T,D]); SiLU (``F.silu``, ``z * sigmoid(z)``,
   ``sigmoid(z) * z``); a head split [B,T,D] → [B,T,H,Dh] after the swap back
   (``view``/``reshape``/``unflatten``; re-emitted after the op, since SiLU and φ
-  act per channel or per head); φ: elementwise (ELU+1, ReLU, squared ReLU,
-  exp(min(·, c)), exp), or a matrix map applied per head after the swap back
-  (learned linear ``F.linear(a, W)`` / ``a @ W.T``, random Fourier, Performer FAVOR+),
-  which ends the chain.
+  act per channel or per head); φ: any elementwise function of the activation
+  (read by what it computes: the largest pointwise subgraph after it, up to the
+  first operation that is not elementwise or reads another tensor, is passed to
+  the op as a :mod:`hecate.lowering.pointwise` expression; ELU+1, ReLU, squared
+  ReLU, exp(min(·, c)) and exp, when they are the whole of it, take the op's fast
+  paths), or a matrix map applied per head after the swap back (learned linear
+  ``F.linear(a, W)`` / ``a @ W.T``, random Fourier, Performer FAVOR+), which ends
+  the chain.
 
 Pieces are linked where one's output is the next one's input and is used by
 nothing else, so the whole chain is one subgraph whose intermediates nobody
 else reads; it is replaced by one call. Partial chains (conv alone, conv → SiLU,
-projection → conv, ...) fuse the same way. A φ is fused only if the op computes
-it (``hecate.lowering.qk_preprocess.naive.PHI_KINDS``); otherwise (polynomial,
-residual MLP, ...) the chain stops before it and the report says what is left to
-the fallback.
+projection → conv, ...) fuse the same way. A φ that mixes features other than
+the matrix maps above (polynomial, residual MLP, ...) is left to the fallback:
+the chain stops before it and the report says what reads it.
 
 Literals are wildcards when matching; each piece's literals are then checked
 (padding K−1 on the left only, first T outputs kept, groups = channels = D,
@@ -47,6 +50,7 @@ from torch import fx
 from torch.fx.passes.utils.matcher_utils import InternalMatch
 
 from hecate.compiler.report import FusionReport
+from hecate.lowering import pointwise
 from hecate.passes.matching import Match, find_matches, pattern_graph, replace_with_op, val
 
 PATTERN = "qk_preprocess"
@@ -253,11 +257,24 @@ def _check_unpadded_conv(match: Match) -> str | None:
         return reason
     k, padding = val(conv.args[1]).shape[2], list(_arg(conv, 4, "padding", [0]))
     if any(padding):
+        cut = next((u for u in conv.users if u.target == aten.narrow.default), None)
+        if cut is not None:
+            return _narrow_reason(cut, padding, k, val(conv.args[0]).shape[2])
         return (f"conv1d padding={padding} pads both sides (kernel {k}) and no slice keeps the first T outputs: "
                 f"outputs see future tokens, not causal")
     if k != 1:
         return f"conv1d has no padding (kernel {k}) and no F.pad(K−1, 0) before it: not a causal conv"
     return None
+
+
+def _narrow_reason(cut: fx.Node, padding: list, k: int, seq_len: int) -> str:
+    """Why a padded conv1d followed by ``narrow`` is not fused: whether the narrow keeps the causal outputs."""
+    dim, start, length = cut.args[1], cut.args[2], cut.args[3]
+    if dim % 3 == 2 and start == 0 and length == seq_len:
+        return (f"conv1d padding={padding} (kernel {k}) then narrow({dim}, 0, {length}) keeps the first T outputs, "
+                f"which is causal, but narrow is not read as the slice [..., :T] yet: write the slice")
+    return (f"conv1d padding={padding} pads both sides (kernel {k}) and narrow({dim}, {start}, {length}) does not "
+            f"keep the first T={seq_len} outputs: not causal")
 
 
 _x_bdt, _w_conv, _b_conv = torch.zeros(_B, _D, _T), torch.zeros(_D, 1, _K), torch.zeros(_D)
@@ -534,10 +551,8 @@ def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Ch
 def _walk_tail(node: fx.Node, index: _Index, report: FusionReport) -> list[_Found]:
     """The tail stages after the conv, each at most once: swap back, SiLU (before φ), head split
     (after the swap back), φ. The order of the rest is free: they are elementwise or layout-only,
-    except a matrix φ, which needs the channels last (after the swap back) and ends the chain."""
-    from hecate.lowering.qk_preprocess.naive import PHI_KINDS as fused_phi  # what the op computes
-
-
+    except a matrix φ, which needs the channels last (after the swap back) and ends the chain.
+    An elementwise φ is read where no other stage follows (:func:`_elementwise_phi`)."""
     tail: list[_Found] = []
     while True:
         done = {p.piece.stage for p in tail}
@@ -546,7 +561,7 @@ def _walk_tail(node: fx.Node, index: _Index, report: FusionReport) -> list[_Foun
             stage, matrix = candidate.piece.stage, candidate.piece.value in MATRIX_PHI
             if stage in done or (stage == "activation" and "phi" in done) \
                     or ((stage == "heads" or matrix) and "swap" not in done) \
-                    or (stage == "phi" and candidate.piece.value not in fused_phi):
+                    or (stage == "phi" and not matrix):
                 continue
             reason = candidate.piece.check(candidate.match)
             if reason:
@@ -554,12 +569,45 @@ def _walk_tail(node: fx.Node, index: _Index, report: FusionReport) -> list[_Foun
                 continue
             found = candidate
             break
+        if found is None and "phi" not in done:
+            found = _elementwise_phi(node, index)
         if found is None:
             return tail
         tail.append(found)
         if found.piece.value in MATRIX_PHI:  # the feature dim changed: nothing after it is per channel
             return tail
         node = found.output
+
+
+@dataclass(frozen=True)
+class _PointwisePhi:
+    """The φ stage of a chain when φ is the user's own elementwise function: ``value`` is its expression."""
+
+    value: str
+    stage: str = "phi"
+
+    @staticmethod
+    def check(match: Match) -> str | None:
+        return None
+
+
+def _elementwise_phi(node: fx.Node, index: _Index) -> _Found | None:
+    """φ = the largest elementwise function of ``node`` the graph computes next (every reader of ``node``
+    inside it), or None. A φ piece covering exactly that function is the op's fast path for it."""
+    output, region = pointwise.grow(node)
+    if not region or not set(node.users) <= set(region):
+        return None
+    if val(output).dtype != val(node).dtype:      # e.g. a comparison: the op returns the activation's dtype
+        return None
+    for candidate in index.consumers(node):
+        if candidate.piece.stage == "phi" and candidate.piece.value not in MATRIX_PHI \
+                and set(candidate.match.nodes) == set(region) and candidate.piece.check(candidate.match) is None:
+            return candidate
+    expression = pointwise.extract(node, output)
+    covered = {n: n for n in region}
+    match = Match(fx.Graph(), InternalMatch(anchors=[], nodes_map=covered, placeholder_nodes=[node],
+                                            returning_nodes=[output]))    # assembled here: no fixed pattern
+    return _Found(_PointwisePhi("identity" if expression == "x" else expression), match)
 
 
 def _check_dtypes(chain: _Chain) -> str | None:
@@ -655,7 +703,7 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
         d_phi = val(chain.stage("phi").match.inputs[1]).shape[0]
         steps.append(f"{_PHI_NAMES[phi_kind]}(d_phi={d_phi})")
     elif phi_kind != "identity":
-        steps.append(_PHI_NAMES[phi_kind])
+        steps.append(_PHI_NAMES.get(phi_kind, f"φ = {phi_kind}"))
     layout = "[B,T,H,Dh]" if chain.stage("heads") else "[B,T,D]"
     text = " → ".join(steps) + " " + layout
     if phi_kind == "identity":

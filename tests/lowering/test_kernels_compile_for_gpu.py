@@ -67,10 +67,10 @@ CASES = {}
 for i, (name, flags, blocks, x_dtype) in enumerate(QK_SETTINGS):
     phi = next(k for k, v in qk_kernels.PHI_CODES.items() if v == flags["PHI"])
     CASES[f"qk_preprocess_forward-{name}"] = (
-        qk_kernels._forward_kernel, _qk_types(qk_kernels._forward_kernel, x_dtype), flags | blocks)
+        qk_kernels._forward_kernel, _qk_types(qk_kernels._forward_kernel, x_dtype), flags | blocks | {"PHI_FN": None})
     CASES[f"qk_preprocess_backward_conv-{name}"] = (
         qk_kernels._backward_conv_kernel, _qk_types(qk_kernels._backward_conv_kernel, x_dtype),
-        flags | _qk_writes(phi, i) | blocks)
+        flags | _qk_writes(phi, i) | blocks | {"PHI_DERIVATIVE": None})
 
 # --- kl_attention (op.py): features a, b, c, d and everything the backward allocates are fp32; row values
 # and the forward's outputs have mu's dtype (bf16 here). BLOCK_* = max(16, 2^⌈log2 width⌉); tiles (_tiles)

@@ -114,6 +114,7 @@ def test_hebbian_gated_loop_is_the_fast_weight_recurrence():
     (lambda: LpMemory(4, momentum=0.5, gradient_phi="tanh"), "gradient_phi must be one of"),
     (lambda: LpMemory(4, gradient_phi="elu1"), "gradient_phi='elu1' .* needs momentum > 0"),
     (lambda: HebbianMemory(4, form="chunked"), "form must be one of"),
+    (lambda: LpMemory(4, phi="relu", d_phi=6), "phi='relu' fixes its own size, so d_phi must be None"),
     (lambda: HebbianMemory(4, alpha=0.9, form="cumsum"), "needs alpha=1.0, got 0.9"),
 ])
 def test_bad_configuration_is_refused(make, match):
@@ -123,5 +124,37 @@ def test_bad_configuration_is_refused(make, match):
 
 def test_bad_initial_state_shape_is_refused():
     model = LpMemory(4, n_heads=2, d_k=3, d_v=5)
-    with pytest.raises(ValueError, match=r"m0 must have shape \[B, H, d_v, d_k\] = \[1, 2, 5, 3\], got \[1, 2, 3, 5\]"):
+    with pytest.raises(ValueError, match=r"m0 must have shape \[B, H, d_v, d_phi\] = \[1, 2, 5, 3\], got \[1, 2, 3, 5\]"):
         model(torch.randn(1, 3, 4), torch.zeros(1, 2, 3, 5))
+
+
+# ---------------------------------------------------------------- φ with d_φ ≠ d_k (feature-maps spec, Note 2)
+
+PHIS = [("linear", 5, 5), ("random_fourier", 6, 6), ("poly2", None, 3 + 9), ("mlp", 4, 3), ("performer", 4, 4)]
+
+
+@pytest.mark.parametrize("phi,d_phi,width", PHIS, ids=[p for p, _, _ in PHIS])
+@pytest.mark.parametrize("memory", ["lp", "hebbian"])
+def test_every_feature_map_sizes_the_memory_and_the_loop_still_fuses(memory, phi, d_phi, width, fresh_dynamo):
+    """M is [d_v, d_φ]; φ(k), φ(q) are inputs of the fused scan; compiled == eager, forward and gradients."""
+    import hecate
+
+    if memory == "lp":
+        model = LpMemory(7, n_heads=2, d_k=3, d_v=4, p=2.0, alpha=None, eta=None, phi=phi, d_phi=d_phi)
+        op = "memory_scan"
+    else:
+        model = HebbianMemory(7, n_heads=2, d_k=3, d_v=4, alpha=None, phi=phi, d_phi=d_phi)
+        op = "linear_attention"
+    x = torch.randn(2, 4, 7, requires_grad=True)
+    y_ref, m_ref = model(x)
+    assert m_ref.shape == (2, 2, 4, width)
+    grads_ref = torch.autograd.grad(y_ref.square().sum() + m_ref.sum(), [x, *model.parameters()])
+    y, m = torch.compile(model, backend="hecate", options={"fallback": "eager"})(x)
+    report = hecate.last_report()
+    assert report.count(op) == 1, str(report)
+    assert not [miss for miss in report.misses if miss.pattern == op], str(report)
+    grads = torch.autograd.grad(y.square().sum() + m.sum(), [x, *model.parameters()])
+    assert_close("y", y, y_ref, 1e-5)
+    assert_close("m_final", m, m_ref, 1e-5)
+    for i, (a, b) in enumerate(zip(grads, grads_ref)):
+        assert_close(f"grad {i}", a, b, 1e-5)

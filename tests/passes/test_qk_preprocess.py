@@ -309,13 +309,60 @@ def test_conv_output_kept_channels_first_is_a_near_miss():
     assert "the conv output stays [B, D, T]" in report.misses[0].reason
 
 
-def test_phi_with_wrong_literal_is_reported_and_chain_stops_before_it():
+# ---------------------------------------------------------------- φ as any elementwise function
+
+def _with_phi(phi):
     def spelling(m, x):
-        return F.elu(F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)).transpose(1, 2))) + 2
+        return phi(F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)).transpose(1, 2)))
+    return spelling
+
+
+POINTWISE_PHIS = {
+    "invented": (lambda z: torch.sigmoid(z) * z + 0.5 * z.square(),
+                 "φ = mul(x,x);mul(0.5,%0);sigmoid(x);mul(x,%2);add(%1,%3)"),
+    "softplus": (F.softplus, "φ = gt(x,20.0);exp(x);log1p(%1);where(%0,x,%2)"),
+    "relu squared": (lambda z: F.relu(z) ** 2, "relu²"),                      # the fast path
+    "ELU + 2": (lambda z: F.elu(z) + 2, "φ = gt(x,0.0);expm1(x);where(%0,x,%1);add(2.0,%2)"),
+    "scaled tanh with a clamp": (lambda z: 1.5 * torch.tanh(z.clamp(min=-2.0)) + torch.abs(z) ** 3,
+                                 "φ = clamp_min(x,-2.0);tanh(%0);mul(1.5,%1);abs(x);pow(%3,3.0);add(%2,%4)"),
+}
+
+
+@pytest.mark.parametrize("name", list(POINTWISE_PHIS))
+def test_any_elementwise_phi_fuses_and_matches_eager(name):
+    phi, described = POINTWISE_PHIS[name]
+    report = _compare_with_eager(Chain(_with_phi(phi)), torch.randn(2, 7, 5))
+    assert _details(report) == [f"linear → conv(K=4) → silu → {described} [B,T,D]"], str(report)
+    assert report.misses == []
+
+
+def test_elementwise_phi_after_the_head_split_through_the_triton_kernels():
+    from hecate.lowering.dispatch import triton_on_cpu
+
+    phi, described = POINTWISE_PHIS["invented"]
+
+    def spelling(m, x):
+        a = F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)).transpose(1, 2))
+        return phi(a.view(*x.shape[:2], 2, 3))
+
+    with triton_on_cpu():
+        report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
+    assert _details(report) == [f"linear → conv(K=4) → silu → {described} [B,T,H,Dh]"], str(report)
+
+
+def test_elementwise_phi_stops_at_the_first_op_that_is_not_elementwise():
+    """φ(a) = exp(a) · 2 feeds a sum: φ is fused, the sum is left to the fallback."""
+    report = _compare_with_eager(Chain(_with_phi(lambda a: (torch.exp(a) * 2).sum(-1))), torch.randn(2, 7, 5))
+    assert _details(report) == ["linear → conv(K=4) → silu → φ = exp(x);mul(2.0,%0) [B,T,D]"], str(report)
+
+
+def test_elementwise_phi_with_another_tensor_is_not_fused_into_the_op():
+    def spelling(m, x):
+        a = F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)).transpose(1, 2))
+        return torch.exp(a) * x.sum(-1, keepdim=True)      # reads x: not a function of a alone
 
     report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
-    assert _details(report)[0].startswith("linear → conv(K=4) → silu [B,T,D]; read by aten.elu.default")
-    assert [m.reason for m in report.misses] == ["phi not fused: elu(x) + 2 is not ELU+1"]
+    assert _details(report) == ["linear → conv(K=4) → silu → exp [B,T,D]"], str(report)
 
 
 # ---------------------------------------------------------------- Inductor, options, CLI, export
@@ -432,3 +479,18 @@ def test_many_chains_in_one_graph():
     report = _compare_with_eager(model, torch.randn(2, 5, 6))
     assert [d.split(" → ")[-1] for d in _details(report)] == \
         ["elu+1 [B,T,H,Dh]"] * 2 + ["relu² [B,T,H,Dh]"] * 2 + ["exp(min(·, 10)) [B,T,H,Dh]"] * 2
+
+
+@pytest.mark.parametrize("start,reason", [
+    (0, "conv1d padding=[3] (kernel 4) then narrow(2, 0, 7) keeps the first T outputs, which is causal, but "
+        "narrow is not read as the slice [..., :T] yet: write the slice"),
+    (3, "conv1d padding=[3] pads both sides (kernel 4) and narrow(2, 3, 7) does not keep the first T=7 outputs: "
+        "not causal")])
+def test_narrow_after_a_padded_conv_is_reported_for_what_it_keeps(start, reason):
+    def spelling(m, x):
+        u = F.linear(x, m.w, m.b).transpose(1, 2)
+        return F.silu(F.conv1d(u, m.cw, m.cb, padding=m.k - 1, groups=6).narrow(2, start, x.shape[1]).transpose(1, 2))
+
+    report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
+    assert report.fusions == []
+    assert [m.reason for m in report.misses] == [reason]

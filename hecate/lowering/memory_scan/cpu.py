@@ -16,13 +16,16 @@ from typing import Optional
 
 import torch
 
+from hecate.lowering import pointwise
 from hecate.lowering.memory_scan.naive import bias_grad, lq_normalize
 
 CHUNK = 64
 
 
-def bias_grad_derivative(e: torch.Tensor, p: float, a: float, eps: float) -> torch.Tensor:
-    """d bias_grad / de, element-wise."""
+def bias_grad_derivative(e: torch.Tensor, p: float, a: float, eps: float, bias: str = "") -> torch.Tensor:
+    """d bias_grad / de, element-wise (for a pointwise ``bias``, its derivative traced by autograd)."""
+    if bias:
+        return pointwise.evaluate(pointwise.derivative(bias), e)
     if p == 2.0:
         return torch.full_like(e, 2.0)
     th = torch.tanh(a * e)
@@ -69,9 +72,9 @@ class _Step:
     The gates come precomputed per step: ``keep`` = 1 − α_t [B·H, 1, 1] and ``neg_eta`` = −η_t [B·H, 1].
     """
 
-    def __init__(self, p, a, eps, momentum, q_norm, hebbian):
+    def __init__(self, p, a, eps, momentum, q_norm, hebbian, bias=""):
         self.p, self.a, self.eps, self.momentum, self.q_norm = p, a, eps, momentum, q_norm
-        self.hebbian = hebbian
+        self.hebbian, self.bias = hebbian, bias
 
     def error_and_gradient(self, A, kt, vt):
         """(e, g): the prediction error and bias gradient; Hebbian: (None, −v), the memory is not read."""
@@ -79,7 +82,7 @@ class _Step:
             return None, -vt
         W = lq_normalize(A, self.q_norm, self.eps)
         e = _matvec(W, kt) - vt
-        return e, bias_grad(e, self.p, self.a, self.eps)
+        return e, bias_grad(e, self.p, self.a, self.eps, self.bias)
 
     def __call__(self, A, S, kt, vt, keep, neg_eta):
         g = self.error_and_gradient(A, kt, vt)[1]
@@ -103,7 +106,7 @@ def _prepare(k, v, q, alpha, eta, m0):
     return K, V, Q, AL, ET, keep, neg_eta, A0
 
 
-def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False):
+def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias=""):
     """y [B, T, H, Dv] (dtype of v), A_T [B, H, Dv, Dk] for one unpacked batch.
 
     ``hebbian``: the update ignores the memory, U = −v kᵀ (so A ← (1 − α) A + η v kᵀ): the
@@ -111,7 +114,7 @@ def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False)
     """
     B, T, H, _ = k.shape
     K, V, Q, _, _, keep, neg_eta, A = _prepare(k, v, q, alpha, eta, m0)
-    step = _Step(p, a, eps, momentum, q_norm, hebbian)
+    step = _Step(p, a, eps, momentum, q_norm, hebbian, bias)
     S = torch.zeros_like(A)
     Y = V.new_empty(V.shape)
     for t in range(T):
@@ -120,7 +123,7 @@ def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False)
     return _untm(Y, B, H).to(v.dtype), A.reshape(B, H, *A.shape[1:])
 
 
-def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False):
+def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias=""):
     """Gradients (dk, dv, dq, dalpha, deta, dm0) of one unpacked batch.
 
     Reverse step for token t (pre-state A_{t−1}, post-state A_t), carrying
@@ -142,7 +145,7 @@ def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm,
     K, V, Q, AL, ET, keep, neg_eta, A = _prepare(k, v, q, alpha, eta, m0)
     dtype = K.dtype
     dY = _tm(dy, dtype)
-    step = _Step(p, a, eps, momentum, q_norm, hebbian)
+    step = _Step(p, a, eps, momentum, q_norm, hebbian, bias)
     lq = q_norm != 2.0
     S = torch.zeros_like(A)
     checkpoints = []
@@ -189,7 +192,7 @@ def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm,
             if hebbian:
                 dV[t] = -dg
             else:
-                de = bias_grad_derivative(e, p, a, eps) * dg
+                de = bias_grad_derivative(e, p, a, eps, bias) * dg
                 dV[t] = -de
                 W_pre = lq_normalize(A_pre, q_norm, eps)
                 dK[t] += torch.bmm(de.unsqueeze(1), W_pre).squeeze(1)  # W_{t−1}ᵀ de
@@ -211,31 +214,31 @@ def _sequences(cu_seqlens: Optional[torch.Tensor], T: int):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False):
+def forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False, bias=""):
     """The CPU forward for either layout (packed: one call per sequence)."""
     seqs = _sequences(cu_seqlens, k.shape[1])
     if seqs is None:
-        return forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian)
+        return forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias)
     ys, finals = [], []
     for n, (bos, eos) in enumerate(seqs):
         y, A = forward(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
-                       None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm, hebbian)
+                       None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm, hebbian, bias)
         ys.append(y)
         finals.append(A)
     return torch.cat(ys, 1), torch.cat(finals, 0)
 
 
 def backward_packed(dy, dA_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                    hebbian=False):
+                    hebbian=False, bias=""):
     """The CPU backward for either layout."""
     seqs = _sequences(cu_seqlens, k.shape[1])
     if seqs is None:
-        return backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian)
+        return backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias)
     parts = []
     for n, (bos, eos) in enumerate(seqs):
         sl = slice(bos, eos)
         parts.append(backward(dy[:, sl], dA_final[n:n + 1], k[:, sl], v[:, sl], q[:, sl], alpha[:, sl],
                               eta[:, sl], None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm,
-                              hebbian))
+                              hebbian, bias))
     dk, dv, dq, dal, det, dm0 = (torch.cat([part[i] for part in parts], 1 if i < 5 else 0) for i in range(6))
     return dk, dv, dq, dal, det, dm0

@@ -20,13 +20,16 @@ import torch
 from onnxscript import ir
 from onnxscript import opset18 as op
 
+from hecate.lowering import pointwise
 from hecate.lowering.memory_scan.naive import memory_scan_naive
 from hecate.lowering.registry import decomposition, onnx_translation
 
 _FLOAT = 1  # onnx TensorProto.FLOAT
 
 
-def _bias_grad(e, p: float, a: float, eps: float):
+def _bias_grad(e, p: float, a: float, eps: float, bias: str):
+    if bias:
+        return pointwise.to_onnx(bias, e)
     if p == 2.0:
         return op.Mul(e, op.Constant(value_float=2.0))
     sign = op.Tanh(op.Mul(e, op.Constant(value_float=a)))
@@ -45,7 +48,7 @@ def _lq_normalize(A, q_norm: float, eps: float):
     return op.Mul(A, scale)
 
 
-def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebbian):
+def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebbian, bias):
     """One token on [B, H, Dv, Dk] states; k_t, q_t [B, H, Dk]; v_t [B, H, Dv]; gates [B, H]."""
     k_row = op.Unsqueeze(k_t, op.Constant(value_ints=[-2]))        # [B, H, 1, Dk]
     if hebbian:  # U = −v kᵀ: the memory is not read
@@ -53,7 +56,7 @@ def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebb
     else:
         W = _lq_normalize(A, q_norm, eps)
         e = op.Sub(op.ReduceSum(op.Mul(W, k_row), op.Constant(value_ints=[-1]), keepdims=0), v_t)  # [B, H, Dv]
-        g = _bias_grad(e, p, a, eps)
+        g = _bias_grad(e, p, a, eps, bias)
     g = op.Unsqueeze(g, op.Constant(value_ints=[-1]))
     gates = op.Constant(value_ints=[-2, -1])
     eta_u = op.Mul(op.Mul(g, k_row), op.Unsqueeze(eta_t, gates))   # η_t U [B, H, Dv, Dk]
@@ -68,7 +71,7 @@ def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebb
     return A, S, y_t
 
 
-def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian) -> ir.Graph:
+def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian, bias) -> ir.Graph:
     """Record one step into its own graph: inputs (A, [S], k_t, v_t, q_t, α_t, η_t), outputs (A, [S], y_t)."""
     from torch.onnx._internal.exporter import _building
 
@@ -86,7 +89,7 @@ def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebb
               (("k", k), ("v", v), ("q", q), ("alpha", alpha), ("eta", eta))]
     recorder = _building.OpRecorder(opset, {})
     with onnxscript.evaluator.default_as(recorder):
-        A_next, S_next, y_t = _step(A, S, *sliced, p, a, eps, momentum, q_norm, hebbian)
+        A_next, S_next, y_t = _step(A, S, *sliced, p, a, eps, momentum, q_norm, hebbian, bias)
         # Scan outputs must be fresh values, not graph inputs passed through
         A_next = op.Identity(A_next)
         if use_momentum:
@@ -103,7 +106,7 @@ def zeros_state(k, v):
     return op.ConstantOfShape(shape, value=ir.tensor([0.0], dtype=ir.DataType.FLOAT))
 
 
-def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbian=False):
+def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbian=False, bias=""):
     """One ONNX ``Scan`` over T for FLOAT k, v, q [B, T, H, ·], gates [B, T, H], A0 [B, H, Dv, Dk].
 
     Returns (y [B, T, H, Dv] FLOAT, A_final). Shared with ``hecate.linear_attention`` (``hebbian``).
@@ -114,7 +117,8 @@ def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbia
     if k.shape is not None and v.shape is not None:
         A0.shape = ir.Shape([k.shape[0], k.shape[2], v.shape[3], k.shape[3]])
     use_momentum = momentum != 0.0
-    body = _scan_body(_core.current_tracer.opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian)
+    body = _scan_body(_core.current_tracer.opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian,
+                      bias)
     inits = [A0, op.Mul(A0, op.Constant(value_float=0.0))] if use_momentum else [A0]
     outputs = call_op("Scan", *inits, k, v, q, alpha, eta, _num_outputs=len(inits) + 1, body=body,
                       num_scan_inputs=5, scan_input_axes=[1] * 5, scan_output_axes=[1])
@@ -123,14 +127,14 @@ def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbia
 
 @onnx_translation(torch.ops.hecate.memory_scan.default)
 def memory_scan_onnx(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.0, eps=1e-6,
-                     momentum=0.0, q_norm=2.0):
+                     momentum=0.0, q_norm=2.0, bias=""):
     if cu_seqlens is not None:
         raise NotImplementedError("memory_scan ONNX export: packed sequences (cu_seqlens) are not supported; "
                                   "export with a padded batch")
     out_dtype = v.dtype
     k, v, q, alpha, eta = (op.Cast(x, to=_FLOAT) for x in (k, v, q, alpha, eta))
     A0 = zeros_state(k, v) if m0 is None else op.Cast(m0, to=_FLOAT)
-    y, A_final = recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm)
+    y, A_final = recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, bias=bias)
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
     return y, A_final
@@ -138,7 +142,7 @@ def memory_scan_onnx(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.
 
 @decomposition(torch.ops.hecate.memory_scan.default)
 def memory_scan_decomposition(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.0, eps=1e-6,
-                              momentum=0.0, q_norm=2.0):
+                              momentum=0.0, q_norm=2.0, bias=""):
     if cu_seqlens is not None:
         raise NotImplementedError("memory_scan decomposition: packed sequences (cu_seqlens) are not supported")
-    return memory_scan_naive(k, v, q, alpha, eta, m0, None, p, a, eps, momentum, q_norm)
+    return memory_scan_naive(k, v, q, alpha, eta, m0, None, p, a, eps, momentum, q_norm, bias)

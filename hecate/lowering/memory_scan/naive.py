@@ -10,6 +10,7 @@ Per head, with memory M [Dv, Dk] and token t (the read comes after the update)::
     g_t = bias_grad_p(e_t)                                    (MIRAS Eq 11, Remark 5)
           p = 2 : 2 e                  p = 1 : tanh(a e)
           else  : p · tanh(a e) · (e² + eps)^((p−1)/2)
+          or any pointwise g the user wrote (``bias``: a Huber gradient, |e|^(p−1)·sign(e), ...)
     U_t = g_t k_tᵀ                                            (gradient of ‖W k − v‖_p^p)
     plain     : A_t = (1 − α_t) A_{t−1} − η_t U_t
     momentum β: S_t = β S_{t−1} − η_t U_t ;  A_t = (1 − α_t) A_{t−1} + S_t
@@ -39,9 +40,14 @@ from typing import Optional
 
 import torch
 
+from hecate.lowering import pointwise
 
-def bias_grad(e: torch.Tensor, p: float, a: float, eps: float) -> torch.Tensor:
-    """∂/∂e of the smoothed ‖e‖_p^p (spec fast paths for p = 2 and p = 1)."""
+
+def bias_grad(e: torch.Tensor, p: float, a: float, eps: float, bias: str = "") -> torch.Tensor:
+    """∂/∂e of the smoothed ‖e‖_p^p (spec fast paths for p = 2 and p = 1), or the user's pointwise g
+    (``bias``, an expression of :mod:`hecate.lowering.pointwise`; p, a, eps then unused)."""
+    if bias:
+        return pointwise.evaluate(bias, e)
     if p == 2.0:
         return 2.0 * e
     if p == 1.0:
@@ -57,7 +63,7 @@ def lq_normalize(A: torch.Tensor, q_norm: float, eps: float) -> torch.Tensor:
     return A * (s + eps).pow(-(q_norm - 2.0) / q_norm)
 
 
-def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm):
+def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias):
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     dtype = torch.promote_types(k.dtype, torch.float32)
@@ -70,7 +76,7 @@ def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm):
         et = eta[:, t].to(dtype)[..., None, None]
         W = lq_normalize(A, q_norm, eps)
         e = torch.einsum("bhvk,bhk->bhv", W, kt) - vt
-        U = bias_grad(e, p, a, eps)[..., :, None] * kt[..., None, :]
+        U = bias_grad(e, p, a, eps, bias)[..., :, None] * kt[..., None, :]
         if momentum != 0.0:
             S = momentum * S - et * U
             A = (1.0 - at) * A + S
@@ -85,7 +91,7 @@ def memory_scan_naive(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, alpha: 
                       eta: torch.Tensor, m0: Optional[torch.Tensor] = None,
                       cu_seqlens: Optional[torch.Tensor] = None, p: float = 2.0, a: float = 10.0,
                       eps: float = 1e-6, momentum: float = 0.0,
-                      q_norm: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      q_norm: float = 2.0, bias: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for ``torch.ops.hecate.memory_scan`` (same arguments, same results).
 
     k, q [B, T, H, Dk]; v [B, T, H, Dv]; alpha, eta [B, T, H]; m0 [B, H, Dv, Dk] or None.
@@ -93,12 +99,12 @@ def memory_scan_naive(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, alpha: 
     Returns y [B, T, H, Dv] (dtype of v) and m_final (fp32, or fp64 for fp64 inputs).
     """
     if cu_seqlens is None:
-        return _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm)
+        return _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias)
     bounds = [int(x) for x in cu_seqlens.tolist()]
     ys, finals = [], []
     for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
         y, A = _scan_one(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
-                         None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm)
+                         None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm, bias)
         ys.append(y)
         finals.append(A)
     return torch.cat(ys, 1), torch.cat(finals, 0)

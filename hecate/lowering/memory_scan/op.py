@@ -16,11 +16,19 @@ Contract (the recognition pass in ``hecate/passes/memory_scan.py`` emits exactly
         eps,        # eps of the |e|^(p-1) approximator and of MONETA's norm (spec default 1e-6)
         momentum,   # β: 0 = plain GD; else S ← β S − η_t U ; A ← (1 − α_t) A + S (S_0 = 0)
         q_norm,     # 2 = plain; else MONETA: W = A / ‖A‖_q^{q−2} over the whole [Dv, Dk] per head
+        bias,       # "" = the l_p bias gradient of p, a, eps; else the user's elementwise g(e) as a
+                    # hecate.lowering.pointwise expression (then p and a are unused; eps stays MONETA's)
     ) -> (y [B, T, H, Dv] in the dtype of v, m_final [B or N, H, Dv, Dk] fp32)
 
-Per step: e = W_{t−1} k_t − v_t ; U = bias_grad_p(e) k_tᵀ ; A_t = (1 − α_t) A_{t−1} − η_t U
+Per step: e = W_{t−1} k_t − v_t ; U = g(e) k_tᵀ with g = bias_grad_p or the ``bias`` function ; A_t = (1 − α_t) A_{t−1} − η_t U
 (or the momentum form) ; W_t = A_t (q_norm = 2) or the MONETA normalisation ; y_t = W_t q_t.
 The state in and out is A (the memory M itself when q_norm = 2). Full statement: :mod:`.naive`.
+
+A ``bias`` g is generated into the Triton kernels (forward: g; backward: g', the derivative
+:func:`hecate.lowering.pointwise.derivative` traces from autograd), evaluated with torch on the
+CPU path and in the ATen decomposition, and written with ONNX ops in the export. For example
+a Huber bias of threshold 1, ``pointwise.trace(lambda e: torch.where(e.abs() <= 1, e, e.sign()))``,
+is ``"abs(x);le(%0,1.0);sign(x);where(%1,x,%2)"``.
 
 k, v and q share one dtype (fp32, bf16, fp16; fp64 on the CPU path); the state is
 fp32 (fp64 for fp64 inputs). Differentiable in k, v, q, alpha, eta and m0; the
@@ -40,6 +48,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from hecate.lowering import pointwise
 from hecate.lowering.dispatch import use_triton
 from hecate.lowering.memory_scan import cpu
 
@@ -59,8 +68,13 @@ def check_kvq_shapes(op: str, k: Tensor, v: Tensor, q: Tensor) -> None:
                          f"k shape {tuple(k.shape)}")
 
 
-def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm) -> None:
+def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias="") -> None:
     """Shape, dtype and scalar checks (no data reads: also run at trace time)."""
+    if bias:
+        try:
+            pointwise.parse(bias)
+        except ValueError as error:
+            raise ValueError(f"memory_scan: bias must be '' or a pointwise expression of e; {error}") from None
     if not (isinstance(p, (int, float)) and p >= 1.0 and math.isfinite(p)):
         raise ValueError(f"memory_scan: p must be a finite number >= 1 (the l_p exponent), got {p!r}")
     if not q_norm >= 1.0 or not math.isfinite(q_norm):
@@ -117,18 +131,19 @@ def check_values(k, alpha, eta, cu_seqlens) -> None:
 @torch.library.custom_op("hecate::memory_scan", mutates_args=())
 def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0: Optional[Tensor],
                 cu_seqlens: Optional[Tensor], p: float = 2.0, a: float = 10.0, eps: float = 1e-6,
-                momentum: float = 0.0, q_norm: float = 2.0) -> tuple[Tensor, Tensor]:
-    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
+                momentum: float = 0.0, q_norm: float = 2.0, bias: str = "") -> tuple[Tensor, Tensor]:
+    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias)
     check_values(k, alpha, eta, cu_seqlens)
     if use_triton(k):
         from hecate.lowering.memory_scan import kernels
-        return kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
-    return cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
+        return kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias)
+    return cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias)
 
 
 @memory_scan.register_fake
-def _memory_scan_fake(k, v, q, alpha, eta, m0, cu_seqlens, p=2.0, a=10.0, eps=1e-6, momentum=0.0, q_norm=2.0):
-    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
+def _memory_scan_fake(k, v, q, alpha, eta, m0, cu_seqlens, p=2.0, a=10.0, eps=1e-6, momentum=0.0, q_norm=2.0,
+                      bias=""):
+    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias)
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     n_states = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -139,24 +154,27 @@ def _memory_scan_fake(k, v, q, alpha, eta, m0, cu_seqlens, p=2.0, a=10.0, eps=1e
 def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: Tensor, alpha: Tensor,
                          eta: Tensor, m0: Optional[Tensor], cu_seqlens: Optional[Tensor], p: float,
                          a: float, eps: float, momentum: float,
-                         q_norm: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         q_norm: float, bias: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dk, dv, dq, dalpha, deta, dm0) of ``memory_scan`` (dm0 is fp32, zeros-shaped when m0 is None)."""
     if use_triton(k):
         from hecate.lowering.memory_scan import kernels
-        return kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
-    return cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
+        return kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
+                                bias=bias)
+    return cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
+                               bias=bias)
 
 
 @memory_scan_backward.register_fake
-def _memory_scan_backward_fake(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm):
+def _memory_scan_backward_fake(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
+                               bias=""):
     return (k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(q.shape), alpha.new_empty(alpha.shape),
             eta.new_empty(eta.shape), dm_final.new_empty(dm_final.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm = inputs
+    k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias = inputs
     ctx.save_for_backward(k, v, q, alpha, eta, m0, cu_seqlens)
-    ctx.scalars = (p, a, eps, momentum, q_norm)
+    ctx.scalars = (p, a, eps, momentum, q_norm, bias)
     ctx.m0_dtype = None if m0 is None else m0.dtype
 
 
@@ -165,7 +183,7 @@ def _backward(ctx, dy, dm_final):
     dk, dv, dq, dalpha, deta, dm0 = torch.ops.hecate.memory_scan_backward(
         dy.contiguous(), dm_final.contiguous(), k, v, q, alpha, eta, m0, cu_seqlens, *ctx.scalars)
     return (dk, dv, dq, dalpha, deta, None if m0 is None else dm0.to(ctx.m0_dtype),
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 memory_scan.register_autograd(_backward, setup_context=_setup_context)

@@ -1,7 +1,8 @@
 """Export of ``hecate::qk_preprocess``: an ONNX translation (standard ONNX ops) and an ATen decomposition.
 
 ONNX: MatMul (+ Add) for the projection; Transpose to [B, D, T], Pad K-1 zeros on the left, Conv with
-group=D (the depthwise causal conv), Transpose back; Sigmoid·Mul for SiLU; Elu/Relu/Mul/Min/Exp for φ,
+group=D (the depthwise causal conv), Transpose back; Sigmoid·Mul for SiLU; Elu/Relu/Mul/Min/Exp for φ (a user's pointwise φ in the ops
+:func:`hecate.lowering.pointwise.to_onnx` writes),
 Reshape to heads + MatMul (+ Cos / Exp, ReduceSum) for the matrix φ kinds.
 ATen: the op's own ATen path (:func:`~hecate.lowering.qk_preprocess.op.forward_aten`), so torch-mlir sees
 only ops it knows.
@@ -14,15 +15,16 @@ import math
 import torch
 from onnxscript import opset18 as ox
 
-from hecate.lowering.qk_preprocess.naive import ACTIVATIONS, MATRIX_PHI, PHI_KINDS
+from hecate.lowering import pointwise
+from hecate.lowering.qk_preprocess.naive import ACTIVATIONS, MATRIX_PHI, is_pointwise_phi
 from hecate.lowering.qk_preprocess.op import backward_aten, check_inputs, effective_mask, forward_aten
 from hecate.lowering.registry import decomposition, onnx_translation
 
 
 @onnx_translation(torch.ops.hecate.qk_preprocess.default)
 def qk_preprocess_onnx(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar):
-    if activation not in ACTIVATIONS or phi not in PHI_KINDS:
-        raise ValueError(f"qk_preprocess ONNX export: unsupported activation={activation!r} / phi={phi!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"qk_preprocess ONNX export: unsupported activation={activation!r}")
     D, _, K = conv_weight.shape
     u = x                                                                    # [B, T, D]
     if proj_weight is not None:
@@ -38,6 +40,8 @@ def qk_preprocess_onnx(x, proj_weight, proj_bias, conv_weight, conv_bias, activa
     a = ox.Transpose(z, perm=[0, 2, 1])                                      # [B, T, D]
     if activation == "silu":
         a = ox.Mul(a, ox.Sigmoid(a))
+    if is_pointwise_phi(phi):
+        return pointwise.to_onnx(phi, a)
     if phi == "elu1":
         return ox.Add(ox.Elu(a), ox.CastLike(ox.Constant(value_float=1.0), a))
     if phi == "relu":

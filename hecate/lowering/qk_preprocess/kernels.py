@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hecate.lowering import pointwise
 from hecate.lowering.dispatch import interpreting
-from hecate.lowering.qk_preprocess.naive import MATRIX_PHI
+from hecate.lowering.qk_preprocess.naive import MATRIX_PHI, is_pointwise_phi
 
 ACTIVATION_CODES = {"none": 0, "silu": 1}
 PHI_CODES = {"identity": 0, "elu1": 1, "relu": 2, "relu2": 3, "exp": 4,
@@ -40,6 +41,7 @@ PHI_CODES = {"identity": 0, "elu1": 1, "relu": 2, "relu2": 3, "exp": 4,
 LINEAR_PHI = tl.constexpr(PHI_CODES["linear"])          # the matrix kinds are the codes >= LINEAR_PHI
 RANDOM_FOURIER_PHI = tl.constexpr(PHI_CODES["random_fourier"])
 PERFORMER_PHI = tl.constexpr(PHI_CODES["performer"])
+POINTWISE_PHI = -1    # a user's elementwise φ, generated (PHI_FN, PHI_DERIVATIVE); below the matrix codes
 
 
 @triton.jit
@@ -103,9 +105,11 @@ def _activation(z, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _phi(a, phi_scalar, PHI: tl.constexpr):
+def _phi(a, phi_scalar, PHI: tl.constexpr, PHI_FN: tl.constexpr):
     out = a                                                              # identity
-    if PHI == 1:    # elu(a) + 1
+    if PHI == -1:   # the user's φ (POINTWISE_PHI)
+        out = PHI_FN(a)
+    elif PHI == 1:  # elu(a) + 1
         out = tl.where(a > 0, a + 1.0, tl.exp(tl.minimum(a, 0.0)))
     elif PHI == 2:  # relu
         out = tl.maximum(a, 0.0)
@@ -117,11 +121,13 @@ def _phi(a, phi_scalar, PHI: tl.constexpr):
 
 
 @triton.jit
-def _grad_z(g, z, phi_scalar, ACTIVATION: tl.constexpr, PHI: tl.constexpr):
+def _grad_z(g, z, phi_scalar, ACTIVATION: tl.constexpr, PHI: tl.constexpr, PHI_DERIVATIVE: tl.constexpr):
     """dz = g · φ'(a) · act'(z), with torch's subgradients (relu' = [a > 0], clamp passes a <= max)."""
     s = tl.sigmoid(z)                                                    # unused (and removed) without SiLU
     a = _activation(z, ACTIVATION)
-    if PHI == 1:      # (linear φ arrives here with g = ∂L/∂a already)
+    if PHI == -1:     # the user's φ: φ' traced from autograd (POINTWISE_PHI)
+        g = g * PHI_DERIVATIVE(a)
+    elif PHI == 1:    # (linear φ arrives here with g = ∂L/∂a already)
         g = g * tl.where(a > 0, 1.0, tl.exp(tl.minimum(a, 0.0)))
     elif PHI == 2:
         g = tl.where(a > 0, g, 0.0)
@@ -151,7 +157,7 @@ def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, phi_b_ptr, 
                     K: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr,
                     HAS_CONV_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PHI: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr):
+                    INPUT_PRECISION: tl.constexpr, PHI_FN: tl.constexpr):
     # grid: (cdiv(D, CH), cdiv(T, BLOCK_T - (K-1)), B); each program takes CH channels (BLOCK_D, or one head
     # of Dh for linear φ). Channel blocks vary fastest so programs reading the same x rows run together.
     # out [B, T, out_width]: out_width = D, or H·d_phi for matrix φ.
@@ -180,7 +186,7 @@ def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, phi_b_ptr, 
             tl.store(out_rows + pid_d * d_phi + p[None, :], features.to(out_ptr.dtype.element_ty),
                      mask=rows[:, None] & (p < d_phi)[None, :])
     else:
-        out = _phi(_activation(z, ACTIVATION), phi_scalar, PHI)
+        out = _phi(_activation(z, ACTIVATION), phi_scalar, PHI, PHI_FN)
         tl.store(out_rows + c[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=rows[:, None] & ((i < CH) & (c < D))[None, :])
 
@@ -194,7 +200,7 @@ def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr
                           WRITE_DU: tl.constexpr, WRITE_DCW: tl.constexpr, WRITE_DCB: tl.constexpr,
                           WRITE_DPHI: tl.constexpr, WRITE_DPHIB: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                          INPUT_PRECISION: tl.constexpr):
+                          INPUT_PRECISION: tl.constexpr, PHI_DERIVATIVE: tl.constexpr):
     # grid: (cdiv(D, CH), cdiv(T, BLOCK_T - 2(K-1)), B). Tile rows r ↔ t = s0 - (K-1) + r; the
     # program owns rows r in [K-1, BLOCK_T - (K-1)), i.e. t in [s0, s0 + BLOCK_T - 2(K-1)).
     # g = ∂L/∂out [B, T, out_width]. dcw_partial [B·n_t, K, D] and dcb_partial [B·n_t, D] (fp32) get one
@@ -251,7 +257,7 @@ def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr
             g -= a * g_pre_sum[:, None]
     else:
         g = tl.load(g_rows + c[None, :], mask=z_ok, other=0.0).to(tl.float32)
-    dz = tl.where(z_ok, _grad_z(g, z, phi_scalar, ACTIVATION, PHI), 0.0)   # [BLOCK_T, BLOCK_D]
+    dz = tl.where(z_ok, _grad_z(g, z, phi_scalar, ACTIVATION, PHI, PHI_DERIVATIVE), 0.0)   # [BLOCK_T, BLOCK_D]
     if WRITE_DU:
         du = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
         for j in tl.static_range(K):
@@ -309,7 +315,15 @@ def _input_precision(x: torch.Tensor) -> str:
 
 def _flags(proj_weight, proj_bias, conv_bias, activation: str, phi: str) -> dict:
     return dict(HAS_PROJ=proj_weight is not None, HAS_PROJ_BIAS=proj_bias is not None,
-                HAS_CONV_BIAS=conv_bias is not None, ACTIVATION=ACTIVATION_CODES[activation], PHI=PHI_CODES[phi])
+                HAS_CONV_BIAS=conv_bias is not None, ACTIVATION=ACTIVATION_CODES[activation],
+                PHI=POINTWISE_PHI if is_pointwise_phi(phi) else PHI_CODES[phi])
+
+
+def _phi_function(phi: str, derivative: bool):
+    """The generated Triton φ (or φ') of a user's pointwise φ; None for the kinds."""
+    if not is_pointwise_phi(phi):
+        return None
+    return pointwise.triton_function(pointwise.derivative(phi) if derivative else phi)
 
 
 def launch_forward(out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
@@ -325,7 +339,8 @@ def launch_forward(out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor
     _forward_kernel[grid](x, proj_weight if proj_weight is not None else x, proj_bias if proj_bias is not None else x,
                           conv_weight, conv_bias if conv_bias is not None else x, phi_weight, phi_bias, out,
                           T, D, D_in, CH, d_phi, out_width, float(phi_scalar), scale,
-                          **_flags(proj_weight, proj_bias, conv_bias, activation, phi), **cfg)
+                          **_flags(proj_weight, proj_bias, conv_bias, activation, phi), **cfg,
+                          PHI_FN=_phi_function(phi, derivative=False))
 
 
 def _phi_tensors(phi: str, phi_params: Sequence[torch.Tensor], dummy: torch.Tensor):
@@ -355,7 +370,8 @@ def launch_backward_conv(du: torch.Tensor | None, dcw_partial: torch.Tensor | No
         T, D, D_in, CH, d_phi, out_width, float(phi_scalar), scale,
         **_flags(proj_weight, proj_bias, conv_bias, activation, phi),
         WRITE_DU=du is not None, WRITE_DCW=dcw_partial is not None, WRITE_DCB=dcb_partial is not None,
-        WRITE_DPHI=dphi_partial is not None, WRITE_DPHIB=dphib_partial is not None, **cfg)
+        WRITE_DPHI=dphi_partial is not None, WRITE_DPHIB=dphib_partial is not None, **cfg,
+        PHI_DERIVATIVE=_phi_function(phi, derivative=True))
 
 
 def backward_row_blocks(T: int, K: int) -> int:

@@ -8,7 +8,9 @@ Spec (``short-causal-conv.md``, ``feature-maps-phi.md``, ``linear-attention-feat
     a           = silu(z) = z · sigmoid(z)   or   a = z            (activation)
     out         = φ(a)                                             (elementwise feature map)
 
-Elementwise φ kinds: identity; elu1 = elu(a) + 1; relu; relu2 = relu(a)²; exp = exp(min(a, phi_scalar)).
+Elementwise φ kinds: identity; elu1 = elu(a) + 1; relu; relu2 = relu(a)²; exp = exp(min(a, phi_scalar));
+or any elementwise φ the user wrote, given as a :mod:`hecate.lowering.pointwise` expression of a (e.g.
+``"sigmoid(x);mul(x,%0)"``): the kinds are its fast paths.
 Matrix φ kinds act on each head a_h = a[b, t, h·Dh:(h+1)·Dh] (H = D / Dh heads, one W_phi [d_phi, Dh] shared
 by all heads) and give [B, T, H·d_phi]:
     linear:          φ(a_h) = W_phi a_h                                        phi_params = [W_phi]
@@ -23,11 +25,18 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hecate.lowering import pointwise
+
 ACTIVATIONS = ("silu", "none")
 ELEMENTWISE_PHI = ("identity", "elu1", "relu", "relu2", "exp")
 MATRIX_PHI = ("linear", "random_fourier", "performer")
 PHI_PARAM_COUNT = {"linear": 1, "random_fourier": 2, "performer": 1}
 PHI_KINDS = ELEMENTWISE_PHI + MATRIX_PHI
+
+
+def is_pointwise_phi(phi: str) -> bool:
+    """Whether ``phi`` is a user's elementwise φ (a pointwise expression) rather than a kind name."""
+    return phi not in PHI_KINDS
 
 
 def apply_activation(z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -57,7 +66,7 @@ def apply_phi(a: torch.Tensor, phi: str, phi_params: list[torch.Tensor], phi_sca
         elif phi == "performer":
             pre = torch.exp(pre - heads.square().sum(-1, keepdim=True) / 2) / math.sqrt(d_phi)
         return pre.flatten(2)
-    raise ValueError(f"phi must be one of {list(PHI_KINDS)}, got {phi!r}")
+    return pointwise.evaluate(phi, a)
 
 
 def qk_preprocess_reference(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,

@@ -7,7 +7,10 @@ Schema (see :mod:`hecate.lowering.qk_preprocess.naive` for the equations)::
                   conv_weight [D, 1, K], conv_bias [D]?,
                   activation: "silu" | "none",
                   phi: elementwise "identity" | "elu1" | "relu" | "relu2" | "exp"
-                       or matrix "linear" | "random_fourier" | "performer",
+                       or matrix "linear" | "random_fourier" | "performer"
+                       or any other elementwise φ as a hecate.lowering.pointwise expression of the
+                       activation (e.g. "sigmoid(x);mul(x,%0);mul(x,x);mul(0.5,%2);add(%1,%3)"),
+                       generated into the Triton kernels with its derivative traced from autograd,
                   phi_params: [] for the elementwise kinds; [W_phi [d_phi, Dh]] for "linear" and "performer";
                               [W_phi [d_phi, Dh], b_phi [d_phi]] for "random_fourier",
                   phi_scalar: clamp max of "exp" (spec default 10.0), ignored otherwise)
@@ -41,9 +44,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hecate.lowering import pointwise
 from hecate.lowering.dispatch import use_triton
 from hecate.lowering.qk_preprocess.naive import (ACTIVATIONS, MATRIX_PHI, PHI_KINDS, PHI_PARAM_COUNT,
-                                                 apply_activation, apply_phi)
+                                                 apply_activation, apply_phi, is_pointwise_phi)
 
 GRAD_INPUTS = ("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias", "phi_weight", "phi_bias")
 
@@ -58,8 +62,12 @@ def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: t
         raise ValueError(f"qk_preprocess: x must be a floating-point tensor, got dtype {x.dtype}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"qk_preprocess: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
-    if phi not in PHI_KINDS:
-        raise ValueError(f"qk_preprocess: phi must be one of {list(PHI_KINDS)}, got {phi!r}")
+    if is_pointwise_phi(phi):
+        try:
+            pointwise.parse(phi)
+        except ValueError as error:
+            raise ValueError(f"qk_preprocess: phi must be one of {list(PHI_KINDS)}, got {phi!r}, which is not a "
+                             f"pointwise expression of the activation either ({error})") from None
     if phi not in MATRIX_PHI and len(phi_params) != 0:
         raise ValueError(f"qk_preprocess: phi={phi!r} is elementwise and takes no phi_params, "
                          f"got {len(phi_params)} tensor(s)")
@@ -177,6 +185,8 @@ def phi_backward(grad_out: torch.Tensor, a: torch.Tensor, phi: str, phi_scalar: 
         return grad_out * (a > 0)
     if phi == "relu2":
         return grad_out * 2 * F.relu(a)
+    if is_pointwise_phi(phi):
+        return grad_out * pointwise.evaluate(pointwise.derivative(phi), a)
     # exp(min(a, s)): clamp passes the gradient where a <= s
     return grad_out * torch.where(a <= phi_scalar, torch.exp(a), torch.zeros_like(a))
 

@@ -140,9 +140,9 @@ def test_kernels_compile_for_a_gpu_without_one():
     for p_mode, momentum, lq, varlen, hebbian in [(0, True, False, True, False), (1, False, True, False, False),
                                                   (2, False, False, False, True)]:
         common = dict(H=4, DK=64, DV=64, BK=64, CHUNK=32, P_MODE=p_mode, USE_MOMENTUM=momentum, LQ=lq,
-                      VARLEN=varlen, HEBBIAN=hebbian)
+                      VARLEN=varlen, HEBBIAN=hebbian, BIAS=None)
         fwd = dict(common, BV=64 if lq else 32, HAS_M0=True, STORE_Y=True, STORE_FINAL=True, STORE_CKPT=True)
-        bwd = dict(common, BV=64 if lq else 16)
+        bwd = dict(common, BV=64 if lq else 16, BIAS_DERIVATIVE=None)
         for kernel, constexprs in [(kernels.memory_scan_fwd_kernel, fwd), (kernels.memory_scan_bwd_kernel, bwd)]:
             signature = kernel_signature(kernel, constexprs, _memory_scan_types(kernel, constexprs))
             jobs[f"{kernel.fn.__name__} P_MODE={p_mode}"] = (kernel, signature, constexprs)

@@ -1,0 +1,931 @@
+"""Recognise a memory step inside a scan body by what it computes, whatever its spelling.
+
+A loop arrives here as ``scan(body, init, xs, invariants)`` (:mod:`hecate.compiler.loops`
+rolls Dynamo's unrolled copies up; a user's own ``scan`` arrives as is). :func:`analyse`
+proves that the body is one of
+
+* the l_p memory step (``spec/lp-attentional-bias.md``)::
+
+      e = read(W, k) − v              W = M, or MONETA's W = M / (Σ|M|^q + eps)^((q−2)/q)
+      M ← a·M − b·outer(G(e), k)      (or with momentum: S ← β S − b·outer(G(e), k); M ← a·M + S)
+      y = read(W, q)
+
+* the Hebbian step: ``M ← a·M + b·outer(v, k)``, ``y = read(M, q)``, optionally normalised
+  by ``z ← a·z + k``, ``y / (z·q + eps)``,
+
+where read is the contraction of M with a vector over either of its last two dims (M may be
+stored [Dv, Dk] or [Dk, Dv]), a and b are numbers or any per-step function of the loop's
+inputs (gates), k, v, q are any per-step values (φ(k) computed inside the loop included) and
+G is a pointwise function of e. The proof is by meaning, not by matching one spelling:
+
+1. the body's additive/multiplicative structure is read off the graph (sums of products,
+   seen through views): which term keeps M, which updates it, which factors are gates;
+2. the roles are found by evaluating the body at random float64 points (its own generator,
+   the user's RNG is not touched): y equals read(M_new, q) for one per-step value q; one node
+   equals read(M, k) − v; G is evaluated on its own over a grid of e and identified as one of
+   memory_scan's bias gradients (2e, tanh(a·e), p·tanh(a·e)·(e²+eps)^((p−1)/2)), its
+   parameters taken from the body's literals;
+3. the whole step is then evaluated again at fresh random points against the op's own
+   equations with the recovered roles; anything that differs is :class:`NotFused`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from hecate.passes.matching import NotFused
+
+aten = torch.ops.aten
+
+_TOL = 1e-9  # float64 agreement required between the body and the op's equations
+
+# views through which a product's factors are read (they move no value across elements)
+_VIEWS = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.view.default,
+          aten.reshape.default, aten._unsafe_view.default, aten.expand.default, aten.alias.default,
+          aten.clone.default}
+
+
+# ---------------------------------------------------------------- evaluating the body
+
+def _evaluate(graph: fx.Graph, inputs: dict[fx.Node, Any], overrides: dict[fx.Node, Any] | None = None,
+              upto: set[fx.Node] | None = None) -> dict[fx.Node, Any]:
+    """Run ``graph`` on concrete values; ``overrides`` replace nodes' values; ``upto`` limits what is run."""
+    env: dict[fx.Node, Any] = dict(inputs)
+    overrides = overrides or {}
+    for node in graph.nodes:
+        if node in overrides:
+            env[node] = overrides[node]
+            continue
+        if node.op != "call_function" or (upto is not None and node not in upto):
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env.get(n))
+        env[node] = node.target(*args, **kwargs)
+    return env
+
+
+def _random_inputs(placeholders: list[fx.Node], seed: int, states: set[fx.Node]) -> dict[fx.Node, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    values = {}
+    for ph in placeholders:
+        v = ph.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            values[ph] = v
+            continue
+        if not all(isinstance(s, int) for s in v.shape):
+            raise NotFused("the loop's shapes are symbolic (dynamic=True); the memory step is recognised at "
+                           "static shapes")
+        if v.is_floating_point():
+            if ph in states:  # states of either sign
+                values[ph] = torch.randn(tuple(v.shape), generator=gen, dtype=torch.float64)
+            else:  # inputs in (0.1, 0.9): gates stay gates, roots and logs stay real
+                values[ph] = 0.1 + 0.8 * torch.rand(tuple(v.shape), generator=gen, dtype=torch.float64)
+        else:
+            values[ph] = torch.zeros(tuple(v.shape), dtype=v.dtype)
+    return values
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    diff = float((a - b).abs().max()) if a.numel() else 0.0
+    return bool(torch.isfinite(a).all()) and diff <= _TOL * max(scale, 1.0)
+
+
+def _as(value: Any, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``value`` viewed as ``shape`` when it holds that many elements (size-1 dims moved freely)."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != math.prod(shape):
+        return None
+    if [s for s in value.shape if s != 1] != [s for s in shape if s != 1]:
+        return None
+    return value.reshape(shape)
+
+
+# ---------------------------------------------------------------- reading sums of products
+
+def _terms(node: Any, sign: float = 1.0, stop: frozenset = frozenset()) -> list[tuple[float, Any]]:
+    """``node`` as Σ sign·term, through add/sub/neg (and ``alpha=`` of add/sub), not into ``stop``."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node not in stop:
+        if node.target in (aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2:
+            alpha = node.kwargs.get("alpha", 1)
+            if set(node.kwargs) <= {"alpha"} and isinstance(alpha, (int, float)):
+                second = alpha * (1 if node.target is aten.add.Tensor else -1)
+                return _terms(node.args[0], sign, stop) + _terms(node.args[1], sign * second, stop)
+        if node.target is aten.neg.default:
+            return _terms(node.args[0], -sign, stop)
+        if node.target in (aten.clone.default, aten.alias.default):
+            return _terms(node.args[0], sign, stop)
+        if node.target in (aten.addcmul.default, aten.addcdiv.default) and len(node.args) == 3:
+            value = node.kwargs.get("value", 1)  # self + value·t1·t2 (or t1/t2): a term that is a product
+            kind = "mul" if node.target is aten.addcmul.default else "div"
+            return _terms(node.args[0], sign, stop) + [(sign * value, (kind, node.args[1], node.args[2]))]
+    return [(sign, node)]
+
+
+@dataclass
+class _Product:
+    coef: float = 1.0
+    factors: list[fx.Node] = field(default_factory=list)
+    divisors: list[fx.Node] = field(default_factory=list)
+
+
+def _product(node: Any, out: _Product | None = None, invert: bool = False) -> _Product:
+    """``node`` as coef · Π factors / Π divisors, through mul/div/neg and views."""
+    out = out or _Product()
+    if isinstance(node, tuple):  # ("mul" | "div", a, b) from addcmul / addcdiv
+        kind, a, b = node
+        _product(a, out, invert)
+        return _product(b, out, invert if kind == "mul" else not invert)
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        out.coef = out.coef / node if invert else out.coef * node
+        return out
+    if node.op == "call_function":
+        t, a = node.target, node.args
+        if t is aten.mul.Tensor and len(a) == 2 and not node.kwargs:
+            _product(a[0], out, invert)
+            return _product(a[1], out, invert)
+        if t is aten.div.Tensor and len(a) == 2 and not node.kwargs:
+            _product(a[0], out, invert)
+            return _product(a[1], out, not invert)
+        if t is aten.neg.default:
+            out.coef = -out.coef
+            return _product(a[0], out, invert)
+        if t in _VIEWS and isinstance(a[0], fx.Node):
+            return _product(a[0], out, invert)
+    (out.divisors if invert else out.factors).append(node)
+    return out
+
+
+# ---------------------------------------------------------------- what was recognised
+
+@dataclass
+class PerStep:
+    """A per-step value [*lead, D] (or [*lead] for a gate): coef · Π factors / Π divisors of body nodes."""
+
+    coef: float
+    factors: list[fx.Node]
+    divisors: list[fx.Node] = field(default_factory=list)
+    offset: float | None = None  # the value is offset − (coef · Π ...) (memory_scan's α = 1 − keep)
+
+    def value(self, env: dict[fx.Node, Any], shape: tuple[int, ...], like: torch.Tensor | None = None) -> torch.Tensor:
+        """The value from the body's values ``env``, as ``shape`` (in the dtype of ``like``, float64 by default)."""
+        out = None
+        for f in self.factors:
+            x = _broadcastable(env[f], shape)
+            out = x if out is None else out * x
+        for d in self.divisors:
+            out = (1.0 / _broadcastable(env[d], shape)) if out is None else out / _broadcastable(env[d], shape)
+        if out is None:
+            out = torch.full(shape, float(self.coef), dtype=torch.float64 if like is None else like.dtype,
+                             device=None if like is None else like.device)
+        elif self.coef != 1.0:
+            out = out * self.coef
+        out = out.expand(shape) if tuple(out.shape) != shape else out
+        return out if self.offset is None else self.offset - out
+
+
+def _broadcastable(value: Any, shape: tuple[int, ...]) -> Any:
+    """A factor's value viewed to broadcast against ``shape``: whole, per head ([*lead, 1]), or one number."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if value.numel() == 1:
+        return value.reshape(())
+    if value.numel() == math.prod(shape):
+        return value.reshape(shape)
+    return value.reshape(shape[:-1] + (1,))
+
+
+@dataclass
+class Recurrence:
+    """A scan body proven to be one memory step."""
+
+    kind: str  # "lp" (memory_scan) or "hebbian" (linear_attention)
+    layout: str  # "vk": M is [.., Dv, Dk], read contracts its last dim; "kv": M is [.., Dk, Dv]
+    lead: tuple[int, ...]  # the leading dims of M (batch, heads)
+    dv: int
+    dk: int
+    state: int  # index of M among the carries
+    momentum_state: int | None = None
+    normaliser_state: int | None = None
+    per_step: dict[str, PerStep] = field(default_factory=dict)  # k, v, q [*lead, D]; alpha, eta [*lead]
+    params: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "hebbian":
+            return "Hebbian" + (" normalised" if self.normaliser_state is not None else "")
+        if self.params.get("q_norm", 2.0) != 2.0:
+            return "MONETA L_q retention"
+        return "GD with momentum" if self.momentum_state is not None else "GD"
+
+
+# ---------------------------------------------------------------- the analysis
+
+def _read(M: torch.Tensor, x: torch.Tensor, layout: str) -> torch.Tensor:
+    return torch.einsum("...ac,...c->...a" if layout == "vk" else "...ac,...a->...c", M, x)
+
+
+def _outer(g: torch.Tensor, k: torch.Tensor, layout: str) -> torch.Tensor:
+    return g.unsqueeze(-1) * k.unsqueeze(-2) if layout == "vk" else k.unsqueeze(-1) * g.unsqueeze(-2)
+
+
+def _lq(A: torch.Tensor, q: float, eps: float) -> torch.Tensor:
+    if q == 2.0:
+        return A
+    return A * (A.abs().pow(q).sum((-2, -1), keepdim=True) + eps).pow(-(q - 2.0) / q)
+
+
+def _bias(e: torch.Tensor, p: float, a: float, eps: float) -> torch.Tensor:
+    if p == 2.0:
+        return 2.0 * e
+    if p == 1.0:
+        return torch.tanh(a * e)
+    return p * torch.tanh(a * e) * (e * e + eps).pow((p - 1.0) / 2.0)
+
+
+class _Body:
+    def __init__(self, body: fx.GraphModule, n_carries: int):
+        self.graph = body.graph
+        self.placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        self.outputs = list(next(reversed(body.graph.nodes)).args[0])
+        self.carries = self.placeholders[:n_carries]
+        self.carry_out = self.outputs[:n_carries]
+        self.ys = self.outputs[n_carries:]
+        self.compute = [n for n in body.graph.nodes if n.op == "call_function"]
+        self.depends: dict[fx.Node, set[int]] = {}
+        for n in body.graph.nodes:
+            if n in self.carries:
+                self.depends[n] = {self.carries.index(n)}
+            else:
+                self.depends[n] = set().union(*(self.depends.get(i, set()) for i in n.all_input_nodes))
+        self.env = _evaluate(self.graph, _random_inputs(self.placeholders, 0, set(self.carries)))
+
+    def per_step_nodes(self, shape: tuple[int, ...]) -> list[fx.Node]:
+        """Nodes that depend on no state and hold a value of ``shape`` (up to size-1 dims)."""
+        return [n for n in self.graph.nodes if n.op in ("placeholder", "call_function") and not self.depends[n]
+                and _as(self.env.get(n), shape) is not None]
+
+    def literals(self, nodes: set[fx.Node]) -> set[float]:
+        found = set()
+        for n in nodes:
+            for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)):
+                if isinstance(a, (int, float)) and not isinstance(a, bool):
+                    found.add(float(a))
+        return found
+
+    def between(self, source: fx.Node, sinks: list[fx.Node]) -> set[fx.Node]:
+        """Nodes on a path from ``source`` to one of ``sinks`` (both included)."""
+        down, stack = {source}, [source]
+        while stack:
+            for u in stack.pop().users:
+                if u not in down:
+                    down.add(u)
+                    stack.append(u)
+        up, stack = set(sinks), list(sinks)
+        while stack:
+            for i in stack.pop().all_input_nodes:
+                if i not in up:
+                    up.add(i)
+                    stack.append(i)
+        return down & up
+
+
+def analyse(body: fx.GraphModule, n_carries: int) -> Recurrence:
+    """Prove ``body`` (a scan body: carries first) is one memory step; raise :class:`NotFused` if not."""
+    try:
+        b = _Body(body, n_carries)
+    except (RuntimeError, TypeError, ValueError) as why:  # an op that does not run on float64 sample points
+        raise NotFused(f"the loop body could not be evaluated at sample points ({type(why).__name__}: "
+                       f"{str(why).splitlines()[0] if str(why) else ''})") from None
+    if len(b.ys) != 1:
+        raise NotFused(f"the loop produces {len(b.ys)} per-step outputs; a memory loop produces its reads y_t")
+    candidates = [i for i, c in enumerate(b.carries)
+                  if isinstance(b.env[c], torch.Tensor) and b.env[c].is_floating_point() and b.env[c].dim() >= 3]
+    if not candidates:
+        raise NotFused("no matrix state is carried from step to step (a memory M [.., Dv, Dk])")
+    why = None
+    for m in sorted(candidates, key=lambda i: -b.env[b.carries[i]].dim()):
+        try:
+            return _analyse_state(b, m)
+        except NotFused as e:
+            why = e if why is None or "per-step output is not" in str(why) else why
+    raise why
+
+
+def _analyse_state(b: _Body, m: int) -> Recurrence:
+    M_in, M_out, y = b.carries[m], b.carry_out[m], b.ys[0]
+    Mv = b.env[M_in]
+    lead, (A, C) = tuple(Mv.shape[:-2]), tuple(Mv.shape[-2:])
+    q_norm, lq_eps, W_in = _state_transform(b, m)
+    W_out_val = _lq(b.env[M_out], q_norm, lq_eps)
+    # the read: y = read(W_new, q) for one per-step q, in one layout (or normalised by z·q + eps)
+    read = None
+    for layout, d_in, d_out in (("vk", C, A), ("kv", A, C)):
+        y_val = _as(b.env[y], lead + (d_out,))
+        if y_val is None:
+            continue
+        for qn in b.per_step_nodes(lead + (d_in,)):
+            r = _read(W_out_val, _as(b.env[qn], lead + (d_in,)), layout)
+            if _close(y_val, r):
+                read = (layout, qn, None, None)
+                break
+            normalised = _normaliser(b, m, r, y_val, _as(b.env[qn], lead + (d_in,)))
+            if normalised is not None:
+                read = (layout, qn) + normalised
+                break
+        if read:
+            break
+    if read is None:
+        raise NotFused("the per-step output is not the memory read y = M_new·q (nor y / (z·q + eps)) "
+                       "of the new state for any per-step input q")
+    layout, qn, z_index, norm_eps = read
+    dv, dk = (A, C) if layout == "vk" else (C, A)
+    rec = Recurrence("lp", layout, lead, dv, dk, m, params={"q_norm": q_norm})
+    rec.per_step["q"] = PerStep(1.0, [qn])
+    # M_out = Σ terms: a·M (retention), the update, and with momentum the new buffer S
+    retention, update, momentum = None, [], None
+    for sign, term in _terms(M_out, stop=frozenset(b.carry_out) - {M_out}):
+        prod = _product(term)
+        prod.coef *= sign
+        if prod.factors.count(M_in) == 1 and all(not b.depends[f] for f in prod.factors + prod.divisors
+                                                 if f is not M_in):
+            if retention is not None:
+                raise NotFused("the new memory keeps the old one through two terms")
+            prod.factors.remove(M_in)
+            retention = prod
+        elif isinstance(term, fx.Node) and term in b.carry_out and term is not M_out and prod.coef == 1.0 \
+                and prod.factors == [term]:
+            momentum = b.carry_out.index(term)
+        else:
+            update.append(prod)
+    if momentum is not None:
+        if update:
+            raise NotFused("with a momentum buffer, the memory's update is M ← a·M + S")
+        S_in, S_out = b.carries[momentum], b.carry_out[momentum]
+        beta = None
+        for sign, term in _terms(S_out):
+            prod = _product(term)
+            prod.coef *= sign
+            if prod.factors == [S_in] and not prod.divisors:
+                beta = prod.coef
+            else:
+                update.append(prod)
+        if beta is None:
+            raise NotFused("the momentum buffer S is not decayed by a number: S ← β·S − η·g kᵀ")
+        rec.momentum_state, rec.params["momentum"] = momentum, beta
+    if len(update) != 1:
+        raise NotFused(f"the new memory is not a·M plus one update term ({len(update)} update terms)")
+    (update,) = update
+    retention = retention or _Product(0.0)
+    keep = PerStep(retention.coef, retention.factors, retention.divisors)
+    if any(b.depends[f] - {m} for f in update.factors + update.divisors):
+        raise NotFused("the update reads another state")
+    if z_index is not None or not any(b.depends[f] for f in update.factors + update.divisors):
+        _hebbian(b, rec, update, keep, z_index, norm_eps)
+    else:
+        if z_index is not None:
+            raise NotFused("a normalised read with an error-driven update")
+        _lp(b, rec, update, keep, W_in, lq_eps)
+    others = set(range(len(b.carries))) - {m, rec.momentum_state, rec.normaliser_state}
+    if others:
+        raise NotFused("the loop also carries " + ", ".join(b.carries[i].name for i in sorted(others)) +
+                       ", which the memory step does not update")
+    _verify(b, rec)
+    return rec
+
+
+def _state_transform(b: _Body, m: int) -> tuple[float, float, fx.Node]:
+    """MONETA reads W = M / (Σ|M|^q + eps)^((q−2)/q): (q, eps, the node of W) — or (2, 0, M) when it reads M."""
+    M_in = b.carries[m]
+    Mv = b.env[M_in]
+    for n in b.compute:
+        if b.depends[n] != {m} or not isinstance(b.env.get(n), torch.Tensor) or b.env[n].shape != Mv.shape:
+            continue
+        if n.target in _VIEWS or _close(b.env[n], Mv) or \
+                {p for p in _ancestors(n) if p.op == "placeholder"} != {M_in}:
+            continue
+        lits = b.literals(b.between(M_in, [n]))
+        for q, eps in itertools.product(sorted(lits), sorted(lits)):
+            if q > 2 and eps > 0 and _close(b.env[n], _lq(Mv, q, eps)):
+                return q, eps, n
+    return 2.0, 0.0, M_in
+
+
+def _normaliser(b: _Body, m: int, r: torch.Tensor, y: torch.Tensor, q: torch.Tensor) -> tuple[int, float] | None:
+    """(index of z, eps) when y = r / (z_new·q + eps) for a carried z."""
+    for i, z_out in enumerate(b.carry_out):
+        z = _as(b.env[z_out], q.shape)
+        if i == m or z is None:
+            continue
+        eps = r / y - (z * q).sum(-1, keepdim=True)
+        eps0 = float(eps.flatten()[0])
+        if _close(eps, torch.full_like(eps, eps0)):
+            return i, eps0
+    return None
+
+
+def _hebbian(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, z_index: int | None,
+             eps: float | None) -> None:
+    """update = b·outer(v, k): find v and k among the factors; with a normaliser z ← a·z + k."""
+    rec.kind = "hebbian"
+    M_out = b.env[b.carry_out[rec.state]] - keep.value(b.env, rec.lead)[..., None, None] * b.env[b.carries[rec.state]]
+    factors = update.factors
+    for vn, kn in itertools.permutations(factors, 2):
+        v, k = _as(b.env[vn], rec.lead + (rec.dv,)), _as(b.env[kn], rec.lead + (rec.dk,))
+        if v is None or k is None:
+            continue
+        rest = PerStep(update.coef, [f for f in factors if f is not vn and f is not kn], update.divisors)
+        if any(_as(b.env[f], rec.lead) is None and b.env[f].numel() != 1 for f in rest.factors + rest.divisors):
+            continue
+        if _close(M_out, rest.value(b.env, rec.lead)[..., None, None] * _outer(v, k, rec.layout)):
+            # b folds into v: linear_attention adds v kᵀ
+            rec.per_step["v"] = PerStep(rest.coef, [vn] + rest.factors, rest.divisors)
+            rec.per_step["k"] = PerStep(1.0, [kn])
+            rec.per_step["alpha"] = keep
+            break
+    else:
+        raise NotFused("the update adds a term that is not an outer product of two per-step vectors b·v kᵀ")
+    if z_index is not None:
+        z_in, z_out = b.carries[z_index], b.carry_out[z_index]
+        k = _as(b.env[rec.per_step["k"].factors[0]], rec.lead + (rec.dk,))
+        expected = keep.value(b.env, rec.lead)[..., None] * _as(b.env[z_in], rec.lead + (rec.dk,)) + k
+        if not _close(_as(b.env[z_out], rec.lead + (rec.dk,)), expected):
+            raise NotFused("the normaliser is not z ← a·z + k with the memory's decay a")
+        rec.normaliser_state, rec.params["eps"] = z_index, eps
+
+
+def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Node, lq_eps: float) -> None:
+    """update = −η·outer(G(e), k): find e = read(W, k) − v, k, the gates, and identify G."""
+    m = rec.state
+    W = b.env[W_in] if W_in is not b.carries[m] else b.env[b.carries[m]]
+    found = None
+    ks = b.per_step_nodes(rec.lead + (rec.dk,))
+    vs = b.per_step_nodes(rec.lead + (rec.dv,))
+    reads = {kn: _read(W, _as(b.env[kn], rec.lead + (rec.dk,)), rec.layout) for kn in ks}
+    for en in b.compute:
+        if not b.depends[en] == {m}:
+            continue
+        e = _as(b.env[en], rec.lead + (rec.dv,))
+        if e is None:
+            continue
+        for (kn, r), vn in itertools.product(reads.items(), vs):
+            v = _as(b.env[vn], rec.lead + (rec.dv,))
+            for sign in (1.0, -1.0):
+                if _close(e, sign * (r - v)):
+                    found = (en, kn, vn, sign)
+                    break
+            if found:
+                break
+        if found:
+            break
+    if found is None:
+        raise NotFused("no error e = M·k − v is formed from the memory (an l_p step reads the memory with its key "
+                       "and compares with the value)")
+    en, kn, vn, e_sign = found
+    rec.per_step["k"], rec.per_step["v"] = PerStep(1.0, [kn]), PerStep(1.0, [vn])
+    g_factors = [f for f in update.factors if b.depends[f]]
+    g_divisors = [d for d in update.divisors if b.depends[d]]
+    update.divisors = [d for d in update.divisors if not b.depends[d]]
+    k_val = b.env[kn]
+    k_factors = [f for f in update.factors if not b.depends[f] and f is kn
+                 or (not b.depends[f] and _as(b.env[f], rec.lead + (rec.dk,)) is not None
+                     and _close(_as(b.env[f], rec.lead + (rec.dk,)), _as(k_val, rec.lead + (rec.dk,))))]
+    if len(k_factors) != 1:
+        raise NotFused("the update is not an outer product with the key that forms the error (g kᵀ)")
+    gates = [f for f in update.factors if f not in g_factors and f is not k_factors[0]]
+    for f in gates + update.divisors:
+        if _as(b.env[f], rec.lead) is None and b.env[f].numel() != 1:
+            raise NotFused(f"the update's factor {f.name} is neither the key, nor a function of e, nor one "
+                           "number per head (a gate)")
+    # G: the g-factors as a function of e alone
+    inside = b.between(en, g_factors + g_divisors)
+    outside = {p for g in g_factors + g_divisors for p in _ancestors(g) if p.op == "placeholder"} - set(_ancestors(en))
+    if outside:
+        raise NotFused("the update's error factor g(e) also reads other inputs (" +
+                       ", ".join(sorted(p.name for p in outside)) + ")")
+    for g in g_factors + g_divisors:
+        if b.env[g].numel() != b.env[en].numel():
+            raise NotFused(f"the update's error factor g(e) is not elementwise in e: {g.name} has "
+                           f"{b.env[g].numel()} values where e has {b.env[en].numel()}")
+    grid = torch.cat([torch.linspace(-3, 3, 61, dtype=torch.float64),
+                      torch.tensor([1e-4, -1e-4, 0.03, -0.07, 7.5, -11.0], dtype=torch.float64)])
+    n = b.env[en].numel()
+    grid = grid.repeat(n // grid.numel() + 1)[:n]
+
+    def G(x: torch.Tensor) -> torch.Tensor:
+        env = _evaluate(b.graph, {}, {en: (e_sign * x).reshape(b.env[en].shape)}, upto=inside)
+        out = torch.ones_like(x)
+        for g in g_factors:
+            out = out * env[g].reshape(-1)
+        for d in g_divisors:
+            out = out / env[d].reshape(-1)
+        return out
+
+    gx = G(grid)
+    if not _close(G(grid.flip(0)), gx.flip(0)):
+        raise NotFused("the update's error factor g(e) is not elementwise in e")
+    params = _identify_bias(gx, grid, b.literals(inside))
+    if params is None:  # any other pointwise g: the op generates it into its kernels
+        p, a, eps, scale = 2.0, 10.0, lq_eps or 1e-6, 1.0
+        rec.params["bias"] = _bias_expression(en, g_factors, g_divisors, e_sign)
+    else:
+        p, a, eps, scale = params
+        if rec.params["q_norm"] != 2.0 and p not in (1.0, 2.0) and not math.isclose(eps, lq_eps):
+            raise NotFused(f"the bias's eps ({eps:g}) and MONETA's eps ({lq_eps:g}) differ; memory_scan takes one")
+        if rec.params["q_norm"] != 2.0 and p in (1.0, 2.0):
+            eps = lq_eps
+    rec.params.update(p=p, a=a, eps=eps)
+    # M_new = keep·M + coef·Π gates·G(e)·kᵀ = (1 − α)·M − η·bias(e)·kᵀ with η = −coef·scale·Π gates
+    rec.per_step["eta"] = PerStep(-update.coef * scale, gates, update.divisors)
+    rec.per_step["alpha"] = PerStep(keep.coef, keep.factors, keep.divisors, offset=1.0)
+
+
+def _bias_expression(e: fx.Node, g_factors: list[fx.Node], g_divisors: list[fx.Node], e_sign: float) -> str:
+    """g = Π factors / Π divisors as a :mod:`hecate.lowering.pointwise` expression of e = M·k − v
+    (the error node is ``e_sign``·e)."""
+    from hecate.lowering import pointwise
+
+    try:
+        factors = [pointwise.extract(e, g) for g in g_factors]
+        divisors = [pointwise.extract(e, d) for d in g_divisors]
+    except pointwise.NotPointwise as why:
+        raise NotFused(f"the bias gradient g(e) is not elementwise in e: {why}") from None
+
+    def g(x):
+        out = math.prod(pointwise.evaluate(f, e_sign * x) for f in factors)
+        for d in divisors:
+            out = out / pointwise.evaluate(d, e_sign * x)
+        return out
+    return pointwise.trace(g)
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = {node}, [node]
+    while stack:
+        for i in stack.pop().all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return seen
+
+
+def _identify_bias(g: torch.Tensor, e: torch.Tensor, literals: set[float]) -> tuple[float, float, float, float] | None:
+    """(p, a, eps, scale) with g = scale · bias_p(e), or None. p = 2 and p = 1 are the op's exact fast paths."""
+    def fits(reference: torch.Tensor) -> float | None:
+        i = int(reference.abs().argmax())
+        if reference[i] == 0:
+            return None
+        scale = float(g[i] / reference[i])
+        return scale if scale != 0 and _close(g, scale * reference) else None
+
+    scale = fits(2.0 * e)
+    if scale is not None:
+        return 2.0, 10.0, 1e-6, scale
+    lits = sorted(x for x in literals if x > 0)
+    for a in lits:
+        scale = fits(torch.tanh(a * e))
+        if scale is not None:
+            return 1.0, a, 1e-6, scale
+    ps = sorted({x for x in lits if x >= 1} | {2 * x + 1 for x in lits})
+    for p, a, eps in itertools.product(ps, lits, lits):
+        if p in (1.0, 2.0):
+            continue  # the op computes its exact fast paths there, not this form
+        scale = fits(_bias(e, p, a, eps))
+        if scale is not None:
+            return p, a, eps, scale
+    return None
+
+
+def _evaluate_bias(expr: str, e: torch.Tensor) -> torch.Tensor:
+    from hecate.lowering import pointwise
+
+    return pointwise.evaluate(expr, e)
+
+
+def _verify(b: _Body, rec: Recurrence) -> None:
+    """The whole step, at fresh random points, against the op's own equations with the recovered roles."""
+    env = _evaluate(b.graph, _random_inputs(b.placeholders, 1, set(b.carries)))
+    lead = rec.lead
+    k = rec.per_step["k"].value(env, lead + (rec.dk,))
+    v = rec.per_step["v"].value(env, lead + (rec.dv,))
+    q = rec.per_step["q"].value(env, lead + (rec.dk,))
+    alpha = rec.per_step["alpha"].value(env, lead)[..., None, None]
+    M = env[b.carries[rec.state]]
+    if rec.layout == "kv":
+        M = M.transpose(-1, -2)
+    expect = {}
+    if rec.kind == "hebbian":
+        M_new = alpha * M + v.unsqueeze(-1) * k.unsqueeze(-2)
+        y = M_new @ q.unsqueeze(-1)
+        y = y.squeeze(-1)
+        if rec.normaliser_state is not None:
+            z_in = _as(env[b.carries[rec.normaliser_state]], lead + (rec.dk,))
+            z = alpha[..., 0] * z_in + k
+            expect[b.carry_out[rec.normaliser_state]] = z
+            y = y / ((z * q).sum(-1, keepdim=True) + rec.params["eps"])
+    else:
+        eta = rec.per_step["eta"].value(env, lead)[..., None, None]
+        p, a, eps, qn = rec.params["p"], rec.params["a"], rec.params["eps"], rec.params["q_norm"]
+        e = (_lq(M, qn, eps) @ k.unsqueeze(-1)).squeeze(-1) - v
+        g = _bias(e, p, a, eps) if "bias" not in rec.params else _evaluate_bias(rec.params["bias"], e)
+        U = g.unsqueeze(-1) * k.unsqueeze(-2)
+        if rec.momentum_state is not None:
+            S = env[b.carries[rec.momentum_state]]
+            S = (S.transpose(-1, -2) if rec.layout == "kv" else S)
+            S_new = rec.params["momentum"] * S - eta * U
+            M_new = (1 - alpha) * M + S_new
+            expect[b.carry_out[rec.momentum_state]] = S_new.transpose(-1, -2) if rec.layout == "kv" else S_new
+        else:
+            M_new = (1 - alpha) * M - eta * U
+        y = (_lq(M_new, qn, eps) @ q.unsqueeze(-1)).squeeze(-1)
+    expect[b.carry_out[rec.state]] = M_new.transpose(-1, -2) if rec.layout == "kv" else M_new
+    expect[b.ys[0]] = y
+    for node, value in expect.items():
+        got = _as(env[node], tuple(value.shape))
+        if got is None or not _close(got, value):
+            raise NotFused(f"the step differs from the {rec.name} equations at random points "
+                           f"({node.name} does not match)")
+
+
+# ---------------------------------------------------------------- replacing the scan by the op
+
+def scans(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.scan]
+
+
+def recognise(gm: fx.GraphModule, node: fx.Node) -> Recurrence | NotFused:
+    """The memory step of scan ``node``, or why it is none (analysed once per scan, kept in its meta)."""
+    if "hecate_memory_step" not in node.meta:
+        body = getattr(gm, node.args[0].target)
+        try:
+            node.meta["hecate_memory_step"] = analyse(body, len(node.args[1]))
+        except NotFused as why:
+            node.meta["hecate_memory_step"] = why
+    return node.meta["hecate_memory_step"]
+
+
+def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
+    """Replace every scan whose body is a step ``op`` computes; report (once) the scans that are no memory step."""
+    kind = {"memory_scan": "lp", "linear_attention": "hebbian"}[op]
+    for node in scans(gm):
+        rec = recognise(gm, node)
+        if isinstance(rec, NotFused):
+            if not node.meta.get("hecate_memory_step_reported"):
+                node.meta["hecate_memory_step_reported"] = True
+                report.add_miss(op, f"{_form(node)} of {_steps(node)} steps is not a memory step: {rec}", node.name,
+                                nodes=_body_nodes(gm, node))
+            continue
+        if rec.kind != kind:
+            continue
+        body = getattr(gm, node.args[0].target)
+        compute = sum(n.op == "call_function" for n in body.graph.nodes)
+        steps, form = _steps(node), _form(node)
+        replaced = steps * compute + 1 if "hecate_rolled_loop" in node.meta else compute + 1
+        try:
+            _replace(gm, node, rec, op)
+        except NotFused as why:
+            report.add_miss(op, f"{form} over a {rec.name} step: {why}", node.name, nodes=_body_nodes(gm, node))
+            continue
+        report.add_fusion(op, f"hecate.{op}", replaced, f"{describe(rec)}; {form} rolled up {steps} steps")
+
+
+def _form(node: fx.Node) -> str:
+    return "loop" if "hecate_rolled_loop" in node.meta else "scan higher-order op"
+
+
+def _steps(node: fx.Node) -> int:
+    xs = node.args[2]
+    return xs[0].meta["val"].shape[0] if xs else node.meta.get("hecate_rolled_loop", 0)
+
+
+def _body_nodes(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    body = getattr(gm, node.args[0].target)
+    return [n for n in body.graph.nodes if n.op == "call_function"] + [node]
+
+
+def describe(rec: Recurrence) -> str:
+    if rec.kind == "hebbian":
+        what = "Hebbian M ← α M + v φ(k)ᵀ"
+        if rec.normaliser_state is not None:
+            what += ", normalised by z ← α z + φ(k)"
+        return what + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
+    p = rec.params["p"]
+    bias = {2.0: "l_2 bias p=2 (2e fast path)", 1.0: "l_1 bias p=1 (tanh fast path)"}.get(
+        p, f"l_p bias p={p:g} (general form)")
+    if "bias" in rec.params:
+        bias = f"bias g(e) = {rec.params['bias']} (generated)"
+    if rec.params.get("q_norm", 2.0) != 2.0:
+        retention = f"MONETA L_q retention q={rec.params['q_norm']:g}"
+    elif rec.momentum_state is not None:
+        retention = f"GD with momentum β={rec.params['momentum']:g}"
+    else:
+        retention = "GD"
+    return f"{retention}, {bias}" + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
+
+
+def _is_zeros(node: Any) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target in (aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default):
+        return True
+    if node.target in (aten.full.default, aten.new_full.default, aten.full_like.default):
+        fill = node.args[1] if node.target in (aten.full_like.default, aten.full.default) else node.args[-1]
+        return fill == 0
+    return False
+
+
+def _call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
+    from torch._guards import detect_fake_mode
+
+    if target is aten._to_copy.default:  # (x, dtype)
+        node = graph.call_function(target, args[:1], {"dtype": args[1]})
+        with detect_fake_mode([args[0].meta["val"]]):
+            node.meta["val"] = args[0].meta["val"].to(args[1])
+        return node
+    node = graph.call_function(target, args)
+    vals = fx.node.map_arg(args, lambda n: n.meta["val"])
+    fake_mode = detect_fake_mode([v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)])
+    with fake_mode:
+        node.meta["val"] = target(*vals)
+    return node
+
+
+def _sequence(gm: fx.GraphModule, node: fx.Node, per_step: PerStep, shape: tuple[int, ...]) -> fx.Node:
+    """Emit, before ``node``, the [T, *shape] tensor of a per-step value: its body subgraph vmapped over T."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    body_gm = getattr(gm, node.args[0].target)
+    body = body_gm.graph
+    _, init, xs, invariants = node.args[:4]
+    inputs = [n for n in body.nodes if n.op == "placeholder"][len(init):]
+    outer = list(xs) + list(invariants)
+    needed = set().union(*(_ancestors(f) for f in per_step.factors + per_step.divisors)) if (
+        per_step.factors or per_step.divisors) else set()
+    like_node = (per_step.factors + per_step.divisors + [xs[0]])[0]
+
+    def one_step(*values):
+        env = _evaluate(body, dict(zip(inputs, values)), upto=needed)
+        like = env.get(like_node) if like_node in env else values[0]
+        return per_step.value(env, shape, like=like)
+
+    fake_vals = [n.meta["val"] for n in outer]
+    fake_mode = detect_fake_mode([v for v in fake_vals if isinstance(v, torch.Tensor)])
+    in_dims = tuple([0] * len(xs) + [None] * len(invariants))
+    try:
+        with fake_mode:
+            traced = make_fx(torch.vmap(one_step, in_dims=in_dims))(*fake_vals)  # vmap: not traceable pre-dispatch
+    except (RuntimeError, TypeError, ValueError) as why:
+        raise NotFused(f"a per-step input of the memory could not be computed for all steps at once "
+                       f"({type(why).__name__}: {str(why).splitlines()[0] if str(why) else ''})") from None
+    env: dict[fx.Node, Any] = {}
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    env.update(zip(placeholders, outer))
+    graph = gm.graph
+    result = None
+    with graph.inserting_before(node):
+        for n in traced.graph.nodes:
+            if n.op == "call_function":
+                env[n] = graph.node_copy(n, lambda a: env[a])
+            elif n.op == "get_attr":
+                raise NotFused(f"a per-step value needs the constant {n.target}")
+            elif n.op == "output":
+                result = fx.node.map_arg(n.args[0], lambda a: env[a])
+    if isinstance(result, (list, tuple)):
+        (result,) = result
+    return result
+
+
+def _to_bthd(graph: fx.Graph, x: fx.Node, lead: tuple[int, ...], tail: tuple[int, ...]) -> fx.Node:
+    """[T, *lead, *tail] → [B, T, H, *tail] with B = lead[0] (1 when none), H = the rest of lead."""
+    T = x.meta["val"].shape[0]
+    B = lead[0] if lead else 1
+    H = math.prod(lead[1:]) if len(lead) > 1 else 1
+    x = _call(graph, aten.reshape.default, x, [T, B, H, *tail])
+    return _call(graph, aten.movedim.int, x, 0, 1)
+
+
+def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> None:
+    graph = gm.graph
+    _, init, xs, invariants = node.args[:4]
+    if not xs:
+        raise NotFused("the scan has no per-step inputs")
+    if not hasattr(torch.ops.hecate, op):
+        raise NotFused(f"the op hecate.{op} is not registered (import hecate.lowering)")
+    results = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+    if len(results) != len(node.users):
+        raise NotFused("the scan's results are read other than one by one")
+    n_carries = len(init)
+    if rec.momentum_state is not None:
+        if not _is_zeros(init[rec.momentum_state]):
+            raise NotFused(f"the momentum buffer starts as {init[rec.momentum_state].name}, not zeros")
+        final = results.get(rec.momentum_state)
+        if final is not None and final.users:
+            raise NotFused("the final momentum buffer is used after the loop; memory_scan does not return it")
+    M0 = init[rec.state]
+    M_val = M0.meta["val"]
+    if M_val.dtype not in (torch.float32, torch.float64):
+        raise NotFused(f"the memory is {M_val.dtype}; hecate.{op} keeps an fp32 or fp64 state")
+    lead, dv, dk = rec.lead, rec.dv, rec.dk
+    B = lead[0] if lead else 1
+    H = math.prod(lead[1:]) if len(lead) > 1 else 1
+    with graph.inserting_before(node):
+        seq = {role: _sequence(gm, node, rec.per_step[role], lead + ((dk,) if role in ("k", "q") else (dv,)))
+               for role in ("k", "v", "q")}
+        seq = {role: _to_bthd(graph, x, lead, (x.meta["val"].shape[-1],)) for role, x in seq.items()}
+        gates = {role: _to_bthd(graph, _sequence(gm, node, rec.per_step[role], lead), lead, ())
+                 for role in ("alpha", "eta") if role in rec.per_step}
+        dtypes = {x.meta["val"].dtype for x in seq.values()}
+        if len(dtypes) != 1:
+            raise NotFused(f"k, v and q have dtypes {sorted(map(str, dtypes))}; hecate.{op} takes one")
+        m0 = None
+        if not _is_zeros(M0):
+            m0 = _call(graph, aten.transpose.int, M0, -1, -2) if rec.layout == "kv" else M0
+            m0 = _call(graph, aten.reshape.default, m0, [B, H, dv, dk])
+        if rec.kind == "lp":
+            p = rec.params
+            call = _call(graph, torch.ops.hecate.memory_scan.default, seq["k"], seq["v"], seq["q"], gates["alpha"],
+                         gates["eta"], m0, None, p["p"], p["a"], p["eps"], p.get("momentum", 0.0), p["q_norm"],
+                         p.get("bias", ""))
+        else:
+            normalise = rec.normaliser_state is not None
+            z0 = None
+            if normalise and not _is_zeros(init[rec.normaliser_state]):
+                z0 = _call(graph, aten.reshape.default, init[rec.normaliser_state], [B, H, dk])
+            call = _call(graph, torch.ops.hecate.linear_attention.default, seq["k"], seq["v"], seq["q"],
+                         gates["alpha"], m0, z0, normalise, rec.params.get("eps", 1e-6), True)
+        y = _call(graph, operator.getitem, call, 0)
+        m_final = _call(graph, operator.getitem, call, 1)
+    replacements: dict[int, fx.Node] = {}
+    with graph.inserting_before(node):
+        if rec.state in results:
+            m = _call(graph, aten.transpose.int, m_final, -1, -2) if rec.layout == "kv" else m_final
+            m = _call(graph, aten.reshape.default, m, list(M_val.shape))
+            if m.meta["val"].dtype != M_val.dtype:
+                m = _call(graph, aten._to_copy.default, m, M_val.dtype)
+            replacements[rec.state] = m
+        if rec.normaliser_state is not None and rec.normaliser_state in results:
+            z = _call(graph, operator.getitem, call, 2)
+            replacements[rec.normaliser_state] = _call(graph, aten.reshape.default, z,
+                                                       list(init[rec.normaliser_state].meta["val"].shape))
+        if n_carries in results:
+            ys = results[n_carries].meta["val"]
+            y_t = _call(graph, aten.movedim.int, y, 1, 0)
+            replacements[n_carries] = _call(graph, aten.reshape.default, y_t, list(ys.shape))
+    for i, user in results.items():
+        if i in replacements:
+            user.replace_all_uses_with(replacements[i])
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+# ---------------------------------------------------------------- memory updates left unrolled
+
+def _is_outer_product(node: Any) -> bool:
+    """``x[.., A, 1] * y[.., 1, C]`` (A, C > 1), possibly scaled by more factors."""
+    if not isinstance(node, fx.Node) or node.target is not aten.mul.Tensor:
+        return False
+    shapes = [a.meta["val"].shape if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+              else None for a in node.args]
+    if all(s is not None and len(s) >= 2 for s in shapes):
+        (a1, a2), (b1, b2) = shapes[0][-2:], shapes[1][-2:]
+        if (a2 == 1 and b1 == 1 and a1 != 1 and b2 != 1) or (a1 == 1 and b2 == 1 and a2 != 1 and b1 != 1):
+            return True
+    return any(_is_outer_product(a) for a in node.args)
+
+
+def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
+    """Report (once per graph) memory updates ``M ← a·M ± outer product`` left in the graph unrolled.
+
+    Not when the report already says why ``op`` did not fuse (a loop rolled up, analysed and
+    found no memory step is then compiled unrolled: its reason is the analysis's).
+    """
+    if gm.meta.get("hecate_unrolled_reported") or any(m.pattern in ("memory_scan", "linear_attention")
+                                                        for m in report.misses):
+        return
+    updates = []
+    for node in gm.graph.nodes:
+        if node.target not in (aten.add.Tensor, aten.sub.Tensor):
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or min(value.shape[-2:]) < 2:
+            continue
+        terms = [t for _, t in _terms(node)]
+        if any(_is_outer_product(t) for t in terms) and any(
+                isinstance(t, fx.Node) and not _is_outer_product(t) and isinstance(t.meta.get("val"), torch.Tensor)
+                and t.meta["val"].shape == value.shape for t in terms):
+            updates.append(node)
+    if updates:
+        gm.meta["hecate_unrolled_reported"] = True
+        report.add_miss(op, f"{len(updates)} memory update step(s) M ← a·M + (outer product) are written out step by "
+                        "step and could not be rolled up into one loop: the steps differ (an op, a literal such as "
+                        "p, or a gate's form changes between steps), an intermediate state is read outside the "
+                        "loop, or there is a single step; compiled as written",
+                        f"{updates[0].name} .. {updates[-1].name}", nodes=updates)

@@ -1,0 +1,352 @@
+"""The l_p memory and Hebbian steps written as different researchers write them.
+
+Each spelling is an independent plain-PyTorch function over per-token inputs
+(k, q [B, T, H, Dk] or [B, T, Dk] single-head; v [B, T, H, Dv]; gates [B, T, H]). Each is
+asserted fused into ONE hecate.memory_scan / hecate.linear_attention (the report says so)
+and compiled == eager, forward and every input gradient, within 1e-5 relative (fp32).
+A bias gradient without a fast path in the op (p = 3 exactly, Huber) is generated into it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hecate
+from hecate.testing import assert_close
+
+TOL = 1e-5
+B, T, H, DK, DV = 2, 4, 2, 3, 5
+
+
+def _m0(k, v, layout="vk"):
+    shape = (*k.shape[:1], *k.shape[2:-1])  # [B] or [B, H]
+    return k.new_zeros(*shape, *((v.shape[-1], k.shape[-1]) if layout == "vk" else (k.shape[-1], v.shape[-1])))
+
+
+# ---------------------------------------------------------------- p = 2
+
+def l2_reference(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        k_t, v_t, q_t = k[:, t], v[:, t], q[:, t]
+        a_t, e_t = alpha[:, t][..., None, None], eta[:, t][..., None, None]
+        e = (M @ k_t.unsqueeze(-1)).squeeze(-1) - v_t
+        M = (1 - a_t) * M - e_t * ((2 * e).unsqueeze(-1) * k_t.unsqueeze(-2))
+        ys.append((M @ q_t.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+def l2_none_indexing_each_use(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * (e + e)[:, :, :, None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def l2_einsum(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = torch.einsum("bhvk,bhk->bhv", M, k[:, t]) - v[:, t]
+        upd = torch.einsum("bhv,bhk->bhvk", 2 * e, k[:, t])
+        M = torch.einsum("bh,bhvk->bhvk", 1 - alpha[:, t], M) - torch.einsum("bh,bhvk->bhvk", eta[:, t], upd)
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, dim=1), M
+
+
+def l2_key_value_layout(k, v, q, alpha, eta):
+    """Memory stored [Dk, Dv]: read as kᵀM."""
+    M, ys = _m0(k, v, "kv"), []
+    for t in range(k.shape[1]):
+        kt, vt, qt = k[:, t], v[:, t], q[:, t]
+        e = (kt.unsqueeze(-2) @ M).squeeze(-2) - vt
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * 2 * kt.unsqueeze(-1) * e.unsqueeze(-2)
+        ys.append((qt.unsqueeze(-2) @ M).squeeze(-2))
+    return torch.stack(ys, dim=1), M
+
+
+def l2_float_gates_mul_sum(k, v, q, alpha, eta):
+    """Fixed gates written as literals, reads as broadcast multiply and sum."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt = k[:, t]
+        e = (M * kt[:, :, None, :]).sum(-1) - v[:, t]
+        M = 0.9 * M - 0.1 * (2 * e.unsqueeze(-1) * kt.unsqueeze(-2))
+        ys.append((M * q[:, t].unsqueeze(-2)).sum(dim=-1))
+    return torch.stack(ys, dim=1), M
+
+
+def l2_inplace(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt = k[:, t]
+        e = (M @ kt.unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = M * (1 - alpha[:, t, :, None, None])
+        M -= eta[:, t, :, None, None] * (2 * e).unsqueeze(-1) * kt.unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+def l2_inplace_methods(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt = k[:, t]
+        e = (M @ kt.unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = M.clone()
+        M.mul_(1 - alpha[:, t, :, None, None])
+        M.add_(eta[:, t, :, None, None] * (2 * e).unsqueeze(-1) * kt.unsqueeze(-2), alpha=-1.0)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+def l2_bmm_narrow_cat(k, v, q, alpha, eta):
+    """Heads flattened for bmm, per-step inputs by narrow, outputs collected with cat."""
+    Bn, Tn, Hn, Dk = k.shape
+    Dv = v.shape[-1]
+    M, ys = _m0(k, v), []
+    for t in range(Tn):
+        kt = k.narrow(1, t, 1).squeeze(1)
+        vt, qt = v.narrow(1, t, 1).squeeze(1), q.narrow(1, t, 1).squeeze(1)
+        Mk = torch.bmm(M.reshape(Bn * Hn, Dv, Dk), kt.reshape(Bn * Hn, Dk, 1)).view(Bn, Hn, Dv)
+        g = 2 * (Mk - vt)
+        outer = torch.bmm(g.reshape(Bn * Hn, Dv, 1), kt.reshape(Bn * Hn, 1, Dk)).view(Bn, Hn, Dv, Dk)
+        M = (1 - alpha[:, t]).view(Bn, Hn, 1, 1) * M - eta[:, t].view(Bn, Hn, 1, 1) * outer
+        y = torch.bmm(M.reshape(Bn * Hn, Dv, Dk), qt.reshape(Bn * Hn, Dk, 1)).view(Bn, Hn, Dv)
+        ys.append(y.unsqueeze(1))
+    return torch.cat(ys, dim=1), M
+
+
+def l2_matmul_mT_contiguous(k, v, q, alpha, eta):
+    """Vectors as rows: k_tᵀ Mᵀ, with .contiguous() between stages and the delta rule's sign flipped."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt = k.select(1, t).contiguous()
+        e = v[:, t] - (kt.unsqueeze(-2) @ M.mT).squeeze(-2)  # v − Mk
+        M = (1 - alpha[:, t])[..., None, None] * M + eta[:, t][..., None, None] * (2.0 * e).unsqueeze(-1) * kt.unsqueeze(-2)
+        M = M.contiguous()
+        ys.append((q.select(1, t).unsqueeze(-2) @ M.transpose(-1, -2)).squeeze(-2))
+    return torch.stack(ys, dim=1), M
+
+
+def l2_single_head(k, v, q, alpha, eta):
+    """One head: k, q [B, T, Dk], v [B, T, Dv], gates [B, T]."""
+    k, v, q, alpha, eta = k[:, :, 0], v[:, :, 0], q[:, :, 0], alpha[:, :, 0], eta[:, :, 0]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = torch.einsum("bvk,bk->bv", M, k[:, t]) - v[:, t]
+        M = (1 - alpha[:, t, None, None]) * M - eta[:, t, None, None] * 2 * e[:, :, None] * k[:, t, None, :]
+        ys.append(torch.einsum("bvk,bk->bv", M, q[:, t]))
+    return torch.stack(ys, 1), M
+
+
+def l2_delta_rule_no_two(k, v, q, alpha, eta):
+    """The delta rule as usually written: M ← M + η (v − Mk) kᵀ (no retention, η = 0.5)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt, vt = k[:, t], v[:, t]
+        M = M + 0.5 * torch.einsum("bhv,bhk->bhvk", vt - torch.einsum("bhvk,bhk->bhv", M, kt), kt)
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, dim=1), M
+
+
+def l2_phi_and_gates_inside_the_loop(k, v, q, alpha, eta):
+    """φ(k) = elu(k) + 1 and the gates σ(·) computed per step inside the loop; M in place with addcmul_."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        phi_k = torch.nn.functional.elu(k[:, t]) + 1
+        phi_q = torch.nn.functional.elu(q[:, t]) + 1
+        lr = torch.sigmoid(eta[:, t])[..., None, None]
+        e = (M @ phi_k[..., None])[..., 0] - v[:, t]
+        M = M * (1 - alpha[:, t, :, None, None])
+        M.addcmul_((-lr * 2) * e[..., None], phi_k[..., None, :])
+        ys.append((M @ phi_q[..., None])[..., 0])
+    return torch.stack(ys, dim=1), M
+
+
+# ---------------------------------------------------------------- p = 1, general p, momentum
+
+def l1_tanh(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        g = torch.tanh(10.0 * e)
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * g.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+def lp3_tanh_square(k, v, q, alpha, eta):
+    p, a, eps = 3.0, 10.0, 1e-6
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt = k[:, t]
+        e = torch.einsum("bhvk,bhk->bhv", M, kt) - v[:, t]
+        g = p * torch.tanh(a * e) * (e.square() + eps) ** ((p - 1) / 2)
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * torch.einsum("bhv,bhk->bhvk", g, kt)
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, dim=1), M
+
+
+def lp25_pow_sigmoid_gates(k, v, q, alpha, eta):
+    """p = 2.5 with e**2, gates made per step inside the loop from raw logits."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        keep = 1 - torch.sigmoid(alpha[:, t] - 2.0)
+        e = (M @ k[:, t, :, :, None]).squeeze(-1) - v[:, t]
+        g = 2.5 * (e ** 2 + 1e-6) ** 0.75 * torch.tanh(10 * e)
+        M = keep[:, :, None, None] * M - eta[:, t, :, None, None] * g[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None]).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+def l2_momentum(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    S = torch.zeros_like(M)
+    for t in range(k.shape[1]):
+        kt = k[:, t]
+        e = (M @ kt.unsqueeze(-1)).squeeze(-1) - v[:, t]
+        S = 0.5 * S - eta[:, t, :, None, None] * (2 * e).unsqueeze(-1) * kt.unsqueeze(-2)
+        M = (1 - alpha[:, t, :, None, None]) * M + S
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+def lp3_exact_abs_sign(k, v, q, alpha, eta):
+    """p = 3 exactly: ∇ = 3 |e|² sign(e) (no tanh approximation)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        g = 3 * e.abs() ** 2 * torch.sign(e)
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * g.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+def huber(k, v, q, alpha, eta):
+    """Huber bias: ∇ = e where |e| ≤ 1, else sign(e)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        g = torch.clamp(e, -1.0, 1.0)
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * g.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+# ---------------------------------------------------------------- Hebbian
+
+def hebbian_reference(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = alpha[:, t][..., None, None] * M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+def hebbian_einsum(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = alpha[:, t, :, None, None] * M + torch.einsum("bhv,bhk->bhvk", v[:, t], k[:, t])
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, dim=1), M
+
+
+def hebbian_key_value_layout_inplace(k, v, q, alpha, eta):
+    M, ys = _m0(k, v, "kv"), []
+    for t in range(k.shape[1]):
+        M = M * alpha[:, t, :, None, None]
+        M += k[:, t, :, :, None] * v[:, t, :, None, :]
+        ys.append((q[:, t, :, None, :] @ M)[..., 0, :])
+    return torch.stack(ys, dim=1), M
+
+
+def hebbian_float_decay_matmul_outer(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt, vt = k[:, t], v[:, t]
+        M = 0.95 * M + vt.unsqueeze(-1) @ kt.unsqueeze(-2)
+        ys.append(torch.matmul(M, q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+def hebbian_normalised(k, v, q, alpha, eta):
+    """Normalised linear attention: y = M q / (z·q + eps), z ← α z + k; positive features."""
+    k, q = torch.nn.functional.elu(k) + 1, torch.nn.functional.elu(q) + 1
+    M, ys = _m0(k, v), []
+    z = k.new_zeros(k.shape[0], k.shape[2], k.shape[3])
+    for t in range(k.shape[1]):
+        a = alpha[:, t].unsqueeze(-1)
+        M = a.unsqueeze(-1) * M + torch.einsum("bhv,bhk->bhvk", v[:, t], k[:, t])
+        z = a * z + k[:, t]
+        num = torch.einsum("bhvk,bhk->bhv", M, q[:, t])
+        ys.append(num / (torch.einsum("bhk,bhk->bh", z, q[:, t]).unsqueeze(-1) + 1e-6))
+    return torch.stack(ys, dim=1), M
+
+
+def hebbian_single_head_bmm(k, v, q, alpha, eta):
+    """One head, [B, Dv, Dk] state, bmm for the read and the outer product, a gate scaling the write."""
+    k, v, q, alpha, eta = k[:, :, 0], v[:, :, 0], q[:, :, 0], alpha[:, :, 0], eta[:, :, 0]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        write = torch.bmm((eta[:, t, None] * v[:, t]).unsqueeze(2), k[:, t].unsqueeze(1))
+        M = alpha[:, t].view(-1, 1, 1) * M + write
+        ys.append(torch.bmm(M, q[:, t].unsqueeze(2)).squeeze(2))
+    return torch.stack(ys, 1), M
+
+
+SPELLINGS = {
+    "l2_reference": (l2_reference, "memory_scan"),
+    "l2_none_indexing_each_use": (l2_none_indexing_each_use, "memory_scan"),
+    "l2_einsum": (l2_einsum, "memory_scan"),
+    "l2_key_value_layout": (l2_key_value_layout, "memory_scan"),
+    "l2_float_gates_mul_sum": (l2_float_gates_mul_sum, "memory_scan"),
+    "l2_inplace": (l2_inplace, "memory_scan"),
+    "l2_inplace_methods": (l2_inplace_methods, "memory_scan"),
+    "l2_bmm_narrow_cat": (l2_bmm_narrow_cat, "memory_scan"),
+    "l2_matmul_mT_contiguous": (l2_matmul_mT_contiguous, "memory_scan"),
+    "l2_single_head": (l2_single_head, "memory_scan"),
+    "l2_delta_rule_no_two": (l2_delta_rule_no_two, "memory_scan"),
+    "l2_phi_and_gates_inside_the_loop": (l2_phi_and_gates_inside_the_loop, "memory_scan"),
+    "l1_tanh": (l1_tanh, "memory_scan"),
+    "lp3_tanh_square": (lp3_tanh_square, "memory_scan"),
+    "lp25_pow_sigmoid_gates": (lp25_pow_sigmoid_gates, "memory_scan"),
+    "l2_momentum": (l2_momentum, "memory_scan"),
+    "lp3_exact_abs_sign": (lp3_exact_abs_sign, "memory_scan"),
+    "huber": (huber, "memory_scan"),
+    "hebbian_reference": (hebbian_reference, "linear_attention"),
+    "hebbian_einsum": (hebbian_einsum, "linear_attention"),
+    "hebbian_key_value_layout_inplace": (hebbian_key_value_layout_inplace, "linear_attention"),
+    "hebbian_float_decay_matmul_outer": (hebbian_float_decay_matmul_outer, "linear_attention"),
+    "hebbian_normalised": (hebbian_normalised, "linear_attention"),
+    "hebbian_single_head_bmm": (hebbian_single_head_bmm, "linear_attention"),
+}
+
+
+def _inputs():
+    k, q = torch.randn(B, T, H, DK), torch.randn(B, T, H, DK)
+    v = torch.randn(B, T, H, DV)
+    alpha, eta = 0.2 * torch.rand(B, T, H), 0.3 * torch.rand(B, T, H)
+    return [x.requires_grad_() for x in (k, v, q, alpha, eta)]
+
+
+def _run(fn, inputs):
+    y, M = fn(*inputs)
+    weight = torch.linspace(-1, 1, M.numel()).view_as(M)
+    loss = y.square().sum() + (M * weight).sum()
+    return y, M, torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_spelling_fuses_and_matches_eager(name, fresh_dynamo):
+    fn, op = SPELLINGS[name]
+    inputs = _inputs()
+    y_ref, m_ref, g_ref = _run(fn, inputs)
+    y, m, g = _run(torch.compile(fn, backend="hecate", options={"fallback": "eager"}), inputs)
+    report = hecate.last_report()
+    assert report.count(op) == 1 and not report.misses, str(report)
+    assert_close("y", y, y_ref, TOL)
+    assert_close("M", m, m_ref, TOL)
+    for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
+        assert_close(f"grad {what}", a, b, TOL)
