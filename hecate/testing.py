@@ -28,6 +28,18 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
         raise AssertionError(f"{name}: relative error {err:.3e} > tolerance {tol:.1e}")
 
 
+def assert_close_nonfinite(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """NaN, +inf and −inf exactly where ``expected`` has them, and the finite rest within ``tol``
+    (:func:`assert_close` on the finite elements)."""
+    for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        got, want = test(actual.detach().cpu()), test(expected.detach().cpu())
+        if not torch.equal(got, want):
+            raise AssertionError(f"{name}: {what} at {int(got.sum())} elements, expected at {int(want.sum())}; "
+                                 f"first difference at {tuple((got != want).nonzero()[0].tolist())}")
+    finite = torch.isfinite(expected.detach().cpu())
+    assert_close(name, actual.detach().cpu()[finite], expected.detach().cpu()[finite], tol)
+
+
 def poisoned(*shape: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
     """A NaN-filled tensor: any element a kernel forgets to write stays NaN."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)

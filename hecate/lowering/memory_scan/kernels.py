@@ -72,9 +72,10 @@ def _bias_grad_derivative(e, p, a, eps, P_MODE: tl.constexpr):
 
 @triton.jit
 def _lq_sum(A, q_norm, eps):
-    # Σ|A|^q + eps over the whole tile [BV, BK] (padding is zero)
+    # Σ|A|^q + eps over the whole tile [BV, BK] (padding is zero); |A|^q = exp(q log|A|) is 0 at A = 0 and
+    # keeps NaN / inf (no tl.maximum, which drops NaN)
     absA = tl.abs(A)
-    powq = tl.where(absA > 0.0, tl.exp(q_norm * tl.log(tl.maximum(absA, 1e-30))), 0.0)
+    powq = tl.where(absA == 0.0, 0.0, tl.exp(q_norm * tl.log(absA)))
     return tl.sum(tl.sum(powq, 1), 0) + eps
 
 
@@ -97,12 +98,19 @@ def _lq_normalize_vjp(A, dW, q_norm, eps):
     c = tl.exp(-r * tl.log(s))
     inner = tl.sum(tl.sum(dW * A, 1), 0)
     absA = tl.abs(A)
-    ds_dA = tl.where(absA > 0.0, q_norm * A * tl.exp((q_norm - 2.0) * tl.log(tl.maximum(absA, 1e-30))), 0.0)
+    ds_dA = tl.where(absA == 0.0, 0.0, q_norm * A * tl.exp((q_norm - 2.0) * tl.log(absA)))
     return c * dW - r * inner * c / s * ds_dA
 
 
 @triton.jit
-def _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum,
+def _outer(col, row, mask_kv):
+    # col rowᵀ on the tile, 0 in its padding: a ±inf entry times a padding zero would be NaN, and the
+    # padding must stay 0 (MONETA's norm and the adjoints' sums run over the whole tile)
+    return tl.where(mask_kv, col[:, None] * row[None, :], 0.0)
+
+
+@triton.jit
+def _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, mask_kv,
                  P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, HEBBIAN: tl.constexpr):
     """One token's update of the state tile A [BV, BK] (and momentum S), reading the memory W.
 
@@ -115,7 +123,7 @@ def _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum,
     else:
         e = tl.sum(W * k_t[None, :], 1) - v_t  # [BV]
         g = _bias_grad(e, p, a, eps, P_MODE)
-    U = g[:, None] * k_t[None, :]
+    U = _outer(g, k_t, mask_kv)
     if USE_MOMENTUM:
         S = momentum * S - eta_t * U
         A = (1.0 - a_t) * A + S
@@ -174,7 +182,8 @@ def memory_scan_fwd_kernel(
         v_t = tl.load(v + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
         a_t = tl.load(alpha + row).to(tl.float32)
         eta_t = tl.load(eta + row).to(tl.float32)
-        A, S = _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, P_MODE, USE_MOMENTUM, HEBBIAN)
+        A, S = _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, mask_kv, P_MODE, USE_MOMENTUM,
+                            HEBBIAN)
         W = _lq_normalize(A, q_norm, eps, LQ)
         if STORE_Y:
             q_t = tl.load(q + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -234,7 +243,7 @@ def memory_scan_bwd_kernel(
             a_t = tl.load(alpha + row).to(tl.float32)
             eta_t = tl.load(eta + row).to(tl.float32)
             A, S = _memory_step(A, S, _lq_normalize(A, q_norm, eps, LQ), k_t, v_t, a_t, eta_t, p, a, eps,
-                                momentum, P_MODE, USE_MOMENTUM, HEBBIAN)
+                                momentum, mask_kv, P_MODE, USE_MOMENTUM, HEBBIAN)
         A_post = A
         # walk it backwards
         for jj in range(0, seg):
@@ -251,9 +260,9 @@ def memory_scan_bwd_kernel(
             W_post = _lq_normalize(A_post, q_norm, eps, LQ)
             tl.store(dq_part + (i_v * ROWS + row) * DK + o_k, tl.sum(W_post * dy_t[:, None], 0), mask=mask_k)
             if LQ:
-                dA = P + _lq_normalize_vjp(A_post, dy_t[:, None] * q_t[None, :] + Qc, q_norm, eps)
+                dA = P + _lq_normalize_vjp(A_post, _outer(dy_t, q_t, mask_kv) + Qc, q_norm, eps)
             else:
-                dA = P + dy_t[:, None] * q_t[None, :]
+                dA = P + _outer(dy_t, q_t, mask_kv)
             if USE_MOMENTUM:
                 dS = momentum * dS + dA
                 D = dS
@@ -263,9 +272,9 @@ def memory_scan_bwd_kernel(
                 g = -v_t
             else:
                 W_pre = _lq_normalize(A_pre, q_norm, eps, LQ)
-                e = tl.sum(W_pre * k_t[None, :], 1) - v_t
+                e = tl.where(mask_v, tl.sum(W_pre * k_t[None, :], 1) - v_t, 0.0)  # padding rows: 0, not 0·inf
                 g = _bias_grad(e, p, a, eps, P_MODE)
-            D_k = tl.sum(D * k_t[None, :], 1)  # [BV]
+            D_k = tl.where(mask_v, tl.sum(D * k_t[None, :], 1), 0.0)  # [BV]
             tl.store(deta_part + i_v * ROWS + row, -tl.sum(g * D_k, 0))
             tl.store(dalpha_part + i_v * ROWS + row, -tl.sum(tl.sum(dA * A_pre, 1), 0))
             dg = D_k * (-eta_t)
@@ -278,9 +287,9 @@ def memory_scan_bwd_kernel(
                 tl.store(dv + row * DV + o_v, (-de).to(dv.dtype.element_ty), mask=mask_v)
                 dk_t += tl.sum(W_pre * de[:, None], 0)
                 if LQ:
-                    Qc = de[:, None] * k_t[None, :]
+                    Qc = _outer(de, k_t, mask_kv)
                 else:
-                    P = P + de[:, None] * k_t[None, :]
+                    P = P + _outer(de, k_t, mask_kv)
             tl.store(dk_part + (i_v * ROWS + row) * DK + o_k, dk_t, mask=mask_k)
             A_post = A_pre
     if LQ:

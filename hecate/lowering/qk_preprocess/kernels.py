@@ -104,31 +104,33 @@ def _activation(z, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def _phi(a, phi_scalar, PHI: tl.constexpr):
+    # tl.where forms, not tl.maximum / tl.minimum, which drop NaN: a NaN in a stays NaN, as in torch
     out = a                                                              # identity
     if PHI == 1:    # elu(a) + 1
-        out = tl.where(a > 0, a + 1.0, tl.exp(tl.minimum(a, 0.0)))
+        out = tl.where(a > 0, a + 1.0, tl.exp(a))
     elif PHI == 2:  # relu
-        out = tl.maximum(a, 0.0)
+        out = tl.where(a < 0, 0.0, a)
     elif PHI == 3:  # relu(a)^2
-        out = tl.maximum(a, 0.0) * tl.maximum(a, 0.0)
+        out = tl.where(a < 0, 0.0, a) * tl.where(a < 0, 0.0, a)
     elif PHI == 4:  # exp(min(a, phi_scalar))
-        out = tl.exp(tl.minimum(a, phi_scalar))
+        out = tl.exp(tl.where(a > phi_scalar, phi_scalar, a))
     return out
 
 
 @triton.jit
 def _grad_z(g, z, phi_scalar, ACTIVATION: tl.constexpr, PHI: tl.constexpr):
-    """dz = g · φ'(a) · act'(z), with torch's subgradients (relu' = [a > 0], clamp passes a <= max)."""
+    """dz = g · φ'(a) · act'(z), with torch's subgradients (relu' = [not a <= 0], clamp passes a <= max);
+    NaN in a gives what the ATen path gives (no tl.maximum / tl.minimum, which drop NaN)."""
     s = tl.sigmoid(z)                                                    # unused (and removed) without SiLU
     a = _activation(z, ACTIVATION)
     if PHI == 1:      # (linear φ arrives here with g = ∂L/∂a already)
-        g = g * tl.where(a > 0, 1.0, tl.exp(tl.minimum(a, 0.0)))
+        g = g * tl.where(a <= 0, tl.exp(a), 1.0)
     elif PHI == 2:
-        g = tl.where(a > 0, g, 0.0)
+        g = tl.where(a <= 0, 0.0, g)
     elif PHI == 3:
-        g = g * 2.0 * tl.maximum(a, 0.0)
+        g = g * 2.0 * tl.where(a < 0, 0.0, a)
     elif PHI == 4:
-        g = tl.where(a <= phi_scalar, g * tl.exp(tl.minimum(a, phi_scalar)), 0.0)
+        g = tl.where(a <= phi_scalar, g * tl.exp(a), 0.0)
     if ACTIVATION == 1:
         g = g * s * (1.0 + z * (1.0 - s))
     return g

@@ -172,9 +172,9 @@ def phi_backward(grad_out: torch.Tensor, a: torch.Tensor, phi: str, phi_scalar: 
     if phi == "identity":
         return grad_out
     if phi == "elu1":
-        return grad_out * torch.where(a > 0, torch.ones_like(a), torch.exp(a))
+        return grad_out * torch.where(a <= 0, torch.exp(a), torch.ones_like(a))     # NaN a: 1, as elu's backward
     if phi == "relu":
-        return grad_out * (a > 0)
+        return torch.where(a <= 0, torch.zeros_like(grad_out), grad_out)       # NaN a: passes, as relu's backward
     if phi == "relu2":
         return grad_out * 2 * F.relu(a)
     # exp(min(a, s)): clamp passes the gradient where a <= s

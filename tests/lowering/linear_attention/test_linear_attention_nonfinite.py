@@ -1,0 +1,37 @@
+"""NaN and ±inf in k, v, q come out of linear_attention's paths (CPU, Triton) where they come out of the loop."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import hecate.lowering  # noqa: F401
+from hecate.lowering.dispatch import triton_on_cpu
+from hecate.lowering.linear_attention.naive import linear_attention_naive
+from hecate.testing import assert_close_nonfinite
+
+from test_linear_attention import make_inputs
+
+PATHS = {"cpu": contextlib.nullcontext, "triton": triton_on_cpu}
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("causal,normalize,path", [(True, True, "cpu"), (True, True, "triton"), (True, False, "triton"),
+                                                   (False, True, "cpu")],   # non-causal: two matmuls, no kernel
+                         ids=["causal_normalized-cpu", "causal_normalized-triton", "causal-triton",
+                              "noncausal_normalized"])
+def test_poisoned_inputs_propagate_as_in_the_loop(causal, normalize, path, poison):
+    inputs = [x.detach().float() if x is not None else None
+              for x in make_inputs(causal, normalize, causal, causal)]
+    inputs[0][0, 2, 1, 3] = poison
+    inputs[1][0, 4, 0, 1] = poison
+    inputs[2][0, 5, 1, 0] = poison
+    with PATHS[path]():
+        outs = torch.ops.hecate.linear_attention(*inputs, normalize, 1e-6, causal)
+    refs = linear_attention_naive(*[x.double() if x is not None else None for x in inputs], normalize, 1e-6, causal)
+    assert not torch.isfinite(outs[0][0]).all() and torch.isfinite(outs[0][1]).all()
+    for name, o, r in zip(("y", "m_final", "z_final"), outs, refs):
+        assert_close_nonfinite(name, o, r, 1e-5)
