@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from hecate.lowering.dispatch import use_triton
+from hecate.lowering.dispatch import use_triton_kernels
 from hecate.lowering.memory_scan import cpu
 from hecate.lowering.memory_scan.op import check_kvq_shapes
 
@@ -87,14 +87,14 @@ def _hebbian_inputs(k, v, alpha, m0, z0, normalize):
 
 
 def _recurrence(k, v, q, forget, step, A0):
-    if use_triton(k):
+    if use_triton_kernels(k):
         from hecate.lowering.memory_scan import kernels
         return kernels.forward(k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
     return cpu.forward(k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
 
 
 def _recurrence_backward(dy, dA, k, v, q, forget, step, A0):
-    if use_triton(k):
+    if use_triton_kernels(k):
         from hecate.lowering.memory_scan import kernels
         return kernels.backward(dy, dA, k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
     return cpu.backward(dy, dA, k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)

@@ -22,7 +22,7 @@ Per step: e = W_{t−1} k_t − v_t ; U = bias_grad_p(e) k_tᵀ ; A_t = (1 − �
 (or the momentum form) ; W_t = A_t (q_norm = 2) or the MONETA normalisation ; y_t = W_t q_t.
 The state in and out is A (the memory M itself when q_norm = 2). Full statement: :mod:`.naive`.
 
-k, v and q share one dtype (fp32, bf16, fp16; fp64 on the CPU path); the state is
+k, v and q share one dtype (fp32, bf16, fp16; fp64 on the ATen path, on every device); the state is
 fp32 (fp64 for fp64 inputs). Differentiable in k, v, q, alpha, eta and m0; the
 backward is ``torch.ops.hecate.memory_scan_backward`` (same arguments plus dy and
 dm_final first), which re-runs the forward keeping the state every C steps
@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from hecate.lowering.dispatch import use_triton
+from hecate.lowering.dispatch import use_triton_kernels
 from hecate.lowering.memory_scan import cpu
 
 
@@ -120,7 +120,7 @@ def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0:
                 momentum: float = 0.0, q_norm: float = 2.0) -> tuple[Tensor, Tensor]:
     check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
     check_values(k, alpha, eta, cu_seqlens)
-    if use_triton(k):
+    if use_triton_kernels(k):
         from hecate.lowering.memory_scan import kernels
         return kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
     return cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
@@ -141,7 +141,7 @@ def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: 
                          a: float, eps: float, momentum: float,
                          q_norm: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dk, dv, dq, dalpha, deta, dm0) of ``memory_scan`` (dm0 is fp32, zeros-shaped when m0 is None)."""
-    if use_triton(k):
+    if use_triton_kernels(k):
         from hecate.lowering.memory_scan import kernels
         return kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)
     return cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm)

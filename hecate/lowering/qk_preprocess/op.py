@@ -22,8 +22,8 @@ i.e. the model's [B, T, H, Dh] → φ → [B, T, H, d_phi] flattened to [B, T, H
 φ are not fused: fuse the chain up to the activation (phi="identity") and leave φ to Inductor.
 
 Paths: CUDA tensors (and CPU tensors inside :func:`hecate.lowering.dispatch.triton_on_cpu`) run the
-Triton kernels of :mod:`.kernels`; CPU tensors run plain ATen (:func:`forward_aten` /
-:func:`backward_aten`). Under ``torch.compile`` with Inductor, CPU calls are decomposed into that
+Triton kernels of :mod:`.kernels`; CPU tensors, and float64 on every device, run plain ATen
+(:func:`forward_aten` / :func:`backward_aten`). Under ``torch.compile`` with Inductor, CPU calls are decomposed into that
 same ATen (an Inductor decomposition that declines CUDA tensors), so Inductor fuses them exactly
 as it fuses the unfused model, while CUDA keeps the Triton kernels.
 
@@ -41,7 +41,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hecate.lowering.dispatch import use_triton
+from hecate.lowering.dispatch import use_triton_kernels
 from hecate.lowering.qk_preprocess.naive import (ACTIVATIONS, MATRIX_PHI, PHI_KINDS, PHI_PARAM_COUNT,
                                                  apply_activation, apply_phi)
 
@@ -254,7 +254,7 @@ def qk_preprocess(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: 
                   conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation: str, phi: str,
                   phi_params: list[torch.Tensor], phi_scalar: float) -> torch.Tensor:
     check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-    if use_triton(x):
+    if use_triton_kernels(x):
         from hecate.lowering.qk_preprocess import kernels
 
         return kernels.forward(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
@@ -277,7 +277,7 @@ def qk_preprocess_backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight:
                                       torch.Tensor, torch.Tensor]:
     check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
     mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)
-    if use_triton(x):
+    if use_triton_kernels(x):
         from hecate.lowering.qk_preprocess import kernels
 
         return kernels.backward(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
@@ -331,7 +331,7 @@ def _register_inductor_decompositions() -> None:
     @register_decomposition(torch.ops.hecate.qk_preprocess.default)
     def _forward_on_cpu(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
                         phi_scalar):
-        if use_triton(x):
+        if use_triton_kernels(x):
             return NotImplemented
         check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
         return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
@@ -340,7 +340,7 @@ def _register_inductor_decompositions() -> None:
     @register_decomposition(torch.ops.hecate.qk_preprocess_backward.default)
     def _backward_on_cpu(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
                          phi_params, phi_scalar, output_mask):
-        if use_triton(x):
+        if use_triton_kernels(x):
             return NotImplemented
         check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
         mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)

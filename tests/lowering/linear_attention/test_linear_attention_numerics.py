@@ -1,4 +1,5 @@
-"""NaN and ±inf in k, v, q come out of linear_attention's paths (CPU, Triton) where they come out of the loop."""
+"""Faithful numerics on linear_attention's paths (CPU, Triton): NaN and ±inf in k, v, q come out where they
+come out of the loop; float64 is computed in float64."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch
 import hecate.lowering  # noqa: F401
 from hecate.lowering.dispatch import triton_on_cpu
 from hecate.lowering.linear_attention.naive import linear_attention_naive
-from hecate.testing import assert_close_nonfinite
+from hecate.testing import assert_close, assert_close_nonfinite
 
-from test_linear_attention import make_inputs
+from test_linear_attention import _grads, make_inputs
 
 PATHS = {"cpu": contextlib.nullcontext, "triton": triton_on_cpu}
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
@@ -35,3 +36,19 @@ def test_poisoned_inputs_propagate_as_in_the_loop(causal, normalize, path, poiso
     assert not torch.isfinite(outs[0][0]).all() and torch.isfinite(outs[0][1]).all()
     for name, o, r in zip(("y", "m_final", "z_final"), outs, refs):
         assert_close_nonfinite(name, o, r, 1e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_float64_is_computed_in_float64(path):
+    """The kernels accumulate in fp32, so the Triton path routes float64 to the CPU loop."""
+    inputs = make_inputs(True, True, True, True)
+    refs = linear_attention_naive(*inputs, True, 1e-6, True)
+    cotangents = [torch.randn_like(r) for r in refs]
+    with PATHS[path]():
+        outs, grads = _grads(lambda *x: torch.ops.hecate.linear_attention(*x, True, 1e-6, True), inputs, cotangents)
+    _, grads_ref = _grads(lambda *x: linear_attention_naive(*x, True, 1e-6, True), inputs, cotangents)
+    for name, o, r in zip(("y", "m_final", "z_final"), outs, refs):
+        assert o.dtype == torch.float64
+        assert_close(name, o, r, 1e-12)
+    for name, g, r in zip(("dk", "dv", "dq", "dalpha", "dm0", "dz0"), grads, grads_ref):
+        assert_close(name, g, r, 1e-11)

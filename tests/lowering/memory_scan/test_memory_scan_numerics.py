@@ -1,4 +1,5 @@
-"""NaN and ±inf in k, v, q come out of both paths (CPU loop, Triton) where they come out of the plain loop."""
+"""Faithful numerics on both paths (CPU loop, Triton): NaN and ±inf in k, v, q come out where they come out of
+the plain loop; float64 is computed in float64."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import hecate.lowering  # noqa: F401
 from hecate.lowering.dispatch import triton_on_cpu
 from hecate.lowering.memory_scan.naive import memory_scan_naive
-from hecate.testing import assert_close_nonfinite
+from hecate.testing import assert_close, assert_close_nonfinite
 
 from memory_scan_cases import GRAD_NAMES, Case, grads_of, make_inputs
 
@@ -51,3 +52,21 @@ def test_poisoned_inputs_propagate_as_in_the_loop(case, poison, path):
         return
     for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
         assert_close_nonfinite(name, g, g_ref, 1e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", [Case("p2.5_momentum", p=2.5, momentum=0.5), Case("moneta_p3_q4", p=3.0, q_norm=4.0)],
+                         ids=lambda c: c.name)
+def test_float64_is_computed_in_float64(case, path):
+    """The kernels accumulate in fp32, so the Triton path routes float64 to the CPU loop."""
+    inputs = make_inputs(case)
+    y_ref, m_ref = memory_scan_naive(*inputs, *case.scalars())
+    dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
+    with PATHS[path]():
+        y, m, grads = grads_of(lambda *x: torch.ops.hecate.memory_scan(*x, *case.scalars())[:2], inputs, dy, dm)
+    _, _, grads_ref = grads_of(lambda *x: memory_scan_naive(*x, *case.scalars()), inputs, dy, dm)
+    assert y.dtype == m.dtype == torch.float64
+    assert_close("y", y, y_ref, 1e-12)
+    assert_close("m_final", m, m_ref, 1e-12)
+    for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
+        assert_close(name, g, g_ref, 1e-11)

@@ -1,4 +1,5 @@
-"""NaN and ±inf in the input come out of both paths (ATen, Triton) where they come out of the plain chain."""
+"""Faithful numerics on both paths (ATen, Triton): NaN and ±inf in the input come out where they come out of
+the plain chain; float64 is computed in float64."""
 
 import contextlib
 
@@ -9,7 +10,7 @@ from hecate.lowering.dispatch import triton_on_cpu
 from hecate.lowering.qk_preprocess.naive import ELEMENTWISE_PHI, qk_preprocess_reference
 from hecate.testing import assert_close_nonfinite
 
-from qk_preprocess_cases import Case, output_and_grads
+from qk_preprocess_cases import Case, check_against_reference, output_and_grads
 
 OP = torch.ops.hecate.qk_preprocess.default
 PATHS = {"aten": contextlib.nullcontext, "triton": triton_on_cpu}
@@ -51,3 +52,15 @@ def test_elementwise_phi_without_projection(phi, activation, path):
 @pytest.mark.parametrize("phi", ["elu1", "linear", "random_fourier", "performer"])
 def test_with_projection_and_matrix_phi(phi, path):
     _check(Case(B=2, T=11, D_in=4, D=6, K=4, phi=phi, head_dim=3, d_phi=5), path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("phi", ["elu1", "exp", "random_fourier"])
+def test_float64_is_computed_in_float64(phi, path):
+    """The kernels accumulate in fp32, so the Triton path routes float64 to the ATen path."""
+    def op(*args):
+        with PATHS[path]():
+            return OP(*args)
+
+    check_against_reference(op, Case(B=2, T=9, D_in=5, D=6, K=4, phi=phi, head_dim=3, d_phi=4), 1e-12,
+                            dtype=torch.float64)
