@@ -125,3 +125,30 @@ def test_bad_initial_state_shape_is_refused():
     model = LpMemory(4, n_heads=2, d_k=3, d_v=5)
     with pytest.raises(ValueError, match=r"m0 must have shape \[B, H, d_v, d_k\] = \[1, 2, 5, 3\], got \[1, 2, 3, 5\]"):
         model(torch.randn(1, 3, 4), torch.zeros(1, 2, 3, 5))
+
+
+@pytest.mark.parametrize("kwargs", [dict(p=2.5, alpha=None, eta=0.05), dict(p=2.0, momentum=0.5, eta=0.05)],
+                         ids=["lp-gated", "momentum"])
+def test_compiled_memory_under_autocast_matches_eager_autocast(kwargs, fresh_dynamo):
+    """KeyQueryPreprocess → memory loop, fused into qk_preprocess → memory_scan, under CPU bf16 autocast: the
+    dtypes eager gives (y bf16, the state fp32), values and gradients within bf16 rounding."""
+    import hecate
+
+    model = LpMemory(16, n_heads=2, d_k=4, d_v=4, phi="elu1", **kwargs)
+    x = 0.5 * torch.randn(2, 6, 16)
+
+    def run(fn):
+        with torch.autocast("cpu", torch.bfloat16):
+            y, m = fn(x)
+        grads = torch.autograd.grad(y.float().square().sum() + m.sum(), list(model.parameters()))
+        return y, m, grads
+
+    y_ref, m_ref, grads_ref = run(model)
+    y, m, grads = run(torch.compile(model, backend="hecate", options={"fallback": "eager"}))
+    report = hecate.last_report()
+    assert report.count("qk_preprocess") == 2 and report.count("memory_scan") == 1, str(report)
+    assert (y.dtype, m.dtype) == (y_ref.dtype, m_ref.dtype) == (torch.bfloat16, torch.float32)
+    assert_close("y", y, y_ref, 2e-2)
+    assert_close("m_final", m, m_ref, 2e-2)
+    for (name, _), g, g_ref in zip(model.named_parameters(), grads, grads_ref):
+        assert_close(f"grad {name}", g, g_ref, 3e-2)

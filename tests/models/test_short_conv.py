@@ -150,3 +150,20 @@ def test_conv_bad_arguments(kwargs, message):
 def test_block_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         KeyQueryPreprocess(8, **kwargs)
+
+
+@pytest.mark.parametrize("phi", ["elu1", "performer"])
+def test_compiled_block_under_autocast_returns_eager_dtype(phi, fresh_dynamo):
+    """Under CPU bf16 autocast eager's linear and conv1d run in bf16; the fused chain does too."""
+    import hecate
+
+    block = KeyQueryPreprocess(8, 6, n_heads=2, phi=phi)
+    _randomize(block)
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = block(x)
+        got = torch.compile(block, backend="hecate", options={"fallback": "eager"})(x)
+    assert hecate.last_report().count("qk_preprocess") == 2, str(hecate.last_report())
+    for name, g, e in zip(("q", "k"), got, expected):
+        assert g.dtype == e.dtype == torch.bfloat16
+        assert_close(name, g, e, 2e-2)

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from hecate.lowering.autocast import register_autocast
 from hecate.lowering.dispatch import use_triton_kernels
 from hecate.lowering.memory_scan import cpu
 from hecate.lowering.memory_scan.op import check_kvq_shapes
@@ -210,3 +211,7 @@ def _backward(ctx, dy, dm_final, dz_final):
 
 
 linear_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Under autocast k, v, q arrive in the autocast dtype; the gates and the fp32 state keep theirs.
+register_autocast(linear_attention, cast=("k", "v", "q"))

@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from hecate.lowering.autocast import register_autocast
 from hecate.lowering.dispatch import use_triton_kernels
 from hecate.lowering.memory_scan import cpu
 
@@ -169,3 +170,8 @@ def _backward(ctx, dy, dm_final):
 
 
 memory_scan.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Under autocast k, v, q arrive in the autocast dtype (eager's matmuls read them there) and y leaves in it;
+# the gates and the fp32 state keep their dtype.
+register_autocast(memory_scan, cast=("k", "v", "q"))

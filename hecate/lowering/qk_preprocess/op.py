@@ -41,6 +41,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hecate.lowering.autocast import register_autocast
 from hecate.lowering.dispatch import use_triton_kernels
 from hecate.lowering.qk_preprocess.naive import (ACTIVATIONS, MATRIX_PHI, PHI_KINDS, PHI_PARAM_COUNT,
                                                  apply_activation, apply_phi)
@@ -317,6 +318,10 @@ def _backward(ctx, grad_out):
 
 
 qk_preprocess.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Under autocast the chain runs in the autocast dtype, as eager's linear and conv1d do.
+register_autocast(qk_preprocess, cast=("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias", "phi_params"))
 
 
 # --------------------------------------------------------------------------------------------------

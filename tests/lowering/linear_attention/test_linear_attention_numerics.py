@@ -52,3 +52,18 @@ def test_float64_is_computed_in_float64(path):
         assert_close(name, o, r, 1e-12)
     for name, g, r in zip(("dk", "dv", "dq", "dalpha", "dm0", "dz0"), grads, grads_ref):
         assert_close(name, g, r, 1e-11)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_autocast_casts_k_v_q_and_keeps_the_state_fp32(path):
+    """Under autocast the op is the op on k, v, q cast to the autocast dtype, with α, m0, z0 as given."""
+    k, v, q, alpha, m0, z0 = [x.detach().float() for x in make_inputs(True, True, True, True)]
+    dtype = torch.bfloat16 if path == "cpu" else torch.float16      # the interpreter has no bf16
+    with PATHS[path]():
+        with torch.autocast("cpu", dtype):
+            outs = torch.ops.hecate.linear_attention(k, v, q, alpha, m0, z0, True, 1e-6, True)
+        cast = torch.ops.hecate.linear_attention(k.to(dtype), v.to(dtype), q.to(dtype), alpha, m0, z0, True, 1e-6,
+                                                 True)
+    assert [o.dtype for o in outs] == [dtype, torch.float32, torch.float32]
+    for name, o, c in zip(("y", "m_final", "z_final"), outs, cast):
+        assert torch.equal(o, c), name

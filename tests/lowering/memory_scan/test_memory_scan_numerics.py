@@ -70,3 +70,20 @@ def test_float64_is_computed_in_float64(case, path):
     assert_close("m_final", m, m_ref, 1e-12)
     for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
         assert_close(name, g, g_ref, 1e-11)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_autocast_casts_k_v_q_and_keeps_the_state_fp32(path):
+    """Under autocast eager's matmuls read k, v, q in the autocast dtype and the read y leaves in it, while the
+    state stays fp32: the op is the op on k, v, q cast to that dtype, with the gates and m0 as given."""
+    case = Case("p2.5_momentum", p=2.5, momentum=0.5)
+    k, v, q, alpha, eta, m0, _ = [x.detach().float() if isinstance(x, torch.Tensor) else x
+                                  for x in make_inputs(case)]
+    dtype = torch.bfloat16 if path == "cpu" else torch.float16      # the interpreter has no bf16
+    with PATHS[path]():
+        with torch.autocast("cpu", dtype):
+            y, m = torch.ops.hecate.memory_scan(k, v, q, alpha, eta, m0, None, *case.scalars())[:2]
+        y_cast, m_cast = torch.ops.hecate.memory_scan(k.to(dtype), v.to(dtype), q.to(dtype), alpha, eta, m0, None,
+                                                      *case.scalars())[:2]
+    assert y.dtype == dtype and m.dtype == torch.float32
+    assert torch.equal(y, y_cast) and torch.equal(m, m_cast)

@@ -8,7 +8,7 @@ import torch
 
 from hecate.lowering.dispatch import triton_on_cpu
 from hecate.lowering.qk_preprocess.naive import ELEMENTWISE_PHI, qk_preprocess_reference
-from hecate.testing import assert_close_nonfinite
+from hecate.testing import assert_close, assert_close_nonfinite
 
 from qk_preprocess_cases import Case, check_against_reference, output_and_grads
 
@@ -64,3 +64,35 @@ def test_float64_is_computed_in_float64(phi, path):
 
     check_against_reference(op, Case(B=2, T=9, D_in=5, D=6, K=4, phi=phi, head_dim=3, d_phi=4), 1e-12,
                             dtype=torch.float64)
+
+
+def _autocast_case_inputs(case: Case, device: str = "cpu") -> tuple:
+    return tuple([t.detach().to(device) for t in a] if isinstance(a, list)
+                 else a.detach().to(device) if isinstance(a, torch.Tensor) else a for a in case.args(case.tensors()))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("phi", ["elu1", "performer"])
+def test_autocast_returns_the_dtype_eager_returns(phi, path):
+    """Under CPU bf16 autocast eager's linear and conv1d run in bf16, so the chain's result is bf16: the op
+    casts its tensors to the autocast dtype too (the Triton path in bf16 needs a GPU: there it asks for fp16)."""
+    case = Case(B=2, T=9, D_in=5, D=6, K=4, phi=phi, head_dim=3, d_phi=4)
+    args = _autocast_case_inputs(case)
+    dtype = torch.bfloat16 if path == "aten" else torch.float16      # the interpreter has no bf16 dot
+    with torch.autocast("cpu", dtype):
+        expected = qk_preprocess_reference(*args)
+        with PATHS[path]():
+            got = OP(*args)
+    assert expected.dtype == dtype and got.dtype == dtype
+    assert_close("out", got, qk_preprocess_reference(*[[t.to(dtype).double() for t in a] if isinstance(a, list) else
+                                                      a.to(dtype).double() if isinstance(a, torch.Tensor) else a
+                                                      for a in args]), 1e-2)
+
+
+@pytest.mark.cuda
+def test_autocast_cuda_float16():
+    args = _autocast_case_inputs(Case(B=2, T=9, D_in=5, D=6, K=4), "cuda")
+    with torch.autocast("cuda", torch.float16):
+        expected, got = qk_preprocess_reference(*args), OP(*args)
+    assert got.dtype == expected.dtype == torch.float16
+    assert_close("out", got, expected, 1e-2)
