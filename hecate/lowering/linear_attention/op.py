@@ -88,17 +88,20 @@ def _hebbian_inputs(k, v, alpha, m0, z0, normalize):
 
 
 def _recurrence(k, v, q, forget, step, A0):
+    """(y, A_T) of the Hebbian recurrence (no momentum: memory_scan's empty s_final is dropped)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import kernels
-        return kernels.forward(k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
-    return cpu.forward(k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
+        return kernels.forward(k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
+    return cpu.forward(k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
 
 
 def _recurrence_backward(dy, dA, k, v, q, forget, step, A0):
+    """(dk, dv, dq, dforget, dstep, dA0)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import kernels
-        return kernels.backward(dy, dA, k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
-    return cpu.backward(dy, dA, k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
+        return kernels.backward(dy, dA, k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0,
+                                hebbian=True)[:6]
+    return cpu.backward(dy, dA, k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:6]
 
 
 def _split(y_aug, A, Dv, eps, normalize):

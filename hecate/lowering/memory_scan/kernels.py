@@ -148,11 +148,11 @@ def _sequence(cu_seqlens, i_n, T, CHUNK: tl.constexpr, VARLEN: tl.constexpr):
 
 @triton.jit
 def memory_scan_fwd_kernel(
-    k, v, q, alpha, eta, m0, y, m_final, ckpt_a, ckpt_s, cu_seqlens,
+    k, v, q, alpha, eta, m0, y, m_final, ckpt_a, ckpt_s, cu_seqlens, s0, s_final,
     T, p, a, eps, momentum, q_norm,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, LQ: tl.constexpr,
-    HAS_M0: tl.constexpr, STORE_Y: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_CKPT: tl.constexpr,
+    HAS_M0: tl.constexpr, HAS_S0: tl.constexpr, STORE_Y: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_CKPT: tl.constexpr,
     VARLEN: tl.constexpr, HEBBIAN: tl.constexpr,
 ):
     # grid (cdiv(DV, BV), N·H); state tile A [BV, BK] fp32 on chip across the sequence
@@ -169,6 +169,8 @@ def memory_scan_fwd_kernel(
     if HAS_M0:
         A = tl.load(m0 + i_nh * DV * DK + tile, mask=mask_kv, other=0.0).to(tl.float32)
     S = tl.zeros([BV, BK], dtype=tl.float32)
+    if HAS_S0:
+        S = tl.load(s0 + i_nh * DV * DK + tile, mask=mask_kv, other=0.0).to(tl.float32)
     W = _lq_normalize(A, q_norm, eps, LQ)
     for t in range(0, L):
         if STORE_CKPT:
@@ -191,12 +193,14 @@ def memory_scan_fwd_kernel(
             tl.store(y + row * DV + o_v, y_t.to(y.dtype.element_ty), mask=mask_v)
     if STORE_FINAL:
         tl.store(m_final + i_nh * DV * DK + tile, A, mask=mask_kv)
+        if USE_MOMENTUM:
+            tl.store(s_final + i_nh * DV * DK + tile, S, mask=mask_kv)
 
 
 @triton.jit
 def memory_scan_bwd_kernel(
     k, v, q, alpha, eta, dy, dm_final, ckpt_a, ckpt_s, scratch,
-    dk_part, dv, dq_part, dalpha_part, deta_part, dm0, cu_seqlens,
+    dk_part, dv, dq_part, dalpha_part, deta_part, dm0, cu_seqlens, ds_final, ds0,
     T, ROWS, p, a, eps, momentum, q_norm,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, LQ: tl.constexpr,
@@ -206,7 +210,8 @@ def memory_scan_bwd_kernel(
     # dalpha_part, deta_part [NV, ROWS] (ROWS = B·T·H). dv [B, T, H, DV]; dm0 [N, H, DV, DK] fp32;
     # scratch [NV·N·H, CHUNK, BV, BK] fp32 holds the recomputed pre-step states of one segment.
     # Reverse step (see cpu.backward): P carries (1 − α) dA (+ the next error's dW when LQ is off),
-    # Qc the next error's dW for MONETA, dS the momentum adjoint.
+    # Qc the next error's dW for MONETA, dS_carry the momentum adjoint β dS_{t+1} (ds_final at the end;
+    # ds0 at the start). ds_final, ds0 [N, H, DV, DK] fp32 (read and written with momentum only).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     NV = tl.num_programs(0)
@@ -222,7 +227,9 @@ def memory_scan_bwd_kernel(
 
     P = tl.load(dm_final + i_nh * DV * DK + tile, mask=mask_kv, other=0.0).to(tl.float32)
     Qc = tl.zeros([BV, BK], dtype=tl.float32)
-    dS = tl.zeros([BV, BK], dtype=tl.float32)
+    dS_carry = tl.zeros([BV, BK], dtype=tl.float32)
+    if USE_MOMENTUM:
+        dS_carry = tl.load(ds_final + i_nh * DV * DK + tile, mask=mask_kv, other=0.0).to(tl.float32)
     A_post = tl.zeros([BV, BK], dtype=tl.float32)
     n_chunks = tl.cdiv(L, CHUNK)
     for ci in range(0, n_chunks):
@@ -264,8 +271,8 @@ def memory_scan_bwd_kernel(
             else:
                 dA = P + _outer(dy_t, q_t, mask_kv)
             if USE_MOMENTUM:
-                dS = momentum * dS + dA
-                D = dS
+                D = dS_carry + dA
+                dS_carry = momentum * D
             else:
                 D = dA
             if HEBBIAN:
@@ -296,6 +303,8 @@ def memory_scan_bwd_kernel(
         if L > 0:
             P = P + _lq_normalize_vjp(A_post, Qc, q_norm, eps)
     tl.store(dm0 + i_nh * DV * DK + tile, P, mask=mask_kv)
+    if USE_MOMENTUM:
+        tl.store(ds0 + i_nh * DV * DK + tile, dS_carry, mask=mask_kv)
 
 
 def _p_mode(p: float) -> int:
@@ -323,8 +332,8 @@ def _check_dtypes(k):
         raise TypeError("memory_scan (Triton path): bfloat16 is not available under TRITON_INTERPRET=1")
 
 
-def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                    y, m_final, ckpt_a, ckpt_s, hebbian):
+def _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm,
+                    y, m_final, s_final, ckpt_a, ckpt_s, hebbian):
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     BK, BV = _blocks(DK, DV, q_norm, MAX_BLOCK_V)
     dummy = k
@@ -334,9 +343,10 @@ def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_
         m_final if m_final is not None else dummy,
         ckpt_a if ckpt_a is not None else dummy, ckpt_s if ckpt_s is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy,
+        s0 if s0 is not None else dummy, s_final if s_final is not None else dummy,
         T, float(p), float(a), float(eps), float(momentum), float(q_norm),
         H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=CHUNK, P_MODE=_p_mode(p),
-        USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, HAS_M0=m0 is not None,
+        USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, HAS_M0=m0 is not None, HAS_S0=s0 is not None,
         STORE_Y=y is not None, STORE_FINAL=m_final is not None, STORE_CKPT=ckpt_a is not None,
         VARLEN=cu_seqlens is not None, HEBBIAN=hebbian,
     )
@@ -346,33 +356,37 @@ def _contiguous(*xs):
     return [None if x is None else x.contiguous() for x in xs]
 
 
-def forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False):
-    """y [B, T, H, Dv] (dtype of v) and m_final [N, H, Dv, Dk] fp32.
+def forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False, s0=None):
+    """y [B, T, H, Dv] (dtype of v), m_final and s_final [N, H, Dv, Dk] fp32 (s_final empty without momentum).
 
     ``hebbian``: U = −v kᵀ (the memory is not read), the linear-attention recurrence.
     """
     _check_dtypes(k)
-    k, v, q, alpha, eta, m0, cu_seqlens = _contiguous(k, v, q, alpha, eta, m0, cu_seqlens)
+    k, v, q, alpha, eta, m0, s0, cu_seqlens = _contiguous(k, v, q, alpha, eta, m0, s0, cu_seqlens)
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     y = torch.empty_like(v)
     m_final = torch.empty(N, H, DV, DK, dtype=torch.float32, device=k.device)
-    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, y, m_final, None, None,
-                    hebbian)
-    return y, m_final
+    s_final = torch.empty(N, H, DV, DK, dtype=torch.float32, device=k.device) if momentum != 0.0 else \
+        m_final.new_empty(0)
+    _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm, y, m_final, s_final,
+                    None, None, hebbian)
+    return y, m_final, s_final
 
 
-def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False):
-    """(dk, dv, dq, dalpha, deta, dm0): re-run the forward keeping checkpoints, then the reverse kernel."""
+def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False,
+             s0=None, ds_final=None):
+    """(dk, dv, dq, dalpha, deta, dm0, ds0): re-run the forward keeping checkpoints, then the reverse kernel
+    (ds0 empty without momentum)."""
     _check_dtypes(k)
-    dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens = _contiguous(
-        dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens)
+    dy, dm_final, k, v, q, alpha, eta, m0, s0, cu_seqlens = _contiguous(
+        dy, dm_final, k, v, q, alpha, eta, m0, s0, cu_seqlens)
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     slots = B * triton.cdiv(T, CHUNK) if cu_seqlens is None else T // CHUNK + N
     f32 = dict(dtype=torch.float32, device=k.device)
     ckpt_a = torch.empty(slots, H, DV, DK, **f32)
     ckpt_s = torch.empty(slots, H, DV, DK, **f32) if momentum != 0.0 else None
-    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, None, None, ckpt_a, ckpt_s,
-                    hebbian)
+    _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm, None, None, None,
+                    ckpt_a, ckpt_s, hebbian)
 
     BK, BV = _blocks(DK, DV, q_norm, MAX_BLOCK_V_BACKWARD)
     NV = triton.cdiv(DV, BV)
@@ -384,11 +398,15 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momen
     deta_part = torch.empty(NV, rows, **f32)
     dv = torch.empty_like(v)
     dm0 = torch.empty(N, H, DV, DK, **f32)
+    ds0 = torch.empty(N, H, DV, DK, **f32) if momentum != 0.0 else dm0.new_empty(0)
+    if momentum != 0.0 and (ds_final is None or ds_final.numel() == 0):
+        ds_final = torch.zeros(N, H, DV, DK, **f32)
     memory_scan_bwd_kernel[(NV, N * H)](
         k, v, q, alpha, eta, dy, dm_final.to(torch.float32), ckpt_a,
         ckpt_s if ckpt_s is not None else ckpt_a, scratch,
         dk_part, dv, dq_part, dalpha_part, deta_part, dm0,
         cu_seqlens if cu_seqlens is not None else k,
+        ds_final.to(torch.float32).contiguous() if momentum != 0.0 else dm0, ds0 if momentum != 0.0 else dm0,
         T, rows, float(p), float(a), float(eps), float(momentum), float(q_norm),
         H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=CHUNK, P_MODE=_p_mode(p),
         USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, VARLEN=cu_seqlens is not None, HEBBIAN=hebbian,
@@ -397,4 +415,4 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momen
     dq = dq_part.sum(0).view(B, T, H, DK).to(q.dtype)
     dalpha = dalpha_part.sum(0).view(B, T, H).to(alpha.dtype)
     deta = deta_part.sum(0).view(B, T, H).to(eta.dtype)
-    return dk, dv, dq, dalpha, deta, dm0
+    return dk, dv, dq, dalpha, deta, dm0, ds0

@@ -48,7 +48,7 @@ def _to32(inputs):
 def test_triton_matches_reference(case, small_blocks, poisoned_allocations):
     inputs64 = make_inputs(case)
     inputs32 = _to32(inputs64)
-    y_ref, m_ref = memory_scan_naive(*inputs64, *case.scalars())
+    y_ref, m_ref = memory_scan_naive(*inputs64, *case.scalars())[:2]
     dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
     with triton_on_cpu():
         y, m, grads = grads_of(lambda *x: op(*x, *case.scalars()), inputs32, dy, dm)
@@ -65,7 +65,7 @@ def test_triton_p2_without_retention_is_the_delta_rule():
 
     k, v, q, _, eta, m0, _ = [x.detach().float() if isinstance(x, torch.Tensor) else x for x in make_inputs(CASES[0])]
     with triton_on_cpu():
-        y, m = op(k, v, q, torch.zeros_like(eta), eta, m0, None, 2.0, 10.0, 1e-6, 0.0, 2.0)
+        y, m = op(k, v, q, torch.zeros_like(eta), eta, m0, None, 2.0, 10.0, 1e-6, 0.0, 2.0)[:2]
     y_ref, m_ref = delta_rule(k.double(), v.double(), q.double(), 2.0 * eta.double(), m0.double())
     assert_close("y", y, y_ref, 1e-6)
     assert_close("m_final", m, m_ref, 1e-6)
@@ -78,9 +78,9 @@ def test_triton_float16_inputs_keep_an_fp32_state():
                 else (x.detach().float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
                 for i, x in enumerate(inputs64)]
     with triton_on_cpu():
-        y, m = op(*inputs16, *case.scalars())
+        y, m = op(*inputs16, *case.scalars())[:2]
     y_ref, m_ref = memory_scan_naive(*[x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                                       for x in inputs16], *case.scalars())
+                                       for x in inputs16], *case.scalars())[:2]
     assert y.dtype == torch.float16 and m.dtype == torch.float32
     assert_close("y", y, y_ref, 2e-3)
     assert_close("m_final", m, m_ref, 1e-5)
@@ -106,7 +106,7 @@ def test_cuda_matches_reference(case, dtype):
     inputs = [x.detach().to("cuda", dtype if i < 3 else torch.float32).requires_grad_()
               if isinstance(x, torch.Tensor) and x.is_floating_point() else (x.cuda() if x is not None else None)
               for i, x in enumerate(inputs64)]
-    y_ref, m_ref = memory_scan_naive(*inputs64, *case.scalars())
+    y_ref, m_ref = memory_scan_naive(*inputs64, *case.scalars())[:2]
     dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
     y, m, grads = grads_of(lambda *x: op(*x, *case.scalars()), inputs, dy.cuda(), dm.cuda())
     _, _, grads_ref = grads_of(lambda *x: memory_scan_naive(*x, *case.scalars()), inputs64, dy, dm)
