@@ -92,3 +92,39 @@ def test_s0_without_momentum_is_refused():
         op(k, v, q, alpha, eta, m0, None, 2.0, 10.0, 1e-6, 0.0, 2.0, torch.zeros_like(m0))
     with pytest.raises(ValueError, match=r"s0 shape \(2, 2, 5, 3\) must be \[B, H, Dv, Dk\] = \(2, 2, 3, 5\)"):
         op(k, v, q, alpha, eta, m0, None, 2.0, 10.0, 1e-6, 0.5, 2.0, m0.transpose(-1, -2))
+
+
+class MomentumStateCall(torch.nn.Module):
+    def __init__(self, case: Case):
+        super().__init__()
+        self.case = case
+
+    def forward(self, k, v, q, alpha, eta, m0, s0):
+        return op(k, v, q, alpha, eta, m0, None, *self.case.scalars(), s0)
+
+
+def test_onnx_export_with_momentum_state_matches(tmp_path):
+    import onnx
+    import onnxruntime
+
+    import hecate
+
+    case = Case("p2.5_momentum", p=2.5, momentum=0.6)
+    args = tuple(x.detach() for x in _with_s0(case, torch.float32))
+    model = MomentumStateCall(case)
+    path = tmp_path / "memory_scan_state.onnx"
+    hecate.export_onnx(model, args, path)
+    assert [n.op_type for n in onnx.load(str(path)).graph.node].count("Scan") == 1
+    session = onnxruntime.InferenceSession(str(path))
+    got = session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
+    for name, g, e in zip(("y", "m_final", "s_final"), got, model(*args)):
+        assert_close(name, torch.from_numpy(g), e, 1e-4)
+
+
+def test_mlir_export_with_momentum_state():
+    import hecate
+
+    case = Case("p2.5_momentum", p=2.5, momentum=0.6, T=3)
+    text = hecate.export_mlir(MomentumStateCall(case), tuple(x.detach() for x in _with_s0(case, torch.float32)),
+                              output_type="linalg-on-tensors")
+    assert "hecate" not in text and "linalg" in text

@@ -84,3 +84,48 @@ def test_bad_conv_state_is_refused():
     case = Case(B=2, T=5, D_in=4, D=6, K=3)
     with pytest.raises(ValueError, match=r"conv_state must be \[B, K-1, D\] = \[2, 2, 6\].*got shape \(2, 3, 6\)"):
         OP(*detached(case.args(case.tensors())), torch.zeros(2, 3, 6))
+
+
+class StatefulCall(torch.nn.Module):
+    """A decode-style step: the op with a carried conv state, and the state after the chunk."""
+
+    def __init__(self, case: Case):
+        super().__init__()
+        self.case = case
+        tensors = case.tensors()
+        self.weights = torch.nn.ParameterDict({n: torch.nn.Parameter(t.detach()) for n, t in tensors.items()
+                                               if t is not None and n != "x"})
+
+    def forward(self, x, state):
+        tensors = {"x": x, **{n: self.weights[n] if n in self.weights else None
+                              for n in ("proj_weight", "proj_bias", "conv_weight", "conv_bias", "phi_weight",
+                                        "phi_bias")}}
+        out = OP(*self.case.args(tensors), state)
+        return out, next_conv_state(x, tensors["proj_weight"], tensors["proj_bias"], tensors["conv_weight"], state)
+
+
+@pytest.mark.parametrize("case", [Case(B=2, T=3, D_in=5, D=6, K=4), Case(B=2, T=1, D=6, K=3, proj=False,
+                                                                          proj_bias=False, phi="relu")],
+                         ids=["proj-elu1-T3", "no-proj-relu-T1"])
+def test_onnx_export_with_conv_state_matches(case, tmp_path):
+    import onnxruntime
+
+    import hecate
+
+    model = StatefulCall(case).eval()
+    x, state = torch.randn(case.B, case.T, case.D_in if case.proj else case.D), torch.randn(case.B, case.K - 1, case.D)
+    path = tmp_path / "qk_state.onnx"
+    hecate.export_onnx(model, (x, state), path)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), (x, state))})
+    for name, g, e in zip(("out", "next state"), got, model(x, state)):
+        assert_close(name, torch.from_numpy(g), e, 1e-5)
+
+
+def test_mlir_export_with_conv_state_has_no_hecate_op():
+    import hecate
+
+    case = Case(B=2, T=3, D_in=5, D=6, K=4)
+    text = hecate.export_mlir(StatefulCall(case), (torch.randn(2, 3, 5), torch.randn(2, 3, 6)),
+                              output_type="linalg-on-tensors")
+    assert "func.func @main" in text and "hecate" not in text
