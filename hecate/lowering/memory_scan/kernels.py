@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hecate.lowering.dispatch import interpreting
 
 CHUNK = 32
 # value rows per program (q_norm = 2); tests lower both to exercise several tiles. The backward holds
@@ -328,8 +327,6 @@ def _layout(k, v, cu_seqlens):
 def _check_dtypes(k):
     if k.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"memory_scan (Triton path): k, v, q must be float32, float16 or bfloat16, got {k.dtype}")
-    if interpreting() and k.dtype == torch.bfloat16:
-        raise TypeError("memory_scan (Triton path): bfloat16 is not available under TRITON_INTERPRET=1")
 
 
 def _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm,

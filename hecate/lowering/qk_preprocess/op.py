@@ -347,14 +347,14 @@ def _backward(ctx, grad_out):
     phi_params = ctx.saved_tensors[6:]
     needs = ctx.needs_input_grad
     output_mask = ([bool(n) for n in needs[:5]] + [bool(n) for n in needs[7]] + [False] * (2 - len(phi_params))
-                   + [bool(needs[9])])
+                   + [len(needs) > 9 and bool(needs[9])])      # conv_state, when it was passed
     grads = torch.ops.hecate.qk_preprocess_backward(grad_out.contiguous(), x, proj_weight, proj_bias, conv_weight,
                                                     conv_bias, activation, phi, phi_params, phi_scalar, output_mask,
                                                     conv_state)
     grads = [g if m else None for g, m in zip(grads, effective_mask(output_mask, proj_weight, proj_bias, conv_bias,
                                                                      phi, conv_state))]
     grad_phi_params = grads[5:5 + len(phi_params)]
-    return (*grads[:5], None, None, grad_phi_params, None, grads[7])
+    return (*grads[:5], None, None, grad_phi_params, None, grads[7])[:len(needs)]   # as many as were passed
 
 
 qk_preprocess.register_autograd(_backward, setup_context=_setup_context)
