@@ -79,7 +79,7 @@ def test_autocast_casts_k_v_q_and_keeps_the_state_fp32(path):
     case = Case("p2.5_momentum", p=2.5, momentum=0.5)
     k, v, q, alpha, eta, m0, _ = [x.detach().float() if isinstance(x, torch.Tensor) else x
                                   for x in make_inputs(case)]
-    dtype = torch.bfloat16 if path == "cpu" else torch.float16      # the interpreter has no bf16
+    dtype = torch.bfloat16
     with PATHS[path]():
         with torch.autocast("cpu", dtype):
             y, m = torch.ops.hecate.memory_scan(k, v, q, alpha, eta, m0, None, *case.scalars())[:2]

@@ -8,7 +8,7 @@ import torch
 
 from hecate.lowering.dispatch import triton_on_cpu
 from hecate.lowering.qk_preprocess.naive import ELEMENTWISE_PHI, qk_preprocess_reference
-from hecate.testing import assert_close, assert_close_nonfinite
+from hecate.testing import assert_close, assert_close_nonfinite, bf16_dot_in_interpreter
 
 from qk_preprocess_cases import Case, check_against_reference, output_and_grads
 
@@ -75,13 +75,13 @@ def _autocast_case_inputs(case: Case, device: str = "cpu") -> tuple:
 @pytest.mark.parametrize("phi", ["elu1", "performer"])
 def test_autocast_returns_the_dtype_eager_returns(phi, path):
     """Under CPU bf16 autocast eager's linear and conv1d run in bf16, so the chain's result is bf16: the op
-    casts its tensors to the autocast dtype too (the Triton path in bf16 needs a GPU: there it asks for fp16)."""
+    casts its tensors to the autocast dtype too."""
     case = Case(B=2, T=9, D_in=5, D=6, K=4, phi=phi, head_dim=3, d_phi=4)
     args = _autocast_case_inputs(case)
-    dtype = torch.bfloat16 if path == "aten" else torch.float16      # the interpreter has no bf16 dot
+    dtype = torch.bfloat16
     with torch.autocast("cpu", dtype):
         expected = qk_preprocess_reference(*args)
-        with PATHS[path]():
+        with PATHS[path](), bf16_dot_in_interpreter():
             got = OP(*args)
     assert expected.dtype == dtype and got.dtype == dtype
     assert_close("out", got, qk_preprocess_reference(*[[t.to(dtype).double() for t in a] if isinstance(a, list) else
