@@ -152,3 +152,20 @@ def test_compiled_memory_under_autocast_matches_eager_autocast(kwargs, fresh_dyn
     assert_close("m_final", m, m_ref, 2e-2)
     for (name, _), g, g_ref in zip(model.named_parameters(), grads, grads_ref):
         assert_close(f"grad {name}", g, g_ref, 3e-2)
+
+
+@pytest.mark.parametrize("kwargs", [dict(p=2.5, alpha=None, eta=0.05, phi="elu1"),
+                                    dict(p=2.0, momentum=0.5, eta=0.05, phi="relu")], ids=["lp-gated", "momentum"])
+def test_chunks_carrying_the_state_equal_the_whole_sequence(kwargs):
+    """forward_chunk carries the convs' left context, the memory and the momentum buffer: chunk by chunk equals
+    forward on the whole sequence (the final M too)."""
+    model = LpMemory(10, n_heads=2, d_k=3, d_v=4, **kwargs).double()
+    x = 0.5 * torch.randn(2, 9, 10, dtype=torch.float64)
+    out, m = model(x)
+    state, outs = None, []
+    for start, stop in ((0, 2), (2, 6), (6, 9)):
+        out_c, state = model.forward_chunk(x[:, start:stop], state)
+        outs.append(out_c)
+    assert_close("out", torch.cat(outs, 1), out, 1e-12)
+    assert_close("m_final", state[1], m, 1e-12)
+    assert (state[2] is None) == (model.momentum == 0)
