@@ -259,15 +259,18 @@ def backward_aten(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Te
         grads[3] = torch.stack([(grad_z * u_padded[:, j:j + T]).sum((0, 1)) for j in range(K)], 1).unsqueeze(1)
     if mask[4]:
         grads[4] = grad_z.sum((0, 1))
-    if mask[0] or mask[1] or mask[2] or mask[7]:
-        # du[s] = Σ_j w[:, j] dz[s - j] for s over [conv_state; u] (s = t + K-1): the conv transposed
-        grad_z_padded = F.pad(grad_z, (0, 0, K - 1, K - 1))           # [B, K-1+T+K-1, D]
-        grad_context = grad_z_padded[:, K - 1:2 * (K - 1) + T] * w[:, 0]
+    if mask[7]:
+        # d conv_state[s] = Σ_{j <= s} w[:, j] dz[s - j]: the state rows feed z[0 .. K-2] only
+        grad_z_tail = F.pad(grad_z, (0, 0, 0, K - 1))                  # [B, T+K-1, D], zeros after T
+        grads[7] = grad_z.new_zeros(grad_z.shape[0], K - 1, grad_z.shape[2])
+        for j in range(K - 1):
+            grads[7] = grads[7] + F.pad(grad_z_tail[:, :K - 1 - j] * w[:, j], (0, 0, j, 0))
+    if mask[0] or mask[1] or mask[2]:
+        # du[t] = Σ_j w[:, j] dz[t + K-1-j]: the conv transposed, reading dz right-padded
+        grad_z_padded = F.pad(grad_z, (0, 0, 0, K - 1))               # [B, T+K-1, D]
+        grad_u = grad_z_padded[:, K - 1:K - 1 + T] * w[:, 0]
         for j in range(1, K):
-            grad_context = grad_context + grad_z_padded[:, K - 1 - j:2 * (K - 1) - j + T] * w[:, j]
-        if mask[7]:
-            grads[7] = grad_context[:, :K - 1].clone()      # outputs must not alias (dx is a view of it too)
-        grad_u = grad_context[:, K - 1:]
+            grad_u = grad_u + grad_z_padded[:, K - 1 - j:K - 1 - j + T] * w[:, j]
         if proj_weight is None:
             grads[0] = grad_u
         else:
