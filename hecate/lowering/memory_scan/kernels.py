@@ -9,8 +9,8 @@ per value tile and the launcher sums them. MONETA (q_norm ≠ 2) normalises by a
 norm over the whole [Dv, Dk] matrix, so there one program holds all of Dv.
 
 Tensors (contiguous): k, q [B, T, H, Dk]; v, y [B, T, H, Dv]; alpha, eta [B, T, H];
-states m0, m_final, checkpoints [slots, H, Dv, Dk] fp32. Packed sequences
-(cu_seqlens, B = 1) use rows bos..eos−1 of T.
+states m0, m_final (and s0, s_final of the momentum buffer), checkpoints [slots, H, Dv, Dk] fp32.
+Packed sequences (cu_seqlens, B = 1) use rows bos..eos−1 of T.
 
 Backward memory: the forward is re-run keeping A (and S with momentum) before every
 CHUNK-th step: ckpt [N·ceil(T/CHUNK) (or T//CHUNK + N packed), H, Dv, Dk] fp32, i.e.
