@@ -30,8 +30,8 @@ i.e. the model's [B, T, H, Dh] → φ → [B, T, H, d_phi] flattened to [B, T, H
 
 Paths: CUDA tensors (and CPU tensors inside :func:`hecate.lowering.dispatch.triton_on_cpu`) run the
 Triton kernels of :mod:`.kernels`; CPU tensors, and float64 on every device, run plain ATen
-(:func:`forward_aten` / :func:`backward_aten`). Under ``torch.compile`` with Inductor, CPU calls are decomposed into that
-same ATen (an Inductor decomposition that declines CUDA tensors), so Inductor fuses them exactly
+(:func:`forward_aten` / :func:`backward_aten`). Under ``torch.compile`` with Inductor, CPU calls are decomposed into
+that same ATen (an Inductor decomposition that declines CUDA tensors), so Inductor fuses them exactly
 as it fuses the unfused model, while CUDA keeps the Triton kernels.
 
 The backward is its own op, ``torch.ops.hecate.qk_preprocess_backward``, returning the gradients
