@@ -78,7 +78,7 @@ def make_scan(p: float):
 
 def direct_op(p: float):
     def call(k, v, q, alpha, eta, m0):
-        return torch.ops.hecate.memory_scan(k, v, q, alpha, eta, m0, None, p, 10.0, 1e-6, 0.0, 2.0)
+        return torch.ops.hecate.memory_scan(k, v, q, alpha, eta, m0, None, p, 10.0, 1e-6, 0.0, 2.0)[:2]
 
     return call
 

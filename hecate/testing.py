@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 
@@ -28,9 +31,49 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
         raise AssertionError(f"{name}: relative error {err:.3e} > tolerance {tol:.1e}")
 
 
+def assert_close_nonfinite(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """NaN, +inf and −inf exactly where ``expected`` has them, and the finite rest within ``tol``
+    (:func:`assert_close` on the finite elements)."""
+    for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        got, want = test(actual.detach().cpu()), test(expected.detach().cpu())
+        if not torch.equal(got, want):
+            raise AssertionError(f"{name}: {what} at {int(got.sum())} elements, expected at {int(want.sum())}; "
+                                 f"first difference at {tuple((got != want).nonzero()[0].tolist())}")
+    finite = torch.isfinite(expected.detach().cpu())
+    assert_close(name, actual.detach().cpu()[finite], expected.detach().cpu()[finite], tol)
+
+
 def poisoned(*shape: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
     """A NaN-filled tensor: any element a kernel forgets to write stays NaN."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+@contextlib.contextmanager
+def bf16_dot_in_interpreter() -> Iterator[None]:
+    """Under ``TRITON_INTERPRET=1``, let ``tl.dot`` read bf16 operands as the GPU does: the interpreter keeps bf16
+    as its raw uint16 bits and multiplies those (garbage). Here they are widened to fp32 first, which is what a
+    bf16 tensor-core dot computes (exact products, fp32 accumulation; only the summation order differs). Every
+    other part of a bf16 kernel (loads, casts, stores) the interpreter already runs faithfully."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = dot
+    try:
+        yield
+    finally:
+        interpreter.InterpreterBuilder.create_dot = create_dot
 
 
 # --- compiling Triton kernels for a GPU that is not here -------------------------------------------------------

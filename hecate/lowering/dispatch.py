@@ -30,6 +30,12 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and _force_triton_on_cpu
 
 
+def use_triton_kernels(x: torch.Tensor) -> bool:
+    """:func:`use_triton`, for the dtypes the kernels compute faithfully (fp32 accumulation: fp32, fp16,
+    bf16). float64 runs the op's ATen path on every device, in float64, never silently in float32."""
+    return use_triton(x) and x.dtype != torch.float64
+
+
 @contextlib.contextmanager
 def triton_on_cpu() -> Iterator[None]:
     """Run Hecate's Triton kernels on CPU tensors (needs ``TRITON_INTERPRET=1``)."""

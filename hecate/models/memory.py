@@ -57,10 +57,11 @@ class _GatedMemory(nn.Module):
             return torch.sigmoid(self.gate_proj[name](x))
         return x.new_full((x.shape[0], x.shape[1], self.n_heads), self.fixed_gates[name])
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """φ(q), φ(k) [B, T, H, d_phi] and v [B, T, H, d_v]."""
+    def qkv(self, x: torch.Tensor, conv_state: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """φ(q), φ(k) [B, T, H, d_phi] and v [B, T, H, d_v]; ``conv_state``: the short convs' left context when x
+        continues a sequence (:meth:`KeyQueryPreprocess.next_state`)."""
         B, T, _ = x.shape
-        q, k = self.qk(x)
+        q, k = self.qk(x, conv_state)
         v = self.v(x).view(B, T, self.n_heads, self.d_v)
         return q, k, v
 
@@ -96,9 +97,10 @@ class LpMemory(_GatedMemory):
     σ(W x_t + b) per head when given as ``None``. Eq 51 here applies φ (the key feature
     map) to the gradient's key factor; a separate nonlinearity on the whole gradient is
     not modelled. ``forward(x, m0=None) -> (out, m_final)``: m0/m_final are the memory
-    (the accumulator A for MONETA), [B, H, d_v, d_phi], for chunked processing and
-    decoding (the momentum buffer restarts at zero, and the short conv's left context
-    is not carried across chunks).
+    (the accumulator A for MONETA), [B, H, d_v, d_phi]. For chunked processing,
+    ``forward_chunk(x, state=None) -> (out, state)`` carries the whole state (the short
+    convs' left context, the memory, the momentum buffer): chunk by chunk equals the
+    whole sequence.
     """
 
     def __init__(self, d_model: int, n_heads: int = 2, d_k: int = 8, d_v: int = 8, *,
@@ -159,12 +161,29 @@ class LpMemory(_GatedMemory):
         return new_state, (W @ q_t.unsqueeze(-1)).squeeze(-1)
 
     def forward(self, x: torch.Tensor, m0: torch.Tensor | None = None):
+        out, state = self._run(x, m0)
+        return out, state[0]
+
+    def forward_chunk(self, x: torch.Tensor, state: tuple | None = None):
+        """One chunk of a sequence: ``state`` is None at its start, else the state :meth:`forward_chunk` returned
+        for the previous chunk: (conv state (queries', keys') [B, K−1, d_key] each, M [B, H, d_v, d_phi], S, the
+        momentum buffer, or None without momentum). Returns (out, the state after x)."""
+        conv_state, m0, s0 = state if state is not None else (None, None, None)
+        out, (M, *S) = self._run(x, m0, s0, conv_state)
+        return out, (self.qk.next_state(x, conv_state), M, S[0] if S else None)
+
+    def _run(self, x: torch.Tensor, m0: torch.Tensor | None = None, s0: torch.Tensor | None = None,
+             conv_state: tuple | None = None):
+        """(out, final (M,) or (M, S)) from the initial M, S (zeros when None) and the convs' left context."""
         self.check_state(m0, x)
         B, T, _ = x.shape
-        q, k, v = self.qkv(x)
+        q, k, v = self.qkv(x, conv_state)
         alpha, eta = self.gate("alpha", x), self.gate("eta", x)
         M = x.new_zeros(B, self.n_heads, self.d_v, self.d_phi) if m0 is None else m0
-        state = (M, torch.zeros_like(M)) if self.momentum > 0 else (M,)
+        if self.momentum > 0:
+            state = (M, torch.zeros_like(M) if s0 is None else s0)
+        else:
+            state = (M,)
         if self.use_scan:
             # scan slices xs along dim 1 and stacks the per-step y along dim 1 again
             state, y = scan(lambda s, xs: self.step(s, *xs), state, (k, v, q, alpha, eta), dim=1)
@@ -174,7 +193,7 @@ class LpMemory(_GatedMemory):
                 state, y_t = self.step(state, k[:, t], v[:, t], q[:, t], alpha[:, t], eta[:, t])
                 ys.append(y_t)
             y = torch.stack(ys, dim=1)  # [B, T, H, d_v]
-        return self.out(y.reshape(B, T, -1)), state[0]
+        return self.out(y.reshape(B, T, -1)), state
 
 
 class HebbianMemory(_GatedMemory):

@@ -58,11 +58,14 @@ class ShortCausalConv(nn.Module):
         if bias:
             nn.init.zeros_(self.conv.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] → [B, T, D]."""
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] → [B, T, D]. ``state`` [B, K−1, D]: the inputs before x (a chunk's left context, from
+        :meth:`next_state`), read instead of the zero padding; None: x starts the sequence."""
         seq_len = x.shape[1]
         x = x.transpose(1, 2)  # [B, D, T]: conv1d wants channels first
-        if self.conv_style == "conv1d_slice":
+        if state is not None:
+            z = F.conv1d(torch.cat([state.transpose(1, 2), x], -1), self.conv.weight, self.conv.bias, groups=self.d)
+        elif self.conv_style == "conv1d_slice":
             z = self.conv(x)[..., :seq_len]  # padding=K−1 on both sides: keep the causal T outputs
         else:
             z = F.conv1d(F.pad(x, (self.kernel_size - 1, 0)), self.conv.weight, self.conv.bias,
@@ -73,6 +76,11 @@ class ShortCausalConv(nn.Module):
         """The streaming state before the first token: K−1 zero inputs, [B, K−1, D]."""
         w = self.conv.weight
         return torch.zeros(batch, self.kernel_size - 1, self.d, dtype=w.dtype, device=w.device)
+
+    def next_state(self, x: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """The streaming state after x [B, T, D] (which followed ``state``): the last K−1 inputs, [B, K−1, D]."""
+        context = torch.cat([state if state is not None else self.initial_state(x.shape[0]).to(x), x], 1)
+        return context[:, context.shape[1] - (self.kernel_size - 1):]
 
     def step(self, x_t: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoding step: x_t [B, D], state [B, K−1, D] (the previous K−1 inputs, oldest first).
@@ -125,11 +133,22 @@ class KeyQueryPreprocess(nn.Module):
         d_phi_in = d_key // n_heads if n_heads else d_key
         self.phi = phi if isinstance(phi, nn.Module) else make_feature_map(phi, d_phi_in, **phi_kwargs)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, d_model] → (φ(q), φ(k)), each [B, T, d_phi] or [B, T, H, d_phi]."""
-        q = self.q_conv(self._project(x, self.q_proj))
-        k = self.k_conv(self._project(x, self.k_proj))
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, d_model] → (φ(q), φ(k)), each [B, T, d_phi] or [B, T, H, d_phi]. ``state``: the convs' left
+        context (queries', keys') from :meth:`next_state` when x continues a sequence; None: x starts it."""
+        q_state, k_state = state if state is not None else (None, None)
+        q = self.q_conv(self._project(x, self.q_proj), q_state)
+        k = self.k_conv(self._project(x, self.k_proj), k_state)
         return self.phi(self._heads(q)), self.phi(self._heads(k))
+
+    def next_state(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The streaming state after x (which followed ``state``): only its last K−1 tokens are projected."""
+        tail = x[:, max(x.shape[1] - (self.q_conv.kernel_size - 1), 0):]
+        q_state, k_state = state if state is not None else (None, None)
+        return (self.q_conv.next_state(self._project(tail, self.q_proj), q_state),
+                self.k_conv.next_state(self._project(tail, self.k_proj), k_state))
 
     def initial_state(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Streaming state (queries', keys') for :meth:`step`."""

@@ -30,37 +30,41 @@ def _qk_types(kernel, x_dtype: str) -> dict[str, str]:
         | QK_SCALARS
 
 
-def _qk_flags(proj, proj_bias, conv_bias, activation, phi):
+def _qk_flags(proj, proj_bias, conv_bias, activation, phi, state=False):
     return dict(HAS_PROJ=proj, HAS_PROJ_BIAS=proj_bias, HAS_CONV_BIAS=conv_bias,
-                ACTIVATION=qk_kernels.ACTIVATION_CODES[activation], PHI=qk_kernels.PHI_CODES[phi])
+                ACTIVATION=qk_kernels.ACTIVATION_CODES[activation], PHI=qk_kernels.PHI_CODES[phi], HAS_STATE=state)
 
 
 def _qk_blocks(K, dtype, head_dim=None, d_phi=None):
     block_d = 64 if head_dim is None else max(16, 1 << (head_dim - 1).bit_length())
     block_p = 16 if d_phi is None else min(64, max(16, 1 << (d_phi - 1).bit_length()))
     return dict(K=K, BLOCK_T=max(64, 1 << (4 * (K - 1)).bit_length()), BLOCK_D=block_d, BLOCK_K=32,
-                BLOCK_P=block_p, INPUT_PRECISION="tf32" if dtype == "bf16" else "ieee")
+                BLOCK_P=block_p, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32")
 
 
-# (name, flags, blocks, x dtype): each φ kind once, the other flags varied across them
-QK_SETTINGS = [
-    ("elu1_proj_silu_bf16", _qk_flags(True, True, True, "silu", "elu1"), _qk_blocks(4, "bf16"), "bf16"),
-    ("identity_fp32", _qk_flags(False, False, False, "none", "identity"), _qk_blocks(4, "fp32"), "fp32"),
-    ("relu_proj_nobias_bf16", _qk_flags(True, False, True, "silu", "relu"), _qk_blocks(3, "bf16"), "bf16"),
-    ("relu2_proj_fp32", _qk_flags(True, True, True, "none", "relu2"), _qk_blocks(4, "fp32"), "fp32"),
-    ("exp_proj_bf16", _qk_flags(True, True, False, "silu", "exp"), _qk_blocks(4, "bf16"), "bf16"),
-    ("linear_phi_bf16", _qk_flags(True, False, True, "silu", "linear"), _qk_blocks(4, "bf16", 64, 64), "bf16"),
-    ("random_fourier_bf16", _qk_flags(False, False, True, "none", "random_fourier"),
-     _qk_blocks(4, "bf16", 24, 32), "bf16"),
-    ("performer_bf16", _qk_flags(True, True, True, "silu", "performer"), _qk_blocks(4, "bf16", 64, 32), "bf16"),
+# (name, flags, blocks, x dtype): each φ kind once in fp32 or in both half dtypes (bf16, fp16), the other flags
+# (a carried conv state included) varied across them
+_QK_HALF_SETTINGS = [
+    ("elu1_proj_silu_state", _qk_flags(True, True, True, "silu", "elu1", state=True), dict(K=4)),
+    ("relu_proj_nobias", _qk_flags(True, False, True, "silu", "relu"), dict(K=3)),
+    ("exp_proj_state", _qk_flags(True, True, False, "silu", "exp", state=True), dict(K=4)),
+    ("linear_phi", _qk_flags(True, False, True, "silu", "linear"), dict(K=4, head_dim=64, d_phi=64)),
+    ("random_fourier_state", _qk_flags(False, False, True, "none", "random_fourier", state=True),
+     dict(K=4, head_dim=24, d_phi=32)),
+    ("performer", _qk_flags(True, True, True, "silu", "performer"), dict(K=4, head_dim=64, d_phi=32)),
 ]
+QK_SETTINGS = [
+    ("identity_fp32", _qk_flags(False, False, False, "none", "identity", state=True), _qk_blocks(4, "fp32"), "fp32"),
+    ("relu2_proj_fp32", _qk_flags(True, True, True, "none", "relu2"), _qk_blocks(4, "fp32"), "fp32"),
+] + [(f"{name}_{dtype}", flags, _qk_blocks(dtype=dtype, **shape), dtype)
+     for dtype in ("bf16", "fp16") for name, flags, shape in _QK_HALF_SETTINGS]
 
 
-def _qk_writes(phi: str, index: int) -> dict:
+def _qk_writes(phi: str, index: int, state: bool) -> dict:
     """Which backward outputs a case writes: all the op has, except every third case drops dconv."""
     matrix = phi in ("linear", "random_fourier", "performer")
     return dict(WRITE_DU=True, WRITE_DCW=index % 3 != 1, WRITE_DCB=index % 3 != 1, WRITE_DPHI=matrix,
-                WRITE_DPHIB=phi == "random_fourier")
+                WRITE_DPHIB=phi == "random_fourier", WRITE_DSTATE=state)
 
 
 CASES = {}
@@ -70,7 +74,7 @@ for i, (name, flags, blocks, x_dtype) in enumerate(QK_SETTINGS):
         qk_kernels._forward_kernel, _qk_types(qk_kernels._forward_kernel, x_dtype), flags | blocks | {"PHI_FN": None})
     CASES[f"qk_preprocess_backward_conv-{name}"] = (
         qk_kernels._backward_conv_kernel, _qk_types(qk_kernels._backward_conv_kernel, x_dtype),
-        flags | _qk_writes(phi, i) | blocks | {"PHI_DERIVATIVE": None})
+        flags | _qk_writes(phi, i, flags["HAS_STATE"]) | blocks | {"PHI_DERIVATIVE": None})
 
 # --- kl_attention (op.py): features a, b, c, d and everything the backward allocates are fp32; row values
 # and the forward's outputs have mu's dtype (bf16 here). BLOCK_* = max(16, 2^⌈log2 width⌉); tiles (_tiles)

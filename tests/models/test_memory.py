@@ -158,3 +158,47 @@ def test_every_feature_map_sizes_the_memory_and_the_loop_still_fuses(memory, phi
     assert_close("m_final", m, m_ref, 1e-5)
     for i, (a, b) in enumerate(zip(grads, grads_ref)):
         assert_close(f"grad {i}", a, b, 1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(p=2.5, alpha=None, eta=0.05), dict(p=2.0, momentum=0.5, eta=0.05)],
+                         ids=["lp-gated", "momentum"])
+def test_compiled_memory_under_autocast_matches_eager_autocast(kwargs, fresh_dynamo):
+    """KeyQueryPreprocess → memory loop, fused into qk_preprocess → memory_scan, under CPU bf16 autocast: the
+    dtypes eager gives (y bf16, the state fp32), values and gradients within bf16 rounding."""
+    import hecate
+
+    model = LpMemory(16, n_heads=2, d_k=4, d_v=4, phi="elu1", **kwargs)
+    x = 0.5 * torch.randn(2, 6, 16)
+
+    def run(fn):
+        with torch.autocast("cpu", torch.bfloat16):
+            y, m = fn(x)
+        grads = torch.autograd.grad(y.float().square().sum() + m.sum(), list(model.parameters()))
+        return y, m, grads
+
+    y_ref, m_ref, grads_ref = run(model)
+    y, m, grads = run(torch.compile(model, backend="hecate", options={"fallback": "eager"}))
+    report = hecate.last_report()
+    assert report.count("qk_preprocess") == 2 and report.count("memory_scan") == 1, str(report)
+    assert (y.dtype, m.dtype) == (y_ref.dtype, m_ref.dtype) == (torch.bfloat16, torch.float32)
+    assert_close("y", y, y_ref, 2e-2)
+    assert_close("m_final", m, m_ref, 2e-2)
+    for (name, _), g, g_ref in zip(model.named_parameters(), grads, grads_ref):
+        assert_close(f"grad {name}", g, g_ref, 3e-2)
+
+
+@pytest.mark.parametrize("kwargs", [dict(p=2.5, alpha=None, eta=0.05, phi="elu1"),
+                                    dict(p=2.0, momentum=0.5, eta=0.05, phi="relu")], ids=["lp-gated", "momentum"])
+def test_chunks_carrying_the_state_equal_the_whole_sequence(kwargs):
+    """forward_chunk carries the convs' left context, the memory and the momentum buffer: chunk by chunk equals
+    forward on the whole sequence (the final M too)."""
+    model = LpMemory(10, n_heads=2, d_k=3, d_v=4, **kwargs).double()
+    x = 0.5 * torch.randn(2, 9, 10, dtype=torch.float64)
+    out, m = model(x)
+    state, outs = None, []
+    for start, stop in ((0, 2), (2, 6), (6, 9)):
+        out_c, state = model.forward_chunk(x[:, start:stop], state)
+        outs.append(out_c)
+    assert_close("out", torch.cat(outs, 1), out, 1e-12)
+    assert_close("m_final", state[1], m, 1e-12)
+    assert (state[2] is None) == (model.momentum == 0)

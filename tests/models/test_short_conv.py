@@ -150,3 +150,40 @@ def test_conv_bad_arguments(kwargs, message):
 def test_block_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         KeyQueryPreprocess(8, **kwargs)
+
+
+@pytest.mark.parametrize("phi", ["elu1", "performer"])
+def test_compiled_block_under_autocast_returns_eager_dtype(phi, fresh_dynamo):
+    """Under CPU bf16 autocast eager's linear and conv1d run in bf16; the fused chain does too."""
+    import hecate
+
+    block = KeyQueryPreprocess(8, 6, n_heads=2, phi=phi)
+    _randomize(block)
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = block(x)
+        got = torch.compile(block, backend="hecate", options={"fallback": "eager"})(x)
+    assert hecate.last_report().count("qk_preprocess") == 2, str(hecate.last_report())
+    for name, g, e in zip(("q", "k"), got, expected):
+        assert g.dtype == e.dtype == torch.bfloat16
+        assert_close(name, g, e, 2e-2)
+
+
+@pytest.mark.parametrize("kernel_size", [1, 3, 4])
+@pytest.mark.parametrize("phi", ["elu1", "performer"])
+def test_block_chunks_carrying_the_state_equal_the_whole_sequence(kernel_size, phi):
+    block = KeyQueryPreprocess(8, 6, n_heads=2, kernel_size=kernel_size, phi=phi).double()
+    _randomize(block)
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    q, k = block(x)
+    state, qs, ks = None, [], []
+    for start, stop in ((0, 2), (2, 7), (7, 9)):     # a chunk shorter than K−1 too
+        q_c, k_c = block(x[:, start:stop], state)
+        state = block.next_state(x[:, start:stop], state)
+        qs.append(q_c)
+        ks.append(k_c)
+    assert_close("q", torch.cat(qs, 1), q, 1e-12)
+    assert_close("k", torch.cat(ks, 1), k, 1e-12)
+    _, step_state = block.step(x[:, -1], block.next_state(x[:, :-1]))
+    for name, a, b in zip(("queries' state", "keys' state"), state, step_state):
+        assert_close(name, a, b, 1e-12)

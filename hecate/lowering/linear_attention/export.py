@@ -48,7 +48,7 @@ def linear_attention_onnx(k, v, q, alpha=None, m0=None, z0=None, normalize=False
             A0 = op.Concat(M0, op.Unsqueeze(Z0, _axes(2)), axis=2)
         else:
             A0 = M0
-        y_rows, A = recurrence_onnx(k, v_rows, q, forget, ones, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
+        y_rows, A, _ = recurrence_onnx(k, v_rows, q, forget, ones, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
         if normalize:
             dv = op.Shape(v, start=3, end=4)
             y = op.Div(op.Slice(y_rows, op.Constant(value_ints=[0]), dv, _axes(3)),

@@ -30,7 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from hecate.lowering.dispatch import use_triton
+from hecate.lowering.autocast import register_autocast
+from hecate.lowering.dispatch import use_triton_kernels
 from hecate.lowering.memory_scan import cpu
 from hecate.lowering.memory_scan.op import check_kvq_shapes
 
@@ -87,17 +88,20 @@ def _hebbian_inputs(k, v, alpha, m0, z0, normalize):
 
 
 def _recurrence(k, v, q, forget, step, A0):
-    if use_triton(k):
+    """(y, A_T) of the Hebbian recurrence (no momentum: memory_scan's empty s_final is dropped)."""
+    if use_triton_kernels(k):
         from hecate.lowering.memory_scan import kernels
-        return kernels.forward(k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
-    return cpu.forward(k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
+        return kernels.forward(k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
+    return cpu.forward(k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
 
 
 def _recurrence_backward(dy, dA, k, v, q, forget, step, A0):
-    if use_triton(k):
+    """(dk, dv, dq, dforget, dstep, dA0)."""
+    if use_triton_kernels(k):
         from hecate.lowering.memory_scan import kernels
-        return kernels.backward(dy, dA, k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
-    return cpu.backward(dy, dA, k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
+        return kernels.backward(dy, dA, k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0,
+                                hebbian=True)[:6]
+    return cpu.backward(dy, dA, k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:6]
 
 
 def _split(y_aug, A, Dv, eps, normalize):
@@ -210,3 +214,7 @@ def _backward(ctx, dy, dm_final, dz_final):
 
 
 linear_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Under autocast k, v, q arrive in the autocast dtype; the gates and the fp32 state keep theirs.
+register_autocast(linear_attention, cast=("k", "v", "q"))

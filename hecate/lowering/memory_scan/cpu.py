@@ -94,7 +94,7 @@ class _Step:
 
 
 def _prepare(k, v, q, alpha, eta, m0):
-    """Time-major inputs, the per-step gate factors (1 − α_t, −η_t) and the initial state."""
+    """Time-major inputs, the per-step gate factors (1 − α_t, −η_t) and the initial state A."""
     dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
@@ -106,8 +106,19 @@ def _prepare(k, v, q, alpha, eta, m0):
     return K, V, Q, AL, ET, keep, neg_eta, A0
 
 
-def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias=""):
-    """y [B, T, H, Dv] (dtype of v), A_T [B, H, Dv, Dk] for one unpacked batch.
+def _initial_momentum(s0, A):
+    """S_0 [B·H, Dv, Dk]: s0, or zeros."""
+    return s0.to(A.dtype).reshape(A.shape).clone() if s0 is not None else torch.zeros_like(A)
+
+
+def _final_momentum(S, momentum, B, H):
+    """s_final [B, H, Dv, Dk], or empty without momentum (there is no buffer)."""
+    return S.reshape(B, H, *S.shape[1:]) if momentum != 0.0 else S.new_empty(0)
+
+
+def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None):
+    """y [B, T, H, Dv] (dtype of v), A_T and S_T [B, H, Dv, Dk] (S_T empty without momentum) for one
+    unpacked batch, starting from m0 and s0 (zeros when None).
 
     ``hebbian``: the update ignores the memory, U = −v kᵀ (so A ← (1 − α) A + η v kᵀ): the
     linear-attention recurrence, run by ``hecate.linear_attention`` through this same loop.
@@ -115,16 +126,17 @@ def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False,
     B, T, H, _ = k.shape
     K, V, Q, _, _, keep, neg_eta, A = _prepare(k, v, q, alpha, eta, m0)
     step = _Step(p, a, eps, momentum, q_norm, hebbian, bias)
-    S = torch.zeros_like(A)
+    S = _initial_momentum(s0, A)
     Y = V.new_empty(V.shape)
     for t in range(T):
         A, S = step(A, S, K[t], V[t], keep[t], neg_eta[t])
         torch.bmm(Q[t].unsqueeze(1), lq_normalize(A, q_norm, eps).transpose(1, 2), out=Y[t].unsqueeze(1))
-    return _untm(Y, B, H).to(v.dtype), A.reshape(B, H, *A.shape[1:])
+    return _untm(Y, B, H).to(v.dtype), A.reshape(B, H, *A.shape[1:]), _final_momentum(S, momentum, B, H)
 
 
-def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias=""):
-    """Gradients (dk, dv, dq, dalpha, deta, dm0) of one unpacked batch.
+def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
+             dS_final=None):
+    """Gradients (dk, dv, dq, dalpha, deta, dm0, ds0) of one unpacked batch (ds0 empty without momentum).
 
     Reverse step for token t (pre-state A_{t−1}, post-state A_t), carrying
     P = (1 − α_{t+1}) dA_{t+1} (+ the next error's dW when q = 2, folded in) and,
@@ -132,7 +144,8 @@ def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm,
     normalisation at A_t)::
 
         dW_t = dy_t q_tᵀ + Q ;  dA_t = P + N'(A_t)ᵀ dW_t ;  dq_t = W_tᵀ dy_t
-        D    = dA_t  (plain)  or  dS_t = β dS_{t+1} + dA_t  (momentum)
+        D    = dA_t  (plain)  or  dS_t = β dS_{t+1} + dA_t  (momentum; dS_T also gets ds_final, and
+               ds0 = β dS_1)
         dη_t = −g_tᵀ D k_t ;  dα_t = −⟨dA_t, A_{t−1}⟩
         dg_t = −η_t D k_t ;  de_t = bias_grad'(e_t) ⊙ dg_t ;  dv_t = −de_t
         dk_t = −η_t Dᵀ g_t + W_{t−1}ᵀ de_t
@@ -147,7 +160,7 @@ def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm,
     dY = _tm(dy, dtype)
     step = _Step(p, a, eps, momentum, q_norm, hebbian, bias)
     lq = q_norm != 2.0
-    S = torch.zeros_like(A)
+    S = _initial_momentum(s0, A)
     checkpoints = []
     for t in range(T):
         if t % CHUNK == 0:
@@ -158,7 +171,8 @@ def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm,
     dAL, dET = torch.empty_like(AL), torch.empty_like(ET)
     P = dA_final.to(dtype).reshape(B * H, Dv, Dk).clone()
     Qc = torch.zeros_like(P)
-    dS = torch.zeros_like(P)
+    dS_carry = (dS_final.to(dtype).reshape(P.shape) if dS_final is not None and dS_final.numel()
+                else torch.zeros_like(P))          # β dS_{t+1}, the momentum adjoint handed to step t
     for c in range(len(checkpoints) - 1, -1, -1):
         A, S = checkpoints[c]
         start, stop = c * CHUNK, min((c + 1) * CHUNK, T)
@@ -177,8 +191,8 @@ def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm,
             else:
                 dA = torch.addcmul(P, dyt.unsqueeze(-1), qt.unsqueeze(1))
             if momentum != 0.0:
-                dS = momentum * dS + dA
-                D = dS
+                D = dS_carry + dA
+                dS_carry = momentum * D
             else:
                 D = dA
             e, g = step.error_and_gradient(A_pre, kt, V[t])
@@ -204,7 +218,7 @@ def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm,
     dA0 = P + lq_normalize_vjp(A_post, Qc, q_norm, eps) if lq else P
     return (_untm(dK, B, H).to(k.dtype), _untm(dV, B, H).to(v.dtype), _untm(dQ, B, H).to(q.dtype),
             _untm(dAL, B, H).to(alpha.dtype), _untm(dET, B, H).to(eta.dtype),
-            dA0.reshape(B, H, Dv, Dk))
+            dA0.reshape(B, H, Dv, Dk), _final_momentum(dS_carry, momentum, B, H))
 
 
 def _sequences(cu_seqlens: Optional[torch.Tensor], T: int):
@@ -214,31 +228,33 @@ def _sequences(cu_seqlens: Optional[torch.Tensor], T: int):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False, bias=""):
+def _state_slice(state, n):
+    return None if state is None or state.numel() == 0 else state[n:n + 1]
+
+
+def forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False, bias="",
+                   s0=None):
     """The CPU forward for either layout (packed: one call per sequence)."""
     seqs = _sequences(cu_seqlens, k.shape[1])
     if seqs is None:
-        return forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias)
-    ys, finals = [], []
-    for n, (bos, eos) in enumerate(seqs):
-        y, A = forward(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
-                       None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm, hebbian, bias)
-        ys.append(y)
-        finals.append(A)
-    return torch.cat(ys, 1), torch.cat(finals, 0)
+        return forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0)
+    parts = [forward(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
+                     _state_slice(m0, n), p, a, eps, momentum, q_norm, hebbian, bias, _state_slice(s0, n))
+             for n, (bos, eos) in enumerate(seqs)]
+    return tuple(torch.cat([part[i] for part in parts], 1 if i == 0 else 0) for i in range(3))
 
 
 def backward_packed(dy, dA_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                    hebbian=False, bias=""):
+                    hebbian=False, bias="", s0=None, dS_final=None):
     """The CPU backward for either layout."""
     seqs = _sequences(cu_seqlens, k.shape[1])
     if seqs is None:
-        return backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias)
+        return backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0,
+                        dS_final)
     parts = []
     for n, (bos, eos) in enumerate(seqs):
         sl = slice(bos, eos)
         parts.append(backward(dy[:, sl], dA_final[n:n + 1], k[:, sl], v[:, sl], q[:, sl], alpha[:, sl],
-                              eta[:, sl], None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm,
-                              hebbian, bias))
-    dk, dv, dq, dal, det, dm0 = (torch.cat([part[i] for part in parts], 1 if i < 5 else 0) for i in range(6))
-    return dk, dv, dq, dal, det, dm0
+                              eta[:, sl], _state_slice(m0, n), p, a, eps, momentum, q_norm,
+                              hebbian, bias, _state_slice(s0, n), _state_slice(dS_final, n)))
+    return tuple(torch.cat([part[i] for part in parts], 1 if i < 5 else 0) for i in range(7))

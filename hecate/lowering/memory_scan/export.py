@@ -106,10 +106,12 @@ def zeros_state(k, v):
     return op.ConstantOfShape(shape, value=ir.tensor([0.0], dtype=ir.DataType.FLOAT))
 
 
-def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbian=False, bias=""):
-    """One ONNX ``Scan`` over T for FLOAT k, v, q [B, T, H, ·], gates [B, T, H], A0 [B, H, Dv, Dk].
+def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbian=False, bias="", S0=None):
+    """One ONNX ``Scan`` over T for FLOAT k, v, q [B, T, H, ·], gates [B, T, H], A0 (and with momentum S0,
+    zeros when None) [B, H, Dv, Dk].
 
-    Returns (y [B, T, H, Dv] FLOAT, A_final). Shared with ``hecate.linear_attention`` (``hebbian``).
+    Returns (y [B, T, H, Dv] FLOAT, A_final, S_final or None). Shared with ``hecate.linear_attention``
+    (``hebbian``).
     """
     from torch.onnx._internal.exporter import _core
     from torch.onnx._internal.exporter._torchlib.ops.hop import call_op
@@ -119,30 +121,35 @@ def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbia
     use_momentum = momentum != 0.0
     body = _scan_body(_core.current_tracer.opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian,
                       bias)
-    inits = [A0, op.Mul(A0, op.Constant(value_float=0.0))] if use_momentum else [A0]
+    if use_momentum and S0 is None:
+        S0 = op.Mul(A0, op.Constant(value_float=0.0))
+    inits = [A0, S0] if use_momentum else [A0]
     outputs = call_op("Scan", *inits, k, v, q, alpha, eta, _num_outputs=len(inits) + 1, body=body,
                       num_scan_inputs=5, scan_input_axes=[1] * 5, scan_output_axes=[1])
-    return outputs[-1], outputs[0]
+    return outputs[-1], outputs[0], outputs[1] if use_momentum else None
 
 
 @onnx_translation(torch.ops.hecate.memory_scan.default)
 def memory_scan_onnx(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.0, eps=1e-6,
-                     momentum=0.0, q_norm=2.0, bias=""):
+                     momentum=0.0, q_norm=2.0, bias="", s0=None):
     if cu_seqlens is not None:
         raise NotImplementedError("memory_scan ONNX export: packed sequences (cu_seqlens) are not supported; "
                                   "export with a padded batch")
     out_dtype = v.dtype
     k, v, q, alpha, eta = (op.Cast(x, to=_FLOAT) for x in (k, v, q, alpha, eta))
     A0 = zeros_state(k, v) if m0 is None else op.Cast(m0, to=_FLOAT)
-    y, A_final = recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, bias=bias)
+    S0 = None if s0 is None else op.Cast(s0, to=_FLOAT)
+    y, A_final, S_final = recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, bias=bias, S0=S0)
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
-    return y, A_final
+    if S_final is None:   # no momentum buffer: an empty [0]
+        S_final = op.ConstantOfShape(op.Constant(value_ints=[0]), value=ir.tensor([0.0], dtype=ir.DataType.FLOAT))
+    return y, A_final, S_final
 
 
 @decomposition(torch.ops.hecate.memory_scan.default)
 def memory_scan_decomposition(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.0, eps=1e-6,
-                              momentum=0.0, q_norm=2.0, bias=""):
+                              momentum=0.0, q_norm=2.0, bias="", s0=None):
     if cu_seqlens is not None:
         raise NotImplementedError("memory_scan decomposition: packed sequences (cu_seqlens) are not supported")
-    return memory_scan_naive(k, v, q, alpha, eta, m0, None, p, a, eps, momentum, q_norm, bias)
+    return memory_scan_naive(k, v, q, alpha, eta, m0, None, p, a, eps, momentum, q_norm, bias, s0)

@@ -9,8 +9,8 @@ per value tile and the launcher sums them. MONETA (q_norm ≠ 2) normalises by a
 norm over the whole [Dv, Dk] matrix, so there one program holds all of Dv.
 
 Tensors (contiguous): k, q [B, T, H, Dk]; v, y [B, T, H, Dv]; alpha, eta [B, T, H];
-states m0, m_final, checkpoints [slots, H, Dv, Dk] fp32. Packed sequences
-(cu_seqlens, B = 1) use rows bos..eos−1 of T.
+states m0, m_final (and s0, s_final of the momentum buffer), checkpoints [slots, H, Dv, Dk] fp32.
+Packed sequences (cu_seqlens, B = 1) use rows bos..eos−1 of T.
 
 Backward memory: the forward is re-run keeping A (and S with momentum) before every
 CHUNK-th step: ckpt [N·ceil(T/CHUNK) (or T//CHUNK + N packed), H, Dv, Dk] fp32, i.e.
@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from hecate.lowering import pointwise
-from hecate.lowering.dispatch import interpreting
 
 CHUNK = 32
 # value rows per program (q_norm = 2); tests lower both to exercise several tiles. The backward holds
@@ -78,9 +77,10 @@ def _bias_grad_derivative(e, p, a, eps, P_MODE: tl.constexpr, BIAS_DERIVATIVE: t
 
 @triton.jit
 def _lq_sum(A, q_norm, eps):
-    # Σ|A|^q + eps over the whole tile [BV, BK] (padding is zero)
+    # Σ|A|^q + eps over the whole tile [BV, BK] (padding is zero); |A|^q = exp(q log|A|) is 0 at A = 0 and
+    # keeps NaN / inf (no tl.maximum, which drops NaN)
     absA = tl.abs(A)
-    powq = tl.where(absA > 0.0, tl.exp(q_norm * tl.log(tl.maximum(absA, 1e-30))), 0.0)
+    powq = tl.where(absA == 0.0, 0.0, tl.exp(q_norm * tl.log(absA)))
     return tl.sum(tl.sum(powq, 1), 0) + eps
 
 
@@ -103,12 +103,19 @@ def _lq_normalize_vjp(A, dW, q_norm, eps):
     c = tl.exp(-r * tl.log(s))
     inner = tl.sum(tl.sum(dW * A, 1), 0)
     absA = tl.abs(A)
-    ds_dA = tl.where(absA > 0.0, q_norm * A * tl.exp((q_norm - 2.0) * tl.log(tl.maximum(absA, 1e-30))), 0.0)
+    ds_dA = tl.where(absA == 0.0, 0.0, q_norm * A * tl.exp((q_norm - 2.0) * tl.log(absA)))
     return c * dW - r * inner * c / s * ds_dA
 
 
 @triton.jit
-def _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum,
+def _outer(col, row, mask_kv):
+    # col rowᵀ on the tile, 0 in its padding: a ±inf entry times a padding zero would be NaN, and the
+    # padding must stay 0 (MONETA's norm and the adjoints' sums run over the whole tile)
+    return tl.where(mask_kv, col[:, None] * row[None, :], 0.0)
+
+
+@triton.jit
+def _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, mask_kv,
                  P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, HEBBIAN: tl.constexpr, BIAS: tl.constexpr):
     """One token's update of the state tile A [BV, BK] (and momentum S), reading the memory W.
 
@@ -121,7 +128,7 @@ def _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum,
     else:
         e = tl.sum(W * k_t[None, :], 1) - v_t  # [BV]
         g = _bias_grad(e, p, a, eps, P_MODE, BIAS)
-    U = g[:, None] * k_t[None, :]
+    U = _outer(g, k_t, mask_kv)
     if USE_MOMENTUM:
         S = momentum * S - eta_t * U
         A = (1.0 - a_t) * A + S
@@ -146,11 +153,12 @@ def _sequence(cu_seqlens, i_n, T, CHUNK: tl.constexpr, VARLEN: tl.constexpr):
 
 @triton.jit
 def memory_scan_fwd_kernel(
-    k, v, q, alpha, eta, m0, y, m_final, ckpt_a, ckpt_s, cu_seqlens,
+    k, v, q, alpha, eta, m0, y, m_final, ckpt_a, ckpt_s, cu_seqlens, s0, s_final,
     T, p, a, eps, momentum, q_norm,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, LQ: tl.constexpr,
-    HAS_M0: tl.constexpr, STORE_Y: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_CKPT: tl.constexpr,
+    HAS_M0: tl.constexpr, HAS_S0: tl.constexpr, STORE_Y: tl.constexpr, STORE_FINAL: tl.constexpr,
+    STORE_CKPT: tl.constexpr,
     VARLEN: tl.constexpr, HEBBIAN: tl.constexpr, BIAS: tl.constexpr,
 ):
     # grid (cdiv(DV, BV), N·H); state tile A [BV, BK] fp32 on chip across the sequence
@@ -167,6 +175,8 @@ def memory_scan_fwd_kernel(
     if HAS_M0:
         A = tl.load(m0 + i_nh * DV * DK + tile, mask=mask_kv, other=0.0).to(tl.float32)
     S = tl.zeros([BV, BK], dtype=tl.float32)
+    if HAS_S0:
+        S = tl.load(s0 + i_nh * DV * DK + tile, mask=mask_kv, other=0.0).to(tl.float32)
     W = _lq_normalize(A, q_norm, eps, LQ)
     for t in range(0, L):
         if STORE_CKPT:
@@ -180,8 +190,8 @@ def memory_scan_fwd_kernel(
         v_t = tl.load(v + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
         a_t = tl.load(alpha + row).to(tl.float32)
         eta_t = tl.load(eta + row).to(tl.float32)
-        A, S = _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, P_MODE, USE_MOMENTUM, HEBBIAN,
-                            BIAS)
+        A, S = _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, mask_kv, P_MODE, USE_MOMENTUM,
+                            HEBBIAN, BIAS)
         W = _lq_normalize(A, q_norm, eps, LQ)
         if STORE_Y:
             q_t = tl.load(q + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -189,12 +199,14 @@ def memory_scan_fwd_kernel(
             tl.store(y + row * DV + o_v, y_t.to(y.dtype.element_ty), mask=mask_v)
     if STORE_FINAL:
         tl.store(m_final + i_nh * DV * DK + tile, A, mask=mask_kv)
+        if USE_MOMENTUM:
+            tl.store(s_final + i_nh * DV * DK + tile, S, mask=mask_kv)
 
 
 @triton.jit
 def memory_scan_bwd_kernel(
     k, v, q, alpha, eta, dy, dm_final, ckpt_a, ckpt_s, scratch,
-    dk_part, dv, dq_part, dalpha_part, deta_part, dm0, cu_seqlens,
+    dk_part, dv, dq_part, dalpha_part, deta_part, dm0, cu_seqlens, ds_final, ds0,
     T, ROWS, p, a, eps, momentum, q_norm,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, LQ: tl.constexpr,
@@ -204,7 +216,8 @@ def memory_scan_bwd_kernel(
     # dalpha_part, deta_part [NV, ROWS] (ROWS = B·T·H). dv [B, T, H, DV]; dm0 [N, H, DV, DK] fp32;
     # scratch [NV·N·H, CHUNK, BV, BK] fp32 holds the recomputed pre-step states of one segment.
     # Reverse step (see cpu.backward): P carries (1 − α) dA (+ the next error's dW when LQ is off),
-    # Qc the next error's dW for MONETA, dS the momentum adjoint.
+    # Qc the next error's dW for MONETA, dS_carry the momentum adjoint β dS_{t+1} (ds_final at the end;
+    # ds0 at the start). ds_final, ds0 [N, H, DV, DK] fp32 (read and written with momentum only).
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     NV = tl.num_programs(0)
@@ -220,7 +233,9 @@ def memory_scan_bwd_kernel(
 
     P = tl.load(dm_final + i_nh * DV * DK + tile, mask=mask_kv, other=0.0).to(tl.float32)
     Qc = tl.zeros([BV, BK], dtype=tl.float32)
-    dS = tl.zeros([BV, BK], dtype=tl.float32)
+    dS_carry = tl.zeros([BV, BK], dtype=tl.float32)
+    if USE_MOMENTUM:
+        dS_carry = tl.load(ds_final + i_nh * DV * DK + tile, mask=mask_kv, other=0.0).to(tl.float32)
     A_post = tl.zeros([BV, BK], dtype=tl.float32)
     n_chunks = tl.cdiv(L, CHUNK)
     for ci in range(0, n_chunks):
@@ -241,7 +256,7 @@ def memory_scan_bwd_kernel(
             a_t = tl.load(alpha + row).to(tl.float32)
             eta_t = tl.load(eta + row).to(tl.float32)
             A, S = _memory_step(A, S, _lq_normalize(A, q_norm, eps, LQ), k_t, v_t, a_t, eta_t, p, a, eps,
-                                momentum, P_MODE, USE_MOMENTUM, HEBBIAN, BIAS)
+                                momentum, mask_kv, P_MODE, USE_MOMENTUM, HEBBIAN, BIAS)
         A_post = A
         # walk it backwards
         for jj in range(0, seg):
@@ -258,21 +273,21 @@ def memory_scan_bwd_kernel(
             W_post = _lq_normalize(A_post, q_norm, eps, LQ)
             tl.store(dq_part + (i_v * ROWS + row) * DK + o_k, tl.sum(W_post * dy_t[:, None], 0), mask=mask_k)
             if LQ:
-                dA = P + _lq_normalize_vjp(A_post, dy_t[:, None] * q_t[None, :] + Qc, q_norm, eps)
+                dA = P + _lq_normalize_vjp(A_post, _outer(dy_t, q_t, mask_kv) + Qc, q_norm, eps)
             else:
-                dA = P + dy_t[:, None] * q_t[None, :]
+                dA = P + _outer(dy_t, q_t, mask_kv)
             if USE_MOMENTUM:
-                dS = momentum * dS + dA
-                D = dS
+                D = dS_carry + dA
+                dS_carry = momentum * D
             else:
                 D = dA
             if HEBBIAN:
                 g = -v_t
             else:
                 W_pre = _lq_normalize(A_pre, q_norm, eps, LQ)
-                e = tl.sum(W_pre * k_t[None, :], 1) - v_t
+                e = tl.where(mask_v, tl.sum(W_pre * k_t[None, :], 1) - v_t, 0.0)  # padding rows: 0, not 0·inf
                 g = _bias_grad(e, p, a, eps, P_MODE, BIAS)
-            D_k = tl.sum(D * k_t[None, :], 1)  # [BV]
+            D_k = tl.where(mask_v, tl.sum(D * k_t[None, :], 1), 0.0)  # [BV]
             tl.store(deta_part + i_v * ROWS + row, -tl.sum(g * D_k, 0))
             tl.store(dalpha_part + i_v * ROWS + row, -tl.sum(tl.sum(dA * A_pre, 1), 0))
             dg = D_k * (-eta_t)
@@ -285,15 +300,17 @@ def memory_scan_bwd_kernel(
                 tl.store(dv + row * DV + o_v, (-de).to(dv.dtype.element_ty), mask=mask_v)
                 dk_t += tl.sum(W_pre * de[:, None], 0)
                 if LQ:
-                    Qc = de[:, None] * k_t[None, :]
+                    Qc = _outer(de, k_t, mask_kv)
                 else:
-                    P = P + de[:, None] * k_t[None, :]
+                    P = P + _outer(de, k_t, mask_kv)
             tl.store(dk_part + (i_v * ROWS + row) * DK + o_k, dk_t, mask=mask_k)
             A_post = A_pre
     if LQ:
         if L > 0:
             P = P + _lq_normalize_vjp(A_post, Qc, q_norm, eps)
     tl.store(dm0 + i_nh * DV * DK + tile, P, mask=mask_kv)
+    if USE_MOMENTUM:
+        tl.store(ds0 + i_nh * DV * DK + tile, dS_carry, mask=mask_kv)
 
 
 def _p_mode(p: float, bias: str) -> int:
@@ -325,12 +342,10 @@ def _layout(k, v, cu_seqlens):
 def _check_dtypes(k):
     if k.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"memory_scan (Triton path): k, v, q must be float32, float16 or bfloat16, got {k.dtype}")
-    if interpreting() and k.dtype == torch.bfloat16:
-        raise TypeError("memory_scan (Triton path): bfloat16 is not available under TRITON_INTERPRET=1")
 
 
-def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                    y, m_final, ckpt_a, ckpt_s, hebbian, bias):
+def _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm,
+                    y, m_final, s_final, ckpt_a, ckpt_s, hebbian, bias):
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     BK, BV = _blocks(DK, DV, q_norm, MAX_BLOCK_V)
     dummy = k
@@ -340,9 +355,10 @@ def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_
         m_final if m_final is not None else dummy,
         ckpt_a if ckpt_a is not None else dummy, ckpt_s if ckpt_s is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy,
+        s0 if s0 is not None else dummy, s_final if s_final is not None else dummy,
         T, float(p), float(a), float(eps), float(momentum), float(q_norm),
         H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=CHUNK, P_MODE=_p_mode(p, bias),
-        USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, HAS_M0=m0 is not None,
+        USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, HAS_M0=m0 is not None, HAS_S0=s0 is not None,
         STORE_Y=y is not None, STORE_FINAL=m_final is not None, STORE_CKPT=ckpt_a is not None,
         VARLEN=cu_seqlens is not None, HEBBIAN=hebbian, BIAS=_bias_functions(bias, False)[0],
     )
@@ -352,35 +368,38 @@ def _contiguous(*xs):
     return [None if x is None else x.contiguous() for x in xs]
 
 
-def forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False, bias=""):
-    """y [B, T, H, Dv] (dtype of v) and m_final [N, H, Dv, Dk] fp32.
+def forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None):
+    """y [B, T, H, Dv] (dtype of v), m_final and s_final [N, H, Dv, Dk] fp32 (s_final empty without momentum).
 
     ``hebbian``: U = −v kᵀ (the memory is not read), the linear-attention recurrence.
     ``bias``: a pointwise expression for g(e) replacing the l_p bias gradient (see :mod:`.op`).
     """
     _check_dtypes(k)
-    k, v, q, alpha, eta, m0, cu_seqlens = _contiguous(k, v, q, alpha, eta, m0, cu_seqlens)
+    k, v, q, alpha, eta, m0, s0, cu_seqlens = _contiguous(k, v, q, alpha, eta, m0, s0, cu_seqlens)
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     y = torch.empty_like(v)
     m_final = torch.empty(N, H, DV, DK, dtype=torch.float32, device=k.device)
-    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, y, m_final, None, None,
-                    hebbian, bias)
-    return y, m_final
+    s_final = torch.empty(N, H, DV, DK, dtype=torch.float32, device=k.device) if momentum != 0.0 else \
+        m_final.new_empty(0)
+    _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm, y, m_final, s_final,
+                    None, None, hebbian, bias)
+    return y, m_final, s_final
 
 
 def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False,
-             bias=""):
-    """(dk, dv, dq, dalpha, deta, dm0): re-run the forward keeping checkpoints, then the reverse kernel."""
+             bias="", s0=None, ds_final=None):
+    """(dk, dv, dq, dalpha, deta, dm0, ds0): re-run the forward keeping checkpoints, then the reverse kernel
+    (ds0 empty without momentum)."""
     _check_dtypes(k)
-    dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens = _contiguous(
-        dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens)
+    dy, dm_final, k, v, q, alpha, eta, m0, s0, cu_seqlens = _contiguous(
+        dy, dm_final, k, v, q, alpha, eta, m0, s0, cu_seqlens)
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     slots = B * triton.cdiv(T, CHUNK) if cu_seqlens is None else T // CHUNK + N
     f32 = dict(dtype=torch.float32, device=k.device)
     ckpt_a = torch.empty(slots, H, DV, DK, **f32)
     ckpt_s = torch.empty(slots, H, DV, DK, **f32) if momentum != 0.0 else None
-    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, None, None, ckpt_a, ckpt_s,
-                    hebbian, bias)
+    _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm, None, None, None,
+                    ckpt_a, ckpt_s, hebbian, bias)
 
     BK, BV = _blocks(DK, DV, q_norm, MAX_BLOCK_V_BACKWARD)
     NV = triton.cdiv(DV, BV)
@@ -392,11 +411,15 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momen
     deta_part = torch.empty(NV, rows, **f32)
     dv = torch.empty_like(v)
     dm0 = torch.empty(N, H, DV, DK, **f32)
+    ds0 = torch.empty(N, H, DV, DK, **f32) if momentum != 0.0 else dm0.new_empty(0)
+    if momentum != 0.0 and (ds_final is None or ds_final.numel() == 0):
+        ds_final = torch.zeros(N, H, DV, DK, **f32)
     memory_scan_bwd_kernel[(NV, N * H)](
         k, v, q, alpha, eta, dy, dm_final.to(torch.float32), ckpt_a,
         ckpt_s if ckpt_s is not None else ckpt_a, scratch,
         dk_part, dv, dq_part, dalpha_part, deta_part, dm0,
         cu_seqlens if cu_seqlens is not None else k,
+        ds_final.to(torch.float32).contiguous() if momentum != 0.0 else dm0, ds0 if momentum != 0.0 else dm0,
         T, rows, float(p), float(a), float(eps), float(momentum), float(q_norm),
         H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=CHUNK, P_MODE=_p_mode(p, bias),
         USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, VARLEN=cu_seqlens is not None, HEBBIAN=hebbian,
@@ -406,4 +429,4 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momen
     dq = dq_part.sum(0).view(B, T, H, DK).to(q.dtype)
     dalpha = dalpha_part.sum(0).view(B, T, H).to(alpha.dtype)
     deta = deta_part.sum(0).view(B, T, H).to(eta.dtype)
-    return dk, dv, dq, dalpha, deta, dm0
+    return dk, dv, dq, dalpha, deta, dm0, ds0

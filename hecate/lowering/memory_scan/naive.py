@@ -21,8 +21,10 @@ Per head, with memory M [Dv, Dk] and token t (the read comes after the update)::
 
 The state the op takes (``m0``) and returns (``m_final``) is A: the memory M
 itself when q_norm = 2, the un-normalised accumulator of MONETA otherwise. With
-momentum the momentum buffer S starts at zero and is not returned (so chunked
-processing with momentum restarts S at each chunk).
+momentum the op also takes the momentum buffer S (``s0``, zeros when absent) and
+returns its final value (``s_final``), so processing a sequence in chunks, each
+starting from the previous chunk's (m_final, s_final), equals processing it whole.
+Without momentum there is no buffer: ``s0`` must be None and ``s_final`` is empty.
 
 Choices where the spec is ambiguous (documented here and in the report):
 * MONETA retention: the spec writes ``A = alpha * A − eta * grad`` with alpha a
@@ -63,12 +65,12 @@ def lq_normalize(A: torch.Tensor, q_norm: float, eps: float) -> torch.Tensor:
     return A * (s + eps).pow(-(q_norm - 2.0) / q_norm)
 
 
-def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias):
+def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0=None):
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     dtype = torch.promote_types(k.dtype, torch.float32)
     A = m0.to(dtype) if m0 is not None else k.new_zeros(B, H, Dv, Dk, dtype=dtype)
-    S = torch.zeros_like(A)
+    S = s0.to(dtype) if s0 is not None else torch.zeros_like(A)
     ys = []
     for t in range(T):
         kt, vt, qt = k[:, t].to(dtype), v[:, t].to(dtype), q[:, t].to(dtype)
@@ -84,27 +86,27 @@ def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias):
             A = (1.0 - at) * A - et * U
         ys.append(torch.einsum("bhvk,bhk->bhv", lq_normalize(A, q_norm, eps), qt))
     y = torch.stack(ys, 1) if ys else v.new_zeros(B, 0, H, Dv, dtype=dtype)
-    return y.to(v.dtype), A
+    return y.to(v.dtype), A, S if momentum != 0.0 else A.new_empty(0)
 
 
 def memory_scan_naive(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor,
                       eta: torch.Tensor, m0: Optional[torch.Tensor] = None,
                       cu_seqlens: Optional[torch.Tensor] = None, p: float = 2.0, a: float = 10.0,
                       eps: float = 1e-6, momentum: float = 0.0,
-                      q_norm: float = 2.0, bias: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                      q_norm: float = 2.0, bias: str = "", s0: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference for ``torch.ops.hecate.memory_scan`` (same arguments, same results).
 
-    k, q [B, T, H, Dk]; v [B, T, H, Dv]; alpha, eta [B, T, H]; m0 [B, H, Dv, Dk] or None.
-    With ``cu_seqlens`` [N+1] the batch is packed (B == 1) and m0 / m_final are [N, H, Dv, Dk].
-    Returns y [B, T, H, Dv] (dtype of v) and m_final (fp32, or fp64 for fp64 inputs).
+    k, q [B, T, H, Dk]; v [B, T, H, Dv]; alpha, eta [B, T, H]; m0, s0 [B, H, Dv, Dk] or None.
+    With ``cu_seqlens`` [N+1] the batch is packed (B == 1) and the states are [N, H, Dv, Dk].
+    Returns y [B, T, H, Dv] (dtype of v), m_final and s_final (fp32, or fp64 for fp64 inputs;
+    s_final is empty without momentum).
     """
     if cu_seqlens is None:
-        return _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias)
+        return _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0)
     bounds = [int(x) for x in cu_seqlens.tolist()]
-    ys, finals = [], []
-    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
-        y, A = _scan_one(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
-                         None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm, bias)
-        ys.append(y)
-        finals.append(A)
-    return torch.cat(ys, 1), torch.cat(finals, 0)
+    parts = [_scan_one(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
+                       None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm, bias,
+                       None if s0 is None else s0[n:n + 1])
+             for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    return tuple(torch.cat([part[i] for part in parts], 1 if i == 0 else 0) for i in range(3))

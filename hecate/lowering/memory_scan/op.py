@@ -14,11 +14,16 @@ Contract (the recognition pass in ``hecate/passes/memory_scan.py`` emits exactly
         p,          # l_p exponent >= 1 (p = 2 and p = 1 are fast paths)
         a,          # tanh sharpness of the Sign approximator (spec default 10)
         eps,        # eps of the |e|^(p-1) approximator and of MONETA's norm (spec default 1e-6)
-        momentum,   # β: 0 = plain GD; else S ← β S − η_t U ; A ← (1 − α_t) A + S (S_0 = 0)
+        momentum,   # β: 0 = plain GD; else S ← β S − η_t U ; A ← (1 − α_t) A + S (S_0 = s0)
         q_norm,     # 2 = plain; else MONETA: W = A / ‖A‖_q^{q−2} over the whole [Dv, Dk] per head
         bias,       # "" = the l_p bias gradient of p, a, eps; else the user's elementwise g(e) as a
                     # hecate.lowering.pointwise expression (then p and a are unused; eps stays MONETA's)
-    ) -> (y [B, T, H, Dv] in the dtype of v, m_final [B or N, H, Dv, Dk] fp32)
+        s0=None,    # [B or N, H, Dv, Dk] initial momentum buffer S_0, or None (zeros); momentum only
+    ) -> (y [B, T, H, Dv] in the dtype of v, m_final [B or N, H, Dv, Dk] fp32,
+          s_final [B or N, H, Dv, Dk] fp32 with momentum, else empty [0])
+
+Chunked processing: a sequence split into chunks, each called with the previous chunk's (m_final,
+s_final) as (m0, s0), gives the whole sequence's y and final states (and gradients).
 
 Per step: e = W_{t−1} k_t − v_t ; U = g(e) k_tᵀ with g = bias_grad_p or the ``bias`` function ; A_t = (1 − α_t) A_{t−1} − η_t U
 (or the momentum form) ; W_t = A_t (q_norm = 2) or the MONETA normalisation ; y_t = W_t q_t.
@@ -30,10 +35,10 @@ CPU path and in the ATen decomposition, and written with ONNX ops in the export.
 a Huber bias of threshold 1, ``pointwise.trace(lambda e: torch.where(e.abs() <= 1, e, e.sign()))``,
 is ``"abs(x);le(%0,1.0);sign(x);where(%1,x,%2)"``.
 
-k, v and q share one dtype (fp32, bf16, fp16; fp64 on the CPU path); the state is
-fp32 (fp64 for fp64 inputs). Differentiable in k, v, q, alpha, eta and m0; the
+k, v and q share one dtype (fp32, bf16, fp16; fp64 on the ATen path, on every device); the state is
+fp32 (fp64 for fp64 inputs). Differentiable in k, v, q, alpha, eta, m0 and s0; the
 backward is ``torch.ops.hecate.memory_scan_backward`` (same arguments plus dy and
-dm_final first), which re-runs the forward keeping the state every C steps
+dm_final first, ds_final last), which re-runs the forward keeping the state every C steps
 (B·H·ceil(T/C)·Dv·Dk·4 bytes, twice with momentum; C = ``kernels.CHUNK`` = 32 on
 Triton, ``cpu.CHUNK`` = 64 on CPU) and recomputes inside each segment (Triton:
 a scratch of B·H·C·Dv·Dk·4 bytes; CPU: C states held). Nothing is saved between
@@ -49,7 +54,8 @@ import torch
 from torch import Tensor
 
 from hecate.lowering import pointwise
-from hecate.lowering.dispatch import use_triton
+from hecate.lowering.autocast import register_autocast
+from hecate.lowering.dispatch import use_triton_kernels
 from hecate.lowering.memory_scan import cpu
 
 
@@ -68,7 +74,7 @@ def check_kvq_shapes(op: str, k: Tensor, v: Tensor, q: Tensor) -> None:
                          f"k shape {tuple(k.shape)}")
 
 
-def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias="") -> None:
+def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias="", s0=None) -> None:
     """Shape, dtype and scalar checks (no data reads: also run at trace time)."""
     if bias:
         try:
@@ -107,9 +113,14 @@ def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_nor
             raise ValueError(f"memory_scan: with cu_seqlens the batch is packed, so B must be 1; k shape {tuple(k.shape)}")
         n_states = cu_seqlens.shape[0] - 1
     Dv = v.shape[-1]
-    if m0 is not None and tuple(m0.shape) != (n_states, H, Dv, Dk):
-        raise ValueError(f"memory_scan: m0 shape {tuple(m0.shape)} must be [{'N' if cu_seqlens is not None else 'B'}, "
-                         f"H, Dv, Dk] = {(n_states, H, Dv, Dk)} from k shape {tuple(k.shape)} and v shape {tuple(v.shape)}")
+    for name, state in (("m0", m0), ("s0", s0)):
+        if state is not None and tuple(state.shape) != (n_states, H, Dv, Dk):
+            raise ValueError(f"memory_scan: {name} shape {tuple(state.shape)} must be "
+                             f"[{'N' if cu_seqlens is not None else 'B'}, H, Dv, Dk] = {(n_states, H, Dv, Dk)} "
+                             f"from k shape {tuple(k.shape)} and v shape {tuple(v.shape)}")
+    if s0 is not None and momentum == 0.0:
+        raise ValueError("memory_scan: s0 is the momentum buffer's initial state; pass it only with momentum != 0, "
+                         "got momentum=0")
 
 
 def check_values(k, alpha, eta, cu_seqlens) -> None:
@@ -131,59 +142,73 @@ def check_values(k, alpha, eta, cu_seqlens) -> None:
 @torch.library.custom_op("hecate::memory_scan", mutates_args=())
 def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0: Optional[Tensor],
                 cu_seqlens: Optional[Tensor], p: float = 2.0, a: float = 10.0, eps: float = 1e-6,
-                momentum: float = 0.0, q_norm: float = 2.0, bias: str = "") -> tuple[Tensor, Tensor]:
-    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias)
+                momentum: float = 0.0, q_norm: float = 2.0, bias: str = "",
+                s0: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0)
     check_values(k, alpha, eta, cu_seqlens)
-    if use_triton(k):
+    if use_triton_kernels(k):
         from hecate.lowering.memory_scan import kernels
-        return kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias)
-    return cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias)
+        return kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias, s0=s0)
+    return cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias, s0=s0)
+
+
+def _final_states_fake(k, v, cu_seqlens, momentum):
+    B, T, H, Dk = k.shape
+    n_states = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    m_final = k.new_empty(n_states, H, v.shape[-1], Dk, dtype=_state_dtype(k))
+    return m_final, m_final.new_empty(m_final.shape if momentum != 0.0 else (0,))
 
 
 @memory_scan.register_fake
 def _memory_scan_fake(k, v, q, alpha, eta, m0, cu_seqlens, p=2.0, a=10.0, eps=1e-6, momentum=0.0, q_norm=2.0,
-                      bias=""):
-    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias)
-    B, T, H, Dk = k.shape
-    Dv = v.shape[-1]
-    n_states = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return v.new_empty(B, T, H, Dv), k.new_empty(n_states, H, Dv, Dk, dtype=_state_dtype(k))
+                      bias="", s0=None):
+    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0)
+    return (v.new_empty(v.shape), *_final_states_fake(k, v, cu_seqlens, momentum))
 
 
 @torch.library.custom_op("hecate::memory_scan_backward", mutates_args=())
 def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: Tensor, alpha: Tensor,
                          eta: Tensor, m0: Optional[Tensor], cu_seqlens: Optional[Tensor], p: float,
                          a: float, eps: float, momentum: float,
-                         q_norm: float, bias: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients (dk, dv, dq, dalpha, deta, dm0) of ``memory_scan`` (dm0 is fp32, zeros-shaped when m0 is None)."""
-    if use_triton(k):
+                         q_norm: float, bias: str = "", s0: Optional[Tensor] = None,
+                         ds_final: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dk, dv, dq, dalpha, deta, dm0, ds0) of ``memory_scan`` (dm0, ds0 fp32; dm0 zeros-shaped when m0
+    is None; ds0 empty without momentum; ds_final None means zeros)."""
+    if use_triton_kernels(k):
         from hecate.lowering.memory_scan import kernels
         return kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                                bias=bias)
+                                bias=bias, s0=s0, ds_final=ds_final)
     return cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                               bias=bias)
+                               bias=bias, s0=s0, dS_final=ds_final)
 
 
 @memory_scan_backward.register_fake
 def _memory_scan_backward_fake(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                               bias=""):
+                               bias="", s0=None, ds_final=None):
     return (k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(q.shape), alpha.new_empty(alpha.shape),
-            eta.new_empty(eta.shape), dm_final.new_empty(dm_final.shape))
+            eta.new_empty(eta.shape), *_final_states_fake(k, v, cu_seqlens, momentum))
 
 
 def _setup_context(ctx, inputs, output):
-    k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias = inputs
-    ctx.save_for_backward(k, v, q, alpha, eta, m0, cu_seqlens)
+    k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0 = inputs
+    ctx.save_for_backward(k, v, q, alpha, eta, m0, cu_seqlens, s0)
     ctx.scalars = (p, a, eps, momentum, q_norm, bias)
-    ctx.m0_dtype = None if m0 is None else m0.dtype
+    ctx.state_dtypes = tuple(None if state is None else state.dtype for state in (m0, s0))
 
 
-def _backward(ctx, dy, dm_final):
-    k, v, q, alpha, eta, m0, cu_seqlens = ctx.saved_tensors
-    dk, dv, dq, dalpha, deta, dm0 = torch.ops.hecate.memory_scan_backward(
-        dy.contiguous(), dm_final.contiguous(), k, v, q, alpha, eta, m0, cu_seqlens, *ctx.scalars)
-    return (dk, dv, dq, dalpha, deta, None if m0 is None else dm0.to(ctx.m0_dtype),
-            None, None, None, None, None, None, None)
+def _backward(ctx, dy, dm_final, ds_final):
+    k, v, q, alpha, eta, m0, cu_seqlens, s0 = ctx.saved_tensors
+    momentum = ctx.scalars[3]
+    dk, dv, dq, dalpha, deta, dm0, ds0 = torch.ops.hecate.memory_scan_backward(
+        dy.contiguous(), dm_final.contiguous(), k, v, q, alpha, eta, m0, cu_seqlens, *ctx.scalars, s0,
+        ds_final.contiguous() if momentum != 0.0 else None)
+    dm0, ds0 = (None if dt is None else g.to(dt) for g, dt in zip((dm0, ds0), ctx.state_dtypes))
+    return (dk, dv, dq, dalpha, deta, dm0, None, None, None, None, None, None, None, ds0)
 
 
 memory_scan.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Under autocast k, v, q arrive in the autocast dtype (eager's matmuls read them there) and y leaves in it;
+# the gates and the fp32 state keep their dtype.
+register_autocast(memory_scan, cast=("k", "v", "q"))

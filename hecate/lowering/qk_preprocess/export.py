@@ -22,7 +22,8 @@ from hecate.lowering.registry import decomposition, onnx_translation
 
 
 @onnx_translation(torch.ops.hecate.qk_preprocess.default)
-def qk_preprocess_onnx(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar):
+def qk_preprocess_onnx(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar,
+                       conv_state=None):
     if activation not in ACTIVATIONS:
         raise ValueError(f"qk_preprocess ONNX export: unsupported activation={activation!r}")
     D, _, K = conv_weight.shape
@@ -31,8 +32,11 @@ def qk_preprocess_onnx(x, proj_weight, proj_bias, conv_weight, conv_bias, activa
         u = ox.MatMul(x, ox.Transpose(proj_weight, perm=[1, 0]))
         if proj_bias is not None:
             u = ox.Add(u, proj_bias)
-    u_padded = ox.Pad(ox.Transpose(u, perm=[0, 2, 1]),                       # [B, D, K-1+T]
-                      ox.Constant(value_ints=[0, 0, K - 1, 0, 0, 0]))
+    if conv_state is None:
+        u_padded = ox.Pad(ox.Transpose(u, perm=[0, 2, 1]),                   # [B, D, K-1+T]
+                          ox.Constant(value_ints=[0, 0, K - 1, 0, 0, 0]))
+    else:                                                                    # the carried K-1 inputs first
+        u_padded = ox.Transpose(ox.Concat(conv_state, u, axis=1), perm=[0, 2, 1])
     if conv_bias is not None:
         z = ox.Conv(u_padded, conv_weight, conv_bias, group=D)               # [B, D, T]
     else:
@@ -70,15 +74,16 @@ def qk_preprocess_onnx(x, proj_weight, proj_bias, conv_weight, conv_bias, activa
 
 @decomposition(torch.ops.hecate.qk_preprocess.default)
 def qk_preprocess_decomposition(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
-                                phi_scalar):
-    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-    return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar)
+                                phi_scalar, conv_state=None):
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, conv_state)
+    return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar,
+                        conv_state)
 
 
 @decomposition(torch.ops.hecate.qk_preprocess_backward.default)
 def qk_preprocess_backward_decomposition(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation,
-                                         phi, phi_params, phi_scalar, output_mask):
-    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)
+                                         phi, phi_params, phi_scalar, output_mask, conv_state=None):
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, conv_state)
+    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi, conv_state)
     return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
-                         phi_scalar, mask)
+                         phi_scalar, mask, conv_state)

@@ -45,11 +45,12 @@ POINTWISE_PHI = -1    # a user's elementwise φ, generated (PHI_FN, PHI_DERIVATI
 
 
 @triton.jit
-def _projected_tile(x_ptr, w_ptr, pb_ptr, b, t, c, T, D, D_in,
-                    HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr,
+def _projected_tile(x_ptr, w_ptr, pb_ptr, state_ptr, b, t, c, T, D, D_in, K: tl.constexpr,
+                    HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr):
-    """u[t, c] for the tile's rows t [BLOCK_T] and channels c [BLOCK_D], fp32; 0 where t < 0 or t >= T."""
+    """u[t, c] for the tile's rows t [BLOCK_T] and channels c [BLOCK_D], fp32; 0 where t >= T, and where t < 0
+    the carried state conv_state[b, K-1+t, c] (0 without one)."""
     row_ok = (t >= 0) & (t < T)                                             # [BLOCK_T]
     col_ok = c < D                                                          # [BLOCK_D]
     if HAS_PROJ:
@@ -68,6 +69,10 @@ def _projected_tile(x_ptr, w_ptr, pb_ptr, b, t, c, T, D, D_in,
     else:
         u = tl.load(x_ptr + b * T * D + t[:, None] * D + c[None, :],
                     mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_STATE:
+        in_state = (t < 0) & (t >= -(K - 1))
+        u += tl.load(state_ptr + (b * (K - 1) + (K - 1) + t)[:, None] * D + c[None, :],
+                     mask=in_state[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     return u
 
 
@@ -106,35 +111,37 @@ def _activation(z, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def _phi(a, phi_scalar, PHI: tl.constexpr, PHI_FN: tl.constexpr):
+    # tl.where forms, not tl.maximum / tl.minimum, which drop NaN: a NaN in a stays NaN, as in torch
     out = a                                                              # identity
     if PHI == -1:   # the user's φ (POINTWISE_PHI)
         out = PHI_FN(a)
     elif PHI == 1:  # elu(a) + 1
-        out = tl.where(a > 0, a + 1.0, tl.exp(tl.minimum(a, 0.0)))
+        out = tl.where(a > 0, a + 1.0, tl.exp(a))
     elif PHI == 2:  # relu
-        out = tl.maximum(a, 0.0)
+        out = tl.where(a < 0, 0.0, a)
     elif PHI == 3:  # relu(a)^2
-        out = tl.maximum(a, 0.0) * tl.maximum(a, 0.0)
+        out = tl.where(a < 0, 0.0, a) * tl.where(a < 0, 0.0, a)
     elif PHI == 4:  # exp(min(a, phi_scalar))
-        out = tl.exp(tl.minimum(a, phi_scalar))
+        out = tl.exp(tl.where(a > phi_scalar, phi_scalar, a))
     return out
 
 
 @triton.jit
 def _grad_z(g, z, phi_scalar, ACTIVATION: tl.constexpr, PHI: tl.constexpr, PHI_DERIVATIVE: tl.constexpr):
-    """dz = g · φ'(a) · act'(z), with torch's subgradients (relu' = [a > 0], clamp passes a <= max)."""
+    """dz = g · φ'(a) · act'(z), with torch's subgradients (relu' = [not a <= 0], clamp passes a <= max);
+    NaN in a gives what the ATen path gives (no tl.maximum / tl.minimum, which drop NaN)."""
     s = tl.sigmoid(z)                                                    # unused (and removed) without SiLU
     a = _activation(z, ACTIVATION)
     if PHI == -1:     # the user's φ: φ' traced from autograd (POINTWISE_PHI)
         g = g * PHI_DERIVATIVE(a)
     elif PHI == 1:    # (linear φ arrives here with g = ∂L/∂a already)
-        g = g * tl.where(a > 0, 1.0, tl.exp(tl.minimum(a, 0.0)))
+        g = g * tl.where(a <= 0, tl.exp(a), 1.0)
     elif PHI == 2:
-        g = tl.where(a > 0, g, 0.0)
+        g = tl.where(a <= 0, 0.0, g)
     elif PHI == 3:
-        g = g * 2.0 * tl.maximum(a, 0.0)
+        g = g * 2.0 * tl.where(a < 0, 0.0, a)
     elif PHI == 4:
-        g = tl.where(a <= phi_scalar, g * tl.exp(tl.minimum(a, phi_scalar)), 0.0)
+        g = tl.where(a <= phi_scalar, g * tl.exp(a), 0.0)
     if ACTIVATION == 1:
         g = g * s * (1.0 + z * (1.0 - s))
     return g
@@ -152,9 +159,9 @@ def _matrix_phi_pre(a, phi_w_ptr, phi_b_ptr, p, i, CH, d_phi, PHI: tl.constexpr,
 
 
 @triton.jit
-def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, phi_b_ptr, out_ptr, T, D, D_in, CH, d_phi,
-                    out_width, phi_scalar, feature_scale,
-                    K: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr,
+def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, phi_b_ptr, out_ptr, state_ptr, T, D, D_in, CH,
+                    d_phi, out_width, phi_scalar, feature_scale,
+                    K: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
                     HAS_CONV_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PHI: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr, PHI_FN: tl.constexpr):
@@ -168,7 +175,7 @@ def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, phi_b_ptr, 
     t = pid_t * (BLOCK_T - (K - 1)) - (K - 1) + r                           # [BLOCK_T] sequence position
     i = tl.arange(0, BLOCK_D)
     c = pid_d * CH + i                                                      # [BLOCK_D] channel
-    u = _projected_tile(x_ptr, w_ptr, pb_ptr, b, t, c, T, D, D_in, HAS_PROJ, HAS_PROJ_BIAS,
+    u = _projected_tile(x_ptr, w_ptr, pb_ptr, state_ptr, b, t, c, T, D, D_in, K, HAS_PROJ, HAS_PROJ_BIAS, HAS_STATE,
                         BLOCK_T, BLOCK_D, BLOCK_K, INPUT_PRECISION)         # [BLOCK_T, BLOCK_D]
     z = _causal_conv(u, cw_ptr, cb_ptr, r, c, D, K, HAS_CONV_BIAS, BLOCK_T, BLOCK_D)
     rows = (r >= K - 1) & (t < T)                                           # the halo rows are not ours
@@ -194,18 +201,19 @@ def _forward_kernel(x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, phi_b_ptr, 
 @triton.jit
 def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr, phi_b_ptr,
                           du_ptr, dcw_partial_ptr, dcb_partial_ptr, dphi_partial_ptr, dphib_partial_ptr,
+                          state_ptr, dstate_ptr,
                           T, D, D_in, CH, d_phi, out_width, phi_scalar, feature_scale,
-                          K: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr,
+                          K: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_PROJ_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
                           HAS_CONV_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PHI: tl.constexpr,
                           WRITE_DU: tl.constexpr, WRITE_DCW: tl.constexpr, WRITE_DCB: tl.constexpr,
-                          WRITE_DPHI: tl.constexpr, WRITE_DPHIB: tl.constexpr,
+                          WRITE_DPHI: tl.constexpr, WRITE_DPHIB: tl.constexpr, WRITE_DSTATE: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr, PHI_DERIVATIVE: tl.constexpr):
     # grid: (cdiv(D, CH), cdiv(T, BLOCK_T - 2(K-1)), B). Tile rows r ↔ t = s0 - (K-1) + r; the
     # program owns rows r in [K-1, BLOCK_T - (K-1)), i.e. t in [s0, s0 + BLOCK_T - 2(K-1)).
     # g = ∂L/∂out [B, T, out_width]. dcw_partial [B·n_t, K, D] and dcb_partial [B·n_t, D] (fp32) get one
     # row per (batch, T block); dphi_partial [B·n_t·H, d_phi, Dh] and dphib_partial [B·n_t·H, d_phi] one
-    # slice per program.
+    # slice per program. dstate [B, K-1, D] = du at t < 0, written by the first T block.
     pid_d = tl.program_id(0)
     pid_t = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -215,7 +223,7 @@ def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr
     i = tl.arange(0, BLOCK_D)
     c = pid_d * CH + i                                                      # [BLOCK_D]
     col_ok = (i < CH) & (c < D)
-    u = _projected_tile(x_ptr, w_ptr, pb_ptr, b, t, c, T, D, D_in, HAS_PROJ, HAS_PROJ_BIAS,
+    u = _projected_tile(x_ptr, w_ptr, pb_ptr, state_ptr, b, t, c, T, D, D_in, K, HAS_PROJ, HAS_PROJ_BIAS, HAS_STATE,
                         BLOCK_T, BLOCK_D, BLOCK_K, INPUT_PRECISION)         # [BLOCK_T, BLOCK_D]
     z = _causal_conv(u, cw_ptr, cb_ptr, r, c, D, K, HAS_CONV_BIAS, BLOCK_T, BLOCK_D)
     z_rows = (r >= H) & (t < T)                                             # rows whose z is known and real
@@ -258,7 +266,7 @@ def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr
     else:
         g = tl.load(g_rows + c[None, :], mask=z_ok, other=0.0).to(tl.float32)
     dz = tl.where(z_ok, _grad_z(g, z, phi_scalar, ACTIVATION, PHI, PHI_DERIVATIVE), 0.0)   # [BLOCK_T, BLOCK_D]
-    if WRITE_DU:
+    if WRITE_DU or WRITE_DSTATE:
         du = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
         for j in tl.static_range(K):
             w_j = tl.load(cw_ptr + c * K + j, mask=col_ok, other=0.0).to(tl.float32)
@@ -266,7 +274,12 @@ def _backward_conv_kernel(g_ptr, x_ptr, w_ptr, pb_ptr, cw_ptr, cb_ptr, phi_w_ptr
                 du += dz * w_j[None, :]
             else:
                 du += _shift_rows(dz, r, H - j, BLOCK_T, BLOCK_D) * w_j[None, :]
-        tl.store(du_ptr + b * T * D + t[:, None] * D + c[None, :], du.to(du_ptr.dtype.element_ty), mask=owned)
+        if WRITE_DU:
+            tl.store(du_ptr + b * T * D + t[:, None] * D + c[None, :], du.to(du_ptr.dtype.element_ty), mask=owned)
+        if WRITE_DSTATE:    # rows t in [-(K-1), 0): the carried inputs (only the first T block has them)
+            state_rows = (t < 0) & (r < H)
+            tl.store(dstate_ptr + (b * H + r)[:, None] * D + c[None, :], du.to(dstate_ptr.dtype.element_ty),
+                     mask=state_rows[:, None] & col_ok[None, :])
     dz_owned = tl.where(owned, dz, 0.0)
     program = b * tl.num_programs(1) + pid_t
     if WRITE_DCW:
@@ -313,10 +326,10 @@ def _input_precision(x: torch.Tensor) -> str:
     return "tf32"
 
 
-def _flags(proj_weight, proj_bias, conv_bias, activation: str, phi: str) -> dict:
+def _flags(proj_weight, proj_bias, conv_bias, activation: str, phi: str, conv_state) -> dict:
     return dict(HAS_PROJ=proj_weight is not None, HAS_PROJ_BIAS=proj_bias is not None,
                 HAS_CONV_BIAS=conv_bias is not None, ACTIVATION=ACTIVATION_CODES[activation],
-                PHI=POINTWISE_PHI if is_pointwise_phi(phi) else PHI_CODES[phi])
+                PHI=POINTWISE_PHI if is_pointwise_phi(phi) else PHI_CODES[phi], HAS_STATE=conv_state is not None)
 
 
 def _phi_function(phi: str, derivative: bool):
@@ -328,7 +341,8 @@ def _phi_function(phi: str, derivative: bool):
 
 def launch_forward(out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
                    proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
-                   activation: str, phi: str, phi_params: Sequence[torch.Tensor], phi_scalar: float) -> None:
+                   activation: str, phi: str, phi_params: Sequence[torch.Tensor], phi_scalar: float,
+                   conv_state: torch.Tensor | None = None) -> None:
     """Write the op's output into ``out`` [B, T, D or H·d_phi] (contiguous inputs)."""
     B, T, D_in = x.shape
     D = conv_weight.shape[0]
@@ -338,8 +352,9 @@ def launch_forward(out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor
     phi_weight, phi_bias = _phi_tensors(phi, phi_params, x)
     _forward_kernel[grid](x, proj_weight if proj_weight is not None else x, proj_bias if proj_bias is not None else x,
                           conv_weight, conv_bias if conv_bias is not None else x, phi_weight, phi_bias, out,
+                          conv_state if conv_state is not None else x,
                           T, D, D_in, CH, d_phi, out_width, float(phi_scalar), scale,
-                          **_flags(proj_weight, proj_bias, conv_bias, activation, phi), **cfg,
+                          **_flags(proj_weight, proj_bias, conv_bias, activation, phi, conv_state), **cfg,
                           PHI_FN=_phi_function(phi, derivative=False))
 
 
@@ -353,9 +368,11 @@ def launch_backward_conv(du: torch.Tensor | None, dcw_partial: torch.Tensor | No
                          grad_out: torch.Tensor, x: torch.Tensor,
                          proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None, conv_weight: torch.Tensor,
                          conv_bias: torch.Tensor | None, activation: str, phi: str,
-                         phi_params: Sequence[torch.Tensor], phi_scalar: float) -> None:
+                         phi_params: Sequence[torch.Tensor], phi_scalar: float,
+                         conv_state: torch.Tensor | None = None, dstate: torch.Tensor | None = None) -> None:
     """Kernel 1 of the backward: writes du [B, T, D], dcw_partial [B·n_t, K, D], dcb_partial [B·n_t, D],
-    dphi_partial [B·n_t·H, d_phi, Dh], dphib_partial [B·n_t·H, d_phi] (each only when given)."""
+    dphi_partial [B·n_t·H, d_phi, Dh], dphib_partial [B·n_t·H, d_phi], dstate [B, K-1, D] (each only when
+    given)."""
     B, T, D_in = x.shape
     D = conv_weight.shape[0]
     cfg = _launch_config(x, conv_weight, phi, phi_params)
@@ -367,11 +384,12 @@ def launch_backward_conv(du: torch.Tensor | None, dcw_partial: torch.Tensor | No
         grad_out, x, proj_weight if proj_weight is not None else x, proj_bias if proj_bias is not None else x,
         conv_weight, conv_bias if conv_bias is not None else x, phi_weight, phi_bias,
         *[t if t is not None else x for t in written],
+        conv_state if conv_state is not None else x, dstate if dstate is not None else x,
         T, D, D_in, CH, d_phi, out_width, float(phi_scalar), scale,
-        **_flags(proj_weight, proj_bias, conv_bias, activation, phi),
+        **_flags(proj_weight, proj_bias, conv_bias, activation, phi, conv_state),
         WRITE_DU=du is not None, WRITE_DCW=dcw_partial is not None, WRITE_DCB=dcb_partial is not None,
-        WRITE_DPHI=dphi_partial is not None, WRITE_DPHIB=dphib_partial is not None, **cfg,
-        PHI_DERIVATIVE=_phi_function(phi, derivative=True))
+        WRITE_DPHI=dphi_partial is not None, WRITE_DPHIB=dphib_partial is not None, WRITE_DSTATE=dstate is not None,
+        **cfg, PHI_DERIVATIVE=_phi_function(phi, derivative=True))
 
 
 def backward_row_blocks(T: int, K: int) -> int:
@@ -386,24 +404,27 @@ def _contiguous(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
 
 def forward(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
             conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation: str, phi: str,
-            phi_params: Sequence[torch.Tensor], phi_scalar: float) -> torch.Tensor:
-    x, proj_weight, proj_bias, conv_weight, conv_bias = _contiguous(x, proj_weight, proj_bias, conv_weight, conv_bias)
+            phi_params: Sequence[torch.Tensor], phi_scalar: float,
+            conv_state: torch.Tensor | None = None) -> torch.Tensor:
+    x, proj_weight, proj_bias, conv_weight, conv_bias, conv_state = _contiguous(
+        x, proj_weight, proj_bias, conv_weight, conv_bias, conv_state)
     phi_params = _contiguous(*phi_params)
     D = conv_weight.shape[0]
     width = D // phi_params[0].shape[1] * phi_params[0].shape[0] if phi in MATRIX_PHI else D
     out = torch.empty(x.shape[0], x.shape[1], width, dtype=x.dtype, device=x.device)
-    launch_forward(out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar)
+    launch_forward(out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar,
+                   conv_state)
     return out
 
 
 def backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
              proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
              activation: str, phi: str, phi_params: Sequence[torch.Tensor], phi_scalar: float,
-             mask: Sequence[bool]) -> tuple[torch.Tensor, ...]:
-    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias, W_phi, b_phi); empty where ``mask`` is
-    False."""
-    grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias = _contiguous(
-        grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias)
+             mask: Sequence[bool], conv_state: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias, W_phi, b_phi, conv_state); empty where
+    ``mask`` is False."""
+    grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, conv_state = _contiguous(
+        grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, conv_state)
     phi_params = _contiguous(*phi_params)
     B, T, D_in = x.shape
     D, _, K = conv_weight.shape
@@ -418,9 +439,10 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor 
         n_head_partial = n_partial * (D // head_dim)
         dphi_partial = torch.empty(n_head_partial, d_phi, head_dim, **f32) if mask[5] else None
         dphib_partial = torch.empty(n_head_partial, d_phi, **f32) if mask[6] else None
+    dstate = torch.empty(B, K - 1, D, dtype=x.dtype, device=x.device) if mask[7] else None
     launch_backward_conv(du, dcw_partial, dcb_partial, dphi_partial, dphib_partial, grad_out, x, proj_weight,
-                         proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar)
-    grads = [x.new_empty(0) for _ in range(7)]
+                         proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar, conv_state, dstate)
+    grads = [x.new_empty(0) for _ in range(7)] + [dstate if dstate is not None else x.new_empty(0)]
     if dcw_partial is not None:
         grads[3] = dcw_partial.sum(0).t().unsqueeze(1).to(conv_weight.dtype).contiguous()   # [D, 1, K]
     if dcb_partial is not None:

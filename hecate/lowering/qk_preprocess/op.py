@@ -13,8 +13,15 @@ Schema (see :mod:`hecate.lowering.qk_preprocess.naive` for the equations)::
                        generated into the Triton kernels with its derivative traced from autograd,
                   phi_params: [] for the elementwise kinds; [W_phi [d_phi, Dh]] for "linear" and "performer";
                               [W_phi [d_phi, Dh], b_phi [d_phi]] for "random_fourier",
-                  phi_scalar: clamp max of "exp" (spec default 10.0), ignored otherwise)
+                  phi_scalar: clamp max of "exp" (spec default 10.0), ignored otherwise,
+                  conv_state [B, K−1, D]? = None: the K−1 projected inputs before x[:, 0] (oldest first),
+                              which the conv reads instead of its zero padding)
         -> [B, T, D] (elementwise φ) or [B, T, H·d_phi] (matrix φ, H = D / Dh heads)
+
+Streaming: the state after x is the last K−1 rows of [conv_state; projected x], :func:`next_conv_state`
+(plain ATen beside the op: the op's one output is what the passes emit). A sequence processed in chunks,
+each with the state after the previous one, equals the whole sequence (and so do the gradients, those of
+conv_state included).
 
 Matrix φ kinds act per head: channels c = h·Dh + i of the activation a form head a_h, and with
 pre = W_phi a_h (one W_phi shared by the heads; Dh = D for a single head):
@@ -25,13 +32,13 @@ i.e. the model's [B, T, H, Dh] → φ → [B, T, H, d_phi] flattened to [B, T, H
 φ are not fused: fuse the chain up to the activation (phi="identity") and leave φ to Inductor.
 
 Paths: CUDA tensors (and CPU tensors inside :func:`hecate.lowering.dispatch.triton_on_cpu`) run the
-Triton kernels of :mod:`.kernels`; CPU tensors run plain ATen (:func:`forward_aten` /
-:func:`backward_aten`). Under ``torch.compile`` with Inductor, CPU calls are decomposed into that
-same ATen (an Inductor decomposition that declines CUDA tensors), so Inductor fuses them exactly
+Triton kernels of :mod:`.kernels`; CPU tensors, and float64 on every device, run plain ATen
+(:func:`forward_aten` / :func:`backward_aten`). Under ``torch.compile`` with Inductor, CPU calls are decomposed into
+that same ATen (an Inductor decomposition that declines CUDA tensors), so Inductor fuses them exactly
 as it fuses the unfused model, while CUDA keeps the Triton kernels.
 
 The backward is its own op, ``torch.ops.hecate.qk_preprocess_backward``, returning the gradients
-of (x, proj_weight, proj_bias, conv_weight, conv_bias, W_phi); a gradient not asked for in
+of (x, proj_weight, proj_bias, conv_weight, conv_bias, W_phi, b_phi, conv_state); a gradient not asked for in
 ``output_mask`` (or of an absent tensor) comes back as an empty tensor.
 """
 
@@ -45,16 +52,17 @@ import torch
 import torch.nn.functional as F
 
 from hecate.lowering import pointwise
-from hecate.lowering.dispatch import use_triton
+from hecate.lowering.autocast import register_autocast
+from hecate.lowering.dispatch import use_triton_kernels
 from hecate.lowering.qk_preprocess.naive import (ACTIVATIONS, MATRIX_PHI, PHI_KINDS, PHI_PARAM_COUNT,
                                                  apply_activation, apply_phi, is_pointwise_phi)
 
-GRAD_INPUTS = ("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias", "phi_weight", "phi_bias")
+GRAD_INPUTS = ("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias", "phi_weight", "phi_bias", "conv_state")
 
 
 def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
                  conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation: str, phi: str,
-                 phi_params: Sequence[torch.Tensor]) -> None:
+                 phi_params: Sequence[torch.Tensor], conv_state: torch.Tensor | None = None) -> None:
     """Raise a ValueError naming the argument, what it got and what it expected."""
     if x.dim() != 3:
         raise ValueError(f"qk_preprocess: x must be [B, T, D_in] (3-D), got shape {tuple(x.shape)}")
@@ -106,8 +114,13 @@ def check_inputs(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: t
             if tuple(phi_bias.shape) != (phi_weight.shape[0],):
                 raise ValueError(f"qk_preprocess: phi='random_fourier' b_phi must be [d_phi] = "
                                  f"[{phi_weight.shape[0]}], got shape {tuple(phi_bias.shape)}")
+    expected_state = (x.shape[0], conv_weight.shape[2] - 1, D)
+    if conv_state is not None and tuple(conv_state.shape) != expected_state:
+        raise ValueError(f"qk_preprocess: conv_state must be [B, K-1, D] = {list(expected_state)} (the last K-1 "
+                         f"projected inputs), got shape {tuple(conv_state.shape)}")
     for name, t in (("proj_weight", proj_weight), ("proj_bias", proj_bias), ("conv_weight", conv_weight),
-                    ("conv_bias", conv_bias), ("phi_params[0]", phi_weight), ("phi_params[1]", phi_bias)):
+                    ("conv_bias", conv_bias), ("phi_params[0]", phi_weight), ("phi_params[1]", phi_bias),
+                    ("conv_state", conv_state)):
         if t is None:
             continue
         if t.dtype != x.dtype:
@@ -132,12 +145,30 @@ def output_channels(conv_weight: torch.Tensor, phi: str, phi_params: Sequence[to
 # so Inductor fuses conv, activation and φ into one loop over u.
 # --------------------------------------------------------------------------------------------------
 
-def causal_conv_aten(u: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None) -> torch.Tensor:
-    """z[b, t, c] = Σ_j w[c, 0, j] u[b, t-(K-1)+j, c] + b[c] on u [B, T, D] → [B, T, D]."""
+def left_context(u: torch.Tensor, K: int, conv_state: torch.Tensor | None) -> torch.Tensor:
+    """[conv_state; u] [B, K-1+T, D]: the K-1 inputs before t = 0 (zeros without a state), then u."""
+    return torch.cat([conv_state, u], 1) if conv_state is not None else F.pad(u, (0, 0, K - 1, 0))
+
+
+def next_conv_state(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
+                    conv_weight: torch.Tensor, conv_state: torch.Tensor | None = None) -> torch.Tensor:
+    """The streaming state after x [B, T, D_in]: the last K-1 rows of [conv_state; projected x], [B, K-1, D]
+    (only the last K-1 tokens are projected)."""
+    K = conv_weight.shape[2]
+    tail = x[:, max(x.shape[1] - (K - 1), 0):]
+    u = F.linear(tail, proj_weight, proj_bias) if proj_weight is not None else tail
+    context = left_context(u, K, conv_state)
+    return context[:, context.shape[1] - (K - 1):]
+
+
+def causal_conv_aten(u: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                     conv_state: torch.Tensor | None = None) -> torch.Tensor:
+    """z[b, t, c] = Σ_j w[c, 0, j] u[b, t-(K-1)+j, c] + b[c] on u [B, T, D] → [B, T, D] (u before t = 0 from
+    conv_state)."""
     T = u.shape[1]
     K = conv_weight.shape[2]
     w = conv_weight[:, 0, :]                         # [D, K]
-    u_padded = F.pad(u, (0, 0, K - 1, 0))            # [B, K-1+T, D], zeros before t = 0
+    u_padded = left_context(u, K, conv_state)        # [B, K-1+T, D]
     z = u_padded[:, 0:T] * w[:, 0]
     for j in range(1, K):
         z = z + u_padded[:, j:j + T] * w[:, j]
@@ -146,9 +177,10 @@ def causal_conv_aten(u: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torc
 
 def forward_aten(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
                  conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation: str, phi: str,
-                 phi_params: Sequence[torch.Tensor], phi_scalar: float) -> torch.Tensor:
+                 phi_params: Sequence[torch.Tensor], phi_scalar: float,
+                 conv_state: torch.Tensor | None = None) -> torch.Tensor:
     u = F.linear(x, proj_weight, proj_bias) if proj_weight is not None else x
-    a = apply_activation(causal_conv_aten(u, conv_weight, conv_bias), activation)
+    a = apply_activation(causal_conv_aten(u, conv_weight, conv_bias, conv_state), activation)
     return apply_phi(a, phi, list(phi_params), phi_scalar)
 
 
@@ -180,9 +212,9 @@ def phi_backward(grad_out: torch.Tensor, a: torch.Tensor, phi: str, phi_scalar: 
     if phi == "identity":
         return grad_out
     if phi == "elu1":
-        return grad_out * torch.where(a > 0, torch.ones_like(a), torch.exp(a))
+        return grad_out * torch.where(a <= 0, torch.exp(a), torch.ones_like(a))     # NaN a: 1, as elu's backward
     if phi == "relu":
-        return grad_out * (a > 0)
+        return torch.where(a <= 0, torch.zeros_like(grad_out), grad_out)       # NaN a: passes, as relu's backward
     if phi == "relu2":
         return grad_out * 2 * F.relu(a)
     if is_pointwise_phi(phi):
@@ -199,28 +231,28 @@ def activation_backward(grad_a: torch.Tensor, z: torch.Tensor, activation: str) 
 
 
 def effective_mask(output_mask: Sequence[bool], proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
-                   conv_bias: torch.Tensor | None, phi: str) -> list[bool]:
-    """Which of (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight, phi_bias) get a gradient: asked
-    for and present."""
+                   conv_bias: torch.Tensor | None, phi: str, conv_state: torch.Tensor | None = None) -> list[bool]:
+    """Which of (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight, phi_bias, conv_state) get a
+    gradient: asked for and present."""
     if len(output_mask) != len(GRAD_INPUTS):
         raise ValueError(f"qk_preprocess_backward: output_mask must have {len(GRAD_INPUTS)} entries "
                          f"{list(GRAD_INPUTS)}, got {len(output_mask)}")
     present = (True, proj_weight is not None, proj_bias is not None, True, conv_bias is not None,
-               phi in MATRIX_PHI, phi == "random_fourier")
+               phi in MATRIX_PHI, phi == "random_fourier", conv_state is not None)
     return [bool(m) and p for m, p in zip(output_mask, present)]
 
 
 def backward_aten(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
                   proj_bias: torch.Tensor | None, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                   activation: str, phi: str, phi_params: Sequence[torch.Tensor], phi_scalar: float,
-                  mask: Sequence[bool]) -> tuple[torch.Tensor, ...]:
-    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight, phi_bias); empty where
-    ``mask`` is False."""
+                  mask: Sequence[bool], conv_state: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Gradients of (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_weight, phi_bias, conv_state); empty
+    where ``mask`` is False."""
     T = x.shape[1]
     K = conv_weight.shape[2]
     w = conv_weight[:, 0, :]                                          # [D, K]
     u = F.linear(x, proj_weight, proj_bias) if proj_weight is not None else x
-    z = causal_conv_aten(u, conv_weight, conv_bias)                   # recomputed, [B, T, D]
+    z = causal_conv_aten(u, conv_weight, conv_bias, conv_state)       # recomputed, [B, T, D]
     a = apply_activation(z, activation)
     grads = [x.new_empty(0) for _ in GRAD_INPUTS]     # distinct tensors: outputs must not alias
     if phi in MATRIX_PHI:
@@ -233,10 +265,16 @@ def backward_aten(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Te
         grad_a = phi_backward(grad_out, a, phi, phi_scalar)
     grad_z = activation_backward(grad_a, z, activation)               # [B, T, D]
     if mask[3]:
-        u_padded = F.pad(u, (0, 0, K - 1, 0))                         # [B, K-1+T, D]
+        u_padded = left_context(u, K, conv_state)                     # [B, K-1+T, D]
         grads[3] = torch.stack([(grad_z * u_padded[:, j:j + T]).sum((0, 1)) for j in range(K)], 1).unsqueeze(1)
     if mask[4]:
         grads[4] = grad_z.sum((0, 1))
+    if mask[7]:
+        # d conv_state[s] = Σ_{j <= s} w[:, j] dz[s - j]: the state rows feed z[0 .. K-2] only
+        grad_z_tail = F.pad(grad_z, (0, 0, 0, K - 1))                  # [B, T+K-1, D], zeros after T
+        grads[7] = grad_z.new_zeros(grad_z.shape[0], K - 1, grad_z.shape[2])
+        for j in range(K - 1):
+            grads[7] = grads[7] + F.pad(grad_z_tail[:, :K - 1 - j] * w[:, j], (0, 0, j, 0))
     if mask[0] or mask[1] or mask[2]:
         # du[t] = Σ_j w[:, j] dz[t + K-1-j]: the conv transposed, reading dz right-padded
         grad_z_padded = F.pad(grad_z, (0, 0, 0, K - 1))               # [B, T+K-1, D]
@@ -262,19 +300,22 @@ def backward_aten(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Te
 @torch.library.custom_op("hecate::qk_preprocess", mutates_args=())
 def qk_preprocess(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: torch.Tensor | None,
                   conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, activation: str, phi: str,
-                  phi_params: list[torch.Tensor], phi_scalar: float) -> torch.Tensor:
-    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-    if use_triton(x):
+                  phi_params: list[torch.Tensor], phi_scalar: float,
+                  conv_state: torch.Tensor | None = None) -> torch.Tensor:
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, conv_state)
+    if use_triton_kernels(x):
         from hecate.lowering.qk_preprocess import kernels
 
         return kernels.forward(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
-                               phi_scalar)
-    return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar)
+                               phi_scalar, conv_state)
+    return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar,
+                        conv_state)
 
 
 @qk_preprocess.register_fake
-def _qk_preprocess_fake(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar):
-    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
+def _qk_preprocess_fake(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar,
+                        conv_state=None):
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, conv_state)
     return x.new_empty(x.shape[0], x.shape[1], output_channels(conv_weight, phi, phi_params))
 
 
@@ -282,51 +323,59 @@ def _qk_preprocess_fake(x, proj_weight, proj_bias, conv_weight, conv_bias, activ
 def qk_preprocess_backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight: torch.Tensor | None,
                            proj_bias: torch.Tensor | None, conv_weight: torch.Tensor,
                            conv_bias: torch.Tensor | None, activation: str, phi: str,
-                           phi_params: list[torch.Tensor], phi_scalar: float, output_mask: list[bool]
+                           phi_params: list[torch.Tensor], phi_scalar: float, output_mask: list[bool],
+                           conv_state: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor, torch.Tensor]:
-    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)
-    if use_triton(x):
+                                      torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, conv_state)
+    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi, conv_state)
+    if use_triton_kernels(x):
         from hecate.lowering.qk_preprocess import kernels
 
         return kernels.backward(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
-                                phi_params, phi_scalar, mask)
+                                phi_params, phi_scalar, mask, conv_state)
     return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
-                         phi_scalar, mask)
+                         phi_scalar, mask, conv_state)
 
 
 @qk_preprocess_backward.register_fake
 def _qk_preprocess_backward_fake(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
-                                 phi_params, phi_scalar, output_mask):
-    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)
+                                 phi_params, phi_scalar, output_mask, conv_state=None):
+    check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, conv_state)
+    mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi, conv_state)
     shaped = (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_params[0] if phi in MATRIX_PHI else None,
-              phi_params[1] if phi == "random_fourier" else None)
+              phi_params[1] if phi == "random_fourier" else None, conv_state)
     return tuple(torch.empty_like(t) if m else x.new_empty(0) for m, t in zip(mask, shaped))
 
 
 def _setup_context(ctx, inputs, output):
-    x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar = inputs
-    ctx.save_for_backward(x, proj_weight, proj_bias, conv_weight, conv_bias, *phi_params)
+    x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar, conv_state = inputs
+    ctx.save_for_backward(x, proj_weight, proj_bias, conv_weight, conv_bias, conv_state, *phi_params)
     ctx.attrs = (activation, phi, phi_scalar)
 
 
 def _backward(ctx, grad_out):
-    x, proj_weight, proj_bias, conv_weight, conv_bias = ctx.saved_tensors[:5]
+    x, proj_weight, proj_bias, conv_weight, conv_bias, conv_state = ctx.saved_tensors[:6]
     activation, phi, phi_scalar = ctx.attrs
-    phi_params = ctx.saved_tensors[5:]
+    phi_params = ctx.saved_tensors[6:]
     needs = ctx.needs_input_grad
-    output_mask = [bool(n) for n in needs[:5]] + [bool(n) for n in needs[7]] + [False] * (2 - len(phi_params))
+    output_mask = ([bool(n) for n in needs[:5]] + [bool(n) for n in needs[7]] + [False] * (2 - len(phi_params))
+                   + [len(needs) > 9 and bool(needs[9])])      # conv_state, when it was passed
     grads = torch.ops.hecate.qk_preprocess_backward(grad_out.contiguous(), x, proj_weight, proj_bias, conv_weight,
-                                                    conv_bias, activation, phi, phi_params, phi_scalar, output_mask)
+                                                    conv_bias, activation, phi, phi_params, phi_scalar, output_mask,
+                                                    conv_state)
     grads = [g if m else None for g, m in zip(grads, effective_mask(output_mask, proj_weight, proj_bias, conv_bias,
-                                                                     phi))]
+                                                                     phi, conv_state))]
     grad_phi_params = grads[5:5 + len(phi_params)]
-    return (*grads[:5], None, None, grad_phi_params, None)
+    return (*grads[:5], None, None, grad_phi_params, None, grads[7])[:len(needs)]   # as many as were passed
 
 
 qk_preprocess.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Under autocast the chain runs in the autocast dtype, as eager's linear and conv1d do.
+register_autocast(qk_preprocess, cast=("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias", "phi_params",
+                                       "conv_state"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,22 +389,22 @@ def _register_inductor_decompositions() -> None:
 
     @register_decomposition(torch.ops.hecate.qk_preprocess.default)
     def _forward_on_cpu(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
-                        phi_scalar):
-        if use_triton(x):
+                        phi_scalar, conv_state=None):
+        if use_triton_kernels(x):
             return NotImplemented
-        check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
+        check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, conv_state)
         return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
-                            phi_scalar)
+                            phi_scalar, conv_state)
 
     @register_decomposition(torch.ops.hecate.qk_preprocess_backward.default)
     def _backward_on_cpu(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
-                         phi_params, phi_scalar, output_mask):
-        if use_triton(x):
+                         phi_params, phi_scalar, output_mask, conv_state=None):
+        if use_triton_kernels(x):
             return NotImplemented
-        check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params)
-        mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi)
+        check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, conv_state)
+        mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi, conv_state)
         return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
-                             phi_params, phi_scalar, mask)
+                             phi_params, phi_scalar, mask, conv_state)
 
     # Inductor memoises its table on first use: drop a copy made before these were registered.
     cached_table = getattr(inductor_decomposition, "fast_random_decomps", None)

@@ -20,7 +20,7 @@ def _op_fn(case):
 
 
 def _naive_fn(case):
-    return lambda *x: memory_scan_naive(*x, *case.scalars())
+    return lambda *x: memory_scan_naive(*x, *case.scalars())[:2]
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def small_chunk(monkeypatch):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_cpu_path_matches_reference_float64(case, small_chunk):
     inputs = make_inputs(case)
-    y_ref, m_ref = memory_scan_naive(*inputs, *case.scalars())
+    y_ref, m_ref = memory_scan_naive(*inputs, *case.scalars())[:2]
     dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
     y, m, grads = grads_of(_op_fn(case), inputs, dy, dm)
     _, _, grads_ref = grads_of(_naive_fn(case), inputs, dy, dm)
@@ -48,7 +48,7 @@ def test_cpu_path_float32_matches_float64_reference(case):
     inputs64 = make_inputs(case)
     inputs32 = [x.detach().float().requires_grad_() if x is not None and x.is_floating_point() else x
                 for x in inputs64]
-    y_ref, m_ref = memory_scan_naive(*inputs64, *case.scalars())
+    y_ref, m_ref = memory_scan_naive(*inputs64, *case.scalars())[:2]
     dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
     y, m, grads = grads_of(_op_fn(case), inputs32, dy, dm)
     _, _, grads_ref = grads_of(_naive_fn(case), inputs64, dy, dm)
@@ -90,7 +90,7 @@ def delta_rule(k, v, q, beta, m0):
 
 def test_p2_without_retention_is_the_delta_rule():
     k, v, q, _, eta, m0, _ = (x.detach() if isinstance(x, torch.Tensor) else x for x in make_inputs(CASES[0]))
-    y, m = op(k, v, q, torch.zeros_like(eta), eta, m0, None, 2.0, 10.0, 1e-6, 0.0, 2.0)
+    y, m = op(k, v, q, torch.zeros_like(eta), eta, m0, None, 2.0, 10.0, 1e-6, 0.0, 2.0)[:2]
     y_ref, m_ref = delta_rule(k, v, q, 2.0 * eta, m0)
     assert_close("y", y, y_ref, 1e-12)
     assert_close("m_final", m, m_ref, 1e-12)
@@ -114,7 +114,7 @@ def test_compiled_call_matches_eager(fresh_dynamo):
     inputs = make_inputs(case, dtype=torch.float32)
     compiled = torch.compile(lambda *x: op(*x, *case.scalars()), backend="hecate", fullgraph=True,
                              options={"fallback": "eager"})
-    y_ref, m_ref = op(*inputs, *case.scalars())
+    y_ref, m_ref = op(*inputs, *case.scalars())[:2]
     dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
     y, m, grads = grads_of(compiled, inputs, dy, dm)
     _, _, grads_ref = grads_of(_op_fn(case), inputs, dy, dm)

@@ -45,8 +45,8 @@ def test_opcheck_cpu_path(case):
     torch.library.opcheck(OP, args)
     grad_out = torch.randn(case.B, case.T, case.out_width)
     plain = detached(args)
-    torch.library.opcheck(BACKWARD_OP, (grad_out, *plain, [True] * 7))
-    torch.library.opcheck(BACKWARD_OP, (grad_out, *plain, [False, True, False, True, False, True, False]))
+    torch.library.opcheck(BACKWARD_OP, (grad_out, *plain, [True] * 8))
+    torch.library.opcheck(BACKWARD_OP, (grad_out, *plain, [False, True, False, True, False, True, False, False]))
 
 
 def _valid():
@@ -93,7 +93,7 @@ def test_bad_inputs_raise_clear_errors(change, message):
 
 def test_backward_output_mask_length_is_checked():
     v = _valid()
-    with pytest.raises(ValueError, match=r"output_mask must have 7 entries .* got 2"):
+    with pytest.raises(ValueError, match=r"output_mask must have 8 entries .* got 2"):
         BACKWARD_OP(torch.randn(2, 5, 6), *v.values(), [True, True])
 
 
@@ -117,7 +117,7 @@ def test_inductor_decomposition_declines_triton_path():
     assert isinstance(inductor_decompositions[OP](*args), torch.Tensor)
     with triton_on_cpu():
         assert inductor_decompositions[OP](*args) is NotImplemented
-        assert inductor_decompositions[BACKWARD_OP](torch.randn(2, 5, 6), *args, [True] * 7) is NotImplemented
+        assert inductor_decompositions[BACKWARD_OP](torch.randn(2, 5, 6), *args, [True] * 8) is NotImplemented
 
 
 @pytest.mark.slow

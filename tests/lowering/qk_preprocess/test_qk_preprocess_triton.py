@@ -6,7 +6,7 @@ import torch
 from hecate.lowering.dispatch import triton_on_cpu
 from hecate.lowering.qk_preprocess import kernels
 from hecate.lowering.qk_preprocess.naive import ACTIVATIONS, ELEMENTWISE_PHI, qk_preprocess_reference
-from hecate.testing import assert_close, poisoned
+from hecate.testing import assert_close, bf16_dot_in_interpreter, poisoned
 
 from qk_preprocess_cases import Case, check_against_reference, detached
 
@@ -122,7 +122,24 @@ def test_opcheck_triton_path(case):
         grad_out = torch.randn(1, 5, case.out_width)
         torch.library.opcheck(torch.ops.hecate.qk_preprocess_backward.default,
                               (grad_out, *detached(args),
-                               [True, True, False, True, True, True, False]))
+                               [True, True, False, True, True, True, False, False]))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 4e-2), (torch.float16, 2e-2)], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", [
+    Case(B=2, T=29, D_in=20, D=17, K=3, phi="elu1"),
+    Case(B=2, T=19, D=12, K=4, proj=False, proj_bias=False, phi="exp"),
+    Case(B=2, T=19, D_in=7, D=12, K=4, phi="linear", head_dim=6, d_phi=5),
+    Case(B=1, T=17, D_in=20, D=16, K=3, phi="random_fourier", head_dim=16, d_phi=20),
+    Case(B=2, T=19, D_in=7, D=12, K=4, activation="none", phi="performer", head_dim=6, d_phi=5),
+], ids=["elu1", "exp-no-proj", "linear-phi", "random-fourier-phi", "performer-phi"])
+def test_half_precision_kernels_on_cpu(case, dtype, tol):
+    """The kernels' bf16/fp16 code (half loads, the projection's half tl.dot with fp32 accumulation, casts and half
+    stores) under the interpreter, whose bf16 dot is made to read its operands as the GPU does. (The upstream
+    gradient reaches the op rounded to bf16: the Performer's cancelling conv-bias sum needs the looser bf16
+    tolerance.)"""
+    with bf16_dot_in_interpreter():
+        check_against_reference(triton_op, case, tol, dtype=dtype)
 
 
 @pytest.mark.cuda
