@@ -140,11 +140,10 @@ def _report_lost_fusions(split: _Split, report: FusionReport) -> None:
         return
     cap = _bucket_cap_mb()
     buckets = "buckets" if cap is None else f"buckets of bucket_cap_mb={cap:g}"
-    for (pattern, detail), count in sorted(lost.items()):
-        times = f" ({count} times)" if count > 1 else ""
+    for pattern, detail in sorted(lost.elements()):
         report.add_miss(pattern, f"DDP split the pattern across buckets: DDP's graph splitting ({buckets}) "
-                        f"put parts of {detail or pattern}{times} in different graphs, so it is fused in "
-                        f"part or not at all; {ADVICE}", f"DDP split, {split.pieces} graphs")
+                        f"put parts of {detail or pattern} in different graphs, so it is fused in part "
+                        f"or not at all; {ADVICE}", f"DDP split, {split.pieces} graphs")
 
 
 def _bucket_cap_mb() -> float | None:

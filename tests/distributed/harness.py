@@ -116,7 +116,7 @@ CASES: dict[str, Case] = {
 # accepts (its first bucket is fixed at 1 MiB), DDP's graph splitting cuts these forwards
 # into several graphs. The compute stays small (B·T = 12 tokens).
 WIDE_FEP_CONFIG = PureFEPConfig(vocab_size=4096, embed_dim=64, n_layers=1, max_seq_len=8,
-                                n_vfe_steps=2, lr_prior=0.0, lr_token_prior=0.0)
+                                n_vfe_steps=1, lr_prior=0.0, lr_token_prior=0.0)
 
 WIDE_CASES: dict[str, Case] = {
     "qk_preprocess": Case(_seeded(lambda: KeyQueryPreprocess(1024, d_key=256, n_heads=2, phi="elu1")),
@@ -130,6 +130,38 @@ WIDE_CASES: dict[str, Case] = {
     "pure_fep": Case(_seeded(lambda: PureFEPTransformer(WIDE_FEP_CONFIG)),
                      lambda: _token_ids(WIDE_FEP_CONFIG.vocab_size), _fep_loss, ("kl_attention", "kl_decode")),
 }
+
+
+def train(model: nn.Module, forward: Callable, batch: tuple, loss: Callable, steps: int = 2) -> dict:
+    """``steps`` of SGD; each step's gradients, the parameters after the last, the losses.
+
+    ``forward`` is what runs the model (the model itself, or a compiled DDP/FSDP wrapper of it).
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads, losses = [], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        value = loss(forward, batch)
+        value.backward()
+        grads.append({name: full_tensor(p.grad).clone() for name, p in model.named_parameters()})
+        losses.append(float(value))
+        optimizer.step()
+    params = {name: full_tensor(p.detach()).clone() for name, p in model.named_parameters()}
+    return {"grads": grads, "params": params, "losses": losses}
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: an FSDP2 shard (DTensor) all-gathered, anything else as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def assert_trains_like(result: dict, reference: dict, tol: float = 1e-5) -> None:
+    """Every step's gradients and the final parameters within ``tol`` (relative) of the reference."""
+    for step, (grads, ref_grads) in enumerate(zip(result["grads"], reference["grads"], strict=True)):
+        for name, ref in ref_grads.items():
+            assert rel(grads[name], ref) <= tol, f"step {step} grad {name}: rel {rel(grads[name], ref):.2e}"
+    for name, ref in reference["params"].items():
+        assert rel(result["params"][name], ref) <= tol, f"param {name}: rel {rel(result['params'][name], ref):.2e}"
 
 
 def local_batch(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
