@@ -46,7 +46,7 @@ def check_ddp_split(gm: fx.GraphModule, options: Options, report: FusionReport) 
     comparison with the uncut graph is written into the report of the split's last piece.
     A failure to check is reported, never raised: the pieces compile as usual either way.
     """
-    submod_compiler = _ddp_submod_compiler()
+    submod_compiler = _ddp_submod_compiler(gm)
     if submod_compiler is None:
         return
     split = getattr(submod_compiler, "_hecate_split", None)
@@ -65,8 +65,16 @@ def check_ddp_split(gm: fx.GraphModule, options: Options, report: FusionReport) 
         _report_lost_fusions(split, report)
 
 
-def _ddp_submod_compiler():
-    """DDPOptimizer's ``SubmodCompiler`` when the backend is compiling one of its pieces, else None."""
+def _ddp_submod_compiler(gm: fx.GraphModule):
+    """DDPOptimizer's ``SubmodCompiler`` when ``gm`` is one of its pieces, else None.
+
+    DDPOptimizer marks each piece with its reason for the graph break, and hands the
+    backend only the piece: the graph of all pieces is on its ``SubmodCompiler`` (an FX
+    Interpreter running that graph), which is up the stack while a piece compiles.
+    """
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if "DDPOptimizer" not in str(getattr(reason, "reason", "")):
+        return None
     from torch._dynamo.backends.distributed import SubmodCompiler
 
     frame = sys._getframe(1)

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hecate
 from hecate.compiler.distributed import collect_reports
-from tests.distributed.harness import (CASES, WIDE_CASES, assert_trains_like, local_batch,
+from tests.distributed.harness import (CASES, WIDE_CASES, assert_trains_like, local_batch, rel,
                                        run_on_ranks, train)
 
 
@@ -102,3 +102,35 @@ def test_ddp_1mib_buckets_split_graph_trains_like_one_process_and_reports_every_
         if case_name != "pure_fep":  # the memory loop has no parameters inside: DDP never cuts it
             scan = case.patterns[-1]
             assert report.count(scan) == 1 and _lost_to_split(report)[scan] == 0
+
+
+@pytest.fixture
+def one_rank_group(tmp_path, fresh_dynamo):
+    """A 1-rank gloo group in this process: DDP and its graph splitting run without spawning."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_ddp_split_check_that_fails_is_reported_and_the_pieces_still_compile(one_rank_group, monkeypatch):
+    import hecate.compiler.distributed as distributed
+
+    def broken(*args):
+        raise RuntimeError("cannot inline")
+
+    monkeypatch.setattr(distributed, "_fuse_whole", broken)
+    case = WIDE_CASES["qk_preprocess"]
+    model = case.build()
+    compiled = torch.compile(DDP(model, bucket_cap_mb=1), backend="hecate", options={"fallback": "eager"})
+    batch = case.batch()
+    with collect_reports() as report:
+        got = compiled(*batch)
+    want = model(*batch)
+    assert report.graphs == 2
+    assert [m.pattern for m in report.misses] == ["ddp_split"]
+    assert "could not fuse the graph DDP split as a whole" in report.misses[0].reason
+    assert "RuntimeError: cannot inline" in report.misses[0].reason
+    for g, w in zip(got, want, strict=True):
+        assert rel(g, w) <= 1e-5
