@@ -6,7 +6,9 @@ port), runs ``fn(rank, world_size, *args)`` in each and returns what each rank r
 fusion reports). A rank that raises makes ``mp.spawn`` raise in the test.
 
 ``CASES`` maps a model family of ``hecate.models`` to a tiny instance, a global batch
-and its loss, so DDP, FSDP2 and the single-process reference train the same problem.
+and its loss, so DDP, FSDP2 and the single-process reference train the same problem;
+``WIDE_CASES`` the same with parameters large enough for DDP to split the graph.
+``train`` runs the SGD steps every test compares, ``shard`` applies FSDP2.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from hecate.models.fep import PureFEPConfig, PureFEPTransformer
 from hecate.models.memory import HebbianMemory, LpMemory
@@ -162,6 +166,15 @@ def assert_trains_like(result: dict, reference: dict, tol: float = 1e-5) -> None
             assert rel(grads[name], ref) <= tol, f"step {step} grad {name}: rel {rel(grads[name], ref):.2e}"
     for name, ref in reference["params"].items():
         assert rel(result["params"][name], ref) <= tol, f"param {name}: rel {rel(result['params'][name], ref):.2e}"
+
+
+def shard(model, world_size):
+    """The memory layers shard their q/k block as its own unit; the FEP transformer reads its
+    priors as attributes, not through a submodule's forward, so it is one unit."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    if hasattr(model, "qk"):
+        fully_shard(model.qk, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def local_batch(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:

@@ -11,8 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from tests.distributed.harness import CASES, local_batch, rel, run_on_ranks
-from tests.distributed.test_fsdp import shard
+from tests.distributed.harness import CASES, local_batch, rel, run_on_ranks, shard
 
 CASE = CASES["lp_memory"]
 OPTIONS = {"fallback": "eager"}

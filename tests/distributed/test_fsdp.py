@@ -12,21 +12,10 @@ import functools
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import hecate
 from hecate.compiler.distributed import collect_reports
-from tests.distributed.harness import CASES, assert_trains_like, local_batch, run_on_ranks, train
-
-
-def shard(model, world_size):
-    """The memory layers shard their q/k block as its own unit; the FEP transformer reads its
-    priors as attributes, not through a submodule's forward, so it is one unit."""
-    mesh = init_device_mesh("cpu", (world_size,))
-    if hasattr(model, "qk"):
-        fully_shard(model.qk, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+from tests.distributed.harness import CASES, assert_trains_like, local_batch, run_on_ranks, shard, train
 
 
 def _train_fsdp(rank, world_size, case_name):
