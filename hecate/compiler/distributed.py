@@ -132,8 +132,8 @@ def _inline_pieces(split_gm: fx.GraphModule) -> fx.GraphModule:
 def _piece_result(call: fx.Node, outputs):
     """What the pieces' caller reads from a piece's outputs.
 
-    DDPOptimizer wraps a compiled piece's single output in a 1-tuple and unwraps it when
-    called; the pieces' caller reads multiple outputs with ``getitem``.
+    DDPOptimizer rewrites a piece's single output into a 1-tuple when it compiles the piece
+    (and unwraps it when calling it); the pieces' caller reads multiple outputs with ``getitem``.
     """
     if isinstance(outputs, (tuple, list)) and len(outputs) == 1 \
             and not any(user.target is operator.getitem for user in call.users):
