@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx
 
+from hecate.compiler.distributed import check_ddp_split
 from hecate.compiler.logs import stage
 from hecate.compiler.options import Options, parse_options
 from hecate.compiler.pipeline import describe_error, fuse_or_original, warn_once
@@ -31,6 +32,7 @@ def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
 
     opts = parse_options(options)
     aten_gm, report = fuse_or_original(gm, example_inputs, opts)
+    check_ddp_split(gm, opts, report)
     _REPORTS.append(report)
     if opts.print_report:
         print(report)
