@@ -111,3 +111,54 @@ def test_memorises_one_sequence(options):
     with torch.no_grad():
         logits, _ = model(x)  # no targets: Q-flow without the observation term, as in generation
     assert torch.equal(logits.argmax(-1), y), "the memorised sequence is not reproduced token by token"
+
+
+def test_forward_records_attention_per_layer_and_q_flow_step():
+    """Phase 4.3's inspection hook: one β per layer and Q-flow step, each a causal row-stochastic
+    map, and the recorded last step is the β the layer's Q-flow used last."""
+    config = PureFEPConfig(vocab_size=11, embed_dim=4, n_layers=2, max_seq_len=9, n_vfe_steps=3)
+    model = PureFEPTransformer(config)
+    ids = torch.randint(0, 11, (2, 7))
+    attention = []
+    with torch.no_grad():
+        logits, _ = model(ids, attention=attention)
+        plain, _ = model(ids)
+    assert torch.equal(logits, plain), "recording attention changed the output"
+    assert [len(layer) for layer in attention] == [3, 3]
+    for layer in attention:
+        for β in layer:
+            assert β.shape == (2, 7, 7)
+            assert torch.allclose(β.sum(-1), torch.ones(2, 7))
+            assert torch.all(β.triu(1) == 0), "β attends to the future under the causal mask"
+    assert not torch.equal(attention[0][0], attention[0][2]), "β does not change across Q-flow steps"
+
+
+def test_sweep_and_attention_examples_run_quick(tmp_path):
+    """examples/fep_sweep.py --quick and examples/fep_attention.py on its weights, end to end."""
+    import importlib.util
+    import json
+    import os
+    import sys
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+    sys.path.insert(0, examples)
+    try:
+        def load(name):
+            spec = importlib.util.spec_from_file_location(name, os.path.join(examples, f"{name}.py"))
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+
+        results = load("fep_sweep").main(["--quick", "--out", str(tmp_path)])
+        load("fep_attention").main(["--weights", str(tmp_path / "fep_sweep_best.pt"), "--text", "The end.",
+                                    "--out", str(tmp_path)])
+    finally:
+        sys.path.remove(examples)
+    torch._dynamo.reset()
+    saved = json.loads((tmp_path / "fep_sweep.json").read_text())
+    assert saved["criteria"] == results["criteria"] and saved["best"] in saved["sweep"]
+    assert saved["criteria"]["ratio_same_steps"] == saved["fep"]["heldout_bpc"] / saved["baseline"]["heldout_bpc"]
+    attention = json.loads((tmp_path / "fep_attention.json").read_text())
+    assert len(attention["entropy"]) == saved["fep"]["config"]["n_layers"]
+    assert all(0 <= h <= attention["uniform_causal_entropy"] + 1e-6 for row in attention["entropy"] for h in row)
+    assert (tmp_path / "fep_sweep.png").stat().st_size > 10_000 and (tmp_path / "fep_attention.png").stat().st_size > 10_000
