@@ -85,12 +85,12 @@ LEAKY = {"q_flow_gradient": "joint"}
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", help="a text file to use instead of the pydoc topics text (last 10%% held out)")
-    p.add_argument("--sweep-steps", type=int, default=200, help="training steps of each sweep run")
-    p.add_argument("--final-steps", type=int, default=1500, help="training steps of the frontier runs")
+    p.add_argument("--sweep-steps", type=int, default=150, help="training steps of each sweep run")
+    p.add_argument("--final-steps", type=int, default=1000, help="training steps of the frontier runs")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--eval-windows", type=int, default=256)
+    p.add_argument("--eval-windows", type=int, default=128)
     p.add_argument("--only", nargs="*", help="sweep only these run names")
     p.add_argument("--quick", action="store_true", help="a smoke run in seconds, written to examples/out/")
     p.add_argument("--seed", type=int, default=0)
@@ -189,6 +189,8 @@ def main(argv=None):
                "vocab_size": len(chars), "settings": {k: v for k, v in vars(args).items() if k != "out"},
                "base": BASE, "base_adam_lr": BASE_LR, "device": "cpu", "cpu_threads": 1,
                "torch": torch.__version__, "python": platform.python_version(), "sweep": {}}
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "fep_sweep.json")
     for name, overrides, lr in SWEEP:
         if args.only and name not in args.only:
             continue
@@ -197,6 +199,8 @@ def main(argv=None):
         results["sweep"][name] = r
         print(f"{name:48s} {r['heldout_bpc']:.3f} bpc  {r['parameters']} params  "
               f"{r['steady_step_seconds'] * 1e3:.0f} ms/step  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        with open(json_path, "w") as f:  # after every run: a long sweep cut short keeps what it measured
+            json.dump(results, f, indent=1)
 
     fair = {k: v for k, v in results["sweep"].items() if not v["leaks_future"]}
     best = min(fair, key=lambda k: fair[k]["heldout_bpc"])
@@ -208,8 +212,7 @@ def main(argv=None):
     results["criteria"] = criteria(fep, base)
     print(json.dumps(results["criteria"], indent=1))
 
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fep_sweep.json"), "w") as f:
+    with open(json_path, "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.join(args.out, "fep_sweep.png"))
     # the trained model, for examples/fep_attention.py (about 60 kB)
