@@ -264,7 +264,10 @@ def plot(results, path):
     right.barh(range(len(names)), bpcs, color=colors)
     right.set_yticks(range(len(names)), names, fontsize=7)
     right.invert_yaxis()
-    right.set_xlim(min(bpcs) - 0.3, max(bpcs) + 0.1)
+    hi = statistics.median(bpcs) + 0.5  # a diverged run would flatten every other bar: clip, and print it
+    right.set_xlim(min(bpcs) - 0.2, hi)
+    for y, b in enumerate(bpcs):
+        right.text(min(b, hi), y, f" {b:.3f}", va="center", fontsize=6, ha="right" if b > hi else "left")
     right.set_xlabel(f"held-out bpc after {results['settings']['sweep_steps']} steps (grey: sees the future)")
     right.set_title("sweep, one change at a time from the base")
     fig.tight_layout()
