@@ -443,12 +443,13 @@ def natural_gradient_step(μ_q, σ_q, grad_μ, grad_σ, lr_μ=0.1, lr_σ=0.01, v
 # §5: the two timescales
 # ---------------------------------------------------------------------------
 
-def q_flow(μ_q, σ_q, μ_p, σ_p, mask, token_priors, targets, config):
+def q_flow(μ_q, σ_q, μ_p, σ_p, mask, token_priors, targets, config, attention=None):
     """§5.1 ``n_vfe_steps`` natural-gradient steps on F with the priors fixed.
 
     β is recomputed from the current beliefs at every step. ``targets=None``
     (or ``config.observation_in_q_flow=False``) drops the observation term.
     Returns ``(μ_q, σ_q, β)``, β of the last step (None when n_vfe_steps = 0).
+    ``attention``, a list, receives β of every step (for inspection, Phase 4.3).
     """
     check_beliefs(μ_q, σ_q, μ_p, σ_p)
     if not config.observation_in_q_flow:
@@ -457,6 +458,8 @@ def q_flow(μ_q, σ_q, μ_p, σ_p, mask, token_priors, targets, config):
     for step in range(config.n_vfe_steps):
         kl_matrix = kl_pairwise(μ_q, σ_q, config.eps)
         β = compute_attention(kl_matrix, config.kappa, mask)
+        if attention is not None:
+            attention.append(β.detach())
 
         grad_μ = compute_mu_gradient(μ_q, σ_q, μ_p, σ_p, β, kl_matrix, token_priors, targets, config)
         grad_σ = compute_sigma_gradient(μ_q, σ_q, μ_p, σ_p, β, kl_matrix, token_priors, targets, config)
@@ -591,14 +594,15 @@ class PureFEPTransformer(nn.Module):
             PositionPriors(config.max_seq_len, config.embed_dim) for _ in range(config.n_layers))
 
     def forward(self, input_ids, target_ids=None, return_beliefs=False, return_logits=True,
-                reduction="mean"):
+                reduction="mean", attention=None):
         """``(logits (B, N, V), loss or None)``; with ``return_beliefs`` also the
         list of each layer's output beliefs ``(μ_q, σ_q)`` (what P-flow uses).
 
         ``reduction`` is F.cross_entropy's ("mean", "sum" or "none": per token, (B·N,)).
         ``return_logits=False`` puts None in the logits' place: training that only needs
         the loss then never forms the (B, N, V) logits once compiled (decode and
-        cross-entropy fuse)."""
+        cross-entropy fuse). ``attention``, a list, receives one list per layer of β
+        (B, N, N) at every Q-flow step (eager inspection, Phase 4.3)."""
         config = self.config
         _check_token_ids("input_ids", input_ids, config.vocab_size, config.max_seq_len)
         if target_ids is not None:
@@ -615,7 +619,11 @@ class PureFEPTransformer(nn.Module):
         for priors in self.position_priors:
             μ_p = priors.mu[:N]  # (N, K)
             σ_p = priors.log_sigma[:N].exp().clamp(min=math.sqrt(config.variance_floor))
-            μ_q, σ_q, β = q_flow(μ_q, σ_q, μ_p, σ_p, mask, self.token_priors, target_ids, config)
+            layer_attention = None if attention is None else []
+            μ_q, σ_q, β = q_flow(μ_q, σ_q, μ_p, σ_p, mask, self.token_priors, target_ids, config,
+                                 layer_attention)
+            if attention is not None:
+                attention.append(layer_attention)
             beliefs.append((μ_q, σ_q))
 
         # DECODING: logits via KL to the token priors
