@@ -19,14 +19,12 @@ Literals are verified (0.5, 1.0, the unsqueeze dim, the sum dim); τ must be a n
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
 from hecate.compiler.report import FusionReport
-from hecate.passes.kl_attention import Emitter, literal_differences, shape_of, short
-from hecate.passes.matching import Match, find_matches, pattern_graph
+from hecate.passes.gaussian import inline, shape_of, short
+from hecate.passes.matching import Match, find_matches, pattern_graph, restore_topological_order
 
 PATTERN = "kl_decode"
 aten = torch.ops.aten
@@ -43,6 +41,30 @@ _PATTERN: list[fx.Graph] = []
 
 # cross_entropy_loss(input, target, weight=None, reduction=Mean, ignore_index=-100, label_smoothing=0.0)
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def literal_differences(match: Match, free_literals: dict) -> tuple[list[str], dict[str, object]]:
+    """Differences between the pattern's literals and the graph's, except the free ones.
+
+    ``free_literals`` maps (op, argument index) to a name; those literals may differ
+    and are returned by name (a division's name applies only to a division of a negation,
+    the "−x / t" of a temperature). Returns (differences in words, the free literals found).
+    """
+    diffs, free = [], {}
+    for p, g in match.internal.nodes_map.items():
+        if p.op != "call_function":
+            continue
+        for index, (pa, ga) in enumerate(zip(p.args, g.args)):
+            if isinstance(pa, fx.Node):
+                continue
+            key = free_literals.get((p.target, index))
+            if key is not None and (p.target != aten.div.Tensor or p.args[0].target == aten.neg.default):
+                free[key] = ga
+            elif pa != ga:
+                diffs.append(f"{g.name} ({short(g.target)}) has {ga!r} where the spec's form has {pa!r}")
+        if len(p.args) != len(g.args) and p.target != aten.sum.dim_IntList:
+            diffs.append(f"{g.name} ({short(g.target)}) has arguments {g.args[len(p.args):]!r} the spec's form lacks")
+    return diffs, free
 
 
 def _pattern() -> fx.Graph:
@@ -80,38 +102,41 @@ def _fuse(gm: fx.GraphModule, match: Match, report: FusionReport) -> None:
     if diffs:
         report.add_miss(PATTERN, "; ".join(diffs), where)
         return
-    b, n, k = q_shape
-    v = p_shape[0]
-    ce = _cross_entropy_user(logits, v)
-    emit = Emitter(gm.graph, logits if isinstance(ce, str) else ce[0])
-    mu2, var2 = emit(aten.reshape.default, mu, [b * n, k]), emit(aten.reshape.default, var, [b * n, k])
+    ce = _cross_entropy_user(logits, p_shape[0])
+    tau = float(tau)
     if isinstance(ce, str):
-        flat = emit(torch.ops.hecate.kl_decode_logits.default, mu2, var2, prior_mu, prior_var, float(tau))
-        logits.replace_all_uses_with(emit(aten.reshape.default, flat, [b, n, v]))
+        def logits_fn(mu, var, prior_mu, prior_var):
+            b, n, k = mu.shape
+            flat = torch.ops.hecate.kl_decode_logits(mu.reshape(b * n, k), var.reshape(b * n, k), prior_mu,
+                                                     prior_var, tau)
+            return flat.reshape(b, n, prior_mu.shape[0])
+
+        new, = inline(gm.graph, logits_fn, [mu, var, prior_mu, prior_var], logits)
+        logits.replace_all_uses_with(new)
         report.add_fusion(PATTERN, "hecate.kl_decode_logits", len(match.nodes),
                           f"logits in matmul form, τ={tau:g}; cross-entropy not fused: {ce}")
         return
     ce_node, targets, reduction, ignore_index = ce
-    call = emit(torch.ops.hecate.kl_decode_ce.default, mu2, var2, prior_mu, prior_var, targets, float(tau),
-                ignore_index)
-    loss = emit(operator.getitem, call, 0)
-    if reduction == "sum":
-        loss = emit(aten.sum.default, loss)
-    elif reduction == "mean":
-        counted = emit(aten.ne.Scalar, targets, ignore_index)
-        total = emit(aten.sum.default, emit(aten.to.dtype, counted, dtype_of(mu)))
-        loss = emit(aten.div.Tensor, emit(aten.sum.default, loss), total)
-    ce_node.replace_all_uses_with(loss)
+
+    def loss_fn(mu, var, prior_mu, prior_var, targets):
+        b, n, k = mu.shape
+        loss, _ = torch.ops.hecate.kl_decode_ce(mu.reshape(b * n, k), var.reshape(b * n, k), prior_mu, prior_var,
+                                                targets, tau, ignore_index)
+        if reduction == "sum":
+            return loss.sum()
+        if reduction == "mean":  # as F.cross_entropy: the mean over the targets not ignored
+            return loss.sum() / (targets != ignore_index).sum().to(loss.dtype)
+        return loss
+
+    new, = inline(gm.graph, loss_fn, [mu, var, prior_mu, prior_var, targets], ce_node)
+    ce_node.replace_all_uses_with(new)
     view = ce_node.args[0]
     gm.graph.erase_node(ce_node)
     if not view.users and view is not logits:
         gm.graph.erase_node(view)
+    restore_topological_order(gm.graph)
     report.add_fusion(PATTERN, "hecate.kl_decode_ce", len(match.nodes) + 2,
                       f"logits + cross-entropy ({reduction}), τ={tau:g}; [B, N, V] not formed")
-
-
-def dtype_of(node: fx.Node) -> torch.dtype:
-    return node.meta["val"].dtype
 
 
 def _cross_entropy_user(logits: fx.Node, v: int):

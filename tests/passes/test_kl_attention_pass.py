@@ -114,7 +114,7 @@ def _fused(mu, var):
 
 @pytest.mark.parametrize("fn,reason", [
     (_softmax_over_queries, "softmax over dim 1"),
-    (_upper_triangular_mask, "is not the causal lower-triangular mask"),
+    (_upper_triangular_mask, "none of: all keys, causal (j ≤ i), no self (j ≠ i)"),
     (_not_separable, "exp of shape [2, 4, 4, 3] is neither per-query nor per-key"),
 ])
 def test_near_misses_are_reported_and_left_unfused(fn, reason, fresh_dynamo):
