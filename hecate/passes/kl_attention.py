@@ -78,6 +78,7 @@ class _Score:
     mask_diagonal: bool
     empty_rows_nan: bool  # a row with no allowed key is NaN (the softmax's), not 0
     kl_scales: dict  # node -> γ for the score's nodes whose value is γ · KL_ij
+    draw: dict  # the per-position tensors' values the score was evaluated at, and ("kl",): KL there
     nodes: list  # the score's nodes and its masking, up to the softmax
 
 
@@ -195,13 +196,13 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if len(k) != 1:
         raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
     kappa, mean, scale, param, memo = _match_kl(logits, list(bases), k.pop())
-    kl_ref = memo[("kl",)]
     kl_scales = {}
     for n in nodes:
         if shape_of(n) == shape and n in memo:
-            gamma = proportion(memo[n], kl_ref)
+            gamma = proportion(memo[n], memo[("kl",)])
             if gamma is not None:
                 kl_scales[n] = gamma
+    draw = {key: value for key, value in memo.items() if key in bases or key == ("kl",)}
     allowed = _allowed(masks, shape, softmax)
     causal, mask_diagonal = _mask_kind(allowed)
     has_empty_row = mask_diagonal and (causal or allowed.shape[0] == 1)
@@ -210,7 +211,22 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if len(users) == 1 and _zero_fill_of_masked(users[0], softmax, allowed):
         beta, empty_rows_nan = users[0], False
     return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan,
-                  kl_scales, [n for n in peeled if n is not logits] + nodes)
+                  kl_scales, draw, [n for n in peeled if n is not logits] + nodes)
+
+
+def _kl_scale(node: fx.Node, draw: dict) -> float | None:
+    """γ when ``node`` computes γ · KL_ij from the same beliefs (a second copy of the KL, say); else None."""
+    shape = shape_of(node)
+    if shape is None or len(shape) != 3 or shape[1] != shape[2]:
+        return None
+    bases, _, others = _score_inputs(node)
+    if others or not bases or any(b not in draw for b in bases):
+        return None
+    try:
+        value = evaluate(node, dict(draw))
+    except Exception:  # not evaluable at the draw's sizes: not recognisable as a KL
+        return None
+    return proportion(value, draw[("kl",)]) if isinstance(value, torch.Tensor) else None
 
 
 def _match_kl(logits, bases, k):
@@ -379,6 +395,7 @@ class _PairAlgebra:
     beta: fx.Node
     kl_scales: dict  # node -> γ: the nodes whose value is γ · KL_ij
     n: Any
+    kl_of: Any = None  # node -> γ or None: recognises another node computing γ · KL_ij
     roots: set = field(default_factory=set)  # the sums over j, read as leaves once reduced
     leaves: dict = field(default_factory=dict)  # leaf id -> _Leaf
     visited: set = field(default_factory=set)  # pair-space nodes read
@@ -406,6 +423,11 @@ class _PairAlgebra:
     def _is_pair(self, node: fx.Node) -> bool:
         if node is self.beta or node in self.kl_scales:
             return True
+        if self.kl_of is not None and node.op == "call_function" and node.target not in _ELEMENTWISE:
+            gamma = self.kl_of(node)
+            if gamma is not None:
+                self.kl_scales[node] = gamma
+                return True
         if node in self.roots:
             return False
         if node.target == aten.unsqueeze.default and not self.is_pair(node.args[0]):
@@ -423,11 +445,11 @@ class _PairAlgebra:
         if node is self.beta:
             self.visited.add(node)
             return {((("P", False), 1),): 1.0}
+        if not self.is_pair(node):  # (recognises another copy of the KL, too)
+            return self._outside_leaf(node)
         if node in self.kl_scales:
             self.visited.add(node)
             return {((("S", False), 1),): self.kl_scales[node]}
-        if not self.is_pair(node):
-            return self._outside_leaf(node)
         self.visited.add(node)
         t, args = node.target, node.args
         if _is_noop(node):
@@ -564,7 +586,8 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
 
 def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
     shape = shape_of(score.mean)
-    algebra = _PairAlgebra(beta=score.beta, kl_scales=score.kl_scales, n=shape[1])
+    algebra = _PairAlgebra(beta=score.beta, kl_scales=score.kl_scales, n=shape[1],
+                           kl_of=lambda node: _kl_scale(node, score.draw))
     core = {score.softmax, *score.nodes}
     roots = _find_roots(algebra, core)
     algebra.roots = set(roots)
