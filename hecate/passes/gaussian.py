@@ -139,3 +139,22 @@ def inline(graph: fx.Graph, fn: Callable, inputs: Sequence[fx.Node], before: fx.
     with graph.inserting_before(before):
         out = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
     return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def independent(bases: Sequence[fx.Node], depth: int = 16) -> list[fx.Node]:
+    """``bases`` without those computed from another of them (``log(v)`` beside ``v``): those are
+    evaluated from it rather than drawn independently. Looks ``depth`` ops up."""
+    kept = []
+    for node in bases:
+        others = set(bases) - {node}
+        frontier, found = [node], False
+        for _ in range(depth):
+            frontier = [i for n in frontier for i in n.all_input_nodes]
+            if any(n in others for n in frontier):
+                found = True
+                break
+            if not frontier:
+                break
+        if not found:
+            kept.append(node)
+    return kept

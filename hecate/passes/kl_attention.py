@@ -50,8 +50,8 @@ import torch
 from torch import fx
 
 from hecate.compiler.report import FusionReport
-from hecate.passes.gaussian import (VARIANCE_FROM, _is_noop, evaluate, gaussian_kl, inline, proportion, shape_of,
-                                    short, strip_noops)
+from hecate.passes.gaussian import (VARIANCE_FROM, _is_noop, evaluate, gaussian_kl, independent, inline, proportion,
+                                    shape_of, short, strip_noops)
 from hecate.passes.matching import NotFused, restore_topological_order
 
 PATTERN = "kl_attention"
@@ -195,7 +195,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     k = {_size_hint(shape_of(b)[2]) for b in bases}
     if len(k) != 1:
         raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
-    kappa, mean, scale, param, memo = _match_kl(logits, list(bases), k.pop())
+    kappa, mean, scale, param, memo = _match_kl(logits, independent(list(bases)), k.pop())
     kl_scales = {}
     for n in nodes:
         if shape_of(n) == shape and n in memo:

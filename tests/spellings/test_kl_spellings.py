@@ -23,6 +23,7 @@ B, N, K = 2, 5, 3
 _m = torch.zeros(1)
 kl_divergence(Independent(Normal(_m, _m + 1), 1), Independent(Normal(_m, _m + 1), 1))
 kl_divergence(Normal(_m, _m + 1), Normal(_m, _m + 1))
+kl_divergence(Independent(Normal(_m[None], _m[None] + 1), 1), Independent(Normal(_m, _m + 1), 1))
 
 
 def _causal(n):
@@ -229,3 +230,70 @@ def test_masked_rows_give_nan_as_eager(fresh_dynamo):
     for g, r in zip(got, fn(mu, var)):
         assert torch.equal(torch.isnan(g), torch.isnan(r))
         assert_close("finite part", g.nan_to_num(0.0), r.nan_to_num(0.0), 1e-5)
+
+
+def test_masked_rows_give_nan_on_the_triton_kernels(fresh_dynamo):
+    """The same through the Triton kernels (interpreter on CPU): NaN rows, finite rows equal eager."""
+    from hecate.lowering.dispatch import triton_on_cpu
+
+    def fn(mu, var):
+        n = mu.shape[1]
+        mask = _causal(n) & ~torch.eye(n, dtype=torch.bool)
+        beta = F.softmax((-kl_spec(mu, var)).masked_fill(~mask, float("-inf")), dim=-1)
+        return beta @ mu, (beta * kl_spec(mu, var)).sum(-1)
+
+    mu, var = torch.randn(B, N, K), _var((B, N, K))
+    with triton_on_cpu():
+        got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(mu, var)
+    assert hecate.last_report().count("kl_attention") == 1
+    for g, r in zip(got, fn(mu, var)):
+        assert torch.isnan(r[:, 0]).all() and torch.equal(torch.isnan(g), torch.isnan(r))
+        assert_close("finite part", g.nan_to_num(0.0), r.nan_to_num(0.0), 1e-5)
+
+
+# --- KL decode: logits −KL(q_i ‖ π_v)/τ, then cross-entropy ---------------------------------------
+
+V = 7
+
+
+def d_spec_ce(mu, var, prior_mu, prior_var, targets):
+    mi, vi = mu.unsqueeze(2), var.unsqueeze(2)
+    kl = 0.5 * (torch.log(prior_var / vi) + vi / prior_var + (mi - prior_mu).square() / prior_var - 1.0)
+    return F.cross_entropy((-kl.sum(-1) / 0.9).view(-1, V), targets.view(-1))
+
+
+def d_logvar_priors_ce_sum(mu, var, prior_mu, prior_logvar, targets):
+    pv = prior_logvar.exp()[None, None]
+    kl = 0.5 * (prior_logvar[None, None] - var[:, :, None].log() + (var[:, :, None] + (mu[:, :, None] - prior_mu) ** 2)
+                / pv - 1).sum(-1)
+    return F.cross_entropy((kl * -2.0).reshape(-1, V), targets.reshape(-1), reduction="sum")
+
+
+def d_distributions_ignore_index(mu, std, prior_mu, prior_std, targets):
+    q = Independent(Normal(mu.unsqueeze(2), std.unsqueeze(2)), 1)
+    p = Independent(Normal(prior_mu, prior_std), 1)
+    logits = -kl_divergence(q, p)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def d_logits_returned(mu, logvar, prior_mu, prior_var, targets):
+    var = logvar.exp()
+    logits = -(0.5 * (torch.log(prior_var) - torch.log(var[:, :, None]) + var[:, :, None] / prior_var
+                      + (mu[:, :, None] - prior_mu).pow(2) / prior_var - 1).sum(-1))
+    return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1))
+
+
+DECODE = [d_spec_ce, d_logvar_priors_ce_sum, d_distributions_ignore_index, d_logits_returned]
+_PRIOR_DRAW = {d_logvar_priors_ce_sum: _logvar, d_logits_returned: _var}
+
+
+@pytest.mark.parametrize("fn", DECODE, ids=[f.__name__ for f in DECODE])
+def test_decode_spelling_fuses_and_equals_eager(fn, fresh_dynamo):
+    query_draw = _logvar if fn is d_logits_returned else _var
+    targets = torch.randint(0, V, (B, N))
+    if fn is d_distributions_ignore_index:
+        targets[0, 1] = -100
+    args = (torch.randn(B, N, K), query_draw((B, N, K)), torch.randn(V, K), _PRIOR_DRAW.get(fn, _var)((V, K)))
+    report = _compare(lambda *a: fn(*a, targets), args, "kl_decode")
+    assert report.count("kl_decode") == 1, str(report)
+    assert not [m for m in report.misses if m.pattern == "kl_decode"], str(report)
