@@ -10,7 +10,7 @@ from hecate.compiler.backend import hecate_backend, last_report
 from hecate.compiler.explain import explain
 from hecate.compiler.export import export_mlir, export_onnx
 from hecate.compiler.options import HecateOptionsError, Options
-from hecate.compiler.report import Fusion, FusionReport, Miss
+from hecate.passes.report import Fusion, FusionReport, Miss
 
 __all__ = [
     "hecate_backend", "last_report", "explain", "export_onnx", "export_mlir",

@@ -3,6 +3,9 @@
 TRITON_INTERPRET must be set before triton is first imported (importing torch
 does not import it), so it is set here, before any test module imports hecate.
 With a GPU the kernels run for real and the ``cuda``-marked tests run too.
+
+HECATE_STRICT=1: an error inside a pass fails the test instead of being contained
+and reported (what users get by default).
 """
 
 import os
@@ -11,6 +14,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HECATE_STRICT", "1")
 
 import pytest  # noqa: E402
 

@@ -15,9 +15,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx
 
+from hecate.compiler.logs import stage
 from hecate.compiler.options import Options, parse_options
-from hecate.compiler.pipeline import fuse
-from hecate.compiler.report import FusionReport
+from hecate.compiler.pipeline import describe_error, fuse_or_original, warn_once
+from hecate.passes.report import FusionReport
 
 # One report per graph compiled in this process, newest last (see last_report()).
 _REPORTS: list[FusionReport] = []
@@ -29,11 +30,22 @@ def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
     import hecate.lowering  # noqa: F401  registers torch.ops.hecate.*
 
     opts = parse_options(options)
-    aten_gm, report = fuse(gm, example_inputs, opts)
+    aten_gm, report = fuse_or_original(gm, example_inputs, opts)
     _REPORTS.append(report)
     if opts.print_report:
         print(report)
-    return _compile_rest(aten_gm, example_inputs, opts)
+    if aten_gm is gm:
+        return _compile_rest(gm, example_inputs, opts)
+    try:
+        return _compile_rest(aten_gm, example_inputs, opts)
+    except Exception as e:  # the fused graph must never cost the user the compile
+        if opts.strict:
+            raise
+        reason = (f"internal error compiling the fused graph with {opts.fallback}: {describe_error(e)}; "
+                  "the graph is compiled as Dynamo captured it, without fusions")
+        report.add_miss("hecate", reason)
+        warn_once("fallback compile", e, reason)
+        return _compile_rest(gm, example_inputs, opts)
 
 
 def _compile_rest(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], opts: Options) -> Callable:
@@ -43,7 +55,8 @@ def _compile_rest(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], op
 
     # Inductor's on-disk caches do not see changes to Hecate's ops and decompositions;
     # tagging the cache key with Hecate's source keeps a stale artifact from being reused.
-    with torch.compiler.config.patch(cache_key_tag=f"hecate-{_source_hash()}"):
+    with stage("fallback compile (inductor)", opts.progress), \
+            torch.compiler.config.patch(cache_key_tag=f"hecate-{_source_hash()}"):
         return compile_fx(gm, list(example_inputs))
 
 

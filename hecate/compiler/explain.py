@@ -7,8 +7,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hecate.compiler.options import parse_options
-from hecate.compiler.pipeline import fuse
-from hecate.compiler.report import FusionReport
+from hecate.compiler.pipeline import fuse_or_original
+from hecate.passes.report import FusionReport
 
 
 def explain(model_or_fn: Callable, *args: Any, options: Mapping[str, Any] | None = None,
@@ -28,7 +28,7 @@ def explain(model_or_fn: Callable, *args: Any, options: Mapping[str, Any] | None
     report = FusionReport()
 
     def recording_backend(gm, example_inputs):
-        report.extend(fuse(gm, example_inputs, opts)[1])
+        report.extend(fuse_or_original(gm, example_inputs, opts)[1])
         return gm.forward  # the unfused graph, run eagerly
 
     torch._dynamo.reset()

@@ -7,7 +7,7 @@ naming what was received and what is valid, rather than being ignored.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 FALLBACKS = ("inductor", "eager")
@@ -26,12 +26,29 @@ class Options:
     dump_dir:     a folder; when set, the graph before and after each pass is written
                   there as readable text (one file per graph and pass).
     print_report: print the fusion report of each compiled graph to stdout.
+    strict:       re-raise an error inside a pass or the pipeline instead of leaving the graph
+                  as Dynamo gave it and reporting "internal error in pass X" (default False;
+                  the environment variable HECATE_STRICT=1 makes it default True, as the
+                  test suite does).
+    progress:     print each compile stage (rolling loops, re-trace, each pass, the fallback
+                  compile) and its time to stderr as it runs, for long first compiles.
+                  ``TORCH_LOGS="hecate"`` logs the same timings and every pass decision.
     """
 
     patterns: tuple[str, ...]
     fallback: str = "inductor"
     dump_dir: str | None = None
     print_report: bool = False
+    strict: bool = field(default_factory=lambda: strict_by_default())  # read when created, not at import
+    progress: bool = False
+
+
+def strict_by_default() -> bool:
+    """Whether HECATE_STRICT asks errors inside Hecate to be raised (``1``) or contained (unset, ``0``)."""
+    value = os.environ.get("HECATE_STRICT", "0")
+    if value not in ("0", "1"):
+        raise HecateOptionsError(f"environment variable HECATE_STRICT must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def parse_options(options: Mapping[str, Any] | None) -> Options:
@@ -79,9 +96,10 @@ def parse_options(options: Mapping[str, Any] | None) -> Options:
         if os.path.exists(dump_dir) and not os.path.isdir(dump_dir):
             raise HecateOptionsError(f"option 'dump_dir' {dump_dir!r} exists and is not a folder")
 
-    print_report = options.get("print_report", False)
-    if not isinstance(print_report, bool):
-        raise HecateOptionsError(
-            f"option 'print_report' must be True or False, got {print_report!r}")
+    flags = {name: options.get(name, default) for name, default in
+             (("print_report", False), ("strict", strict_by_default()), ("progress", False))}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise HecateOptionsError(f"option {name!r} must be True or False, got {value!r}")
 
-    return Options(patterns=patterns, fallback=fallback, dump_dir=dump_dir, print_report=print_report)
+    return Options(patterns=patterns, fallback=fallback, dump_dir=dump_dir, **flags)

@@ -13,13 +13,24 @@ Dynamo graph (torch-level, many spellings)
 A rolled loop that no pass fuses would reach the fallback as a scan, which Inductor cannot
 compile on CPU; such a graph is run through the pipeline again unrolled, as Dynamo gave it.
 
+Nothing in here may break a user's compile: a pass that raises leaves the graph exactly as
+it was before that pass and the report says "internal error in pass X"; if the pipeline
+itself fails, the backend compiles Dynamo's graph unfused (:func:`fuse_or_original`).
+``options={"strict": True}`` (``HECATE_STRICT=1``, as in the tests) re-raises instead.
+After the passes, :mod:`hecate.passes.signatures` reports every family signature left
+unfused that no pass explained, so a miss is never silent.
+
 Substitution happens before autograd, so a fused op's backward is its own fused backward.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import os
+import re
+import warnings
 from typing import Sequence
 
 import torch
@@ -28,9 +39,10 @@ from torch.fx import traceback as fx_traceback
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from hecate.compiler.logs import log, stage
 from hecate.compiler.loops import RolledGraph, roll_loops
 from hecate.compiler.options import Options
-from hecate.compiler.report import FusionReport
+from hecate.passes.report import FusionReport, source_line
 
 # the passes that fuse a scan; rolling loops up serves no other
 _SCAN_PASSES = ("memory_scan", "linear_attention")
@@ -53,19 +65,39 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> 
             return make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
 
 
+def fuse_or_original(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
+                     options: Options) -> tuple[fx.GraphModule, FusionReport]:
+    """:func:`fuse`, or, if the pipeline itself fails, Dynamo's ``gm`` unchanged with the reason
+    in the report (``options.strict`` re-raises)."""
+    try:
+        return fuse(gm, example_inputs, options)
+    except Exception as e:
+        if options.strict:
+            raise
+        report = FusionReport(graphs=1)
+        reason = (f"internal error in Hecate's pipeline: {describe_error(e)}; the graph is compiled as "
+                  "Dynamo captured it, without fusions")
+        report.add_miss("hecate", reason)
+        warn_once("pipeline", e, reason)
+        return gm, report
+
+
 def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
          options: Options) -> tuple[fx.GraphModule, FusionReport]:
     """Dynamo's graph → the ATen graph with Hecate's ops in it, and what was fused and why."""
-    rolled = roll_loops(gm) if any(p in options.patterns for p in _SCAN_PASSES) else None
+    rolled = None
+    if any(p in options.patterns for p in _SCAN_PASSES):
+        with stage("roll loops", options.progress):
+            rolled = roll_loops(gm)
     report = FusionReport(graphs=1)
     if rolled is not None:
         try:
-            aten_gm = canonicalize(rolled.gm, example_inputs)
-            rolled.mark(aten_gm)
+            with stage("re-trace to ATen (loops rolled)", options.progress):
+                aten_gm = canonicalize(rolled.gm, example_inputs)
+                rolled.mark(aten_gm)
         except Exception as e:  # e.g. a body torch's scan rejects; the unrolled graph is always valid
             report.add_miss("loops", f"rolled-up loop(s) of {rolled.steps} steps could not be traced "
-                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                            "compiled unrolled", "")
+                            f"({describe_error(e)}); compiled unrolled", "")
         else:
             rolled_report = FusionReport(graphs=1)
             run_passes(aten_gm, options, rolled_report)
@@ -73,32 +105,143 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
             if not unfused:
                 return aten_gm, rolled_report
             for steps, ops in unfused:
-                report.add_miss("loops", f"a Python loop of {steps} steps is not a step any pass fuses "
+                report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or linear_attention fuses "
                                 f"(its body calls {', '.join(ops)}); compiled unrolled", "")
-    return run_passes(canonicalize(gm, example_inputs), options, report), report
+    with stage("re-trace to ATen", options.progress):
+        aten_gm = canonicalize(gm, example_inputs)
+    return run_passes(aten_gm, options, report), report
 
 
 def run_passes(gm: fx.GraphModule, options: Options, report: FusionReport,
                dump_name: str | None = None) -> fx.GraphModule:
-    """Run the enabled passes over ``gm`` in place; return it."""
+    """Run the enabled passes over ``gm`` in place, then report the unfused signatures; return it.
+
+    Each pass runs isolated: if it raises, ``gm`` is restored to what it was before that pass
+    and the report records the error. Patterns are traced under a forked RNG, so compiling
+    never moves the user's random stream.
+    """
     from hecate.passes import PASSES
+    from hecate.passes.signatures import report_unfused_signatures
 
     if dump_name is None:
         dump_name = f"graph{next(_graph_counter)}"
     _dump(options, dump_name, "0_before", gm)
-    for n, name in enumerate(p for p in PASSES if p in options.patterns):
-        PASSES[name](gm, report)
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-        _dump(options, dump_name, f"{n + 1}_after_{name}", gm)
+    enabled = [p for p in PASSES if p in options.patterns]
+    with torch.random.fork_rng(devices=[]):
+        for n, name in enumerate(enabled):
+            fusions, misses = len(report.fusions), len(report.misses)
+            with stage(f"pass {name}", options.progress):
+                _run_isolated(name, PASSES[name], gm, options, report)
+            _locate_misses(report, misses, gm)
+            for f in report.fusions[fusions:]:
+                log.info("%s: fused %d nodes into %s (%s)", name, f.nodes_replaced, f.op, f.detail)
+            for m in report.misses[misses:]:
+                log.info("%s: not fused: %s%s", name, m.reason, f" at {m.source}" if m.source else "")
+            _dump(options, dump_name, f"{n + 1}_after_{name}", gm)
+        if enabled:
+            misses = len(report.misses)
+            report_unfused_signatures(gm, enabled, report)
+            for m in report.misses[misses:]:
+                log.info("not fused: %s%s", m.reason, f" at {m.source}" if m.source else "")
     return gm
 
 
-def _dump(options: Options, graph_name: str, stage: str, gm: fx.GraphModule) -> None:
+def _run_isolated(name: str, run, gm: fx.GraphModule, options: Options, report: FusionReport) -> None:
+    """Run one pass; if it raises, put ``gm`` back exactly as it was and report the error."""
+    saved = _Snapshot.of(gm)
+    recorded = len(report.fusions), len(report.misses)
+    try:
+        run(gm, report)
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    except Exception as e:
+        if options.strict:
+            raise
+        nodes = _nodes_in_traceback(e, gm)
+        saved.restore(gm)
+        # what the pass recorded before failing describes a graph that no longer exists
+        del report.fusions[recorded[0]:], report.misses[recorded[1]:]
+        reason = f"internal error in pass {name}: {describe_error(e)}; this pass changed nothing"
+        report.add_miss(name, reason, nodes=nodes)
+        warn_once(name, e, reason)
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """A GraphModule's graph, submodules and attributes, to undo a pass that failed halfway."""
+
+    graph: fx.Graph
+    modules: dict
+    parameters: dict
+    buffers: dict
+    attributes: set
+    children: dict  # name -> _Snapshot of each GraphModule child (a scan body can be edited in place)
+
+    @staticmethod
+    def of(gm: fx.GraphModule) -> "_Snapshot":
+        return _Snapshot(copy.deepcopy(gm.graph), dict(gm._modules), dict(gm._parameters), dict(gm._buffers),
+                         set(gm.__dict__),
+                         {k: _Snapshot.of(m) for k, m in gm._modules.items() if isinstance(m, fx.GraphModule)})
+
+    def restore(self, gm: fx.GraphModule) -> None:
+        for key in set(gm.__dict__) - self.attributes:
+            delattr(gm, key)
+        for table, saved in ((gm._modules, self.modules), (gm._parameters, self.parameters),
+                             (gm._buffers, self.buffers)):
+            table.clear()
+            table.update(saved)
+        for name, child in self.children.items():
+            child.restore(gm._modules[name])
+        gm.graph = self.graph  # the setter re-generates the code
+
+
+def _locate_misses(report: FusionReport, start: int, gm: fx.GraphModule) -> None:
+    """Give the misses from ``start`` on that name graph nodes (``where``) but no source line
+    the user's line of those nodes; an unfused subgraph's nodes are still in ``gm``."""
+    nodes = {n.name: n for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes}
+    for i in range(start, len(report.misses)):
+        miss = report.misses[i]
+        if not miss.source and miss.where:
+            named = [nodes[w] for w in re.findall(r"[A-Za-z_]\w*", miss.where) if w in nodes]
+            report.misses[i] = dataclasses.replace(miss, source=source_line(named))
+
+
+def _nodes_in_traceback(e: BaseException, gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph nodes the innermost frame of ``e``'s traceback was handling, for a source line."""
+    graphs = {gm.graph} | {m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)}
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        nodes = [v for v in frame.f_locals.values() if isinstance(v, fx.Node) and v.graph in graphs]
+        if nodes:
+            return nodes
+    return []
+
+
+def describe_error(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_once(where: str, e: BaseException, reason: str) -> None:
+    """Warn once per process for each place and kind of error (the report has every one)."""
+    if (where, type(e).__name__) in _warned:
+        return
+    _warned.add((where, type(e).__name__))
+    warnings.warn(f"hecate: {reason} (options={{'strict': True}} or HECATE_STRICT=1 raises it)", stacklevel=2)
+
+
+def _dump(options: Options, graph_name: str, step: str, gm: fx.GraphModule) -> None:
     if options.dump_dir is None:
         return
     os.makedirs(options.dump_dir, exist_ok=True)
-    path = os.path.join(options.dump_dir, f"{graph_name}.{stage}.txt")
+    path = os.path.join(options.dump_dir, f"{graph_name}.{step}.txt")
     with open(path, "w") as f:
         f.write(gm.print_readable(print_output=False, include_stride=True))

@@ -9,12 +9,14 @@ A pass writes its pattern as the code a user writes::
 gives the captured graph, and :func:`find_matches` runs torch's
 ``SubgraphMatcher`` over the graph with literals as wildcards (padding, groups,
 slice bounds match any value). The pass then reads the literals of each match
-(:meth:`Match.node`) and either replaces it (:func:`replace_with_op`) or reports a
-near-miss with the reason.
+(:meth:`Match.node`) and either replaces it (:func:`replace_with_op` for one op call,
+:func:`replace_with_function` for a replacement written as a PyTorch function) or
+reports a near-miss with the reason (:class:`NotFused`).
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -24,6 +26,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
+from torch.utils import _pytree as pytree
 
 
 class NotFused(Exception):
@@ -138,26 +141,95 @@ def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
     its shape. Returns the new call node.
     """
     graph = gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    last = max(match.nodes, key=order.__getitem__)
-    with graph.inserting_before(last):
+    with graph.inserting_before(_last(graph, match.nodes)):
         call = graph.call_function(op, tuple(args))
     call.meta["val"] = _fake_run(op, args)
     if outputs is None:
         outputs = [None] * len(match.outputs)
-    for old, index in zip(match.outputs, outputs):
+    new_outputs = []
+    for index in outputs:
         if index is None:
-            new = call
-        else:
-            with graph.inserting_after(call):
-                new = graph.call_function(operator.getitem, (call, index))
-            new.meta["val"] = call.meta["val"][index]
+            new_outputs.append(call)
+            continue
+        with graph.inserting_after(call):
+            new = graph.call_function(operator.getitem, (call, index))
+        new.meta["val"] = call.meta["val"][index]
+        new_outputs.append(new)
+    _substitute(graph, match.nodes, match.outputs, new_outputs)
+    return call
+
+
+def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node], fn: Callable,
+                          args: Sequence[Any], outputs: Sequence[fx.Node] | None = None) -> list[fx.Node]:
+    """Replace a subgraph by what the plain PyTorch function ``fn(*args)`` computes.
+
+    ``replaced`` is a :class:`Match`, or the graph nodes to replace with ``outputs`` the
+    ones of them read afterwards. ``args`` are graph nodes (bound to their fake values) or
+    literals; ``fn`` returns one tensor per output (a tensor, or a tuple of them). ``fn`` is
+    traced with ``make_fx`` under the graph's fake mode and its nodes inlined: a size it
+    reads (``x.shape[0]``) becomes a ``sym_size`` node of the graph under ``dynamic=True``,
+    never a SymInt frozen into the generated code. The new nodes carry their fake values
+    and the user's source line of the replaced subgraph. Returns the nodes that now stand
+    for the outputs.
+    """
+    nodes, old_outputs = (replaced.nodes, replaced.outputs) if isinstance(replaced, Match) \
+        else (list(replaced), list(outputs or ()))
+    if not old_outputs:
+        raise ValueError(f"replace_with_function: no outputs to replace among {[n.name for n in nodes]}; "
+                         "pass a Match or outputs=[the replaced nodes read afterwards]")
+    values = [fx.node.map_aggregate(a, val) for a in args]
+    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        raise ValueError("replace_with_function: no argument has a fake value (node.meta['val']); "
+                         "the graph must come from the pipeline's re-trace")
+    with fake_mode:
+        traced = make_fx(fn, pre_dispatch=True)(*values)
+    graph = gm.graph
+    source = next((n.meta["stack_trace"] for n in reversed(nodes) if n.meta.get("stack_trace")), None)
+    env: dict[fx.Node, Any] = {}
+    placeholders = iter(args)
+    new_outputs: list[fx.Node] = []
+    with graph.inserting_before(_last(graph, nodes)):
+        for node in traced.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+            elif node.op == "get_attr":  # a tensor fn created (torch.tensor(...)) becomes a constant of gm
+                name = _free_attribute(gm, node.target)
+                gm.register_buffer(name, getattr(traced, node.target), persistent=False)
+                env[node] = graph.get_attr(name)
+                env[node].meta = dict(node.meta)
+            elif node.op == "output":
+                new_outputs = list(pytree.tree_leaves(fx.node.map_arg(node.args[0], env.__getitem__)))
+            else:
+                env[node] = graph.node_copy(node, env.__getitem__)
+                if source is not None:
+                    env[node].meta["stack_trace"] = source
+    if len(new_outputs) != len(old_outputs):
+        raise ValueError(f"replace_with_function: {getattr(fn, '__name__', fn)} returned {len(new_outputs)} "
+                         f"tensor(s) for {len(old_outputs)} output(s) of the replaced subgraph")
+    _substitute(graph, nodes, old_outputs, new_outputs)
+    return new_outputs
+
+
+def _last(graph: fx.Graph, nodes: Sequence[fx.Node]) -> fx.Node:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return max(nodes, key=order.__getitem__)
+
+
+def _free_attribute(gm: fx.GraphModule, prefix: str) -> str:
+    return next(name for i in itertools.count() if not hasattr(gm, name := f"_hecate_{prefix}_{i}"))
+
+
+def _substitute(graph: fx.Graph, nodes: Sequence[fx.Node], old_outputs: Sequence[fx.Node],
+                new_outputs: Sequence[fx.Node]) -> None:
+    """Point every reader of ``old_outputs[i]`` at ``new_outputs[i]`` and erase the replaced ``nodes``."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for old, new in zip(old_outputs, new_outputs):
         old.replace_all_uses_with(new)
-    for node in sorted(match.nodes, key=order.__getitem__, reverse=True):
+    for node in sorted(nodes, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
-    restore_topological_order(graph)  # users of an early output may sit before the new call
-    return call
+    restore_topological_order(graph)  # users of an early output may sit before the new nodes
 
 
 def restore_topological_order(graph: fx.Graph) -> None:

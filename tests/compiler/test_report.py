@@ -1,3 +1,6 @@
+import torch
+
+import hecate
 from hecate import FusionReport
 
 
@@ -8,7 +11,8 @@ def test_report_table_lists_fusions_and_misses():
     text = str(r)
     assert "1 fused, 1 not fused, 2 graph(s)" in text
     assert "hecate.qk_preprocess" in text and "linear → conv → silu" in text
-    assert "groups=1" in text and "conv1d_1" in text
+    assert "groups=1" in text
+    assert "graph nodes: conv1d_1" in text  # no source line known: the node names locate it
     assert r.count("qk_preprocess") == 1 and r.count("kl_attention") == 0
 
 
@@ -17,3 +21,42 @@ def test_extend_merges_graphs():
     b.add_miss("memory_scan", "p changes between steps")
     a.extend(b)
     assert a.graphs == 2 and len(a.misses) == 1
+
+
+def _softmax_twice(x):
+    y = torch.softmax(x, -1)
+    return torch.softmax(y * 2, -1)
+
+
+def test_miss_shows_the_users_source_line_not_node_names():
+    """A miss made from graph nodes names the user's file and line; node names only in the verbose form."""
+    report = FusionReport()
+
+    def recording_backend(gm, example_inputs):
+        softmaxes = [n for n in gm.graph.nodes if n.target is torch.softmax]
+        report.add_miss("example", "the second softmax reads a scaled score", nodes=softmaxes[1:])
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(_softmax_twice, backend=recording_backend)(torch.randn(2, 3))
+    torch._dynamo.reset()
+    [miss] = report.misses
+    assert miss.source.startswith("test_report.py:") and "torch.softmax(y * 2, -1)" in miss.source
+    text = str(report)
+    assert f"at {miss.source}" in text
+    assert miss.where and miss.where not in text  # internal names stay out of the user's view
+    assert f"graph nodes: {miss.where}" in report.format(verbose=True)
+
+
+def test_report_shows_source_through_explain():
+    """Through the real pipeline (ATen re-trace), a pass's miss still carries the user's line."""
+    conv = torch.nn.Conv1d(4, 4, 3, groups=1, padding=2)
+
+    def keys(x):
+        return torch.nn.functional.silu(conv(x.transpose(1, 2))[..., : x.shape[1]]).transpose(1, 2)
+
+    report = hecate.explain(keys, torch.randn(2, 5, 4), options={"patterns": ["qk_preprocess"]})
+    misses = [m for m in report.misses if m.pattern == "qk_preprocess"]
+    assert misses, str(report)
+    assert all(m.source.startswith("test_report.py:") for m in misses), str(report)
+    assert "conv(x.transpose(1, 2))" in str(report)

@@ -1,0 +1,248 @@
+"""Never silent: the family signatures still in the graph after the passes, reported.
+
+A pass reports the near-misses it recognises; a spelling it does not recognise at all would
+leave no trace. This module looks, after the passes, for what each family computes,
+whatever the spelling, and reports every occurrence left unfused that its pass did not
+already report, with the first reason it can give and the user's source line:
+
+* ``kl_attention``: a softmax over a pairwise ``[..., N, N]`` score made by broadcasting an
+  ``[..., N, 1, ...]`` operand against an ``[..., 1, N, ...]`` one, over a feature axis that
+  is then reduced (``[B, N, N, K]`` → ``[B, N, N]``), as the pairwise KL is;
+* ``memory_scan`` / ``linear_attention``: a loop-carried matrix state updated by an outer
+  product, in a rolled ``scan`` body or in a chain of unrolled steps;
+* ``qk_preprocess``: a depthwise conv1d (groups = channels).
+
+Found by what the graph computes (broadcast shapes, pointwise tags, contraction sizes),
+not by op spellings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterable, Iterator
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from hecate.passes.report import FusionReport, source_line
+
+aten = torch.ops.aten
+
+# family -> the patterns whose misses already explain it
+_FAMILIES = {
+    "kl_attention": ("kl_attention",),
+    "memory_scan": ("memory_scan", "linear_attention", "loops"),
+    "qk_preprocess": ("qk_preprocess",),
+}
+_SOFTMAX = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+_CONV = (aten.conv1d.default, aten.convolution.default)
+_PRODUCTS = (aten.matmul.default, aten.bmm.default, aten.mm.default)
+_OUTER = (aten.outer.default, aten.ger.default)
+_SEARCH = 64  # how many ancestors a search visits: a family's subgraph is a few dozen ops
+
+
+def report_unfused_signatures(gm: fx.GraphModule, enabled: Iterable[str], report: FusionReport) -> None:
+    """Add a miss for each family signature in ``gm`` whose family is enabled and not yet reported."""
+    enabled = set(enabled)
+    found: list[tuple[str, str, list[fx.Node]]] = []
+    if "kl_attention" in enabled:
+        found += [("kl_attention", reason, nodes) for reason, nodes in _pairwise_softmaxes(gm.graph)]
+    if enabled & {"memory_scan", "linear_attention"}:
+        found += [("memory_scan", reason, nodes) for reason, nodes in _rolled_states(gm)]
+        # the pipeline's note on each loop it rolled up but no pass fused, in loop order, is about
+        # the same loop as each unrolled chain: it gets the chain's source line instead of a twin
+        loops = [i for i, m in enumerate(report.misses) if m.pattern == "loops" and not m.source]
+        for reason, nodes in _unrolled_states(gm.graph):
+            if loops:
+                i = loops.pop(0)
+                report.misses[i] = dataclasses.replace(report.misses[i], source=source_line(nodes))
+            else:
+                found.append(("memory_scan", reason, nodes))
+    if "qk_preprocess" in enabled:
+        found += [("qk_preprocess", reason, nodes) for reason, nodes in _depthwise_convs(gm.graph)]
+    for family, reason, nodes in found:
+        if not _already_reported(report, family, nodes):
+            report.add_miss(family, reason, nodes=nodes)
+
+
+def _already_reported(report: FusionReport, family: str, nodes: list[fx.Node]) -> bool:
+    names = {n.name for n in nodes}
+    sources = {source_line([n]) for n in nodes} - {""}
+    for miss in report.misses:
+        if miss.pattern not in _FAMILIES[family]:
+            continue
+        if miss.source in sources or names & set(re.findall(r"[A-Za-z_]\w*", miss.where)):
+            return True
+    return False
+
+
+# ---- shapes ---------------------------------------------------------------------------------
+
+def _shape(node) -> tuple | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _is(size, n) -> bool:
+    return statically_known_true(size == n)
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes if _shape(a) is not None]
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _pair_dims(node: fx.Node) -> tuple[int, int] | None:
+    """The output dims (i, j) of a pointwise op broadcasting [.., N, 1, ..] against [.., 1, M, ..]."""
+    if not _is_pointwise(node):
+        return None
+    out, args = _shape(node), _tensor_args(node)
+    if out is None or len(args) != 2:
+        return None
+    a, b = ((1,) * (len(out) - len(s)) + s for s in (_shape(args[0]), _shape(args[1])))
+    for i in range(len(out)):
+        for j in range(i + 1, len(out)):
+            for x, y in ((a, b), (b, a)):
+                if (_is(x[j], 1) and _is(y[i], 1) and not _is(out[i], 1) and not _is(out[j], 1)
+                        and _is(x[i], out[i]) and _is(y[j], out[j])):
+                    return i, j
+    return None
+
+
+def _ancestors(node: fx.Node, limit: int = _SEARCH) -> Iterator[fx.Node]:
+    """The nodes ``node`` reads, breadth first, up to ``limit`` of them."""
+    seen, queue = {node}, [node]
+    while queue and len(seen) <= limit:
+        for parent in queue.pop(0).all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                queue.append(parent)
+                yield parent
+
+
+# ---- kl_attention: softmax over a pairwise score ------------------------------------------
+
+def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
+    for softmax in (n for t in _SOFTMAX for n in graph.find_nodes(op="call_function", target=t)):
+        score = _shape(softmax.args[0])
+        if score is None or len(score) < 2:
+            continue
+        for node in _ancestors(softmax):
+            dims = _pair_dims(node)
+            out = _shape(node)
+            if dims and len(out) > len(score) and _is(out[dims[0]], out[dims[1]]):
+                n = out[dims[0]]
+                yield (f"a softmax over a pairwise [{n}, {n}] score, built by broadcasting "
+                       f"[.., {n}, 1, ..] against [.., 1, {n}, ..] and reducing a feature axis, "
+                       "is not a pairwise KL(q_i‖q_j) between diagonal Gaussians that "
+                       "kl_attention reads (μ and σ² as two [B, N, K] tensors)", [softmax, node])
+                break
+
+
+# ---- memory: a matrix state updated by an outer product -----------------------------------
+
+def _is_outer_product(node: fx.Node) -> bool:
+    """A product that sums over nothing: v ⊗ k however written."""
+    if node.op != "call_function":
+        return False
+    if node.target in _OUTER:
+        return True
+    if node.target in _PRODUCTS:
+        a = _shape(node.args[0])
+        return a is not None and len(a) >= 2 and _is(a[-1], 1)
+    if node.target is aten.einsum.default:
+        inputs, _, output = node.args[0].replace(" ", "").partition("->")
+        operands = inputs.split(",")
+        return len(operands) >= 2 and set("".join(operands)) <= set(output) and len(output) >= 2
+    return _pair_dims(node) is not None
+
+
+def _is_matrix(shape: tuple | None) -> bool:
+    return shape is not None and len(shape) >= 2 and not _is(shape[-1], 1) and not _is(shape[-2], 1)
+
+
+def _rolled_states(gm: fx.GraphModule) -> Iterator[tuple[str, list[fx.Node]]]:
+    for scan in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan):
+        body = getattr(gm, scan.args[0].target)
+        carries = [n for n in body.graph.nodes if n.op == "placeholder"][:len(scan.args[1])]
+        [output] = body.graph.find_nodes(op="output")
+        for carry, update in zip(carries, output.args[0]):
+            if not _is_matrix(_shape(carry)) or not isinstance(update, fx.Node):
+                continue
+            ancestors = list(_ancestors(update))
+            outer = next((n for n in [update] + ancestors if _is_outer_product(n)), None)
+            if outer is not None and carry in ancestors:
+                ops = sorted({str(n.target).removeprefix("aten.").removesuffix(".default")
+                              for n in body.graph.nodes if n.op == "call_function"})
+                yield (f"a loop carries a {_dims(_shape(carry))} state updated by an outer product each "
+                       f"step, but its step is not one memory_scan or linear_attention fuses (the step "
+                       f"calls {', '.join(ops)})", [update, outer, scan])
+
+
+def _unrolled_states(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
+    """Chains of matrix updates ``S' = f(S, u ⊗ w)``, each reading the previous one."""
+    updates = []  # pointwise nodes that combine an outer product into a matrix
+    for node in graph.nodes:
+        if _is_pointwise(node) and _is_matrix(_shape(node)) and len(_tensor_args(node)) == 2 \
+                and not _is_outer_product(node):
+            near = list(_ancestors(node, limit=4))
+            if any(_is_outer_product(n) and _shape(n) == _shape(node) for n in near):
+                updates.append(node)
+    chained = set(updates)
+    previous = {}
+    for node in updates:
+        earlier = next((a for a in _ancestors(node, limit=_SEARCH)
+                        if a in chained and _shape(a) == _shape(node)), None)
+        if earlier is not None:
+            previous[node] = earlier
+    heads = [n for n in updates if n in previous and n not in previous.values()]
+    for last in heads:  # one miss per chain, located at its first step
+        chain = [last]
+        while chain[-1] in previous:
+            chain.append(previous[chain[-1]])
+        first = chain[-1]
+        yield (f"a {_dims(_shape(first))} state is updated by an outer product in {len(chain)} chained "
+               "steps (an unrolled loop), but the step is not one memory_scan or linear_attention "
+               "fuses", [first] + chain[::-1][1:])
+
+
+def _dims(shape: tuple) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+# ---- qk_preprocess: a depthwise conv1d -----------------------------------------------------
+
+def _depthwise_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
+    for target in _CONV:
+        for conv in graph.find_nodes(op="call_function", target=target):
+            x, w = _shape(conv.args[0]), _shape(conv.args[1])
+            if x is None or w is None or len(w) != 3:
+                continue
+            args = list(conv.args) + [None] * 9
+            if target is aten.conv1d.default:
+                stride, padding, dilation, groups = (args[i] for i in (3, 4, 5, 6))
+            else:
+                stride, padding, dilation, transposed, groups = args[3], args[4], args[5], args[6], args[8]
+                if transposed:
+                    continue
+            stride, padding, dilation, groups = (conv.kwargs.get(k, v) for k, v in
+                                                 (("stride", stride), ("padding", padding),
+                                                  ("dilation", dilation), ("groups", groups)))
+            channels, kernel = w[0], w[2]
+            if not (_is(groups or 1, channels) and _is(w[1], 1) and not _is(channels, 1)):
+                continue
+            first = lambda v, default: (v[0] if isinstance(v, (list, tuple)) else v) if v is not None else default  # noqa: E731
+            stride, dilation = first(stride, 1), first(dilation, 1)
+            if stride != 1:
+                why = f"it has stride {stride}; qk_preprocess fuses stride 1"
+            elif dilation != 1:
+                why = f"it has dilation {dilation}; qk_preprocess fuses dilation 1"
+            else:
+                why = ("qk_preprocess fuses a causal one: conv1d(padding=K-1) then [..., :T], or "
+                       "F.pad(x, (K-1, 0)) then conv1d, on [B, T, D] inputs transposed to [B, D, T]")
+            yield f"depthwise conv1d ({channels} channels, kernel {kernel}) not fused: {why}", [conv]

@@ -1,0 +1,114 @@
+"""Never silent: a family's signature left unfused is reported with the user's source line,
+whatever the spelling, and only once."""
+
+import torch
+import torch.nn.functional as F
+from torch._higher_order_ops.scan import scan
+
+import hecate
+
+
+def pairwise_l1_attention(mu, v):
+    d = (mu[:, :, None, :] - mu[:, None, :, :]).abs().sum(-1)  # pairwise, but not a KL
+    beta = torch.softmax(-d, -1)
+    return beta @ v
+
+
+def tanh_retention_memory(k, v):
+    M = torch.zeros(k.shape[0], k.shape[2], k.shape[2])
+    ys = []
+    for t in range(k.shape[1]):
+        M = torch.tanh(M) + torch.einsum("bi,bj->bij", v[:, t], k[:, t])  # tanh: not a retention gate
+        ys.append(M.sum(-1))
+    return torch.stack(ys, 1)
+
+
+def _tanh_step(M, xs):
+    k_t, v_t = xs
+    M = torch.tanh(M) + v_t.unsqueeze(-1) * k_t.unsqueeze(-2)
+    return M, M.sum(-1)
+
+
+def tanh_retention_scan(k, v):
+    M = torch.zeros(k.shape[0], k.shape[2], k.shape[2])
+    _, ys = scan(_tanh_step, M, (k.transpose(0, 1), v.transpose(0, 1)))
+    return ys
+
+
+_strided = torch.nn.Conv1d(6, 6, 3, groups=6, stride=2)
+
+
+def strided_depthwise(x):
+    return F.silu(_strided(x.transpose(1, 2))).transpose(1, 2)
+
+
+def _only_miss(report, family):
+    misses = [m for m in report.misses if m.pattern == family]
+    assert len(misses) == 1, str(report)
+    assert misses[0].source.startswith("test_signatures.py:"), str(report)
+    return misses[0]
+
+
+def test_pairwise_softmax_that_is_not_kl_is_reported():
+    report = hecate.explain(pairwise_l1_attention, torch.randn(2, 5, 3), torch.randn(2, 5, 4))
+    miss = _only_miss(report, "kl_attention")
+    assert "pairwise [5, 5] score" in miss.reason and "torch.softmax(-d, -1)" in miss.source
+    assert report.fusions == []
+
+
+def test_unrolled_outer_product_state_is_reported_once_with_its_line():
+    report = hecate.explain(tanh_retention_memory, torch.randn(2, 6, 3), torch.randn(2, 6, 3))
+    assert len(report.misses) == 1, str(report)  # the loop's note and the chain are one miss
+    [miss] = report.misses
+    assert "memory_scan or linear_attention" in miss.reason and "6 steps" in miss.reason
+    assert miss.source.startswith("test_signatures.py:") and "torch.einsum" in miss.source
+
+
+def test_unrolled_outer_product_state_is_reported_when_loops_are_not_rolled(monkeypatch):
+    import hecate.compiler.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "roll_loops", lambda gm: None)
+    report = hecate.explain(tanh_retention_memory, torch.randn(2, 4, 3), torch.randn(2, 4, 3))
+    miss = _only_miss(report, "memory_scan")
+    assert "[2, 3, 3] state is updated by an outer product in 4 chained steps" in miss.reason
+
+
+def test_scan_body_with_outer_product_state_is_reported():
+    report = hecate.explain(tanh_retention_scan, torch.randn(2, 6, 3), torch.randn(2, 6, 3))
+    miss = _only_miss(report, "memory_scan")
+    assert "loop carries a [2, 3, 3] state updated by an outer product" in miss.reason
+    assert "tanh" in miss.reason
+
+
+def test_depthwise_conv_that_is_not_fused_is_reported_once():
+    report = hecate.explain(strided_depthwise, torch.randn(2, 8, 6))
+    miss = _only_miss(report, "qk_preprocess")
+    assert "stride" in miss.reason and "_strided(x.transpose(1, 2))" in miss.source
+
+
+def test_enabled_families_only():
+    report = hecate.explain(strided_depthwise, torch.randn(2, 8, 6), options={"patterns": ["kl_attention"]})
+    assert report.misses == []
+
+
+def test_look_alikes_outside_the_families_are_not_reported():
+    def attention_with_alibi(q, k, v):
+        pos = torch.arange(q.shape[1], dtype=q.dtype)
+        bias = -(pos[:, None] - pos[None, :]).abs()  # pairwise, but no feature axis: not a KL
+        return torch.softmax(q @ k.transpose(1, 2) + bias, -1) @ v
+
+    def dense_conv(x):
+        return F.conv1d(x, torch.ones(4, 4, 3))
+
+    report = hecate.explain(attention_with_alibi, *(torch.randn(2, 5, 4) for _ in range(3)))
+    assert report.misses == [], str(report)
+    conv_misses = hecate.explain(dense_conv, torch.randn(2, 4, 7)).misses  # the qk pass's own "groups=1" only
+    assert [m.reason.split(";")[0] for m in conv_misses] == ["conv1d has groups=1 and weight (4, 4, 3)"]
+
+
+def test_fused_family_leaves_no_signature():
+    from hecate.models.short_conv import KeyQueryPreprocess
+
+    block = KeyQueryPreprocess(d_model=8, n_heads=2, kernel_size=3)
+    report = hecate.explain(block, torch.randn(2, 5, 8))
+    assert report.count("qk_preprocess") == 2 and report.misses == [], str(report)
