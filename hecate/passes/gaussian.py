@@ -6,8 +6,8 @@
 * :data:`VARIANCE_FROM` the parameterisations of a diagonal Gaussian's spread a model may carry
   (variance, log-variance, standard deviation, log-std, precision) and how each gives the variance.
 * :func:`gaussian_kl` the closed form ``KL(N(μ_i, v_i) ‖ N(μ_j, v_j))`` summed over the last dim.
-* :func:`inline` traces a replacement written as a Python function under the graph's fake mode
-  and copies it into the graph, so shapes are symbolic nodes (``sym_size``), never raw SymInts.
+* :func:`independent` which of the per-position tensors a score reads are drawn at random
+  (the others are computed from them).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from hecate.passes.matching import NotFused
 
@@ -122,23 +120,6 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
         return memo[n]
 
     return run(node)
-
-
-def inline(graph: fx.Graph, fn: Callable, inputs: Sequence[fx.Node], before: fx.Node) -> list[fx.Node]:
-    """Trace ``fn(*input values)`` under the graph's fake mode, copy it in before ``before``.
-
-    Returns the nodes standing for ``fn``'s outputs (a list, in order). Shapes ``fn`` reads
-    become ``sym_size`` nodes of its inputs, so the graph stays valid at every size Dynamo
-    may call it with.
-    """
-    vals = [n.meta["val"] for n in inputs]
-    fake_mode = detect_fake_mode(vals)
-    with fake_mode:
-        traced = make_fx(fn, pre_dispatch=True)(*vals)
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    with graph.inserting_before(before):
-        out = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
-    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def independent(bases: Sequence[fx.Node], depth: int = 16) -> list[fx.Node]:

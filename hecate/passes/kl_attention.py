@@ -41,7 +41,6 @@ the graph is left as is and the first reason is reported with the user's source 
 from __future__ import annotations
 
 import math
-import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,10 +48,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from hecate.compiler.report import FusionReport
-from hecate.passes.gaussian import (VARIANCE_FROM, _is_noop, evaluate, gaussian_kl, independent, inline, proportion,
-                                    shape_of, short, strip_noops)
-from hecate.passes.matching import NotFused, restore_topological_order
+from hecate.passes.report import FusionReport
+from hecate.passes.gaussian import (VARIANCE_FROM, _is_noop, evaluate, gaussian_kl, independent, proportion, shape_of,
+                                    short, strip_noops)
+from hecate.passes.matching import NotFused, replace_with_function
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -748,7 +747,6 @@ def _describe(factors) -> str:
 
 def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, score: _Score) -> None:
     """Replace the roots (and β/KL where read whole) by the op's outputs, via :func:`_replacement`."""
-    graph = gm.graph
     leaf_keys = [key for key, leaf in algebra.leaves.items() if leaf.source not in algebra.roots]
     inputs = [score.mean, score.scale] + [algebra.leaves[key].source for key in leaf_keys]
     escaping = sorted({node for node, _ in algebra.escapes}, key=lambda n: n.name)
@@ -760,17 +758,8 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, score: _Score) -> No
         return _replacement(algebra, roots, plan, score, dict(zip(leaf_keys, leaf_values)), escaping, mean, scale,
                             sizes)
 
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    before = max(list(roots) + [user for _, user in algebra.escapes], key=order.__getitem__)
-    outputs = inline(graph, fn, inputs, before)
-    for root, new in zip(roots, outputs):
-        root.replace_all_uses_with(new)
-    formed = dict(zip(escaping, outputs[len(roots):]))
-    for node, user in algebra.escapes:
-        user.replace_input_with(node, formed[node])
-    for root in reversed(roots):
-        graph.erase_node(root)
-    restore_topological_order(graph)
+    replaced = list(roots) + escaping  # β / KL read whole: every reader gets the formed one
+    replace_with_function(gm, replaced, fn, inputs, outputs=replaced)
 
 
 def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale, sizes):

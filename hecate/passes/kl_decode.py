@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from hecate.compiler.report import FusionReport
-from hecate.passes.gaussian import (VARIANCE_FROM, evaluate, gaussian_kl, independent, inline, proportion,
-                                    shape_of, short, strip_noops)
-from hecate.passes.matching import NotFused, restore_topological_order
+from hecate.passes.report import FusionReport
+from hecate.passes.gaussian import (VARIANCE_FROM, evaluate, gaussian_kl, independent, proportion, shape_of, short,
+                                    strip_noops)
+from hecate.passes.matching import NotFused, replace_with_function
 
 PATTERN = "kl_decode"
 aten = torch.ops.aten
@@ -182,9 +182,7 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
             flat = torch.ops.hecate.kl_decode_logits(mu2, var2, prior_mu, prior_var, tau)
             return flat.reshape(values[0].shape[0], values[0].shape[1], prior_mu.shape[0])
 
-        new, = inline(gm.graph, logits_fn, inputs, logits)
-        logits.replace_all_uses_with(new)
-        restore_topological_order(gm.graph)
+        replace_with_function(gm, [logits], logits_fn, inputs, outputs=[logits])
         report.add_fusion(PATTERN, "hecate.kl_decode_logits", 1,
                           f"logits in matmul form, {what}; cross-entropy not fused: {ce}")
         return
@@ -200,13 +198,7 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
             return loss.sum() / (targets != ignore_index).sum().to(loss.dtype)
         return loss
 
-    new, = inline(gm.graph, loss_fn, inputs + [targets], ce_node)
-    ce_node.replace_all_uses_with(new)
-    view = ce_node.args[0]
-    gm.graph.erase_node(ce_node)
-    if not view.users and view is not logits:
-        gm.graph.erase_node(view)
-    restore_topological_order(gm.graph)
+    replace_with_function(gm, [ce_node.args[0], ce_node], loss_fn, inputs + [targets], outputs=[ce_node])
     report.add_fusion(PATTERN, "hecate.kl_decode_ce", 3,
                       f"logits + cross-entropy ({reduction}), {what}; [B, N, V] not formed")
 
