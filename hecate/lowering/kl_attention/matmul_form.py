@@ -8,14 +8,15 @@ DESIGN fact "Pairwise KL is a dot product"::
     c_i = −½ Σ_k (log v_ik + 1)             [..]
     d_j =  ½ Σ_k (log v_jk + μ_jk² / v_jk)  [..]
 
-KL is unchanged when every μ is shifted by the same vector, so the means are
-centred first (:func:`center`): the dot product subtracts terms of size μ²/v, and
-centring keeps them as small as the spread of the beliefs allows. Because the
-shift leaves every KL unchanged, the gradient with respect to the centred means
-is the gradient with respect to the means.
-
-The CPU path materialises [B, N, N] scores (never [B, N, N, K]) and does the
-rest with matmuls; the Triton kernels do the same tile by tile.
+The dot product subtracts terms of size μ²/v: with variances spanning e^±7 or means
+spread over tens of σ, the KL of near pairs (which carry the softmax's weight, amplified
+by 1/κ) loses every digit, and KL_ii is not 0. So the CPU path computes the KL values
+per pair as the model writes them (:func:`pairwise_kl`: (μ_i − μ_j)² is a difference,
+KL_ii = 0 exactly), in float64, over chunks of K (never [B, N, N, K] whole), and uses the
+dot form only for the gradient's reductions (:func:`_scores_backward`, in float64, where
+the expansion costs nothing measurable). The means are centred (:func:`center`; KL is
+shift-invariant, so the gradient with respect to the centred means is the gradient with
+respect to the means). The Triton kernels still form the scores tile by tile in the dot form.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import torch
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp16/bf16 inputs are computed in fp32; fp32 and fp64 in their own precision."""
-    return torch.promote_types(dtype, torch.float32)
+    """Every input is computed in float64 on the CPU path: the softmax's gradient with respect to
+    the KL, contracted with the expanded ∂KL/∂μ, loses what float32 rounding leaves in it."""
+    return torch.float64
 
 
 def center(mu: torch.Tensor, dim: int) -> torch.Tensor:
@@ -95,6 +97,30 @@ def masked_keys(n: int, causal: bool, mask_diagonal: bool, device) -> torch.Tens
     return _MASKS[key]
 
 
+_CHUNK = 1 << 22  # pair-feature elements per chunk of K: bounds the [B, N, N, k] temporaries
+
+
+def pairwise_kl(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """KL(q_i ‖ q_j) [B, N, N] per pair, in float64, summed over K in chunks.
+
+    ½ Σ_k [((μ_ik − μ_jk)² + v_ik) / v_jk + log v_jk − log v_ik] − K/2: the difference of
+    means is formed before squaring and v_i / v_j is a division, so KL_ii is exactly 0
+    and a near pair's KL keeps its relative precision.
+    """
+    mu, var = mu.double(), var.double()
+    b, n, k = mu.shape
+    log_var = torch.log(var)
+    tracing = torch._C._len_torch_dispatch_stack() > 0 or not isinstance(k, int)
+    step = k if tracing else max(1, _CHUNK // max(1, b * n * n))
+    total = None
+    for start in range(0, k, step):
+        m, v, lv = (t[..., start:start + step] for t in (mu, var, log_var))
+        d = m.unsqueeze(2) - m.unsqueeze(1)
+        part = ((d * d + v.unsqueeze(2)) / v.unsqueeze(1) + (lv.unsqueeze(1) - lv.unsqueeze(2))).sum(-1)
+        total = part if total is None else total + part
+    return 0.5 * (total - k)
+
+
 def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
     """(KL [B,N,N], β [B,N,N] with 0 at masked pairs, lse [B,N]).
 
@@ -103,11 +129,7 @@ def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
     its β is exp(−inf) = 0 and its lse is log 0 = −inf).
     """
     ct = compute_dtype(mu.dtype)
-    muc = center(mu.to(ct), dim=1)
-    v = var.to(ct)
-    a, c = query_features(muc, v)
-    b, d = key_features(muc, v)
-    kl = torch.baddbmm(c.unsqueeze(-1) + d.unsqueeze(-2), a, b.transpose(1, 2))
+    kl = pairwise_kl(mu, var).to(ct)
     logits = kl * (-1.0 / kappa)
     masked = masked_keys(mu.shape[1], causal, mask_diagonal, mu.device)
     if masked is not None:
@@ -176,12 +198,25 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
 
 
 def _scores_backward(mu, var, grad_s):
-    """(dμ, dv) from dKL [B, N, N] through KL = c_i + a_i·b_j + d_j."""
-    ct = compute_dtype(mu.dtype)
-    muc = center(mu.to(ct), dim=1)
-    v = var.to(ct)
-    a, _ = query_features(muc, v)
-    b, _ = key_features(muc, v)
-    gq_mu, gq_var = query_features_backward(muc, v, grad_s @ b, grad_s.sum(-1))
-    gk_mu, gk_var = key_features_backward(muc, v, _t_matmul(grad_s, a), grad_s.sum(-2))
-    return (gq_mu + gk_mu).to(mu.dtype).contiguous(), (gq_var + gk_var).to(var.dtype).contiguous()
+    """(dμ, dv) from dKL [B, N, N], per pair like :func:`pairwise_kl` (float64, K in chunks).
+
+    ∂KL_ij/∂μ_i = −∂KL_ij/∂μ_j = (μ_i − μ_j)/v_j, ∂KL_ij/∂v_i = ½ (v_i − v_j)/(v_i v_j),
+    ∂KL_ij/∂v_j = ½ (v_j − v_i − (μ_i − μ_j)²)/v_j²: each vanishes on the diagonal exactly,
+    where an expansion into per-position sums would leave rounding of size 1/κ.
+    """
+    g = grad_s.double().unsqueeze(-1)
+    m, v = mu.double(), var.double()
+    b, n, k = m.shape
+    tracing = torch._C._len_torch_dispatch_stack() > 0 or not isinstance(k, int)
+    step = k if tracing else max(1, _CHUNK // max(1, b * n * n))
+    grad_mu, grad_var = [], []
+    for start in range(0, k, step):
+        mc, vc = m[..., start:start + step], v[..., start:start + step]
+        vi, vj = vc.unsqueeze(2), vc.unsqueeze(1)
+        d = mc.unsqueeze(2) - mc.unsqueeze(1)
+        t = g * d / vj
+        grad_mu.append(t.sum(2) - t.sum(1))
+        gv_i = (g * (vi - vj) / (vi * vj)).sum(2)
+        gv_j = (g * (vj - vi - d * d) / (vj * vj)).sum(1)
+        grad_var.append(0.5 * (gv_i + gv_j))
+    return (torch.cat(grad_mu, -1).to(mu.dtype).contiguous(), torch.cat(grad_var, -1).to(var.dtype).contiguous())
