@@ -241,3 +241,26 @@ def test_no_less_stable_than_eager(path, log_var_range, spread, kappa):
     for name, r, e, f in zip(names, ref, eager, fused):
         eager_err, fused_err = rel_err(e.double(), r), rel_err(f.double(), r)
         assert fused_err <= 10 * eager_err + 1e-7, f"{name}: fused {fused_err:.2e}, eager fp32 {eager_err:.2e}"
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+def test_nan_belief_propagates_as_in_the_reference(path):
+    """A NaN in one belief makes NaN what the broadcast form makes NaN, and nothing else."""
+    mu, var, rv, cv = (t.detach() for t in _inputs(1, 6, 3, 2, 2))
+    mu[0, 2, 1] = float("nan")
+    with _path(path):
+        got = OP(mu, var, rv, cv, 0.9, True, False)
+    ref = kl_attention_naive(mu, var, rv, cv, 0.9, True, False)
+    for name, g, r in zip(OUTPUT_NAMES, got, ref):
+        assert torch.equal(torch.isnan(g), torch.isnan(r)), name
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+def test_float64_is_computed_in_float64(path):
+    inputs = [t.detach().double().requires_grad_() for t in _inputs(2, 5, 3, 2, 2)]
+    with _path(path):
+        got = OP(*inputs, 0.7, True, True)
+    ref = kl_attention_naive(*inputs, 0.7, True, True)
+    for name, g, r in zip(OUTPUT_NAMES[:6], got, ref):
+        assert g.dtype == torch.float64
+        assert_close(name, g, r, 1e-12)

@@ -110,7 +110,7 @@ def _fwd_rows(a_ptr, c_ptr, b_ptr, d_ptr, rv_ptr,
             acc = acc * alpha[:, None] + tl.dot(p, v_j, input_precision="ieee")
             acc_kl = acc_kl * alpha[:, None] + tl.dot(ps, v_j, input_precision="ieee")
         m_i = m_new
-    has_key = l_i > 0
+    has_key = l_i != 0.0  # 0: no allowed key; NaN (a NaN score) stays NaN, as in ATen
     inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)
     lse = tl.where(has_key, m_i + tl.log(tl.where(has_key, l_i, 1.0)), float("-inf"))
     _store_vec(energy_ptr, e_i * inv_l, b, offs_m, N)

@@ -1,14 +1,6 @@
-"""KL between diagonal Gaussians as a dot product, and the op's CPU path built on it.
+"""The op's CPU path (and ATen decomposition), and the dot-product features its Triton kernels use.
 
-DESIGN fact "Pairwise KL is a dot product"::
-
-    KL(q_i ‖ q_j) = c_i + a_i · b_j + d_j
-    a_i = [v_i + μ_i², μ_i]                 [.., 2K]   (query side)
-    b_j = [1 / (2 v_j), −μ_j / v_j]         [.., 2K]   (key side)
-    c_i = −½ Σ_k (log v_ik + 1)             [..]
-    d_j =  ½ Σ_k (log v_jk + μ_jk² / v_jk)  [..]
-
-The dot product subtracts terms of size μ²/v: with variances spanning e^±7 or means
+KL(q_i ‖ q_j) = c_i + a_i · b_j + d_j (:mod:`hecate.lowering.gaussian_features`). The dot product subtracts terms of size μ²/v: with variances spanning e^±7 or means
 spread over tens of σ, the KL of near pairs (which carry the softmax's weight, amplified
 by 1/κ) loses every digit, and KL_ii is not 0. So the CPU path computes the KL values
 per pair as the model writes them (:func:`pairwise_kl`: (μ_i − μ_j)² is a difference,
@@ -23,51 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from hecate.lowering.gaussian_features import (center, key_features, key_features_backward,  # noqa: F401
+                                               query_features, query_features_backward)
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Every input is computed in float64 on the CPU path: the softmax's gradient with respect to
     the KL, contracted with the expanded ∂KL/∂μ, loses what float32 rounding leaves in it."""
     return torch.float64
-
-
-def center(mu: torch.Tensor, dim: int) -> torch.Tensor:
-    """μ minus its mean over ``dim`` (KL is shift-invariant; this keeps a · b well-conditioned)."""
-    return mu - mu.mean(dim=dim, keepdim=True)
-
-
-def query_features(mu: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a, c): a = [v + μ², μ] [.., 2K], c = −½ Σ(log v + 1) [..]."""
-    a = torch.cat([var + mu * mu, mu], dim=-1)
-    c = -0.5 * (torch.log(var) + 1.0).sum(-1)
-    return a, c
-
-
-def key_features(mu: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(b, d): b = [1/(2v), −μ/v] [.., 2K], d = ½ Σ(log v + μ²/v) [..]."""
-    inv = 1.0 / var
-    b = torch.cat([0.5 * inv, -mu * inv], dim=-1)
-    d = 0.5 * (torch.log(var) + mu * mu * inv).sum(-1)
-    return b, d
-
-
-def query_features_backward(mu, var, grad_a, grad_c):
-    """(dμ, dv) from the gradients of (a, c) of :func:`query_features`."""
-    k = mu.shape[-1]
-    ga_var, ga_mu = grad_a[..., :k], grad_a[..., k:]
-    grad_mu = 2.0 * mu * ga_var + ga_mu
-    grad_var = ga_var - 0.5 * grad_c.unsqueeze(-1) / var
-    return grad_mu, grad_var
-
-
-def key_features_backward(mu, var, grad_b, grad_d):
-    """(dμ, dv) from the gradients of (b, d) of :func:`key_features`."""
-    k = mu.shape[-1]
-    inv = 1.0 / var
-    gb_var, gb_mu = grad_b[..., :k], grad_b[..., k:]
-    gd = grad_d.unsqueeze(-1)
-    grad_mu = -gb_mu * inv + gd * mu * inv
-    grad_var = (-0.5 * gb_var + gb_mu * mu) * inv * inv + gd * (0.5 * inv - 0.5 * mu * mu * inv * inv)
-    return grad_mu, grad_var
 
 
 _MASKS: dict = {}
@@ -124,7 +79,7 @@ def pairwise_kl(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
 def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
     """(KL [B,N,N], β [B,N,N] with 0 at masked pairs, lse [B,N]).
 
-    KL is finite at masked pairs too; every use multiplies it by β, which is 0 there.
+    KL is 0 at masked pairs (every use multiplies it by β, which is 0 there).
     One pass of exp: β = exp(l − m) / Σ, lse = m + log Σ (m = 0 on a row with no key, so
     its β is exp(−inf) = 0 and its lse is log 0 = −inf).
     """
@@ -134,6 +89,7 @@ def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
     masked = masked_keys(mu.shape[1], causal, mask_diagonal, mu.device)
     if masked is not None:
         logits = logits.masked_fill(masked, float("-inf"))
+        kl = kl.masked_fill(masked, 0.0)  # β is 0 there: 0, not β·KL, even for a NaN or infinite belief
     m = logits.amax(-1, keepdim=True)
     if masked is not None:
         m = m.masked_fill(torch.isinf(m), 0.0)

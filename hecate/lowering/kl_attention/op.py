@@ -25,7 +25,9 @@ Schema::
 These are exactly the sums the spec's Q-flow needs (see ``hecate/passes/kl_attention.py``
 for how its gradient terms map onto them), and neither [B, N, N, K] nor [B, N, N] is
 ever formed on the Triton path. A row with no allowed key (N = 1 with the diagonal
-masked; row 0 when causal and diagonal-masked) has β_i· = 0: its sums are 0, not NaN.
+masked; row 0 when causal and diagonal-masked) has β_i· = 0: its sums are 0, not NaN
+(the pass adds the NaN of a softmax over no key where the model's code has it).
+float64 inputs run the ATen path in float64 (the kernels compute in fp32).
 
 Differentiable in mu, var, row_values and col_values for every output (the
 training step backprops through the unrolled Q-flow). The backward is its own op,
@@ -73,7 +75,7 @@ def kl_attention(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
     check_inputs(mu, var, row_values, col_values, kappa)
-    if use_triton(mu):
+    if use_triton(mu) and mu.dtype != torch.float64:  # the kernels compute in fp32
         return _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal)
     return matmul_form.forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal)
 
@@ -97,7 +99,7 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
                           kappa: float, causal: bool, mask_diagonal: bool
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = (grad_row_sum, grad_row_kl_sum, grad_energy, grad_col_sum, grad_col_kl_sum, grad_col_energy_sum, grad_lse)
-    if use_triton(mu):
+    if use_triton(mu) and mu.dtype != torch.float64:  # the kernels compute in fp32
         return _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
                                 kappa, causal, mask_diagonal)
     return matmul_form.backward(mu, var, row_values, col_values, grads, kappa, causal, mask_diagonal)
