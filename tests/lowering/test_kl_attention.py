@@ -220,8 +220,7 @@ def _outputs_and_grads(fn, inputs, dtype, out_weights, kappa, causal):
     return [o.detach() for o in outs] + list(torch.autograd.grad(loss, args))
 
 
-@pytest.mark.parametrize("path", ["cpu", pytest.param("triton", marks=pytest.mark.xfail(
-    reason="the Triton kernels still form the scores in the dot form, which cancels", strict=True))])
+@pytest.mark.parametrize("path", ["cpu", "triton"])
 @pytest.mark.parametrize("log_var_range,spread,kappa", [(7.0, 30.0, 1.0), (7.0, 30.0, 1e-3), (1.0, 30.0, 1e-3),
                                                          (7.0, 1.0, 0.1)])
 def test_no_less_stable_than_eager(path, log_var_range, spread, kappa):

@@ -1,27 +1,22 @@
-"""The op's CPU path (and ATen decomposition), and the dot-product features its Triton kernels use.
+"""The op's CPU path (and its ATen decomposition), with [B, N, N] scores and matmuls.
 
-KL(q_i ‖ q_j) = c_i + a_i · b_j + d_j (:mod:`hecate.lowering.gaussian_features`). The dot product subtracts terms of size μ²/v: with variances spanning e^±7 or means
-spread over tens of σ, the KL of near pairs (which carry the softmax's weight, amplified
-by 1/κ) loses every digit, and KL_ii is not 0. So the CPU path computes the KL values
-per pair as the model writes them (:func:`pairwise_kl`: (μ_i − μ_j)² is a difference,
-KL_ii = 0 exactly), in float64, over chunks of K (never [B, N, N, K] whole), and uses the
-dot form only for the gradient's reductions (:func:`_scores_backward`, in float64, where
-the expansion costs nothing measurable). The means are centred (:func:`center`; KL is
-shift-invariant, so the gradient with respect to the centred means is the gradient with
-respect to the means). The Triton kernels still form the scores tile by tile in the dot form.
+KL could be a dot product, c_i + a_i·b_j + d_j (:mod:`hecate.lowering.gaussian_features`),
+but that subtracts terms of size μ²/v: with variances spanning e^±7 or means spread over
+tens of σ, the KL of near pairs (which carry the softmax's weight, amplified by 1/κ) loses
+every digit, and KL_ii is not 0. So the KL values and their gradient are computed per pair,
+as the model writes them (:func:`pairwise_kl`, :func:`_scores_backward`: differences are
+formed before anything large, KL_ii = 0 exactly), in float64, over chunks of K (never
+[B, N, N, K] whole); the Triton kernels do the same per tile.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hecate.lowering.gaussian_features import (center, key_features, key_features_backward,  # noqa: F401
-                                               query_features, query_features_backward)
-
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Every input is computed in float64 on the CPU path: the softmax's gradient with respect to
-    the KL, contracted with the expanded ∂KL/∂μ, loses what float32 rounding leaves in it."""
+    """The CPU path computes in float64 whatever the input: the softmax's gradient is amplified by
+    1/κ (κ down to 1e-3), and its float32 rounding would then exceed eager's own error."""
     return torch.float64
 
 
@@ -58,8 +53,8 @@ _CHUNK = 1 << 22  # pair-feature elements per chunk of K: bounds the [B, N, N, k
 def pairwise_kl(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """KL(q_i ‖ q_j) [B, N, N] per pair, in float64, summed over K in chunks.
 
-    ½ Σ_k [((μ_ik − μ_jk)² + v_ik) / v_jk + log v_jk − log v_ik] − K/2: the difference of
-    means is formed before squaring and v_i / v_j is a division, so KL_ii is exactly 0
+    ½ Σ_k [((μ_ik − μ_jk)² + v_ik − v_jk) / v_jk + log v_jk − log v_ik], the form the Triton
+    kernels use: differences are formed before anything large is, so KL_ii is exactly 0
     and a near pair's KL keeps its relative precision.
     """
     mu, var = mu.double(), var.double()
@@ -71,9 +66,10 @@ def pairwise_kl(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     for start in range(0, k, step):
         m, v, lv = (t[..., start:start + step] for t in (mu, var, log_var))
         d = m.unsqueeze(2) - m.unsqueeze(1)
-        part = ((d * d + v.unsqueeze(2)) / v.unsqueeze(1) + (lv.unsqueeze(1) - lv.unsqueeze(2))).sum(-1)
+        vi, vj = v.unsqueeze(2), v.unsqueeze(1)
+        part = ((d * d + (vi - vj)) / vj + (lv.unsqueeze(1) - lv.unsqueeze(2))).sum(-1)
         total = part if total is None else total + part
-    return 0.5 * (total - k)
+    return 0.5 * total
 
 
 def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
