@@ -297,3 +297,48 @@ def test_decode_spelling_fuses_and_equals_eager(fn, fresh_dynamo):
     report = _compare(lambda *a: fn(*a, targets), args, "kl_decode")
     assert report.count("kl_decode") == 1, str(report)
     assert not [m for m in report.misses if m.pattern == "kl_decode"], str(report)
+
+
+# --- near-misses: recognised as pairwise-KL attention, not fusable, reported with the user's line ---------
+
+
+def m_reversed_kl(mu, var):  # KL(q_j ‖ q_i): the key to the query
+    return F.softmax(-kl_spec(mu, var).transpose(1, 2), dim=-1) @ mu
+
+
+def m_symmetrised(mu, var):  # Jeffreys divergence, not the KL
+    kl = kl_spec(mu, var)
+    return F.softmax(-(kl + kl.transpose(1, 2)), dim=-1) @ mu
+
+
+def m_tensor_temperature(mu, var, kappa):
+    return F.softmax(-kl_spec(mu, var) / kappa, dim=-1) @ mu
+
+
+def m_score_bias(mu, var):  # a finite additive bias is not a mask
+    n = mu.shape[1]
+    return F.softmax(-kl_spec(mu, var) + torch.ones(n, n).triu(1), dim=-1) @ mu
+
+
+def m_window_mask(mu, var):  # a local window: neither causal nor no-self
+    n = mu.shape[1]
+    mask = torch.ones(n, n, dtype=torch.bool).triu(-1).tril(1)
+    return F.softmax((-kl_spec(mu, var)).masked_fill(~mask, float("-inf")), dim=-1) @ mu
+
+
+@pytest.mark.parametrize("fn,extra,reason", [
+    (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
+    (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
+    (m_tensor_temperature, (torch.tensor(0.7),), "a tensor temperature"),
+    (m_score_bias, (), "not a mask of 0 and −inf"),
+    (m_window_mask, (), "none of: all keys, causal (j ≤ i), no self (j ≠ i)"),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_near_miss_is_reported_with_the_users_line(fn, extra, reason, fresh_dynamo):
+    mu, var = torch.randn(B, N, K), _var((B, N, K))
+    report = hecate.explain(fn, mu, var, *extra)
+    assert report.count("kl_attention") == 0
+    misses = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert misses and reason in misses[0].reason, str(report)
+    assert "test_kl_spellings.py" in misses[0].source, misses[0]
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(mu, var, *extra), fn(mu, var, *extra), 1e-6)
