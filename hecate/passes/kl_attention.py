@@ -831,13 +831,15 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
             else:
                 total = torch.where(empty_rows.unsqueeze(-1), float("nan"), total)
         width = target[-1] if (_rank(root.args[0]) == 4 or not _sum_over_keys(root)) else 1
-        root_values[root] = total.expand(b, n, width).reshape(target)
+        # the dtype the graph gave the sum (under autocast, not the op's)
+        root_values[root] = total.expand(b, n, width).reshape(target).to(root.meta["val"].dtype)
     formed = []
     if escaping:
         kl, beta, _ = scores_and_beta(mean, var, score.kappa, score.causal, score.mask_diagonal)
         if empty_rows is not None:
             beta = torch.where(empty_rows.unsqueeze(-1), float("nan"), beta)
         for node in escaping:
-            formed.append(beta.to(mean.dtype) if node is algebra.beta else (kl * algebra.kl_scales[node]).to(mean.dtype))
+            value = beta if node is algebra.beta else kl * algebra.kl_scales[node]
+            formed.append(value.to(node.meta["val"].dtype))
     return [root_values[r] for r in roots] + formed
 

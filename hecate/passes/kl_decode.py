@@ -180,7 +180,8 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
         def logits_fn(*values):
             mu2, var2, prior_mu, prior_var = beliefs(*values)
             flat = torch.ops.hecate.kl_decode_logits(mu2, var2, prior_mu, prior_var, tau)
-            return flat.reshape(values[0].shape[0], values[0].shape[1], prior_mu.shape[0])
+            flat = flat.reshape(values[0].shape[0], values[0].shape[1], prior_mu.shape[0])
+            return flat.to(logits.meta["val"].dtype)  # the graph's dtype (under autocast, not the op's)
 
         replace_with_function(gm, [logits], logits_fn, inputs, outputs=[logits])
         report.add_fusion(PATTERN, "hecate.kl_decode_logits", 1,
@@ -192,6 +193,7 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
         targets = values[-1]
         mu2, var2, prior_mu, prior_var = beliefs(*values[:-1])
         loss, _ = torch.ops.hecate.kl_decode_ce(mu2, var2, prior_mu, prior_var, targets, tau, ignore_index)
+        loss = loss.to(ce_node.meta["val"].dtype)  # the graph's dtype (under autocast, not the op's)
         if reduction == "sum":
             return loss.sum()
         if reduction == "mean":  # as F.cross_entropy: the mean over the targets not ignored

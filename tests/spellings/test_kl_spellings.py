@@ -342,3 +342,21 @@ def test_near_miss_is_reported_with_the_users_line(fn, extra, reason, fresh_dyna
     assert "test_kl_spellings.py" in misses[0].source, misses[0]
     compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
     assert_close("output", compiled(mu, var, *extra), fn(mu, var, *extra), 1e-6)
+
+
+@pytest.mark.parametrize("fn", [a_matmul_causal, a_energy, a_returns_beta, "decode"],
+                         ids=["matmul_causal", "energy", "returns_beta", "decode_ce"])
+def test_autocast_gives_eager_dtypes(fn, fresh_dynamo):
+    """Under torch.autocast(bf16) each fused result has the dtype eager gives it (values to bf16 precision)."""
+    mu, var = torch.randn(B, N, K), _var((B, N, K))
+    args = (mu, var)
+    if fn == "decode":
+        targets = torch.randint(0, V, (B, N))
+        fn = lambda *a: d_spec_ce(*a, targets)  # noqa: E731
+        args = (mu, var, torch.randn(V, K), _var((V, K)))
+    with torch.autocast("cpu", torch.bfloat16):
+        ref = fn(*args)
+        got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*args)
+    assert hecate.last_report().fusions, str(hecate.last_report())
+    assert got.dtype == ref.dtype
+    assert_close("output", got.float(), ref.float(), 2e-2)
