@@ -327,10 +327,6 @@ def _zero_fill_of_masked(user: fx.Node, softmax: fx.Node, allowed: torch.Tensor)
 # 2. the algebra of what is computed from β
 
 
-class _NotSeparable(Exception):
-    """An expression the pair algebra cannot read; the message says which node and why."""
-
-
 # A factor: ("P", flipped) β, ("S", flipped) KL, ("L", leaf id, role) a per-position tensor.
 # A monomial: (coef, ((factor, power), ...) sorted). A polynomial: {factors: coef}.
 Poly = dict
@@ -406,7 +402,7 @@ class _PairAlgebra:
         if not isinstance(node, fx.Node):
             if isinstance(node, (int, float)) and not isinstance(node, bool):
                 return {(): float(node)} if node != 0 else {}
-            raise _NotSeparable(f"literal {node!r} of type {type(node).__name__}")
+            raise NotFused(f"literal {node!r} of type {type(node).__name__}")
         if node not in self.memo:
             self.memo[node] = self._read(node)
         return self.memo[node]
@@ -458,11 +454,11 @@ class _PairAlgebra:
             if self.is_pair(x):
                 if _rank(x) == 3 and dim in (-1, 3):
                     return self.read(x)
-                raise _NotSeparable(f"{node.name} unsqueezes a pair tensor at dim {dim}, not at the end")
+                raise NotFused(f"{node.name} unsqueezes a pair tensor at dim {dim}, not at the end")
             return self._leaf(x, "i" if dim % 4 == 2 else "j", "as_is", shape_of(x)[-1] != 1)
         if t == aten.transpose.int:
             if sorted(d % _rank(node) for d in args[1:3]) != [1, 2]:
-                raise _NotSeparable(f"{node.name} transposes dims {args[1:3]}, not the two position dims")
+                raise NotFused(f"{node.name} transposes dims {args[1:3]}, not the two position dims")
             return _poly_transpose(self.read(args[0]))
         if t == aten.neg.default:
             return _poly_scale(self.read(args[0]), -1.0)
@@ -481,26 +477,26 @@ class _PairAlgebra:
             return _poly_mul(self.read(args[0]), self._inverse(args[1], node))
         if t == aten.reciprocal.default:
             return self._inverse(args[0], node)
-        raise _NotSeparable(f"{node.name} ({short(t)}) is not an elementwise op the fused op can express")
+        raise NotFused(f"{node.name} ({short(t)}) is not an elementwise op the fused op can express")
 
     def _inverse(self, denominator, node) -> Poly:
         if not isinstance(denominator, fx.Node):
             if denominator == 0:
-                raise _NotSeparable(f"{node.name} divides by 0")
+                raise NotFused(f"{node.name} divides by 0")
             return {(): 1.0 / float(denominator)}
         d = self.read(denominator)
         if len(d) != 1:
-            raise _NotSeparable(f"{node.name} divides by a sum of terms ({denominator.name})")
+            raise NotFused(f"{node.name} divides by a sum of terms ({denominator.name})")
         (factors, coef), = d.items()
         if any(f[0] in ("P", "S") for f, _ in factors):
-            raise _NotSeparable(f"{node.name} divides by an expression of β or KL ({denominator.name})")
+            raise NotFused(f"{node.name} divides by an expression of β or KL ({denominator.name})")
         return {_mono({f: -p for f, p in factors}): 1.0 / coef}
 
     def _outside_leaf(self, node: fx.Node) -> Poly:
         """A tensor computed outside the pair space, broadcast into it: classify it by its shape."""
         shape = shape_of(node)
         if shape is None:
-            raise _NotSeparable(f"{node.name} has no shape information")
+            raise NotFused(f"{node.name} has no shape information")
         rank = len(shape)
         if rank == 4:
             i_dim, j_dim = shape[1], shape[2]
@@ -514,7 +510,7 @@ class _PairAlgebra:
                 return self._leaf(node, "i", "as_is", False)
             if shape[1] == 1:
                 return self._leaf(node, "j", "transpose", False)
-        raise _NotSeparable(f"{node.name} of shape {list(shape)} is neither per-query nor per-key")
+        raise NotFused(f"{node.name} of shape {list(shape)} is neither per-query nor per-key")
 
 
 def _rank(node) -> int:
@@ -592,7 +588,7 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
     algebra.roots = set(roots)
     try:
         plan = _plan(algebra, roots)
-    except _NotSeparable as e:
+    except NotFused as e:
         raise NotFused(f"a sum over the keys reads β in a way the fused op cannot express: {e}") from None
     outside = _outside_users(algebra, roots, core)
     if outside:
@@ -692,10 +688,10 @@ def _plan(algebra: _PairAlgebra, roots: list[fx.Node]) -> _Plan:
             s = [(f, e) for f, e in factors if f[0] == "S"]
             leaves = [(f, e) for f, e in factors if f[0] == "L"]
             if len(p) != 1 or p[0][1] != 1:
-                raise _NotSeparable(f"{root.name}: a term without exactly one factor β ({_describe(factors)})")
+                raise NotFused(f"{root.name}: a term without exactly one factor β ({_describe(factors)})")
             flipped = p[0][0][1]
             if s and (len(s) != 1 or s[0][1] != 1 or s[0][0][1] != flipped):
-                raise _NotSeparable(f"{root.name}: a term with KL other than once, in β's orientation")
+                raise NotFused(f"{root.name}: a term with KL other than once, in β's orientation")
             with_kl = bool(s)
             i_leaves = tuple((f[1], e) for f, e in leaves if f[2] == "i")
             j_leaves = tuple((f[1], e) for f, e in leaves if f[2] == "j")
@@ -707,7 +703,7 @@ def _plan(algebra: _PairAlgebra, roots: list[fx.Node]) -> _Plan:
                 elif src in plan.energy_roots and e == 1 and flipped and not with_kl and not energy_j:
                     energy_j.append((key, e))  # Σ_j β_ji Ā_j W_j: the op's col_energy_sum
                 else:
-                    raise _NotSeparable(f"{root.name}: a per-key factor ({src.name}) is itself a sum over β")
+                    raise NotFused(f"{root.name}: a per-key factor ({src.name}) is itself a sum over β")
             rest_j = tuple(rest_j)
             if not flipped:
                 if with_kl and not rest_j:
