@@ -56,7 +56,7 @@ def attention_step(mu, sigma, mu_p, sigma_p, config):
 
 def sdpa_equivalent(mu, sigma, config):
     """The same softmax as SDPA with head dim 2K+1 (the speed limit for the row pass)."""
-    from hecate.lowering.kl_attention.matmul_form import center, key_features, query_features
+    from hecate.lowering.gaussian_features import center, key_features, query_features
     var = sigma.square() + config.eps
     muc = center(mu, 1)
     a, _ = query_features(muc, var)

@@ -1,159 +1,330 @@
-"""Pass ``kl_attention``: the spec's pairwise-KL softmax and every β-weighted sum read from it → one op.
+"""Pass ``kl_attention``: the pairwise-KL softmax and every β-weighted sum read from it → one op.
 
-What the model writes (spec §3.2, §4.1, §4.2; ``hecate/models/fep.py``)::
+What a model computes (spec §3.2, §4.1, §4.2; ``hecate/models/fep.py`` is one spelling)::
 
-    kl = 0.5 * (log(var_j / var_i) + var_i / var_j + (μ_i − μ_j)² / var_j − 1).sum(-1)   # [B,N,N,K] → [B,N,N]
-    β  = softmax((−kl / κ).masked_fill(~mask, −inf), dim=-1)  [.masked_fill(~mask, 0)]
-    ... (β.unsqueeze(-1) * (μ_i − μ_j) / var_j).sum(dim=2) ...       # and a dozen more such sums
+    KL_ij = KL(N(μ_i, v_i) ‖ N(μ_j, v_j))                 # [B, N, N], from the [B, N, N, K] broadcast
+    β     = softmax(−KL / κ  over the allowed keys, dim=-1)
+    ... Σ_j β_ij V_j (β @ V, einsum, (β[..., None] * V[:, None]).sum(-2)), Σ_j β_ij KL_ij, ...
 
-What replaces it: ``hecate.kl_attention(μ, var, V, W, κ, causal, mask_diagonal)`` (see its
-op.py), whose outputs are the sums Σ_j β_ij V_j, Σ_j β_ij KL_ij V_j, Σ_j β_ij KL_ij,
-Σ_j β_ji W_j, Σ_j β_ji KL_ji W_j and Σ_j β_ji (Σ_l β_jl KL_jl) W_j.
+What replaces it: ``hecate.kl_attention(μ, v, V, W, κ, causal, mask_diagonal)`` (see its op.py),
+whose outputs are the sums Σ_j β_ij V_j, Σ_j β_ij KL_ij V_j, Σ_j β_ij KL_ij, Σ_j β_ji W_j,
+Σ_j β_ji KL_ji W_j and Σ_j β_ji (Σ_l β_jl KL_jl) W_j.
 
-How (two steps):
+How, by what the code computes rather than how it is spelled:
 
-1. The core ``kl → −kl/κ → masked_fill(−inf) → softmax(-1)`` is a pattern written as the
-   PyTorch above (:func:`_core_masked`, :func:`_core_full`), its literals verified
-   (0.5, 1.0, −inf, the unsqueeze dims, the softmax dim) and the mask read
-   structurally: ``tril(ones)`` is causal, ``~eye`` masks the diagonal, their ``&`` both.
-2. Everything computed from β and kl until a sum over the key axis j is read as a
-   polynomial in the pair space (i, j, k) (:class:`_PairAlgebra`): each term is a
-   coefficient times β_ij or β_ji, optionally times KL of the same orientation,
-   times per-position factors that depend on i only or on j only (``x.unsqueeze(2)``,
-   ``x.unsqueeze(1)``, keepdim sums, transposes swapping the two). That is exactly what
-   the spec's gradients are, e.g. ``(μ_i − μ_j)/v_j = μ_i · (1/v_j) − (μ_j/v_j)``. A
-   sum over j of such a term is ``(i-factors) · (op output for the j-factors)``; the j-factors
-   become the op's row values V (β_ij terms) or column values W (β_ji terms). The
-   sums are then rebuilt from the op's outputs and the [B, N, N(, K)] nodes die.
+1. Every softmax over the key axis of a [B, N, N] score is a candidate. Masks are peeled off
+   (``masked_fill(·, −inf)``, ``torch.where(·, ·, −inf)``, an additive mask): each is evaluated
+   (it depends on sizes only) and compared with the masks the op knows: none, causal j ≤ i,
+   no-self j ≠ i, both.
+2. The score's subgraph is cut where per-position tensors [B, N, K] are broadcast into the pair
+   space (``x.unsqueeze(1)`` / ``x.unsqueeze(2)``, ``x[:, None]``). If it is a pairwise score, it is
+   evaluated in float64 at random points (a private generator) and must equal −KL(q_i‖q_j)/κ
+   for one of the per-position tensors as the means and another, as variance, log-variance,
+   standard deviation, log-std or precision. So the log/ratio/square spelling,
+   ``torch.distributions.kl_divergence`` of ``Normal``s, a KL computed per term and summed,
+   any temperature spelling all read the same. Nodes of the score equal to γ·KL are KL factors.
+3. Everything computed from β and KL until a sum over the key axis j (``sum(dim=2)``, a matmul,
+   bmm or einsum with per-key values) is read as a polynomial in the pair space (i, j, k)
+   (:class:`_PairAlgebra`): each term is a coefficient times β_ij or β_ji, optionally times KL
+   of the same orientation, times per-position factors of i only or j only. A sum over j of
+   such a term is ``(i-factors) · (op output for the j-factors)``; the j-factors become the op's
+   row values V (β_ij terms) or column values W (β_ji terms). The replacement is written as
+   Python (:func:`_replacement`) and traced under the graph's fake mode, so shapes stay symbolic.
 
-A user that reads β or kl whole (β returned by the model, β.sum(), ...) gets them in the
-matmul form, [B, N, N], formed beside the op (never [B, N, N, K]); the report says so.
-Otherwise it is all-or-nothing per β: if something computed from β or kl is used in a
-way the algebra cannot read (a sum over another axis, a non-separable expression), the
-graph is left as is and the reason is reported.
+β or KL read whole (β returned by the model, β.sum(), ...) is formed beside the op in the matmul
+form, [B, N, N] (never [B, N, N, K]); the report says so. A row with no allowed key gives what
+the model's code gives: NaN from the softmax of all −inf, or 0 where the model zero-fills β at
+the masked keys. If something computed from β or KL is used in a way the algebra cannot read,
+the graph is left as is and the first reason is reported with the user's source line.
 """
 
 from __future__ import annotations
 
-import operator
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import fx
-from torch._guards import detect_fake_mode
 
-from hecate.compiler.report import FusionReport
-from hecate.passes.matching import Match, find_matches, pattern_graph, restore_topological_order
+from hecate.passes.report import FusionReport
+from hecate.passes.gaussian import (VARIANCE_FROM, _is_noop, evaluate, gaussian_kl, independent, proportion, shape_of,
+                                    short, strip_noops)
+from hecate.passes.matching import NotFused, replace_with_function
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
 aten = torch.ops.aten
+_NEG_INF = float("-inf")
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. the core: pairwise KL and its masked softmax, written as the spec writes it
+# 1. the score and its mask, by what they compute
 
 
-def _kl_pairwise(mu, var):
-    mu_i, mu_j = mu.unsqueeze(2), mu.unsqueeze(1)
-    var_i, var_j = var.unsqueeze(2), var.unsqueeze(1)
-    kl = 0.5 * (torch.log(var_j / var_i) + var_i / var_j + (mu_i - mu_j).square() / var_j - 1.0)
-    return kl.sum(dim=-1)
+@dataclass
+class _Score:
+    """A softmax recognised as pairwise-KL attention."""
+
+    softmax: fx.Node
+    beta: fx.Node  # the softmax, or its zero-fill at the masked keys
+    mean: fx.Node  # [B, N, K]
+    scale: fx.Node  # [B, N, K], the variance through VARIANCE_FROM[parameterisation]
+    parameterisation: str
+    kappa: float
+    causal: bool
+    mask_diagonal: bool
+    empty_rows_nan: bool  # a row with no allowed key is NaN (the softmax's), not 0
+    kl_scales: dict  # node -> γ for the score's nodes whose value is γ · KL_ij
+    draw: dict  # the per-position tensors' values the score was evaluated at, and ("kl",): KL there
+    nodes: list  # the score's nodes and its masking, up to the softmax
 
 
-def _core_masked(mu, var, mask):
-    kl = _kl_pairwise(mu, var)
-    logits = (-kl / 1.0).masked_fill(~mask, float("-inf"))
-    return F.softmax(logits, dim=-1), kl
+def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx.Node]]:
+    """(the unmasked logits, [(mask node, "masked" | "allowed" | "additive"), ...], the nodes peeled)."""
+    masks, peeled = [], []
+    while True:
+        peeled.append(x)
+        x = strip_noops(x)
+        t, args = x.target, x.args
+        if t == aten.masked_fill.Scalar and args[2] == _NEG_INF:
+            masks.append((args[1], "masked"))
+            x = args[0]
+        elif t == aten.where.ScalarOther and args[2] == _NEG_INF:
+            masks.append((args[0], "allowed"))
+            x = args[1]
+        elif t == aten.where.ScalarSelf and args[1] == _NEG_INF:
+            masks.append((args[0], "masked"))
+            x = args[2]
+        elif t == aten.add.Tensor and x.kwargs.get("alpha", 1) == 1 and all(isinstance(a, fx.Node) for a in args):
+            constant = [a for a in args if _depends_on_sizes_only(a)]
+            if len(constant) != 1:
+                break
+            masks.append((constant[0], "additive"))
+            x = args[1] if constant[0] is args[0] else args[0]
+        else:
+            break
+        peeled.append(x)
+    return x, masks, peeled
 
 
-def _core_full(mu, var):
-    kl = _kl_pairwise(mu, var)
-    return F.softmax(-kl / 1.0, dim=-1), kl
-
-
-_PATTERNS: dict[str, fx.Graph] = {}
-
-
-def _patterns() -> dict[str, fx.Graph]:
-    if not _PATTERNS:
-        mu, var = torch.randn(2, 3, 4), torch.rand(2, 3, 4) + 0.5
-        mask = torch.ones(3, 3, dtype=torch.bool).tril()
-        _PATTERNS["masked"] = pattern_graph(_core_masked, mu, var, mask)
-        _PATTERNS["full"] = pattern_graph(_core_full, mu, var)
-    return _PATTERNS
-
-
-# literals the pattern may see differently in a graph: (target, arg index) -> check
-_FREE_LITERALS = {
-    (aten.div.Tensor, 1): "kappa",  # −kl / κ
-    (aten.softmax.int, 1): "softmax_dim",
-    (aten.sum.dim_IntList, 1): "sum_dims",
-}  # (op, argument index) -> name
-
-
-def literal_differences(match: Match, free_literals: dict) -> tuple[list[str], dict[str, object]]:
-    """Differences between the pattern's literals and the graph's, except the free ones.
-
-    ``free_literals`` maps (op, argument index) to a name; those literals may differ
-    and are returned by name (a division's name applies only to a division of a negation,
-    the "−x / t" of a temperature). Returns (differences in words, the free literals found).
-    """
-    diffs, free = [], {}
-    for p, g in match.internal.nodes_map.items():
-        if p.op != "call_function":
+def _depends_on_sizes_only(node: fx.Node) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
             continue
-        for index, (pa, ga) in enumerate(zip(p.args, g.args)):
-            if isinstance(pa, fx.Node):
+        seen.add(n)
+        if n.op in ("placeholder", "get_attr") and isinstance(n.meta.get("val"), torch.Tensor):
+            return False
+        stack.extend(n.all_input_nodes)
+    return True
+
+
+def _broadcast_side(node: fx.Node) -> tuple[fx.Node, str] | None:
+    """(x, "i" | "j") when ``node`` is a [B, N, K] tensor x broadcast as [B, N, 1, K] ("i") or [B, 1, N, K] ("j")."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    x, out = node.args[0], shape_of(node)
+    src = shape_of(x)
+    if src is None or out is None or len(src) != 3 or len(out) != 4:
+        return None
+    if node.target == aten.unsqueeze.default:
+        dim = node.args[1] % 4
+    elif node.target in (aten.view.default, aten.reshape.default) and out[3] == src[2]:
+        dim = 2 if (out[2] == 1 and out[1] == src[1]) else 1 if (out[1] == 1 and out[2] == src[1]) else None
+    else:
+        return None
+    if dim not in (1, 2):
+        return None
+    return strip_noops(x), ("i" if dim == 2 else "j")
+
+
+def _score_inputs(logits: fx.Node) -> tuple[dict, list[fx.Node], list[fx.Node]]:
+    """({broadcast per-position tensor: sides}, the score's nodes, other graph inputs it reads)."""
+    bases: dict[fx.Node, set] = {}
+    nodes, others, seen, stack = [], [], set(), [logits]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        side = _broadcast_side(n)
+        if side is not None:
+            bases.setdefault(side[0], set()).add(side[1])
+            continue
+        if n.op in ("placeholder", "get_attr"):
+            if isinstance(n.meta.get("val"), torch.Tensor):
+                others.append(n)
+            continue
+        nodes.append(n)
+        stack.extend(n.all_input_nodes)
+    return bases, nodes, others
+
+
+def _size_hint(value) -> int:
+    if isinstance(value, torch.SymInt):
+        return value.node.shape_env.size_hint(value.node.expr)
+    return int(value)
+
+
+def _recognise(softmax: fx.Node) -> _Score | None:
+    """The attention ``softmax`` computes, or None when its score is not a pairwise one.
+
+    Raises NotFused (the reason in the user's terms) for a pairwise score the op cannot take.
+    """
+    x, dim = softmax.args[0], softmax.args[1]
+    shape = shape_of(x)
+    if shape is None or len(shape) != 3:
+        return None
+    logits, masks, peeled = _peel_masks(x)
+    bases, nodes, others = _score_inputs(logits)
+    if not any(sides == {"i", "j"} for sides in bases.values()):
+        return None  # not a score of broadcast pairs (e.g. q @ kᵀ): not this family
+    if dim % 3 != 2:
+        raise NotFused(f"softmax over dim {dim} of the [B, N, N] pairwise score normalises over the queries; "
+                       "the attention normalises over the keys (dim -1)")
+    if others:
+        raise NotFused(f"the pairwise score also reads {others[0].name}, which is neither a per-position "
+                       "belief tensor nor a constant (a tensor temperature? the op needs κ as a number)")
+    if len(bases) < 2:
+        raise NotFused("the pairwise score reads one per-position tensor; a KL between Gaussians needs means "
+                       "and a variance")
+    k = {_size_hint(shape_of(b)[2]) for b in bases}
+    if len(k) != 1:
+        raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
+    kappa, mean, scale, param, memo = _match_kl(logits, independent(list(bases)), k.pop())
+    kl_scales = {}
+    for n in nodes:
+        if shape_of(n) == shape and n in memo:
+            gamma = proportion(memo[n], memo[("kl",)])
+            if gamma is not None:
+                kl_scales[n] = gamma
+    draw = {key: value for key, value in memo.items() if key in bases or key == ("kl",)}
+    allowed = _allowed(masks, shape, softmax)
+    causal, mask_diagonal = _mask_kind(allowed)
+    has_empty_row = mask_diagonal and (causal or allowed.shape[0] == 1)
+    beta, empty_rows_nan = softmax, has_empty_row
+    users = list(softmax.users)
+    if len(users) == 1 and _zero_fill_of_masked(users[0], softmax, allowed):
+        beta, empty_rows_nan = users[0], False
+    return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan,
+                  kl_scales, draw, [n for n in peeled if n is not logits] + nodes)
+
+
+def _kl_scale(node: fx.Node, draw: dict) -> float | None:
+    """γ when ``node`` computes γ · KL_ij from the same beliefs (a second copy of the KL, say); else None."""
+    shape = shape_of(node)
+    if shape is None or len(shape) != 3 or shape[1] != shape[2]:
+        return None
+    bases, _, others = _score_inputs(node)
+    if others or not bases or any(b not in draw for b in bases):
+        return None
+    try:
+        value = evaluate(node, dict(draw))
+    except Exception:  # not evaluable at the draw's sizes: not recognisable as a KL
+        return None
+    return proportion(value, draw[("kl",)]) if isinstance(value, torch.Tensor) else None
+
+
+def _match_kl(logits, bases, k):
+    """(κ, mean, scale, parameterisation, evaluated values) with logits = −KL/κ; else NotFused."""
+    gen = torch.Generator().manual_seed(20251123)
+    draws = []
+    for low, high in ((0.3, 2.0), (0.05, 4.0)):
+        env = {b: low + (high - low) * torch.rand(2, 5, k, generator=gen, dtype=torch.float64) for b in bases}
+        memo = dict(env)
+        try:
+            value = evaluate(logits, memo)
+        except NotFused:
+            raise
+        except Exception as e:  # a spelling the evaluation cannot run at other sizes
+            raise NotFused(f"the pairwise score could not be evaluated to check it is a KL ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        draws.append((env, memo, value))
+    reversed_found = None
+    for mean in bases:
+        for scale in bases:
+            if scale is mean:
                 continue
-            key = free_literals.get((p.target, index))
-            if key is not None and (p.target != aten.div.Tensor or p.args[0].target == aten.neg.default):
-                free[key] = ga
-            elif pa != ga:
-                diffs.append(f"{g.name} ({short(g.target)}) has {ga!r} where the spec's form has {pa!r}")
-        if len(p.args) != len(g.args) and p.target != aten.sum.dim_IntList:
-            diffs.append(f"{g.name} ({short(g.target)}) has arguments {g.args[len(p.args):]!r} the spec's form lacks")
-    return diffs, free
+            for param, to_var in VARIANCE_FROM.items():
+                alphas = []
+                for env, memo, value in draws:
+                    m, v = env[mean], to_var(env[scale])
+                    kl = gaussian_kl(m.unsqueeze(2), v.unsqueeze(2), m.unsqueeze(1), v.unsqueeze(1))
+                    alphas.append(proportion(value, kl))
+                    if alphas[-1] is None and proportion(value, kl.transpose(1, 2)) is not None:
+                        reversed_found = (mean, scale, param)
+                if all(a is not None and a < 0 for a in alphas) and math.isclose(alphas[0], alphas[1], rel_tol=1e-9):
+                    env, memo, value = draws[0]
+                    m, v = env[mean], to_var(env[scale])
+                    memo[("kl",)] = gaussian_kl(m.unsqueeze(2), v.unsqueeze(2), m.unsqueeze(1), v.unsqueeze(1))
+                    kappa = float(f"{-1.0 / alphas[0]:.12g}")
+                    return kappa, mean, scale, param, memo
+    names = ", ".join(b.name for b in bases)
+    if reversed_found is not None:
+        raise NotFused(f"the score is KL(q_j ‖ q_i) (key to query) of {reversed_found[0].name} and the "
+                       f"{reversed_found[2]} {reversed_found[1].name}; the fused op computes KL(q_i ‖ q_j)")
+    raise NotFused(f"the pairwise score over {names} is not −KL(q_i ‖ q_j)/κ of diagonal Gaussians (κ > 0) "
+                   f"for any of them as the means and another as {', '.join(VARIANCE_FROM)}")
 
 
-def short(target) -> str:
-    return getattr(target, "__name__", str(target))
+def _allowed(masks, shape, softmax) -> torch.Tensor:
+    """[N, N] bool: which keys the peeled masks allow (evaluated at the example's size)."""
+    n = _size_hint(shape[1])
+    allowed = torch.ones(n, n, dtype=torch.bool)
+    for node, kind in masks:
+        try:
+            value = evaluate(node, {}, size_hint=_size_hint)
+        except NotFused as e:
+            raise NotFused(f"attention mask {node.name}: {e}") from None
+        if not isinstance(value, torch.Tensor) or value.dim() > 3 or (value.dim() == 3 and value.shape[0] != 1):
+            raise NotFused(f"attention mask {node.name} differs between batch elements; the op's masks are "
+                           "the same for every sequence")
+        value = value.reshape(value.shape[-2:]) if value.dim() >= 2 else value
+        value = value.expand(n, n)
+        if kind == "additive":
+            if not bool(((value == 0) | (value == _NEG_INF)).all()):
+                raise NotFused(f"{node.name} is added to the scores but is not a mask of 0 and −inf (a score "
+                               "bias); the op takes no bias")
+            value = value == 0
+        elif kind == "masked":
+            value = ~value.bool()
+        allowed = allowed & value.bool()
+    return allowed
 
 
-def _read_mask(mask: fx.Node, n: int) -> tuple[bool, bool] | str:
-    """(causal, mask_diagonal) when ``mask`` is tril(ones), ~eye or their &; else why not."""
-    def is_tril_ones(node):
-        return (isinstance(node, fx.Node) and node.target == aten.tril.default
-                and (len(node.args) < 2 or node.args[1] == 0)
-                and isinstance(node.args[0], fx.Node) and node.args[0].target == aten.ones.default
-                and list(node.args[0].args[0]) == [n, n])
+def _mask_kind(allowed: torch.Tensor) -> tuple[bool, bool]:
+    from hecate.lowering.kl_attention.naive import allowed_keys
 
-    def is_not_eye(node):
-        return (isinstance(node, fx.Node) and node.target == aten.bitwise_not.default
-                and isinstance(node.args[0], fx.Node) and node.args[0].target == aten.eye.default
-                and list(node.args[0].args[:1]) == [n] and len(node.args[0].args) == 1)
+    n = allowed.shape[0]
+    for causal in (False, True):
+        for mask_diagonal in (False, True):
+            if torch.equal(allowed, allowed_keys(n, causal, mask_diagonal)):
+                return causal, mask_diagonal
+    raise NotFused(f"the attention mask allows {int(allowed.sum())} of {n}×{n} pairs and is none of: all keys, "
+                   "causal (j ≤ i), no self (j ≠ i), causal without self; the op supports those")
 
-    if is_tril_ones(mask):
-        return True, False
-    if is_not_eye(mask):
-        return False, True
-    if mask.target in (aten.__and__.Tensor, aten.bitwise_and.Tensor):
-        a, b = mask.args[:2]
-        if (is_tril_ones(a) and is_not_eye(b)) or (is_tril_ones(b) and is_not_eye(a)):
-            return True, True
-    what = short(mask.target) if mask.op == "call_function" else f"{mask.op} {mask.name}"
-    return (f"attention mask {mask.name} ({what}) is not the causal lower-triangular mask "
-            f"torch.tril(torch.ones({n}, {n})), the diagonal mask ~torch.eye({n}), or their &")
+
+def _zero_fill_of_masked(user: fx.Node, softmax: fx.Node, allowed: torch.Tensor) -> bool:
+    """Whether ``user`` is β with 0 at the masked keys (``masked_fill(~mask, 0)``, ``where(mask, β, 0)``)."""
+    if user.target == aten.masked_fill.Scalar and user.args[0] is softmax and user.args[2] == 0:
+        cond, masked = user.args[1], True
+    elif user.target == aten.where.ScalarOther and user.args[1] is softmax and user.args[2] == 0:
+        cond, masked = user.args[0], False
+    else:
+        return False
+    try:
+        value = evaluate(cond, {}, size_hint=_size_hint)
+    except NotFused:
+        return False
+    value = value.reshape(value.shape[-2:]).expand(allowed.shape).bool()
+    return torch.equal(~value if masked else value, allowed)
 
 
 # ---------------------------------------------------------------------------------------------
 # 2. the algebra of what is computed from β
-
-
-class _NotSeparable(Exception):
-    """An expression the pair algebra cannot read; the message says which node and why."""
 
 
 # A factor: ("P", flipped) β, ("S", flipped) KL, ("L", leaf id, role) a per-position tensor.
@@ -217,8 +388,9 @@ class _PairAlgebra:
     """Reads nodes computed from β and KL as polynomials (see the module docstring)."""
 
     beta: fx.Node
-    kl: fx.Node
-    n: int
+    kl_scales: dict  # node -> γ: the nodes whose value is γ · KL_ij
+    n: Any
+    kl_of: Any = None  # node -> γ or None: recognises another node computing γ · KL_ij
     roots: set = field(default_factory=set)  # the sums over j, read as leaves once reduced
     leaves: dict = field(default_factory=dict)  # leaf id -> _Leaf
     visited: set = field(default_factory=set)  # pair-space nodes read
@@ -230,7 +402,7 @@ class _PairAlgebra:
         if not isinstance(node, fx.Node):
             if isinstance(node, (int, float)) and not isinstance(node, bool):
                 return {(): float(node)} if node != 0 else {}
-            raise _NotSeparable(f"literal {node!r} of type {type(node).__name__}")
+            raise NotFused(f"literal {node!r} of type {type(node).__name__}")
         if node not in self.memo:
             self.memo[node] = self._read(node)
         return self.memo[node]
@@ -244,13 +416,18 @@ class _PairAlgebra:
         return self.pair_memo[node]
 
     def _is_pair(self, node: fx.Node) -> bool:
-        if node in (self.beta, self.kl):
+        if node is self.beta or node in self.kl_scales:
             return True
+        if self.kl_of is not None and node.op == "call_function" and node.target not in _ELEMENTWISE:
+            gamma = self.kl_of(node)
+            if gamma is not None:
+                self.kl_scales[node] = gamma
+                return True
         if node in self.roots:
             return False
         if node.target == aten.unsqueeze.default and not self.is_pair(node.args[0]):
             return _rank(node.args[0]) == 3 and node.args[1] % 4 in (1, 2)
-        if node.target in _ELEMENTWISE:
+        if node.target in _ELEMENTWISE or _is_noop(node):
             return any(self.is_pair(a) for a in node.args)
         return False
 
@@ -263,23 +440,25 @@ class _PairAlgebra:
         if node is self.beta:
             self.visited.add(node)
             return {((("P", False), 1),): 1.0}
-        if node is self.kl:
-            self.visited.add(node)
-            return {((("S", False), 1),): 1.0}
-        if not self.is_pair(node):
+        if not self.is_pair(node):  # (recognises another copy of the KL, too)
             return self._outside_leaf(node)
+        if node in self.kl_scales:
+            self.visited.add(node)
+            return {((("S", False), 1),): self.kl_scales[node]}
         self.visited.add(node)
         t, args = node.target, node.args
+        if _is_noop(node):
+            return self.read(args[0])
         if t == aten.unsqueeze.default:
             x, dim = args
             if self.is_pair(x):
                 if _rank(x) == 3 and dim in (-1, 3):
                     return self.read(x)
-                raise _NotSeparable(f"{node.name} unsqueezes a pair tensor at dim {dim}, not at the end")
+                raise NotFused(f"{node.name} unsqueezes a pair tensor at dim {dim}, not at the end")
             return self._leaf(x, "i" if dim % 4 == 2 else "j", "as_is", shape_of(x)[-1] != 1)
         if t == aten.transpose.int:
             if sorted(d % _rank(node) for d in args[1:3]) != [1, 2]:
-                raise _NotSeparable(f"{node.name} transposes dims {args[1:3]}, not the two position dims")
+                raise NotFused(f"{node.name} transposes dims {args[1:3]}, not the two position dims")
             return _poly_transpose(self.read(args[0]))
         if t == aten.neg.default:
             return _poly_scale(self.read(args[0]), -1.0)
@@ -298,26 +477,26 @@ class _PairAlgebra:
             return _poly_mul(self.read(args[0]), self._inverse(args[1], node))
         if t == aten.reciprocal.default:
             return self._inverse(args[0], node)
-        raise _NotSeparable(f"{node.name} ({short(t)}) is not an elementwise op the fused op can express")
+        raise NotFused(f"{node.name} ({short(t)}) is not an elementwise op the fused op can express")
 
     def _inverse(self, denominator, node) -> Poly:
         if not isinstance(denominator, fx.Node):
             if denominator == 0:
-                raise _NotSeparable(f"{node.name} divides by 0")
+                raise NotFused(f"{node.name} divides by 0")
             return {(): 1.0 / float(denominator)}
         d = self.read(denominator)
         if len(d) != 1:
-            raise _NotSeparable(f"{node.name} divides by a sum of terms ({denominator.name})")
+            raise NotFused(f"{node.name} divides by a sum of terms ({denominator.name})")
         (factors, coef), = d.items()
         if any(f[0] in ("P", "S") for f, _ in factors):
-            raise _NotSeparable(f"{node.name} divides by an expression of β or KL ({denominator.name})")
+            raise NotFused(f"{node.name} divides by an expression of β or KL ({denominator.name})")
         return {_mono({f: -p for f, p in factors}): 1.0 / coef}
 
     def _outside_leaf(self, node: fx.Node) -> Poly:
         """A tensor computed outside the pair space, broadcast into it: classify it by its shape."""
         shape = shape_of(node)
         if shape is None:
-            raise _NotSeparable(f"{node.name} has no shape information")
+            raise NotFused(f"{node.name} has no shape information")
         rank = len(shape)
         if rank == 4:
             i_dim, j_dim = shape[1], shape[2]
@@ -331,13 +510,7 @@ class _PairAlgebra:
                 return self._leaf(node, "i", "as_is", False)
             if shape[1] == 1:
                 return self._leaf(node, "j", "transpose", False)
-        raise _NotSeparable(f"{node.name} of shape {list(shape)} is neither per-query nor per-key")
-
-
-def shape_of(node):
-    """The static shape of a node's fake value (None without one)."""
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+        raise NotFused(f"{node.name} of shape {list(shape)} is neither per-query nor per-key")
 
 
 def _rank(node) -> int:
@@ -347,13 +520,47 @@ def _rank(node) -> int:
 
 def _sum_over_keys(node: fx.Node) -> bool:
     """``x.sum(dim=2[, keepdim])`` of a [B, N, N, K] tensor or ``x.sum(-1[, keepdim])`` of [B, N, N]."""
-    if node.target != aten.sum.dim_IntList or len(node.args) < 2:
+    if node.target != aten.sum.dim_IntList or len(node.args) < 2 or node.args[1] is None:
         return False
     rank = _rank(node.args[0])
     dims = [d % rank for d in node.args[1]] if rank > 0 else None
     if node.kwargs.get("dtype") is not None:
         return False
     return (rank == 4 and dims == [2]) or (rank == 3 and dims == [2])
+
+
+def _matmul_reader(node: fx.Node, is_pair) -> tuple[fx.Node, fx.Node, bool, bool] | None:
+    """(pair operand P, per-key values X, X given as [B, D, N], P read transposed) for Σ_j P_ij X_j.
+
+    ``P @ X``, ``torch.bmm(P, X)``, ``torch.einsum("bij,bjd->bid", P, X)`` (any letters, X in
+    either layout; "bji,bjd->bid" reads Pᵀ).
+    """
+    if node.target in (aten.matmul.default, aten.bmm.default):
+        p, x = node.args[:2]
+        if is_pair(p) and not is_pair(x) and _rank(p) == 3 and _rank(x) == 3:
+            return p, x, False, False
+        return None
+    if node.target != aten.einsum.default or len(node.args[1]) != 2:
+        return None
+    equation, operands = node.args[0].replace(" ", ""), list(node.args[1])
+    if "->" not in equation or "." in equation:
+        return None
+    lhs, out = equation.split("->")
+    letters = lhs.split(",")
+    pair = [i for i, op in enumerate(operands) if is_pair(op)]
+    if len(pair) != 1 or any(len(t) != 3 for t in letters + [out]) or _rank(operands[pair[0]]) != 3:
+        return None
+    (b, i, j), xs = letters[pair[0]], letters[1 - pair[0]]
+    transposed = out[:2] == b + j
+    kept, summed = (j, i) if transposed else (i, j)
+    if out[:2] != b + kept or len(set(out)) != 3:
+        return None
+    d = out[2]
+    if xs == b + summed + d:
+        return operands[pair[0]], operands[1 - pair[0]], False, transposed
+    if xs == b + d + summed:
+        return operands[pair[0]], operands[1 - pair[0]], True, transposed
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,111 +570,94 @@ def _sum_over_keys(node: fx.Node) -> bool:
 def run(gm: fx.GraphModule, report: FusionReport) -> None:
     import hecate.lowering.kl_attention  # noqa: F401  the op must exist before we insert it
 
-    for kind, pattern in _patterns().items():
-        for match in find_matches(gm, pattern):
-            _fuse(gm, match, kind == "masked", report)
+    for softmax in [n for n in gm.graph.nodes if n.target == aten.softmax.int]:
+        try:
+            score = _recognise(softmax)
+            if score is not None:
+                _fuse(gm, score, report)
+        except NotFused as e:
+            report.add_miss(PATTERN, str(e), softmax.name, nodes=[softmax])
 
 
-def _fuse(gm: fx.GraphModule, match: Match, masked: bool, report: FusionReport) -> None:
-    softmax = match.node(aten.softmax.int)
-    kl = match.node(aten.sum.dim_IntList)
-    where = softmax.name
-    mu, var = match.inputs[0], match.inputs[1]
-    shape = shape_of(mu)
-    if shape is None or len(shape) != 3 or shape_of(var) != shape:
-        report.add_miss(PATTERN, f"pairwise KL of μ {shape} and var {shape_of(var)}: the op needs two [B, N, K] "
-                                 "tensors of the same shape", where)
-        return
-    n = shape[1]
-    diffs, free = literal_differences(match, _FREE_LITERALS)
-    if free.get("softmax_dim") not in (-1, 2):
-        diffs.append(f"softmax over dim {free.get('softmax_dim')}, the attention needs the key dim (-1)")
-    if free.get("sum_dims") not in ([-1], [3]):
-        diffs.append(f"KL summed over dims {free.get('sum_dims')}, not over the feature dim (-1)")
-    kappa = free.get("kappa")
-    if not isinstance(kappa, (int, float)) or not kappa > 0:
-        diffs.append(f"temperature κ = {kappa!r}; the op needs a number > 0")
-    if diffs:
-        report.add_miss(PATTERN, "; ".join(diffs), where)
-        return
-
-    causal = mask_diagonal = False
-    beta = softmax
-    if masked:
-        mask = match.inputs[2]
-        read = _read_mask(mask, n)
-        if isinstance(read, str):
-            report.add_miss(PATTERN, read, where)
-            return
-        causal, mask_diagonal = read
-        # compute_attention's "β.masked_fill(~mask, 0)" (zeros on rows with no key) is what the op gives
-        users = list(softmax.users)
-        if (len(users) == 1 and users[0].target == aten.masked_fill.Scalar and users[0].args[2] == 0
-                and users[0].args[1].target == aten.bitwise_not.default and users[0].args[1].args[0] is mask):
-            beta = users[0]
-
-    algebra = _PairAlgebra(beta=beta, kl=kl, n=n)
-    roots = _find_roots(algebra, set(match.nodes))
-    if isinstance(roots, str):
-        report.add_miss(PATTERN, roots, where)
-        return
+def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
+    shape = shape_of(score.mean)
+    algebra = _PairAlgebra(beta=score.beta, kl_scales=score.kl_scales, n=shape[1],
+                           kl_of=lambda node: _kl_scale(node, score.draw))
+    core = {score.softmax, *score.nodes}
+    roots = _find_roots(algebra, core)
     algebra.roots = set(roots)
     try:
         plan = _plan(algebra, roots)
-    except _NotSeparable as e:
-        report.add_miss(PATTERN, f"a sum over the keys reads β in a way the fused op cannot express: {e}", where)
-        return
-    outside = _outside_users(algebra, roots, match)
+    except NotFused as e:
+        raise NotFused(f"a sum over the keys reads β in a way the fused op cannot express: {e}") from None
+    outside = _outside_users(algebra, roots, core)
     if outside:
-        report.add_miss(PATTERN, outside, where)
-        return
-    replaced = len(match.nodes) + len(algebra.visited | set(roots))
-    _rewrite(gm, algebra, roots, plan, mu, var, float(kappa), causal, mask_diagonal)
-    mode = ("causal" if causal else "full") + (", diagonal masked" if mask_diagonal else "")
+        raise NotFused(outside)
+    if not roots and not algebra.escapes:
+        return  # β is not used
+    _rewrite(gm, algebra, roots, plan, score)
+    mode = ("causal" if score.causal else "full") + (", diagonal masked" if score.mask_diagonal else "")
+    if score.empty_rows_nan:
+        mode += ", NaN on rows with no key"
     if algebra.escapes:
         mode += ", [B, N, N] formed for " + ", ".join(sorted({u.name for _, u in algebra.escapes}))
-    report.add_fusion(PATTERN, OP_NAME, replaced,
-                      f"{mode}, κ={kappa:g}, {len(roots)} β-weighted sums (row values {plan.v_width}, "
-                      f"column values {plan.w_width} wide)")
+    report.add_fusion(PATTERN, OP_NAME, len(score.nodes) + len(algebra.visited | set(roots)) + 1,
+                      f"{mode}, {score.parameterisation}, κ={score.kappa:g}, {len(roots)} β-weighted sums "
+                      f"(row values {plan.v_width}, column values {plan.w_width} wide)")
 
 
-def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node] | str:
+def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node]:
     """The sums over j that the values computed from β and KL flow into (graph order)."""
-    roots, seen, stack = [], set(core), [algebra.beta, algebra.kl]
+    roots, seen = [], set(core)
+    stack = [algebra.beta] + list(algebra.kl_scales)
+    whole = set(stack)
     while stack:
         node = stack.pop()
         for user in node.users:
-            if user in seen:
+            if user in seen or user in algebra.kl_scales:
                 continue
             seen.add(user)
-            if node in (algebra.beta, algebra.kl) and not _sum_over_keys(user) and user.target not in _ELEMENTWISE:
-                algebra.escapes.append((node, user))  # e.g. β returned: the op forms β [B, N, N] for it
-                continue
-            if _sum_over_keys(user):
+            if _sum_over_keys(user) or _matmul_reader(user, algebra.is_pair) is not None:
                 roots.append(user)
-            elif user.target == aten.sum.dim_IntList:
-                return (f"{user.name} sums a tensor computed from β over dims {user.args[1]}; the fused op "
-                        "gives sums over the key dim only")
-            elif user.target in _ELEMENTWISE:
+            elif user.target in _ELEMENTWISE or _is_noop(user):
                 stack.append(user)
+            elif node in whole:
+                algebra.escapes.append((node, user))  # e.g. β returned: formed [B, N, N] for it
+            elif user.target == aten.sum.dim_IntList:
+                raise NotFused(f"{user.name} sums a tensor computed from β over dims {user.args[1]}; the fused "
+                               "op gives sums over the key dim only")
             elif user.op == "output":
-                return f"β or KL (through {node.name}) is an output of the graph; the fused op does not form it"
+                raise NotFused(f"{node.name}, a [B, N, N] tensor computed from β or KL, is an output of the "
+                               "graph; the fused op does not form it")
             else:
-                return (f"{user.name} ({short(user.target)}) uses {node.name}, computed from β or KL; the fused "
-                        "op cannot provide it")
+                raise NotFused(f"{user.name} ({short(user.target)}) uses {node.name}, computed from β or KL; "
+                               "the fused op cannot provide it")
     order = {nd: i for i, nd in enumerate(algebra.beta.graph.nodes)}
     return sorted(roots, key=order.__getitem__)
 
 
-def _outside_users(algebra: _PairAlgebra, roots, match: Match) -> str | None:
-    inside = algebra.visited | set(roots) | set(match.nodes)
+def _outside_users(algebra: _PairAlgebra, roots, core: set) -> str | None:
+    inside = algebra.visited | set(roots) | core
     escapes = set(algebra.escapes)
     for node in algebra.visited:
+        if node in algebra.kl_scales:
+            continue  # the score's own nodes stay for their other users
         for user in node.users:
             if user not in inside and (node, user) not in escapes:
                 return (f"{user.name} ({short(user.target)}) uses {node.name}, a [B, N, N] tensor the fused op "
                         "does not form")
     return None
+
+
+def _root_poly(algebra: _PairAlgebra, root: fx.Node) -> Poly:
+    if _sum_over_keys(root):
+        return algebra.read(root.args[0])
+    pair, values, values_transposed, pair_transposed = _matmul_reader(root, algebra.is_pair)
+    poly = algebra.read(pair)
+    if pair_transposed:
+        poly = _poly_transpose(poly)
+    per_key = algebra._leaf(values, "j", "transpose" if values_transposed else "as_is", True)
+    return _poly_mul(poly, per_key)
 
 
 @dataclass
@@ -491,17 +681,17 @@ class _Plan:
 def _plan(algebra: _PairAlgebra, roots: list[fx.Node]) -> _Plan:
     plan = _Plan(terms={}, v_features=[], w_features=[], energy_roots=set())
     for root in roots:
-        poly = algebra.read(root.args[0])
+        poly = _root_poly(algebra, root)
         terms = []
         for factors, coef in poly.items():
             p = [(f, e) for f, e in factors if f[0] == "P"]
             s = [(f, e) for f, e in factors if f[0] == "S"]
             leaves = [(f, e) for f, e in factors if f[0] == "L"]
             if len(p) != 1 or p[0][1] != 1:
-                raise _NotSeparable(f"{root.name}: a term without exactly one factor β ({_describe(factors)})")
+                raise NotFused(f"{root.name}: a term without exactly one factor β ({_describe(factors)})")
             flipped = p[0][0][1]
             if s and (len(s) != 1 or s[0][1] != 1 or s[0][0][1] != flipped):
-                raise _NotSeparable(f"{root.name}: a term with KL other than once, in β's orientation")
+                raise NotFused(f"{root.name}: a term with KL other than once, in β's orientation")
             with_kl = bool(s)
             i_leaves = tuple((f[1], e) for f, e in leaves if f[2] == "i")
             j_leaves = tuple((f[1], e) for f, e in leaves if f[2] == "j")
@@ -513,7 +703,7 @@ def _plan(algebra: _PairAlgebra, roots: list[fx.Node]) -> _Plan:
                 elif src in plan.energy_roots and e == 1 and flipped and not with_kl and not energy_j:
                     energy_j.append((key, e))  # Σ_j β_ji Ā_j W_j: the op's col_energy_sum
                 else:
-                    raise _NotSeparable(f"{root.name}: a per-key factor ({src.name}) is itself a sum over β")
+                    raise NotFused(f"{root.name}: a per-key factor ({src.name}) is itself a sum over β")
             rest_j = tuple(rest_j)
             if not flipped:
                 if with_kl and not rest_j:
@@ -551,141 +741,101 @@ def _describe(factors) -> str:
 # rewriting the graph
 
 
-class Emitter:
-    """Inserts aten calls before a node, each with its fake value (for later passes and export)."""
+def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, score: _Score) -> None:
+    """Replace the roots (and β/KL where read whole) by the op's outputs, via :func:`_replacement`."""
+    leaf_keys = [key for key, leaf in algebra.leaves.items() if leaf.source not in algebra.roots]
+    inputs = [score.mean, score.scale] + [algebra.leaves[key].source for key in leaf_keys]
+    escaping = sorted({node for node, _ in algebra.escapes}, key=lambda n: n.name)
 
-    def __init__(self, graph: fx.Graph, before: fx.Node):
-        self.graph, self.before = graph, before
-        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in before.all_input_nodes])
+    def fn(mean, scale, *leaf_values):
+        # the graph's sizes (maybe symbolic) → the same sizes of the traced inputs
+        sizes = {str(g): t for node, value in zip(inputs, (mean, scale) + leaf_values)
+                 for g, t in zip(node.meta["val"].shape, value.shape)}
+        return _replacement(algebra, roots, plan, score, dict(zip(leaf_keys, leaf_values)), escaping, mean, scale,
+                            sizes)
 
-    def __call__(self, target, *args) -> fx.Node:
-        with self.graph.inserting_before(self.before):
-            node = self.graph.call_function(target, args)
-        vals = [a.meta["val"] if isinstance(a, fx.Node) else
-                [x.meta["val"] if isinstance(x, fx.Node) else x for x in a] if isinstance(a, (list, tuple)) else a
-                for a in args]
-        if self.fake_mode is not None:
-            with self.fake_mode:
-                node.meta["val"] = target(*vals)
-        return node
+    replaced = list(roots) + escaping  # β / KL read whole: every reader gets the formed one
+    replace_with_function(gm, replaced, fn, inputs, outputs=replaced)
 
 
-def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, mu, var, kappa, causal, mask_diagonal):
-    graph = gm.graph
-    emit = Emitter(graph, roots[-1])
-    if emit.fake_mode is None:
-        emit.fake_mode = detect_fake_mode([_val(mu)])
-    b, n, k = shape_of(mu)
-    new_value: dict[fx.Node, fx.Node] = {}
+def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale, sizes):
+    """The roots' values (then β / γ·KL for the nodes read whole) from one ``hecate.kl_attention`` call."""
+    from hecate.lowering.kl_attention.matmul_form import scores_and_beta
 
-    leaf_cache, product_cache = {}, {}
+    var = VARIANCE_FROM[score.parameterisation](scale)
+    b, n, k = mean.shape
+    root_values: dict[fx.Node, torch.Tensor] = {}
 
-    def leaf_tensor(key) -> fx.Node:
-        if key not in leaf_cache:
-            leaf_cache[key] = normalized_leaf(key)
-        return leaf_cache[key]
-
-    def normalized_leaf(key) -> fx.Node:
-        leaf = algebra.leaves[key]
-        src = new_value.get(leaf.source, leaf.source)
-        if leaf.normalize == "squeeze2":
-            return emit(aten.squeeze.dim, src, 2)
-        if leaf.normalize == "squeeze1":
-            return emit(aten.squeeze.dim, src, 1)
-        if leaf.normalize == "transpose":
-            return emit(aten.transpose.int, src, 1, 2)
+    def leaf(key):
+        src = leaf_values[key] if key in leaf_values else root_values[algebra.leaves[key].source]
+        how = algebra.leaves[key].normalize
+        if how == "squeeze2":
+            return src.squeeze(2)
+        if how == "squeeze1":
+            return src.squeeze(1)
+        if how == "transpose":
+            return src.transpose(1, 2)
         return src
 
-    def product(leaves) -> fx.Node | None:
-        if leaves not in product_cache:
-            product_cache[leaves] = leaf_product(leaves)
-        return product_cache[leaves]
-
-    def leaf_product(leaves) -> fx.Node | None:
+    def product(leaves):
         out = None
         for key, power in leaves:
-            t = leaf_tensor(key)
-            if power < 0:
-                t, power = emit(aten.reciprocal.default, t), -power
-            for _ in range(power):
-                out = t if out is None else emit(aten.mul.Tensor, out, t)
+            t = leaf(key) ** power if power != 1 else leaf(key)
+            out = t if out is None else out * t
         return out
 
-    def features(products) -> tuple[fx.Node, list[tuple[int, int]]]:
+    def features(products):
         cols, spans, start = [], [], 0
         for leaves in products:
             t = product(leaves)
-            width = k if (t is not None and shape_of(t)[-1] != 1) else 1
-            t = emit(aten.new_ones.default, mu, [b, n, 1]) if t is None else t
-            t = emit(aten.expand.default, t, [b, n, width])
-            if _val(t).dtype != _val(mu).dtype:
-                t = emit(aten.to.dtype, t, _val(mu).dtype)
+            t = mean.new_ones(b, n, 1) if t is None else t
+            t = t.expand(b, n, t.shape[-1]).to(mean.dtype)
             cols.append(t)
-            spans.append((start, start + width))
-            start += width
-        if not cols:
-            return emit(aten.new_zeros.default, mu, [b, n, 0]), spans
-        return (cols[0] if len(cols) == 1 else emit(aten.cat.default, cols, -1)), spans
+            spans.append((start, start + t.shape[-1]))
+            start += t.shape[-1]
+        return (torch.cat(cols, -1) if cols else mean.new_zeros(b, n, 0)), spans
 
     v, v_spans = features(plan.v_features)
     w, w_spans = features(plan.w_features)
-    plan.v_width, plan.w_width = (v_spans[-1][1] if v_spans else 0), (w_spans[-1][1] if w_spans else 0)
-    call = emit(torch.ops.hecate.kl_attention.default, mu, var, v, w, kappa, causal, mask_diagonal)
-    names = ("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum")
-    outputs = {name: emit(operator.getitem, call, i) for i, name in enumerate(names)}
-
+    plan.v_width, plan.w_width = v.shape[-1], w.shape[-1]
+    outputs = dict(zip(("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum"),
+                       torch.ops.hecate.kl_attention(mean, var, v, w, score.kappa, score.causal, score.mask_diagonal)))
+    empty_rows = None
+    if score.empty_rows_nan:  # the softmax over no key is NaN: its row's sums, and every column sum
+        empty_rows = torch.arange(n, device=mean.device) == 0 if score.causal else torch.ones(n, dtype=torch.bool,
+                                                                                              device=mean.device)
     for root in roots:
         total = None
         for term in plan.terms[root]:
             if term.output == "energy":
-                t = emit(aten.unsqueeze.default, outputs["energy"], -1)  # [B, N, 1]
+                t = outputs["energy"].unsqueeze(-1)
             else:
                 start, end = (v_spans if term.output.startswith("row") else w_spans)[term.feature]
-                t = emit(aten.slice.Tensor, outputs[term.output], -1, start, end)
+                t = outputs[term.output][..., start:end]
             i_part = product(term.i_leaves)
             if i_part is not None:
-                t = emit(aten.mul.Tensor, t, i_part)
+                t = t * i_part
             if term.coef != 1.0:
-                t = emit(aten.mul.Tensor, t, term.coef)
-            total = t if total is None else emit(aten.add.Tensor, total, t)
-        target = list(shape_of(root))
+                t = t * term.coef
+            total = t if total is None else total + t
+        target = [sizes.get(str(s), s) for s in root.meta["val"].shape]
         if total is None:
-            total = emit(aten.new_zeros.default, mu, target)
-        width = target[-1] if _rank(root.args[0]) == 4 else 1  # a [B,N,N,K'] sum keeps K'; [B,N,N] none
-        total = emit(aten.expand.default, total, [b, n, width])
-        total = emit(aten.reshape.default, total, target)
-        new_value[root] = total
-        root.replace_all_uses_with(total)
-    if algebra.escapes:
-        _form_beta_for_escapes(graph, emit, algebra, mu, var, kappa, causal, mask_diagonal)
-    for root in reversed(roots):
-        graph.erase_node(root)
-    restore_topological_order(graph)
+            total = mean.new_zeros(b, n, 1)
+        if empty_rows is not None:
+            if any(term.output.startswith("col") for term in plan.terms[root]):
+                total = total + float("nan")
+            else:
+                total = torch.where(empty_rows.unsqueeze(-1), float("nan"), total)
+        width = target[-1] if (_rank(root.args[0]) == 4 or not _sum_over_keys(root)) else 1
+        # the dtype the graph gave the sum (under autocast, not the op's)
+        root_values[root] = total.expand(b, n, width).reshape(target).to(root.meta["val"].dtype)
+    formed = []
+    if escaping:
+        kl, beta, _ = scores_and_beta(mean, var, score.kappa, score.causal, score.mask_diagonal)
+        if empty_rows is not None:
+            beta = torch.where(empty_rows.unsqueeze(-1), float("nan"), beta)
+        for node in escaping:
+            value = beta if node is algebra.beta else kl * algebra.kl_scales[node]
+            formed.append(value.to(node.meta["val"].dtype))
+    return [root_values[r] for r in roots] + formed
 
-
-def _form_beta_for_escapes(graph, emit, algebra, mu, var, kappa, causal, mask_diagonal):
-    """β and KL [B, N, N] in the matmul form (never [B, N, N, K]) for users that read them whole.
-
-    The matmul form is traced to ATen and inlined, so autograd, Inductor and the exporters
-    see ordinary ops.
-    """
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from hecate.lowering.kl_attention.matmul_form import scores_and_beta
-
-    def kl_and_beta(m, v):
-        kl, beta, _ = scores_and_beta(m, v, kappa, causal, mask_diagonal)
-        return kl, beta
-
-    with emit.fake_mode:
-        traced = make_fx(kl_and_beta, pre_dispatch=True)(_val(mu), _val(var))
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    with graph.inserting_before(emit.before):
-        kl, beta = graph.graph_copy(traced.graph, dict(zip(placeholders, (mu, var))))
-    formed = {algebra.beta: beta, algebra.kl: kl}
-    for node, user in algebra.escapes:
-        user.replace_input_with(node, formed[node])
-
-
-def _val(node):
-    return node.meta["val"]

@@ -1,9 +1,8 @@
 """Pass ``kl_decode``: logits −KL(q‖π_v)/τ against the token prior bank [→ cross-entropy] → one op.
 
-What the model writes (spec §2.2, §3.3; ``TokenPriorBank.decode``)::
+What a model computes (spec §2.2, §3.3; ``TokenPriorBank.decode`` is one spelling)::
 
-    kl = 0.5 * (log(var_t / var_i) + var_i / var_t + (μ_i − μ_t)² / var_t − 1).sum(-1)   # [B,N,V,K] → [B,N,V]
-    logits = −kl / τ
+    logits_iv = −KL(N(μ_i, v_i) ‖ N(π_v, s_v)) / τ        # [B, N, V], from the [B, N, V, K] broadcast
     loss = F.cross_entropy(logits.view(-1, V), targets.view(-1))          # optional
 
 What replaces it:
@@ -14,114 +13,207 @@ What replaces it:
   observation gradient) → ``hecate.kl_decode_logits``, the matmul form: [B,N,V] is formed
   because it is asked for, [B,N,V,K] is not; a cross-entropy on it stays as it is.
 
-Literals are verified (0.5, 1.0, the unsqueeze dim, the sum dim); τ must be a number > 0.
+Recognised by what it computes: a [B, N, V] tensor computed from beliefs broadcast per query
+(``x.unsqueeze(2)``, ``x[:, :, None]``) against [V, K] prior tensors is evaluated in float64 at
+random points and must equal −KL(q_i‖π_v)/τ (τ > 0) for some choice of means and of variance,
+log-variance, standard deviation, log-std or precision on each side (:mod:`hecate.passes.gaussian`).
 """
 
 from __future__ import annotations
 
-import operator
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from hecate.compiler.report import FusionReport
-from hecate.passes.kl_attention import Emitter, literal_differences, shape_of, short
-from hecate.passes.matching import Match, find_matches, pattern_graph
+from hecate.passes.report import FusionReport
+from hecate.passes.gaussian import (VARIANCE_FROM, evaluate, gaussian_kl, independent, proportion, shape_of, short,
+                                    strip_noops)
+from hecate.passes.matching import NotFused, replace_with_function
 
 PATTERN = "kl_decode"
 aten = torch.ops.aten
 
 
-def _kl_logits(mu, var, prior_mu, prior_var):
-    mu_i, var_i = mu.unsqueeze(2), var.unsqueeze(2)
-    kl = 0.5 * (torch.log(prior_var / var_i) + var_i / prior_var + (mu_i - prior_mu).square() / prior_var - 1.0)
-    return -kl.sum(dim=-1) / 1.0
-
-
-_FREE_LITERALS = {(aten.div.Tensor, 1): "tau", (aten.sum.dim_IntList, 1): "sum_dims"}
-_PATTERN: list[fx.Graph] = []
-
 # cross_entropy_loss(input, target, weight=None, reduction=Mean, ignore_index=-100, label_smoothing=0.0)
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+_CONSUMERS = {aten.softmax.int, aten.log_softmax.int}  # read the logits at their shape
 
 
-def _pattern() -> fx.Graph:
-    if not _PATTERN:
-        _PATTERN.append(pattern_graph(_kl_logits, torch.randn(2, 3, 4), torch.rand(2, 3, 4) + 0.5,
-                                      torch.randn(5, 4), torch.rand(5, 4) + 0.5))
-    return _PATTERN[0]
+@dataclass
+class _Decode:
+    logits: fx.Node
+    mu: fx.Node
+    scale: fx.Node
+    param: str
+    prior_mu: fx.Node
+    prior_scale: fx.Node
+    prior_param: str
+    tau: float
+
+
+def _query_side(node: fx.Node) -> fx.Node | None:
+    """x when ``node`` is a [B, N, K] tensor x broadcast per query as [B, N, 1, K]."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    src, out = shape_of(node.args[0]), shape_of(node)
+    if src is None or out is None or len(src) != 3 or len(out) != 4 or out[2] != 1:
+        return None
+    if node.target == aten.unsqueeze.default and node.args[1] % 4 == 2:
+        return strip_noops(node.args[0])
+    if node.target in (aten.view.default, aten.reshape.default) and out[1] == src[1] and out[3] == src[2]:
+        return strip_noops(node.args[0])
+    return None
+
+
+def _inputs(logits: fx.Node) -> tuple[list, list] | None:
+    """(per-query belief tensors, [V, K] prior tensors) the score reads, or None if it reads others."""
+    b, n, v = shape_of(logits)
+    queries, priors, seen, stack = [], [], set(), [logits]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        q = _query_side(node)
+        shape = shape_of(node)
+        if q is not None:
+            queries.append(q) if q not in queries else None
+        elif shape is not None and len(shape) == 2:
+            node = strip_noops(node)
+            priors.append(node) if node not in priors else None
+        elif shape is not None and not _in_score(shape, (b, n, v)):
+            return None  # the walk stays inside the [B, N, V(, K)] score
+        elif node.op != "call_function":
+            if isinstance(node.meta.get("val"), torch.Tensor):
+                return None
+        else:
+            stack.extend(node.all_input_nodes)
+    return independent(queries), independent(priors)
+
+
+def _in_score(shape, logits_shape) -> bool:
+    """Whether a tensor of ``shape`` lives in the [B, N, V, K] score (or broadcasts into it as a prior)."""
+    b, n, v = logits_shape
+    if shape == (b, n, v):
+        return True
+    if len(shape) == 4:  # [B, N, V, K], a query's [B, N, 1, K], a prior's [1, 1, V, K]
+        return shape[2] in (1, v) and shape[0] in (1, b) and shape[1] in (1, n)
+    return len(shape) == 3 and shape[0] == 1 and shape[1] == v
+
+
+def _recognise(logits: fx.Node) -> _Decode | None:
+    shape = shape_of(logits)
+    if shape is None or len(shape) != 3 or logits.op != "call_function":
+        return None
+    found = _inputs(logits)
+    if found is None or not found[0] or not found[1]:
+        return None
+    queries, priors = found
+    k = {_hint(shape_of(x)[-1]) for x in queries + priors}
+    if len(k) != 1 or len(queries) < 2 or len(priors) < 2:
+        return None
+    k = k.pop()
+    v = _hint(shape[2])
+    gen = torch.Generator().manual_seed(20251123)
+    draws = []
+    for low, high in ((0.3, 2.0), (0.05, 4.0)):
+        env = {x: low + (high - low) * torch.rand(2, 3, k, generator=gen, dtype=torch.float64) for x in queries}
+        env.update({x: low + (high - low) * torch.rand(v, k, generator=gen, dtype=torch.float64) for x in priors})
+        try:
+            value = evaluate(logits, dict(env))
+        except Exception:  # not evaluable at other sizes: not recognisable
+            return None
+        draws.append((env, value))
+    for mu in queries:
+        for scale in queries:
+            for prior_mu in priors:
+                for prior_scale in priors:
+                    if scale is mu or prior_scale is prior_mu:
+                        continue
+                    for param, to_var in VARIANCE_FROM.items():
+                        for prior_param, prior_to_var in VARIANCE_FROM.items():
+                            alphas = []
+                            for env, value in draws:
+                                kl = gaussian_kl(env[mu].unsqueeze(2), to_var(env[scale]).unsqueeze(2),
+                                                 env[prior_mu], prior_to_var(env[prior_scale]))
+                                alphas.append(proportion(value, kl))
+                            if all(a is not None and a < 0 for a in alphas) and math.isclose(*alphas, rel_tol=1e-9):
+                                tau = float(f"{-1.0 / alphas[0]:.12g}")
+                                return _Decode(logits, mu, scale, param, prior_mu, prior_scale, prior_param, tau)
+    return None
+
+
+def _hint(size) -> int:
+    return size.node.shape_env.size_hint(size.node.expr) if isinstance(size, torch.SymInt) else int(size)
 
 
 def run(gm: fx.GraphModule, report: FusionReport) -> None:
     import hecate.lowering.kl_decode  # noqa: F401  the ops must exist before we insert them
 
-    for match in find_matches(gm, _pattern()):
-        _fuse(gm, match, report)
+    for node in list(gm.graph.nodes):
+        # the last node of the score: something other than an elementwise step of it reads it
+        if node.op != "call_function" or not any(u.op == "output" or u.target in _CONSUMERS
+                                                 or shape_of(u) != shape_of(node) for u in node.users):
+            continue
+        try:
+            decode = _recognise(node)
+            if decode is not None:
+                _fuse(gm, decode, report)
+        except NotFused as e:
+            report.add_miss(PATTERN, str(e), node.name, nodes=[node])
 
 
-def _fuse(gm: fx.GraphModule, match: Match, report: FusionReport) -> None:
-    logits = match.outputs[0]
-    where = logits.name
-    mu, var, prior_mu, prior_var = match.inputs
-    q_shape, p_shape = shape_of(mu), shape_of(prior_mu)
-    if prior_mu.target == aten.unsqueeze.default and prior_mu.args[0] is mu:
-        return  # KL(q_i ‖ q_j) between the beliefs themselves: the attention's, not a decode
-    if (q_shape is None or p_shape is None or len(q_shape) != 3 or len(p_shape) != 2
-            or shape_of(var) != q_shape or shape_of(prior_var) != p_shape or q_shape[2] != p_shape[1]):
-        report.add_miss(PATTERN, f"KL of beliefs {q_shape}/{shape_of(var)} to priors {p_shape}/{shape_of(prior_var)}: "
-                                 "the op needs beliefs [B, N, K] and a prior bank [V, K]", where)
-        return
-    diffs, free = literal_differences(match, _FREE_LITERALS)
-    if free.get("sum_dims") not in ([-1], [3]):
-        diffs.append(f"KL summed over dims {free.get('sum_dims')}, not over the feature dim (-1)")
-    tau = free.get("tau")
-    if not isinstance(tau, (int, float)) or not tau > 0:
-        diffs.append(f"temperature τ = {tau!r}; the op needs a number > 0")
-    if diffs:
-        report.add_miss(PATTERN, "; ".join(diffs), where)
-        return
-    b, n, k = q_shape
-    v = p_shape[0]
-    ce = _cross_entropy_user(logits, v)
-    emit = Emitter(gm.graph, logits if isinstance(ce, str) else ce[0])
-    mu2, var2 = emit(aten.reshape.default, mu, [b * n, k]), emit(aten.reshape.default, var, [b * n, k])
+def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
+    logits, tau = d.logits, d.tau
+    inputs = [d.mu, d.scale, d.prior_mu, d.prior_scale]
+
+    def beliefs(mu, scale, prior_mu, prior_scale):
+        b, n, k = mu.shape
+        var, prior_var = VARIANCE_FROM[d.param](scale), VARIANCE_FROM[d.prior_param](prior_scale)
+        return mu.reshape(b * n, k), var.reshape(b * n, k), prior_mu, prior_var.to(prior_mu.dtype)
+
+    what = f"{d.param} beliefs, {d.prior_param} priors, τ={tau:g}"
+    ce = _cross_entropy_user(logits, shape_of(logits))
     if isinstance(ce, str):
-        flat = emit(torch.ops.hecate.kl_decode_logits.default, mu2, var2, prior_mu, prior_var, float(tau))
-        logits.replace_all_uses_with(emit(aten.reshape.default, flat, [b, n, v]))
-        report.add_fusion(PATTERN, "hecate.kl_decode_logits", len(match.nodes),
-                          f"logits in matmul form, τ={tau:g}; cross-entropy not fused: {ce}")
+        def logits_fn(*values):
+            mu2, var2, prior_mu, prior_var = beliefs(*values)
+            flat = torch.ops.hecate.kl_decode_logits(mu2, var2, prior_mu, prior_var, tau)
+            flat = flat.reshape(values[0].shape[0], values[0].shape[1], prior_mu.shape[0])
+            return flat.to(logits.meta["val"].dtype)  # the graph's dtype (under autocast, not the op's)
+
+        replace_with_function(gm, [logits], logits_fn, inputs, outputs=[logits])
+        report.add_fusion(PATTERN, "hecate.kl_decode_logits", 1,
+                          f"logits in matmul form, {what}; cross-entropy not fused: {ce}")
         return
     ce_node, targets, reduction, ignore_index = ce
-    call = emit(torch.ops.hecate.kl_decode_ce.default, mu2, var2, prior_mu, prior_var, targets, float(tau),
-                ignore_index)
-    loss = emit(operator.getitem, call, 0)
-    if reduction == "sum":
-        loss = emit(aten.sum.default, loss)
-    elif reduction == "mean":
-        counted = emit(aten.ne.Scalar, targets, ignore_index)
-        total = emit(aten.sum.default, emit(aten.to.dtype, counted, dtype_of(mu)))
-        loss = emit(aten.div.Tensor, emit(aten.sum.default, loss), total)
-    ce_node.replace_all_uses_with(loss)
-    view = ce_node.args[0]
-    gm.graph.erase_node(ce_node)
-    if not view.users and view is not logits:
-        gm.graph.erase_node(view)
-    report.add_fusion(PATTERN, "hecate.kl_decode_ce", len(match.nodes) + 2,
-                      f"logits + cross-entropy ({reduction}), τ={tau:g}; [B, N, V] not formed")
+
+    def loss_fn(*values):
+        targets = values[-1]
+        mu2, var2, prior_mu, prior_var = beliefs(*values[:-1])
+        loss, _ = torch.ops.hecate.kl_decode_ce(mu2, var2, prior_mu, prior_var, targets, tau, ignore_index)
+        loss = loss.to(ce_node.meta["val"].dtype)  # the graph's dtype (under autocast, not the op's)
+        if reduction == "sum":
+            return loss.sum()
+        if reduction == "mean":  # as F.cross_entropy: the mean over the targets not ignored
+            return loss.sum() / (targets != ignore_index).sum().to(loss.dtype)
+        return loss
+
+    replace_with_function(gm, [ce_node.args[0], ce_node], loss_fn, inputs + [targets], outputs=[ce_node])
+    report.add_fusion(PATTERN, "hecate.kl_decode_ce", 3,
+                      f"logits + cross-entropy ({reduction}), {what}; [B, N, V] not formed")
 
 
-def dtype_of(node: fx.Node) -> torch.dtype:
-    return node.meta["val"].dtype
-
-
-def _cross_entropy_user(logits: fx.Node, v: int):
+def _cross_entropy_user(logits: fx.Node, shape: tuple):
     """(the cross_entropy node, flat targets, reduction, ignore_index) when logits feed only that; else why not."""
     users = list(logits.users)
     if len(users) != 1:
         names = ", ".join(f"{u.name} ({short(u.target) if u.op == 'call_function' else u.op})" for u in users)
         return f"logits are also used by {names}"
     view = users[0]
-    if view.target not in (aten.view.default, aten.reshape.default) or list(view.args[1]) not in ([-1, v],):
+    b, n, v = shape
+    if view.target not in (aten.view.default, aten.reshape.default) or shape_of(view) != (b * n, v):
         return f"logits feed {view.name} ({short(view.target)}), not a view(-1, V) into cross-entropy"
     ce_users = list(view.users)
     if len(ce_users) != 1 or ce_users[0].target != aten.cross_entropy_loss.default or ce_users[0].args[0] is not view:

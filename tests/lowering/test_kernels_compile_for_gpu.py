@@ -76,11 +76,11 @@ for i, (name, flags, blocks, x_dtype) in enumerate(QK_SETTINGS):
         qk_kernels._backward_conv_kernel, _qk_types(qk_kernels._backward_conv_kernel, x_dtype),
         flags | _qk_writes(phi, i, flags["HAS_STATE"]) | blocks | {"PHI_DERIVATIVE": None})
 
-# --- kl_attention (op.py): features a, b, c, d and everything the backward allocates are fp32; row values
+# --- kl_attention (op.py): μ, v, log v and everything the backward allocates are fp32; row values
 # and the forward's outputs have mu's dtype (bf16 here). BLOCK_* = max(16, 2^⌈log2 width⌉); tiles (_tiles)
-# 64×64 in the forward when every width <= 64, 32×32 in the backward or when wider, 16×16 from width 256.
-# FEP widths for K: D2 = 2K, DV = 3K+1, column pass 2(3K+1).
-KL_SCALARS = dict(N="i32", D2="i32", DV="i32", DW="i32", neg_inv_kappa="fp32")
+# 32×32 when K <= 16, 16×16 from K = 17 or a value width of 256 (the score tile is [BM, BN, BLOCK_D]).
+# FEP widths for K: DV = 3K+1, column pass 2(3K+1).
+KL_SCALARS = dict(N="i32", K="i32", DV="i32", DW="i32", neg_inv_kappa="fp32")
 # the forward writes its outputs (lse included) in mu's dtype; the backward gets lse back as fp32
 KL_FORWARD_BF16 = {"rv_ptr", "row_ptr", "row_kl_ptr", "energy_ptr", "lse_ptr", "col_ptr", "col_kl_ptr"}
 KL_BACKWARD_BF16 = {"rv_ptr", "grad_rv_ptr"}
@@ -93,8 +93,8 @@ def _kl_types(kernel, bf16: set[str]) -> dict[str, str]:
 
 KA = kl_attention_kernels
 for masks, tiles, widths, tag in [
-        (dict(CAUSAL=True, MASK_DIAGONAL=True), (64, 64), dict(BLOCK_D=16, BLOCK_V=32, BLOCK_W=64), "causal_K8"),
-        (dict(CAUSAL=False, MASK_DIAGONAL=False), (32, 32), dict(BLOCK_D=32, BLOCK_V=64, BLOCK_W=128), "full_K16")]:
+        (dict(CAUSAL=True, MASK_DIAGONAL=True), (32, 32), dict(BLOCK_D=16, BLOCK_V=32, BLOCK_W=64), "causal_K8"),
+        (dict(CAUSAL=False, MASK_DIAGONAL=False), (32, 32), dict(BLOCK_D=16, BLOCK_V=64, BLOCK_W=128), "full_K16")]:
     blocks = dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1], BLOCK_D=widths["BLOCK_D"])
     has_values = tag.startswith("causal")  # the full case runs without row values (HAS_V = False, BLOCK_V = 16)
     CASES[f"kl_attention_fwd_rows-{tag}"] = (
@@ -102,10 +102,10 @@ for masks, tiles, widths, tag in [
         masks | blocks | dict(HAS_V=has_values, BLOCK_V=widths["BLOCK_V"] if has_values else 16))
     CASES[f"kl_attention_fwd_cols-{tag}"] = (KA._fwd_cols, _kl_types(KA._fwd_cols, KL_FORWARD_BF16),
                                              masks | blocks | dict(BLOCK_W=widths["BLOCK_W"]))
-    backward_blocks = blocks | dict(BLOCK_M=32, BLOCK_N=32)
+    backward_blocks = blocks
     CASES[f"kl_attention_bwd_col_values-{tag}"] = (KA._bwd_col_values, _kl_types(KA._bwd_col_values, set()),
                                                    masks | backward_blocks | dict(BLOCK_W=widths["BLOCK_W"]))
-    # with values and columns (bf16 row values), then with neither (their pointers are the fp32 features)
+    # with values and columns (bf16 row values), then with neither (their pointers are the fp32 means)
     values = (dict(HAS_V=True, HAS_W=True, BLOCK_V=widths["BLOCK_V"], BLOCK_W=widths["BLOCK_W"]) if has_values
               else dict(HAS_V=False, HAS_W=False, BLOCK_V=16, BLOCK_W=16))
     bf16 = KL_BACKWARD_BF16 if has_values else set()

@@ -196,3 +196,70 @@ def test_mlir_export(output_type):
     assert "hecate" not in text and "torch.operator" not in text
     assert ("linalg.generic" in text or "linalg.matmul" in text or "linalg.batch_matmul" in text) \
         if output_type == "linalg-on-tensors" else "torch.aten.bmm" in text or "torch.aten.matmul" in text
+
+
+# stability: no less accurate than eager fp32, against float64, where the dot form cancels
+
+
+def _clustered_beliefs(b, n, k, log_var_range, spread, gen):
+    """Pairs of near beliefs (KL small, carrying β), pairs spread `spread` σ apart, variances e^±range."""
+    log_var = (torch.rand(b, n, k, generator=gen, dtype=torch.float64) * 2 - 1) * log_var_range
+    sigma = (0.5 * log_var).exp()
+    mu = 5.0 + spread / 2 * sigma * torch.randn(b, n, k, generator=gen, dtype=torch.float64)
+    half = n // 2
+    mu[:, 1::2] = mu[:, ::2][:, :half] + 0.3 * sigma[:, 1::2] * torch.randn(b, half, k, generator=gen,
+                                                                              dtype=torch.float64)
+    log_var[:, 1::2] = log_var[:, ::2][:, :half] + 0.1 * torch.randn(b, half, k, generator=gen, dtype=torch.float64)
+    return mu, log_var.exp()
+
+
+def _outputs_and_grads(fn, inputs, dtype, out_weights, kappa, causal):
+    args = [t.to(dtype).requires_grad_() for t in inputs]
+    outs = fn(*args, kappa, causal, False)[:6]
+    loss = sum((o.double() * w).sum() for o, w in zip(outs, out_weights))
+    return [o.detach() for o in outs] + list(torch.autograd.grad(loss, args))
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+@pytest.mark.parametrize("log_var_range,spread,kappa", [(7.0, 30.0, 1.0), (7.0, 30.0, 1e-3), (1.0, 30.0, 1e-3),
+                                                         (7.0, 1.0, 0.1)])
+def test_no_less_stable_than_eager(path, log_var_range, spread, kappa):
+    """Σβ·KL, β-weighted sums and every gradient within 10× of eager fp32's own error vs float64."""
+    gen = torch.Generator().manual_seed(0)
+    b, n, k = 2, 12, 4
+    mu, var = _clustered_beliefs(b, n, k, log_var_range, spread, gen)
+    inputs = (mu, var, torch.randn(b, n, 3, generator=gen, dtype=torch.float64),
+              torch.randn(b, n, 2, generator=gen, dtype=torch.float64))
+    weights = [torch.randn(s, generator=gen, dtype=torch.float64)
+               for s in [(b, n, 3), (b, n, 3), (b, n), (b, n, 2), (b, n, 2), (b, n, 2)]]
+    ref = _outputs_and_grads(kl_attention_naive, inputs, torch.float64, weights, kappa, True)
+    eager = _outputs_and_grads(kl_attention_naive, inputs, torch.float32, weights, kappa, True)
+    with _path(path):
+        fused = _outputs_and_grads(OP, inputs, torch.float32, weights, kappa, True)
+    names = list(OUTPUT_NAMES[:6]) + ["d mu", "d var", "d row_values", "d col_values"]
+    for name, r, e, f in zip(names, ref, eager, fused):
+        eager_err, fused_err = rel_err(e.double(), r), rel_err(f.double(), r)
+        assert fused_err <= 10 * eager_err + 1e-7, f"{name}: fused {fused_err:.2e}, eager fp32 {eager_err:.2e}"
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+def test_nan_belief_propagates_as_in_the_reference(path):
+    """A NaN in one belief makes NaN what the broadcast form makes NaN, and nothing else."""
+    mu, var, rv, cv = (t.detach() for t in _inputs(1, 6, 3, 2, 2))
+    mu[0, 2, 1] = float("nan")
+    with _path(path):
+        got = OP(mu, var, rv, cv, 0.9, True, False)
+    ref = kl_attention_naive(mu, var, rv, cv, 0.9, True, False)
+    for name, g, r in zip(OUTPUT_NAMES, got, ref):
+        assert torch.equal(torch.isnan(g), torch.isnan(r)), name
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+def test_float64_is_computed_in_float64(path):
+    inputs = [t.detach().double().requires_grad_() for t in _inputs(2, 5, 3, 2, 2)]
+    with _path(path):
+        got = OP(*inputs, 0.7, True, True)
+    ref = kl_attention_naive(*inputs, 0.7, True, True)
+    for name, g, r in zip(OUTPUT_NAMES[:6], got, ref):
+        assert g.dtype == torch.float64
+        assert_close(name, g, r, 1e-12)

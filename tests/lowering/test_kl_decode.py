@@ -140,3 +140,48 @@ def test_mlir_export():
     args = (*(p.detach() for p in _inputs(4, 5, 3)), torch.randint(0, 5, (4,)))
     text = hecate.export_mlir(_Decode(), args, output_type="linalg-on-tensors")
     assert "hecate" not in text and "torch.operator" not in text
+
+
+# faithful to F.cross_entropy on every path: targets, NaN, float64
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+@pytest.mark.parametrize("bad", [7, -1, -5])
+def test_out_of_range_targets_raise_like_cross_entropy(path, bad):
+    params = _inputs(4, 7, 3)
+    targets = torch.tensor([0, bad, 2, -100])
+    with pytest.raises(IndexError):
+        F.cross_entropy(kl_decode_logits_naive(*params, 1.0), targets)
+    with _path(path), pytest.raises(IndexError, match=f"targets must be token ids in \\[0, V=7\\) or ignore_index=-100, got {bad}"):
+        CE(*params, targets, 1.0, -100)
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+def test_nan_and_inf_propagate_as_in_aten(path):
+    """A NaN belief or prior gives NaN where F.cross_entropy gives NaN; an ignored row stays 0."""
+    mu, var, prior_mu, prior_var = (p.detach().clone() for p in _inputs(6, 9, 3))
+    mu[1, 0] = float("nan")
+    prior_mu[4, 2] = float("nan")  # every row's logits see it
+    var[2, 1] = float("inf")
+    targets = torch.tensor([0, 1, 2, 3, -100, 5])
+    ref = F.cross_entropy(kl_decode_logits_naive(mu, var, prior_mu, prior_var, 0.8), targets, reduction="none")
+    with _path(path):
+        loss, _ = CE(mu, var, prior_mu, prior_var, targets, 0.8, -100)
+        logits = LOGITS(mu, var, prior_mu, prior_var, 0.8)
+    assert torch.equal(torch.isnan(loss), torch.isnan(ref)), (loss, ref)
+    ref_logits = kl_decode_logits_naive(mu, var, prior_mu, prior_var, 0.8)
+    assert torch.equal(torch.isnan(logits), torch.isnan(ref_logits))
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+def test_float64_is_computed_in_float64(path):
+    params = [p.detach().double().requires_grad_() for p in _inputs(11, 13, 4)]
+    targets = torch.randint(0, 13, (11,))
+    with _path(path):
+        loss, _ = CE(*params, targets, 0.7, -100)
+        logits = LOGITS(*params, 0.7)
+    ref_logits = kl_decode_logits_naive(*params, 0.7)
+    ref = F.cross_entropy(ref_logits, targets, reduction="none")
+    assert loss.dtype == logits.dtype == torch.float64
+    assert_close("loss", loss, ref, 1e-12)
+    assert_close("logits", logits, ref_logits, 1e-12)

@@ -1,21 +1,22 @@
 """Triton kernels of ``hecate.kl_attention``: flash-style, never forming [B, N, N, K] or [B, N, N].
 
-Every kernel works on tiles of the KL matrix in its dot-product form
-(:mod:`.matmul_form`)::
+Every kernel works on tiles of the KL matrix computed per pair, as the model writes it::
 
-    S_ij = c_i + a_i · b_j + d_j             a [B,N,D2], b [B,N,D2] (D2 = 2K), c, d [B,N]
+    S_ij = ½ Σ_k [((μ_ik − μ_jk)² + v_ik − v_jk) / v_jk + log v_jk − log v_ik]     μ, v, log v [B,N,K]
     P_ij = exp(−S_ij/κ − lse_i) on allowed pairs, 0 elsewhere (β)
 
-All tensors are contiguous [B, N, D] (or [B, N]); one program handles one block of
-rows (queries) or columns (keys) of one batch element. Scores and sums are fp32;
-the score dot product runs in IEEE fp32 (not TF32): it subtracts terms of size μ²/v.
+not in the dot-product form c_i + a_i·b_j + d_j, which subtracts terms of size μ²/v: the
+KL of near pairs (which carry β, amplified by 1/κ) would lose its digits and S_ii would
+not be 0. The gradients with respect to μ and v are summed per pair too. All tensors are
+contiguous [B, N, D] (or [B, N]); one program handles one block of rows (queries) or
+columns (keys) of one batch element; sums are fp32, the value dot products IEEE fp32.
 
 Forward:  ``_fwd_rows``  (row blocks; online softmax over key blocks) → row_sum, row_kl_sum, energy, lse
           ``_fwd_cols``  (key blocks; loops over query blocks, needs lse)  → col_sum, col_kl_sum
 Backward (recomputing P from lse):
           ``_bwd_col_values`` (row blocks) → dW = P dO3 + (P∘S) dO4   (only with column values)
-          ``_bwd_rows`` (row blocks)   → da, dc
-          ``_bwd_cols`` (key blocks)   → db, dd, dV
+          ``_bwd_rows`` (row blocks)   → dμ, dv through the query side of S
+          ``_bwd_cols`` (key blocks)   → dμ, dv through the key side of S, dV
 The formulas are in :func:`hecate.lowering.kl_attention.matmul_form.backward`.
 """
 
@@ -51,9 +52,23 @@ def _store_vec(ptr, value, b, offs, N):
 
 
 @triton.jit
-def _kl_tile(a_i, c_i, b_j, d_j):
-    """S_ij = c_i + a_i·b_j + d_j, [BLOCK_M, BLOCK_N]."""
-    return c_i[:, None] + tl.dot(a_i, tl.trans(b_j), input_precision="ieee") + d_j[None, :]
+def _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs, N, K, BLOCK_K: tl.constexpr):
+    """(μ, v, log v) [len(offs), BLOCK_K]; padding is μ = 0, v = 1, log v = 0 (adds 0 to S)."""
+    cols = tl.arange(0, BLOCK_K)
+    mask = (offs[:, None] < N) & (cols[None, :] < K)
+    ptrs = b * N * K + offs[:, None] * K + cols[None, :]
+    mu = tl.load(mu_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    var = tl.load(var_ptr + ptrs, mask=mask, other=1.0).to(tl.float32)
+    lv = tl.load(lv_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    return mu, var, lv
+
+
+@triton.jit
+def _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j):
+    """S_ij [BLOCK_M, BLOCK_N], per pair: 0 exactly when q_i = q_j."""
+    d = mu_i[:, None, :] - mu_j[None, :, :]
+    t = (d * d + (v_i[:, None, :] - v_j[None, :, :])) / v_j[None, :, :] + (lv_j[None, :, :] - lv_i[:, None, :])
+    return 0.5 * tl.sum(t, 2)
 
 
 @triton.jit
@@ -73,16 +88,15 @@ def _beta_tile(s, lse_i, ok, neg_inv_kappa):
 
 
 @triton.jit
-def _fwd_rows(a_ptr, c_ptr, b_ptr, d_ptr, rv_ptr,
+def _fwd_rows(mu_ptr, var_ptr, lv_ptr, rv_ptr,
               row_ptr, row_kl_ptr, energy_ptr, lse_ptr,
-              N, D2, DV, neg_inv_kappa,
+              N, K, DV, neg_inv_kappa,
               CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr, HAS_V: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    a_i = _load_rows(a_ptr, b, offs_m, N, D2, BLOCK_D)  # [BM, BD]
-    c_i = _load_vec(c_ptr, b, offs_m, N)  # [BM]
+    mu_i, v_i, lv_i = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_m, N, K, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     e_i = tl.zeros([BLOCK_M], tl.float32)
@@ -93,9 +107,8 @@ def _fwd_rows(a_ptr, c_ptr, b_ptr, d_ptr, rv_ptr,
         hi = tl.minimum(N, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        b_j = _load_rows(b_ptr, b, offs_n, N, D2, BLOCK_D)
-        d_j = _load_vec(d_ptr, b, offs_n, N)
-        s = _kl_tile(a_i, c_i, b_j, d_j)  # [BM, BN]
+        mu_j, v_j, lv_j = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_n, N, K, BLOCK_D)
+        s = _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)  # [BM, BN]
         ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
         logit = tl.where(ok, s * neg_inv_kappa, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logit, 1))
@@ -106,11 +119,11 @@ def _fwd_rows(a_ptr, c_ptr, b_ptr, d_ptr, rv_ptr,
         l_i = l_i * alpha + tl.sum(p, 1)
         e_i = e_i * alpha + tl.sum(ps, 1)
         if HAS_V:
-            v_j = _load_rows(rv_ptr, b, offs_n, N, DV, BLOCK_V)  # [BN, BV]
-            acc = acc * alpha[:, None] + tl.dot(p, v_j, input_precision="ieee")
-            acc_kl = acc_kl * alpha[:, None] + tl.dot(ps, v_j, input_precision="ieee")
+            rv_j = _load_rows(rv_ptr, b, offs_n, N, DV, BLOCK_V)  # [BN, BV]
+            acc = acc * alpha[:, None] + tl.dot(p, rv_j, input_precision="ieee")
+            acc_kl = acc_kl * alpha[:, None] + tl.dot(ps, rv_j, input_precision="ieee")
         m_i = m_new
-    has_key = l_i > 0
+    has_key = l_i != 0.0  # 0: no allowed key; NaN (a NaN score) stays NaN, as in ATen
     inv_l = tl.where(has_key, 1.0 / tl.where(has_key, l_i, 1.0), 0.0)
     lse = tl.where(has_key, m_i + tl.log(tl.where(has_key, l_i, 1.0)), float("-inf"))
     _store_vec(energy_ptr, e_i * inv_l, b, offs_m, N)
@@ -121,16 +134,15 @@ def _fwd_rows(a_ptr, c_ptr, b_ptr, d_ptr, rv_ptr,
 
 
 @triton.jit
-def _fwd_cols(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, cv_ptr,
+def _fwd_cols(mu_ptr, var_ptr, lv_ptr, lse_ptr, cv_ptr,
               col_ptr, col_kl_ptr,
-              N, D2, DW, neg_inv_kappa,
+              N, K, DW, neg_inv_kappa,
               CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    b_j = _load_rows(b_ptr, b, offs_n, N, D2, BLOCK_D)
-    d_j = _load_vec(d_ptr, b, offs_n, N)
+    mu_j, v_j, lv_j = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_n, N, K, BLOCK_D)
     acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
     acc_kl = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
     lo = 0
@@ -138,11 +150,10 @@ def _fwd_cols(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, cv_ptr,
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # queries before the key block see none of it
     for start_m in range(lo, N, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        a_i = _load_rows(a_ptr, b, offs_m, N, D2, BLOCK_D)
-        c_i = _load_vec(c_ptr, b, offs_m, N)
+        mu_i, v_i, lv_i = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_m, N, K, BLOCK_D)
         lse_i = _load_vec(lse_ptr, b, offs_m, N)
         w_i = _load_rows(cv_ptr, b, offs_m, N, DW, BLOCK_W)  # [BM, BW]
-        s = _kl_tile(a_i, c_i, b_j, d_j)
+        s = _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)
         ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
         p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
         acc += tl.dot(tl.trans(p), w_i, input_precision="ieee")
@@ -152,17 +163,16 @@ def _fwd_cols(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, cv_ptr,
 
 
 @triton.jit
-def _bwd_col_values(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, g_col_ptr, g_col_kl_ptr,
+def _bwd_col_values(mu_ptr, var_ptr, lv_ptr, lse_ptr, g_col_ptr, g_col_kl_ptr,
                     grad_cv_ptr,
-                    N, D2, DW, neg_inv_kappa,
+                    N, K, DW, neg_inv_kappa,
                     CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr):
     """dW_i = Σ_j P_ij dO3_j + P_ij S_ij dO4_j."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    a_i = _load_rows(a_ptr, b, offs_m, N, D2, BLOCK_D)
-    c_i = _load_vec(c_ptr, b, offs_m, N)
+    mu_i, v_i, lv_i = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_m, N, K, BLOCK_D)
     lse_i = _load_vec(lse_ptr, b, offs_m, N)
     acc = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
     hi = N
@@ -170,9 +180,8 @@ def _bwd_col_values(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, g_col_ptr, g_col_kl_ptr
         hi = tl.minimum(N, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        b_j = _load_rows(b_ptr, b, offs_n, N, D2, BLOCK_D)
-        d_j = _load_vec(d_ptr, b, offs_n, N)
-        s = _kl_tile(a_i, c_i, b_j, d_j)
+        mu_j, v_j, lv_j = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_n, N, K, BLOCK_D)
+        s = _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)
         ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
         p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
         g3 = _load_rows(g_col_ptr, b, offs_n, N, DW, BLOCK_W)
@@ -199,19 +208,18 @@ def _grad_scores(s, ok, p, i_rv1, i_rv2, i_energy, i_lse, i_rowdot, i_cv, j_rv, 
 
 
 @triton.jit
-def _bwd_rows(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
+def _bwd_rows(mu_ptr, var_ptr, lv_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
               g_row_ptr, g_row_kl_ptr, g_energy_ptr, g_col_ptr, g_col_kl_ptr, g_lse_ptr,
-              grad_a_ptr, grad_c_ptr,
-              N, D2, DV, DW, neg_inv_kappa,
+              grad_mu_ptr, grad_var_ptr,
+              N, K, DV, DW, neg_inv_kappa,
               CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr):
-    """da_i = Σ_j dS_ij b_j, dc_i = Σ_j dS_ij."""
+    """dμ_i = Σ_j dS_ij (μ_i − μ_j)/v_j, dv_i = ½ Σ_j dS_ij (v_i − v_j)/(v_i v_j): the query side of S."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    a_i = _load_rows(a_ptr, b, offs_m, N, D2, BLOCK_D)
-    c_i = _load_vec(c_ptr, b, offs_m, N)
+    mu_i, v_i, lv_i = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_m, N, K, BLOCK_D)
     lse_i = _load_vec(lse_ptr, b, offs_m, N)
     rowdot_i = _load_vec(rowdot_ptr, b, offs_m, N)
     ge_i = _load_vec(g_energy_ptr, b, offs_m, N)
@@ -220,57 +228,56 @@ def _bwd_rows(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
     g2_i = _load_rows(g_row_kl_ptr, b, offs_m, N, DV, BLOCK_V)
     w_i = _load_rows(cv_ptr, b, offs_m, N, DW, BLOCK_W)
     inv_kappa = -neg_inv_kappa
-    grad_a = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    grad_c = tl.zeros([BLOCK_M], tl.float32)
+    grad_mu = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    grad_var = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = N
     if CAUSAL:
         hi = tl.minimum(N, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        b_j = _load_rows(b_ptr, b, offs_n, N, D2, BLOCK_D)
-        d_j = _load_vec(d_ptr, b, offs_n, N)
-        v_j = _load_rows(rv_ptr, b, offs_n, N, DV, BLOCK_V)
+        mu_j, v_j, lv_j = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_n, N, K, BLOCK_D)
+        rv_j = _load_rows(rv_ptr, b, offs_n, N, DV, BLOCK_V)
         g3_j = _load_rows(g_col_ptr, b, offs_n, N, DW, BLOCK_W)
         g4_j = _load_rows(g_col_kl_ptr, b, offs_n, N, DW, BLOCK_W)
-        s = _kl_tile(a_i, c_i, b_j, d_j)
+        s = _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)
         ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
         p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
-        ds = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, v_j, g3_j, g4_j, inv_kappa,
+        ds = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, rv_j, g3_j, g4_j, inv_kappa,
                           HAS_V, HAS_W)
-        grad_a += tl.dot(ds, b_j, input_precision="ieee")
-        grad_c += tl.sum(ds, 1)
-    _store_rows(grad_a_ptr, grad_a, b, offs_m, N, D2, BLOCK_D)
-    _store_vec(grad_c_ptr, grad_c, b, offs_m, N)
+        dsk = ds[:, :, None]
+        grad_mu += tl.sum(dsk * (mu_i[:, None, :] - mu_j[None, :, :]) / v_j[None, :, :], 1)
+        grad_var += 0.5 * tl.sum(dsk * (v_i[:, None, :] - v_j[None, :, :]) / (v_i[:, None, :] * v_j[None, :, :]), 1)
+    _store_rows(grad_mu_ptr, grad_mu, b, offs_m, N, K, BLOCK_D)
+    _store_rows(grad_var_ptr, grad_var, b, offs_m, N, K, BLOCK_D)
 
 
 @triton.jit
-def _bwd_cols(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
+def _bwd_cols(mu_ptr, var_ptr, lv_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
               g_row_ptr, g_row_kl_ptr, g_energy_ptr, g_col_ptr, g_col_kl_ptr, g_lse_ptr,
-              grad_b_ptr, grad_d_ptr, grad_rv_ptr,
-              N, D2, DV, DW, neg_inv_kappa,
+              grad_mu_ptr, grad_var_ptr, grad_rv_ptr,
+              N, K, DV, DW, neg_inv_kappa,
               CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr):
-    """db_j = Σ_i dS_ij a_i, dd_j = Σ_i dS_ij, dV_j = Σ_i P_ij dO1_i + P_ij S_ij dO2_i."""
+    """dμ_j = −Σ_i dS_ij (μ_i − μ_j)/v_j, dv_j = ½ Σ_i dS_ij (v_j − v_i − (μ_i − μ_j)²)/v_j² (the key side
+    of S), dV_j = Σ_i P_ij dO1_i + P_ij S_ij dO2_i."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    b_j = _load_rows(b_ptr, b, offs_n, N, D2, BLOCK_D)
-    d_j = _load_vec(d_ptr, b, offs_n, N)
-    v_j = _load_rows(rv_ptr, b, offs_n, N, DV, BLOCK_V)
+    mu_j, v_j, lv_j = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_n, N, K, BLOCK_D)
+    rv_j = _load_rows(rv_ptr, b, offs_n, N, DV, BLOCK_V)
     g3_j = _load_rows(g_col_ptr, b, offs_n, N, DW, BLOCK_W)
     g4_j = _load_rows(g_col_kl_ptr, b, offs_n, N, DW, BLOCK_W)
     inv_kappa = -neg_inv_kappa
-    grad_b = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    grad_d = tl.zeros([BLOCK_N], tl.float32)
+    grad_mu = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    grad_var = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
     lo = 0
     if CAUSAL:
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
     for start_m in range(lo, N, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        a_i = _load_rows(a_ptr, b, offs_m, N, D2, BLOCK_D)
-        c_i = _load_vec(c_ptr, b, offs_m, N)
+        mu_i, v_i, lv_i = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_m, N, K, BLOCK_D)
         lse_i = _load_vec(lse_ptr, b, offs_m, N)
         rowdot_i = _load_vec(rowdot_ptr, b, offs_m, N)
         ge_i = _load_vec(g_energy_ptr, b, offs_m, N)
@@ -278,17 +285,19 @@ def _bwd_cols(a_ptr, c_ptr, b_ptr, d_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
         g1_i = _load_rows(g_row_ptr, b, offs_m, N, DV, BLOCK_V)
         g2_i = _load_rows(g_row_kl_ptr, b, offs_m, N, DV, BLOCK_V)
         w_i = _load_rows(cv_ptr, b, offs_m, N, DW, BLOCK_W)
-        s = _kl_tile(a_i, c_i, b_j, d_j)
+        s = _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)
         ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
         p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
-        ds = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, v_j, g3_j, g4_j, inv_kappa,
+        ds = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, rv_j, g3_j, g4_j, inv_kappa,
                           HAS_V, HAS_W)
-        grad_b += tl.dot(tl.trans(ds), a_i, input_precision="ieee")
-        grad_d += tl.sum(ds, 0)
+        dsk = ds[:, :, None]
+        d = mu_i[:, None, :] - mu_j[None, :, :]
+        grad_mu -= tl.sum(dsk * d / v_j[None, :, :], 0)
+        grad_var += 0.5 * tl.sum(dsk * ((v_j[None, :, :] - v_i[:, None, :]) - d * d) / (v_j * v_j)[None, :, :], 0)
         if HAS_V:
             grad_v += tl.dot(tl.trans(p), g1_i, input_precision="ieee")
             grad_v += tl.dot(tl.trans(p * tl.where(ok, s, 0.0)), g2_i, input_precision="ieee")
-    _store_rows(grad_b_ptr, grad_b, b, offs_n, N, D2, BLOCK_D)
-    _store_vec(grad_d_ptr, grad_d, b, offs_n, N)
+    _store_rows(grad_mu_ptr, grad_mu, b, offs_n, N, K, BLOCK_D)
+    _store_rows(grad_var_ptr, grad_var, b, offs_n, N, K, BLOCK_D)
     if HAS_V:
         _store_rows(grad_rv_ptr, grad_v, b, offs_n, N, DV, BLOCK_V)

@@ -25,7 +25,9 @@ Schema::
 These are exactly the sums the spec's Q-flow needs (see ``hecate/passes/kl_attention.py``
 for how its gradient terms map onto them), and neither [B, N, N, K] nor [B, N, N] is
 ever formed on the Triton path. A row with no allowed key (N = 1 with the diagonal
-masked; row 0 when causal and diagonal-masked) has β_i· = 0: its sums are 0, not NaN.
+masked; row 0 when causal and diagonal-masked) has β_i· = 0: its sums are 0, not NaN
+(the pass adds the NaN of a softmax over no key where the model's code has it).
+float64 inputs run the ATen path in float64 (the kernels compute in fp32).
 
 Differentiable in mu, var, row_values and col_values for every output (the
 training step backprops through the unrolled Q-flow). The backward is its own op,
@@ -73,7 +75,7 @@ def kl_attention(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
     check_inputs(mu, var, row_values, col_values, kappa)
-    if use_triton(mu):
+    if use_triton(mu) and mu.dtype != torch.float64:  # the kernels compute in fp32
         return _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal)
     return matmul_form.forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal)
 
@@ -97,7 +99,7 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
                           kappa: float, causal: bool, mask_diagonal: bool
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = (grad_row_sum, grad_row_kl_sum, grad_energy, grad_col_sum, grad_col_kl_sum, grad_col_energy_sum, grad_lse)
-    if use_triton(mu):
+    if use_triton(mu) and mu.dtype != torch.float64:  # the kernels compute in fp32
         return _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
                                 kappa, causal, mask_diagonal)
     return matmul_form.backward(mu, var, row_values, col_values, grads, kappa, causal, mask_diagonal)
@@ -140,46 +142,41 @@ def _block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _tiles(d2: int, dv: int, dw: int, backward: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): smaller tiles when the feature widths are wide (registers, shared memory).
+def _tiles(k: int, dv: int, dw: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): smaller tiles when the widths are wide (registers, shared memory).
 
-    Untuned: no GPU was available when this was written; the widths the FEP model
-    produces are 2K (scores), 3K+1 (row values) and 2(3K+1) (column values and their
-    energy-weighted copy).
+    The score tile is [BLOCK_M, BLOCK_N, K] (the KL per pair over K). Untuned: no GPU was
+    available when this was written; the widths the FEP model produces are K (scores),
+    3K+1 (row values) and 2(3K+1) (column values and their energy-weighted copy).
     """
     if interpreting():
         return 16, 16
-    widest = max(_block(d2), _block(dv), _block(dw))
-    if widest >= 256:
+    if _block(k) >= 32 or max(_block(dv), _block(dw)) >= 256:
         return 16, 16
-    if backward or widest > 64:
-        return 32, 32
-    return 64, 64
+    return 32, 32
 
 
-def _features(mu, var):
-    muc = matmul_form.center(mu.float(), dim=1)
-    v = var.float()
-    a, c = matmul_form.query_features(muc, v)
-    b, d = matmul_form.key_features(muc, v)
-    return muc, v, a.contiguous(), c.contiguous(), b.contiguous(), d.contiguous()
+def _beliefs(mu, var):
+    """(μ, v, log v) fp32 contiguous [B, N, K]: what the kernels form the per-pair KL from."""
+    v = var.float().contiguous()
+    return mu.float().contiguous(), v, torch.log(v)
 
 
 def _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal):
     from hecate.lowering.kl_attention import kernels
 
     bsz, n, k = mu.shape
-    dv, dw, d2 = row_values.shape[2], col_values.shape[2], 2 * k
-    _, _, a, c, b, d = _features(mu, var)
+    dv, dw = row_values.shape[2], col_values.shape[2]
+    beliefs = _beliefs(mu, var)
     rv = row_values.contiguous()
     row = mu.new_empty(bsz, n, dv)
     row_kl = torch.empty_like(row)
     energy = mu.new_empty(bsz, n)
     lse = mu.new_empty(bsz, n)
-    bm, bn = _tiles(d2, dv, 2 * dw, backward=False)
-    blocks = dict(BLOCK_D=_block(d2))
+    bm, bn = _tiles(k, dv, 2 * dw)
+    blocks = dict(BLOCK_D=_block(k))
     kernels._fwd_rows[(triton.cdiv(n, bm), bsz)](
-        a, c, b, d, rv if dv else a, row, row_kl, energy, lse, n, d2, dv, -1.0 / kappa,
+        *beliefs, rv if dv else beliefs[0], row, row_kl, energy, lse, n, k, dv, -1.0 / kappa,
         CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, HAS_V=dv > 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_V=_block(dv), **blocks)
     # the column pass runs over [W, energy ⊙ W]: col_energy_sum is col_sum of the second half
@@ -188,7 +185,7 @@ def _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagona
     col_kl = torch.empty_like(col)
     if dw:
         kernels._fwd_cols[(triton.cdiv(n, bn), bsz)](
-            a, c, b, d, lse, cv, col, col_kl, n, d2, 2 * dw, -1.0 / kappa,
+            *beliefs, lse, cv, col, col_kl, n, k, 2 * dw, -1.0 / kappa,
             CAUSAL=causal, MASK_DIAGONAL=mask_diagonal,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=_block(2 * dw), **blocks)
     return row, row_kl, energy, col[..., :dw].clone(), col_kl[..., :dw].clone(), col[..., dw:].clone(), lse
@@ -206,15 +203,16 @@ def _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energ
     from hecate.lowering.kl_attention import kernels
 
     bsz, n, k = mu.shape
-    dv, dw, d2 = row_values.shape[2], col_values.shape[2], 2 * k
-    muc, v, a, c, b, d = _features(mu, var)
+    dv, dw = row_values.shape[2], col_values.shape[2]
+    beliefs = _beliefs(mu, var)
+    a = beliefs[0]  # a placeholder pointer for absent operands
     rv = row_values.contiguous()
     cv = _energy_scaled(col_values, energy)
     g_row, g_row_kl, g_energy, g_col, g_col_kl, g_col_energy, g_lse = (g.float().contiguous() for g in grads)
     g_cols = torch.cat([g_col, g_col_energy], dim=-1).contiguous()
     g_cols_kl = torch.cat([g_col_kl, torch.zeros_like(g_col_kl)], dim=-1).contiguous()
-    bm, bn = _tiles(d2, dv, 2 * dw, backward=True)
-    config = dict(CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_block(d2))
+    bm, bn = _tiles(k, dv, 2 * dw)
+    config = dict(CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_block(k))
     lse32 = lse.float().contiguous()
     energy32 = energy.float()
     rowdot = (g_row * row_sum.float()).sum(-1) + (g_row_kl * row_kl_sum.float()).sum(-1)
@@ -222,27 +220,23 @@ def _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energ
     if dw:
         # [X, Y] = P [dO3, dO5] + (P∘S) [dO4, 0]
         kernels._bwd_col_values[(triton.cdiv(n, bm), bsz)](
-            a, c, b, d, lse32, g_cols, g_cols_kl, grad_cols, n, d2, 2 * dw, -1.0 / kappa,
+            *beliefs, lse32, g_cols, g_cols_kl, grad_cols, n, k, 2 * dw, -1.0 / kappa,
             BLOCK_W=_block(2 * dw), **config)
         g_energy = g_energy + (col_values.float() * grad_cols[..., dw:]).sum(-1)
         rowdot = rowdot + (cv * grad_cols).sum(-1)
     rowdot = (rowdot + g_energy * energy32).contiguous()
     g_energy = g_energy.contiguous()
-    grad_a = torch.empty_like(a)
-    grad_c = torch.empty_like(c)
-    grad_b = torch.empty_like(b)
-    grad_d = torch.empty_like(d)
+    grad_mu_q, grad_var_q, grad_mu_k, grad_var_k = (torch.empty_like(beliefs[0]) for _ in range(4))
     grad_rv = row_values.new_empty(row_values.shape)
-    operands = (a, c, b, d, lse32, rowdot, rv if dv else a, cv if dw else a,
+    operands = (*beliefs, lse32, rowdot, rv if dv else a, cv if dw else a,
                 g_row if dv else a, g_row_kl if dv else a, g_energy, g_cols if dw else a, g_cols_kl if dw else a,
                 g_lse)
     flags = dict(HAS_V=dv > 0, HAS_W=dw > 0, BLOCK_V=_block(dv), BLOCK_W=_block(2 * dw), **config)
     kernels._bwd_rows[(triton.cdiv(n, bm), bsz)](
-        *operands, grad_a, grad_c, n, d2, dv, 2 * dw, -1.0 / kappa, **flags)
+        *operands, grad_mu_q, grad_var_q, n, k, dv, 2 * dw, -1.0 / kappa, **flags)
     kernels._bwd_cols[(triton.cdiv(n, bn), bsz)](
-        *operands, grad_b, grad_d, grad_rv if dv else a, n, d2, dv, 2 * dw, -1.0 / kappa, **flags)
-    gq_mu, gq_var = matmul_form.query_features_backward(muc, v, grad_a, grad_c)
-    gk_mu, gk_var = matmul_form.key_features_backward(muc, v, grad_b, grad_d)
+        *operands, grad_mu_k, grad_var_k, grad_rv if dv else a, n, k, dv, 2 * dw, -1.0 / kappa, **flags)
+    gq_mu, gq_var, gk_mu, gk_var = grad_mu_q, grad_var_q, grad_mu_k, grad_var_k
     grad_cv = grad_cols[..., :dw] + energy32.unsqueeze(-1) * grad_cols[..., dw:]
     return ((gq_mu + gk_mu).to(mu.dtype), (gq_var + gk_var).to(var.dtype), grad_rv,
             grad_cv.to(col_values.dtype))

@@ -1,6 +1,6 @@
 """KL decode as a matmul plus per-token bias, and the CPU path built on it.
 
-With the dot-product form of :mod:`hecate.lowering.kl_attention.matmul_form`
+With the dot-product form of :mod:`hecate.lowering.gaussian_features`
 (beliefs on the query side, token priors on the key side)::
 
     KL(q_i ‖ π_v) = c_i + a_i · b_v + d_v,     logits_iv = −KL / τ
@@ -14,14 +14,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hecate.lowering.kl_attention.matmul_form import (compute_dtype, key_features, key_features_backward,
-                                                      query_features, query_features_backward)
+from hecate.lowering.gaussian_features import (key_features, key_features_backward, query_features,
+                                               query_features_backward)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 inputs are computed in fp32; fp32 and fp64 in their own precision."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def features(mu, var, prior_mu, prior_var):
     """(a, c, b, d, shifted μ, shifted prior means) in the compute dtype; mu is [M, K], prior [V, K]."""
     ct = compute_dtype(mu.dtype)
-    shift = prior_mu.to(ct).mean(0)
+    shift = prior_mu.to(ct).nan_to_num(0.0, 0.0, 0.0).mean(0)  # of the finite entries: a NaN prior stays its own
     muc, pmc = mu.to(ct) - shift, prior_mu.to(ct) - shift
     a, c = query_features(muc, var.to(ct))
     b, d = key_features(pmc, prior_var.to(ct))

@@ -54,6 +54,19 @@ def check_inputs(mu, var, prior_mu, prior_var, tau, targets=None) -> None:
                          f"got {tuple(targets.shape)} {targets.dtype}")
 
 
+def check_targets(targets: torch.Tensor, v: int, ignore_index: int) -> None:
+    """As F.cross_entropy: every target is a class in [0, V) or ``ignore_index`` (an error otherwise)."""
+    bad = ((targets < 0) | (targets >= v)) & (targets != ignore_index)
+    if bool(bad.any()):
+        raise IndexError(f"kl_decode_ce: targets must be token ids in [0, V={v}) or ignore_index={ignore_index}, "
+                         f"got {targets[bad][0].item()}")
+
+
+def _use_kernels(mu: torch.Tensor) -> bool:
+    """The Triton kernels compute in fp32: float64 runs the ATen path, in float64."""
+    return use_triton(mu) and mu.dtype != torch.float64
+
+
 # ---------------------------------------------------------------------------------------------
 # logits
 
@@ -62,7 +75,7 @@ def check_inputs(mu, var, prior_mu, prior_var, tau, targets=None) -> None:
 def kl_decode_logits(mu: torch.Tensor, var: torch.Tensor, prior_mu: torch.Tensor, prior_var: torch.Tensor,
                      tau: float) -> torch.Tensor:
     check_inputs(mu, var, prior_mu, prior_var, tau)
-    if use_triton(mu):
+    if _use_kernels(mu):
         return _triton_logits(mu, var, prior_mu, prior_var, tau)
     return matmul_form.logits(mu, var, prior_mu, prior_var, tau)
 
@@ -108,7 +121,8 @@ kl_decode_logits.register_autograd(_logits_backward, setup_context=_logits_setup
 def kl_decode_ce(mu: torch.Tensor, var: torch.Tensor, prior_mu: torch.Tensor, prior_var: torch.Tensor,
                  targets: torch.Tensor, tau: float, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     check_inputs(mu, var, prior_mu, prior_var, tau, targets)
-    if use_triton(mu):
+    check_targets(targets, prior_mu.shape[0], ignore_index)
+    if _use_kernels(mu):
         return _triton_ce(mu, var, prior_mu, prior_var, targets, tau, ignore_index)
     return matmul_form.ce(mu, var, prior_mu, prior_var, targets, tau, ignore_index)
 
@@ -123,7 +137,7 @@ def _(mu, var, prior_mu, prior_var, targets, tau, ignore_index):
 def kl_decode_ce_backward(mu: torch.Tensor, var: torch.Tensor, prior_mu: torch.Tensor, prior_var: torch.Tensor,
                           targets: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor, tau: float,
                           ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if use_triton(mu):
+    if _use_kernels(mu):
         return _triton_ce_backward(mu, var, prior_mu, prior_var, targets, lse, grad_loss, tau, ignore_index)
     grad_logits = matmul_form.ce_grad_logits(mu, var, prior_mu, prior_var, targets, lse, grad_loss, tau,
                                              ignore_index)
@@ -194,7 +208,7 @@ def _triton_ce(mu, var, prior_mu, prior_var, targets, tau, ignore_index):
 
 
 def _triton_ce_backward(mu, var, prior_mu, prior_var, targets, lse, grad_loss, tau, ignore_index):
-    from hecate.lowering.kl_attention.matmul_form import key_features_backward, query_features_backward
+    from hecate.lowering.gaussian_features import key_features_backward, query_features_backward
     from hecate.lowering.kl_decode import kernels
 
     a, c, b, d, muc, pmc = _features(mu, var, prior_mu, prior_var)

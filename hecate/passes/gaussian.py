@@ -1,0 +1,141 @@
+"""What the two KL passes share: reading a subgraph by what it computes, and inlining a replacement.
+
+* :func:`evaluate` runs a piece of the captured graph on real (float64) tensors, so a pass can
+  check what a subgraph computes (the pairwise score against the closed-form Gaussian KL, a
+  mask against the causal/no-self masks) whatever ops spell it.
+* :data:`VARIANCE_FROM` the parameterisations of a diagonal Gaussian's spread a model may carry
+  (variance, log-variance, standard deviation, log-std, precision) and how each gives the variance.
+* :func:`gaussian_kl` the closed form ``KL(N(μ_i, v_i) ‖ N(μ_j, v_j))`` summed over the last dim.
+* :func:`independent` which of the per-position tensors a score reads are drawn at random
+  (the others are computed from them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from hecate.passes.matching import NotFused
+
+aten = torch.ops.aten
+
+VARIANCE_FROM: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "variance": lambda s: s,
+    "log-variance": torch.exp,
+    "standard deviation": torch.square,
+    "log standard deviation": lambda s: torch.exp(2.0 * s),
+    "precision": torch.reciprocal,
+}
+
+
+def gaussian_kl(mu_p, var_p, mu_q, var_q):
+    """KL(N(μ_p, v_p) ‖ N(μ_q, v_q)) of diagonal Gaussians, summed over the last dim (broadcasting)."""
+    return 0.5 * (torch.log(var_q / var_p) + var_p / var_q + (mu_p - mu_q).square() / var_q - 1.0).sum(-1)
+
+
+def shape_of(node) -> tuple | None:
+    """The shape of a node's fake value (entries may be SymInts), None without one."""
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def short(target) -> str:
+    return getattr(target, "__name__", str(target))
+
+
+def proportion(value: torch.Tensor, reference: torch.Tensor, tol: float = 1e-9) -> float | None:
+    """γ with ``value = γ · reference`` to ``tol`` (relative), or None."""
+    if value.shape != reference.shape or not torch.isfinite(value).all() or not torch.isfinite(reference).all():
+        return None
+    norm = reference.square().sum()
+    if norm == 0:
+        return None
+    gamma = float((value * reference).sum() / norm)
+    if not (value - gamma * reference).norm() <= tol * max(value.norm(), reference.norm()):
+        return None
+    return gamma
+
+
+_SHAPE_ONLY = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+               aten.contiguous.default, aten.clone.default, aten.alias.default}
+
+
+def _is_noop(node: fx.Node) -> bool:
+    """A node that gives its input's values unchanged (a view to the same shape, an expand, a full slice).
+
+    An expand is a no-op where its result is read by broadcasting ops, as in every score: the
+    evaluation then checks what the whole subgraph computes, so a wrong guess cannot pass.
+    """
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.target == aten.expand.default:
+        return True
+    if node.target in _SHAPE_ONLY:
+        return shape_of(node) == shape_of(node.args[0])
+    if node.target == aten.slice.Tensor:
+        args = list(node.args) + [None] * (5 - len(node.args))
+        dim, start, end, step = args[1] or 0, args[2], args[3], args[4]
+        size = shape_of(node.args[0])[dim] if shape_of(node.args[0]) else None
+        return (start in (None, 0) and step in (None, 1)
+                and (end is None or (isinstance(end, int) and isinstance(size, int) and end >= size)
+                     or end == 2 ** 63 - 1))
+    return False
+
+
+def strip_noops(node: Any) -> Any:
+    """``node`` with no-op views and full slices (see :func:`_is_noop`) peeled off."""
+    while isinstance(node, fx.Node) and _is_noop(node) and node.target != aten.expand.default:
+        node = node.args[0]
+    return node
+
+
+def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None = None) -> Any:
+    """The value of ``node`` computed from ``values`` (graph nodes → real values), recursively.
+
+    ``values`` is extended in place with every node computed. Factory ops (``ones``,
+    ``arange``...) run on CPU; a node whose value is a size is replaced by ``size_hint(value)``
+    (when given); any other input not in ``values`` raises :class:`NotFused`.
+    """
+    memo = values
+
+    def run(n):
+        if not isinstance(n, fx.Node):
+            return n
+        if n in memo:
+            return memo[n]
+        val = n.meta.get("val")
+        if size_hint is not None and isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
+            memo[n] = size_hint(val)
+            return memo[n]
+        if n.op != "call_function":
+            raise NotFused(f"it reads {n.name}, an input of the graph whose value is not known when compiling")
+        if _is_noop(n):
+            memo[n] = run(n.args[0])
+            return memo[n]
+        args = fx.node.map_aggregate(n.args, run)
+        kwargs = {k: ("cpu" if k == "device" else fx.node.map_aggregate(v, run)) for k, v in n.kwargs.items()}
+        memo[n] = n.target(*args, **kwargs)
+        return memo[n]
+
+    return run(node)
+
+
+def independent(bases: Sequence[fx.Node], depth: int = 16) -> list[fx.Node]:
+    """``bases`` without those computed from another of them (``log(v)`` beside ``v``): those are
+    evaluated from it rather than drawn independently. Looks ``depth`` ops up."""
+    kept = []
+    for node in bases:
+        others = set(bases) - {node}
+        frontier, found = [node], False
+        for _ in range(depth):
+            frontier = [i for n in frontier for i in n.all_input_nodes]
+            if any(n in others for n in frontier):
+                found = True
+                break
+            if not frontier:
+                break
+        if not found:
+            kept.append(node)
+    return kept

@@ -1,0 +1,362 @@
+"""Pairwise-KL attention and KL decode written as different researchers write them: each fuses, equals eager.
+
+Every spelling is compiled with ``backend="hecate"`` and must be FUSED (one ``kl_attention`` or
+``kl_decode`` fusion, no near-miss) and give eager's outputs and gradients (relative error
+≤ 1e-5, fp32). The spellings differ in parameterisation (variance, log-variance, std, log-std),
+in how the KL is written (log of a ratio, difference of logs, ``torch.distributions``), in the
+temperature, the mask (``masked_fill``, ``torch.where``, an additive −inf mask, symbolic
+``tril(ones(N, N))``) and in how β is read (``@``, ``bmm``, ``einsum``, broadcast sums).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributions import Independent, Normal, kl_divergence
+
+import hecate
+from hecate.testing import assert_close
+
+B, N, K = 2, 5, 3
+
+# Dynamo graph-breaks inside kl_divergence the first time a pair of types is dispatched (a
+# `min` over a generator); dispatched once eagerly, as any training loop does, it traces.
+_m = torch.zeros(1)
+kl_divergence(Independent(Normal(_m, _m + 1), 1), Independent(Normal(_m, _m + 1), 1))
+kl_divergence(Normal(_m, _m + 1), Normal(_m, _m + 1))
+kl_divergence(Independent(Normal(_m[None], _m[None] + 1), 1), Independent(Normal(_m, _m + 1), 1))
+
+
+def _causal(n):
+    return torch.tril(torch.ones(n, n, dtype=torch.bool))
+
+
+# --- pairwise KL, many ways -------------------------------------------------------------------
+
+
+def kl_spec(mu, var):  # the spec's form
+    mi, mj, vi, vj = mu.unsqueeze(2), mu.unsqueeze(1), var.unsqueeze(2), var.unsqueeze(1)
+    return (0.5 * (torch.log(vj / vi) + vi / vj + (mi - mj).square() / vj - 1.0)).sum(dim=-1)
+
+
+def kl_logvar_none_index(mu, logvar):  # log-variance, None-indexing, ** 2, difference of logs
+    lv_i, lv_j = logvar[:, :, None, :], logvar[:, None, :, :]
+    return 0.5 * (lv_j - lv_i + torch.exp(lv_i - lv_j) + (mu[:, :, None] - mu[:, None]) ** 2 / lv_j.exp() - 1).sum(-1)
+
+
+def kl_std(mu, std):  # standard deviations, per-term temporaries
+    s_i, s_j = std.unsqueeze(1).transpose(1, 2), std.unsqueeze(1)
+    ratio = s_i / s_j
+    maha = ((mu.unsqueeze(2) - mu.unsqueeze(1)) / s_j) ** 2
+    return (torch.log(s_j) - torch.log(s_i) + 0.5 * (ratio * ratio + maha) - 0.5).sum(-1)
+
+
+def kl_distributions(mu, std):
+    p = Independent(Normal(mu.unsqueeze(2), std.unsqueeze(2)), 1)
+    q = Independent(Normal(mu.unsqueeze(1), std.unsqueeze(1)), 1)
+    return kl_divergence(p, q)
+
+
+def kl_distributions_summed(mu, std):
+    return kl_divergence(Normal(mu[:, :, None], std[:, :, None]), Normal(mu[:, None], std[:, None])).sum(-1)
+
+
+def kl_half_outside(mu, var):  # the ½ taken out, precision multiplied
+    prec_j = 1.0 / var.unsqueeze(1)
+    d = mu.unsqueeze(2) - mu.unsqueeze(1)
+    tr = var.unsqueeze(2) * prec_j
+    return 0.5 * (tr.sum(-1) + (d * d * prec_j).sum(-1) - mu.shape[-1] - torch.log(tr).sum(-1))
+
+
+def kl_logstd(mu, logstd):
+    li, lj = logstd.unsqueeze(2), logstd.unsqueeze(1)
+    return (lj - li + (torch.exp(2 * li) + (mu.unsqueeze(2) - mu.unsqueeze(1)).pow(2)) / (2 * torch.exp(2 * lj))
+            - 0.5).sum(-1)
+
+
+# --- attention spellings: (name, fn(mu, s) -> outputs, how s is drawn) ---------------------------
+
+
+def _var(shape):
+    return torch.rand(shape) + 0.5
+
+
+def _logvar(shape):
+    return 0.5 * torch.randn(shape)
+
+
+def a_matmul_causal(mu, var):
+    beta = F.softmax((-kl_spec(mu, var) / 0.7).masked_fill(~_causal(mu.shape[1]), float("-inf")), dim=-1)
+    return beta @ mu
+
+
+def a_einsum_where(mu, logvar):
+    kl = kl_logvar_none_index(mu, logvar)
+    beta = torch.softmax(torch.where(_causal(mu.shape[1]), -kl / 2.0, float("-inf")), -1)
+    return torch.einsum("bij,bjk->bik", beta, mu)
+
+
+def a_bmm_full(mu, std):
+    beta = (-kl_std(mu, std) * 2.0).softmax(dim=-1)  # κ = 0.5 written as a product
+    return torch.bmm(beta, std * mu)
+
+
+def a_broadcast_sum(mu, var):
+    beta = F.softmax(-kl_spec(mu, var), dim=2)
+    return (beta[..., None] * mu[:, None]).sum(-2)
+
+
+def a_returns_beta(mu, var):
+    return F.softmax(-kl_half_outside(mu, var), dim=-1)
+
+
+def a_distributions(mu, std):
+    beta = F.softmax(-kl_distributions(mu, std) / 1.5, dim=-1)
+    return beta @ mu
+
+
+def a_distributions_summed_additive_mask(mu, std):
+    n = mu.shape[1]
+    bias = torch.zeros(n, n).masked_fill(~_causal(n), float("-inf"))
+    beta = F.softmax(-kl_distributions_summed(mu, std) + bias, dim=-1)
+    return beta @ mu
+
+
+def a_triu_additive(mu, var):
+    n = mu.shape[1]
+    bias = torch.full((n, n), float("-inf")).triu(1)
+    beta = torch.softmax(-kl_spec(mu, var) / 0.5 + bias, dim=-1)
+    return torch.einsum("bij,bjd->bid", beta, torch.cat([mu, var], -1))
+
+
+def a_no_self(mu, var):
+    n = mu.shape[1]
+    eye = torch.eye(n, dtype=torch.bool)
+    beta = F.softmax((-kl_spec(mu, var)).masked_fill(eye, float("-inf")), dim=-1)
+    return beta @ mu
+
+
+def a_energy(mu, var):  # Σ_j β_ij KL_ij, the alignment energy
+    kl = kl_spec(mu, var)
+    beta = F.softmax(-kl, dim=-1)
+    return (beta * kl).sum(-1)
+
+
+def a_logstd_transposed_read(mu, logstd):  # "others aligning to i": Σ_j β_ji x_j
+    beta = F.softmax(-kl_logstd(mu, logstd) / 0.8, dim=-1)
+    return beta.transpose(1, 2) @ mu
+
+
+def a_gradient_terms(mu, var):  # the spec's mean gradient through the alignment term
+    kl = kl_spec(mu, var)
+    beta = F.softmax(-kl, dim=-1)
+    return (beta.unsqueeze(-1) * (mu.unsqueeze(2) - mu.unsqueeze(1)) / var.unsqueeze(1)).sum(dim=2)
+
+
+def a_zero_filled_causal_no_self(mu, var):
+    n = mu.shape[1]
+    mask = _causal(n) & ~torch.eye(n, dtype=torch.bool)
+    beta = F.softmax((-kl_spec(mu, var) / 1.0).masked_fill(~mask, float("-inf")), dim=-1).masked_fill(~mask, 0.0)
+    return beta @ mu, (beta * kl_spec(mu, var)).sum(-1)
+
+
+def a_temperature_multiply(mu, logvar):
+    var = logvar.exp()
+    kl = kl_spec(mu, var)
+    tau = 1.0 / 3.0
+    beta = torch.softmax(kl * (-1.0 / tau), dim=-1)
+    return beta @ var
+
+
+def a_sum_of_terms(mu, var):  # KL as a sum of named terms, negated logits spelled 0 - x
+    mi, mj, vi, vj = mu[:, :, None], mu[:, None], var[:, :, None], var[:, None]
+    log_term = torch.log(vj).sum(-1) - torch.log(vi).sum(-1)
+    trace = (vi / vj).sum(-1)
+    quad = ((mj - mi) ** 2 / vj).sum(-1)
+    kl = 0.5 * (log_term + trace + quad - mu.shape[-1])
+    beta = torch.softmax(0 - kl, -1)
+    return torch.matmul(beta, mu)
+
+
+def a_mean_of_terms_times_k(mu, var):  # .mean(-1) * K, division by a learned-free constant
+    kl = kl_spec(mu, var)
+    beta = torch.softmax(-(kl / 4.0), dim=-1)
+    return (beta.unsqueeze(-1) * mu.unsqueeze(1)).sum(2) + (beta * kl).sum(-1, keepdim=True)
+
+
+ATTENTION = [
+    (a_matmul_causal, _var), (a_einsum_where, _logvar), (a_bmm_full, _var), (a_broadcast_sum, _var),
+    (a_returns_beta, _var), (a_distributions, _var), (a_distributions_summed_additive_mask, _var),
+    (a_triu_additive, _var), (a_no_self, _var), (a_energy, _var), (a_logstd_transposed_read, _logvar),
+    (a_gradient_terms, _var), (a_zero_filled_causal_no_self, _var), (a_temperature_multiply, _logvar),
+    (a_sum_of_terms, _var), (a_mean_of_terms_times_k, _var),
+]
+
+
+def _compare(fn, args, pattern, fresh=True):
+    args = [a.clone().requires_grad_() for a in args]
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
+    got = compiled(*args)
+    report = hecate.last_report()
+    ref_args = [a.detach().clone().requires_grad_() for a in args]
+    ref = fn(*ref_args)
+    got, ref = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref)
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_close(f"output {i}", g, r, 1e-5)
+    weights = [torch.randn(r.shape, generator=torch.Generator().manual_seed(i)) for i, r in enumerate(ref)]
+    loss = lambda outs: sum((o * w).sum() for o, w in zip(outs, weights))  # noqa: E731
+    for i, (g, r) in enumerate(zip(torch.autograd.grad(loss(got), args), torch.autograd.grad(loss(ref), ref_args))):
+        assert_close(f"grad {i}", g, r, 1e-5)
+    return report
+
+
+@pytest.mark.parametrize("fn,draw", ATTENTION, ids=[f.__name__ for f, _ in ATTENTION])
+def test_attention_spelling_fuses_and_equals_eager(fn, draw, fresh_dynamo):
+    report = _compare(fn, (torch.randn(B, N, K), draw((B, N, K))), "kl_attention")
+    assert report.count("kl_attention") == 1, str(report)
+    assert not [m for m in report.misses if m.pattern == "kl_attention"], str(report)
+
+
+def test_masked_rows_give_nan_as_eager(fresh_dynamo):
+    """Causal without self: row 0 has no key; softmax of all −inf is NaN in eager, and compiled."""
+    def fn(mu, var):
+        n = mu.shape[1]
+        mask = _causal(n) & ~torch.eye(n, dtype=torch.bool)
+        beta = F.softmax((-kl_spec(mu, var)).masked_fill(~mask, float("-inf")), dim=-1)
+        return beta @ mu, (beta * kl_spec(mu, var)).sum(-1), beta.transpose(1, 2) @ var
+
+    mu, var = torch.randn(B, N, K), _var((B, N, K))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(mu, var)
+    assert hecate.last_report().count("kl_attention") == 1
+    for g, r in zip(got, fn(mu, var)):
+        assert torch.equal(torch.isnan(g), torch.isnan(r))
+        assert_close("finite part", g.nan_to_num(0.0), r.nan_to_num(0.0), 1e-5)
+
+
+def test_masked_rows_give_nan_on_the_triton_kernels(fresh_dynamo):
+    """The same through the Triton kernels (interpreter on CPU): NaN rows, finite rows equal eager."""
+    from hecate.lowering.dispatch import triton_on_cpu
+
+    def fn(mu, var):
+        n = mu.shape[1]
+        mask = _causal(n) & ~torch.eye(n, dtype=torch.bool)
+        beta = F.softmax((-kl_spec(mu, var)).masked_fill(~mask, float("-inf")), dim=-1)
+        return beta @ mu, (beta * kl_spec(mu, var)).sum(-1)
+
+    mu, var = torch.randn(B, N, K), _var((B, N, K))
+    with triton_on_cpu():
+        got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(mu, var)
+    assert hecate.last_report().count("kl_attention") == 1
+    for g, r in zip(got, fn(mu, var)):
+        assert torch.isnan(r[:, 0]).all() and torch.equal(torch.isnan(g), torch.isnan(r))
+        assert_close("finite part", g.nan_to_num(0.0), r.nan_to_num(0.0), 1e-5)
+
+
+# --- KL decode: logits −KL(q_i ‖ π_v)/τ, then cross-entropy ---------------------------------------
+
+V = 7
+
+
+def d_spec_ce(mu, var, prior_mu, prior_var, targets):
+    mi, vi = mu.unsqueeze(2), var.unsqueeze(2)
+    kl = 0.5 * (torch.log(prior_var / vi) + vi / prior_var + (mi - prior_mu).square() / prior_var - 1.0)
+    return F.cross_entropy((-kl.sum(-1) / 0.9).view(-1, V), targets.view(-1))
+
+
+def d_logvar_priors_ce_sum(mu, var, prior_mu, prior_logvar, targets):
+    pv = prior_logvar.exp()[None, None]
+    kl = 0.5 * (prior_logvar[None, None] - var[:, :, None].log() + (var[:, :, None] + (mu[:, :, None] - prior_mu) ** 2)
+                / pv - 1).sum(-1)
+    return F.cross_entropy((kl * -2.0).reshape(-1, V), targets.reshape(-1), reduction="sum")
+
+
+def d_distributions_ignore_index(mu, std, prior_mu, prior_std, targets):
+    q = Independent(Normal(mu.unsqueeze(2), std.unsqueeze(2)), 1)
+    p = Independent(Normal(prior_mu, prior_std), 1)
+    logits = -kl_divergence(q, p)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def d_logits_returned(mu, logvar, prior_mu, prior_var, targets):
+    var = logvar.exp()
+    logits = -(0.5 * (torch.log(prior_var) - torch.log(var[:, :, None]) + var[:, :, None] / prior_var
+                      + (mu[:, :, None] - prior_mu).pow(2) / prior_var - 1).sum(-1))
+    return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1))
+
+
+DECODE = [d_spec_ce, d_logvar_priors_ce_sum, d_distributions_ignore_index, d_logits_returned]
+_PRIOR_DRAW = {d_logvar_priors_ce_sum: _logvar, d_logits_returned: _var}
+
+
+@pytest.mark.parametrize("fn", DECODE, ids=[f.__name__ for f in DECODE])
+def test_decode_spelling_fuses_and_equals_eager(fn, fresh_dynamo):
+    query_draw = _logvar if fn is d_logits_returned else _var
+    targets = torch.randint(0, V, (B, N))
+    if fn is d_distributions_ignore_index:
+        targets[0, 1] = -100
+    args = (torch.randn(B, N, K), query_draw((B, N, K)), torch.randn(V, K), _PRIOR_DRAW.get(fn, _var)((V, K)))
+    report = _compare(lambda *a: fn(*a, targets), args, "kl_decode")
+    assert report.count("kl_decode") == 1, str(report)
+    assert not [m for m in report.misses if m.pattern == "kl_decode"], str(report)
+
+
+# --- near-misses: recognised as pairwise-KL attention, not fusable, reported with the user's line ---------
+
+
+def m_reversed_kl(mu, var):  # KL(q_j ‖ q_i): the key to the query
+    return F.softmax(-kl_spec(mu, var).transpose(1, 2), dim=-1) @ mu
+
+
+def m_symmetrised(mu, var):  # Jeffreys divergence, not the KL
+    kl = kl_spec(mu, var)
+    return F.softmax(-(kl + kl.transpose(1, 2)), dim=-1) @ mu
+
+
+def m_tensor_temperature(mu, var, kappa):
+    return F.softmax(-kl_spec(mu, var) / kappa, dim=-1) @ mu
+
+
+def m_score_bias(mu, var):  # a finite additive bias is not a mask
+    n = mu.shape[1]
+    return F.softmax(-kl_spec(mu, var) + torch.ones(n, n).triu(1), dim=-1) @ mu
+
+
+def m_window_mask(mu, var):  # a local window: neither causal nor no-self
+    n = mu.shape[1]
+    mask = torch.ones(n, n, dtype=torch.bool).triu(-1).tril(1)
+    return F.softmax((-kl_spec(mu, var)).masked_fill(~mask, float("-inf")), dim=-1) @ mu
+
+
+@pytest.mark.parametrize("fn,extra,reason", [
+    (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
+    (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
+    (m_tensor_temperature, (torch.tensor(0.7),), "a tensor temperature"),
+    (m_score_bias, (), "not a mask of 0 and −inf"),
+    (m_window_mask, (), "none of: all keys, causal (j ≤ i), no self (j ≠ i)"),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_near_miss_is_reported_with_the_users_line(fn, extra, reason, fresh_dynamo):
+    mu, var = torch.randn(B, N, K), _var((B, N, K))
+    report = hecate.explain(fn, mu, var, *extra)
+    assert report.count("kl_attention") == 0
+    misses = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert misses and reason in misses[0].reason, str(report)
+    assert "test_kl_spellings.py" in misses[0].source, misses[0]
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(mu, var, *extra), fn(mu, var, *extra), 1e-6)
+
+
+@pytest.mark.parametrize("fn", [a_matmul_causal, a_energy, a_returns_beta, "decode"],
+                         ids=["matmul_causal", "energy", "returns_beta", "decode_ce"])
+def test_autocast_gives_eager_dtypes(fn, fresh_dynamo):
+    """Under torch.autocast(bf16) each fused result has the dtype eager gives it (values to bf16 precision)."""
+    mu, var = torch.randn(B, N, K), _var((B, N, K))
+    args = (mu, var)
+    if fn == "decode":
+        targets = torch.randint(0, V, (B, N))
+        fn = lambda *a: d_spec_ce(*a, targets)  # noqa: E731
+        args = (mu, var, torch.randn(V, K), _var((V, K)))
+    with torch.autocast("cpu", torch.bfloat16):
+        ref = fn(*args)
+        got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*args)
+    assert hecate.last_report().fusions, str(hecate.last_report())
+    assert got.dtype == ref.dtype
+    assert_close("output", got.float(), ref.float(), 2e-2)
