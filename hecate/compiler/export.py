@@ -4,52 +4,210 @@ Both start from ``torch.export`` (whose graph is the same pre-dispatch ATen form
 the backend canonicalises to), run the same passes on it, and then translate:
 each fused op carries its own ONNX translation and its own ATen decomposition
 (:mod:`hecate.lowering.registry`).
+
+Shapes. By default the batch and sequence dimensions stay dynamic: dimensions 0 and 1
+of every tensor argument are exported as ``torch.export.Dim.AUTO``, so one ONNX file
+runs at any batch size and length; a dimension the model's code fixes (a weight's
+width, a head count, a Python loop over T) comes out static, and a warning names the
+batch or sequence dimension that did. ``dynamic_shapes="static"`` (or ``None``) fixes
+every shape to the example's; a dict or tuple is handed to ``torch.export`` as is.
+
+Streaming (``mode``). A model that generates token by token implements
+
+    initial_state(batch) -> tuple of tensors     the state before the first token
+    prefill(x) -> (out, state)                   the whole prompt, and the state after it
+    step(x_t, state) -> (out_t, state)           one token, with the state carried
+
+``mode="prefill"`` exports ``prefill`` (ONNX inputs ``x``; outputs ``out``, ``state_0``, ...),
+``mode="decode"`` exports ``step`` (inputs ``x_t``, ``state_0``, ...; outputs ``out_t``,
+``state_0``, ...). For ``"decode"``, ``args`` is ``(x_t,)`` (the state then comes from
+``initial_state``) or ``(x_t, state)``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
+from torch.export import Dim
 
 from hecate.compiler.options import parse_options
 from hecate.compiler.pipeline import run_passes
 from hecate.compiler.report import FusionReport
 
 MLIR_OUTPUT_TYPES = ("torch", "linalg-on-tensors", "tosa", "stablehlo", "raw")
+MODES = ("forward", "prefill", "decode")
+_DIM_NAMES = {0: "batch", 1: "sequence"}
+
+
+class _Prefill(torch.nn.Module):
+    """``model.prefill`` as a forward with flat outputs: (out, *state)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        out, state = self.model.prefill(x)
+        return (out, *state)
+
+
+class _Decode(torch.nn.Module):
+    """``model.step`` as a forward with flat state inputs and outputs: (x_t, *state) → (out_t, *state)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x_t, *state):
+        out, new_state = self.model.step(x_t, tuple(state))
+        return (out, *new_state)
+
+
+def _streaming_program(model: torch.nn.Module, args: Sequence[Any], mode: str):
+    """(module to export, flat example args, ONNX input names, output names) for a streaming ``mode``."""
+    needs = ("initial_state", "step") if mode == "decode" else ("prefill",)
+    missing = [m for m in needs if not callable(getattr(model, m, None))]
+    if missing:
+        raise TypeError(f"mode={mode!r} exports the model's streaming methods, but {type(model).__name__} "
+                        f"has no {', '.join(missing)}() (expected initial_state(batch), prefill(x) -> (out, state), "
+                        "step(x_t, state) -> (out_t, state))")
+    if mode == "prefill":
+        if len(args) != 1:
+            raise ValueError(f"mode='prefill' takes args=(x,), got {len(args)} argument(s)")
+        state = model.prefill(*args)[1]
+        names = [f"state_{i}" for i in range(len(state))]
+        return _Prefill(model), tuple(args), ["x"], ["out", *names]
+    if len(args) == 1:
+        state = tuple(model.initial_state(args[0].shape[0]))
+    elif len(args) == 2:
+        state = tuple(args[1])
+    else:
+        raise ValueError(f"mode='decode' takes args=(x_t,) or (x_t, state), got {len(args)} argument(s)")
+    names = [f"state_{i}" for i in range(len(state))]
+    return _Decode(model), (args[0], *state), ["x_t", *names], ["out_t", *names]
+
+
+def _auto_dynamic_shapes(args: Sequence[Any], mode: str) -> tuple:
+    """Dims 0 (batch) and 1 (sequence) of each tensor as ``Dim.AUTO``; a decode step has no sequence."""
+    def spec(i, x):
+        if not isinstance(x, torch.Tensor) or x.ndim == 0:
+            return None
+        with_sequence = mode == "forward" or (mode == "prefill" and i == 0)
+        return {d: Dim.AUTO for d in range(min(x.ndim, 2 if with_sequence else 1))}
+
+    return tuple(spec(i, x) for i, x in enumerate(args))
+
+
+def _resolve_dynamic_shapes(dynamic_shapes: Any, args: Sequence[Any], mode: str):
+    if dynamic_shapes is None or dynamic_shapes == "static":
+        return None
+    if isinstance(dynamic_shapes, str):
+        if dynamic_shapes != "auto":
+            raise ValueError(f"dynamic_shapes must be 'auto', 'static', None, or torch.export's dict/tuple "
+                             f"of dims, got {dynamic_shapes!r}")
+        return _auto_dynamic_shapes(args, mode)
+    return dynamic_shapes
+
+
+def _warn_static(program: torch.export.ExportedProgram, args: Sequence[Any], names: Sequence[str] | None,
+                 requested: tuple) -> None:
+    """Warn for each batch/sequence dim asked to be dynamic that the model's code fixed."""
+    placeholders = [s.arg.name for s in program.graph_signature.input_specs
+                    if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    names = names or placeholders
+    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    for name, placeholder, spec, x in zip(names, placeholders, requested, args):
+        val = values.get(placeholder)
+        if not spec or not isinstance(val, torch.Tensor):
+            continue
+        for d in spec:
+            if isinstance(val.shape[d], int) and x.shape[d] > 1:
+                warnings.warn(f"export: the {_DIM_NAMES[d]} dimension (dim {d}) of input {name!r} is fixed at "
+                              f"{x.shape[d]} in the exported graph: the model's code specialises it (a Python loop "
+                              "over it does; write the loop with torch's scan to keep it dynamic)", stacklevel=4)
 
 
 def export_program(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
-                   options: Mapping[str, Any] | None = None) -> tuple[torch.export.ExportedProgram, FusionReport]:
-    """``torch.export`` the model and apply Hecate's passes to the exported graph."""
+                   options: Mapping[str, Any] | None = None, *, dynamic_shapes: Any = "static",
+                   mode: str = "forward") -> tuple[torch.export.ExportedProgram, FusionReport]:
+    """``torch.export`` the model (or its ``mode``'s streaming method) and apply Hecate's passes.
+
+    ``dynamic_shapes``: "static" (default here), "auto" or torch.export's own specification.
+    """
     import hecate.lowering  # noqa: F401
 
+    program, report, _ = _export(model, args, kwargs, options, dynamic_shapes, mode)
+    return program, report
+
+
+def _export(model, args, kwargs, options, dynamic_shapes, mode):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
     opts = parse_options(options)
-    program = torch.export.export(model, tuple(args), dict(kwargs or {}))
+    if mode == "forward":
+        module, flat_args = model, tuple(args)
+        input_names = output_names = None  # the exporter names them after forward's parameters
+    else:
+        if kwargs:
+            raise ValueError(f"mode={mode!r} takes no kwargs, got {sorted(kwargs)}")
+        module, flat_args, input_names, output_names = _streaming_program(model, args, mode)
+    shapes = _resolve_dynamic_shapes(dynamic_shapes, flat_args, mode)
+    program = torch.export.export(module, flat_args, dict(kwargs or {}), dynamic_shapes=shapes)
+    if isinstance(dynamic_shapes, str) and dynamic_shapes == "auto":
+        _warn_static(program, flat_args, input_names, shapes)
     report = FusionReport(graphs=1)
     run_passes(program.graph_module, opts, report, dump_name="export")
-    return program, report
+    return program, report, (flat_args, input_names, output_names)
+
+
+@contextlib.contextmanager
+def _quiet_onnx_exporter():
+    """Silence what torch's ONNX exporter prints that says nothing about the user's model.
+
+    It logs a warning per torchvision op when torchvision is not installed, and a
+    pytree deprecation warning from its own internals.
+    """
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            yield
+    finally:
+        registration.setLevel(level)
 
 
 def export_onnx(model: torch.nn.Module, args: Sequence[Any], path: str | os.PathLike, *,
+                dynamic_shapes: Any = "auto", mode: str = "forward",
                 kwargs: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None,
                 opset_version: int | None = None) -> FusionReport:
     """Write ``model`` with Hecate's fused ops to an ONNX file at ``path``.
 
-    Fused ops become standard ONNX ops through their translations, so plain
-    onnxruntime (CPU or CUDA provider) runs the file. Returns the fusion report.
+    Fused ops become standard ONNX ops through their translations (a memory recurrence
+    is one ``Scan`` over any length), so plain onnxruntime (CPU or CUDA provider) runs
+    the file. ``dynamic_shapes``: "auto" (default: batch and sequence dynamic), "static"
+    or None (the example's shapes), or torch.export's specification. ``mode``: "forward",
+    "prefill" or "decode" (see the module docstring). Returns the fusion report.
     """
     from hecate.lowering.registry import ONNX_TRANSLATIONS
 
-    program, report = export_program(model, args, kwargs, options)
-    onnx_program = torch.onnx.export(program, tuple(args), kwargs=dict(kwargs or {}), dynamo=True,
-                                     custom_translation_table=dict(ONNX_TRANSLATIONS),
-                                     opset_version=opset_version, external_data=False)
+    program, report, (flat_args, input_names, output_names) = _export(
+        model, args, kwargs, options, dynamic_shapes, mode)
+    with _quiet_onnx_exporter():
+        onnx_program = torch.onnx.export(program, flat_args, kwargs=dict(kwargs or {}), dynamo=True,
+                                         custom_translation_table=dict(ONNX_TRANSLATIONS), verbose=False,
+                                         input_names=input_names, output_names=output_names,
+                                         opset_version=opset_version, external_data=False)
     onnx_program.save(os.fspath(path))
     return report
 
@@ -59,14 +217,16 @@ def export_mlir(model: torch.nn.Module, args: Sequence[Any], *, output_type: str
     """Import ``model`` into MLIR with torch-mlir and return the module as text.
 
     ``output_type`` is one of "torch", "linalg-on-tensors", "tosa", "stablehlo", "raw".
-    Fused ops are decomposed into ATen first (torch-mlir knows no hecate op).
+    Fused ops are decomposed into ATen first (torch-mlir knows no hecate op). Shapes are
+    the example's (the decomposition of a recurrence unrolls it over T).
     """
     if output_type not in MLIR_OUTPUT_TYPES:
         raise ValueError(f"output_type must be one of {list(MLIR_OUTPUT_TYPES)}, got {output_type!r}")
     try:
         from torch_mlir.fx import export_and_import, get_decomposition_table
-    except ImportError as e:  # an optional dependency: pip install 'hecate[mlir]'
-        raise ImportError("export_mlir needs torch-mlir: pip install torch-mlir") from e
+    except ImportError as e:  # an optional dependency
+        raise ImportError("export_mlir needs torch-mlir: pip install 'hecate[mlir]' "
+                          "(from a clone: pip install -e '.[mlir]')") from e
     from hecate.lowering.registry import DECOMPOSITIONS
 
     program, _ = export_program(model, args, kwargs, options)
