@@ -132,6 +132,36 @@ def _warn_static(program: torch.export.ExportedProgram, args: Sequence[Any], nam
                               "over it does; write the loop with torch's scan to keep it dynamic)", stacklevel=4)
 
 
+def _plain_shape_reads(program: torch.export.ExportedProgram) -> None:
+    """Rewrite the dynamic-shape graph's shape bookkeeping into what a static export reads.
+
+    With symbolic dims ``torch.export`` reads sizes of intermediate tensors (``sym_size``)
+    and keeps full-range slices (``x[:, t]`` is ``slice(x, 0, 0, ∞)`` then ``select``).
+    Passes should see one spelling, as in the static graph: a size the export fixed becomes
+    its int, a dynamic size is read off the input that carries it, and a slice that keeps a
+    whole dimension is its input.
+    """
+    graph = program.graph_module.graph
+    input_dims = {}  # symbol → (placeholder, dim)
+    for node in graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                input_dims.setdefault(size.node.expr, (node, d))
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.sym_size.int)):
+        size = node.meta.get("val")
+        if isinstance(size, int):
+            node.replace_all_uses_with(size)
+        elif isinstance(size, torch.SymInt) and size.node.expr in input_dims:
+            node.args = input_dims[size.node.expr]
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor)):
+        x, dim, start, end, step = (*node.args, None, None, None, None)[:5]
+        if start in (None, 0) and step in (None, 1) and isinstance(end, int) and end >= 2 ** 62:
+            node.replace_all_uses_with(x)
+    graph.eliminate_dead_code()
+    program.graph_module.recompile()
+
+
 def export_program(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
                    options: Mapping[str, Any] | None = None, *, dynamic_shapes: Any = "static",
                    mode: str = "forward") -> tuple[torch.export.ExportedProgram, FusionReport]:
@@ -164,6 +194,8 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
     program = torch.export.export(module, flat_args, dict(kwargs or {}), dynamic_shapes=shapes)
     if isinstance(dynamic_shapes, str) and dynamic_shapes == "auto":
         _warn_static(program, flat_args, input_names, shapes)
+    if shapes is not None:
+        _plain_shape_reads(program)
     report = FusionReport(graphs=1)
     run_passes(program.graph_module, opts, report, dump_name="export")
     return program, report, (flat_args, input_names, output_names)
