@@ -122,18 +122,24 @@ def short(target) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def _shape(node: fx.Node) -> list | None:
+    """The shape of ``node``'s value (sizes read from the value, so a symbolic N compares too)."""
+    val = node.meta.get("val")
+    return list(val.shape) if isinstance(val, torch.Tensor) else None
+
+
 def _read_mask(mask: fx.Node, n: int) -> tuple[bool, bool] | str:
     """(causal, mask_diagonal) when ``mask`` is tril(ones), ~eye or their &; else why not."""
     def is_tril_ones(node):
         return (isinstance(node, fx.Node) and node.target == aten.tril.default
                 and (len(node.args) < 2 or node.args[1] == 0)
                 and isinstance(node.args[0], fx.Node) and node.args[0].target == aten.ones.default
-                and list(node.args[0].args[0]) == [n, n])
+                and _shape(node.args[0]) == [n, n])
 
     def is_not_eye(node):
         return (isinstance(node, fx.Node) and node.target == aten.bitwise_not.default
                 and isinstance(node.args[0], fx.Node) and node.args[0].target == aten.eye.default
-                and list(node.args[0].args[:1]) == [n] and len(node.args[0].args) == 1)
+                and _shape(node.args[0]) == [n, n] and len(node.args[0].args) == 1)
 
     if is_tril_ones(mask):
         return True, False
