@@ -18,9 +18,9 @@ Streaming (``mode``). A model that generates token by token implements
     prefill(x) -> (out, state)                   the whole prompt, and the state after it
     step(x_t, state) -> (out_t, state)           one token, with the state carried
 
-``mode="prefill"`` exports ``prefill`` (ONNX inputs ``x``; outputs ``out``, ``state_0``, ...),
+``mode="prefill"`` exports ``prefill`` (ONNX inputs ``x``; outputs ``out``, ``new_state_0``, ...),
 ``mode="decode"`` exports ``step`` (inputs ``x_t``, ``state_0``, ...; outputs ``out_t``,
-``state_0``, ...). For ``"decode"``, ``args`` is ``(x_t,)`` (the state then comes from
+``new_state_0``, ...; a tuple output becomes ``out_t_0``, ``out_t_1``, ...). For ``"decode"``, ``args`` is ``(x_t,)`` (the state then comes from
 ``initial_state``) or ``(x_t, state)``.
 """
 
@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch.export import Dim
+from torch.utils import _pytree as pytree
 
 from hecate.compiler.options import parse_options
 from hecate.compiler.pipeline import run_passes
@@ -44,28 +45,23 @@ MODES = ("forward", "prefill", "decode")
 _DIM_NAMES = {0: "batch", 1: "sequence"}
 
 
-class _Prefill(torch.nn.Module):
-    """``model.prefill`` as a forward with flat outputs: (out, *state)."""
+class _Streaming(torch.nn.Module):
+    """A model's ``prefill`` or ``step`` as a forward with flat inputs and outputs.
 
-    def __init__(self, model: torch.nn.Module):
+    prefill: x → (*out, *state);  decode: (x_t, *state) → (*out_t, *state), where
+    ``out`` is the method's output flattened (a tensor or a tuple of them).
+    """
+
+    def __init__(self, model: torch.nn.Module, mode: str):
         super().__init__()
-        self.model = model
+        self.model, self.mode = model, mode
 
-    def forward(self, x):
-        out, state = self.model.prefill(x)
-        return (out, *state)
-
-
-class _Decode(torch.nn.Module):
-    """``model.step`` as a forward with flat state inputs and outputs: (x_t, *state) → (out_t, *state)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x_t, *state):
-        out, new_state = self.model.step(x_t, tuple(state))
-        return (out, *new_state)
+    def forward(self, x, *state):
+        if self.mode == "prefill":
+            out, new_state = self.model.prefill(x)
+        else:
+            out, new_state = self.model.step(x, tuple(state))
+        return (*pytree.tree_leaves(out), *new_state)
 
 
 def _streaming_program(model: torch.nn.Module, args: Sequence[Any], mode: str):
@@ -79,17 +75,22 @@ def _streaming_program(model: torch.nn.Module, args: Sequence[Any], mode: str):
     if mode == "prefill":
         if len(args) != 1:
             raise ValueError(f"mode='prefill' takes args=(x,), got {len(args)} argument(s)")
-        state = model.prefill(*args)[1]
-        names = [f"state_{i}" for i in range(len(state))]
-        return _Prefill(model), tuple(args), ["x"], ["out", *names]
-    if len(args) == 1:
-        state = tuple(model.initial_state(args[0].shape[0]))
-    elif len(args) == 2:
-        state = tuple(args[1])
+        flat_args, x_name, out_name = tuple(args), "x", "out"
     else:
-        raise ValueError(f"mode='decode' takes args=(x_t,) or (x_t, state), got {len(args)} argument(s)")
-    names = [f"state_{i}" for i in range(len(state))]
-    return _Decode(model), (args[0], *state), ["x_t", *names], ["out_t", *names]
+        if len(args) == 1:
+            state = tuple(model.initial_state(args[0].shape[0]))
+        elif len(args) == 2:
+            state = tuple(args[1])
+        else:
+            raise ValueError(f"mode='decode' takes args=(x_t,) or (x_t, state), got {len(args)} argument(s)")
+        flat_args, x_name, out_name = (args[0], *state), "x_t", "out_t"
+    with torch.no_grad():  # one eager call names the outputs
+        out, state = model.prefill(*flat_args) if mode == "prefill" else model.step(flat_args[0], flat_args[1:])
+    n_out = len(pytree.tree_leaves(out))
+    out_names = [out_name] if n_out == 1 else [f"{out_name}_{i}" for i in range(n_out)]
+    state_in = [f"state_{i}" for i in range(len(state))] if mode == "decode" else []
+    state_out = [f"new_state_{i}" for i in range(len(state))]  # ONNX names are unique: not state_i again
+    return _Streaming(model, mode), flat_args, [x_name, *state_in], [*out_names, *state_out]
 
 
 def _auto_dynamic_shapes(args: Sequence[Any], mode: str) -> tuple:
@@ -191,7 +192,10 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
             raise ValueError(f"mode={mode!r} takes no kwargs, got {sorted(kwargs)}")
         module, flat_args, input_names, output_names = _streaming_program(model, args, mode)
     shapes = _resolve_dynamic_shapes(dynamic_shapes, flat_args, mode)
-    program = torch.export.export(module, flat_args, dict(kwargs or {}), dynamic_shapes=shapes)
+    # a streaming forward is forward(x, *state): torch.export wants the state's shapes as one tuple
+    export_shapes = (shapes[0], tuple(shapes[1:])) if mode == "decode" and isinstance(shapes, (tuple, list)) \
+        else shapes
+    program = torch.export.export(module, flat_args, dict(kwargs or {}), dynamic_shapes=export_shapes)
     if isinstance(dynamic_shapes, str) and dynamic_shapes == "auto":
         _warn_static(program, flat_args, input_names, shapes)
     if shapes is not None:

@@ -72,10 +72,9 @@ def test_qk_preprocess_performer_model(tmp_path):
 
 
 MEMORIES = {
+    # momentum and MONETA's L_q retention use the same Scan translation: see test_memory_scan_op
     "lp_p3_gated": lambda: LpMemory(12, n_heads=2, d_k=4, d_v=3, p=3.0, alpha=None, eta=0.05, phi="elu1",
                                     use_scan=True),
-    "lp_momentum": lambda: LpMemory(12, n_heads=2, d_k=4, d_v=3, p=2.0, momentum=0.5, use_scan=True),
-    "moneta": lambda: LpMemory(12, n_heads=2, d_k=4, d_v=3, p=1.0, q_norm=4.0, use_scan=True),
     "hebbian_normalised": lambda: HebbianMemory(12, n_heads=2, d_k=4, d_v=3, alpha=None, normalise=True,
                                                 use_scan=True),
 }
@@ -83,27 +82,43 @@ MEMORIES = {
 
 @pytest.mark.parametrize("name", list(MEMORIES))
 def test_memory_model_is_one_scan_over_any_length(name, tmp_path):
-    # inputs of scale 0.5 keep the l_p recurrences stable over 13 steps
+    # inputs of scale 0.5 keep the l_p recurrence stable over 13 steps
     graph = _export_and_check(tmp_path, MEMORIES[name](), _x(12, scale=0.5))
     ops = [n.op_type for n in graph.node]
     assert ops.count("Scan") == 1 and "Loop" not in ops, ops
 
 
-@pytest.mark.parametrize("form", ["cumsum", "noncausal"])
-def test_hebbian_whole_sequence_forms(form, tmp_path):
-    model = HebbianMemory(12, n_heads=2, d_k=4, d_v=3, alpha=1.0, normalise=True, form=form)
-    # with a dynamic T the cumsum form's final state M[:, -1] is a slice the pass does not take: left unfused
-    _export_and_check(tmp_path, model, _x(12), "hecate.linear_attention" if form == "noncausal" else None)
+def test_hebbian_noncausal_form(tmp_path):
+    model = HebbianMemory(12, n_heads=2, d_k=4, d_v=3, alpha=1.0, normalise=True, form="noncausal")
+    _export_and_check(tmp_path, model, _x(12), "hecate.linear_attention")
+
+
+def test_loop_form_warns_that_its_length_is_fixed(tmp_path):
+    model = LpMemory(12, n_heads=2, d_k=4, d_v=3).eval()
+    with pytest.warns(UserWarning, match=r"sequence dimension \(dim 1\) of input 'x' is fixed at 5"):
+        report = hecate.export_onnx(model, _x(12)(EXAMPLE_BATCH, EXAMPLE_LENGTH), tmp_path / "loop.onnx")
+    assert report.count("memory_scan") == 1, str(report)  # the batch stays dynamic and the loop still fuses
+    session = ort.InferenceSession(str(tmp_path / "loop.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape[1:] == [EXAMPLE_LENGTH, 12], session.get_inputs()[0].shape
+
+
+def test_static_opt_out(tmp_path):
+    model, x = QKPreprocess(), torch.randn(2, 5, 7)
+    hecate.export_onnx(model, (x,), tmp_path / "static.onnx", dynamic_shapes="static")
+    session = ort.InferenceSession(str(tmp_path / "static.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape == [2, 5, 7]
+    with pytest.raises(ValueError, match="dynamic_shapes must be"):
+        hecate.export_onnx(model, (x,), tmp_path / "bad.onnx", dynamic_shapes="batch")
 
 
 def test_pure_fep_model(tmp_path):
-    config = PureFEPConfig(vocab_size=11, embed_dim=4, n_layers=1, max_seq_len=16, n_vfe_steps=2)
+    config = PureFEPConfig(vocab_size=11, embed_dim=4, n_layers=1, max_seq_len=16, n_vfe_steps=1)
     model = PureFEPTransformer(config)
 
     def ids(b, t):
         return torch.randint(0, 11, (b, t)), torch.randint(0, 11, (b, t))
 
-    _export_and_check(tmp_path, model, ids)
+    _export_and_check(tmp_path, model, ids, "hecate.kl_attention")
 
 
 # --- the fused ops called directly ----------------------------------------------------------------------------
