@@ -14,7 +14,7 @@ out). The script trains the model briefly on the pydoc topics text that ships wi
 exports both, generates greedily with onnxruntime and with PyTorch, and checks that the
 tokens are the same.
 
-    python examples/generate_onnx.py            # ~1 min on one CPU core
+    python examples/generate_onnx.py            # trains 200 steps first: a minute or two on a free CPU core
     python examples/generate_onnx.py --quick    # seconds: no training
 """
 
@@ -143,7 +143,7 @@ def train(model: MemoryLM, data: torch.Tensor, steps: int, batch: int = 16, leng
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="no training, shorter generation (seconds)")
-    parser.add_argument("--steps", type=int, default=300, help="training steps before exporting")
+    parser.add_argument("--steps", type=int, default=200, help="training steps before exporting")
     parser.add_argument("--tokens", type=int, default=120, help="characters generated per prompt")
     parser.add_argument("--out", default=None, help="folder for the ONNX files (default: a temporary one)")
     parser.add_argument("--no-progress", action="store_true")

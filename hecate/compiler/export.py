@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch.export import Dim
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from hecate.compiler.options import parse_options
@@ -127,7 +128,7 @@ def _warn_static(program: torch.export.ExportedProgram, args: Sequence[Any], nam
         if not spec or not isinstance(val, torch.Tensor):
             continue
         for d in spec:
-            if isinstance(val.shape[d], int) and x.shape[d] > 1:
+            if is_concrete_int(val.shape[d]) and x.shape[d] > 1:
                 warnings.warn(f"export: the {_DIM_NAMES[d]} dimension (dim {d}) of input {name!r} is fixed at "
                               f"{x.shape[d]} in the exported graph: the model's code specialises it (a Python loop "
                               "over it does; write the loop with torch's scan to keep it dynamic)", stacklevel=4)
@@ -151,8 +152,8 @@ def _plain_shape_reads(program: torch.export.ExportedProgram) -> None:
                 input_dims.setdefault(size.node.expr, (node, d))
     for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.sym_size.int)):
         size = node.meta.get("val")
-        if isinstance(size, int):
-            node.replace_all_uses_with(size)
+        if is_concrete_int(size):
+            node.replace_all_uses_with(int(size))
         elif isinstance(size, torch.SymInt) and size.node.expr in input_dims:
             node.args = input_dims[size.node.expr]
     for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor)):
@@ -223,6 +224,44 @@ def _quiet_onnx_exporter():
         registration.setLevel(level)
 
 
+def _name_dynamic_dims(model) -> None:
+    """Name the dynamic dims of the ONNX graph after what they are ("batch", "sequence"), not s77, s27.
+
+    A dim is named after the first input position it appears at (dim 0: batch, dim 1:
+    sequence); a second symbol at the same position gets a suffix (batch_1). A size the
+    export fixed but wrote as a symbol ("5") becomes the number.
+    """
+    import onnx_ir as ir
+
+    names: dict[str, str | int] = {}
+    for value in model.graph.inputs:
+        for d, dim in enumerate(list(value.shape or ())[:2]):
+            if isinstance(dim, ir.SymbolicDim) and dim.value and dim.value.isdigit():
+                names[dim.value] = int(dim.value)  # a size the export fixed, written as a symbol
+            elif isinstance(dim, ir.SymbolicDim) and dim.value and dim.value not in names:
+                base = _DIM_NAMES[d]
+                taken = sum(str(n).split("_")[0] == base for n in names.values())
+                names[dim.value] = base if not taken else f"{base}_{taken}"
+    if not names:
+        return
+
+    def rename(value):
+        if value is not None and value.shape is not None:
+            value.shape = ir.Shape([(names[dim.value] if isinstance(names[dim.value], int)
+                                     else ir.SymbolicDim(names[dim.value]))
+                                    if isinstance(dim, ir.SymbolicDim) and dim.value in names else dim
+                                    for dim in value.shape])
+
+    graphs = [model.graph]
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for value in node.outputs:
+            rename(value)
+        graphs += [a.value for a in node.attributes.values() if a.type == ir.AttributeType.GRAPH]
+    for graph in graphs:  # the graph's and each Scan body's inputs and outputs
+        for value in (*graph.inputs, *graph.outputs):
+            rename(value)
+
+
 def export_onnx(model: torch.nn.Module, args: Sequence[Any], path: str | os.PathLike, *,
                 dynamic_shapes: Any = "auto", mode: str = "forward",
                 kwargs: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None,
@@ -244,6 +283,7 @@ def export_onnx(model: torch.nn.Module, args: Sequence[Any], path: str | os.Path
                                          custom_translation_table=dict(ONNX_TRANSLATIONS), verbose=False,
                                          input_names=input_names, output_names=output_names,
                                          opset_version=opset_version, external_data=False)
+    _name_dynamic_dims(onnx_program.model)
     onnx_program.save(os.fspath(path))
     return report
 

@@ -14,6 +14,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from torch.export import Dim
 
 import hecate
 import hecate.lowering  # noqa: F401  registers torch.ops.hecate.*
@@ -41,18 +42,22 @@ def _run_grid(path, model, make_args):
             assert_close(f"output {n} at batch {batch}, length {length}", torch.from_numpy(g).to(e.dtype), e, TOL)
 
 
-def _export_and_check(tmp_path, model, make_args, expect_op=None):
+def _export_and_check(tmp_path, model, make_args, expect_op=None, dynamic_dims=("batch", "sequence"),
+                      dynamic_shapes="auto"):
     model = model.eval()
     path = tmp_path / "model.onnx"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = hecate.export_onnx(model, make_args(EXAMPLE_BATCH, EXAMPLE_LENGTH), path)
+        report = hecate.export_onnx(model, make_args(EXAMPLE_BATCH, EXAMPLE_LENGTH), path,
+                                    dynamic_shapes=dynamic_shapes)
     static = [str(w.message) for w in caught if "in the exported graph" in str(w.message)]
     assert not static, static  # a batch or sequence dimension that came out static warns
     if expect_op is not None:
         assert expect_op in [f.op for f in report.fusions], str(report)
     graph = onnx.load(str(path)).graph
     assert all(n.domain in ("", "ai.onnx") for n in graph.node), [n.domain for n in graph.node]
+    first = [d.dim_param for d in graph.input[0].type.tensor_type.shape.dim]
+    assert tuple(first[:2]) == dynamic_dims, first  # the dynamic dims named after what they are
     _run_grid(path, model, make_args)
     return graph
 
@@ -193,9 +198,10 @@ class KLDecode(torch.nn.Module):
 
 
 def test_kl_decode_ops(tmp_path):
-    # the ops take rows [R, K]: a batch of B·T tokens; dim 1 (K) is fixed by the priors
+    # the ops take rows [R, K]: a batch of B·T tokens
     def args(b, t):
         mu, var = _beliefs(1, b * t)
         return mu[0], var[0], torch.randint(0, 5, (b * t,))
 
-    _export_and_check(tmp_path, KLDecode(), args)
+    rows = {0: Dim.AUTO}  # [R, K]: only the rows are dynamic (K is the priors')
+    _export_and_check(tmp_path, KLDecode(), args, dynamic_dims=("batch", ""), dynamic_shapes=(rows, rows, rows))
