@@ -118,17 +118,24 @@ def _resolve_dynamic_shapes(dynamic_shapes: Any, args: Sequence[Any], mode: str)
 
 def _warn_static(program: torch.export.ExportedProgram, args: Sequence[Any], names: Sequence[str] | None,
                  requested: tuple) -> None:
-    """Warn for each batch/sequence dim asked to be dynamic that the model's code fixed."""
+    """Warn for each batch/sequence dim the model's code fixed.
+
+    The batch and the sequence length are those of the first tensor argument; a dim of
+    another size (a state's head count, a feature width) is not expected to be dynamic.
+    """
     placeholders = [s.arg.name for s in program.graph_signature.input_specs
                     if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
     names = names or placeholders
     values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    first = next((x for x, spec in zip(args, requested) if spec), None)
+    if first is None:
+        return
     for name, placeholder, spec, x in zip(names, placeholders, requested, args):
         val = values.get(placeholder)
         if not spec or not isinstance(val, torch.Tensor):
             continue
         for d in spec:
-            if is_concrete_int(val.shape[d]) and x.shape[d] > 1:
+            if is_concrete_int(val.shape[d]) and x.shape[d] > 1 and x.shape[d] == first.shape[d]:
                 warnings.warn(f"export: the {_DIM_NAMES[d]} dimension (dim {d}) of input {name!r} is fixed at "
                               f"{x.shape[d]} in the exported graph: the model's code specialises it (a Python loop "
                               "over it does; write the loop with torch's scan to keep it dynamic)", stacklevel=4)
