@@ -178,13 +178,13 @@ def export_program(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[
 
     ``dynamic_shapes``: "static" (default here), "auto" or torch.export's own specification.
     """
-    import hecate.lowering  # noqa: F401
-
     program, report, _ = _export(model, args, kwargs, options, dynamic_shapes, mode)
     return program, report
 
 
 def _export(model, args, kwargs, options, dynamic_shapes, mode):
+    import hecate.lowering  # noqa: F401  registers the ops and their translations
+
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, (tuple, list)):
