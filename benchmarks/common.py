@@ -2,7 +2,9 @@
 
 Each benchmark script times eager, Inductor and Hecate side by side in one run
 and writes ``results/<name>-<device>.json`` and a plot beside it. Claims in notes
-and the README are read off those files.
+and the README are read off those files. ``--quick`` runs write
+``results/quick/<name>-quick-<device>.*`` instead (git-ignored), so a smoke run
+never overwrites a measurement.
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ from typing import Any, Callable
 import torch
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+QUICK_RESULTS = os.path.join(RESULTS, "quick")
+
+
+def result_path(name: str, device: str, ext: str, quick: bool = False) -> str:
+    """Where a run's ``ext`` file goes: the committed results, or the git-ignored quick folder."""
+    folder = QUICK_RESULTS if quick else RESULTS
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"{name}{'-quick' if quick else ''}-{device}.{ext}")
 
 
 def device_name(device: str) -> str:
@@ -76,9 +86,8 @@ def peak_memory_mb(fn: Callable[[], Any], device: str) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def write_json(name: str, device: str, payload: dict[str, Any]) -> str:
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"{name}-{device}.json")
+def write_json(name: str, device: str, payload: dict[str, Any], quick: bool = False) -> str:
+    path = result_path(name, device, "json", quick)
     with open(path, "w") as f:
         json.dump({"benchmark": name, "environment": environment(device), **payload}, f, indent=2)
     return path

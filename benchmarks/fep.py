@@ -35,10 +35,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS, median_time, peak_memory_mb, plot_bars, write_json  # noqa: E402
+from benchmarks.common import median_time, peak_memory_mb, plot_bars, result_path, write_json  # noqa: E402
 from hecate.models.fep import (PureFEPConfig, PureFEPTransformer, attention_mask, compute_attention,  # noqa: E402
                                compute_mu_gradient, kl_pairwise)
 
@@ -160,6 +161,7 @@ def main():
                         help="NxK cells where the Inductor-compiled training step is measured")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (default 1: on a shared machine OpenMP barriers make timings noise)")
+    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -167,7 +169,7 @@ def main():
     impls = args.impls.split(",")
     compiled_train = {tuple(int(x) for x in s.split("x")) for s in args.compiled_train_sizes.split(",") if s}
     cells = []
-    for n, k in sizes:
+    for n, k in tqdm(sizes, desc="N, K", disable=args.no_progress, dynamic_ncols=True):
         cells.append(bench_attention(n, k, args.device, impls, args.max_gib, args.repeat))
         train_impls = [i if i == "eager" or (n, k) in compiled_train or args.device == "cuda"
                        else (i, COMPILE_SKIP) for i in impls] + ["hecate_eager"]
@@ -179,20 +181,20 @@ def main():
                 cell[impl]["speedup_vs_eager"] = base / cell[impl]["ms"]
         if "sdpa" in cell and "ms" in cell.get("hecate", {}):
             cell["hecate"]["ratio_to_sdpa"] = cell["hecate"]["ms"] / cell["sdpa"]["ms"]
-    name = "fep-quick" if args.quick else "fep"
+    name = "fep"
     path = write_json(name, args.device, {
         "workloads": {"attention": bench_attention.__doc__ or "one Q-flow step's attention + alignment gradient",
                       "train_step": "forward + backward, 1 layer, 2 Q-flow steps, V = 64, B = 1"},
         "notes": "CPU: hecate's kl_attention runs its matmul-form CPU path ([B,N,N] scores, no [B,N,N,K]); "
                  "the rest of the graph goes to Inductor. Memory only measured on CUDA.",
-        "cells": cells})
+        "cells": cells}, quick=args.quick)
     series = {impl: [] for impl in impls + ["hecate_eager", "sdpa"]}
     labels = []
     for cell in cells:
         labels.append(f"{cell['workload']} N={cell['N']} K={cell['K']}")
         for impl in series:
             series[impl].append(cell.get(impl, {}).get("ms"))
-    plot_bars(os.path.join(RESULTS, f"{name}-{args.device}.png"), f"Pure FEP transformer ({args.device})", labels,
+    plot_bars(result_path(name, args.device, "png", args.quick), f"Pure FEP transformer ({args.device})", labels,
               series)
     print(f"wrote {path}")
 

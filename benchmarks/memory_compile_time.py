@@ -122,8 +122,8 @@ def run_one(backend: str, T: int, use_scan: bool, timeout: float) -> dict:
     return result
 
 
-def plot(runs: list[dict]) -> None:
-    from common import RESULTS, plot_bars
+def plot(runs: list[dict], quick: bool = False) -> None:
+    from common import plot_bars, result_path
 
     lengths = sorted({r["T"] for r in runs})
     labels = [f"{form} T={T}" for form in ("loop", "scan") for T in lengths]
@@ -133,7 +133,7 @@ def plot(runs: list[dict]) -> None:
         return [by[(f, T)].get(key) if (f, T) in by and by[(f, T)]["status"] == "ok" else None
                 for f in ("loop", "scan") for T in lengths]
 
-    plot_bars(os.path.join(RESULTS, "memory_compile_time-cpu.png"),
+    plot_bars(result_path("memory_compile_time", "cpu", "png", quick),
               "compile time (first fwd+bwd − warm); no bar = did not finish / failed / not run", labels,
               {"hecate": series("hecate", "compile_s"), "hecate: Dynamo trace": series("hecate", "dynamo_s"),
                "hecate: backend": series("hecate", "backend_s"),
@@ -144,12 +144,16 @@ def plot(runs: list[dict]) -> None:
               ylabel="seconds")
 
 
+BACKENDS, FORMS = "hecate,inductor", "loop,scan"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="T = 16, 64 only")
+    parser.add_argument("--quick", action="store_true",
+                        help="Hecate on the loop form at T = 16 only, into the git-ignored results/quick/")
     parser.add_argument("--lengths", help="comma-separated T values (default 64,256,1024)")
-    parser.add_argument("--backends", default="hecate,inductor", help="comma-separated (default hecate,inductor)")
-    parser.add_argument("--forms", default="loop,scan", help="comma-separated (default loop,scan)")
+    parser.add_argument("--backends", default=BACKENDS, help=f"comma-separated (default {BACKENDS})")
+    parser.add_argument("--forms", default=FORMS, help=f"comma-separated (default {FORMS})")
     parser.add_argument("--merge", action="store_true",
                         help="keep the runs already in the JSON file, replacing those measured again")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per compile (default 600)")
@@ -161,20 +165,23 @@ def main() -> None:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.scan)))
         return
 
-    from common import RESULTS, write_json
+    from common import result_path, write_json
 
-    json_path = os.path.join(RESULTS, "memory_compile_time-cpu.json")
+    json_path = result_path("memory_compile_time", "cpu", "json", args.quick)
     if args.plot_only:
         with open(json_path) as f:
-            plot(json.load(f)["runs"])
+            plot(json.load(f)["runs"], args.quick)
         return
     if args.lengths:
         lengths = [int(t) for t in args.lengths.split(",")]
     else:
-        lengths = [16, 64] if args.quick else [64, 256, 1024]
+        lengths = [16] if args.quick else [64, 256, 1024]
+    # quick: Inductor alone takes minutes even at T = 16
+    backends = ["hecate"] if args.quick and args.backends == BACKENDS else args.backends.split(",")
+    forms = ["loop"] if args.quick and args.forms == FORMS else args.forms.split(",")
     runs = []
-    for form in args.forms.split(","):
-        for backend in args.backends.split(","):
+    for form in forms:
+        for backend in backends:
             gave_up = None
             for T in lengths:
                 if gave_up is not None:  # a longer T cannot finish sooner
@@ -194,8 +201,8 @@ def main() -> None:
     runs.sort(key=lambda r: (r["form"], r["backend"], r["T"]))
     path = write_json("memory_compile_time", "cpu", {
         "model": "LpMemory(32, n_heads=2, d_k=8, d_v=8, p=3, data-dependent gates), B=2",
-        "timeout_s": args.timeout, "runs": runs})
-    plot(runs)
+        "timeout_s": args.timeout, "runs": runs}, quick=args.quick)
+    plot(runs, args.quick)
     print(path)
 
 

@@ -26,7 +26,7 @@ import torch
 from torch._higher_order_ops.scan import scan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, median_time, plot_bars, write_json  # noqa: E402
+from common import median_time, plot_bars, result_path, write_json  # noqa: E402
 
 import hecate  # noqa: E402
 import hecate.lowering  # noqa: E402,F401
@@ -262,8 +262,8 @@ def run(args):
         "rows": rows,
         "inductor_unrolled": unrolled,
     }
-    path = write_json("memory_scan", device, payload)
-    png = os.path.join(RESULTS, f"memory_scan-{device}.png")
+    path = write_json("memory_scan", device, payload, quick=args.quick)
+    png = result_path("memory_scan", device, "png", args.quick)
     plot_bars(png, f"memory_scan forward ({device}); B·H=32", labels, fwd_series)
     plot_bars(png.replace(".png", "-fwd-bwd.png"), f"memory_scan forward+backward ({device}); B·H=32",
               labels, bwd_series)

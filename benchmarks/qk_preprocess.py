@@ -1,14 +1,15 @@
 """Key/query preprocessing: projection → depthwise causal conv1d → SiLU → ELU+1, eager vs Inductor vs Hecate.
 
     PYTHONPATH=. python3 benchmarks/qk_preprocess.py            # CPU (or CUDA when present), realistic shapes
-    PYTHONPATH=. python3 benchmarks/qk_preprocess.py --quick    # tiny shapes, seconds
+    PYTHONPATH=. python3 benchmarks/qk_preprocess.py --quick    # tiny shapes: the compiles dominate
 
 Times, side by side in one run, the forward and forward+backward (gradients of every parameter) of one
 plain-PyTorch block compiled three ways: eager, ``torch.compile`` (Inductor), ``torch.compile(backend="hecate")``
 (the chain replaced by ``torch.ops.hecate.qk_preprocess``, the rest by Inductor). On CUDA it also times the
 unfused sequence run op by op (cuBLAS matmul, then conv, SiLU and φ as separate kernels) and the memory bound:
 a plain copy moving the same bytes as reading x once and writing the output once.
-Writes ``results/qk_preprocess-<device>.json`` and a plot beside it.
+Writes ``results/qk_preprocess-<device>.json`` and a plot beside it (``--quick``: under the git-ignored
+``results/quick/``).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hecate  # noqa: E402
-from benchmarks.common import RESULTS, median_time, peak_memory_mb, plot_bars, write_json  # noqa: E402
+from benchmarks.common import median_time, peak_memory_mb, plot_bars, result_path, write_json  # noqa: E402
 
 # phi "elu1": elementwise ELU+1 on [B, T, D]; "performer": FAVOR+ features per head of 64 channels, d_phi = 128
 CONFIGS = [dict(B=8, T=2048, D=1024, K=4, phi="elu1"), dict(B=4, T=512, D=256, K=4, phi="elu1"),
@@ -138,6 +140,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (default: torch's). On a loaded shared machine use 1: a parallel region "
                              "waits for its slowest thread, and descheduled threads stall every op")
+    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,19 +148,19 @@ def main() -> None:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     configs = QUICK_CONFIGS if args.quick else CONFIGS
     rows = []
-    for shape in configs:
+    for shape in tqdm(configs, desc="qk_preprocess shapes", disable=args.no_progress, dynamic_ncols=True):
         # the big shape takes seconds per step on a CPU: fewer repeats there
         big = shape["B"] * shape["T"] * shape["D"] >= 2 ** 23
-        repeat = args.repeat or (5 if big and device == "cpu" else 20)
+        repeat = args.repeat or (3 if args.quick else 5 if big and device == "cpu" else 20)
         row = bench_shape(shape, device, dtype, repeat)
         rows.append(row)
-        print(f"{shape}: forward ms {fmt(row['forward_ms'])} | train ms {fmt(row['train_ms'])} | "
+        tqdm.write(f"{shape}: forward ms {fmt(row['forward_ms'])} | train ms {fmt(row['train_ms'])} | "
               f"hecate/inductor fwd {row['ratio_hecate_over_inductor']['forward']:.2f} "
               f"train {row['ratio_hecate_over_inductor']['train']:.2f} | fused: {row['hecate_fusions']}")
-    name = "qk_preprocess" + ("-quick" if args.quick else "")
+    name = "qk_preprocess"
     path = write_json(name, device, {"model": "Linear(D, D) → Conv1d(D, D, K, groups=D, padding=K-1)[..., :T] → "
                                               "SiLU → φ (phi: elu1 = ELU+1; performer = FAVOR+ per head of "
-                                              f"{HEAD_DIM}, {PERFORMER_FEATURES} features)", "rows": rows})
+                                              f"{HEAD_DIM}, {PERFORMER_FEATURES} features)", "rows": rows}, quick=args.quick)
     labels, series = [], {"eager": [], "inductor": [], "hecate": []}
     for row in rows:
         s = row["shape"]
@@ -165,7 +168,7 @@ def main() -> None:
             labels.append(f"B{s['B']} T{s['T']} D{s['D']} {s['phi']} {'fwd' if kind == 'forward_ms' else 'fwd+bwd'}")
             for k in series:
                 series[k].append(row[kind][k])
-    plot_bars(os.path.join(RESULTS, f"{name}-{device}.png"), f"qk_preprocess on {device} ({dtype})", labels, series)
+    plot_bars(result_path(name, device, "png", args.quick), f"qk_preprocess on {device} ({dtype})", labels, series)
     print("wrote", path)
 
 

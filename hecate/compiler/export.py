@@ -4,52 +4,293 @@ Both start from ``torch.export`` (whose graph is the same pre-dispatch ATen form
 the backend canonicalises to), run the same passes on it, and then translate:
 each fused op carries its own ONNX translation and its own ATen decomposition
 (:mod:`hecate.lowering.registry`).
+
+Shapes. By default the batch and sequence dimensions stay dynamic: dimensions 0 and 1
+of every tensor argument are exported as ``torch.export.Dim.AUTO``, so one ONNX file
+runs at any batch size and length; a dimension the model's code fixes (a weight's
+width, a head count, a Python loop over T) comes out static, and a warning names the
+batch or sequence dimension that did. ``dynamic_shapes="static"`` (or ``None``) fixes
+every shape to the example's; a dict or tuple is handed to ``torch.export`` as is.
+
+Streaming (``mode``). A model that generates token by token implements
+
+    initial_state(batch) -> tuple of tensors     the state before the first token
+    prefill(x) -> (out, state)                   the whole prompt, and the state after it
+    step(x_t, state) -> (out_t, state)           one token, with the state carried
+
+``mode="prefill"`` exports ``prefill`` (ONNX inputs ``x``; outputs ``out``, ``new_state_0``, ...),
+``mode="decode"`` exports ``step`` (inputs ``x_t``, ``state_0``, ...; outputs ``out_t``,
+``new_state_0``, ...; a tuple output becomes ``out_t_0``, ``out_t_1``, ...). For ``"decode"``, ``args`` is ``(x_t,)`` (the state then comes from
+``initial_state``) or ``(x_t, state)``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
+from torch.export import Dim
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.utils import _pytree as pytree
 
 from hecate.compiler.options import parse_options
 from hecate.compiler.pipeline import run_passes
 from hecate.compiler.report import FusionReport
 
 MLIR_OUTPUT_TYPES = ("torch", "linalg-on-tensors", "tosa", "stablehlo", "raw")
+MODES = ("forward", "prefill", "decode")
+_DIM_NAMES = {0: "batch", 1: "sequence"}
+
+
+class _Streaming(torch.nn.Module):
+    """A model's ``prefill`` or ``step`` as a forward with flat inputs and outputs.
+
+    prefill: x → (*out, *state);  decode: (x_t, *state) → (*out_t, *state), where
+    ``out`` is the method's output flattened (a tensor or a tuple of them).
+    """
+
+    def __init__(self, model: torch.nn.Module, mode: str):
+        super().__init__()
+        self.model, self.mode = model, mode
+
+    def forward(self, x, *state):
+        if self.mode == "prefill":
+            out, new_state = self.model.prefill(x)
+        else:
+            out, new_state = self.model.step(x, tuple(state))
+        return (*pytree.tree_leaves(out), *new_state)
+
+
+def _streaming_program(model: torch.nn.Module, args: Sequence[Any], mode: str):
+    """(module to export, flat example args, ONNX input names, output names) for a streaming ``mode``."""
+    needs = ("initial_state", "step") if mode == "decode" else ("prefill",)
+    missing = [m for m in needs if not callable(getattr(model, m, None))]
+    if missing:
+        raise TypeError(f"mode={mode!r} exports the model's streaming methods, but {type(model).__name__} "
+                        f"has no {', '.join(missing)}() (expected initial_state(batch), prefill(x) -> (out, state), "
+                        "step(x_t, state) -> (out_t, state))")
+    if mode == "prefill":
+        if len(args) != 1:
+            raise ValueError(f"mode='prefill' takes args=(x,), got {len(args)} argument(s)")
+        flat_args, x_name, out_name = tuple(args), "x", "out"
+    else:
+        if len(args) == 1:
+            state = tuple(model.initial_state(args[0].shape[0]))
+        elif len(args) == 2:
+            state = tuple(args[1])
+        else:
+            raise ValueError(f"mode='decode' takes args=(x_t,) or (x_t, state), got {len(args)} argument(s)")
+        flat_args, x_name, out_name = (args[0], *state), "x_t", "out_t"
+    with torch.no_grad():  # one eager call names the outputs
+        out, state = model.prefill(*flat_args) if mode == "prefill" else model.step(flat_args[0], flat_args[1:])
+    n_out = len(pytree.tree_leaves(out))
+    out_names = [out_name] if n_out == 1 else [f"{out_name}_{i}" for i in range(n_out)]
+    state_in = [f"state_{i}" for i in range(len(state))] if mode == "decode" else []
+    state_out = [f"new_state_{i}" for i in range(len(state))]  # ONNX names are unique: not state_i again
+    return _Streaming(model, mode), flat_args, [x_name, *state_in], [*out_names, *state_out]
+
+
+def _auto_dynamic_shapes(args: Sequence[Any], mode: str) -> tuple:
+    """Dims 0 (batch) and 1 (sequence) of each tensor as ``Dim.AUTO``; a decode step has no sequence."""
+    def spec(i, x):
+        if not isinstance(x, torch.Tensor) or x.ndim == 0:
+            return None
+        with_sequence = mode == "forward" or (mode == "prefill" and i == 0)
+        return {d: Dim.AUTO for d in range(min(x.ndim, 2 if with_sequence else 1))}
+
+    return tuple(spec(i, x) for i, x in enumerate(args))
+
+
+def _resolve_dynamic_shapes(dynamic_shapes: Any, args: Sequence[Any], mode: str):
+    if dynamic_shapes is None or dynamic_shapes == "static":
+        return None
+    if isinstance(dynamic_shapes, str):
+        if dynamic_shapes != "auto":
+            raise ValueError(f"dynamic_shapes must be 'auto', 'static', None, or torch.export's dict/tuple "
+                             f"of dims, got {dynamic_shapes!r}")
+        return _auto_dynamic_shapes(args, mode)
+    return dynamic_shapes
+
+
+def _warn_static(program: torch.export.ExportedProgram, args: Sequence[Any], names: Sequence[str] | None,
+                 requested: tuple) -> None:
+    """Warn for each batch/sequence dim the model's code fixed.
+
+    The batch and the sequence length are those of the first tensor argument; a dim of
+    another size (a state's head count, a feature width) is not expected to be dynamic.
+    """
+    placeholders = [s.arg.name for s in program.graph_signature.input_specs
+                    if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    names = names or placeholders
+    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    first = next((x for x, spec in zip(args, requested) if spec), None)
+    if first is None:
+        return
+    for name, placeholder, spec, x in zip(names, placeholders, requested, args):
+        val = values.get(placeholder)
+        if not spec or not isinstance(val, torch.Tensor):
+            continue
+        for d in spec:
+            if is_concrete_int(val.shape[d]) and x.shape[d] > 1 and x.shape[d] == first.shape[d]:
+                warnings.warn(f"export: the {_DIM_NAMES[d]} dimension (dim {d}) of input {name!r} is fixed at "
+                              f"{x.shape[d]} in the exported graph: the model's code specialises it (a Python loop "
+                              "over it does; write the loop with torch's scan to keep it dynamic)", stacklevel=4)
+
+
+def _plain_shape_reads(program: torch.export.ExportedProgram) -> None:
+    """Rewrite the dynamic-shape graph's shape bookkeeping into what a static export reads.
+
+    With symbolic dims ``torch.export`` reads sizes of intermediate tensors (``sym_size``)
+    and keeps full-range slices (``x[:, t]`` is ``slice(x, 0, 0, ∞)`` then ``select``).
+    Passes should see one spelling, as in the static graph: a size the export fixed becomes
+    its int, a dynamic size is read off the input that carries it, and a slice that keeps a
+    whole dimension is its input.
+    """
+    graph = program.graph_module.graph
+    input_dims = {}  # symbol → (placeholder, dim)
+    for node in graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                input_dims.setdefault(size.node.expr, (node, d))
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.sym_size.int)):
+        size = node.meta.get("val")
+        if is_concrete_int(size):
+            node.replace_all_uses_with(int(size))
+        elif isinstance(size, torch.SymInt) and size.node.expr in input_dims:
+            node.args = input_dims[size.node.expr]
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor)):
+        x, dim, start, end, step = (*node.args, None, None, None, None)[:5]
+        if start in (None, 0) and step in (None, 1) and isinstance(end, int) and end >= 2 ** 62:
+            node.replace_all_uses_with(x)
+    graph.eliminate_dead_code()
+    program.graph_module.recompile()
 
 
 def export_program(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
-                   options: Mapping[str, Any] | None = None) -> tuple[torch.export.ExportedProgram, FusionReport]:
-    """``torch.export`` the model and apply Hecate's passes to the exported graph."""
-    import hecate.lowering  # noqa: F401
+                   options: Mapping[str, Any] | None = None, *, dynamic_shapes: Any = "static",
+                   mode: str = "forward") -> tuple[torch.export.ExportedProgram, FusionReport]:
+    """``torch.export`` the model (or its ``mode``'s streaming method) and apply Hecate's passes.
+
+    ``dynamic_shapes``: "static" (default here), "auto" or torch.export's own specification.
+    """
+    program, report, _ = _export(model, args, kwargs, options, dynamic_shapes, mode)
+    return program, report
+
+
+def _export(model, args, kwargs, options, dynamic_shapes, mode):
+    import hecate.lowering  # noqa: F401  registers the ops and their translations
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple of example inputs, got {type(args).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
     opts = parse_options(options)
-    program = torch.export.export(model, tuple(args), dict(kwargs or {}))
+    if mode == "forward":
+        module, flat_args = model, tuple(args)
+        input_names = output_names = None  # the exporter names them after forward's parameters
+    else:
+        if kwargs:
+            raise ValueError(f"mode={mode!r} takes no kwargs, got {sorted(kwargs)}")
+        module, flat_args, input_names, output_names = _streaming_program(model, args, mode)
+    shapes = _resolve_dynamic_shapes(dynamic_shapes, flat_args, mode)
+    # a streaming forward is forward(x, *state): torch.export wants the state's shapes as one tuple
+    export_shapes = (shapes[0], tuple(shapes[1:])) if mode == "decode" and isinstance(shapes, (tuple, list)) \
+        else shapes
+    program = torch.export.export(module, flat_args, dict(kwargs or {}), dynamic_shapes=export_shapes)
+    if isinstance(dynamic_shapes, str) and dynamic_shapes == "auto":
+        _warn_static(program, flat_args, input_names, shapes)
+    if shapes is not None:
+        _plain_shape_reads(program)
     report = FusionReport(graphs=1)
     run_passes(program.graph_module, opts, report, dump_name="export")
-    return program, report
+    return program, report, (flat_args, input_names, output_names)
+
+
+@contextlib.contextmanager
+def _quiet_onnx_exporter():
+    """Silence what torch's ONNX exporter prints that says nothing about the user's model.
+
+    It logs a warning per torchvision op when torchvision is not installed, and a
+    pytree deprecation warning from its own internals.
+    """
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            yield
+    finally:
+        registration.setLevel(level)
+
+
+def _name_dynamic_dims(model) -> None:
+    """Name the dynamic dims of the ONNX graph after what they are ("batch", "sequence"), not s77, s27.
+
+    A dim is named after the first input position it appears at (dim 0: batch, dim 1:
+    sequence); a second symbol at the same position gets a suffix (batch_1). A size the
+    export fixed but wrote as a symbol ("5") becomes the number.
+    """
+    import onnx_ir as ir
+
+    names: dict[str, str | int] = {}
+    for value in model.graph.inputs:
+        for d, dim in enumerate(list(value.shape or ())[:2]):
+            if isinstance(dim, ir.SymbolicDim) and dim.value and dim.value.isdigit():
+                names[dim.value] = int(dim.value)  # a size the export fixed, written as a symbol
+            elif isinstance(dim, ir.SymbolicDim) and dim.value and dim.value not in names:
+                base = _DIM_NAMES[d]
+                taken = sum(str(n).split("_")[0] == base for n in names.values())
+                names[dim.value] = base if not taken else f"{base}_{taken}"
+    if not names:
+        return
+
+    def rename(value):
+        if value is not None and value.shape is not None:
+            value.shape = ir.Shape([(names[dim.value] if isinstance(names[dim.value], int)
+                                     else ir.SymbolicDim(names[dim.value]))
+                                    if isinstance(dim, ir.SymbolicDim) and dim.value in names else dim
+                                    for dim in value.shape])
+
+    graphs = [model.graph]
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for value in node.outputs:
+            rename(value)
+        graphs += [a.value for a in node.attributes.values() if a.type == ir.AttributeType.GRAPH]
+    for graph in graphs:  # the graph's and each Scan body's inputs and outputs
+        for value in (*graph.inputs, *graph.outputs):
+            rename(value)
 
 
 def export_onnx(model: torch.nn.Module, args: Sequence[Any], path: str | os.PathLike, *,
+                dynamic_shapes: Any = "auto", mode: str = "forward",
                 kwargs: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None,
                 opset_version: int | None = None) -> FusionReport:
     """Write ``model`` with Hecate's fused ops to an ONNX file at ``path``.
 
-    Fused ops become standard ONNX ops through their translations, so plain
-    onnxruntime (CPU or CUDA provider) runs the file. Returns the fusion report.
+    Fused ops become standard ONNX ops through their translations (a memory recurrence
+    is one ``Scan`` over any length), so plain onnxruntime (CPU or CUDA provider) runs
+    the file. ``dynamic_shapes``: "auto" (default: batch and sequence dynamic), "static"
+    or None (the example's shapes), or torch.export's specification. ``mode``: "forward",
+    "prefill" or "decode" (see the module docstring). Returns the fusion report.
     """
     from hecate.lowering.registry import ONNX_TRANSLATIONS
 
-    program, report = export_program(model, args, kwargs, options)
-    onnx_program = torch.onnx.export(program, tuple(args), kwargs=dict(kwargs or {}), dynamo=True,
-                                     custom_translation_table=dict(ONNX_TRANSLATIONS),
-                                     opset_version=opset_version, external_data=False)
+    program, report, (flat_args, input_names, output_names) = _export(
+        model, args, kwargs, options, dynamic_shapes, mode)
+    with _quiet_onnx_exporter():
+        onnx_program = torch.onnx.export(program, flat_args, kwargs=dict(kwargs or {}), dynamo=True,
+                                         custom_translation_table=dict(ONNX_TRANSLATIONS), verbose=False,
+                                         input_names=input_names, output_names=output_names,
+                                         opset_version=opset_version, external_data=False)
+    _name_dynamic_dims(onnx_program.model)
     onnx_program.save(os.fspath(path))
     return report
 
@@ -59,14 +300,16 @@ def export_mlir(model: torch.nn.Module, args: Sequence[Any], *, output_type: str
     """Import ``model`` into MLIR with torch-mlir and return the module as text.
 
     ``output_type`` is one of "torch", "linalg-on-tensors", "tosa", "stablehlo", "raw".
-    Fused ops are decomposed into ATen first (torch-mlir knows no hecate op).
+    Fused ops are decomposed into ATen first (torch-mlir knows no hecate op). Shapes are
+    the example's (the decomposition of a recurrence unrolls it over T).
     """
     if output_type not in MLIR_OUTPUT_TYPES:
         raise ValueError(f"output_type must be one of {list(MLIR_OUTPUT_TYPES)}, got {output_type!r}")
     try:
         from torch_mlir.fx import export_and_import, get_decomposition_table
-    except ImportError as e:  # an optional dependency: pip install 'hecate[mlir]'
-        raise ImportError("export_mlir needs torch-mlir: pip install torch-mlir") from e
+    except ImportError as e:  # an optional dependency
+        raise ImportError("export_mlir needs torch-mlir: pip install 'hecate[mlir]' "
+                          "(from a clone: pip install -e '.[mlir]')") from e
     from hecate.lowering.registry import DECOMPOSITIONS
 
     program, _ = export_program(model, args, kwargs, options)

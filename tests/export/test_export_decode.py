@@ -1,0 +1,105 @@
+"""Streaming export: prefill and one-token decode with the state as ONNX inputs and outputs.
+
+The LM of ``examples/generate_onnx.py`` (an l_p memory layer with its short convs) generates
+greedily in onnxruntime, token for token as in PyTorch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import hecate
+from hecate.models.short_conv import KeyQueryPreprocess
+from hecate.testing import assert_close
+
+_EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "generate_onnx.py")
+_spec = importlib.util.spec_from_file_location("generate_onnx", _EXAMPLE)
+generate_onnx = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(generate_onnx)
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def lm_and_files(tmp_path_factory):
+    torch.manual_seed(0)
+    model = generate_onnx.MemoryLM(vocab_size=7, d_model=8, n_heads=2, d_head=4).eval()
+    return model, generate_onnx.export(model, str(tmp_path_factory.mktemp("lm")))
+
+
+def test_step_by_step_equals_the_whole_sequence(lm_and_files):
+    """The protocol itself: prefill then steps give the logits of one forward over the whole sequence."""
+    model, _ = lm_and_files
+    ids = torch.randint(0, 7, (3, 9))
+    with torch.no_grad():
+        whole = model(ids)
+        logits, state = model.prefill(ids[:, :4])
+        steps = [logits]
+        for t in range(4, 9):
+            logits, state = model.step(ids[:, t], state)
+            steps.append(logits.unsqueeze(1))
+    assert_close("prefill + steps vs forward", torch.cat(steps, dim=1), whole, TOL)
+
+
+def test_prefill_is_dynamic_and_returns_the_state(lm_and_files):
+    model, (prefill_path, _) = lm_and_files
+    session = ort.InferenceSession(prefill_path, providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["out", "new_state_0", "new_state_1", "new_state_2"]
+    for batch, length in ((1, 1), (3, 6), (4, 13)):
+        ids = torch.randint(0, 7, (batch, length))
+        got = session.run(None, {"x": ids.numpy()})
+        with torch.no_grad():
+            logits, state = model.prefill(ids)
+        for name, g, e in zip(("logits", "q conv state", "k conv state", "memory"), got, (logits, *state)):
+            assert_close(f"{name} at batch {batch}, length {length}", torch.from_numpy(g), e, TOL)
+
+
+def test_decode_step_matches(lm_and_files):
+    model, (_, decode_path) = lm_and_files
+    session = ort.InferenceSession(decode_path, providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["x_t", "state_0", "state_1", "state_2"]
+    for batch in (1, 2, 5):
+        with torch.no_grad():
+            _, state = model.prefill(torch.randint(0, 7, (batch, 6)))
+            token = torch.randint(0, 7, (batch,))
+            logits, new_state = model.step(token, state)
+        got = session.run(None, {"x_t": token.numpy(), **{f"state_{i}": s.numpy() for i, s in enumerate(state)}})
+        for n, (g, e) in enumerate(zip(got, (logits, *new_state))):
+            assert_close(f"output {n} at batch {batch}", torch.from_numpy(g), e, TOL)
+
+
+@pytest.mark.parametrize("batch,prompt_length", [(1, 3), (3, 5)])
+def test_greedy_generation_is_token_for_token_pytorchs(lm_and_files, batch, prompt_length):
+    model, (prefill_path, decode_path) = lm_and_files
+    prompt = torch.randint(0, 7, (batch, prompt_length))
+    expected = generate_onnx.generate_torch(model, prompt, 12)
+    got = generate_onnx.generate_onnx(prefill_path, decode_path, prompt.numpy(), 12)
+    np.testing.assert_array_equal(got, expected.numpy())
+
+
+def test_decode_of_a_block_with_tuple_output(tmp_path):
+    """KeyQueryPreprocess.step returns ((φ(q_t), φ(k_t)), conv states): outputs out_t_0, out_t_1, new_state_*."""
+    block = KeyQueryPreprocess(8, n_heads=2).eval()
+    path = tmp_path / "qk_step.onnx"
+    hecate.export_onnx(block, (torch.randn(2, 8),), path, mode="decode")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["out_t_0", "out_t_1", "new_state_0", "new_state_1"]
+    x_t, state = torch.randn(3, 8), (torch.randn(3, 3, 8), torch.randn(3, 3, 8))
+    got = session.run(None, {"x_t": x_t.numpy(), "state_0": state[0].numpy(), "state_1": state[1].numpy()})
+    with torch.no_grad():
+        (q, k), new_state = block.step(x_t, state)
+    for n, (g, e) in enumerate(zip(got, (q, k, *new_state))):
+        assert_close(f"output {n}", torch.from_numpy(g), e, TOL)
+
+
+def test_streaming_mode_needs_the_protocol(tmp_path):
+    with pytest.raises(TypeError, match=r"has no prefill\(\)"):
+        hecate.export_onnx(torch.nn.Linear(3, 3), (torch.randn(2, 3),), tmp_path / "x.onnx", mode="prefill")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        hecate.export_onnx(torch.nn.Linear(3, 3), (torch.randn(2, 3),), tmp_path / "x.onnx", mode="stream")

@@ -1,0 +1,207 @@
+"""One ONNX file per model and per fused op runs in onnxruntime at several batch sizes and lengths.
+
+``hecate.export_onnx`` keeps the batch and sequence dimensions dynamic by default; each
+case exports once at an example shape and compares onnxruntime with PyTorch at 3 batch
+sizes × 3 lengths (relative error ≤ 1e-5, fp32).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch.export import Dim
+
+import hecate
+import hecate.lowering  # noqa: F401  registers torch.ops.hecate.*
+from hecate.models.fep import PureFEPConfig, PureFEPTransformer
+from hecate.models.memory import HebbianMemory, LpMemory
+from hecate.models.short_conv import KeyQueryPreprocess
+from hecate.testing import assert_close
+
+BATCHES, LENGTHS = (1, 3, 4), (2, 6, 13)
+EXAMPLE_BATCH, EXAMPLE_LENGTH = 2, 5
+TOL = 1e-5
+
+
+def _run_grid(path, model, make_args):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch, length in itertools.product(BATCHES, LENGTHS):
+        args = make_args(batch, length)
+        got = session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
+        with torch.no_grad():
+            expected = model(*args)
+        expected = [e for e in (expected if isinstance(expected, tuple) else (expected,)) if e is not None]
+        assert len(got) == len(expected), (len(got), len(expected))
+        for n, (g, e) in enumerate(zip(got, expected)):
+            assert torch.isfinite(e).all(), f"PyTorch's output {n} at batch {batch}, length {length} is not finite"
+            assert_close(f"output {n} at batch {batch}, length {length}", torch.from_numpy(g).to(e.dtype), e, TOL)
+
+
+def _export_and_check(tmp_path, model, make_args, expect_op=None, dynamic_dims=("batch", "sequence"),
+                      dynamic_shapes="auto"):
+    model = model.eval()
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = hecate.export_onnx(model, make_args(EXAMPLE_BATCH, EXAMPLE_LENGTH), path,
+                                    dynamic_shapes=dynamic_shapes)
+    static = [str(w.message) for w in caught if "in the exported graph" in str(w.message)]
+    assert not static, static  # a batch or sequence dimension that came out static warns
+    if expect_op is not None:
+        assert expect_op in [f.op for f in report.fusions], str(report)
+    graph = onnx.load(str(path)).graph
+    assert all(n.domain in ("", "ai.onnx") for n in graph.node), [n.domain for n in graph.node]
+    first = [d.dim_param for d in graph.input[0].type.tensor_type.shape.dim]
+    assert tuple(first[:2]) == dynamic_dims, first  # the dynamic dims named after what they are
+    _run_grid(path, model, make_args)
+    return graph
+
+
+def _x(d, scale=1.0):
+    return lambda b, t: (scale * torch.randn(b, t, d),)
+
+
+def test_qk_preprocess_model(tmp_path):
+    model = KeyQueryPreprocess(12, n_heads=3, phi="elu1")
+    _export_and_check(tmp_path, model, _x(12), "hecate.qk_preprocess")
+
+
+def test_qk_preprocess_performer_model(tmp_path):
+    model = KeyQueryPreprocess(12, n_heads=2, phi="performer")
+    _export_and_check(tmp_path, model, _x(12), "hecate.qk_preprocess")
+
+
+MEMORIES = {
+    # momentum and MONETA's L_q retention use the same Scan translation: see test_memory_scan_op
+    "lp_p3_gated": lambda: LpMemory(12, n_heads=2, d_k=4, d_v=3, p=3.0, alpha=None, eta=0.05, phi="elu1",
+                                    use_scan=True),
+    "hebbian_normalised": lambda: HebbianMemory(12, n_heads=2, d_k=4, d_v=3, alpha=None, normalise=True,
+                                                use_scan=True),
+}
+
+
+@pytest.mark.parametrize("name", list(MEMORIES))
+def test_memory_model_is_one_scan_over_any_length(name, tmp_path):
+    # inputs of scale 0.5 keep the l_p recurrence stable over 13 steps
+    graph = _export_and_check(tmp_path, MEMORIES[name](), _x(12, scale=0.5))
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("Scan") == 1 and "Loop" not in ops, ops
+
+
+def test_hebbian_noncausal_form(tmp_path):
+    model = HebbianMemory(12, n_heads=2, d_k=4, d_v=3, alpha=1.0, normalise=True, form="noncausal")
+    _export_and_check(tmp_path, model, _x(12), "hecate.linear_attention")
+
+
+def test_loop_form_warns_that_its_length_is_fixed(tmp_path):
+    model = LpMemory(12, n_heads=2, d_k=4, d_v=3).eval()
+    with pytest.warns(UserWarning, match=r"sequence dimension \(dim 1\) of input 'x' is fixed at 5"):
+        report = hecate.export_onnx(model, _x(12)(EXAMPLE_BATCH, EXAMPLE_LENGTH), tmp_path / "loop.onnx")
+    assert report.count("memory_scan") == 1, str(report)  # the batch stays dynamic and the loop still fuses
+    session = ort.InferenceSession(str(tmp_path / "loop.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape[1:] == [EXAMPLE_LENGTH, 12], session.get_inputs()[0].shape
+
+
+def test_static_opt_out(tmp_path):
+    model, x = QKPreprocess(), torch.randn(2, 5, 7)
+    hecate.export_onnx(model, (x,), tmp_path / "static.onnx", dynamic_shapes="static")
+    session = ort.InferenceSession(str(tmp_path / "static.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape == [2, 5, 7]
+    with pytest.raises(ValueError, match="dynamic_shapes must be"):
+        hecate.export_onnx(model, (x,), tmp_path / "bad.onnx", dynamic_shapes="batch")
+
+
+def test_pure_fep_model(tmp_path):
+    config = PureFEPConfig(vocab_size=11, embed_dim=4, n_layers=1, max_seq_len=16, n_vfe_steps=1)
+    model = PureFEPTransformer(config)
+
+    def ids(b, t):
+        return torch.randint(0, 11, (b, t)), torch.randint(0, 11, (b, t))
+
+    _export_and_check(tmp_path, model, ids, "hecate.kl_attention")
+
+
+# --- the fused ops called directly ----------------------------------------------------------------------------
+
+class MemoryScan(torch.nn.Module):
+    def forward(self, k, v, q, alpha, eta, m0):
+        return torch.ops.hecate.memory_scan(k, v, q, alpha, eta, m0, None, 2.5, 10.0, 1e-6, 0.5, 2.0)
+
+
+def _memory_scan_args(b, t):
+    # unit-norm keys and η ≤ 0.2 keep the l_p recurrence stable at every length
+    k = torch.nn.functional.normalize(torch.randn(b, t, 2, 4), dim=-1)
+    return (k, torch.randn(b, t, 2, 3), torch.randn(b, t, 2, 4),
+            torch.rand(b, t, 2) * 0.2, torch.rand(b, t, 2) * 0.2, torch.randn(b, 2, 3, 4))
+
+
+def test_memory_scan_op(tmp_path):
+    _export_and_check(tmp_path, MemoryScan(), _memory_scan_args)
+
+
+class LinearAttention(torch.nn.Module):
+    def forward(self, k, v, q, alpha, m0, z0):
+        return torch.ops.hecate.linear_attention(k, v, q, alpha, m0, z0, True, 1e-6, True)
+
+
+def test_linear_attention_op(tmp_path):
+    def args(b, t):
+        return (torch.rand(b, t, 2, 4), torch.randn(b, t, 2, 3), torch.rand(b, t, 2, 4),
+                torch.rand(b, t, 2) * 0.5 + 0.5, torch.randn(b, 2, 3, 4), torch.rand(b, 2, 4))
+
+    _export_and_check(tmp_path, LinearAttention(), args)
+
+
+class QKPreprocess(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(7, 6)
+        self.conv = torch.nn.Conv1d(6, 6, 4, groups=6)
+
+    def forward(self, x):
+        return torch.ops.hecate.qk_preprocess(x, self.proj.weight, self.proj.bias, self.conv.weight,
+                                              self.conv.bias, "silu", "elu1", [], 0.0)
+
+
+def test_qk_preprocess_op(tmp_path):
+    _export_and_check(tmp_path, QKPreprocess(), _x(7))
+
+
+def _beliefs(b, n, k=3):
+    return torch.randn(b, n, k), torch.rand(b, n, k) + 0.3
+
+
+class KLAttention(torch.nn.Module):
+    def forward(self, mu, var, row_values, col_values):
+        return torch.ops.hecate.kl_attention(mu, var, row_values, col_values, 0.8, False, False)
+
+
+def test_kl_attention_op(tmp_path):
+    _export_and_check(tmp_path, KLAttention(),
+                      lambda b, n: (*_beliefs(b, n), torch.randn(b, n, 2), torch.randn(b, n, 3)))
+
+
+class KLDecode(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.prior_mu = torch.nn.Parameter(torch.randn(5, 3))
+        self.prior_var = torch.nn.Parameter(torch.rand(5, 3) + 0.3)
+
+    def forward(self, mu, var, targets):
+        loss, lse = torch.ops.hecate.kl_decode_ce(mu, var, self.prior_mu, self.prior_var, targets, 0.7, -100)
+        return loss, lse, torch.ops.hecate.kl_decode_logits(mu, var, self.prior_mu, self.prior_var, 0.7)
+
+
+def test_kl_decode_ops(tmp_path):
+    # the ops take rows [R, K]: a batch of B·T tokens
+    def args(b, t):
+        mu, var = _beliefs(1, b * t)
+        return mu[0], var[0], torch.randint(0, 5, (b * t,))
+
+    rows = {0: Dim.AUTO}  # [R, K]: only the rows are dynamic (K is the priors')
+    _export_and_check(tmp_path, KLDecode(), args, dynamic_dims=("batch", ""), dynamic_shapes=(rows, rows, rows))
