@@ -38,18 +38,26 @@ def export_program(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[
 
 def export_onnx(model: torch.nn.Module, args: Sequence[Any], path: str | os.PathLike, *,
                 kwargs: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None,
-                opset_version: int | None = None) -> FusionReport:
+                opset_version: int | None = None, fused_domain: str = "") -> FusionReport:
     """Write ``model`` with Hecate's fused ops to an ONNX file at ``path``.
 
     Fused ops become standard ONNX ops through their translations, so plain
-    onnxruntime (CPU or CUDA provider) runs the file. Returns the fusion report.
+    onnxruntime (CPU or CUDA provider) runs the file. Returns the fusion report;
+    ``report.onnx_forms`` says which ONNX form each fused op took and why.
+    ``opset_version``: None is 27 where onnx/onnxruntime have it (recurrences that fit become
+    ``LinearAttention``, the short conv ``CausalConvWithState``), else torch.onnx's default; below
+    27 every recurrence is a ``Scan``. ``fused_domain="com.microsoft"`` writes those two operators
+    as onnxruntime's native kernels (:mod:`hecate.lowering.onnx_fused`).
     """
-    from hecate.lowering.registry import ONNX_TRANSLATIONS
+    from hecate.lowering.onnx_fused import finish_model, onnx_translations
 
     program, report = export_program(model, args, kwargs, options)
-    onnx_program = torch.onnx.export(program, tuple(args), kwargs=dict(kwargs or {}), dynamo=True,
-                                     custom_translation_table=dict(ONNX_TRANSLATIONS),
-                                     opset_version=opset_version, external_data=False)
+    with onnx_translations(opset_version, fused_domain) as (table, opset_version, forms):
+        onnx_program = torch.onnx.export(program, tuple(args), kwargs=dict(kwargs or {}), dynamo=True,
+                                         custom_translation_table=table,
+                                         opset_version=opset_version, external_data=False)
+    report.onnx_forms = forms
+    finish_model(onnx_program, fused_domain)
     onnx_program.save(os.fspath(path))
     return report
 
