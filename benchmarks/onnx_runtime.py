@@ -1,0 +1,114 @@
+"""One memory model exported three ways, run in onnxruntime on CPU: Scan vs opset 27's fused operators.
+
+The models are ``hecate.models.memory.LpMemory`` at p = 2 (data-dependent α, fixed η; the memory becomes
+``LinearAttention(gated_delta)``) and ``HebbianMemory`` (gated, normalised; ``LinearAttention(gated)``),
+whole layers: projections, short conv + SiLU + φ, the recurrence, the output projection. Each is
+exported by ``hecate.export_onnx`` at every T (the files have static shapes):
+
+* ``scan``: ``opset_version=18``, the recurrence as one ONNX ``Scan``, the conv as ``Conv``;
+* ``onnx27``: opset 27, the ONNX-domain ``LinearAttention`` / ``CausalConvWithState`` (onnxruntime 1.32
+  has no kernel for the ONNX-domain LinearAttention: it runs the operator's ONNX function, a Scan);
+* ``ort_kernel``: opset 27 with ``fused_domain="com.microsoft"``, onnxruntime's native kernels of the
+  same operators.
+
+Each file runs in one ``InferenceSession`` (CPUExecutionProvider, ``--threads`` intra-op threads) on the
+same input; the JSON records the median time per call, the relative error of each output against
+PyTorch, and the environment (device, versions, shapes).
+
+    PYTHONPATH=. python3 benchmarks/onnx_runtime.py [--quick] [--lengths 256,1024,4096,8192]
+
+Writes results/onnx_runtime-cpu.json and a PNG beside it (``--quick``: onnx_runtime-quick-cpu.*, git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, median_time, plot_bars, write_json  # noqa: E402
+
+import hecate  # noqa: E402
+from hecate.models.memory import HebbianMemory, LpMemory  # noqa: E402
+
+FORMS = {"scan": dict(opset_version=18), "onnx27": dict(), "ort_kernel": dict(fused_domain="com.microsoft")}
+
+
+def make_model(name: str, d_model: int, heads: int, d_head: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "lp_memory_p2":
+        # a fixed step η = 1/(4 d): 2η‖φ(k)‖² stays below 2 so the memory does not diverge at long T
+        return LpMemory(d_model, n_heads=heads, d_k=d_head, d_v=d_head, p=2.0, alpha=None, eta=1 / (4 * d_head),
+                        phi="elu1").eval()
+    return HebbianMemory(d_model, n_heads=heads, d_k=d_head, d_v=d_head, alpha=None, normalise=True).eval()
+
+
+def bench_cell(name: str, T: int, args, workdir: str) -> dict:
+    import onnxruntime as ort
+
+    model = make_model(name, args.d_model, args.heads, args.d_head)
+    x = torch.randn(args.batch, T, args.d_model) * 0.5
+    with torch.no_grad():
+        reference = model(x)
+    cell = {"model": name, "T": T}
+    for form, export_kwargs in FORMS.items():
+        path = os.path.join(workdir, f"{name}-{T}-{form}.onnx")
+        report = hecate.export_onnx(model, (x,), path, **export_kwargs)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = args.threads
+        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        feeds = {session.get_inputs()[0].name: x.numpy()}
+        outputs = session.run(None, feeds)
+        errors = [float((torch.from_numpy(o) - r).norm() / r.norm()) for o, r in zip(outputs, reference)]
+        ms = median_time(lambda: session.run(None, feeds), "cpu", warmup=1, repeat=args.repeat,
+                         max_seconds=args.max_seconds)
+        cell[form] = {"ms": ms, "rel_err_vs_pytorch": errors, "forms": [f"{f.op}: {f.form}" for f in report.onnx_forms]}
+        print(f"{name} T={T} {form}: {ms:.2f} ms (rel err {max(errors):.1e})", flush=True)
+    for form in ("onnx27", "ort_kernel"):
+        cell[form]["speedup_vs_scan"] = cell["scan"]["ms"] / cell[form]["ms"]
+    return cell
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="T = 64, 256 only, to a git-ignored file")
+    parser.add_argument("--lengths", default="256,1024,4096,8192")
+    parser.add_argument("--models", default="lp_memory_p2,hebbian")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--d-head", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="onnxruntime intra-op threads (default 1: on a shared machine more threads are noise)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--max-seconds", type=float, default=10.0, help="stop repeating a cell after this long")
+    args = parser.parse_args()
+    import onnx
+    import onnxruntime
+
+    lengths = [64, 256] if args.quick else [int(t) for t in args.lengths.split(",")]
+    with tempfile.TemporaryDirectory() as workdir:
+        cells = [bench_cell(name, T, args, workdir) for name in args.models.split(",") for T in lengths]
+    name = "onnx_runtime-quick" if args.quick else "onnx_runtime"
+    path = write_json(name, "cpu", {
+        "versions": {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+        "shapes": {"batch": args.batch, "d_model": args.d_model, "heads": args.heads, "d_k": args.d_head,
+                   "d_v": args.d_head, "lengths": lengths},
+        "threads": args.threads,
+        "forms": {"scan": "opset 18: the recurrence as one ONNX Scan, the conv as Conv",
+                  "onnx27": "opset 27: ONNX-domain LinearAttention / CausalConvWithState (onnxruntime 1.32 runs "
+                            "LinearAttention as its ONNX function, a Scan)",
+                  "ort_kernel": "opset 27, fused_domain='com.microsoft': onnxruntime's native kernels"},
+        "cells": cells})
+    labels = [f"{c['model']} T={c['T']}" for c in cells]
+    plot_bars(os.path.join(RESULTS, f"{name}-cpu.png"), "onnxruntime CPU: Scan vs fused operators", labels,
+              {form: [c[form]["ms"] for c in cells] for form in FORMS})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
