@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, median_time, plot_bars, write_json  # noqa: E402
+from common import RESULTS, plot_bars, write_json  # noqa: E402
 
 import hecate  # noqa: E402
 from hecate.models.memory import HebbianMemory, LpMemory  # noqa: E402
@@ -45,6 +47,22 @@ def make_model(name: str, d_model: int, heads: int, d_head: int) -> torch.nn.Mod
         return LpMemory(d_model, n_heads=heads, d_k=d_head, d_v=d_head, p=2.0, alpha=None, eta=1 / (4 * d_head),
                         phi="elu1").eval()
     return HebbianMemory(d_model, n_heads=heads, d_k=d_head, d_v=d_head, alpha=None, normalise=True).eval()
+
+
+def call_times(fn, repeat: int, max_seconds: float) -> list[float]:
+    """Milliseconds of each of ``repeat`` calls after one warm-up (fewer past ``max_seconds``).
+
+    Both the median and the minimum are reported: on a shared machine the minimum is the steadier.
+    """
+    fn()
+    times, start = [], time.perf_counter()
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+        if time.perf_counter() - start > max_seconds:
+            break
+    return times
 
 
 def bench_cell(name: str, T: int, args, workdir: str) -> dict:
@@ -64,10 +82,11 @@ def bench_cell(name: str, T: int, args, workdir: str) -> dict:
         feeds = {session.get_inputs()[0].name: x.numpy()}
         outputs = session.run(None, feeds)
         errors = [float((torch.from_numpy(o) - r).norm() / r.norm()) for o, r in zip(outputs, reference)]
-        ms = median_time(lambda: session.run(None, feeds), "cpu", warmup=1, repeat=args.repeat,
-                         max_seconds=args.max_seconds)
-        cell[form] = {"ms": ms, "rel_err_vs_pytorch": errors, "forms": [f"{f.op}: {f.form}" for f in report.onnx_forms]}
-        print(f"{name} T={T} {form}: {ms:.2f} ms (rel err {max(errors):.1e})", flush=True)
+        times = call_times(lambda: session.run(None, feeds), args.repeat, args.max_seconds)
+        cell[form] = {"ms": statistics.median(times), "min_ms": min(times), "calls": len(times),
+                      "rel_err_vs_pytorch": errors, "forms": [f"{f.op}: {f.form}" for f in report.onnx_forms]}
+        print(f"{name} T={T} {form}: median {cell[form]['ms']:.2f} ms, min {min(times):.2f} ms "
+              f"(rel err {max(errors):.1e})", flush=True)
     for form in ("onnx27", "ort_kernel"):
         cell[form]["speedup_vs_scan"] = cell["scan"]["ms"] / cell[form]["ms"]
     return cell
@@ -84,7 +103,7 @@ def main():
     parser.add_argument("--d-head", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1,
                         help="onnxruntime intra-op threads (default 1: on a shared machine more threads are noise)")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--max-seconds", type=float, default=10.0, help="stop repeating a cell after this long")
     args = parser.parse_args()
     import onnx

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -79,8 +80,7 @@ class OnnxForm:
 
 @dataclass
 class _Export:
-    opset: int
-    domain: str
+    opset: int | None  # None: torch.onnx's default
     forms: list[OnnxForm]
 
 
@@ -98,6 +98,7 @@ def fused_translation(op: torch._ops.OpOverload) -> Callable[[Callable], Callabl
     return register
 
 
+@functools.cache
 def fused_ops_supported() -> tuple[bool, str]:
     """(whether the installed onnx and onnxruntime know opset 27's fused operators, why not)."""
     try:
@@ -123,29 +124,37 @@ def default_opset() -> int | None:
 
 
 def use_fused(op: str, fallback_form: str | Callable[[dict], str], fallback: Callable, args: tuple, kwargs: dict,
-              misfit: Callable[[dict], str]) -> dict | None:
+              misfit: Callable[[dict], str], mapped: tuple[str, ...]) -> dict | None:
     """The arguments by name (``fallback``'s signature, defaults filled) when ``op`` takes the fused operator.
 
-    ``misfit(arguments)`` returns "" when the call fits the operator, else the reason it does not. A
-    call that does not fit (or an opset below 27) is noted as ``fallback_form`` (or
-    ``fallback_form(arguments)``) and gives None: the caller then runs ``fallback``, its translation
-    before opset 27.
+    ``misfit(arguments)`` returns "" when the call fits the operator, else the reason it does not;
+    an argument outside ``mapped`` that is given (not its default) does not fit either, so an
+    argument added to the op later keeps the op on ``fallback`` until it is mapped here. A call that
+    does not fit (or an opset below 27) is noted as ``fallback_form`` (or ``fallback_form(arguments)``)
+    and gives None: the caller then runs ``fallback``, its translation before opset 27.
     """
-    bound = inspect.signature(fallback).bind(*args, **kwargs)
+    signature = inspect.signature(fallback)
+    bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     arguments = bound.arguments
+    unmapped = [name for name, value in arguments.items()
+                if name not in mapped and not _is_default(value, signature.parameters[name].default)]
     if callable(fallback_form):
         fallback_form = fallback_form(arguments)
     export = _CURRENT.get()
-    if export is None or export.opset < FUSED_OPSET:
-        opset = "torch.onnx's default" if export is None else export.opset
-        note(op, fallback_form, f"opset {opset} < {FUSED_OPSET}")
+    if export is None or export.opset is None or export.opset < FUSED_OPSET:
+        opset = "torch.onnx's default opset" if export is None or export.opset is None else f"opset {export.opset}"
+        note(op, fallback_form, f"{opset} < {FUSED_OPSET}")
         return None
-    why_not = misfit(arguments)
+    why_not = f"{', '.join(unmapped)} not mapped onto the fused operator" if unmapped else misfit(arguments)
     if why_not:
         note(op, fallback_form, why_not)
         return None
     return arguments
+
+
+def _is_default(value, default) -> bool:
+    return value is default or (isinstance(value, (bool, int, float, str)) and value == default)
 
 
 def note(op: str, form: str, reason: str) -> None:
@@ -202,7 +211,7 @@ def onnx_translations(opset_version: int | None = None,
             raise ValueError(f"opset_version={opset_version} needs LinearAttention/CausalConvWithState: {why}; "
                              f"pass opset_version < {FUSED_OPSET} for the Scan form")
     table = {**ONNX_TRANSLATIONS, **FUSED_TRANSLATIONS}
-    export = _Export(opset_version or 0, fused_domain, [])
+    export = _Export(opset_version, [])
     token = _CURRENT.set(export)
     try:
         yield table, opset_version, export.forms

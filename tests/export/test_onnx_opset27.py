@@ -322,3 +322,17 @@ def test_hebbian_memory_model(domain, kwargs, B, T, rule, tmp_path):
 def test_key_query_preprocess_model(kwargs, B, T, form, tmp_path):
     _model_parity(KeyQueryPreprocess(16, d_key=8, **kwargs), (torch.randn(B, T, 16),), tmp_path / "kq.onnx",
                   [form, form])
+
+
+def test_an_argument_not_mapped_keeps_the_fallback():
+    """An argument added to an op later (given, not its default) keeps the op on its pre-opset-27 translation."""
+    from hecate.lowering.onnx_fused import onnx_translations, use_fused
+
+    def fallback(x, carried_state=None):
+        return x
+
+    with onnx_translations(27) as (_, _, forms):
+        assert use_fused("hecate.example", "Scan", fallback, ("x",), {}, lambda a: "", mapped=("x",)) == \
+            {"x": "x", "carried_state": None}
+        assert use_fused("hecate.example", "Scan", fallback, ("x", "state"), {}, lambda a: "", mapped=("x",)) is None
+    assert [(f.form, f.reason) for f in forms] == [("Scan", "carried_state not mapped onto the fused operator")]

@@ -84,7 +84,8 @@ def linear_attention_fused_onnx(*args, **kwargs):
     """Causal as ``LinearAttention`` (``gated`` with g = log α, ``linear`` without α); the normaliser as
     one more value column v' = [v, 1], so the operator's read is [M q, z·q]."""
     a = use_fused("hecate.linear_attention", lambda a: "Scan" if a["causal"] else "MatMul", linear_attention_onnx,
-                  args, kwargs, _causal_misfit)
+                  args, kwargs, _causal_misfit,
+                  mapped=("k", "v", "q", "alpha", "m0", "z0", "normalize", "eps", "causal"))
     if a is None:
         return linear_attention_onnx(*args, **kwargs)
     out_dtype = a["v"].dtype

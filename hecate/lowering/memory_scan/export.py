@@ -166,7 +166,8 @@ def _gated_delta_misfit(args) -> str:
 @fused_translation(torch.ops.hecate.memory_scan.default)
 def memory_scan_fused_onnx(*args, **kwargs):
     """p = 2 as ``LinearAttention(gated_delta)`` (derivation: :mod:`hecate.lowering.onnx_fused`), else the Scan."""
-    a = use_fused("hecate.memory_scan", "Scan", memory_scan_onnx, args, kwargs, _gated_delta_misfit)
+    a = use_fused("hecate.memory_scan", "Scan", memory_scan_onnx, args, kwargs, _gated_delta_misfit,
+                  mapped=("k", "v", "q", "alpha", "eta", "m0", "cu_seqlens", "p", "a", "eps", "momentum", "q_norm"))
     if a is None:
         return memory_scan_onnx(*args, **kwargs)
     out_dtype = a["v"].dtype

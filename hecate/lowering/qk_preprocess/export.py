@@ -87,7 +87,9 @@ def _conv_misfit(args) -> str:
 @fused_translation(torch.ops.hecate.qk_preprocess.default)
 def qk_preprocess_fused_onnx(*args, **kwargs):
     """The depthwise causal conv (+ SiLU) as ``CausalConvWithState``; projection and φ as ordinary ops."""
-    a = use_fused("hecate.qk_preprocess", "Pad + Conv", qk_preprocess_onnx, args, kwargs, _conv_misfit)
+    a = use_fused("hecate.qk_preprocess", "Pad + Conv", qk_preprocess_onnx, args, kwargs, _conv_misfit,
+                  mapped=("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias", "activation", "phi",
+                          "phi_params", "phi_scalar"))
     if a is None:
         return qk_preprocess_onnx(*args, **kwargs)
     conv_weight = a["conv_weight"]
