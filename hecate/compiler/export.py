@@ -272,24 +272,31 @@ def _name_dynamic_dims(model) -> None:
 def export_onnx(model: torch.nn.Module, args: Sequence[Any], path: str | os.PathLike, *,
                 dynamic_shapes: Any = "auto", mode: str = "forward",
                 kwargs: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None,
-                opset_version: int | None = None) -> FusionReport:
+                opset_version: int | None = None, fused_domain: str = "") -> FusionReport:
     """Write ``model`` with Hecate's fused ops to an ONNX file at ``path``.
 
     Fused ops become standard ONNX ops through their translations (a memory recurrence
     is one ``Scan`` over any length), so plain onnxruntime (CPU or CUDA provider) runs
     the file. ``dynamic_shapes``: "auto" (default: batch and sequence dynamic), "static"
     or None (the example's shapes), or torch.export's specification. ``mode``: "forward",
-    "prefill" or "decode" (see the module docstring). Returns the fusion report.
+    "prefill" or "decode" (see the module docstring). Returns the fusion report;
+    ``report.onnx_forms`` says which ONNX form each fused op took and why.
+    ``opset_version``: None is 27 where onnx/onnxruntime have it (recurrences that fit become
+    ``LinearAttention``, the short conv ``CausalConvWithState``), else torch.onnx's default; below
+    27 every recurrence is a ``Scan``. ``fused_domain="com.microsoft"`` writes those two operators
+    as onnxruntime's native kernels (:mod:`hecate.lowering.onnx_fused`).
     """
-    from hecate.lowering.registry import ONNX_TRANSLATIONS
+    from hecate.lowering.onnx_fused import finish_model, onnx_translations
 
     program, report, (flat_args, input_names, output_names) = _export(
         model, args, kwargs, options, dynamic_shapes, mode)
-    with _quiet_onnx_exporter():
+    with _quiet_onnx_exporter(), onnx_translations(opset_version, fused_domain) as (table, opset_version, forms):
         onnx_program = torch.onnx.export(program, flat_args, kwargs=dict(kwargs or {}), dynamo=True,
-                                         custom_translation_table=dict(ONNX_TRANSLATIONS), verbose=False,
+                                         custom_translation_table=table, verbose=False,
                                          input_names=input_names, output_names=output_names,
                                          opset_version=opset_version, external_data=False)
+    report.onnx_forms = forms
+    finish_model(onnx_program, fused_domain)
     _name_dynamic_dims(onnx_program.model)
     onnx_program.save(os.fspath(path))
     return report

@@ -44,6 +44,7 @@ class FusionReport:
     fusions: list[Fusion] = field(default_factory=list)
     misses: list[Miss] = field(default_factory=list)
     graphs: int = 0  # how many FX graphs Dynamo handed to the backend
+    onnx_forms: list = field(default_factory=list)  # export_onnx: the ONNX form each fused op took, and why
 
     def add_fusion(self, pattern: str, op: str, nodes_replaced: int, detail: str = "") -> None:
         self.fusions.append(Fusion(pattern, op, nodes_replaced, detail))

@@ -1,5 +1,8 @@
 """Export of ``memory_scan``: an ONNX ``Scan`` over T, and an ATen decomposition for torch-mlir.
 
+From opset 27 the p = 2 memory is one ``LinearAttention(gated_delta)`` instead
+(:func:`memory_scan_fused_onnx`; :mod:`hecate.lowering.onnx_fused`).
+
 ONNX: the recurrence becomes ONE ``Scan`` node (not T copies of the step): the
 state A (and the momentum buffer S) are the Scan's carried state, k, v, q, α, η
 are scanned along axis 1 (T) and y is the scan output stacked along axis 1. The
@@ -22,6 +25,7 @@ from onnxscript import opset18 as op
 
 from hecate.lowering import pointwise
 from hecate.lowering.memory_scan.naive import memory_scan_naive
+from hecate.lowering.onnx_fused import MIN_RETENTION, call_fused, dims, fused_translation, note, static_dim, use_fused
 from hecate.lowering.registry import decomposition, onnx_translation
 
 _FLOAT = 1  # onnx TensorProto.FLOAT
@@ -153,3 +157,49 @@ def memory_scan_decomposition(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2
     if cu_seqlens is not None:
         raise NotImplementedError("memory_scan decomposition: packed sequences (cu_seqlens) are not supported")
     return memory_scan_naive(k, v, q, alpha, eta, m0, None, p, a, eps, momentum, q_norm, bias, s0)
+
+
+def _gated_delta_misfit(args) -> str:
+    """Why this call is not a gated delta rule ("" when it is)."""
+    if args["cu_seqlens"] is not None:
+        return "packed sequences (cu_seqlens): LinearAttention has no sequence boundaries"
+    if args["p"] != 2.0:
+        return f"l_p bias with p={args['p']:g}: only p = 2 is a delta rule (error linear in M)"
+    if args["momentum"] != 0.0:
+        return f"momentum {args['momentum']:g}: a second state the operator does not carry"
+    if args["q_norm"] != 2.0:
+        return f"MONETA q_norm={args['q_norm']:g}: the read and the error use the normalised memory"
+    if static_dim(args["k"], 2) is None:
+        return "the number of heads is not static"
+    return ""
+
+
+@fused_translation(torch.ops.hecate.memory_scan.default)
+def memory_scan_fused_onnx(*args, **kwargs):
+    """p = 2 as ``LinearAttention(gated_delta)`` (derivation: :mod:`hecate.lowering.onnx_fused`), else the Scan."""
+    a = use_fused("hecate.memory_scan", "Scan", memory_scan_onnx, args, kwargs, _gated_delta_misfit,
+                  mapped=("k", "v", "q", "alpha", "eta", "m0", "cu_seqlens", "p", "a", "eps", "momentum", "q_norm"))
+    if a is None:
+        return memory_scan_onnx(*args, **kwargs)
+    out_dtype = a["v"].dtype
+    k, v, q, alpha, eta = (op.Cast(a[n], to=_FLOAT) for n in ("k", "v", "q", "alpha", "eta"))
+    H = static_dim(a["k"], 2)
+    # γ = 1 − α held away from 0 (α = 1 still reads the old memory through M k); γ < 0 stays and gives NaN
+    keep = op.Sub(op.Constant(value_float=1.0), alpha)
+    tiny = op.Constant(value_float=MIN_RETENTION)
+    keep = op.Where(op.Less(op.Abs(keep), tiny), tiny, keep)               # [B, T, H]
+    beta = op.Div(op.Mul(eta, op.Constant(value_float=2.0)), keep)        # β = 2η/γ
+    v_kept = op.Mul(v, op.Unsqueeze(keep, op.Constant(value_ints=[-1])))   # v' = γ v
+    packed = [op.Reshape(x, op.Constant(value_ints=[0, 0, -1])) for x in (q, k, v_kept)]
+    past = None if a["m0"] is None else op.Transpose(op.Cast(a["m0"], to=_FLOAT), perm=[0, 1, 3, 2])
+    B, T, _, Dk = dims(a["k"], 0, 1, 2, 3) or (None,) * 4
+    Dv = static_dim(a["v"], 3)
+    y, state = call_fused("LinearAttention", *packed, past, op.Log(keep), beta,
+                          shapes=([B, T, H * Dv if Dv else None], [B, H, Dk, Dv]),
+                          update_rule="gated_delta", q_num_heads=H, kv_num_heads=H, scale=1.0)
+    note("hecate.memory_scan", "LinearAttention(gated_delta)",
+         "p = 2: M ← γM − 2η(Mk − v)kᵀ with γ = 1 − α is gated delta with g = log γ, β = 2η/γ, v' = γv")
+    y = op.Reshape(y, op.Shape(a["v"]))
+    if out_dtype != ir.DataType.FLOAT:
+        y = op.Cast(y, to=int(out_dtype))
+    return y, op.Transpose(state, perm=[0, 1, 3, 2])

@@ -32,7 +32,7 @@ def _chunked(inputs, case):
     k, v, q, alpha, eta, m, s = inputs
     ys = []
     for start, stop in zip(CHUNKS[:-1], CHUNKS[1:]):
-        y, m, s = op(*(x[:, start:stop] for x in (k, v, q, alpha, eta)), m, None, *case.scalars(),
+        y, m, s = op(*(x[:, start:stop] for x in (k, v, q, alpha, eta)), m, None, *case.scalars(), "",
                      s if case.momentum else None)
         ys.append(y)
     return torch.cat(ys, 1), m, s
