@@ -6,15 +6,22 @@ With a GPU the kernels run for real and the ``cuda``-marked tests run too.
 
 HECATE_STRICT=1: an error inside a pass fails the test instead of being contained
 and reported (what users get by default).
+
+Inductor's and Triton's on-disk caches go to a fresh folder per run: an artifact left by another
+checkout (another signature of a hecate op) must never be served to these tests.
 """
 
 import os
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HECATE_STRICT", "1")
+_cache = tempfile.mkdtemp(prefix="hecate-tests-cache-")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_cache, "inductor"))
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_cache, "triton"))
 
 import pytest  # noqa: E402
 

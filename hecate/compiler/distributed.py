@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from hecate.compiler.options import Options
-from hecate.compiler.report import Fusion, FusionReport
+from hecate.passes.report import Fusion, FusionReport
 
 ADVICE = ("set torch._dynamo.config.optimize_ddp = False (one graph; DDP then all-reduces after "
           "the whole backward) or a larger bucket_cap_mb")

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 from hecate.compiler.options import parse_options
 from hecate.compiler.pipeline import run_passes
-from hecate.compiler.report import FusionReport
+from hecate.passes.report import FusionReport
 
 MLIR_OUTPUT_TYPES = ("torch", "linalg-on-tensors", "tosa", "stablehlo", "raw")
 MODES = ("forward", "prefill", "decode")

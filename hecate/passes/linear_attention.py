@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from hecate.compiler.report import FusionReport
+from hecate.passes.report import FusionReport
 from hecate.passes.memory_step import fuse_scans, report_unrolled_updates
 from hecate.passes.matching import Match, NotFused, find_matches, flat_args, literal_slots, pattern_graph, \
     replace_with_op, same_literal

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from hecate.compiler.report import FusionReport
+from hecate.passes.report import FusionReport
 from hecate.passes.memory_step import fuse_scans, report_unrolled_updates
 
 

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx.passes.utils.matcher_utils import InternalMatch
 
-from hecate.compiler.report import FusionReport
+from hecate.passes.report import FusionReport
 from hecate.lowering import pointwise
 from hecate.passes.matching import Match, find_matches, pattern_graph, replace_with_op, val
 
