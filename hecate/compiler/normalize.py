@@ -2,10 +2,11 @@
 
 Every rewrite here is exact: the rewritten graph computes bit-for-bit what the original
 computes (checked in ``tests/compiler/test_normalize.py``). :func:`normalize` makes in-place
-ops functional in the whole graph, and applies to the body of every ``scan`` in it (where
-the memory passes look) the whole normal form below. (The graph outside loop bodies keeps
-its other spellings until the passes that match fixed patterns there trace their patterns
-into the same normal form: their SubgraphMatcher patterns are not normalised today.)
+ops functional in the whole graph, drops its no-op copies and turns ``narrow`` into a slice,
+and applies to the body of every ``scan`` in it (where the memory passes look) the whole
+normal form below. (The graph outside loop bodies keeps its other spellings until the passes
+that match fixed patterns there trace their patterns into the same normal form: their
+SubgraphMatcher patterns are not normalised today.)
 
 * :func:`functionalize`: an in-place op on a tensor nothing else aliases (``M.mul_(a)``,
   ``M -= x``, ``M.add_(x, alpha=-1)``) becomes its out-of-place op, later reads of the
@@ -42,27 +43,30 @@ _INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, 
 
 
 def normalize(gm: fx.GraphModule) -> fx.GraphModule:
-    """Make ``gm`` functional and rewrite its scan bodies into the normal form, in place; return it."""
-    functionalize(gm.graph)
-    gm.recompile()
+    """Make ``gm`` functional without copies or narrow, and its scan bodies wholly normal, in place; return it."""
+    normalize_graph(gm, whole=False)
     for graph_module in _graph_modules(gm)[1:]:
         normalize_graph(graph_module)
     return gm
 
 
-def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite ``graph_module`` (not the graphs it calls) into the whole normal form, in place; return it."""
+def normalize_graph(graph_module: fx.GraphModule, whole: bool = True) -> fx.GraphModule:
+    """Rewrite ``graph_module`` (not the graphs it calls) into the normal form, in place; return it.
+
+    ``whole=False``: functional ops, no-op copies dropped and ``narrow`` as a slice only (what the
+    fixed-pattern passes outside loop bodies already read the same way)."""
     graph = graph_module.graph
     functionalize(graph)
     outputs = _output_nodes(graph)
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        if node.op != "call_function" or not (whole or node.target in _STRUCTURAL):
             continue
         replacement = _rewrite(graph, node, outputs)
         if replacement is not None and replacement is not node:
             node.replace_all_uses_with(replacement)
             graph.erase_node(node)
-    eliminate_common_subexpressions(graph)
+    if whole:
+        eliminate_common_subexpressions(graph)
     graph.eliminate_dead_code()
     graph.lint()
     graph_module.recompile()
@@ -166,6 +170,11 @@ def _emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
     new = graph.call_function(target, args, kwargs)
     _refake(new)
     return new
+
+
+# the rewrites that only remove a spelling's noise (copies, narrow), applied to the whole graph
+_STRUCTURAL = (aten.clone.default, aten.contiguous.default, aten.alias.default, aten.lift_fresh.default,
+               aten.narrow.default)
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:

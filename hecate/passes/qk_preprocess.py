@@ -257,24 +257,11 @@ def _check_unpadded_conv(match: Match) -> str | None:
         return reason
     k, padding = val(conv.args[1]).shape[2], list(_arg(conv, 4, "padding", [0]))
     if any(padding):
-        cut = next((u for u in conv.users if u.target == aten.narrow.default), None)
-        if cut is not None:
-            return _narrow_reason(cut, padding, k, val(conv.args[0]).shape[2])
         return (f"conv1d padding={padding} pads both sides (kernel {k}) and no slice keeps the first T outputs: "
                 f"outputs see future tokens, not causal")
     if k != 1:
         return f"conv1d has no padding (kernel {k}) and no F.pad(K−1, 0) before it: not a causal conv"
     return None
-
-
-def _narrow_reason(cut: fx.Node, padding: list, k: int, seq_len: int) -> str:
-    """Why a padded conv1d followed by ``narrow`` is not fused: whether the narrow keeps the causal outputs."""
-    dim, start, length = cut.args[1], cut.args[2], cut.args[3]
-    if dim % 3 == 2 and start == 0 and length == seq_len:
-        return (f"conv1d padding={padding} (kernel {k}) then narrow({dim}, 0, {length}) keeps the first T outputs, "
-                f"which is causal, but narrow is not read as the slice [..., :T] yet: write the slice")
-    return (f"conv1d padding={padding} pads both sides (kernel {k}) and narrow({dim}, {start}, {length}) does not "
-            f"keep the first T={seq_len} outputs: not causal")
 
 
 _x_bdt, _w_conv, _b_conv = torch.zeros(_B, _D, _T), torch.zeros(_D, 1, _K), torch.zeros(_D)

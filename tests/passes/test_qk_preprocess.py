@@ -481,16 +481,20 @@ def test_many_chains_in_one_graph():
         ["elu+1 [B,T,H,Dh]"] * 2 + ["relu² [B,T,H,Dh]"] * 2 + ["exp(min(·, 10)) [B,T,H,Dh]"] * 2
 
 
-@pytest.mark.parametrize("start,reason", [
-    (0, "conv1d padding=[3] (kernel 4) then narrow(2, 0, 7) keeps the first T outputs, which is causal, but "
-        "narrow is not read as the slice [..., :T] yet: write the slice"),
-    (3, "conv1d padding=[3] pads both sides (kernel 4) and narrow(2, 3, 7) does not keep the first T=7 outputs: "
-        "not causal")])
-def test_narrow_after_a_padded_conv_is_reported_for_what_it_keeps(start, reason):
-    def spelling(m, x):
-        u = F.linear(x, m.w, m.b).transpose(1, 2)
-        return F.silu(F.conv1d(u, m.cw, m.cb, padding=m.k - 1, groups=6).narrow(2, start, x.shape[1]).transpose(1, 2))
+def test_narrow_for_the_causal_slice_fuses_and_another_window_is_reported():
+    """narrow(2, 0, T) is the slice [..., :T] (the normal form reads it so); narrow(2, 3, T) keeps outputs that
+    see the future and is reported as the slice it is."""
+    def spelling(start):
+        def chain(m, x):
+            u = F.linear(x, m.w, m.b).transpose(1, 2)
+            return F.silu(F.conv1d(u, m.cw, m.cb, padding=m.k - 1, groups=6).narrow(2, start, x.shape[1])
+                          .transpose(1, 2))
+        return chain
 
-    report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
+    report = _compare_with_eager(Chain(spelling(0)), torch.randn(2, 7, 5))
+    assert _details(report) == ["linear → conv(K=4) → silu [B,T,D]"] and report.misses == []
+    report = _compare_with_eager(Chain(spelling(3)), torch.randn(2, 7, 5))
     assert report.fusions == []
-    assert [m.reason for m in report.misses] == [reason]
+    assert [m.reason for m in report.misses] == [
+        "conv1d pads 3 on both sides but the slice (dim=2, start=3, step=1) keeps 7 outputs, not the first T=7: "
+        "not causal"]

@@ -128,11 +128,9 @@ SPELLINGS = {
         "linear → conv(K=4) → silu → elu+1 [B,T,D]"),
 }
 
-# Spellings that wait for the generic normal form (no-op contiguous, narrow ↔ slice, einsum ↔ matmul) that
-# the pipeline's canonicalisation stage brings; the pass does not special-case them.
+# Spellings that wait for the generic normal form (einsum ↔ matmul outside loop bodies); the pass does not
+# special-case them.
 NEEDS_CANONICAL_FORM = {
-    "narrow for the causal slice": "narrow(2, 0, T) is not yet normalised to the slice [..., :T]",
-    ".contiguous() between stages": "a no-op .contiguous() is not yet removed before matching",
     "einsum projection, conv padding as a tuple, a Huber-like φ":
         "einsum is not yet normalised to a matmul: the chain fuses from the conv, the projection is left out",
 }
