@@ -112,11 +112,14 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
             unfused = RolledGraph.unfused(aten_gm)
             if not unfused:
                 return aten_gm, rolled_report
-            # why the scan passes did not fuse the rolled loop (the other passes report again below)
-            report.misses.extend(m for m in rolled_report.misses if m.pattern in _SCAN_PASSES)
-            for steps, ops in unfused:
-                report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or "
-                                f"linear_attention fuses (its body calls {', '.join(ops)}); compiled unrolled")
+            # why the scan passes did not fuse the rolled loop, said once (the other passes report again below)
+            scan_misses = [m for m in rolled_report.misses if m.pattern in _SCAN_PASSES]
+            report.misses.extend(dataclasses.replace(m, reason=f"{m.reason}; the loop is compiled unrolled")
+                                 for m in scan_misses)
+            if not scan_misses:
+                for steps, ops in unfused:
+                    report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or "
+                                    f"linear_attention fuses (its body calls {', '.join(ops)}); compiled unrolled")
     with stage("re-trace to ATen", options.progress):
         aten_gm = canonicalize(gm, example_inputs)
     return run_passes(aten_gm, options, report), report
