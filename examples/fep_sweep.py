@@ -21,7 +21,7 @@ in the runs that test the spec's own options, whose held-out bpc then sees the f
 marked ``leaks_future``.
 
     PYTHONPATH=. python3 examples/fep_sweep.py                 # the committed run (~1 h on 2 cores)
-    PYTHONPATH=. python3 examples/fep_sweep.py --quick         # seconds; writes examples/out/
+    PYTHONPATH=. python3 examples/fep_sweep.py --quick         # ~20 s; writes the git-ignored examples/results/quick/
     PYTHONPATH=. python3 examples/fep_sweep.py --data wiki.train.tokens   # any text file
 
 Corpus: the pydoc topics text that ships with Python (examples/char_lm.py), unless ``--data``
@@ -92,16 +92,16 @@ def parse_args(argv):
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--eval-windows", type=int, default=128)
     p.add_argument("--only", nargs="*", help="sweep only these run names")
-    p.add_argument("--quick", action="store_true", help="a smoke run in seconds, written to examples/out/")
+    p.add_argument("--quick", action="store_true", help="a smoke run (~20 s), written to examples/results/quick/")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for fep_sweep.json/.png (default examples/results, "
-                                               "examples/out with --quick)")
+                                               "examples/results/quick with --quick)")
     args = p.parse_args(argv)
     if args.quick:
         args.sweep_steps, args.final_steps, args.eval_every, args.batch_size = 3, 4, 2, 4
         args.seq_len, args.eval_windows, args.only = 16, 8, args.only or ["base"]
     if args.out is None:
-        args.out = os.path.join(HERE, "out" if args.quick else "results")
+        args.out = os.path.join(HERE, "results", *(["quick"] if args.quick else []))
     return args
 
 

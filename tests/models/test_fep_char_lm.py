@@ -26,9 +26,9 @@ def test_corpus_is_pydoc_topics_with_held_out_split():
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_quick_run_trains_both_models_and_writes_results(tmp_path):
     results = _char_lm().main(["--quick", "--no-progress", "--out", str(tmp_path)])
-    with open(tmp_path / "char_lm.json") as f:
+    with open(tmp_path / "char_lm-quick.json") as f:  # --quick names its files apart from the committed run's
         saved = json.load(f)
-    assert (tmp_path / "char_lm.png").stat().st_size > 10_000
+    assert (tmp_path / "char_lm-quick.png").stat().st_size > 10_000
     assert saved["fep_over_baseline_bpc"] == pytest.approx(results["fep_over_baseline_bpc"])
     uniform_bits = math.log2(saved["corpus"]["vocab_size"])
     for name in ("fep", "baseline"):
