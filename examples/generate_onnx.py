@@ -52,7 +52,7 @@ class MemoryLM(nn.Module):
     def initial_state(self, batch: int) -> tuple[torch.Tensor, ...]:
         q_conv, k_conv = self.memory.qk.initial_state(batch)  # [B, K−1, H·d_k] each
         m = self.memory
-        memory = torch.zeros(batch, m.n_heads, m.d_v, m.d_k, dtype=q_conv.dtype, device=q_conv.device)
+        memory = torch.zeros(batch, m.n_heads, m.d_v, m.d_phi, dtype=q_conv.dtype, device=q_conv.device)
         return q_conv, k_conv, memory
 
     def prefill(self, ids: torch.Tensor):

@@ -151,8 +151,9 @@ def test_p2_memory_is_gated_delta_with_rescaled_beta_and_values(alpha_kind, p2_s
              "one": torch.ones(B, T, H), "zero": torch.zeros(B, T, H)}[alpha_kind]
     args = (k, v, q, alpha, torch.rand(B, T, H) * 0.3, torch.randn(B, H, Dv, Dk))
     names = [i.name for i in p2_session.get_inputs()]
-    y, m = p2_session.run(None, {n: a.numpy() for n, a in zip(names, args)})
-    y_ref, m_ref = memory_scan_naive(*(x.double() for x in args))
+    y, m, s = p2_session.run(None, {n: a.numpy() for n, a in zip(names, args)})
+    y_ref, m_ref, _ = memory_scan_naive(*(x.double() for x in args))
+    assert s.shape == (0,), "s_final without momentum is an empty [0]"
     assert_close("y", torch.from_numpy(y), y_ref.float(), TOL)
     assert_close("m_final", torch.from_numpy(m), m_ref.float(), TOL)
 
@@ -196,8 +197,10 @@ def test_memory_scan_p2_op_parity(domain, B, T, tmp_path):
     args = (torch.randn(B, T, H, Dk) * 0.5, torch.randn(B, T, H, Dv), torch.randn(B, T, H, Dk),
             torch.rand(B, T, H), torch.rand(B, T, H) * 0.3, torch.randn(B, H, Dv, Dk))
     model = MemoryScanCall(2.0)
-    y, m = _run_exported(model, args, tmp_path / "m.onnx", fused_domain=domain, expect_forms=["LinearAttention(gated_delta)"])
-    y_ref, m_ref = model(*args)
+    y, m, s = _run_exported(model, args, tmp_path / "m.onnx", fused_domain=domain,
+                            expect_forms=["LinearAttention(gated_delta)"])
+    y_ref, m_ref, s_ref = model(*args)
+    assert s.shape == s_ref.shape == (0,), "s_final without momentum is an empty [0]"
     assert_close("y", y, y_ref, TOL)
     assert_close("m_final (present_state)", m, m_ref, TOL)
 
@@ -264,7 +267,7 @@ def test_state_carries_across_chunks(tmp_path):
     k, v, q = torch.randn(B, T, H, Dk) * 0.5, torch.randn(B, T, H, Dv), torch.randn(B, T, H, Dk)
     alpha, eta = torch.rand(B, T, H), torch.rand(B, T, H) * 0.3
     model = MemoryScanCall(2.0)
-    y_full, m_full = model(k, v, q, alpha, eta, torch.zeros(B, H, Dv, Dk))
+    y_full, m_full = model(k, v, q, alpha, eta, torch.zeros(B, H, Dv, Dk))[:2]
     sl = slice(0, chunk)
     hecate.export_onnx(model, (k[:, sl], v[:, sl], q[:, sl], alpha[:, sl], eta[:, sl], torch.zeros(B, H, Dv, Dk)),
                        tmp_path / "chunk.onnx")
@@ -273,7 +276,7 @@ def test_state_carries_across_chunks(tmp_path):
     m, ys = np.zeros((B, H, Dv, Dk), np.float32), []
     for start in range(0, T, chunk):
         sl = slice(start, start + chunk)
-        y, m = session.run(None, dict(zip(names, (k[:, sl].numpy(), v[:, sl].numpy(), q[:, sl].numpy(),
+        y, m, _ = session.run(None, dict(zip(names, (k[:, sl].numpy(), v[:, sl].numpy(), q[:, sl].numpy(),
                                                   alpha[:, sl].numpy(), eta[:, sl].numpy(), m))))
         ys.append(torch.from_numpy(y))
     assert_close("y over chunks", torch.cat(ys, 1), y_full, TOL)
@@ -300,13 +303,15 @@ _CONV = "CausalConvWithState(silu)"
 @pytest.mark.parametrize("domain,alpha,eta,B,T", [("", None, None, 2, 9), ("com.microsoft", 0.1, 0.2, 1, 24),
                                                   ("", 1.0, 0.1, 3, 5)])
 def test_lp_memory_p2_model(domain, alpha, eta, B, T, tmp_path):
-    model = LpMemory(16, n_heads=2, d_k=4, d_v=3, p=2.0, alpha=alpha, eta=eta, phi="elu1")
+    # use_scan=True: torch.export unrolls a Python loop, which exports unfused (the README's export form)
+    model = LpMemory(16, n_heads=2, d_k=4, d_v=3, p=2.0, alpha=alpha, eta=eta, phi="elu1", use_scan=True)
     _model_parity(model, (torch.randn(B, T, 16), torch.randn(B, 2, 3, 4) * 0.1), tmp_path / "model.onnx",
                   [_CONV, _CONV, "LinearAttention(gated_delta)"], domain)
 
 
-@pytest.mark.parametrize("domain,kwargs,B,T,rule", [("", dict(alpha=None, normalise=True), 2, 9, "gated"),
-                                                    ("com.microsoft", dict(alpha=0.9), 1, 17, "gated"),
+@pytest.mark.parametrize("domain,kwargs,B,T,rule", [("", dict(alpha=None, normalise=True, use_scan=True), 2, 9,
+                                                     "gated"),
+                                                    ("com.microsoft", dict(alpha=0.9, use_scan=True), 1, 17, "gated"),
                                                     ("", dict(alpha=1.0, normalise=True, form="cumsum"), 3, 6,
                                                      "linear")])
 def test_hebbian_memory_model(domain, kwargs, B, T, rule, tmp_path):

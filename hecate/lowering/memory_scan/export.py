@@ -75,6 +75,9 @@ def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebb
     return A, S, y_t
 
 
+_BODIES = 0  # Scan bodies recorded so far (their values' names carry the count)
+
+
 def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian, bias) -> ir.Graph:
     """Record one step into its own graph: inputs (A, [S], k_t, v_t, q_t, α_t, η_t), outputs (A, [S], y_t)."""
     from torch.onnx._internal.exporter import _building
@@ -100,6 +103,13 @@ def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebb
             S_next = op.Identity(S_next)
     states_in = [A, S] if use_momentum else [A]
     states_out = [A_next, S_next] if use_momentum else [A_next]
+    # names of the body's own values, unique in the model: the onnx C API version converter (to opset 27)
+    # infers shapes with the outer graph's value_info in scope, and a body value named like an outer one
+    # (val_7, ...) took the outer one's shape, which onnxruntime then refuses
+    global _BODIES
+    _BODIES += 1
+    for i, out in enumerate(out for node in recorder.nodes for out in node.outputs):
+        out.name = f"memory_scan_step{_BODIES}_{i}"
     return ir.Graph([*states_in, *sliced], [*states_out, y_t], nodes=recorder.nodes, name="memory_scan_step")
 
 
@@ -147,8 +157,13 @@ def memory_scan_onnx(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
     if S_final is None:   # no momentum buffer: an empty [0]
-        S_final = op.ConstantOfShape(op.Constant(value_ints=[0]), value=ir.tensor([0.0], dtype=ir.DataType.FLOAT))
+        S_final = _empty_state()
     return y, A_final, S_final
+
+
+def _empty_state():
+    """The s_final of a call without momentum: an empty FLOAT [0]."""
+    return op.ConstantOfShape(op.Constant(value_ints=[0]), value=ir.tensor([0.0], dtype=ir.DataType.FLOAT))
 
 
 @decomposition(torch.ops.hecate.memory_scan.default)
@@ -202,4 +217,4 @@ def memory_scan_fused_onnx(*args, **kwargs):
     y = op.Reshape(y, op.Shape(a["v"]))
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
-    return y, op.Transpose(state, perm=[0, 1, 3, 2])
+    return y, op.Transpose(state, perm=[0, 1, 3, 2]), _empty_state()   # gated delta: no momentum buffer
