@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, evaluate, gaussian_kl, independent, proportion, shape_of, short,
@@ -93,14 +94,21 @@ def _inputs(logits: fx.Node) -> tuple[list, list] | None:
     return independent(queries), independent(priors)
 
 
+def _is(size, other) -> bool:
+    """``size == other`` without guarding on a symbolic size: an answer not known for every size is no
+    (comparing a dynamic batch with a literal 2 must not pin the batch to 2)."""
+    return statically_known_true(size == other)
+
+
 def _in_score(shape, logits_shape) -> bool:
     """Whether a tensor of ``shape`` lives in the [B, N, V, K] score (or broadcasts into it as a prior)."""
     b, n, v = logits_shape
-    if shape == (b, n, v):
+    if len(shape) == 3 and _is(shape[0], b) and _is(shape[1], n) and _is(shape[2], v):
         return True
     if len(shape) == 4:  # [B, N, V, K], a query's [B, N, 1, K], a prior's [1, 1, V, K]
-        return shape[2] in (1, v) and shape[0] in (1, b) and shape[1] in (1, n)
-    return len(shape) == 3 and shape[0] == 1 and shape[1] == v
+        return ((_is(shape[2], 1) or _is(shape[2], v)) and (_is(shape[0], 1) or _is(shape[0], b))
+                and (_is(shape[1], 1) or _is(shape[1], n)))
+    return len(shape) == 3 and _is(shape[0], 1) and _is(shape[1], v)
 
 
 def _recognise(logits: fx.Node) -> _Decode | None:
