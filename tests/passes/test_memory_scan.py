@@ -296,8 +296,8 @@ def test_loop_with_inductor_fallback_trains(fresh_dynamo):
         assert_close("grad", a, b, TOL)
 
 
-@pytest.mark.xfail(reason="the memory passes fuse rolled loops only; the export path (compiler/export.py) must roll "
-                          "torch.export's unrolled loop with hecate.compiler.loops.roll_loops first", strict=False)
+@pytest.mark.xfail(strict=True, reason="the memory passes fuse rolled loops only; the export path (compiler/export.py) must roll "
+                          "torch.export's unrolled loop with hecate.compiler.loops.roll_loops first")
 def test_model_exports_to_onnx_with_the_recurrence_as_one_scan(tmp_path):
     onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
