@@ -51,16 +51,25 @@ def linear_attention_onnx(k, v, q, alpha=None, m0=None, z0=None, normalize=False
         else:
             A0 = M0
         y_rows, A, _ = recurrence_onnx(k, v_rows, q, forget, ones, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)
-        if normalize:
-            dv = op.Shape(v, start=3, end=4)
-            y = op.Div(op.Slice(y_rows, op.Constant(value_ints=[0]), dv, _axes(3)),
-                       op.Add(op.Slice(y_rows, dv, op.Constant(value_ints=[2**62]), _axes(3)),
-                              op.Constant(value_float=eps)))
-            M = op.Slice(A, op.Constant(value_ints=[0]), dv, _axes(2))
-            z = op.Squeeze(op.Slice(A, dv, op.Constant(value_ints=[2**62]), _axes(2)), _axes(2))
-        else:
-            y, M = y_rows, A
-            z = op.Mul(op.ReduceSum(A, _axes(2), keepdims=0), op.Constant(value_float=0.0))
+        return _split_value_column(y_rows, A, v, normalize, eps, out_dtype)
+    if out_dtype != ir.DataType.FLOAT:
+        y = op.Cast(y, to=int(out_dtype))
+    return y, M, z
+
+
+def _split_value_column(y_rows, A, v, normalize, eps, out_dtype):
+    """(y, M, z) from a recurrence run on v' = [v, 1] (normalised: y = y'[:Dv] / (y'[Dv] + eps), the state's
+    last row is z) or on v itself (z zeros)."""
+    if normalize:
+        dv = op.Shape(v, start=3, end=4)
+        end = op.Constant(value_ints=[2**62])
+        y = op.Div(op.Slice(y_rows, op.Constant(value_ints=[0]), dv, _axes(3)),
+                   op.Add(op.Slice(y_rows, dv, end, _axes(3)), op.Constant(value_float=eps)))
+        M = op.Slice(A, op.Constant(value_ints=[0]), dv, _axes(2))
+        z = op.Squeeze(op.Slice(A, dv, end, _axes(2)), _axes(2))
+    else:
+        y, M = y_rows, A
+        z = op.Mul(op.ReduceSum(A, _axes(2), keepdims=0), op.Constant(value_float=0.0))
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
     return y, M, z
@@ -119,16 +128,4 @@ def linear_attention_fused_onnx(*args, **kwargs):
          + ("; normaliser as value column v' = [v, 1]" if normalize else ""))
     y_rows = op.Reshape(y_rows, op.Concat(head_shape, op.Constant(value_ints=[-1]), axis=0))
     A = op.Transpose(state, perm=[0, 1, 3, 2])                               # [B, H, Dv (+ 1), Dk]
-    if normalize:
-        dv = op.Shape(a["v"], start=3, end=4)
-        end = op.Constant(value_ints=[2**62])
-        y = op.Div(op.Slice(y_rows, op.Constant(value_ints=[0]), dv, _axes(3)),
-                   op.Add(op.Slice(y_rows, dv, end, _axes(3)), op.Constant(value_float=a["eps"])))
-        M = op.Slice(A, op.Constant(value_ints=[0]), dv, _axes(2))
-        z = op.Squeeze(op.Slice(A, dv, end, _axes(2)), _axes(2))
-    else:
-        y, M = y_rows, A
-        z = op.Mul(op.ReduceSum(A, _axes(2), keepdims=0), op.Constant(value_float=0.0))
-    if out_dtype != ir.DataType.FLOAT:
-        y = op.Cast(y, to=int(out_dtype))
-    return y, M, z
+    return _split_value_column(y_rows, A, a["v"], normalize, a["eps"], out_dtype)
