@@ -34,11 +34,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch.export import Dim
+from torch.export.graph_signature import TensorArgument
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from hecate.compiler.options import parse_options
-from hecate.compiler.pipeline import run_passes
+from hecate.compiler.pipeline import fuse_rolled_loops, run_passes
 from hecate.passes.report import FusionReport
 
 MLIR_OUTPUT_TYPES = ("torch", "linalg-on-tensors", "tosa", "stablehlo", "raw")
@@ -209,8 +210,36 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
     if shapes is not None:
         _plain_shape_reads(program)
     report = FusionReport(graphs=1)
-    run_passes(program.graph_module, opts, report, dump_name="export")
+    example = [n.meta["val"] for n in program.graph.find_nodes(op="placeholder")]
+    rolled = fuse_rolled_loops(program.graph_module, example, opts, report, dump_name="export")
+    if rolled is not None:
+        fused, report = rolled
+        _install_graph(program, fused)
+    else:
+        run_passes(program.graph_module, opts, report, dump_name="export")
     return program, report, (flat_args, input_names, output_names)
+
+
+def _install_graph(program: torch.export.ExportedProgram, gm: torch.fx.GraphModule) -> None:
+    """Make ``gm`` (a re-trace of ``program``'s graph, same inputs and outputs) the program's graph.
+
+    The re-trace names its inputs ``arg0_1``, ...: they take back the names the program's
+    signature refers to, and the signature's outputs follow the new output nodes.
+    """
+    old_inputs = program.graph.find_nodes(op="placeholder")
+    new_inputs = gm.graph.find_nodes(op="placeholder")
+    for old, new in zip(old_inputs, new_inputs, strict=True):
+        new._rename(old.name)
+        new.target = old.target
+    outputs = gm.graph.output_node().args[0]
+    for spec, node in zip(program.graph_signature.output_specs, outputs, strict=True):
+        if isinstance(spec.arg, TensorArgument) and isinstance(node, torch.fx.Node):
+            spec.arg = TensorArgument(name=node.name)
+    root = program.graph_module
+    for name, module in gm.named_children():
+        setattr(root, name, module)
+    root.graph = gm.graph
+    root.recompile()
 
 
 @contextlib.contextmanager

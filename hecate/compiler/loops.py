@@ -38,9 +38,10 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
-from hecate.compiler.normalize import functionalize
+from hecate.compiler.normalize import normalize_graph
 
 _TENSOR_OPS = ("call_function", "call_method")
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform")
@@ -89,10 +90,10 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
     """A copy of Dynamo's ``gm`` with every provable unrolled loop rolled into a scan, or None.
 
     In-place updates of tensors nothing else aliases (``M -= ...``) are first made functional
-    in ``gm`` itself (exactly: see :func:`hecate.compiler.normalize.functionalize`).
+    and whole-dim slices dropped in ``gm`` itself (exactly: see
+    :func:`hecate.compiler.normalize.normalize_graph`).
     """
-    functionalize(gm.graph)
-    gm.recompile()
+    normalize_graph(gm, whole=False)
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     loops: list[_Loop] = []
@@ -187,10 +188,12 @@ def _normalise(x: fx.Node, dim: int, index: int, rest: Any) -> tuple[fx.Node, in
     if not isinstance(value, torch.Tensor) or not -value.dim() <= dim < value.dim():
         return None
     dim %= value.dim()
-    size = value.shape[dim]
-    if not isinstance(size, int) or not -size <= index < size:
+    size = value.shape[dim]  # symbolic under dynamic shapes: the index must be in range for every size
+    if isinstance(size, int) and -size <= index < 0:
+        index += size
+    if index < 0 or not statically_known_true(index < size):
         return None
-    return x, dim, index % size, rest
+    return x, dim, index, rest
 
 
 def _value(node: fx.Node) -> Any:
@@ -302,7 +305,7 @@ class _Loop:
         if s0 is None or s1 is None or self.block(s0[0]) is not None or s1[:2] != s0[:2] or s1[2] != s0[2] + 1 \
                 or s1[3] != s0[3]:
             return
-        if s0[2] + self.T <= _value(s0[0]).shape[s0[1]]:
+        if statically_known_true(s0[2] + self.T <= _value(s0[0]).shape[s0[1]]):
             self.slices[o] = s0
 
     def _same_leaf(self, o: int, j: int, t: int, a0: Any, a: Any) -> bool:

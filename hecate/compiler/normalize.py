@@ -13,7 +13,8 @@ SubgraphMatcher patterns are not normalised today.)
   tensor read the result; an in-place op on an input or on a view stays as it is;
 * no-op copies dropped: ``clone`` / ``contiguous`` / ``alias`` whose result is not a graph
   output (outputs must not alias each other);
-* ``narrow(x, d, s, n)`` → ``slice(x, d, s, s + n)``;
+* ``narrow(x, d, s, n)`` → ``slice(x, d, s, s + n)``; a slice of a whole dim (``x[:, t]`` under
+  torch.export leaves ``slice(x, 0, 0, END)`` before the select) → ``x``;
 * a product with nothing summed is a broadcast multiply: ``matmul``/``bmm`` whose
   contracted dim has size 1 (``g.unsqueeze(-1) @ k.unsqueeze(-2)``) and an ``einsum`` in
   which every index is kept (``einsum("bhv,bhk->bhvk", g, k)``) become ``mul`` of the
@@ -174,7 +175,10 @@ def _emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
 
 # the rewrites that only remove a spelling's noise (copies, narrow), applied to the whole graph
 _STRUCTURAL = (aten.clone.default, aten.contiguous.default, aten.alias.default, aten.lift_fresh.default,
-               aten.narrow.default)
+               aten.narrow.default, aten.slice.Tensor)
+
+# the end torch.export writes for a slice to the end of a dim of symbolic size (``x[:, t]`` → slice(x, 0, 0, END))
+_SLICE_TO_END = 9223372036854775807
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
@@ -184,6 +188,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         if node not in outputs and isinstance(args[0], fx.Node) and _same_layout_free(node):
             return args[0]
         return None
+    if target is aten.slice.Tensor and _whole_slice(node):
+        return args[0]
     if target is aten.narrow.default and all(isinstance(a, int) for a in args[1:]):
         with graph.inserting_before(node):
             return _emit(graph, aten.slice.Tensor, args[0], args[1], args[2], args[2] + args[3])
@@ -200,6 +206,14 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         with graph.inserting_before(node):
             return _emit(graph, aten.pow.Tensor_Scalar, args[0], 2)
     return None
+
+
+def _whole_slice(node: fx.Node) -> bool:
+    """``slice(x, d, 0, END)`` with step 1: a view of all of ``x`` (``x[:, t]`` leaves one before the select)."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    _, _, start, end, step = args[:5]
+    start, end, step = node.kwargs.get("start", start), node.kwargs.get("end", end), node.kwargs.get("step", step)
+    return start in (None, 0) and end in (None, _SLICE_TO_END) and step in (None, 1)
 
 
 def _same_layout_free(node: fx.Node) -> bool:

@@ -87,42 +87,58 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
          options: Options) -> tuple[fx.GraphModule, FusionReport]:
     """Dynamo's graph → the ATen graph with Hecate's ops in it, and what was fused and why."""
     report = FusionReport(graphs=1)
-    rolled = None
-    if any(p in options.patterns for p in _SCAN_PASSES):
-        try:
-            with stage("roll loops", options.progress):
-                rolled = roll_loops(gm)
-        except Exception as e:  # the unrolled graph is always valid
-            if options.strict:
-                raise
-            reason = f"internal error rolling loops up: {describe_error(e)}; loops are matched unrolled"
-            report.add_miss("loops", reason)
-            warn_once("loops", e, reason)
+    rolled = fuse_rolled_loops(gm, example_inputs, options, report)
     if rolled is not None:
-        try:
-            with stage("re-trace to ATen (loops rolled)", options.progress):
-                aten_gm = canonicalize(rolled.gm, example_inputs)
-                rolled.mark(aten_gm)
-        except Exception as e:  # e.g. a body torch's scan rejects; the unrolled graph is always valid
-            report.add_miss("loops", f"rolled-up loop(s) of {rolled.steps} steps could not be traced "
-                            f"({describe_error(e)}); compiled unrolled", "")
-        else:
-            rolled_report = FusionReport(graphs=1)
-            run_passes(aten_gm, options, rolled_report)
-            unfused = RolledGraph.unfused(aten_gm)
-            if not unfused:
-                return aten_gm, rolled_report
-            # why the scan passes did not fuse the rolled loop, said once (the other passes report again below)
-            scan_misses = [m for m in rolled_report.misses if m.pattern in _SCAN_PASSES]
-            report.misses.extend(dataclasses.replace(m, reason=f"{m.reason}; the loop is compiled unrolled")
-                                 for m in scan_misses)
-            if not scan_misses:
-                for steps, ops in unfused:
-                    report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or "
-                                    f"linear_attention fuses (its body calls {', '.join(ops)}); compiled unrolled")
+        return rolled
     with stage("re-trace to ATen", options.progress):
         aten_gm = canonicalize(gm, example_inputs)
     return run_passes(aten_gm, options, report), report
+
+
+def fuse_rolled_loops(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: Options,
+                      report: FusionReport, dump_name: str | None = None) -> tuple[fx.GraphModule, FusionReport] | None:
+    """Roll ``gm``'s unrolled loops up, re-trace to ATen and run the passes.
+
+    Returns the fused graph and its report when ``gm`` had loops and the passes fused every one
+    of them; otherwise None, with why in ``report`` (the caller goes on with ``gm`` unrolled).
+    Serves Dynamo's graphs and torch.export's alike (``example_inputs``: the placeholders' values).
+    """
+    if not any(p in options.patterns for p in _SCAN_PASSES):
+        return None
+    try:
+        with stage("roll loops", options.progress):
+            rolled = roll_loops(gm)
+    except Exception as e:  # the unrolled graph is always valid
+        if options.strict:
+            raise
+        reason = f"internal error rolling loops up: {describe_error(e)}; loops are matched unrolled"
+        report.add_miss("loops", reason)
+        warn_once("loops", e, reason)
+        return None
+    if rolled is None:
+        return None
+    try:
+        with stage("re-trace to ATen (loops rolled)", options.progress):
+            aten_gm = canonicalize(rolled.gm, example_inputs)
+            rolled.mark(aten_gm)
+    except Exception as e:  # e.g. a body torch's scan rejects; the unrolled graph is always valid
+        report.add_miss("loops", f"rolled-up loop(s) of {rolled.steps} steps could not be traced "
+                        f"({describe_error(e)}); compiled unrolled", "")
+        return None
+    rolled_report = FusionReport(graphs=1)
+    run_passes(aten_gm, options, rolled_report, dump_name)
+    unfused = RolledGraph.unfused(aten_gm)
+    if not unfused:
+        return aten_gm, rolled_report
+    # why the scan passes did not fuse the rolled loop, said once (the other passes report again later)
+    scan_misses = [m for m in rolled_report.misses if m.pattern in _SCAN_PASSES]
+    report.misses.extend(dataclasses.replace(m, reason=f"{m.reason}; the loop is compiled unrolled")
+                         for m in scan_misses)
+    if not scan_misses:
+        for steps, ops in unfused:
+            report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or "
+                            f"linear_attention fuses (its body calls {', '.join(ops)}); compiled unrolled")
+    return None
 
 
 def run_passes(gm: fx.GraphModule, options: Options, report: FusionReport,

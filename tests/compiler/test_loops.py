@@ -192,6 +192,30 @@ def test_loop_in_an_aten_graph_is_rolled():
         assert_close("output", a, b, 1e-6)
 
 
+def test_loop_in_an_exported_graph_of_dynamic_batch_is_rolled():
+    """Under a dynamic batch torch.export writes ``x[:, t]`` as a whole-dim slice then a select, and
+    sizes are symbolic: still one loop."""
+    class Loop(torch.nn.Module):
+        def forward(self, x, h, W):
+            ys = []
+            for t in range(x.shape[1]):
+                h = torch.tanh(h @ W + x[:, t])
+                ys.append(h)
+            return torch.stack(ys, dim=1), h
+
+    args = (torch.randn(3, 5, 4), torch.randn(3, 4), torch.randn(4, 4))
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(Loop(), args, dynamic_shapes=({0: batch}, {0: batch}, None))
+    assert torch.ops.aten.slice.Tensor in [n.target for n in program.graph.nodes]
+    assert not isinstance(program.graph.find_nodes(op="placeholder")[0].meta["val"].shape[0], int)
+    rolled = roll_loops(program.graph_module)
+    assert rolled is not None and rolled.steps == [5]
+    for batch_size in (2, 7):
+        args = (torch.randn(batch_size, 5, 4), torch.randn(batch_size, 4), torch.randn(4, 4))
+        for a, b in zip(rolled.gm(*args), Loop()(*args)):
+            assert_close("output", a, b, 1e-6)
+
+
 def test_graph_traced_to_aten_does_not_grow_with_T():
     """What canonicalise re-traces and what the passes match on has one body, at any T."""
     model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=3.0, alpha=None, eta=None)

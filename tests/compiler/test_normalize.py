@@ -122,6 +122,19 @@ def test_narrow_square_copies_and_repeated_slices():
     _check_exact(spellings, args, gm)
 
 
+def test_slice_of_a_whole_dim_is_dropped():
+    """``x[:, t]`` of a symbolic-size x is ``slice(x, 0, 0, END)`` then ``select``: the slice is x itself."""
+    def whole_then_part(x):
+        whole = aten.slice.Tensor(x, 0, 0, 9223372036854775807)
+        return whole.select(1, 1) * 2, aten.slice.Tensor(x, 0, 0, 2).select(1, 1)
+
+    x = torch.randn(4, 3)
+    gm = normalize_graph(_traced(whole_then_part, x), whole=False)
+    slices = [n for n in gm.graph.nodes if n.target is aten.slice.Tensor]
+    assert [n.args[2:4] for n in slices] == [(0, 2)]  # the whole-dim slice went, x[:2] stayed
+    _check_exact(whole_then_part, (x,), gm)
+
+
 def test_cse_keeps_random_ops_apart():
     def fn(x):
         return torch.rand_like(x) + torch.rand_like(x)
