@@ -21,6 +21,22 @@ from hecate.compiler.options import Options, parse_options
 from hecate.compiler.pipeline import describe_error, fuse_or_original, warn_once
 from hecate.passes.report import FusionReport
 
+def _resolve_gaussian_kl_dispatch() -> None:
+    """Resolve ``kl_divergence``'s dispatch for the diagonal-Gaussian pairs, as their first eager call would.
+
+    The first ``kl_divergence`` of a pair of distribution types searches torch.distributions'
+    registry with ``min`` over a generator, which Dynamo does not trace: the graph breaks there
+    and the KL passes never see the score and its softmax together. Once resolved, the pair is a
+    dictionary lookup and traces. This runs when the backend is looked up, before any tracing.
+    """
+    from torch.distributions import Independent, Normal, kl_divergence
+
+    x = torch.zeros(1)
+    kl_divergence(Independent(Normal(x, x + 1), 1), Independent(Normal(x, x + 1), 1))  # and Normal, Normal
+
+
+_resolve_gaussian_kl_dispatch()
+
 # One report per graph compiled in this process, newest last (see last_report()).
 _REPORTS: list[FusionReport] = []
 

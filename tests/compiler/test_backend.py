@@ -24,6 +24,31 @@ def test_entry_point_works_without_importing_hecate():
     assert out.stdout.strip().endswith("ok")
 
 
+def test_first_torch_distributions_kl_in_a_fresh_process_is_one_graph_and_fused():
+    """kl_divergence's first dispatch of a pair graph-breaks in Dynamo; the backend resolves the
+    Gaussian pairs when it is looked up, so a user's very first call compiles in one graph."""
+    code = textwrap.dedent("""
+        import torch
+        from torch.distributions import Normal, kl_divergence
+
+        def attention(mu, std, v):
+            kl = kl_divergence(Normal(mu[:, :, None], std[:, :, None]), Normal(mu[:, None], std[:, None])).sum(-1)
+            return torch.softmax(-kl, -1) @ v
+
+        f = torch.compile(attention, backend="hecate", options={"fallback": "eager", "strict": True})
+        mu, std, v = torch.randn(2, 5, 3), torch.rand(2, 5, 3) + 0.5, torch.randn(2, 5, 4)
+        y, y_ref = f(mu, std, v), attention(mu, std, v)
+        import hecate
+        report = hecate.last_report()
+        assert report.graphs == 1 and report.count("kl_attention") == 1, str(report)
+        assert ((y - y_ref).norm() / y_ref.norm()).item() < 1e-5
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
 @pytest.mark.parametrize("fallback", ["eager", "inductor"])
 def test_unmatched_graph_is_compiled_by_fallback_and_trains(fallback, fresh_dynamo):
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
