@@ -44,9 +44,9 @@ w_hat [B, T, H, Dk] fp32; m0, m_final [N, H, Dv, Dk]. Packed sequences (cu_seqle
 bos..eos−1; chunks start at each sequence's bos and never cross a boundary. Chunk-start states for the
 backward: [N·ceil(T/C) (or T//C + N packed), H, Dv, Dk] fp32, the slots of :func:`.kernels._sequence`.
 
-NaN and inf propagate (no tl.maximum / tl.minimum); the matrix products mix a chunk's tokens, so a
-non-finite k, v or q poisons every output of its chunk, where the recurrence poisons only its own token's
-and the later ones.
+NaN and inf propagate (no tl.maximum / tl.minimum, causal masks by tl.where, not by a product with 0);
+the matrix products mix a chunk's tokens, so a non-finite input may also turn the outputs of the earlier
+tokens of its chunk NaN, where the recurrence poisons only its own token's and the later ones.
 """
 
 from __future__ import annotations

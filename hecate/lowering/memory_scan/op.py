@@ -43,6 +43,10 @@ dm_final first, ds_final last), which re-runs the forward keeping the state ever
 Triton, ``cpu.CHUNK`` = 64 on CPU) and recomputes inside each segment (Triton:
 a scratch of B·H·C·Dv·Dk·4 bytes; CPU: C states held). Nothing is saved between
 forward and backward but the inputs: the forward itself stores no checkpoints.
+
+On Triton, the delta rule (p = 2, no bias, no momentum, q_norm = 2; :func:`.chunked.uses_chunked`) from
+T = ``chunked.MIN_T`` runs forward in the chunk kernels of :mod:`.chunk_kernels`; its backward stays the
+fused-recurrent one above (the exact gradient of the same function).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from torch import Tensor
 from hecate.lowering import pointwise
 from hecate.lowering.autocast import register_autocast
 from hecate.lowering.dispatch import use_triton_kernels
-from hecate.lowering.memory_scan import cpu
+from hecate.lowering.memory_scan import chunked, cpu
 
 
 def _state_dtype(k: Tensor) -> torch.dtype:
@@ -147,7 +151,9 @@ def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0:
     check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0)
     check_values(k, alpha, eta, cu_seqlens)
     if use_triton_kernels(k):
-        from hecate.lowering.memory_scan import kernels
+        from hecate.lowering.memory_scan import chunk_kernels, kernels
+        if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian=False):
+            return chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens)
         return kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias, s0=s0)
     return cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias, s0=s0)
 
