@@ -109,7 +109,7 @@ def _recurrence_backward(dy, dA, k, v, q, forget, step, A0):
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
         if _uses_chunked(k):
-            return chunk_kernels.hebbian_backward(dy, dA, k, v, q, forget, step, A0, None)
+            return chunk_kernels.backward(dy, dA, k, v, q, forget, step, A0, None, hebbian=True)[:6]
         return kernels.backward(dy, dA, k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0,
                                 hebbian=True)[:6]
     return cpu.backward(dy, dA, k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:6]

@@ -23,21 +23,29 @@ k, v, q are read and widened, y is written in the dtype of v):
 2. :func:`chunk_forward_kernel`, one program per (value tile, sequence·head), sequential over the chunks of
    its sequence, carrying its rows of A: W, Y, A ← γ_{C−1} A + Wᵀ diag(ρ) K. It optionally keeps A at
    every chunk start (for the backward).
-3. :func:`hebbian_backward_kernel` (Hebbian only), one program per (value tile, sequence·head), in reverse
-   over the chunks, carrying D = ∂loss/∂A at the chunk's end (dm_final at the last):
+3. :func:`chunk_backward_kernel`, one program per (value tile, sequence·head), in reverse over the chunks,
+   carrying D = ∂loss/∂A at the chunk's end (dm_final at the last), from the chunk-start states A_0 that a
+   re-run of 1-2 kept. Through Y and A_C (both recurrences):
 
-       dW  = diag(ρ) K Dᵀ + (P ⊙ Q Kᵀ)ᵀ dY            dv = diag(η) dW,  dη_t = v_t · dW_t
+       dW  = diag(ρ) K Dᵀ + (P ⊙ Q Kᵀ)ᵀ dY
        dK  = diag(ρ) W D  + (P ⊙ dY Wᵀ)ᵀ Q
        dQ  = diag(γ) dY A_0 + (P ⊙ dY Wᵀ) K
        da  = γ⁻ ⊙ ρ ⟨D, A_0⟩ + γ⁻ ⊙ Pᵀx + ρ ⊙ P⁻z + colsum(P ⊙ (R P⁻ᵀ))       (dα = −da)
              x_t = dy_t · A_0 q_t,  z_s = w_s · D k_s,  R = (dY Wᵀ ⊙ Q Kᵀ) on s ≤ t
        D  ← γ_{C−1} D + dYᵀ diag(γ) Q                    (dm0 = D after the first chunk)
 
-   (da_r = Σ over the products P, γ, ρ that contain a_r of the product with a_r left out, written as
-   matrix products: exact at a_r = 0.)
+   Through W: Hebbian dv = diag(η) dW, dη_t = v_t · dW_t. Delta rule, with (I + L) W = rhs =
+   diag(b) V − diag(b γ⁻) K A_0ᵀ (the kernel recomputes (I + L)⁻¹ and W):
 
-The delta rule's backward is not chunked here: ``memory_scan_backward`` keeps the fused-recurrent
-backward of :mod:`.kernels`, which computes the exact gradient of the same function.
+       d rhs = (I + L)⁻ᵀ dW,   dL = −d rhs Wᵀ (strictly lower),   dv = diag(b) d rhs
+       db_t  = d rhs_t · (v_t − γ⁻_t A_0 k_t) + Σ_s dL[t, s] P⁻[t, s] (k_t · k_s),   dη = 2 db
+       dK   += G K + Gᵀ K − diag(b γ⁻) d rhs A_0,   G = dL ⊙ diag(b) P⁻
+       da   += γ⁻ ⊙ P⁻ᵀ dγ⁻ + colsum(P⁻ ⊙ (dP⁻ P⁻ᵀ)),  dγ⁻_t = −b_t d rhs_t · A_0 k_t,  dP⁻ = dL ⊙ diag(b) K Kᵀ
+       D    −= d rhsᵀ diag(b γ⁻) K
+
+   (da_r sums, over every product P, P⁻, γ, γ⁻, ρ that contains a_r, that product with a_r left out, written
+   as matrix products: exact at a_r = 0, no division.) Every term is a sum over value rows, so each value tile
+   writes partials of dk, dq, dα, dη that the launcher sums.
 
 Layout (contiguous): k, q [B, T, H, Dk]; v, y [B, T, H, Dv]; alpha, eta [B, T, H]; u [B, T, H, Dv] and
 w_hat [B, T, H, Dk] fp32; m0, m_final [N, H, Dv, Dk]. Packed sequences (cu_seqlens, B = 1) use rows
@@ -116,6 +124,15 @@ def _unit_lower_inverse(L, o_c, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _delta_system(K, keep_prev, b, o_c, CHUNK: tl.constexpr):
+    # (P⁻, K Kᵀ, (I + L)⁻¹) [C, C] of the delta rule's chunk, L = diag(b) (P⁻ ⊙ K Kᵀ) strictly lower
+    P_prev = _decays(keep_prev, o_c, 1)
+    KK = tl.dot(K, tl.trans(K), input_precision="ieee")
+    L = tl.where(o_c[:, None] > o_c[None, :], b[:, None] * P_prev * KK, 0.0)
+    return P_prev, KK, _unit_lower_inverse(L, o_c, CHUNK)
+
+
+@triton.jit
 def delta_prepare_kernel(
     k, v, alpha, eta, u, w_hat, cu_seqlens, T,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -133,10 +150,7 @@ def delta_prepare_kernel(
     K = _load_rows(k, rows, o_k, mask_c, mask_k, DK)  # [C, BK]
     keep, keep_prev, step = _chunk_gates(alpha, eta, rows, mask_c, o_c, H)
     b = 2.0 * step
-    strict = o_c[:, None] > o_c[None, :]
-    L = tl.where(strict, b[:, None] * _decays(keep_prev, o_c, 1) * tl.dot(K, tl.trans(K), input_precision="ieee"),
-                     0.0)  # [C, C]
-    inverse = _unit_lower_inverse(L, o_c, CHUNK)
+    _, _, inverse = _delta_system(K, keep_prev, b, o_c, CHUNK)
     gamma_prev = tl.cumprod(keep_prev, 0)
     W_hat = tl.dot(inverse, (b * gamma_prev)[:, None] * K, input_precision="ieee")  # [C, BK]
     tl.store(w_hat + rows[:, None] * DK + o_k[None, :], W_hat, mask=mask_c[:, None] & mask_k[None, :])
@@ -195,15 +209,16 @@ def chunk_forward_kernel(
 
 
 @triton.jit
-def hebbian_backward_kernel(
+def chunk_backward_kernel(
     k, v, q, alpha, eta, dy, dm_final, states, dk_part, dv, dq_part, dalpha_part, deta_part, dm0, cu_seqlens,
     T, ROWS,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHUNK: tl.constexpr, VARLEN: tl.constexpr,
+    CHUNK: tl.constexpr, VARLEN: tl.constexpr, HEBBIAN: tl.constexpr,
 ):
     # grid (NV = cdiv(DV, BV), N·H), in reverse over the chunks carrying D [BV, BK] = ∂loss/∂A at the chunk's
-    # end. Partials over value tiles: dk_part, dq_part [NV, ROWS, DK]; dalpha_part, deta_part [NV, ROWS]
-    # (ROWS = B·T·H). dv [B, T, H, DV]; dm0 [N, H, DV, DK] fp32; states [slots, H, DV, DK] the chunk starts.
+    # end. Partials over value tiles (every term is a sum over value rows): dk_part, dq_part [NV, ROWS, DK];
+    # dalpha_part, deta_part [NV, ROWS] (ROWS = B·T·H). dv [B, T, H, DV]; dm0 [N, H, DV, DK] fp32; states
+    # [slots, H, DV, DK] the chunk starts A_0. The delta rule recomputes its chunk's (I + L)⁻¹ and W here.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L, slot0 = _sequence(cu_seqlens, i_n, T, CHUNK, VARLEN)
@@ -228,36 +243,60 @@ def hebbian_backward_kernel(
         dY = _load_rows(dy, rows, o_v, mask_c, mask_v, DV)  # [C, BV]
         keep, keep_prev, step = _chunk_gates(alpha, eta, rows, mask_c, o_c, H)
         P = _decays(keep, o_c, 0)
-        P_prev = _decays(keep_prev, o_c, 1)
         gamma, gamma_prev = tl.cumprod(keep, 0), tl.cumprod(keep_prev, 0)
         rho = _last_row(P, o_c, CHUNK)
-        W = step[:, None] * V  # [C, BV]
+        if HEBBIAN:
+            P_prev = _decays(keep_prev, o_c, 1)
+            W = step[:, None] * V  # [C, BV]
+        else:
+            b = 2.0 * step
+            P_prev, KK, inverse = _delta_system(K, keep_prev, b, o_c, CHUNK)
+            KA0 = tl.dot(K, tl.trans(A0), input_precision="ieee")  # row t: (A_0 k_t)ᵀ  [C, BV]
+            rhs = b[:, None] * V - (b * gamma_prev)[:, None] * KA0  # (I + L) W = rhs
+            W = tl.dot(inverse, rhs, input_precision="ieee")  # [C, BV]
 
+        # through Y = diag(γ) Q A_0ᵀ + (P ⊙ Q Kᵀ) W and A_C = γ_{C−1} A_0 + Wᵀ diag(ρ) K
         QK = tl.dot(Q, tl.trans(K), input_precision="ieee")  # [C, C]
         KD = tl.dot(K, tl.trans(D), input_precision="ieee")  # K Dᵀ  [C, BV]
         dW = rho[:, None] * KD + tl.dot(tl.trans(tl.where(causal, P * QK, 0.0)), dY, input_precision="ieee")
-        tl.store(dv + rows[:, None] * DV + o_v[None, :], (step[:, None] * dW).to(dv.dtype.element_ty),
-                 mask=mask_c[:, None] & mask_v[None, :])
-        tl.store(deta_part + i_v * ROWS + rows, tl.sum(V * dW, 1), mask=mask_c)
-
         dYW = tl.dot(dY, tl.trans(W), input_precision="ieee")  # [C, C]
         dYW_decayed = tl.where(causal, P * dYW, 0.0)
         dK = rho[:, None] * tl.dot(W, D, input_precision="ieee") + tl.dot(tl.trans(dYW_decayed), Q,
                                                                           input_precision="ieee")
         dQ = gamma[:, None] * tl.dot(dY, A0, input_precision="ieee") + tl.dot(dYW_decayed, K, input_precision="ieee")
-        mask_ck = mask_c[:, None] & mask_k[None, :]
-        tl.store(dk_part + (i_v * ROWS + rows[:, None]) * DK + o_k[None, :], dK, mask=mask_ck)
-        tl.store(dq_part + (i_v * ROWS + rows[:, None]) * DK + o_k[None, :], dQ, mask=mask_ck)
-
         x = tl.sum(dY * tl.dot(Q, tl.trans(A0), input_precision="ieee"), 1)  # dy_t · A_0 q_t  [C]
         z = tl.sum(W * KD, 1)  # w_s · D k_s  [C]
         R = tl.where(causal, dYW * QK, 0.0)
         d_keep = (gamma_prev * rho * tl.sum(tl.sum(D * A0, 1), 0) + gamma_prev * tl.sum(P * x[:, None], 0)
                   + rho * tl.sum(P_prev * z[None, :], 1)
                   + tl.sum(P * tl.dot(R, tl.trans(P_prev), input_precision="ieee"), 0))
-        tl.store(dalpha_part + i_v * ROWS + rows, -d_keep, mask=mask_c)
+        D_next = _last_entry(gamma, o_c, CHUNK) * D + tl.dot(tl.trans(dY * gamma[:, None]), Q, input_precision="ieee")
 
-        D = _last_entry(gamma, o_c, CHUNK) * D + tl.dot(tl.trans(dY * gamma[:, None]), Q, input_precision="ieee")
+        if HEBBIAN:  # W = diag(η) V
+            dV = step[:, None] * dW
+            d_step = tl.sum(V * dW, 1)
+        else:  # W = (I + L)⁻¹ rhs: d rhs = (I + L)⁻ᵀ dW, dL = −d rhs Wᵀ (strictly lower), then through b, P⁻, γ⁻, K, A_0
+            d_rhs = tl.dot(tl.trans(inverse), dW, input_precision="ieee")  # [C, BV]
+            dV = b[:, None] * d_rhs
+            dL = tl.where(o_c[:, None] > o_c[None, :], -tl.dot(d_rhs, tl.trans(W), input_precision="ieee"), 0.0)
+            d_step = 2.0 * (tl.sum(d_rhs * (V - gamma_prev[:, None] * KA0), 1) + tl.sum(dL * P_prev * KK, 1))
+            d_gamma_prev = -b * tl.sum(d_rhs * KA0, 1)  # [C]
+            dKK = dL * b[:, None] * P_prev  # [C, C]
+            dK += (tl.dot(dKK, K, input_precision="ieee") + tl.dot(tl.trans(dKK), K, input_precision="ieee")
+                   - (b * gamma_prev)[:, None] * tl.dot(d_rhs, A0, input_precision="ieee"))
+            dP_prev = dL * b[:, None] * KK
+            d_keep += (gamma_prev * tl.sum(P_prev * d_gamma_prev[:, None], 0)
+                       + tl.sum(P_prev * tl.dot(dP_prev, tl.trans(P_prev), input_precision="ieee"), 0))
+            D_next -= tl.dot(tl.trans(d_rhs * (b * gamma_prev)[:, None]), K, input_precision="ieee")
+
+        tl.store(dv + rows[:, None] * DV + o_v[None, :], dV.to(dv.dtype.element_ty),
+                 mask=mask_c[:, None] & mask_v[None, :])
+        tl.store(deta_part + i_v * ROWS + rows, d_step, mask=mask_c)
+        tl.store(dalpha_part + i_v * ROWS + rows, -d_keep, mask=mask_c)
+        mask_ck = mask_c[:, None] & mask_k[None, :]
+        tl.store(dk_part + (i_v * ROWS + rows[:, None]) * DK + o_k[None, :], dK, mask=mask_ck)
+        tl.store(dq_part + (i_v * ROWS + rows[:, None]) * DK + o_k[None, :], dQ, mask=mask_ck)
+        D = D_next
     tl.store(dm0 + i_nh * DV * DK + tile, D, mask=mask_kv)
 
 
@@ -314,10 +353,10 @@ def forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian=False, chunk=None):
     return y, m_final, m_final.new_empty(0)
 
 
-def hebbian_backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, chunk=None):
-    """(dk, dv, dq, dalpha, deta, dm0) of the Hebbian ``memory_scan`` (as :func:`.kernels.backward` with
-    ``hebbian=True``, without ds0): re-run the chunked forward keeping the state at every chunk start, then
-    the reverse chunk kernel. dm0 is fp32 (zeros-shaped when m0 is None)."""
+def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, hebbian=False, chunk=None):
+    """(dk, dv, dq, dalpha, deta, dm0, ds0) of :func:`forward` (as :func:`.kernels.backward`; ds0 empty): re-run
+    the chunked forward keeping the state at every chunk start, then the reverse chunk kernel. dm0 is fp32
+    (zeros-shaped when m0 is None)."""
     _check_dtypes(k)
     chunk = _chunk_size(chunk)
     dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens = _contiguous(
@@ -325,7 +364,7 @@ def hebbian_backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, chunk=No
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     f32 = dict(dtype=torch.float32, device=k.device)
     states = torch.empty(_state_slots(B, T, N, chunk, cu_seqlens is not None), H, DV, DK, **f32)
-    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, True, chunk, torch.empty_like(v),
+    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian, chunk, torch.empty_like(v),
                     torch.empty(N, H, DV, DK, **f32), states)
 
     BK, BV = _blocks(DK, DV)
@@ -335,12 +374,12 @@ def hebbian_backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, chunk=No
     dalpha_part, deta_part = torch.empty(NV, rows, **f32), torch.empty(NV, rows, **f32)
     dv = torch.empty_like(v)
     dm0 = torch.empty(N, H, DV, DK, **f32)
-    hebbian_backward_kernel[(NV, N * H)](
+    chunk_backward_kernel[(NV, N * H)](
         k, v, q, alpha, eta, dy, dm_final.to(torch.float32), states, dk_part, dv, dq_part, dalpha_part,
         deta_part, dm0, cu_seqlens if cu_seqlens is not None else k, T, rows,
-        H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=chunk, VARLEN=cu_seqlens is not None)
+        H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=chunk, VARLEN=cu_seqlens is not None, HEBBIAN=hebbian)
     dk = dk_part.sum(0).view(B, T, H, DK).to(k.dtype)
     dq = dq_part.sum(0).view(B, T, H, DK).to(q.dtype)
     dalpha = dalpha_part.sum(0).view(B, T, H).to(alpha.dtype)
     deta = deta_part.sum(0).view(B, T, H).to(eta.dtype)
-    return dk, dv, dq, dalpha, deta, dm0
+    return dk, dv, dq, dalpha, deta, dm0, dm0.new_empty(0)

@@ -1,6 +1,6 @@
 """The chunk kernels of the delta rule and the Hebbian recurrence (under the interpreter on CPU) against the
-float64 per-token recurrences: forward y and final state, the Hebbian chunked backward's gradients, and the
-op dispatch that takes them."""
+float64 per-token recurrences: forward y and final state, the chunked backward's gradients, and the op dispatch
+that takes them."""
 
 from __future__ import annotations
 
@@ -107,47 +107,43 @@ def test_forward_matches_recurrence(case, hebbian, small_value_tiles, poisoned_a
 GRAD_NAMES = ["dk", "dv", "dq", "dalpha", "deta", "dm0"]
 
 
-def _hebbian_gradients(inputs, dy, dm):
-    """Gradients of ⟨y, dy⟩ + ⟨m_final, dm⟩ from the chunk kernels (zeros-shaped dm0 without m0 is dropped)."""
-    with torch.no_grad():
-        grads = chunk_kernels.hebbian_backward(dy.float(), dm.float(), *inputs, chunk=CHUNK)
+def _chunk_gradients(inputs, dy, dm, hebbian):
+    """Gradients of ⟨y, dy⟩ + ⟨m_final, dm⟩ from the chunk kernels (the zeros-shaped dm0 without m0 is dropped)."""
+    grads = chunk_kernels.backward(dy.float(), dm.float(), *inputs, hebbian=hebbian, chunk=CHUNK)
     return [g for g, x in zip(grads, inputs[:6]) if x is not None]
 
 
+@pytest.mark.parametrize("hebbian", [False, True], ids=["delta", "hebbian"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_hebbian_backward_matches_recurrence(case, small_value_tiles, poisoned_allocations):  # noqa: F811
+def test_backward_matches_recurrence(case, hebbian, small_value_tiles, poisoned_allocations):  # noqa: F811
     inputs64 = _as(make_inputs(case), torch.float64)
-    y_ref, m_ref = hebbian_reference(*inputs64)
+    y_ref, m_ref = (hebbian_reference if hebbian else delta_reference)(*inputs64)
     dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
     wrt = [x for x in inputs64[:6] if x is not None]
     grads_ref = torch.autograd.grad((y_ref * dy).sum() + (m_ref * dm).sum(), wrt)
-    grads = _hebbian_gradients([x.detach() if x is not None else None for x in _as(inputs64, torch.float32)], dy, dm)
+    grads = _chunk_gradients([x.detach() if x is not None else None for x in _as(inputs64, torch.float32)], dy, dm,
+                             hebbian)
     names = [n for n, x in zip(GRAD_NAMES, inputs64[:6]) if x is not None]
     for name, g, g_ref in zip(names, grads, grads_ref):
         assert_close(name, g, g_ref, 1e-5)
 
 
+@pytest.mark.parametrize("hebbian", [False, True], ids=["delta", "hebbian"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.5e-2)], ids=["fp16", "bf16"])
-def test_half_inputs_keep_an_fp32_state(dtype, tol, small_value_tiles):
-    """fp16/bf16 k, v, q: y and the Hebbian gradients of k, v, q in the input dtype, fp32 state and gate
-    gradients, all against the float64 recurrences on the same (rounded) inputs."""
+def test_half_inputs_keep_an_fp32_state(dtype, tol, hebbian, small_value_tiles):
+    """fp16/bf16 k, v, q: y and the gradients of k, v, q in the input dtype, the fp32 state and the gate and state
+    gradients fp32, all against the float64 recurrence on the same (rounded) inputs."""
     case = ChunkCase("T67", 67, cu_seqlens=(0, 30, 67))
     inputs = [x.detach() if x is not None else None for x in _as(make_inputs(case), torch.float32, dtype)]
     reference_inputs = _as(inputs, torch.float64)
-    y_ref, m_ref = delta_reference(*reference_inputs)
-    y, m, _ = chunk_kernels.forward(*inputs, chunk=CHUNK)
+    y_ref, m_ref = (hebbian_reference if hebbian else delta_reference)(*reference_inputs)
+    y, m, _ = chunk_kernels.forward(*inputs, hebbian=hebbian, chunk=CHUNK)
     assert y.dtype == dtype and m.dtype == torch.float32
-    assert_close("delta rule y", y, y_ref, tol)
-    assert_close("delta rule m_final", m, m_ref, 1e-5)
-
-    y_ref, m_ref = hebbian_reference(*reference_inputs)
-    y, m, _ = chunk_kernels.forward(*inputs, hebbian=True, chunk=CHUNK)
-    assert y.dtype == dtype and m.dtype == torch.float32
-    assert_close("Hebbian y", y, y_ref, tol)
-    assert_close("Hebbian m_final", m, m_ref, 1e-5)
+    assert_close("y", y, y_ref, tol)
+    assert_close("m_final", m, m_ref, 1e-5)
     dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
     grads_ref = torch.autograd.grad((y_ref * dy).sum() + (m_ref * dm).sum(), reference_inputs[:6])
-    for name, g, g_ref, x in zip(GRAD_NAMES, _hebbian_gradients(inputs, dy, dm), grads_ref, inputs):
+    for name, g, g_ref, x in zip(GRAD_NAMES, _chunk_gradients(inputs, dy, dm, hebbian), grads_ref, inputs):
         assert g.dtype == x.dtype
         assert_close(name, g, g_ref, tol)
 
@@ -179,7 +175,7 @@ def chunk_calls(monkeypatch):
     """Chunked dispatch from T = chunked.MIN_T with chunks of CHUNK tokens; counts the chunk kernels' launches."""
     monkeypatch.setattr(chunked, "CHUNK", CHUNK)
     calls = []
-    for name in ("forward", "hebbian_backward"):
+    for name in ("forward", "backward"):
         original = getattr(chunk_kernels, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):
@@ -190,9 +186,9 @@ def chunk_calls(monkeypatch):
     return calls
 
 
-def test_memory_scan_delta_rule_takes_the_chunk_forward(chunk_calls, small_value_tiles):
-    """torch.ops.hecate.memory_scan at p = 2, T = 67 >= MIN_T: forward through the chunk kernels, backward through
-    the fused-recurrent kernels; y, m_final and every gradient equal the recurrence."""
+def test_memory_scan_delta_rule_takes_the_chunk_kernels(chunk_calls, small_value_tiles):
+    """torch.ops.hecate.memory_scan at p = 2, T = 67 >= MIN_T, packed: forward and backward through the chunk
+    kernels; y, m_final and every gradient equal the recurrence."""
     case = ChunkCase("varlen", 67, cu_seqlens=(0, 40, 67))
     inputs64 = _as(make_inputs(case), torch.float64)
     inputs32 = _as(inputs64, torch.float32)
@@ -201,7 +197,7 @@ def test_memory_scan_delta_rule_takes_the_chunk_forward(chunk_calls, small_value
     with triton_on_cpu():
         y, m, _ = torch.ops.hecate.memory_scan(*inputs32)
         grads = torch.autograd.grad((y * dy.float()).sum() + (m * dm.float()).sum(), inputs32[:6])
-    assert chunk_calls == ["forward"]
+    assert chunk_calls == ["forward", "backward"]
     assert_close("y", y, y_ref, 1e-5)
     assert_close("m_final", m, m_ref, 1e-5)
     grads_ref = torch.autograd.grad((y_ref * dy).sum() + (m_ref * dm).sum(), inputs64[:6])
@@ -224,7 +220,7 @@ def test_normalised_linear_attention_takes_the_chunk_kernels(chunk_calls, small_
     with triton_on_cpu():
         outputs = torch.ops.hecate.linear_attention(*inputs32, True, 1e-6, True)
         grads = torch.autograd.grad(sum((x * c.float()).sum() for x, c in zip(outputs, cotangents)), inputs32)
-    assert "forward" in chunk_calls and "hebbian_backward" in chunk_calls
+    assert "forward" in chunk_calls and "backward" in chunk_calls
     for name, x, x_ref in zip(("y", "m_final", "z_final"), outputs, outputs_ref):
         assert_close(name, x, x_ref, 1e-5)
     grads_ref = torch.autograd.grad(sum((x * c).sum() for x, c in zip(outputs_ref, cotangents)), inputs64)
