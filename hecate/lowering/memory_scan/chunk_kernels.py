@@ -6,8 +6,8 @@ keep a_t = 1 − α_t; for a chunk of C tokens starting from A_0, with
     P[t, s]  = Π_{s<r≤t} a_r  (s ≤ t, else 0)      γ_t  = Π_{r≤t} a_r       ρ_s = P[C−1, s]
     P⁻[t, s] = Π_{s<r≤t−1} a_r  (s < t, else 0)    γ⁻_t = Π_{r≤t−1} a_r     (the same, one token earlier)
 
-    delta rule (p = 2):  L = diag(b) (P⁻ ⊙ K Kᵀ),  b = 2η,  T⁻¹ = (I + L)⁻¹ (unit lower-triangular)
-                         U = T⁻¹ diag(b) V,  Ŵ = T⁻¹ diag(b γ⁻) K,  W = U − Ŵ A_0ᵀ
+    delta rule (p = 2):  L = diag(b) (P⁻ ⊙ K Kᵀ) (strictly lower),  b = 2η
+                         U = (I + L)⁻¹ diag(b) V,  Ŵ = (I + L)⁻¹ diag(b γ⁻) K,  W = U − Ŵ A_0ᵀ
     Hebbian:             W = diag(η) V
     Y   = diag(γ) Q A_0ᵀ + (P ⊙ Q Kᵀ) W
     A_C = γ_{C−1} A_0 + Wᵀ diag(ρ) K
@@ -19,7 +19,7 @@ Kernels (fp32 arithmetic and fp32 ``tl.dot`` in "ieee" precision whatever the in
 k, v, q are read and widened, y is written in the dtype of v):
 
 1. :func:`delta_prepare_kernel` (delta rule only), one program per (chunk, sequence·head), all in parallel:
-   L, T⁻¹ by forward substitution in registers, U and Ŵ.
+   L, (I + L)⁻¹ by forward substitution in registers, U and Ŵ.
 2. :func:`chunk_forward_kernel`, one program per (value tile, sequence·head), sequential over the chunks of
    its sequence, carrying its rows of A: W, Y, A ← γ_{C−1} A + Wᵀ diag(ρ) K. It optionally keeps A at
    every chunk start (for the backward).
@@ -172,7 +172,7 @@ def chunk_forward_kernel(
     # grid (cdiv(DV, BV), N·H); rows BV of the state A [BV, BK] fp32 on chip across the chunks
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, L, slot0 = _sequence(cu_seqlens, i_n, T, CHUNK, VARLEN)
+    bos, length, slot0 = _sequence(cu_seqlens, i_n, T, CHUNK, VARLEN)
     o_c = tl.arange(0, CHUNK)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -184,10 +184,10 @@ def chunk_forward_kernel(
     A = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_M0:
         A = tl.load(m0 + i_nh * DV * DK + tile, mask=mask_kv, other=0.0).to(tl.float32)
-    for c in range(0, tl.cdiv(L, CHUNK)):
+    for c in range(0, tl.cdiv(length, CHUNK)):
         if STORE_STATES:
             tl.store(states + ((slot0 + c) * H + i_h) * DV * DK + tile, A, mask=mask_kv)
-        mask_c = o_c < L - c * CHUNK
+        mask_c = o_c < length - c * CHUNK
         rows = (bos + c * CHUNK + o_c) * H + i_h
         Q = _load_rows(q, rows, o_k, mask_c, mask_k, DK)  # [C, BK]
         K = _load_rows(k, rows, o_k, mask_c, mask_k, DK)  # [C, BK]
@@ -221,7 +221,7 @@ def chunk_backward_kernel(
     # [slots, H, DV, DK] the chunk starts A_0. The delta rule recomputes its chunk's (I + L)⁻¹ and W here.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, L, slot0 = _sequence(cu_seqlens, i_n, T, CHUNK, VARLEN)
+    bos, length, slot0 = _sequence(cu_seqlens, i_n, T, CHUNK, VARLEN)
     o_c = tl.arange(0, CHUNK)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -231,11 +231,11 @@ def chunk_backward_kernel(
     causal = o_c[:, None] >= o_c[None, :]
 
     D = tl.load(dm_final + i_nh * DV * DK + tile, mask=mask_kv, other=0.0).to(tl.float32)
-    n_chunks = tl.cdiv(L, CHUNK)
+    n_chunks = tl.cdiv(length, CHUNK)
     for ci in range(0, n_chunks):
         c = n_chunks - 1 - ci
         A0 = tl.load(states + ((slot0 + c) * H + i_h) * DV * DK + tile, mask=mask_kv, other=0.0)  # [BV, BK]
-        mask_c = o_c < L - c * CHUNK
+        mask_c = o_c < length - c * CHUNK
         rows = (bos + c * CHUNK + o_c) * H + i_h
         Q = _load_rows(q, rows, o_k, mask_c, mask_k, DK)  # [C, BK]
         K = _load_rows(k, rows, o_k, mask_c, mask_k, DK)  # [C, BK]
