@@ -275,7 +275,7 @@ def chunk_backward_kernel(
         if HEBBIAN:  # W = diag(η) V
             dV = step[:, None] * dW
             d_step = tl.sum(V * dW, 1)
-        else:  # W = (I + L)⁻¹ rhs: d rhs = (I + L)⁻ᵀ dW, dL = −d rhs Wᵀ (strictly lower), then through b, P⁻, γ⁻, K, A_0
+        else:  # W = (I + L)⁻¹ rhs: d rhs = (I + L)⁻ᵀ dW, dL = −d rhs Wᵀ (strictly lower); on to b, P⁻, γ⁻, K, A_0
             d_rhs = tl.dot(tl.trans(inverse), dW, input_precision="ieee")  # [C, BV]
             dV = b[:, None] * d_rhs
             dL = tl.where(o_c[:, None] > o_c[None, :], -tl.dot(d_rhs, tl.trans(W), input_precision="ieee"), 0.0)

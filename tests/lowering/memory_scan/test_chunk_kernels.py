@@ -48,13 +48,13 @@ CASES = [
 ]
 
 
-def make_inputs(case: ChunkCase, dtype=torch.float64):
+def make_inputs(case: ChunkCase, dtype=torch.float64, dk=DK, dv=DV):
     """(k, v, q, alpha, eta, m0, cu_seqlens); B = 2, H = 1 unpacked, B = 1, H = 2 packed."""
     B, H = (2, 1) if case.cu_seqlens is None else (1, 2)
     T = case.T
-    k = torch.randn(B, T, H, DK, dtype=dtype) * 0.4
-    v = torch.randn(B, T, H, DV, dtype=dtype)
-    q = torch.randn(B, T, H, DK, dtype=dtype)
+    k = torch.randn(B, T, H, dk, dtype=dtype) * 1.4 / dk ** 0.5  # ‖k‖ ≈ 1.4: 2η‖k‖² < 2 keeps the delta rule stable
+    v = torch.randn(B, T, H, dv, dtype=dtype)
+    q = torch.randn(B, T, H, dk, dtype=dtype)
     if case.gates == "fixed":
         alpha, eta = torch.full((B, T, H), 0.1, dtype=dtype), torch.full((B, T, H), 0.15, dtype=dtype)
     else:
@@ -66,7 +66,7 @@ def make_inputs(case: ChunkCase, dtype=torch.float64):
         alpha[:, 2::7] = 1.0  # every 7th token from t = 2: inside chunks, at a chunk's first (t = 16), in the tail
         alpha[:, 31] = 1.0    # and at a chunk's last token
     n_states = B if case.cu_seqlens is None else len(case.cu_seqlens) - 1
-    m0 = torch.randn(n_states, H, DV, DK, dtype=dtype) * 0.3 if case.with_m0 else None
+    m0 = torch.randn(n_states, H, dv, dk, dtype=dtype) * 0.3 if case.with_m0 else None
     cu = torch.tensor(case.cu_seqlens, dtype=torch.int32) if case.cu_seqlens is not None else None
     return k, v, q, alpha, eta, m0, cu
 
@@ -226,3 +226,24 @@ def test_normalised_linear_attention_takes_the_chunk_kernels(chunk_calls, small_
     grads_ref = torch.autograd.grad(sum((x * c).sum() for x, c in zip(outputs_ref, cotangents)), inputs64)
     for name, g, g_ref in zip(("dk", "dv", "dq", "dalpha", "dm0", "dz0"), grads, grads_ref):
         assert_close(name, g, g_ref, 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hebbian", [False, True], ids=["delta", "hebbian"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", [ChunkCase("T300", 300), ChunkCase("varlen", 300, cu_seqlens=(0, 100, 100, 300))],
+                         ids=lambda c: c.name)
+def test_cuda_matches_recurrence(case, dtype, tol, hebbian):
+    """On a GPU, at the op's chunk size (chunked.CHUNK) and head sizes Dk = 64, Dv = 48: y, m_final and the
+    gradients against the float64 recurrence."""
+    inputs64 = _as(make_inputs(case, dk=64, dv=48), torch.float64)
+    inputs = [x.detach().to("cuda") if x is not None else None for x in _as(inputs64, torch.float32, dtype)]
+    y_ref, m_ref = (hebbian_reference if hebbian else delta_reference)(*inputs64)
+    dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
+    y, m, _ = chunk_kernels.forward(*inputs, hebbian=hebbian)
+    grads = chunk_kernels.backward(dy.float().cuda(), dm.float().cuda(), *inputs, hebbian=hebbian)
+    grads_ref = torch.autograd.grad((y_ref * dy).sum() + (m_ref * dm).sum(), inputs64[:6])
+    assert_close("y", y.cpu(), y_ref, tol)
+    assert_close("m_final", m.cpu(), m_ref, tol)
+    for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
+        assert_close(name, g.cpu(), g_ref, tol)
