@@ -1,10 +1,11 @@
-"""Every Triton kernel of qk_preprocess, kl_attention and kl_decode compiles to PTX for sm_90.
+"""Every Triton kernel of qk_preprocess, kl_attention, kl_decode and memory_scan's chunk kernels compiles to PTX
+for sm_90.
 
 CI runs the kernels only under TRITON_INTERPRET=1, which accepts code the GPU compiler rejects. Each case
 below is one kernel with one set of constexprs as its launcher passes them on a GPU (block sizes of the
 non-interpreted path, bf16 or fp32 pointers as the op allocates them); together the cases take every
-constexpr branch at least once. (linear_attention runs memory_scan's kernels, compiled in
-tests/lowering/memory_scan/test_memory_scan_kernels.py.) All cases compile in one subprocess.
+constexpr branch at least once. (memory_scan's fused-recurrent kernels, which linear_attention runs too, are
+compiled in tests/lowering/memory_scan/test_memory_scan_kernels.py.) All cases compile in one subprocess.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 
 from hecate.lowering.kl_attention import kernels as kl_attention_kernels
 from hecate.lowering.kl_decode import kernels as kl_decode_kernels
+from hecate.lowering.memory_scan import chunk_kernels
 from hecate.lowering.qk_preprocess import kernels as qk_kernels
 from hecate.testing import compile_for_gpu_in_subprocess, kernel_signature
 
@@ -131,6 +133,30 @@ CASES["kl_decode_ce_fwd"] = (KD._ce_fwd, _decode_types(KD._ce_fwd, {"loss_ptr", 
 CASES["kl_decode_ce_bwd_rows"] = (KD._ce_bwd_rows, _decode_types(KD._ce_bwd_rows, set()), DECODE_TILES)
 CASES["kl_decode_ce_bwd_cols"] = (KD._ce_bwd_cols, _decode_types(KD._ce_bwd_cols, set()), DECODE_TILES)
 
+# --- memory_scan chunk kernels (chunk_kernels.py): k, v, q, y and the backward's dy, dv in the input dtype; u, w_hat,
+# the gates, the states and the gradient partials fp32; chunks of chunked.CHUNK = 64, Dk = Dv = 64 (BK = 64,
+# BV = MAX_BLOCK_V = 32). Their fp32 dots compile slowly, so each flag is taken on and off across few cases.
+CHUNK_INPUT_DTYPE = {"k", "v", "q", "y", "dy", "dv"}
+CHUNK_SCALARS = dict(T="i32", ROWS="i32", cu_seqlens="*i32")
+CHUNK_BLOCKS = dict(H=4, DK=64, DV=64, BK=64, BV=32, CHUNK=64)
+
+
+def _chunk_types(kernel, constexprs: dict, dtype: str) -> dict[str, str]:
+    return {n: CHUNK_SCALARS.get(n, f"*{dtype}" if n in CHUNK_INPUT_DTYPE else "*fp32") for n in kernel.arg_names
+            if n not in constexprs}
+
+
+CK = chunk_kernels
+for kernel, flags, dtype in [
+        (CK.delta_prepare_kernel, dict(VARLEN=True), "bf16"),
+        (CK.chunk_forward_kernel, dict(HAS_M0=True, STORE_STATES=False, VARLEN=True, HEBBIAN=False), "bf16"),
+        (CK.chunk_forward_kernel, dict(HAS_M0=False, STORE_STATES=True, VARLEN=False, HEBBIAN=True), "fp32"),
+        (CK.chunk_backward_kernel, dict(VARLEN=False, HEBBIAN=False), "bf16"),
+        (CK.chunk_backward_kernel, dict(VARLEN=True, HEBBIAN=True), "fp32")]:
+    tag = ",".join(f"{name}={value}" for name, value in flags.items())
+    CASES[f"memory_scan_{kernel.fn.__name__}-{tag}-{dtype}"] = (
+        kernel, _chunk_types(kernel, CHUNK_BLOCKS | flags, dtype), CHUNK_BLOCKS | flags)
+
 
 @pytest.fixture(scope="module")
 def compiled():
@@ -140,7 +166,8 @@ def compiled():
         pytest.skip("triton has no NVIDIA backend here")
     jobs = {name: (kernel, kernel_signature(kernel, constexprs, types), constexprs)
             for name, (kernel, types, constexprs) in CASES.items()}
-    return compile_for_gpu_in_subprocess(jobs, arch=90)
+    # the chunk kernels' fp32 dots take minutes to compile on a small machine: more than the default 600 s in all
+    return compile_for_gpu_in_subprocess(jobs, arch=90, timeout=1800)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -14,9 +14,11 @@ Contract::
         causal,     # bool: the recurrence (True) or φ(Q)(φ(K)ᵀV) (False)
     ) -> (y [B, T, H, Dv] in the dtype of v, m_final [B, H, Dv, Dk] fp32, z_final [B, H, Dk] fp32)
 
-Equations: :mod:`.naive`. The causal form runs the memory_scan machinery (CPU
-loop / Triton fused recurrent kernels, same checkpointed backward) in its Hebbian
-mode, U = −v kᵀ with retention 1 − α and step 1, so A ← α A + v kᵀ. The
+Equations: :mod:`.naive`. The causal form runs the memory_scan machinery in its
+Hebbian mode (CPU loop / Triton fused recurrent kernels, same checkpointed backward;
+on Triton from T = ``chunked.MIN_T`` the chunk kernels of
+:mod:`hecate.lowering.memory_scan.chunk_kernels`, forward and backward),
+U = −v kᵀ with retention 1 − α and step 1, so A ← α A + v kᵀ. The
 normaliser rides along as one more value row: v' = [v, 1] makes row Dv of the
 state z, and y = (M q) / (z·q + eps) is divided out afterwards. The non-causal
 form is two matmuls.
@@ -32,7 +34,7 @@ from torch import Tensor
 
 from hecate.lowering.autocast import register_autocast
 from hecate.lowering.dispatch import use_triton_kernels
-from hecate.lowering.memory_scan import cpu
+from hecate.lowering.memory_scan import chunked, cpu
 from hecate.lowering.memory_scan.op import check_kvq_shapes
 
 
@@ -87,10 +89,17 @@ def _hebbian_inputs(k, v, alpha, m0, z0, normalize):
     return v, forget, step, A0
 
 
+def _uses_chunked(k) -> bool:
+    """Whether the Triton path takes the chunk kernels (the Hebbian recurrence always has a chunked form)."""
+    return chunked.uses_chunked(k.shape[1], 2.0, "", 0.0, 2.0, hebbian=True)
+
+
 def _recurrence(k, v, q, forget, step, A0):
     """(y, A_T) of the Hebbian recurrence (no momentum: memory_scan's empty s_final is dropped)."""
     if use_triton_kernels(k):
-        from hecate.lowering.memory_scan import kernels
+        from hecate.lowering.memory_scan import chunk_kernels, kernels
+        if _uses_chunked(k):
+            return chunk_kernels.forward(k, v, q, forget, step, A0, None, hebbian=True)[:2]
         return kernels.forward(k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
     return cpu.forward(k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
 
@@ -98,7 +107,9 @@ def _recurrence(k, v, q, forget, step, A0):
 def _recurrence_backward(dy, dA, k, v, q, forget, step, A0):
     """(dk, dv, dq, dforget, dstep, dA0)."""
     if use_triton_kernels(k):
-        from hecate.lowering.memory_scan import kernels
+        from hecate.lowering.memory_scan import chunk_kernels, kernels
+        if _uses_chunked(k):
+            return chunk_kernels.backward(dy, dA, k, v, q, forget, step, A0, None, hebbian=True)[:6]
         return kernels.backward(dy, dA, k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0,
                                 hebbian=True)[:6]
     return cpu.backward(dy, dA, k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:6]

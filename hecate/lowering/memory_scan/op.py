@@ -43,6 +43,10 @@ dm_final first, ds_final last), which re-runs the forward keeping the state ever
 Triton, ``cpu.CHUNK`` = 64 on CPU) and recomputes inside each segment (Triton:
 a scratch of B·H·C·Dv·Dk·4 bytes; CPU: C states held). Nothing is saved between
 forward and backward but the inputs: the forward itself stores no checkpoints.
+
+On Triton, the delta rule (p = 2, no bias, no momentum, q_norm = 2; :func:`.chunked.uses_chunked`) from
+T = ``chunked.MIN_T`` runs in the chunk kernels of :mod:`.chunk_kernels`, forward and backward (the backward
+keeps the state at every chunk start: B·H·ceil(T/C)·Dv·Dk·4 bytes, C = ``chunked.CHUNK``).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from torch import Tensor
 from hecate.lowering import pointwise
 from hecate.lowering.autocast import register_autocast
 from hecate.lowering.dispatch import use_triton_kernels
-from hecate.lowering.memory_scan import cpu
+from hecate.lowering.memory_scan import chunked, cpu
 
 
 def _state_dtype(k: Tensor) -> torch.dtype:
@@ -139,6 +143,11 @@ def check_values(k, alpha, eta, cu_seqlens) -> None:
             raise ValueError(f"memory_scan: cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
 
 
+def _uses_chunked(k: Tensor, p: float, bias: str, momentum: float, q_norm: float) -> bool:
+    """Whether the Triton path takes the chunk kernels (:func:`.chunked.uses_chunked`: the delta rule, T >= MIN_T)."""
+    return chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian=False)
+
+
 @torch.library.custom_op("hecate::memory_scan", mutates_args=())
 def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0: Optional[Tensor],
                 cu_seqlens: Optional[Tensor], p: float = 2.0, a: float = 10.0, eps: float = 1e-6,
@@ -147,7 +156,9 @@ def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0:
     check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0)
     check_values(k, alpha, eta, cu_seqlens)
     if use_triton_kernels(k):
-        from hecate.lowering.memory_scan import kernels
+        from hecate.lowering.memory_scan import chunk_kernels, kernels
+        if _uses_chunked(k, p, bias, momentum, q_norm):
+            return chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens)
         return kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias, s0=s0)
     return cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias, s0=s0)
 
@@ -175,7 +186,9 @@ def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: 
     """Gradients (dk, dv, dq, dalpha, deta, dm0, ds0) of ``memory_scan`` (dm0, ds0 fp32; dm0 zeros-shaped when m0
     is None; ds0 empty without momentum; ds_final None means zeros)."""
     if use_triton_kernels(k):
-        from hecate.lowering.memory_scan import kernels
+        from hecate.lowering.memory_scan import chunk_kernels, kernels
+        if _uses_chunked(k, p, bias, momentum, q_norm):
+            return chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens)
         return kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
                                 bias=bias, s0=s0, ds_final=ds_final)
     return cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
