@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from hecate.compiler.normalize import functionalize
@@ -188,7 +189,10 @@ def _normalise(x: fx.Node, dim: int, index: int, rest: Any) -> tuple[fx.Node, in
         return None
     dim %= value.dim()
     size = value.shape[dim]
-    if not isinstance(size, int) or not -size <= index < size:
+    if not is_concrete_int(size):  # a Python loop over T fixes T, also under dynamic=True (a symbol bound to a number)
+        return None
+    size = int(size)
+    if not -size <= index < size:
         return None
     return x, dim, index % size, rest
 
