@@ -87,6 +87,15 @@ def test_greedy_generation_is_token_for_token_pytorchs(lm_and_files, batch, prom
     np.testing.assert_array_equal(got, expected.numpy())
 
 
+def test_decode_runs_the_fused_memory_from_the_carried_state(tmp_path):
+    """step() is the forward over one token: the decode export's memory update is hecate.memory_scan from M (state_2),
+    not the step re-derived as plain ops."""
+    report = hecate.export_onnx(_lm(), (torch.zeros(2, dtype=torch.long),), tmp_path / "decode.onnx", mode="decode")
+    assert report.count("memory_scan") == 1, str(report)
+    # p = 1 is no delta rule: the fused op is written as a Scan whose initial state is the carried memory
+    assert [f.form for f in report.onnx_forms if f.op == "hecate.memory_scan"] == ["Scan"], report.onnx_forms
+
+
 def test_decode_of_a_block_with_tuple_output(tmp_path):
     """KeyQueryPreprocess.step returns ((φ(q_t), φ(k_t)), conv states): outputs out_t_0, out_t_1, new_state_*."""
     block = KeyQueryPreprocess(8, n_heads=2).eval()
