@@ -63,7 +63,8 @@ class _GatedMemory(nn.Module):
         self.n_heads, self.d_phi, self.d_v = n_heads, self.qk.phi(torch.zeros(1, d_k)).shape[-1], d_v
         self.v = nn.Linear(d_model, n_heads * d_v, bias=False)
         self.out = nn.Linear(n_heads * d_v, d_model, bias=False)
-        self.fixed_gates = {n: v for n, v in gates.items() if v is not None}
+        # one-element tuples: constants under torch.compile(dynamic=True), as the step's floats (see _constant)
+        self.fixed_gates = {n: (float(v),) for n, v in gates.items() if v is not None}
         # data-dependent gate: sigmoid of a projection of x_t, one per head
         self.gate_proj = nn.ModuleDict({n: nn.Linear(d_model, n_heads) for n, v in gates.items() if v is None})
 
@@ -71,7 +72,7 @@ class _GatedMemory(nn.Module):
         """The gate ``name`` per token and head, [B, T, H]."""
         if name in self.gate_proj:
             return torch.sigmoid(self.gate_proj[name](x))
-        return x.new_full((x.shape[0], x.shape[1], self.n_heads), self.fixed_gates[name])
+        return x.new_full((x.shape[0], x.shape[1], self.n_heads), self.fixed_gates[name][0])
 
     def qkv(self, x: torch.Tensor, conv_state: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """φ(q), φ(k) [B, T, H, d_phi] and v [B, T, H, d_v]; ``conv_state``: the short convs' left context when x
