@@ -21,12 +21,17 @@ G is a pointwise function of e. The proof is by meaning, not by matching one spe
 1. the body's additive/multiplicative structure is read off the graph (sums of products,
    seen through views): which term keeps M, which updates it, which factors are gates;
 2. the roles are found by evaluating the body at random float64 points (its own generator,
-   the user's RNG is not touched): y equals read(M_new, q) for one per-step value q; one node
+   the user's RNG is not touched; symbolic sizes, under dynamic=True or a dynamic export, at
+   the example's): y equals read(M_new, q) for one per-step value q; one node
    equals read(M, k) − v; G is evaluated on its own over a grid of e and identified as one of
    memory_scan's bias gradients (2e, tanh(a·e), p·tanh(a·e)·(e²+eps)^((p−1)/2)), its
    parameters taken from the body's literals;
 3. the whole step is then evaluated again at fresh random points against the op's own
    equations with the recovered roles; anything that differs is :class:`NotFused`.
+
+The scan is then replaced by the op through a plain PyTorch function traced under the graph's
+fake mode (:func:`_fused_recurrence`): every size it needs is read off a tensor, so a dynamic
+batch or length stays dynamic in the fused graph.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused
+from hecate.passes.matching import NotFused, replace_with_function
 
 aten = torch.ops.aten
 
@@ -875,8 +880,6 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
 
 
 def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> None:
-    from hecate.passes.matching import replace_with_function
-
     _, init, xs, invariants = node.args[:4]
     if not xs:
         raise NotFused("the scan has no per-step inputs")
