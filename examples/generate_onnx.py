@@ -10,7 +10,8 @@ It implements the streaming protocol ``hecate.export_onnx`` exports:
 
 Two ONNX files come out: ``prefill.onnx`` (batch and prompt length dynamic; the
 recurrence is one ``Scan``) and ``decode.onnx`` (one token, batch dynamic, state in and
-out). The script trains the model briefly on the pydoc topics text that ships with Python,
+out; ``step`` is the forward over a one-token sequence, so its memory update is the same
+fused recurrence, started from the carried memory). The script trains the model briefly on the pydoc topics text that ships with Python,
 exports both, generates greedily with onnxruntime and with PyTorch, and checks that the
 tokens are the same.
 
@@ -68,14 +69,11 @@ class MemoryLM(nn.Module):
         return self.head(x + y), (q_conv, k_conv, memory)
 
     def step(self, ids_t: torch.Tensor, state):
-        """ids_t [B] → (logits [B, V], next state)."""
-        m = self.memory
-        x = self.embed(ids_t)  # [B, d]
-        (q_t, k_t), conv_state = m.qk.step(x, state[:2])
-        v_t = m.v(x).view(x.shape[0], m.n_heads, m.d_v)
-        alpha_t, eta_t = (m.gate(name, x.unsqueeze(1))[:, 0] for name in ("alpha", "eta"))
-        (memory,), y_t = m.step((state[2],), k_t, v_t, q_t, alpha_t, eta_t)
-        return self.head(x + m.out(y_t.reshape(x.shape[0], -1))), (*conv_state, memory)
+        """ids_t [B] → (logits [B, V], next state): the forward over a one-token sequence from the carried state,
+        so the decode export is the prefill's fused ops, each started from its state (the conv's window, M)."""
+        x = self.embed(ids_t).unsqueeze(1)  # [B, 1, d]
+        y, (conv_state, memory, _) = self.memory.forward_chunk(x, (state[:2], state[2], None))
+        return self.head(x + y)[:, 0], (*conv_state, memory)
 
 
 def generate_torch(model: MemoryLM, prompt: torch.Tensor, n_tokens: int) -> torch.Tensor:

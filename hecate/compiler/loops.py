@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.utils import _pytree as pytree
 
 from hecate.compiler.normalize import normalize_graph
@@ -189,8 +189,8 @@ def _normalise(x: fx.Node, dim: int, index: int, rest: Any) -> tuple[fx.Node, in
         return None
     dim %= value.dim()
     size = value.shape[dim]  # symbolic under dynamic shapes: the index must be in range for every size
-    if isinstance(size, int) and -size <= index < 0:
-        index += size
+    if is_concrete_int(size) and -int(size) <= index < 0:  # a Python loop fixes T (also under dynamic=True)
+        index += int(size)
     if index < 0 or not statically_known_true(index < size):
         return None
     return x, dim, index, rest

@@ -21,6 +21,22 @@ from hecate.models.feature_maps import ELEMENTWISE_FEATURE_MAPS, FEATURE_MAPS, m
 from hecate.models.short_conv import KeyQueryPreprocess
 
 
+def _constant(name: str, doc: str) -> property:
+    """A float attribute the step reads, kept where ``torch.compile(dynamic=True)`` sees a constant.
+
+    Under dynamic=True Dynamo turns a float attribute into a graph input (a float64 tensor): the step's
+    p, a, eps would be data, which a ``scan`` cannot take in and the memory passes cannot read as the
+    step's numbers. A tuple of floats it keeps as constants, guarded by value (setting it recompiles).
+    """
+    def get(self) -> float:
+        return getattr(self, "_" + name)[0]
+
+    def set(self, value: float) -> None:
+        setattr(self, "_" + name, (float(value),))
+
+    return property(get, set, doc=doc)
+
+
 def _check_gate(name: str, value: float | None) -> None:
     if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
         raise ValueError(f"{name} must be a number in [0, 1] (a fixed gate) or None "
@@ -47,7 +63,8 @@ class _GatedMemory(nn.Module):
         self.n_heads, self.d_phi, self.d_v = n_heads, self.qk.phi(torch.zeros(1, d_k)).shape[-1], d_v
         self.v = nn.Linear(d_model, n_heads * d_v, bias=False)
         self.out = nn.Linear(n_heads * d_v, d_model, bias=False)
-        self.fixed_gates = {n: v for n, v in gates.items() if v is not None}
+        # one-element tuples: constants under torch.compile(dynamic=True), as the step's floats (see _constant)
+        self.fixed_gates = {n: (float(v),) for n, v in gates.items() if v is not None}
         # data-dependent gate: sigmoid of a projection of x_t, one per head
         self.gate_proj = nn.ModuleDict({n: nn.Linear(d_model, n_heads) for n, v in gates.items() if v is None})
 
@@ -55,7 +72,7 @@ class _GatedMemory(nn.Module):
         """The gate ``name`` per token and head, [B, T, H]."""
         if name in self.gate_proj:
             return torch.sigmoid(self.gate_proj[name](x))
-        return x.new_full((x.shape[0], x.shape[1], self.n_heads), self.fixed_gates[name])
+        return x.new_full((x.shape[0], x.shape[1], self.n_heads), self.fixed_gates[name][0])
 
     def qkv(self, x: torch.Tensor, conv_state: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """φ(q), φ(k) [B, T, H, d_phi] and v [B, T, H, d_v]; ``conv_state``: the short convs' left context when x
@@ -103,6 +120,12 @@ class LpMemory(_GatedMemory):
     whole sequence.
     """
 
+    p = _constant("p", "the l_p exponent of the attentional bias")
+    a = _constant("a", "the tanh sharpness of the p = 1 and general-p bias gradients")
+    eps = _constant("eps", "the smoothing of (e² + eps) and of MONETA's norm")
+    momentum = _constant("momentum", "β of GD with momentum (0: plain GD)")
+    q_norm = _constant("q_norm", "q of MONETA's L_q retention (2: none)")
+
     def __init__(self, d_model: int, n_heads: int = 2, d_k: int = 8, d_v: int = 8, *,
                  p: float = 2.0, a: float = 10.0, eps: float = 1e-6,
                  alpha: float | None = 0.1, eta: float | None = 0.1,
@@ -125,9 +148,13 @@ class LpMemory(_GatedMemory):
                              "(HOPE Eq 51): it needs momentum > 0, got momentum=0")
         # Eq 51's φ on the whole gradient; None when it is the identity (plain momentum)
         self.gradient_phi = None if gradient_phi == "identity" else make_feature_map(gradient_phi, d_k)
-        self.p, self.a, self.eps = float(p), float(a), float(eps)
-        self.momentum, self.q_norm, self.use_scan = float(momentum), float(q_norm), use_scan
-        self.lq_power = (self.q_norm - 2) / self.q_norm  # ‖A‖_q^(q−2) = (Σ|A|^q)^((q−2)/q)
+        self.p, self.a, self.eps, self.momentum, self.q_norm = p, a, eps, momentum, q_norm
+        self.use_scan = use_scan
+
+    @property
+    def lq_power(self) -> float:
+        """(q − 2) / q: ‖A‖_q^(q−2) = (Σ|A|^q)^((q−2)/q)."""
+        return (self.q_norm - 2) / self.q_norm
 
     def bias_gradient(self, e: torch.Tensor) -> torch.Tensor:
         """∂/∂(Mk) of ‖Mk − v‖_p^p with the spec's fast paths at p = 2 and p = 1."""
@@ -213,6 +240,7 @@ class HebbianMemory(_GatedMemory):
     """
 
     FORMS = ("loop", "cumsum", "noncausal")
+    eps = _constant("eps", "the normaliser's eps in y / (z·φ(q) + eps)")
 
     def __init__(self, d_model: int, n_heads: int = 2, d_k: int = 8, d_v: int = 8, *,
                  alpha: float | None = 0.9, normalise: bool = False, eps: float = 1e-6,
@@ -222,7 +250,7 @@ class HebbianMemory(_GatedMemory):
             raise ValueError(f"form must be one of {self.FORMS}, got {form!r}")
         if form != "loop" and alpha != 1.0:
             raise ValueError(f"form={form!r} has no decay: it needs alpha=1.0, got {alpha!r}")
-        self.normalise, self.eps, self.form, self.use_scan = normalise, float(eps), form, use_scan
+        self.normalise, self.eps, self.form, self.use_scan = normalise, eps, form, use_scan
 
     def step(self, state: tuple, k_t, v_t, q_t, alpha_t):
         """One token: ``state`` is (M,) or (M, z) with the normaliser."""

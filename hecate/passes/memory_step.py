@@ -21,12 +21,17 @@ G is a pointwise function of e. The proof is by meaning, not by matching one spe
 1. the body's additive/multiplicative structure is read off the graph (sums of products,
    seen through views): which term keeps M, which updates it, which factors are gates;
 2. the roles are found by evaluating the body at random float64 points (its own generator,
-   the user's RNG is not touched): y equals read(M_new, q) for one per-step value q; one node
+   the user's RNG is not touched; symbolic sizes, under dynamic=True or a dynamic export, at
+   the example's): y equals read(M_new, q) for one per-step value q; one node
    equals read(M, k) − v; G is evaluated on its own over a grid of e and identified as one of
    memory_scan's bias gradients (2e, tanh(a·e), p·tanh(a·e)·(e²+eps)^((p−1)/2)), its
    parameters taken from the body's literals;
 3. the whole step is then evaluated again at fresh random points against the op's own
    equations with the recovered roles; anything that differs is :class:`NotFused`.
+
+The scan is then replaced by the op through a plain PyTorch function traced under the graph's
+fake mode (:func:`_fused_recurrence`): every size it needs is read off a tensor, so a dynamic
+batch or length stays dynamic in the fused graph.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused
+from hecate.passes.matching import NotFused, replace_with_function
 
 aten = torch.ops.aten
 
@@ -70,24 +75,37 @@ def _evaluate(graph: fx.Graph, inputs: dict[fx.Node, Any], overrides: dict[fx.No
     return env
 
 
+def _concrete(size: int | torch.SymInt) -> int:
+    """A size as a number: a symbolic size (dynamic=True, dynamic export) at its hint, the example's size."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    if hint is None:
+        raise NotFused(f"the loop's size {size} has no example value (a data-dependent size); the memory step is "
+                       "recognised at sample points of the example's sizes")
+    return int(hint)
+
+
 def _random_inputs(placeholders: list[fx.Node], seed: int, states: set[fx.Node]) -> dict[fx.Node, Any]:
+    """Sample points for the body's inputs, at the example's sizes where the loop's shapes are symbolic."""
     gen = torch.Generator().manual_seed(seed)
     values = {}
     for ph in placeholders:
         v = ph.meta.get("val")
+        if isinstance(v, torch.SymInt):  # a size the body reads (dynamic shapes pass them in)
+            values[ph] = _concrete(v)
+            continue
         if not isinstance(v, torch.Tensor):
             values[ph] = v
             continue
-        if not all(isinstance(s, int) for s in v.shape):
-            raise NotFused("the loop's shapes are symbolic (dynamic=True); the memory step is recognised at "
-                           "static shapes")
+        shape = tuple(_concrete(s) for s in v.shape)
         if v.is_floating_point():
             if ph in states:  # states of either sign
-                values[ph] = torch.randn(tuple(v.shape), generator=gen, dtype=torch.float64)
+                values[ph] = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:  # inputs in (0.1, 0.9): gates stay gates, roots and logs stay real
-                values[ph] = 0.1 + 0.8 * torch.rand(tuple(v.shape), generator=gen, dtype=torch.float64)
+                values[ph] = 0.1 + 0.8 * torch.rand(shape, generator=gen, dtype=torch.float64)
         else:
-            values[ph] = torch.zeros(tuple(v.shape), dtype=v.dtype)
+            values[ph] = torch.zeros(shape, dtype=v.dtype)
     return values
 
 
@@ -679,30 +697,35 @@ def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
         if isinstance(rec, NotFused):
             if not node.meta.get("hecate_memory_step_reported"):
                 node.meta["hecate_memory_step_reported"] = True
-                report.add_miss(op, f"{_form(node)} of {_steps(node)} steps is not a memory step: {rec}", node.name,
+                report.add_miss(op, f"{_form(node)} of {_over(node)} is not a memory step: {rec}", node.name,
                                 nodes=_body_nodes(gm, node))
             continue
         if rec.kind != kind:
             continue
         body = getattr(gm, node.args[0].target)
         compute = sum(n.op == "call_function" for n in body.graph.nodes)
-        steps, form = _steps(node), _form(node)
-        replaced = steps * compute + 1 if "hecate_rolled_loop" in node.meta else compute + 1
+        form, over = _form(node), _over(node)
+        replaced = _steps(node) * compute + 1 if "hecate_rolled_loop" in node.meta else compute + 1
         try:
             _replace(gm, node, rec, op)
         except NotFused as why:
             report.add_miss(op, f"{form} over a {rec.name} step: {why}", node.name, nodes=_body_nodes(gm, node))
             continue
-        report.add_fusion(op, f"hecate.{op}", replaced, f"{describe(rec)}; {form} rolled up {steps} steps")
+        report.add_fusion(op, f"hecate.{op}", replaced, f"{describe(rec)}; {form} rolled up {over}")
 
 
 def _form(node: fx.Node) -> str:
     return "loop" if "hecate_rolled_loop" in node.meta else "scan higher-order op"
 
 
-def _steps(node: fx.Node) -> int:
+def _steps(node: fx.Node) -> int | torch.SymInt:
     xs = node.args[2]
     return xs[0].meta["val"].shape[0] if xs else node.meta.get("hecate_rolled_loop", 0)
+
+
+def _over(node: fx.Node) -> str:
+    steps = _steps(node)
+    return f"{steps} steps" if isinstance(steps, int) else f"any number of steps (T = {steps}, dynamic)"
 
 
 def _body_nodes(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
@@ -741,44 +764,40 @@ def _is_zeros(node: Any) -> bool:
     return False
 
 
-def _call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
-    from torch._guards import detect_fake_mode
-
-    if target is aten._to_copy.default:  # (x, dtype)
-        node = graph.call_function(target, args[:1], {"dtype": args[1]})
-        with detect_fake_mode([args[0].meta["val"]]):
-            node.meta["val"] = args[0].meta["val"].to(args[1])
-        return node
-    node = graph.call_function(target, args)
-    vals = fx.node.map_arg(args, lambda n: n.meta["val"])
-    fake_mode = detect_fake_mode([v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)])
-    with fake_mode:
-        node.meta["val"] = target(*vals)
-    return node
+def _per_step_shape(rec: Recurrence, role: str, M: torch.Tensor) -> tuple:
+    """The shape of ``role``'s per-step value, read off the memory M [*lead, A, C] (symbolic where M's is):
+    [*lead, Dk] for k and q, [*lead, Dv] for v, [*lead] for the gates."""
+    lead = tuple(M.shape[:-2])
+    if role in ("alpha", "eta"):
+        return lead
+    dk_dim, dv_dim = (-1, -2) if rec.layout == "vk" else (-2, -1)
+    return lead + (M.shape[dk_dim if role in ("k", "q") else dv_dim],)
 
 
-def _sequence(gm: fx.GraphModule, node: fx.Node, per_step: PerStep, shape: tuple[int, ...]) -> fx.Node:
+def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> fx.Node:
     """Emit, before ``node``, the [T, *shape] tensor of a per-step value: its body subgraph vmapped over T."""
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    per_step = rec.per_step[role]
     body_gm = getattr(gm, node.args[0].target)
     body = body_gm.graph
     _, init, xs, invariants = node.args[:4]
     inputs = [n for n in body.nodes if n.op == "placeholder"][len(init):]
-    outer = list(xs) + list(invariants)
+    outer = list(xs) + list(invariants) + [init[rec.state]]  # the initial memory: its shape gives the value's
     needed = set().union(*(_ancestors(f) for f in per_step.factors + per_step.divisors)) if (
         per_step.factors or per_step.divisors) else set()
     like_node = (per_step.factors + per_step.divisors + [xs[0]])[0]
 
     def one_step(*values):
+        *values, M = values
         env = _evaluate(body, dict(zip(inputs, values)), upto=needed)
         like = env.get(like_node) if like_node in env else values[0]
-        return per_step.value(env, shape, like=like)
+        return per_step.value(env, _per_step_shape(rec, role, M), like=like)
 
     fake_vals = [n.meta["val"] for n in outer]
     fake_mode = detect_fake_mode([v for v in fake_vals if isinstance(v, torch.Tensor)])
-    in_dims = tuple([0] * len(xs) + [None] * len(invariants))
+    in_dims = tuple([0] * len(xs) + [None] * (len(invariants) + 1))
     try:
         with fake_mode:
             traced = make_fx(torch.vmap(one_step, in_dims=in_dims))(*fake_vals)  # vmap: not traceable pre-dispatch
@@ -803,17 +822,64 @@ def _sequence(gm: fx.GraphModule, node: fx.Node, per_step: PerStep, shape: tuple
     return result
 
 
-def _to_bthd(graph: fx.Graph, x: fx.Node, lead: tuple[int, ...], tail: tuple[int, ...]) -> fx.Node:
-    """[T, *lead, *tail] → [B, T, H, *tail] with B = lead[0] (1 when none), H = the rest of lead."""
-    T = x.meta["val"].shape[0]
-    B = lead[0] if lead else 1
-    H = math.prod(lead[1:]) if len(lead) > 1 else 1
-    x = _call(graph, aten.reshape.default, x, [T, B, H, *tail])
-    return _call(graph, aten.movedim.int, x, 0, 1)
+def _is_one(size: Any) -> bool:
+    return isinstance(size, int) and size == 1
+
+
+def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_ones: list[bool] | None,
+                      reads: set[str]) -> Any:
+    """The scan's results computed by the op, as a plain PyTorch function of the tensors ``names`` say.
+
+    Traced under the graph's fake mode (:func:`replace_with_function`): every size is read off a
+    tensor, so a dynamic batch or length stays dynamic. Inputs: k, q [T, *lead, Dk], v [T, *lead, Dv],
+    the gates [T, *lead], M0 [*lead, A, C] and z0 [*lead, Dk], the initial states (the op starts from
+    zeros unless ``initial`` names them). The op takes [B, T, H, D] with B = lead[0] (1 when none), H the
+    product of the rest. Returns what ``reads`` names, in this order: "y" as the scan stacked it
+    (``y_ones``: where its static size-1 dims are), the final "M" and "z", each in the layout and shape
+    the loop carried it.
+    """
+    p = rec.params
+
+    def fused(*tensors):
+        x = dict(zip(names, tensors))
+        M0 = x["M0"]
+        lead = tuple(M0.shape[:-2])
+        B = lead[0] if lead else 1
+        H = math.prod(lead[1:]) if len(lead) > 1 else 1
+
+        def bthd(t):  # [T, *lead, *tail] → [B, T, H, *tail]
+            return t.reshape(t.shape[0], B, H, *t.shape[1 + len(lead):]).movedim(0, 1)
+
+        k, v, q = bthd(x["k"]), bthd(x["v"]), bthd(x["q"])
+        m0 = None
+        if "M0" in initial:
+            m0 = M0.transpose(-1, -2) if rec.layout == "kv" else M0
+            m0 = m0.reshape(B, H, *m0.shape[-2:])
+        if rec.kind == "lp":
+            y, m, _ = torch.ops.hecate.memory_scan(k, v, q, bthd(x["alpha"]), bthd(x["eta"]), m0, None, p["p"],
+                                                   p["a"], p["eps"], p.get("momentum", 0.0), p["q_norm"],
+                                                   p.get("bias", ""))
+            z = None
+        else:
+            z0 = x["z0"].reshape(B, H, -1) if "z0" in initial else None
+            y, m, z = torch.ops.hecate.linear_attention(k, v, q, bthd(x["alpha"]), m0, z0,
+                                                        rec.normaliser_state is not None, p.get("eps", 1e-6), True)
+        results = []
+        if "y" in reads:  # [B, T, H, Dv] → [T, *lead, Dv], with the size-1 dims the body's y has
+            y = y.movedim(1, 0)
+            sizes = iter(s for s in (y.shape[0], *lead, y.shape[-1]) if not _is_one(s))
+            results.append(y.reshape([1 if one else next(sizes) for one in y_ones]))
+        if "M" in reads:
+            m = m.transpose(-1, -2) if rec.layout == "kv" else m
+            results.append(m.reshape(M0.shape).to(M0.dtype))
+        if "z" in reads:
+            results.append(z.reshape(x["z0"].shape))
+        return tuple(results)
+
+    return fused
 
 
 def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> None:
-    graph = gm.graph
     _, init, xs, invariants = node.args[:4]
     if not xs:
         raise NotFused("the scan has no per-step inputs")
@@ -830,60 +896,27 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
         if final is not None and final.users:
             raise NotFused("the final momentum buffer is used after the loop; memory_scan does not return it")
     M0 = init[rec.state]
-    M_val = M0.meta["val"]
-    if M_val.dtype not in (torch.float32, torch.float64):
-        raise NotFused(f"the memory is {M_val.dtype}; hecate.{op} keeps an fp32 or fp64 state")
-    lead, dv, dk = rec.lead, rec.dv, rec.dk
-    B = lead[0] if lead else 1
-    H = math.prod(lead[1:]) if len(lead) > 1 else 1
-    with graph.inserting_before(node):
-        seq = {role: _sequence(gm, node, rec.per_step[role], lead + ((dk,) if role in ("k", "q") else (dv,)))
-               for role in ("k", "v", "q")}
-        seq = {role: _to_bthd(graph, x, lead, (x.meta["val"].shape[-1],)) for role, x in seq.items()}
-        gates = {role: _to_bthd(graph, _sequence(gm, node, rec.per_step[role], lead), lead, ())
-                 for role in ("alpha", "eta") if role in rec.per_step}
-        dtypes = {x.meta["val"].dtype for x in seq.values()}
-        if len(dtypes) != 1:
-            raise NotFused(f"k, v and q have dtypes {sorted(map(str, dtypes))}; hecate.{op} takes one")
-        m0 = None
-        if not _is_zeros(M0):
-            m0 = _call(graph, aten.transpose.int, M0, -1, -2) if rec.layout == "kv" else M0
-            m0 = _call(graph, aten.reshape.default, m0, [B, H, dv, dk])
-        if rec.kind == "lp":
-            p = rec.params
-            call = _call(graph, torch.ops.hecate.memory_scan.default, seq["k"], seq["v"], seq["q"], gates["alpha"],
-                         gates["eta"], m0, None, p["p"], p["a"], p["eps"], p.get("momentum", 0.0), p["q_norm"],
-                         p.get("bias", ""))
-        else:
-            normalise = rec.normaliser_state is not None
-            z0 = None
-            if normalise and not _is_zeros(init[rec.normaliser_state]):
-                z0 = _call(graph, aten.reshape.default, init[rec.normaliser_state], [B, H, dk])
-            call = _call(graph, torch.ops.hecate.linear_attention.default, seq["k"], seq["v"], seq["q"],
-                         gates["alpha"], m0, z0, normalise, rec.params.get("eps", 1e-6), True)
-        y = _call(graph, operator.getitem, call, 0)
-        m_final = _call(graph, operator.getitem, call, 1)
-    replacements: dict[int, fx.Node] = {}
-    with graph.inserting_before(node):
-        if rec.state in results:
-            m = _call(graph, aten.transpose.int, m_final, -1, -2) if rec.layout == "kv" else m_final
-            m = _call(graph, aten.reshape.default, m, list(M_val.shape))
-            if m.meta["val"].dtype != M_val.dtype:
-                m = _call(graph, aten._to_copy.default, m, M_val.dtype)
-            replacements[rec.state] = m
-        if rec.normaliser_state is not None and rec.normaliser_state in results:
-            z = _call(graph, operator.getitem, call, 2)
-            replacements[rec.normaliser_state] = _call(graph, aten.reshape.default, z,
-                                                       list(init[rec.normaliser_state].meta["val"].shape))
-        if n_carries in results:
-            ys = results[n_carries].meta["val"]
-            y_t = _call(graph, aten.movedim.int, y, 1, 0)
-            replacements[n_carries] = _call(graph, aten.reshape.default, y_t, list(ys.shape))
-    for i, user in results.items():
-        if i in replacements:
-            user.replace_all_uses_with(replacements[i])
-        graph.erase_node(user)
-    graph.erase_node(node)
+    if M0.meta["val"].dtype not in (torch.float32, torch.float64):
+        raise NotFused(f"the memory is {M0.meta['val'].dtype}; hecate.{op} keeps an fp32 or fp64 state")
+    roles = ("k", "v", "q", "alpha") + (("eta",) if rec.kind == "lp" else ())
+    inputs = {role: _sequence(gm, node, rec, role) for role in roles}
+    dtypes = {inputs[role].meta["val"].dtype for role in ("k", "v", "q")}
+    if len(dtypes) != 1:
+        raise NotFused(f"k, v and q have dtypes {sorted(map(str, dtypes))}; hecate.{op} takes one")
+    inputs["M0"] = M0  # its shape is the final memory's, even when the op starts from zeros
+    if rec.normaliser_state is not None:
+        inputs["z0"] = init[rec.normaliser_state]
+    initial = {name for name in ("M0", "z0") if name in inputs and not _is_zeros(inputs[name])}
+    read = {"y": results.get(n_carries), "M": results.get(rec.state),
+            "z": results.get(rec.normaliser_state) if rec.normaliser_state is not None else None}
+    read = {name: r for name, r in read.items() if r is not None and r.users}
+    if not read:
+        raise NotFused("no result of the scan is read")
+    y_ones = [_is_one(s) for s in read["y"].meta["val"].shape] if "y" in read else None
+    names = list(inputs)
+    fused = _fused_recurrence(rec, names, initial, y_ones, set(read))
+    replace_with_function(gm, [node, *results.values()], fused, [inputs[n] for n in names],
+                          outputs=list(read.values()))
 
 
 # ---------------------------------------------------------------- memory updates left unrolled

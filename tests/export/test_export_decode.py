@@ -26,15 +26,6 @@ _spec.loader.exec_module(generate_onnx)
 TOL = 1e-5
 
 
-# The memory LM's prefill is a torch `scan` over a dynamic length; the memory pass recognises its step at
-# static shapes only, so the scan reaches torch's ONNX exporter unfused, whose decomposition of this scan
-# body fails with symbolic sizes ("'SymInt' object has no attribute 'unsqueeze'").
-UNFUSED_DYNAMIC_SCAN = pytest.mark.xfail(
-    strict=True, raises=Exception,
-    reason="memory pass recognises scans at static shapes only; torch.onnx cannot decompose the unfused "
-           "dynamic scan (SymInt has no attribute 'unsqueeze')")
-
-
 def _lm():
     torch.manual_seed(0)
     return generate_onnx.MemoryLM(vocab_size=7, d_model=8, n_heads=2, d_head=4).eval()
@@ -60,7 +51,6 @@ def test_step_by_step_equals_the_whole_sequence():
     assert_close("prefill + steps vs forward", torch.cat(steps, dim=1), whole, TOL)
 
 
-@UNFUSED_DYNAMIC_SCAN
 def test_prefill_is_dynamic_and_returns_the_state(lm_and_files):
     model, (prefill_path, _) = lm_and_files
     session = ort.InferenceSession(prefill_path, providers=["CPUExecutionProvider"])
@@ -74,7 +64,6 @@ def test_prefill_is_dynamic_and_returns_the_state(lm_and_files):
             assert_close(f"{name} at batch {batch}, length {length}", torch.from_numpy(g), e, TOL)
 
 
-@UNFUSED_DYNAMIC_SCAN
 def test_decode_step_matches(lm_and_files):
     model, (_, decode_path) = lm_and_files
     session = ort.InferenceSession(decode_path, providers=["CPUExecutionProvider"])
@@ -89,7 +78,6 @@ def test_decode_step_matches(lm_and_files):
             assert_close(f"output {n} at batch {batch}", torch.from_numpy(g), e, TOL)
 
 
-@UNFUSED_DYNAMIC_SCAN
 @pytest.mark.parametrize("batch,prompt_length", [(1, 3), (3, 5)])
 def test_greedy_generation_is_token_for_token_pytorchs(lm_and_files, batch, prompt_length):
     model, (prefill_path, decode_path) = lm_and_files
@@ -97,6 +85,15 @@ def test_greedy_generation_is_token_for_token_pytorchs(lm_and_files, batch, prom
     expected = generate_onnx.generate_torch(model, prompt, 12)
     got = generate_onnx.generate_onnx(prefill_path, decode_path, prompt.numpy(), 12)
     np.testing.assert_array_equal(got, expected.numpy())
+
+
+def test_decode_runs_the_fused_memory_from_the_carried_state(tmp_path):
+    """step() is the forward over one token: the decode export's memory update is hecate.memory_scan from M (state_2),
+    not the step re-derived as plain ops."""
+    report = hecate.export_onnx(_lm(), (torch.zeros(2, dtype=torch.long),), tmp_path / "decode.onnx", mode="decode")
+    assert report.count("memory_scan") == 1, str(report)
+    # p = 1 is no delta rule: the fused op is written as a Scan whose initial state is the carried memory
+    assert [f.form for f in report.onnx_forms if f.op == "hecate.memory_scan"] == ["Scan"], report.onnx_forms
 
 
 def test_decode_of_a_block_with_tuple_output(tmp_path):

@@ -76,23 +76,26 @@ def test_qk_preprocess_performer_model(tmp_path):
     _export_and_check(tmp_path, model, _x(12), "hecate.qk_preprocess")
 
 
-MEMORIES = {
+MEMORIES = {  # (model, the fused op, the ONNX operator its recurrence becomes at the default opset)
     # momentum and MONETA's L_q retention use the same Scan translation: see test_memory_scan_op
-    "lp_p3_gated": lambda: LpMemory(12, n_heads=2, d_k=4, d_v=3, p=3.0, alpha=None, eta=0.05, phi="elu1",
-                                    use_scan=True),
-    "hebbian_normalised": lambda: HebbianMemory(12, n_heads=2, d_k=4, d_v=3, alpha=None, normalise=True,
-                                                use_scan=True),
+    "lp_p3_gated": (lambda: LpMemory(12, n_heads=2, d_k=4, d_v=3, p=3.0, alpha=None, eta=0.05, phi="elu1",
+                                     use_scan=True), "hecate.memory_scan", "Scan"),
+    "lp_p2_gated": (lambda: LpMemory(12, n_heads=2, d_k=4, d_v=3, p=2.0, alpha=None, eta=None, phi="elu1",
+                                     use_scan=True), "hecate.memory_scan", "LinearAttention"),
+    "hebbian_normalised": (lambda: HebbianMemory(12, n_heads=2, d_k=4, d_v=3, alpha=None, normalise=True,
+                                                 use_scan=True), "hecate.linear_attention", "LinearAttention"),
 }
 
 
-@pytest.mark.xfail(strict=True, reason="the memory pass recognises scans at static shapes only: under dynamic "
-                                      "export the recurrence is not fused (torch's own Scan is exported)")
 @pytest.mark.parametrize("name", list(MEMORIES))
-def test_memory_model_is_one_scan_over_any_length(name, tmp_path):
+def test_memory_model_is_one_fused_recurrence_over_any_length(name, tmp_path):
+    """The scan over a dynamic length is fused and exported as one recurrence, whatever the length."""
+    make_model, fused_op, onnx_op = MEMORIES[name]
     # inputs of scale 0.5 keep the l_p recurrence stable over 13 steps
-    graph = _export_and_check(tmp_path, MEMORIES[name](), _x(12, scale=0.5))
+    graph = _export_and_check(tmp_path, make_model(), _x(12, scale=0.5), fused_op)
     ops = [n.op_type for n in graph.node]
-    assert ops.count("Scan") == 1 and "Loop" not in ops, ops
+    assert ops.count(onnx_op) == 1 and ops.count("Scan") + ops.count("LinearAttention") == 1, ops
+    assert "Loop" not in ops, ops
 
 
 def test_hebbian_noncausal_form(tmp_path):

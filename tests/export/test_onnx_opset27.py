@@ -300,14 +300,6 @@ def _model_parity(model, args, path, expect_forms, domain=""):
 _CONV = "CausalConvWithState(silu)"
 
 
-# A memory model's scan over a dynamic length (export_onnx's default) is not fused: the memory pass recognises
-# its step at static shapes only, so these models keep torch's own Scan instead of LinearAttention.
-UNFUSED_DYNAMIC_SCAN = pytest.mark.xfail(
-    strict=True, reason="memory pass recognises scans at static shapes only: under dynamic export the "
-                        "recurrence keeps torch's Scan, not LinearAttention")
-
-
-@UNFUSED_DYNAMIC_SCAN
 @pytest.mark.parametrize("domain,alpha,eta,B,T", [("", None, None, 2, 9), ("com.microsoft", 0.1, 0.2, 1, 24),
                                                   ("", 1.0, 0.1, 3, 5)])
 def test_lp_memory_p2_model(domain, alpha, eta, B, T, tmp_path):
@@ -318,10 +310,9 @@ def test_lp_memory_p2_model(domain, alpha, eta, B, T, tmp_path):
 
 
 @pytest.mark.parametrize("domain,kwargs,B,T,rule", [
-    pytest.param("", dict(alpha=None, normalise=True, use_scan=True), 2, 9, "gated", marks=UNFUSED_DYNAMIC_SCAN),
-    pytest.param("com.microsoft", dict(alpha=0.9, use_scan=True), 1, 17, "gated", marks=UNFUSED_DYNAMIC_SCAN),
-                                                    ("", dict(alpha=1.0, normalise=True, form="cumsum"), 3, 6,
-                                                     "linear")])
+    ("", dict(alpha=None, normalise=True, use_scan=True), 2, 9, "gated"),
+    ("com.microsoft", dict(alpha=0.9, use_scan=True), 1, 17, "gated"),
+    ("", dict(alpha=1.0, normalise=True, form="cumsum"), 3, 6, "linear")])
 def test_hebbian_memory_model(domain, kwargs, B, T, rule, tmp_path):
     model = HebbianMemory(16, n_heads=2, d_k=4, d_v=3, **kwargs)
     _model_parity(model, (torch.randn(B, T, 16), torch.randn(B, 2, 3, 4) * 0.1), tmp_path / "model.onnx",
