@@ -38,11 +38,12 @@ from hecate.models.memory import LpMemory
 class MemoryLM(nn.Module):
     """A character LM with one l_p memory layer; ``forward``, ``prefill`` and ``step`` agree."""
 
-    def __init__(self, vocab_size: int, d_model: int = 32, n_heads: int = 2, d_head: int = 8):
+    def __init__(self, vocab_size: int, d_model: int = 32, n_heads: int = 2, d_head: int = 8, p: float = 1.0):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
-        # p = 1 (tanh of the error): a bounded update keeps the memory stable over long generations
-        self.memory = LpMemory(d_model, n_heads, d_k=d_head, d_v=d_head, p=1.0, alpha=None, eta=None,
+        # p = 1 (tanh of the error): a bounded update keeps the memory stable over long generations;
+        # p = 2 is a delta rule, which opset 27 writes as ONNX's LinearAttention
+        self.memory = LpMemory(d_model, n_heads, d_k=d_head, d_v=d_head, p=p, alpha=None, eta=None,
                                phi="elu1", use_scan=True)
         self.head = nn.Linear(d_model, vocab_size)
 

@@ -725,7 +725,9 @@ def _steps(node: fx.Node) -> int | torch.SymInt:
 
 def _over(node: fx.Node) -> str:
     steps = _steps(node)
-    return f"{steps} steps" if isinstance(steps, int) else f"any number of steps (T = {steps}, dynamic)"
+    if not isinstance(steps, int):
+        return f"any number of steps (T = {steps}, dynamic)"
+    return f"{steps} step" + ("" if steps == 1 else "s")
 
 
 def _body_nodes(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:

@@ -87,13 +87,27 @@ def test_greedy_generation_is_token_for_token_pytorchs(lm_and_files, batch, prom
     np.testing.assert_array_equal(got, expected.numpy())
 
 
-def test_decode_runs_the_fused_memory_from_the_carried_state(tmp_path):
-    """step() is the forward over one token: the decode export's memory update is hecate.memory_scan from M (state_2),
-    not the step re-derived as plain ops."""
-    report = hecate.export_onnx(_lm(), (torch.zeros(2, dtype=torch.long),), tmp_path / "decode.onnx", mode="decode")
+@pytest.mark.parametrize("p,form", [(1.0, "Scan"), (2.0, "LinearAttention(gated_delta)")])
+def test_decode_runs_the_fused_memory_from_the_carried_state(p, form, tmp_path):
+    """step() is the forward over one token: the decode file's memory update is hecate.memory_scan started from M
+    (state_2), not the step re-derived as plain ops; at p = 2 it is ONNX's LinearAttention, M its past_state and the
+    new M its present_state. onnxruntime equals PyTorch from random states at 3 batch sizes."""
+    torch.manual_seed(0)
+    model = generate_onnx.MemoryLM(vocab_size=7, d_model=8, n_heads=2, d_head=4, p=p).eval()
+    path = tmp_path / "decode.onnx"
+    report = hecate.export_onnx(model, (torch.zeros(2, dtype=torch.long),), path, mode="decode")
     assert report.count("memory_scan") == 1, str(report)
-    # p = 1 is no delta rule: the fused op is written as a Scan whose initial state is the carried memory
-    assert [f.form for f in report.onnx_forms if f.op == "hecate.memory_scan"] == ["Scan"], report.onnx_forms
+    # p = 1 is no delta rule: its fused op is written as a Scan whose initial state is the carried memory
+    assert [f.form for f in report.onnx_forms if f.op == "hecate.memory_scan"] == [form], report.onnx_forms
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch in (1, 3, 5):
+        state = (torch.randn(batch, 3, 8), torch.randn(batch, 3, 8), 0.3 * torch.randn(batch, 2, 4, 4))
+        token = torch.randint(0, 7, (batch,))
+        with torch.no_grad():
+            logits, new_state = model.step(token, state)
+        got = session.run(None, {"x_t": token.numpy(), **{f"state_{i}": s.numpy() for i, s in enumerate(state)}})
+        for name, g, e in zip(("logits", "q conv state", "k conv state", "memory"), got, (logits, *new_state)):
+            assert_close(f"{name} at batch {batch}", torch.from_numpy(g), e, TOL)
 
 
 def test_decode_of_a_block_with_tuple_output(tmp_path):
