@@ -56,6 +56,8 @@ def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
         return _compile_rest(gm, example_inputs, opts)
     try:
         return _compile_rest(aten_gm, example_inputs, opts)
+    except torch._dynamo.exc.RestartAnalysis:
+        raise  # Dynamo asks to trace again (e.g. Inductor tensorifying a float): a request, not a failure
     except Exception as e:  # the fused graph must never cost the user the compile
         if opts.strict:
             raise

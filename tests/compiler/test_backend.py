@@ -1,5 +1,6 @@
 """The backend end to end, independent of any one pattern."""
 
+import copy
 import subprocess
 import sys
 import textwrap
@@ -47,6 +48,29 @@ def test_first_torch_distributions_kl_in_a_fresh_process_is_one_graph_and_fused(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_dynamo_restart_from_the_fallback_compile_is_passed_on(monkeypatch):
+    """Inductor may ask Dynamo to trace again (a float it tensorifies): that request must reach
+    Dynamo, not be taken for a failure that drops the fusions."""
+    from hecate.compiler import backend
+    from hecate.passes.report import FusionReport
+
+    gm = torch.fx.symbolic_trace(lambda x: torch.sin(x) * 2)
+    monkeypatch.setattr(backend, "fuse_or_original", lambda g, inputs, opts: (copy.deepcopy(g), FusionReport()))
+
+    calls = []
+
+    def restart(g, inputs, opts):  # asks once; compiling the unfused graph instead would succeed
+        calls.append(g)
+        if len(calls) == 1:
+            raise torch._dynamo.exc.TensorifyScalarRestartAnalysis()
+        return g.forward
+
+    monkeypatch.setattr(backend, "_compile_rest", restart)
+    with pytest.raises(torch._dynamo.exc.RestartAnalysis):
+        backend.hecate_backend(gm, [torch.randn(3)], {"strict": False})
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("fallback", ["eager", "inductor"])
