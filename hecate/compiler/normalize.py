@@ -276,7 +276,7 @@ def _placed(graph: fx.Graph, x: fx.Node, term: str, order: str) -> fx.Node:
 # ---------------------------------------------------------------- common subexpressions
 
 def eliminate_common_subexpressions(graph: fx.Graph) -> None:
-    """Replace each pure call by an earlier identical call (same op, same inputs and literals).
+    """Replace each pure call returning a tensor by an earlier identical call (same op, inputs, literals).
 
     Works on ATen graphs and on Dynamo's (``call_method``, Python operators, torch functions).
     A call merges only with one made since the last in-place op (which may have changed its
@@ -285,13 +285,14 @@ def eliminate_common_subexpressions(graph: fx.Graph) -> None:
     outputs = _output_nodes(graph)
     mutated = {_storage(a) for n in graph.nodes if _mutates(n) for a in (n, *n.args[:1])} - {None}
     seen: dict[Any, fx.Node] = {}
-    purity: dict[Any, bool] = {}
+    purity: dict[Any, bool] = {}  # by op and literals: whether a call is pure does not depend on its inputs
     epoch = 0  # in-place ops so far
     for node in list(graph.nodes):
         if _mutates(node):
             epoch += 1
             continue
-        if node.op not in ("call_function", "call_method") or _storage(node) in mutated:
+        if node.op not in ("call_function", "call_method") or not isinstance(_val(node), torch.Tensor) \
+                or _storage(node) in mutated:
             continue
         try:
             key = (node.op, node.target, _key(node.args), _key(node.kwargs), epoch)
@@ -300,16 +301,22 @@ def eliminate_common_subexpressions(graph: fx.Graph) -> None:
         earlier = seen.setdefault(key, node)
         if earlier is node or node in outputs and earlier in outputs:
             continue
-        if key not in purity:
-            purity[key] = _pure(node)
-        if purity[key]:
+        kind = (node.op, node.target, _key(fx.node.map_arg((node.args, node.kwargs), lambda _: _ANY_NODE)))
+        if kind not in purity:
+            purity[kind] = _pure(node)
+        if purity[kind]:
             if node in outputs:
                 outputs.add(earlier)
             node.replace_all_uses_with(earlier)
             graph.erase_node(node)
 
 
+_ANY_NODE = object()  # stands for every node argument when only a call's literals count
+
+
 def _key(value: Any) -> Any:
+    if value is _ANY_NODE:
+        return ("any node",)
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_key(v) for v in value))
     if isinstance(value, dict):
@@ -340,11 +347,11 @@ def _mutates(node: fx.Node) -> bool:
 
 
 def _pure(node: fx.Node) -> bool:
-    """Whether ``node`` computes a tensor from its inputs alone: every ATen op it runs is functional and
+    """Whether ``node`` computes its result from its inputs alone: every ATen op it runs is functional and
     draws no random numbers (a Dynamo-level call is traced to ATen to see which ops it runs)."""
     if node.target is operator.getitem:
         return True
-    if node.is_impure() or not isinstance(_val(node), torch.Tensor):
+    if node.is_impure():
         return False
     if isinstance(node.target, torch._ops.OpOverload):
         return _functional(node.target)
