@@ -38,6 +38,7 @@ from torch.export.graph_signature import TensorArgument
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
+from hecate.compiler.normalize import normalize_graph
 from hecate.compiler.options import parse_options
 from hecate.compiler.pipeline import fuse_rolled_loops, run_passes
 from hecate.passes.report import FusionReport
@@ -210,6 +211,7 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
     if shapes is not None:
         _plain_shape_reads(program)
     report = FusionReport(graphs=1)
+    normalize_graph(program.graph_module)  # what the passes read, and loops roll in this form
     example = [n.meta["val"] for n in program.graph.find_nodes(op="placeholder")]
     rolled = fuse_rolled_loops(program.graph_module, example, opts, report, dump_name="export")
     if rolled is not None:

@@ -41,7 +41,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.utils import _pytree as pytree
 
-from hecate.compiler.normalize import normalize_graph
+from hecate.compiler.normalize import functionalize
 
 _TENSOR_OPS = ("call_function", "call_method")
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform")
@@ -90,10 +90,12 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
     """A copy of Dynamo's ``gm`` with every provable unrolled loop rolled into a scan, or None.
 
     In-place updates of tensors nothing else aliases (``M -= ...``) are first made functional
-    and whole-dim slices dropped in ``gm`` itself (exactly: see
-    :func:`hecate.compiler.normalize.normalize_graph`).
+    in ``gm`` itself (exactly: see :func:`hecate.compiler.normalize.functionalize`). An ATen
+    graph is expected in the normal form (:func:`hecate.compiler.normalize.normalize_graph`:
+    ``x[:, t]`` of a symbolic-size x is then one ``select``).
     """
-    normalize_graph(gm, whole=False)
+    functionalize(gm.graph)
+    gm.recompile()
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     loops: list[_Loop] = []

@@ -1,12 +1,9 @@
 """One normal form for the ATen graph, so that spellings collapse before any pass looks.
 
 Every rewrite here is exact: the rewritten graph computes bit-for-bit what the original
-computes (checked in ``tests/compiler/test_normalize.py``). :func:`normalize` makes in-place
-ops functional in the whole graph, drops its no-op copies and turns ``narrow`` into a slice,
-and applies to the body of every ``scan`` in it (where the memory passes look) the whole
-normal form below. (The graph outside loop bodies keeps its other spellings until the passes
-that match fixed patterns there trace their patterns into the same normal form: their
-SubgraphMatcher patterns are not normalised today.)
+computes (checked in ``tests/compiler/test_normalize.py``), except that an einsum made a
+matmul computes the same sums through another BLAS call, which may add them in another order. :func:`normalize` puts the whole
+graph and the body of every ``scan`` in it in this form:
 
 * :func:`functionalize`: an in-place op on a tensor nothing else aliases (``M.mul_(a)``,
   ``M -= x``, ``M.add_(x, alpha=-1)``) becomes its out-of-place op, later reads of the
@@ -19,16 +16,20 @@ SubgraphMatcher patterns are not normalised today.)
   contracted dim has size 1 (``g.unsqueeze(-1) @ k.unsqueeze(-2)``) and an ``einsum`` in
   which every index is kept (``einsum("bhv,bhk->bhvk", g, k)``) become ``mul`` of the
   operands unsqueezed/permuted into place (a sum of one product is that product);
+* an ``einsum`` that is a tensor times a matrix (``einsum("btd,ed->bte", x, W)``) is that
+  ``matmul`` (``x @ W.permute(1, 0)``);
 * ``x * x`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``);
 * common subexpressions: the same pure op on the same inputs is computed once (so
   ``k[:, t]`` written at every use becomes one node).
 
-:func:`functionalize` also runs on Dynamo's graph (:mod:`hecate.compiler.loops` calls it
-before rolling loops up): there in-place ops are ``call_method`` ``mul_`` / ``operator.isub``.
+Dynamo's graph gets the first and the last before loops are rolled up (:func:`collapse_captured`):
+there in-place ops are ``call_method`` ``mul_`` / ``operator.isub``, and a step that writes an
+expression again at each use would not read as the same step as the last one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any
 
@@ -44,34 +45,45 @@ _INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, 
 
 
 def normalize(gm: fx.GraphModule) -> fx.GraphModule:
-    """Make ``gm`` functional without copies or narrow, and its scan bodies wholly normal, in place; return it."""
-    normalize_graph(gm, whole=False)
-    for graph_module in _graph_modules(gm)[1:]:
+    """Put ``gm`` and the body of every scan in it in the normal form, in place; return it."""
+    for graph_module in _graph_modules(gm):
         normalize_graph(graph_module)
     return gm
 
 
-def normalize_graph(graph_module: fx.GraphModule, whole: bool = True) -> fx.GraphModule:
-    """Rewrite ``graph_module`` (not the graphs it calls) into the normal form, in place; return it.
-
-    ``whole=False``: functional ops, no-op copies dropped and ``narrow`` as a slice only (what the
-    fixed-pattern passes outside loop bodies already read the same way)."""
+def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``graph_module`` (not the graphs it calls) into the normal form, in place; return it."""
     graph = graph_module.graph
     functionalize(graph)
     outputs = _output_nodes(graph)
     for node in list(graph.nodes):
-        if node.op != "call_function" or not (whole or node.target in _STRUCTURAL):
+        if node.op != "call_function":
             continue
         replacement = _rewrite(graph, node, outputs)
         if replacement is not None and replacement is not node:
             node.replace_all_uses_with(replacement)
             graph.erase_node(node)
-    if whole:
-        eliminate_common_subexpressions(graph)
+    eliminate_common_subexpressions(graph)
     graph.eliminate_dead_code()
     graph.lint()
     graph_module.recompile()
     return graph_module
+
+
+def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's ``gm``, functional, with each subexpression computed once.
+
+    Before loops are rolled up: a loop whose steps write an expression again at each use
+    has steps that differ at its first or last step (the last step's state has fewer
+    readers), which no longer reads as one loop. A copy, so that Dynamo's graph stays as
+    captured for the fallback if the pipeline fails later."""
+    copy = fx.GraphModule(gm, gm.graph.__deepcopy__())  # node metas (fake values) are shared, not copied
+    copy.meta.update(gm.meta)
+    functionalize(copy.graph)
+    eliminate_common_subexpressions(copy.graph)
+    copy.graph.lint()
+    copy.recompile()
+    return copy
 
 
 def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
@@ -112,7 +124,7 @@ def _out_of_place(node: fx.Node) -> tuple[str, Any] | None:
 
 
 def _storage(node: Any) -> StorageWeakRef | None:
-    value = node.meta.get("val", node.meta.get("example_value")) if isinstance(node, fx.Node) else None
+    value = _val(node) if isinstance(node, fx.Node) else None
     if not isinstance(value, torch.Tensor):
         return None
     try:
@@ -164,7 +176,8 @@ def _refake(node: fx.Node) -> None:
 # ---------------------------------------------------------------- local rewrites
 
 def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
+    """A node's fake value (``val`` in ATen graphs, ``example_value`` in Dynamo's), or the literal itself."""
+    return node.meta.get("val", node.meta.get("example_value")) if isinstance(node, fx.Node) else node
 
 
 def _emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
@@ -172,13 +185,6 @@ def _emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
     _refake(new)
     return new
 
-
-# the rewrites that only remove a spelling's noise (copies, narrow), applied to the whole graph
-_STRUCTURAL = (aten.clone.default, aten.contiguous.default, aten.alias.default, aten.lift_fresh.default,
-               aten.narrow.default, aten.slice.Tensor)
-
-# the end torch.export writes for a slice to the end of a dim of symbolic size (``x[:, t]`` → slice(x, 0, 0, END))
-_SLICE_TO_END = 9223372036854775807
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
@@ -201,11 +207,15 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
                 return _emit(graph, aten.mul.Tensor, args[0], args[1])
         return None
     if target is aten.einsum.default:
-        return _einsum_product(graph, node)
+        return _einsum(graph, node, outputs)
     if target is aten.mul.Tensor and len(args) == 2 and args[0] is args[1] and isinstance(args[0], fx.Node):
         with graph.inserting_before(node):
             return _emit(graph, aten.pow.Tensor_Scalar, args[0], 2)
     return None
+
+
+# the end torch.export writes for a slice to the end of a dim of symbolic size (``x[:, t]`` → slice(x, 0, 0, END))
+_SLICE_TO_END = 9223372036854775807
 
 
 def _whole_slice(node: fx.Node) -> bool:
@@ -221,8 +231,14 @@ def _same_layout_free(node: fx.Node) -> bool:
     return set(node.kwargs) <= {"memory_format"}
 
 
-def _einsum_product(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
-    """``einsum(eq, [x, y])`` that sums over nothing, as ``x' * y'`` (each operand viewed into place)."""
+def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
+    """``einsum(eq, [x, y])`` as the op it is, each operand permuted (and unsqueezed) into place:
+
+    * nothing summed (``"bhv,bhk->bhvk"``): the broadcast multiply ``x' * y'``;
+    * one index summed against a matrix y, nothing else shared (``"btd,ed->bte"``, a projection):
+      ``x' @ y'``, with x' [..., d] and y' [d, e], then read as any matmul.
+
+    Other contractions (batched ones, ``"bthk,bthv->bhvk"``) stay einsums: passes read them by meaning."""
     equation, operands = node.args[0], node.args[1]
     if not isinstance(equation, str) or "->" not in equation or "." in equation or len(operands) != 2:
         return None
@@ -233,48 +249,99 @@ def _einsum_product(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     vals = [_val(x) for x in operands]
     if any(not isinstance(v, torch.Tensor) or v.dim() != len(t) for v, t in zip(vals, terms)):
         return None
-    if vals[0].dtype != vals[1].dtype:
-        return None
-    for term in terms:
-        if len(set(term)) != len(term) or not set(term) <= set(output):
-            return None  # a diagonal or a summed index
+    if vals[0].dtype != vals[1].dtype or any(len(set(term)) != len(term) for term in terms):
+        return None  # mixed dtypes promote; a repeated index is a diagonal
     sizes: dict[str, Any] = {}
     for term, v in zip(terms, vals):
         for letter, size in zip(term, v.shape):
             if sizes.setdefault(letter, size) != size:
                 return None  # einsum broadcasts no size-1 dims; leave such equations alone
-    with graph.inserting_before(node):
-        placed = []
-        for term, x in zip(terms, operands):
-            kept = [letter for letter in output if letter in term]
-            permutation = [term.index(letter) for letter in kept]
-            if permutation != list(range(len(term))):
-                x = _emit(graph, aten.permute.default, x, permutation)
-            for i, letter in enumerate(output):
-                if letter not in term:
-                    x = _emit(graph, aten.unsqueeze.default, x, i)
-            placed.append(x)
-        return _emit(graph, aten.mul.Tensor, placed[0], placed[1])
+    summed = [letter for letter in sizes if letter not in output]
+    if any(letter not in terms[0] or letter not in terms[1] for letter in summed):
+        return None  # an index summed over one operand alone
+    if not summed:
+        with graph.inserting_before(node):
+            placed = [_placed(graph, x, term, output) for term, x in zip(terms, operands)]
+            return _emit(graph, aten.mul.Tensor, *placed)
+    if len(summed) != 1:
+        return None
+    (s,) = summed
+    for (x, x_term), (y, y_term) in (zip(operands, terms), zip(reversed(operands), reversed(terms))):
+        if len(y_term) == 2 and set(x_term) & set(y_term) == {s} and output[-1] in y_term:
+            with graph.inserting_before(node):
+                product = _emit(graph, aten.matmul.default, _placed(graph, x, x_term, output[:-1] + s),
+                                _placed(graph, y, y_term, s + output[-1]))
+            return _rewrite(graph, product, outputs) or product
+    return None
+
+
+def _placed(graph: fx.Graph, x: fx.Node, term: str, order: str) -> fx.Node:
+    """``x``, whose dims are the letters of ``term``, permuted to ``order`` with a size-1 dim for
+    each letter of ``order`` it lacks."""
+    kept = [letter for letter in order if letter in term]
+    permutation = [term.index(letter) for letter in kept]
+    if permutation != list(range(len(term))):
+        x = _emit(graph, aten.permute.default, x, permutation)
+    for i, letter in enumerate(order):
+        if letter not in term:
+            x = _emit(graph, aten.unsqueeze.default, x, i)
+    return x
 
 
 # ---------------------------------------------------------------- common subexpressions
 
-def _pure(node: fx.Node) -> bool:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    return not any(r.alias_info is not None and r.alias_info.is_write for r in target._schema.returns)
+def eliminate_common_subexpressions(graph: fx.Graph) -> None:
+    """Replace each pure call returning a tensor by an earlier identical call (same op, inputs, literals).
+
+    Works on ATen graphs and on Dynamo's (``call_method``, Python operators, torch functions).
+    A call merges only with one made since the last in-place op (which may have changed its
+    inputs), never when its result is later mutated (the two would share one buffer), and two
+    graph outputs never merge into one (outputs must not alias each other)."""
+    outputs = _output_nodes(graph)
+    mutated = {_storage(a) for n in graph.nodes if _mutates(n) for a in (n, *n.args[:1])} - {None}
+    seen: dict[Any, fx.Node] = {}
+    purity: dict[Any, bool] = {}  # by op and literals: whether a call is pure does not depend on its inputs
+    epoch = 0  # in-place ops so far
+    for node in list(graph.nodes):
+        if _mutates(node):
+            epoch += 1
+            continue
+        if node.op not in ("call_function", "call_method") or not isinstance(_val(node), torch.Tensor) \
+                or _storage(node) in mutated:
+            continue
+        try:
+            key = (node.op, node.target, _key(node.args), _key(node.kwargs), epoch)
+        except TypeError:
+            continue
+        earlier = seen.setdefault(key, node)
+        if earlier is node or node in outputs and earlier in outputs:
+            continue
+        kind = (node.op, node.target, _key(fx.node.map_arg((node.args, node.kwargs), lambda _: _ANY_NODE)))
+        if kind not in purity:
+            purity[kind] = _pure(node)
+        if purity[kind]:
+            if node in outputs:
+                outputs.add(earlier)
+            node.replace_all_uses_with(earlier)
+            graph.erase_node(node)
+
+
+_ANY_NODE = object()  # stands for every node argument when only a call's literals count
 
 
 def _key(value: Any) -> Any:
+    if value is _ANY_NODE:
+        return ("any node",)
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_key(v) for v in value))
     if isinstance(value, dict):
         return ("dict", tuple(sorted((k, _key(v)) for k, v in value.items())))
     if isinstance(value, fx.Node):
         return ("node", id(value))
+    if isinstance(value, slice):  # Dynamo's x[:, t]
+        return ("slice", _key(value.start), _key(value.stop), _key(value.step))
+    if value is Ellipsis:
+        return ("Ellipsis",)
     if isinstance(value, float):  # 2.0 and 2 differ in type promotion; -0.0 and 0.0 in sign
         return ("float", value.hex())
     if isinstance(value, (int, bool, str, type(None), torch.dtype, torch.device, torch.layout,
@@ -283,17 +350,55 @@ def _key(value: Any) -> Any:
     raise TypeError  # an argument this CSE does not compare: keep the node
 
 
-def eliminate_common_subexpressions(graph: fx.Graph) -> None:
-    """Replace each pure ATen call by an earlier identical call (same op, same inputs and literals)."""
-    seen: dict[Any, fx.Node] = {}
-    for node in list(graph.nodes):
-        if not _pure(node):
-            continue
-        try:
-            key = (node.target, _key(node.args), _key(node.kwargs))
-        except TypeError:
-            continue
-        earlier = seen.setdefault(key, node)
-        if earlier is not node:
-            node.replace_all_uses_with(earlier)
-            graph.erase_node(node)
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` may write into a tensor (in place, through ``out=`` or by item assignment)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or node.target in _INPLACE_OPERATORS \
+        or node.target is operator.setitem or node.kwargs.get("inplace") is True or "out" in node.kwargs
+
+
+def _pure(node: fx.Node) -> bool:
+    """Whether ``node`` computes its result from its inputs alone: every ATen op it runs is functional and
+    draws no random numbers (a Dynamo-level call is traced to ATen to see which ops it runs)."""
+    if node.target is operator.getitem:
+        return True
+    if node.is_impure():
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return _functional(node.target)
+    aten_graph = _aten_graph(node)
+    return aten_graph is not None and all(_functional(n.target) for n in aten_graph.nodes if n.op == "call_function")
+
+
+def _functional(op: Any) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and not op._schema.is_mutable \
+        and torch.Tag.nondeterministic_seeded not in op.tags
+
+
+def _aten_graph(node: fx.Node) -> fx.Graph | None:
+    """The ATen ops a Dynamo-level call runs, traced on its fake inputs (None if it cannot be traced)."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), _val)
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    call = node.target if node.op == "call_function" else lambda self, *a, **k: getattr(self, node.target)(*a, **k)
+
+    def run(*tensor_args):
+        filled = list(leaves)
+        for i, t in zip(tensors, tensor_args):
+            filled[i] = t
+        a, k = torch.utils._pytree.tree_unflatten(filled, spec)
+        return call(*a, **k)
+
+    fake_mode = detect_fake_mode([leaves[i] for i in tensors])
+    try:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            return make_fx(run, pre_dispatch=True)(*[leaves[i] for i in tensors]).graph
+    except Exception:  # a call make_fx cannot trace: its ops are unknown
+        return None

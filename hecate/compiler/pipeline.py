@@ -1,11 +1,14 @@
 """The pipeline every captured graph goes through.
 
 Dynamo graph (torch-level, many spellings)
+  → compute each subexpression once (:func:`hecate.compiler.normalize.collapse_captured`), so an
+    expression written again at each use reads as one node from here on
   → roll the loops Dynamo unrolled back up into scans (:mod:`hecate.compiler.loops`), so
     what follows sees a loop body once, not T times
   → canonicalise: re-trace to the pre-autograd ATen graph (``make_fx(pre_dispatch=True)``),
     so ``nn.Linear``/``F.linear`` both read ``aten.linear``, ``x.transpose``/``torch.transpose``
-    both read ``aten.transpose``, and composite ops such as ``aten.linear`` are kept whole
+    both read ``aten.transpose``, and composite ops such as ``aten.linear`` are kept whole;
+    then the normal form (:mod:`hecate.compiler.normalize`) on the whole graph and every loop body
   → the enabled passes, in registration order, each replacing its subgraphs by one
     ``torch.ops.hecate.*`` call and writing fusions and near-misses into the report
   → the fallback compiler (Inductor or eager) for everything that is left.
@@ -41,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hecate.compiler.logs import log, stage
 from hecate.compiler.loops import RolledGraph, roll_loops
-from hecate.compiler.normalize import normalize
+from hecate.compiler.normalize import collapse_captured, normalize
 from hecate.compiler.options import Options
 from hecate.passes.report import FusionReport, source_line
 
@@ -87,6 +90,8 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
          options: Options) -> tuple[fx.GraphModule, FusionReport]:
     """Dynamo's graph → the ATen graph with Hecate's ops in it, and what was fused and why."""
     report = FusionReport(graphs=1)
+    with stage("common subexpressions", options.progress):
+        gm = collapse_captured(gm)
     rolled = fuse_rolled_loops(gm, example_inputs, options, report)
     if rolled is not None:
         return rolled

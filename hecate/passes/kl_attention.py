@@ -637,9 +637,13 @@ def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node]:
 
 
 def _outside_users(algebra: _PairAlgebra, roots, core: set) -> str | None:
+    """The first use of a tensor computed from β or KL that the fused op does not provide, or None.
+
+    The factors read from the beliefs alone (``μ.unsqueeze(2)``, ``μ_i − μ_j``) may have other
+    readers (the decode's ``μ_i − m_v``, once equal subexpressions are one node): they stay for them."""
     inside = algebra.visited | set(roots) | core
     escapes = set(algebra.escapes)
-    for node in algebra.visited:
+    for node in algebra.visited & _computed_from_beta_or_kl(algebra):
         if node in algebra.kl_scales:
             continue  # the score's own nodes stay for their other users
         for user in node.users:
@@ -647,6 +651,17 @@ def _outside_users(algebra: _PairAlgebra, roots, core: set) -> str | None:
                 return (f"{user.name} ({short(user.target)}) uses {node.name}, a [B, N, N] tensor the fused op "
                         "does not form")
     return None
+
+
+def _computed_from_beta_or_kl(algebra: _PairAlgebra) -> set[fx.Node]:
+    """The nodes the algebra read that β or a KL factor flows into."""
+    found, stack = set(), [algebra.beta, *algebra.kl_scales]
+    while stack:
+        for user in stack.pop().users:
+            if user in algebra.visited and user not in found:
+                found.add(user)
+                stack.append(user)
+    return found
 
 
 def _root_poly(algebra: _PairAlgebra, root: fx.Node) -> Poly:

@@ -74,10 +74,51 @@ class Match:
 
 
 def find_matches(gm: fx.GraphModule, pattern: fx.Graph) -> list[Match]:
-    """Every non-overlapping occurrence of ``pattern`` in ``gm``; literals are wildcards."""
-    matcher = SubgraphMatcher(pattern, match_output=False, match_placeholder=False,
-                              remove_overlapping_matches=True, ignore_literals=True)
+    """Every non-overlapping occurrence of ``pattern`` in ``gm``; literals are wildcards.
+
+    A view of the pattern's inputs (``w.T`` in ``x @ w.T``) may be shared with the rest of the
+    graph, as the normal form computes each subexpression once: the weight's transpose read by
+    the keys' and the queries' feature maps is one node, in both matches."""
+    matcher = _SharedViewMatcher(pattern, match_output=False, match_placeholder=False,
+                                 remove_overlapping_matches=True, ignore_literals=True)
     return [Match(pattern, m) for m in matcher.match(gm.graph)]
+
+
+class _SharedViewMatcher(SubgraphMatcher):
+    """SubgraphMatcher whose matches may share the views of their inputs with other nodes.
+
+    Such a view costs nothing to keep for its other readers (a replacement erases only the
+    matched nodes nothing else reads), so it neither makes a match leak nor makes two overlap.
+    """
+
+    def __init__(self, pattern: fx.Graph, **kwargs: Any):
+        super().__init__(pattern, **kwargs)
+        self.input_views: set[fx.Node] = set()
+        for pn in pattern.nodes:  # in order: a view's inputs are classified before it
+            if _is_view(pn) and all(i.op == "placeholder" or i in self.input_views for i in pn.all_input_nodes):
+                self.input_views.add(pn)
+
+    def _owned(self, nodes_map: dict[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
+        return {pn: gn for pn, gn in nodes_map.items() if pn not in self.input_views}
+
+    def _is_contained(self, nodes_map: dict[fx.Node, fx.Node]) -> bool:
+        return super()._is_contained(self._owned(nodes_map))
+
+    def _remove_overlapping_matches(self, matches: list[InternalMatch]) -> list[InternalMatch]:
+        kept, taken = [], set()
+        for match in matches:
+            owned = {gn for pn, gn in self._owned(match.nodes_map).items() if pn.op not in ("placeholder", "output")}
+            if not owned & taken:
+                kept.append(match)
+                taken |= owned
+        return kept
+
+
+def _is_view(node: fx.Node) -> bool:
+    """An ATen call whose result aliases its input without writing it (transpose, view, slice, ...)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and not schema.is_mutable and len(schema.returns) == 1 \
+        and schema.returns[0].alias_info is not None
 
 
 def val(node: Any) -> Any:

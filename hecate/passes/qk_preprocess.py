@@ -7,7 +7,8 @@ PyTorch function traced to a pattern and found with :func:`find_matches`:
     [projection] → swap to [B,D,T] → causal conv → tail stages
 
 * projection (optional): ``nn.Linear`` / ``F.linear``, ``x @ W.T`` (or ``W.t()``,
-  ``W.transpose(0, 1)``) with an optional ``+ b``;
+  ``W.transpose(0, 1)``, ``W.permute(1, 0)``, and ``einsum("btd,ed->bte", x, W)`` in the
+  normal form) with an optional ``+ b``;
 * swap [B,T,D] ↔ [B,D,T]: ``transpose``, ``.mT``, ``permute(0, 2, 1)``;
 * causal conv: ``F.conv1d(x, w, b, padding=K-1, groups=D)[..., :T]`` (also ``nn.Conv1d``),
   or ``F.conv1d(F.pad(x, (K-1, 0)), w, b, groups=D)``;
@@ -136,10 +137,14 @@ def _check_weight_transpose(match: Match) -> str | None:
     for node in match.nodes:
         if node.target == aten.transpose.int and {d % 2 for d in node.args[1:3]} != {0, 1}:
             return f"weight transpose swaps dims {node.args[1:3]}, not (0, 1)"
+        if node.target == aten.permute.default and [d % 2 for d in node.args[1]] != [1, 0]:
+            return f"weight permute{tuple(node.args[1])} is not (1, 0)"
     return _check_projection(match)
 
 
-_WEIGHT_TRANSPOSES = {"W.T": lambda w: w.T, "W.t()": lambda w: w.t(), "W.transpose(0, 1)": lambda w: w.transpose(0, 1)}
+# W.permute(1, 0) is also the normal form of einsum("btd,ed->bte", x, W)
+_WEIGHT_TRANSPOSES = {"W.T": lambda w: w.T, "W.t()": lambda w: w.t(), "W.transpose(0, 1)": lambda w: w.transpose(0, 1),
+                      "W.permute(1, 0)": lambda w: w.permute(1, 0)}
 _x_in = torch.zeros(_B, _T, _D + 1)
 _w_proj, _b_proj = torch.zeros(_D, _D + 1), torch.zeros(_D)
 

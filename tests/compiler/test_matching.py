@@ -94,3 +94,25 @@ def test_wrong_number_of_outputs_is_named():
     tanh = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.tanh.default)
     with pytest.raises(ValueError, match="returned 2 tensor\\(s\\) for 1 output\\(s\\)"):
         replace_with_function(gm, [tanh], lambda x: (x, x), [tanh.args[0]], outputs=[tanh])
+
+
+def test_matches_share_a_view_of_their_inputs():
+    """``w.T`` computed once for two products (the normal form's CSE): both products match, and
+    replacing one keeps the transpose for the other."""
+    from hecate.compiler.normalize import normalize_graph
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def two_products(a, b, w):
+        return a @ w.T, b @ w.T
+
+    args = (torch.randn(2, 4), torch.randn(3, 4), torch.randn(5, 4))
+    gm = normalize_graph(make_fx(two_products, pre_dispatch=True, tracing_mode="fake")(*args))
+    [transpose] = [n for n in gm.graph.nodes if n.target is torch.ops.aten.numpy_T.default]
+    assert len(transpose.users) == 2
+    pattern = pattern_graph(lambda x, w: x @ w.T, torch.randn(2, 4), torch.randn(5, 4))
+    matches = find_matches(gm, pattern)
+    assert len(matches) == 2 and all(transpose in m.nodes for m in matches)
+    replace_with_function(gm, matches[0], lambda x, w: torch.nn.functional.linear(x, w), matches[0].inputs)
+    gm.recompile()
+    for got, expected in zip(gm(*args), two_products(*args)):
+        assert (torch.linalg.norm(got - expected) / torch.linalg.norm(expected)).item() <= 1e-6

@@ -72,7 +72,8 @@ def test_unrolled_outer_product_state_is_reported_when_loops_are_not_rolled(monk
     monkeypatch.setattr(pipeline, "roll_loops", lambda gm: None)
     report = hecate.explain(tanh_retention_memory, torch.randn(2, 4, 3), torch.randn(2, 4, 3))
     miss = _only_miss(report, "memory_scan")
-    assert "[2, 3, 3] state is updated by an outer product in 4 chained steps" in miss.reason
+    # the normal form reads the einsum as the outer product v_t ⊗ k_t, so the memory pass names the steps
+    assert "4 memory update step(s) M ← a·M + (outer product)" in miss.reason
 
 
 def test_scan_body_with_outer_product_state_is_reported():

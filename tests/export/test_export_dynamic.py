@@ -107,9 +107,9 @@ def test_loop_form_warns_that_its_length_is_fixed(tmp_path):
     model = LpMemory(12, n_heads=2, d_k=4, d_v=3).eval()
     with pytest.warns(UserWarning, match=r"sequence dimension \(dim 1\) of input 'x' is fixed at 5"):
         report = hecate.export_onnx(model, _x(12)(EXAMPLE_BATCH, EXAMPLE_LENGTH), tmp_path / "loop.onnx")
-    # torch.export unrolls the Python loop and the memory pass fuses only loops rolled into a scan: unfused,
-    # its T steps written out (use_scan=True is the form that fuses and keeps T dynamic)
-    assert report.count("memory_scan") == 0, str(report)
+    # torch.export unrolls the Python loop (fixing T); the export path rolls it up again and fuses it
+    # (use_scan=True is the form that also keeps T dynamic)
+    assert report.count("memory_scan") == 1, str(report)
     session = ort.InferenceSession(str(tmp_path / "loop.onnx"), providers=["CPUExecutionProvider"])
     assert session.get_inputs()[0].shape[1:] == [EXAMPLE_LENGTH, 12], session.get_inputs()[0].shape
 

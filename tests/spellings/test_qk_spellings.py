@@ -114,7 +114,8 @@ SPELLINGS = {
         lambda m, x: (lambda a: torch.where(a.abs() < 1, 0.5 * a * a, a.abs() - 0.5))(F.silu(F.conv1d(
             torch.einsum("btd,ed->bte", x, m.proj.weight).transpose(1, 2), m.conv.weight, m.conv.bias,
             padding=(K - 1,), groups=D)[..., :x.shape[1]].transpose(1, 2))),
-        "x @ W.T → conv(K=4) → silu → φ = abs(x);lt(%0,1.0);mul(0.5,x);mul(x,%2);sub(%0,0.5);where(%1,%3,%4) [B,T,D]"),
+        "x @ W.permute(1, 0) → conv(K=4) → silu → φ = abs(x);lt(%0,1.0);mul(0.5,x);mul(x,%2);sub(%0,0.5);where(%1,%3,%4) "
+        "[B,T,D]"),
     "narrow for the causal slice": (
         lambda m, x: F.elu(F.silu(m.conv(m.proj(x).transpose(1, 2)).narrow(2, 0, x.shape[1]).transpose(1, 2))) + 1,
         "linear → conv(K=4) → silu → elu+1 [B,T,D]"),
@@ -128,16 +129,7 @@ SPELLINGS = {
         "linear → conv(K=4) → silu → elu+1 [B,T,D]"),
 }
 
-# Spellings that wait for the generic normal form (einsum ↔ matmul outside loop bodies); the pass does not
-# special-case them.
-NEEDS_CANONICAL_FORM = {
-    "einsum projection, conv padding as a tuple, a Huber-like φ":
-        "einsum is not yet normalised to a matmul: the chain fuses from the conv, the projection is left out",
-}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NEEDS_CANONICAL_FORM[n]))
-                                  if n in NEEDS_CANONICAL_FORM else n for n in SPELLINGS])
+@pytest.mark.parametrize("name", list(SPELLINGS))
 def test_spelling_fuses_and_matches_eager(name):
     spelling, detail = SPELLINGS[name]
     model = Block(spelling)
