@@ -82,7 +82,7 @@ def _tokens(x: torch.Tensor, B: int, H: int, T: int) -> torch.Tensor:
 
 
 def _decays(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """P [BH, C, C] with P[t, s] = Π_{r=s+1..t} a_r on and below the diagonal (0 above), and γ [BH, C].
+    """P [.., C, C] with P[t, s] = Π_{r=s+1..t} a_r on and below the diagonal (0 above), and γ [.., C].
 
     Column s of P is a cumulative product down the column of the factors a_t below the diagonal (1 on and
     above it), never a ratio of γ's: a keep factor of exactly 0 gives exact zeros, and no 0/0."""
@@ -91,38 +91,52 @@ def _decays(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cumprod(factors, -2).tril(), torch.cumprod(keep, -1)
 
 
-def _solve(A, K, V, keep, b, hebbian):
-    """The chunk's w's, W [BH, C, Dv], and what the reads and the reverse reuse:
-    (W, P, γ, P_prev, γ_prev, L, K Kᵀ, K A_0ᵀ) with P_prev[t] = P[t−1], γ_prev[t] = γ_{t−1} (None: Hebbian)."""
-    P, gamma = _decays(keep)                                                # [BH, C, C], [BH, C]
-    P_prev = torch.nn.functional.pad(P[:, :-1], (0, 0, 1, 0))               # row 0: 0
-    gamma_prev = torch.nn.functional.pad(gamma[:, :-1], (1, 0), value=1.0)  # γ_{−1} = 1
+def _within(K: torch.Tensor, keep: torch.Tensor, b: torch.Tensor, hebbian: bool) -> tuple:
+    """What a chunk needs besides its start state, for every chunk at once ([n, BH, ...]):
+    (P, γ, P_prev, γ_prev, K Kᵀ, (I + L)⁻¹) with P_prev[t] = P[t−1], γ_prev[t] = γ_{t−1} (the last two
+    None for Hebbian). One batched triangular solve inverts every chunk's I + L: inside the chunk walk,
+    the solves are then matrix products."""
+    P, gamma = _decays(keep)                                                # [n, BH, C, C], [n, BH, C]
+    P_prev = torch.nn.functional.pad(P[..., :-1, :], (0, 0, 1, 0))          # row 0: 0
+    gamma_prev = torch.nn.functional.pad(gamma[..., :-1], (1, 0), value=1.0)  # γ_{−1} = 1
     if hebbian:
-        return b.unsqueeze(-1) * V, P, gamma, P_prev, gamma_prev, None, None, None
-    # (I + L) W = diag(b) (V − diag(γ_{t−1}) K A_0ᵀ),  L[t, s] = b_t P[t−1, s] (k_s · k_t) for s < t
-    KK, KA = K @ K.transpose(1, 2), K @ A.transpose(1, 2)                  # [BH, C, C], [BH, C, Dv]
+        return P, gamma, P_prev, gamma_prev, None, None
+    # L[t, s] = b_t P[t−1, s] (k_s · k_t) for s < t; unitriangular: the solve reads only L's strict lower
+    # triangle and takes a unit diagonal
+    KK = K @ K.transpose(-1, -2)
     L = b.unsqueeze(-1) * P_prev * KK
-    rhs = b.unsqueeze(-1) * (V - gamma_prev.unsqueeze(-1) * KA)
-    # unitriangular: the solve reads only L's strict lower triangle and takes a unit diagonal
-    W = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
-    return W, P, gamma, P_prev, gamma_prev, L, KK, KA
+    identity = torch.eye(CHUNK, dtype=L.dtype, device=L.device).expand_as(L)
+    return P, gamma, P_prev, gamma_prev, KK, torch.linalg.solve_triangular(L, identity, upper=False,
+                                                                           unitriangular=True)
 
 
-def _chunk(A: torch.Tensor, K: torch.Tensor, V: torch.Tensor, Q: torch.Tensor, keep: torch.Tensor,
-           b: torch.Tensor, hebbian: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _solve(A, K, V, b, gamma_prev, inverse, hebbian):
+    """The chunk's w's, W [BH, C, Dv], and K A_0ᵀ [BH, C, Dv] (None for Hebbian, where W = diag(b) V)."""
+    if hebbian:
+        return b.unsqueeze(-1) * V, None
+    KA = K @ A.transpose(1, 2)
+    return inverse @ (b.unsqueeze(-1) * (V - gamma_prev.unsqueeze(-1) * KA)), KA   # (I + L) W = rhs
+
+
+def _chunk(A: torch.Tensor, blocks: tuple, within: tuple, hebbian: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk from its start state A [BH, Dv, Dk]: (Y [BH, C, Dv], the end state [BH, Dv, Dk]).
 
-    K, Q [BH, C, Dk]; V [BH, C, Dv]; keep a_t and the step b_t (η_t Hebbian, 2η_t delta rule) [BH, C]."""
-    W, P, gamma = _solve(A, K, V, keep, b, hebbian)[:3]
+    ``blocks``: the chunk's K, V, Q [BH, C, D], keep a_t and step b_t (η_t Hebbian, 2η_t delta rule) [BH, C];
+    ``within``: the chunk's slice of :func:`_within`."""
+    K, V, Q, _, b = blocks
+    P, gamma, _, gamma_prev, _, inverse = within
+    W = _solve(A, K, V, b, gamma_prev, inverse, hebbian)[0]
     # Y = diag(γ) Q A_0ᵀ + (P ⊙ Q Kᵀ) W ;  A_end = γ_C A_0 + Wᵀ diag(P[C, :]) K
     Y = gamma.unsqueeze(-1) * (Q @ A.transpose(1, 2)) + (P * (Q @ K.transpose(1, 2))) @ W
     A_end = gamma[:, -1, None, None] * A + (P[:, -1].unsqueeze(-1) * W).transpose(1, 2) @ K
     return Y, A_end
 
 
-def _chunk_backward(A, K, V, Q, keep, b, hebbian, dY, dA_end):
+def _chunk_backward(A, blocks, within, hebbian, dY, dA_end):
     """The reverse of :func:`_chunk`: (dA_0, dK, dV, dQ, dkeep, db) from dY [BH, C, Dv] and dA_end [BH, Dv, Dk]."""
-    W, P, gamma, P_prev, gamma_prev, L, KK, KA = _solve(A, K, V, keep, b, hebbian)
+    K, V, Q, _, b = blocks
+    P, gamma, P_prev, gamma_prev, KK, inverse = within
+    W, KA = _solve(A, K, V, b, gamma_prev, inverse, hebbian)
     QK, QA = Q @ K.transpose(1, 2), Q @ A.transpose(1, 2)
     dP, dgamma = torch.zeros_like(P), torch.zeros_like(gamma)
     # A_end = γ_C A_0 + Zᵀ K,  Z = diag(P[C, :]) W
@@ -148,7 +162,7 @@ def _chunk_backward(A, K, V, Q, keep, b, hebbian, dY, dA_end):
         db, dV = (dW * V).sum(-1), b.unsqueeze(-1) * dW
     else:
         # W = (I + L)⁻¹ rhs: d rhs = (I + L)⁻ᵀ dW, dL = −d rhs Wᵀ (strict lower part: L's only entries)
-        drhs = torch.linalg.solve_triangular(L.transpose(1, 2), dW, upper=True, unitriangular=True)
+        drhs = inverse.transpose(1, 2) @ dW
         dL = -(drhs @ W.transpose(1, 2)).tril(-1)
         # rhs = diag(b) E,  E = V − diag(γ_prev) K A_0ᵀ
         E = V - gamma_prev.unsqueeze(-1) * KA
@@ -182,6 +196,11 @@ def _inputs(k, v, q, alpha, eta, m0, hebbian):
     return blocks, A
 
 
+def _at(tensors: tuple, c: int) -> tuple:
+    """Chunk c's slice of each of ``tensors`` ([n, ...] or None)."""
+    return tuple(None if x is None else x[c] for x in tensors)
+
+
 def forward(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, eta: torch.Tensor,
             m0: Optional[torch.Tensor], hebbian: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``cpu.forward`` for the two linear members: y [B, T, H, Dv] (dtype of v), A_T [B, H, Dv, Dk] and the empty
@@ -190,9 +209,10 @@ def forward(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, alpha: torch.Tens
     ``hebbian``: w_t = η_t v_t (linear attention); else w_t = 2η_t (v_t − A_{t−1} k_t) (p = 2)."""
     B, T, H, Dk = k.shape
     blocks, A = _inputs(k, v, q, alpha, eta, m0, hebbian)
+    within = _within(blocks[0], blocks[3], blocks[4], hebbian)
     Y = []
     for c in range(blocks[0].shape[0]):
-        Y_c, A = _chunk(A, *(x[c] for x in blocks), hebbian)
+        Y_c, A = _chunk(A, _at(blocks, c), _at(within, c), hebbian)
         Y.append(Y_c)
     y = _tokens(torch.stack(Y), B, H, T)
     return y.to(v.dtype), A.reshape(B, H, *A.shape[1:]), A.new_empty(0)
@@ -209,16 +229,17 @@ def backward(dy: torch.Tensor, dA_final: torch.Tensor, k: torch.Tensor, v: torch
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     blocks, A = _inputs(k, v, q, alpha, eta, m0, hebbian)
+    within = _within(blocks[0], blocks[3], blocks[4], hebbian)
     n_chunks = blocks[0].shape[0]
     starts = []
     for c in range(n_chunks):
         starts.append(A)
-        A = _chunk(A, *(x[c] for x in blocks), hebbian)[1]
+        A = _chunk(A, _at(blocks, c), _at(within, c), hebbian)[1]
     dY = _blocks(dy, n_chunks, A.dtype)
     dA = dA_final.to(A.dtype).reshape(A.shape)
     dblocks = [torch.empty_like(x) for x in blocks]
     for c in range(n_chunks - 1, -1, -1):
-        dA, *dchunk = _chunk_backward(starts[c], *(x[c] for x in blocks), hebbian, dY[c], dA)
+        dA, *dchunk = _chunk_backward(starts[c], _at(blocks, c), _at(within, c), hebbian, dY[c], dA)
         for dx, dx_c in zip(dblocks, dchunk):
             dx[c] = dx_c
     dk, dv, dq, dkeep, db = (_tokens(dx, B, H, T) for dx in dblocks)
