@@ -115,21 +115,23 @@ def _solve(A, K, V, b, gamma_prev, inverse, hebbian):
     if hebbian:
         return b.unsqueeze(-1) * V, None
     KA = K @ A.transpose(1, 2)
-    return inverse @ (b.unsqueeze(-1) * (V - gamma_prev.unsqueeze(-1) * KA)), KA   # (I + L) W = rhs
+    rhs = torch.addcmul(V, gamma_prev.unsqueeze(-1), KA, value=-1.0).mul_(b.unsqueeze(-1))
+    return inverse @ rhs, KA                                                # (I + L) W = rhs
 
 
-def _chunk(A: torch.Tensor, blocks: tuple, within: tuple, hebbian: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk from its start state A [BH, Dv, Dk]: (Y [BH, C, Dv], the end state [BH, Dv, Dk]).
+def _chunk(A: torch.Tensor, blocks: tuple, within: tuple, hebbian: bool, Y: torch.Tensor) -> torch.Tensor:
+    """One chunk from its start state A [BH, Dv, Dk]: writes its reads into Y [BH, C, Dv], returns the end state.
 
     ``blocks``: the chunk's K, V, Q [BH, C, D], keep a_t and step b_t (η_t Hebbian, 2η_t delta rule) [BH, C];
-    ``within``: the chunk's slice of :func:`_within`."""
+    ``within``: the chunk's slice of :func:`_within`. In place where it can: on CPU every fresh buffer of this
+    size costs page faults."""
     K, V, Q, _, b = blocks
     P, gamma, _, gamma_prev, _, inverse = within
     W = _solve(A, K, V, b, gamma_prev, inverse, hebbian)[0]
-    # Y = diag(γ) Q A_0ᵀ + (P ⊙ Q Kᵀ) W ;  A_end = γ_C A_0 + Wᵀ diag(P[C, :]) K
-    Y = gamma.unsqueeze(-1) * (Q @ A.transpose(1, 2)) + (P * (Q @ K.transpose(1, 2))) @ W
-    A_end = gamma[:, -1, None, None] * A + (P[:, -1].unsqueeze(-1) * W).transpose(1, 2) @ K
-    return Y, A_end
+    # Y = diag(γ) Q A_0ᵀ + (P ⊙ Q Kᵀ) W
+    torch.baddbmm((Q @ A.transpose(1, 2)).mul_(gamma.unsqueeze(-1)), (Q @ K.transpose(1, 2)).mul_(P), W, out=Y)
+    # A_end = γ_C A_0 + Wᵀ diag(P[C, :]) K
+    return torch.baddbmm(gamma[:, -1, None, None] * A, W.mul_(P[:, -1].unsqueeze(-1)).transpose(1, 2), K)
 
 
 def _chunk_backward(A, blocks, within, hebbian, dY, dA_end):
@@ -176,7 +178,7 @@ def _chunk_backward(A, blocks, within, hebbian, dY, dA_end):
         dK += (dKK + dKK.transpose(1, 2)) @ K
         dP[:, :-1] += (b.unsqueeze(-1) * KK * dL)[:, 1:]                     # P_prev[t] = P[t−1]
         dgamma[:, :-1] -= (dV * KA).sum(-1)[:, 1:]                           # γ_prev[t] = γ_{t−1}
-    # P[t, s] and γ_t are products of keeps: ∂/∂a_r leaves out a_r, P[r−1, s] · P[t, r] (and γ_{r−1} · P[t, r]),
+    # P[t, s] and γ_t are products of keeps: ∂/∂a_r leaves a_r out, P[r−1, s] · P[t, r] (γ_{r−1} · P[t, r]),
     # so da_r = Σ_{s<r} P[r−1, s] (Pᵀ dP)[r, s] + γ_{r−1} (Pᵀ dγ)_r: no division, a keep of 0 is exact
     Pt = P.transpose(1, 2)
     dkeep = (P_prev * (Pt @ dP)).sum(-1) + gamma_prev * (Pt @ dgamma.unsqueeze(-1)).squeeze(-1)
@@ -210,11 +212,10 @@ def forward(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, alpha: torch.Tens
     B, T, H, Dk = k.shape
     blocks, A = _inputs(k, v, q, alpha, eta, m0, hebbian)
     within = _within(blocks[0], blocks[3], blocks[4], hebbian)
-    Y = []
-    for c in range(blocks[0].shape[0]):
-        Y_c, A = _chunk(A, _at(blocks, c), _at(within, c), hebbian)
-        Y.append(Y_c)
-    y = _tokens(torch.stack(Y), B, H, T)
+    Y = torch.empty_like(blocks[1])                                         # [n, BH, C, Dv]
+    for c in range(Y.shape[0]):
+        A = _chunk(A, _at(blocks, c), _at(within, c), hebbian, Y[c])
+    y = _tokens(Y, B, H, T)
     return y.to(v.dtype), A.reshape(B, H, *A.shape[1:]), A.new_empty(0)
 
 
@@ -231,10 +232,10 @@ def backward(dy: torch.Tensor, dA_final: torch.Tensor, k: torch.Tensor, v: torch
     blocks, A = _inputs(k, v, q, alpha, eta, m0, hebbian)
     within = _within(blocks[0], blocks[3], blocks[4], hebbian)
     n_chunks = blocks[0].shape[0]
-    starts = []
+    starts, unused_reads = [], torch.empty_like(blocks[1][0])
     for c in range(n_chunks):
         starts.append(A)
-        A = _chunk(A, _at(blocks, c), _at(within, c), hebbian)[1]
+        A = _chunk(A, _at(blocks, c), _at(within, c), hebbian, unused_reads)
     dY = _blocks(dy, n_chunks, A.dtype)
     dA = dA_final.to(A.dtype).reshape(A.shape)
     dblocks = [torch.empty_like(x) for x in blocks]

@@ -141,7 +141,8 @@ def forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebb
 
 def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="",
                        s0=None, dS_final=None):
-    """The per-token reverse loop: gradients (dk, dv, dq, dalpha, deta, dm0, ds0) of one unpacked batch (ds0 empty without momentum).
+    """The per-token reverse loop: gradients (dk, dv, dq, dalpha, deta, dm0, ds0) of one unpacked batch (ds0 empty
+    without momentum).
 
     Reverse step for token t (pre-state A_{t−1}, post-state A_t), carrying
     P = (1 − α_{t+1}) dA_{t+1} (+ the next error's dW when q = 2, folded in) and,
