@@ -119,8 +119,9 @@ def _solve(A, K, V, b, gamma_prev, inverse, hebbian):
     return inverse @ rhs, KA                                                # (I + L) W = rhs
 
 
-def _chunk(A: torch.Tensor, blocks: tuple, within: tuple, hebbian: bool, Y: torch.Tensor) -> torch.Tensor:
-    """One chunk from its start state A [BH, Dv, Dk]: writes its reads into Y [BH, C, Dv], returns the end state.
+def _chunk(A: torch.Tensor, blocks: tuple, within: tuple, hebbian: bool, Y: Optional[torch.Tensor]) -> torch.Tensor:
+    """One chunk from its start state A [BH, Dv, Dk]: writes its reads into Y [BH, C, Dv] (None: no reads, as
+    the backward's pass over the start states needs none), returns the end state.
 
     ``blocks``: the chunk's K, V, Q [BH, C, D], keep a_t and step b_t (η_t Hebbian, 2η_t delta rule) [BH, C];
     ``within``: the chunk's slice of :func:`_within`. In place where it can: on CPU every fresh buffer of this
@@ -129,7 +130,9 @@ def _chunk(A: torch.Tensor, blocks: tuple, within: tuple, hebbian: bool, Y: torc
     P, gamma, _, gamma_prev, _, inverse = within
     W = _solve(A, K, V, b, gamma_prev, inverse, hebbian)[0]
     # Y = diag(γ) Q A_0ᵀ + (P ⊙ Q Kᵀ) W
-    torch.baddbmm((Q @ A.transpose(1, 2)).mul_(gamma.unsqueeze(-1)), (Q @ K.transpose(1, 2)).mul_(P), W, out=Y)
+    if Y is not None:
+        torch.baddbmm((Q @ A.transpose(1, 2)).mul_(gamma.unsqueeze(-1)), (Q @ K.transpose(1, 2)).mul_(P), W,
+                      out=Y)
     # A_end = γ_C A_0 + Wᵀ diag(P[C, :]) K
     return torch.baddbmm(gamma[:, -1, None, None] * A, W.mul_(P[:, -1].unsqueeze(-1)).transpose(1, 2), K)
 
@@ -232,10 +235,10 @@ def backward(dy: torch.Tensor, dA_final: torch.Tensor, k: torch.Tensor, v: torch
     blocks, A = _inputs(k, v, q, alpha, eta, m0, hebbian)
     within = _within(blocks[0], blocks[3], blocks[4], hebbian)
     n_chunks = blocks[0].shape[0]
-    starts, unused_reads = [], torch.empty_like(blocks[1][0])
+    starts = []
     for c in range(n_chunks):
         starts.append(A)
-        A = _chunk(A, _at(blocks, c), _at(within, c), hebbian, unused_reads)
+        A = _chunk(A, _at(blocks, c), _at(within, c), hebbian, None)
     dY = _blocks(dy, n_chunks, A.dtype)
     dA = dA_final.to(A.dtype).reshape(A.shape)
     dblocks = [torch.empty_like(x) for x in blocks]

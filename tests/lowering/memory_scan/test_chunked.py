@@ -244,3 +244,23 @@ def test_chunked_would_spread_a_nan_backwards_in_its_chunk():
     y = chunked.forward(k, v, q, alpha, eta, m0, hebbian=False)[0]
     assert torch.isfinite(cpu.forward_recurrent(k, v, q, alpha, eta, m0, 2.0, 10.0, 1e-6, 0.0, 2.0)[0][0, :40]).all()
     assert not torch.isfinite(y[0, :40]).all()
+
+
+@pytest.mark.parametrize("hebbian", [False, True], ids=["p2", "hebbian"])
+def test_bf16_inputs_run_in_an_fp32_state(hebbian):
+    """bf16 k, v, q: both forms compute in fp32 from the same bf16 values; y and dk, dv, dq leave in bf16
+    (rounded: 2⁻⁸ relative per element), the state and the gate gradients in fp32."""
+    k, v, q, alpha, eta, m0 = [x.detach().float() for x in make_inputs(Case("p2", T=130))[:6]]
+    k, v, q = (x.to(torch.bfloat16) for x in (k, v, q))
+    dy, dm = torch.randn(v.shape).to(torch.bfloat16), torch.randn(m0.shape)
+    scalars = (2.0, 10.0, 1e-6, 0.0, 2.0)
+    y, m, _ = chunked.forward(k, v, q, alpha, eta, m0, hebbian)
+    y_r, m_r, _ = cpu.forward_recurrent(k, v, q, alpha, eta, m0, *scalars, hebbian)
+    grads = chunked.backward(dy, dm, k, v, q, alpha, eta, m0, hebbian)
+    grads_r = cpu.backward_recurrent(dy, dm, k, v, q, alpha, eta, m0, *scalars, hebbian)
+    assert y.dtype == torch.bfloat16 and m.dtype == torch.float32
+    assert_close("y", y, y_r, 1e-2)
+    assert_close("m_final", m, m_r, 1e-5)
+    for name, g, g_r in zip(GRAD_NAMES, grads, grads_r):
+        assert g.dtype == g_r.dtype, name
+        assert_close(name, g, g_r, 1e-2 if g.dtype == torch.bfloat16 else 1e-5)
