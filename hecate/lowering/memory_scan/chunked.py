@@ -45,17 +45,17 @@ def uses_chunked(T: int, p: float, bias: str, momentum: float, q_norm: float, he
     return T >= MIN_T and applies(p, bias, momentum, q_norm, hebbian)
 
 
-
 # ---------------------------------------------------------------- the CPU form, in batched ATen
 #
-# On CPU the chunks are walked in order, all B·H heads at once: when chunk c starts, its start state A_0 is
-# known, so the chunk solves directly for W, with the Dv right-hand sides diag(b) (V − diag(γ_{t−1}) K A_0ᵀ)
-# (the same system as above, U − Ŵ A_0ᵀ in one solve). One chunk's [B·H, C, C] and [B·H, C, D] blocks stay
-# in cache; the split into U and Ŵ, which lets every chunk solve at once, is for parallel hardware.
+# What does not depend on a chunk's start state (P, γ, K Kᵀ, (I + L)⁻¹) is formed for every chunk at once.
+# Then the chunks are walked in order, all B·H heads at once: when chunk c starts, its start state A_0 is
+# known, so W = (I + L)⁻¹ diag(b) (V − diag(γ_{t−1}) K A_0ᵀ) directly (U − Ŵ A_0ᵀ above, in one product),
+# and one chunk's [B·H, C, C] and [B·H, C, D] operands stay in cache. The split into U and Ŵ, which lets
+# every chunk's products run at once, is for parallel hardware.
 #
 # Layout: a sequence is cut into n = ceil(T / C) chunks, chunk-major [n, B·H, C, ...] blocks (one chunk's
-# slice is contiguous). The tail is padded with
-# tokens that leave the state as it is (keep 1, step 0, k = v = q = 0); their reads are dropped.
+# slice is contiguous). The tail is padded with tokens that leave the state as it is (keep 1, step 0,
+# k = v = q = 0); their reads are dropped.
 
 
 def _state_dtype(k: torch.Tensor) -> torch.dtype:
