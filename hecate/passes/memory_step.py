@@ -711,7 +711,18 @@ def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
         except NotFused as why:
             report.add_miss(op, f"{form} over a {rec.name} step: {why}", node.name, nodes=_body_nodes(gm, node))
             continue
-        report.add_fusion(op, f"hecate.{op}", replaced, f"{describe(rec)}; {form} rolled up {over}")
+        report.add_fusion(op, f"hecate.{op}", replaced, f"{describe(rec)}; {_runs_as(rec)}; {form} rolled up {over}")
+
+
+def _runs_as(rec: Recurrence) -> str:
+    """Which form the fused op runs: chunked where the step is linear in the state (from ``chunked.MIN_T``)."""
+    from hecate.lowering.memory_scan import chunked
+
+    p = rec.params
+    if chunked.applies(p.get("p", 2.0), p.get("bias", ""), p.get("momentum", 0.0), p.get("q_norm", 2.0),
+                       rec.kind == "hebbian"):
+        return f"chunked at T >= {chunked.MIN_T}"
+    return "fused-recurrent (nonlinear in the state)"
 
 
 def _form(node: fx.Node) -> str:

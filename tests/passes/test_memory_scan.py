@@ -52,18 +52,23 @@ def check_fused(model, inputs, detail, op="hecate.memory_scan"):
         assert_close(f"grad {name}", a, b, TOL)
 
 
+# which form the fused op runs, as the report names it
+CHUNKED, RECURRENT = "chunked at T >= 64", "fused-recurrent (nonlinear in the state)"
+
 LOOP_CASES = [
     # (model kwargs, T, detail)
-    (dict(p=2.0), 2, "GD, l_2 bias p=2 (2e fast path); loop rolled up 2 steps"),
-    (dict(p=1.0, alpha=None, eta=None, phi="elu1"), 5, "GD, l_1 bias p=1 (tanh fast path); loop rolled up 5 steps"),
-    (dict(p=3.0, alpha=0.05, eta=0.2, phi="relu"), 7, "GD, l_p bias p=3 (general form); loop rolled up 7 steps"),
-    (dict(p=2.5, alpha=None, eta=None), 6, "GD, l_p bias p=2.5 (general form); loop rolled up 6 steps"),
+    (dict(p=2.0), 2, f"GD, l_2 bias p=2 (2e fast path); {CHUNKED}; loop rolled up 2 steps"),
+    (dict(p=1.0, alpha=None, eta=None, phi="elu1"), 5, f"GD, l_1 bias p=1 (tanh fast path); "
+                                                       f"{RECURRENT}; loop rolled up 5 steps"),
+    (dict(p=3.0, alpha=0.05, eta=0.2, phi="relu"), 7, f"GD, l_p bias p=3 (general form); "
+                                                      f"{RECURRENT}; loop rolled up 7 steps"),
+    (dict(p=2.5, alpha=None, eta=None), 6, f"GD, l_p bias p=2.5 (general form); {RECURRENT}; loop rolled up 6 steps"),
     (dict(p=3.0, q_norm=4.0, alpha=None, eta=None), 5,
-     "MONETA L_q retention q=4, l_p bias p=3 (general form); loop rolled up 5 steps"),
+     f"MONETA L_q retention q=4, l_p bias p=3 (general form); {RECURRENT}; loop rolled up 5 steps"),
     (dict(p=2.0, momentum=0.5, alpha=None), 5,
-     "GD with momentum β=0.5, l_2 bias p=2 (2e fast path); loop rolled up 5 steps"),
+     f"GD with momentum β=0.5, l_2 bias p=2 (2e fast path); {RECURRENT}; loop rolled up 5 steps"),
     (dict(p=2.5, momentum=0.75, phi="elu1"), 4,
-     "GD with momentum β=0.75, l_p bias p=2.5 (general form); loop rolled up 4 steps"),
+     f"GD with momentum β=0.75, l_p bias p=2.5 (general form); {RECURRENT}; loop rolled up 4 steps"),
 ]
 
 
@@ -78,15 +83,16 @@ def test_initial_state_in_final_state_out(fresh_dynamo):
     model = LpMemory(8, n_heads=3, d_k=4, d_v=3, p=2.5, alpha=None, eta=None)
     x = torch.randn(1, 5, 8, requires_grad=True)
     m0 = (0.1 * torch.randn(1, 3, 3, 4)).requires_grad_()
-    check_fused(model, (x, m0), "GD, l_p bias p=2.5 (general form); loop rolled up 5 steps")
+    check_fused(model, (x, m0), f"GD, l_p bias p=2.5 (general form); {RECURRENT}; loop rolled up 5 steps")
 
 
 SCAN_CASES = [
-    (dict(p=2.5, alpha=None, eta=None), "GD, l_p bias p=2.5 (general form); scan higher-order op rolled up 5 steps"),
+    (dict(p=2.5, alpha=None, eta=None), f"GD, l_p bias p=2.5 (general form); "
+                                        f"{RECURRENT}; scan higher-order op rolled up 5 steps"),
     (dict(p=3.0, q_norm=4.0), "MONETA L_q retention q=4, l_p bias p=3 (general form); "
-                              "scan higher-order op rolled up 5 steps"),
+                              f"{RECURRENT}; scan higher-order op rolled up 5 steps"),
     (dict(p=1.0, momentum=0.5, alpha=None), "GD with momentum β=0.5, l_1 bias p=1 (tanh fast path); "
-                                            "scan higher-order op rolled up 5 steps"),
+                                            f"{RECURRENT}; scan higher-order op rolled up 5 steps"),
 ]
 
 
@@ -100,12 +106,12 @@ def test_scan_is_fused_and_matches_eager(kwargs, detail, fresh_dynamo):
 
 HEBBIAN = "Hebbian M ← α M + v φ(k)ᵀ"
 HEBBIAN_CASES = [
-    (dict(alpha=None), False, 5, f"{HEBBIAN}; loop rolled up 5 steps"),
-    (dict(alpha=None), False, 2, f"{HEBBIAN}; loop rolled up 2 steps"),
+    (dict(alpha=None), False, 5, f"{HEBBIAN}; {CHUNKED}; loop rolled up 5 steps"),
+    (dict(alpha=None), False, 2, f"{HEBBIAN}; {CHUNKED}; loop rolled up 2 steps"),
     (dict(alpha=1.0, normalise=True), False, 6,
-     f"{HEBBIAN}, normalised by z ← α z + φ(k); loop rolled up 6 steps"),
+     f"{HEBBIAN}, normalised by z ← α z + φ(k); {CHUNKED}; loop rolled up 6 steps"),
     (dict(alpha=None, normalise=True), True, 5,
-     f"{HEBBIAN}, normalised by z ← α z + φ(k); scan higher-order op rolled up 5 steps"),
+     f"{HEBBIAN}, normalised by z ← α z + φ(k); {CHUNKED}; scan higher-order op rolled up 5 steps"),
 ]
 
 
@@ -161,7 +167,7 @@ class _Fn(torch.nn.Module):
 
 
 def test_user_function_over_bthd_tensors_is_fused(fresh_dynamo):
-    check_fused(_Fn(), _user_inputs(), "GD, l_p bias p=2.5 (general form); loop rolled up 6 steps")
+    check_fused(_Fn(), _user_inputs(), f"GD, l_p bias p=2.5 (general form); {RECURRENT}; loop rolled up 6 steps")
 
 
 def test_general_form_at_p2_is_generated_not_taken_for_the_2e_fast_path(fresh_dynamo):
@@ -172,7 +178,7 @@ def test_general_form_at_p2_is_generated_not_taken_for_the_2e_fast_path(fresh_dy
     (fusion,) = hecate.last_report().fusions
     # the literal factor p = 2 goes to the step size; g is the rest, tanh(10e)·(e² + 1e-6)^0.5
     assert fusion.detail.startswith("GD, bias g(e) = ") and "tanh" in fusion.detail and "pow" in fusion.detail
-    assert fusion.detail.endswith("(generated); loop rolled up 6 steps")
+    assert fusion.detail.endswith(f"(generated); {RECURRENT}; loop rolled up 6 steps")
     assert_close("y", y, y_ref, TOL)
     assert_close("m_final", m, m_ref, TOL)
     for a, b in zip(g, g_ref):

@@ -7,7 +7,11 @@ per-step bookkeeping backward.
 The backward is a hand-written reverse loop: the forward is re-run keeping the
 state every ``CHUNK`` steps (B·H·ceil(T/CHUNK)·Dv·Dk floats, twice with momentum),
 then each segment is recomputed (CHUNK states held) and walked backwards.
-The equations are in :mod:`.naive`; the reverse-mode ones are in :func:`backward`.
+The equations are in :mod:`.naive`; the reverse-mode ones are in :func:`backward_recurrent`.
+
+:func:`forward` and :func:`backward` pick the form: the recurrences that are linear in the state
+(p = 2 and Hebbian) run in the chunked form of :mod:`.chunked` at T >= ``chunked.MIN_T``, the rest
+(and short sequences) run this per-token loop (:func:`forward_recurrent`, :func:`backward_recurrent`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Optional
 import torch
 
 from hecate.lowering import pointwise
+from hecate.lowering.memory_scan import chunked
 from hecate.lowering.memory_scan.naive import bias_grad, lq_normalize
 
 CHUNK = 64
@@ -116,8 +121,8 @@ def _final_momentum(S, momentum, B, H):
     return S.reshape(B, H, *S.shape[1:]) if momentum != 0.0 else S.new_empty(0)
 
 
-def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None):
-    """y [B, T, H, Dv] (dtype of v), A_T and S_T [B, H, Dv, Dk] (S_T empty without momentum) for one
+def forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None):
+    """The per-token loop: y [B, T, H, Dv] (dtype of v), A_T and S_T [B, H, Dv, Dk] (S_T empty without momentum) for one
     unpacked batch, starting from m0 and s0 (zeros when None).
 
     ``hebbian``: the update ignores the memory, U = −v kᵀ (so A ← (1 − α) A + η v kᵀ): the
@@ -134,9 +139,10 @@ def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False,
     return _untm(Y, B, H).to(v.dtype), A.reshape(B, H, *A.shape[1:]), _final_momentum(S, momentum, B, H)
 
 
-def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
-             dS_final=None):
-    """Gradients (dk, dv, dq, dalpha, deta, dm0, ds0) of one unpacked batch (ds0 empty without momentum).
+def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="",
+                       s0=None, dS_final=None):
+    """The per-token reverse loop: gradients (dk, dv, dq, dalpha, deta, dm0, ds0) of one unpacked batch (ds0 empty
+    without momentum).
 
     Reverse step for token t (pre-state A_{t−1}, post-state A_t), carrying
     P = (1 − α_{t+1}) dA_{t+1} (+ the next error's dW when q = 2, folded in) and,
@@ -219,6 +225,29 @@ def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm,
     return (_untm(dK, B, H).to(k.dtype), _untm(dV, B, H).to(v.dtype), _untm(dQ, B, H).to(q.dtype),
             _untm(dAL, B, H).to(alpha.dtype), _untm(dET, B, H).to(eta.dtype),
             dA0.reshape(B, H, Dv, Dk), _final_momentum(dS_carry, momentum, B, H))
+
+
+def _runs_chunked(T, p, bias, momentum, q_norm, hebbian, *tensors) -> bool:
+    """``chunked.uses_chunked``, for finite ``tensors`` only: inside a chunk the dense products meet every
+    token (0 · NaN = NaN), so a NaN or inf would also reach the reads before it, which the loop keeps finite."""
+    return (chunked.uses_chunked(T, p, bias, momentum, q_norm, hebbian)
+            and all(bool(torch.isfinite(x).all()) for x in tensors if x is not None))
+
+
+def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None):
+    """:func:`forward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
+    if _runs_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, m0):
+        return chunked.forward(k, v, q, alpha, eta, m0, hebbian)
+    return forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0)
+
+
+def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
+             dS_final=None):
+    """:func:`backward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
+    if _runs_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, m0, dy, dA_final):
+        return chunked.backward(dy, dA_final, k, v, q, alpha, eta, m0, hebbian)
+    return backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0,
+                              dS_final)
 
 
 def _sequences(cu_seqlens: Optional[torch.Tensor], T: int):
