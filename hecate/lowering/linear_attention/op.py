@@ -89,16 +89,16 @@ def _hebbian_inputs(k, v, alpha, m0, z0, normalize):
     return v, forget, step, A0
 
 
-def _uses_chunked(k) -> bool:
+def _uses_chunked(*inputs) -> bool:
     """Whether the Triton path takes the chunk kernels (the Hebbian recurrence always has a chunked form)."""
-    return chunked.uses_chunked(k.shape[1], 2.0, "", 0.0, 2.0, hebbian=True)
+    return chunked.uses_chunked(inputs[0].shape[1], 2.0, "", 0.0, 2.0, True, *inputs)
 
 
 def _recurrence(k, v, q, forget, step, A0):
     """(y, A_T) of the Hebbian recurrence (no momentum: memory_scan's empty s_final is dropped)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
-        if _uses_chunked(k):
+        if _uses_chunked(k, v, q, A0):
             return chunk_kernels.forward(k, v, q, forget, step, A0, None, hebbian=True)[:2]
         return kernels.forward(k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
     return cpu.forward(k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
@@ -108,7 +108,7 @@ def _recurrence_backward(dy, dA, k, v, q, forget, step, A0):
     """(dk, dv, dq, dforget, dstep, dA0)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
-        if _uses_chunked(k):
+        if _uses_chunked(k, v, q, A0, dy, dA):
             return chunk_kernels.backward(dy, dA, k, v, q, forget, step, A0, None, hebbian=True)[:6]
         return kernels.backward(dy, dA, k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0,
                                 hebbian=True)[:6]

@@ -54,7 +54,8 @@ backward: [N·ceil(T/C) (or T//C + N packed), H, Dv, Dk] fp32, the slots of :fun
 
 NaN and inf propagate (no tl.maximum / tl.minimum, causal masks by tl.where, not by a product with 0);
 the matrix products mix a chunk's tokens, so a non-finite input may also turn the outputs of the earlier
-tokens of its chunk NaN, where the recurrence poisons only its own token's and the later ones.
+tokens of its chunk NaN, where the recurrence poisons only its own token's and the later ones. The ops
+therefore send non-finite inputs to the fused-recurrent kernels (:func:`.chunked.uses_chunked`).
 """
 
 from __future__ import annotations

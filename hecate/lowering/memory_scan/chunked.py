@@ -40,9 +40,16 @@ def applies(p: float, bias: str, momentum: float, q_norm: float, hebbian: bool) 
     return hebbian or (p == 2.0 and not bias and momentum == 0.0 and q_norm == 2.0)
 
 
-def uses_chunked(T: int, p: float, bias: str, momentum: float, q_norm: float, hebbian: bool) -> bool:
-    """The op's choice: chunked when a chunked form exists and the sequence is at least ``MIN_T`` long."""
-    return T >= MIN_T and applies(p, bias, momentum, q_norm, hebbian)
+def uses_chunked(T: int, p: float, bias: str, momentum: float, q_norm: float, hebbian: bool,
+                 *inputs: Optional[torch.Tensor]) -> bool:
+    """The op's choice (CPU and Triton alike): chunked when a chunked form exists, the sequence is at
+    least ``MIN_T`` long and every tensor of ``inputs`` is finite.
+
+    Inside a chunk the dense products meet every token (0 · NaN = NaN), so a NaN or inf would also
+    reach the reads before it, which the recurrence (and eager) keep finite: such inputs take the
+    fused-recurrent form, whose outputs are eager's."""
+    return T >= MIN_T and applies(p, bias, momentum, q_norm, hebbian) \
+        and all(bool(torch.isfinite(x).all()) for x in inputs if x is not None)
 
 
 # ---------------------------------------------------------------- the CPU form, in batched ATen

@@ -227,16 +227,9 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
             dA0.reshape(B, H, Dv, Dk), _final_momentum(dS_carry, momentum, B, H))
 
 
-def _runs_chunked(T, p, bias, momentum, q_norm, hebbian, *tensors) -> bool:
-    """``chunked.uses_chunked``, for finite ``tensors`` only: inside a chunk the dense products meet every
-    token (0 · NaN = NaN), so a NaN or inf would also reach the reads before it, which the loop keeps finite."""
-    return (chunked.uses_chunked(T, p, bias, momentum, q_norm, hebbian)
-            and all(bool(torch.isfinite(x).all()) for x in tensors if x is not None))
-
-
 def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None):
     """:func:`forward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
-    if _runs_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, m0):
+    if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, m0):
         return chunked.forward(k, v, q, alpha, eta, m0, hebbian)
     return forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0)
 
@@ -244,7 +237,7 @@ def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False,
 def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
              dS_final=None):
     """:func:`backward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
-    if _runs_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, m0, dy, dA_final):
+    if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, m0, dy, dA_final):
         return chunked.backward(dy, dA_final, k, v, q, alpha, eta, m0, hebbian)
     return backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0,
                               dS_final)

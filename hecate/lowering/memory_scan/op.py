@@ -143,11 +143,6 @@ def check_values(k, alpha, eta, cu_seqlens) -> None:
             raise ValueError(f"memory_scan: cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
 
 
-def _uses_chunked(k: Tensor, p: float, bias: str, momentum: float, q_norm: float) -> bool:
-    """Whether the Triton path takes the chunk kernels (:func:`.chunked.uses_chunked`: the delta rule, T >= MIN_T)."""
-    return chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian=False)
-
-
 @torch.library.custom_op("hecate::memory_scan", mutates_args=())
 def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0: Optional[Tensor],
                 cu_seqlens: Optional[Tensor], p: float = 2.0, a: float = 10.0, eps: float = 1e-6,
@@ -157,7 +152,7 @@ def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0:
     check_values(k, alpha, eta, cu_seqlens)
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
-        if _uses_chunked(k, p, bias, momentum, q_norm):
+        if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, m0):
             return chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens)
         return kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias, s0=s0)
     return cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias, s0=s0)
@@ -187,7 +182,7 @@ def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: 
     is None; ds0 empty without momentum; ds_final None means zeros)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
-        if _uses_chunked(k, p, bias, momentum, q_norm):
+        if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, m0, dy, dm_final):
             return chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens)
         return kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
                                 bias=bias, s0=s0, ds_final=ds_final)

@@ -205,6 +205,21 @@ def test_memory_scan_delta_rule_takes_the_chunk_kernels(chunk_calls, small_value
         assert_close(name, g, g_ref, 1e-5)
 
 
+def test_non_finite_inputs_take_the_recurrent_kernels_and_stay_eager_exact(chunk_calls, small_value_tiles):
+    """A NaN key at token 50 of batch 0 (T = 67, chunks of 16): the op sends it to the fused-recurrent
+    kernels, so the tokens before 50 stay finite and equal the recurrence, as in eager."""
+    inputs = make_inputs(ChunkCase("T67", 67))
+    inputs[0][0, 50, 0, 5] = float("nan")
+    y_ref, m_ref = delta_reference(*_as(inputs, torch.float64))
+    inputs = _as(inputs, torch.float32)
+    with triton_on_cpu():
+        y, m, _ = torch.ops.hecate.memory_scan(*inputs)
+    assert chunk_calls == []
+    assert bool(torch.isfinite(y[0, :50]).all()) and bool(torch.isnan(y_ref[0, 50:]).all())
+    assert_close_nonfinite("y", y, y_ref, 1e-5)
+    assert_close_nonfinite("m_final", m, m_ref, 1e-5)
+
+
 def test_normalised_linear_attention_takes_the_chunk_kernels(chunk_calls, small_value_tiles):
     """torch.ops.hecate.linear_attention, causal and normalised (values [v, 1]), T = 67: forward and backward
     through the chunk kernels; y, M, z and the gradients of k, v, q, α, m0, z0 equal the recurrence."""
