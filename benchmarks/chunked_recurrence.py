@@ -23,7 +23,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_time, plot_bars, result_path, write_json  # noqa: E402
+from common import (forward_backward, forward_only, median_time, plot_bars, result_path,  # noqa: E402
+                    write_json)
 
 import hecate.lowering  # noqa: E402,F401
 from hecate.lowering.linear_attention.naive import linear_attention_naive  # noqa: E402
@@ -71,22 +72,6 @@ class per_token:
 
     def __exit__(self, *exc):
         chunked.MIN_T = self.min_t
-
-
-def forward_only(fn, args):
-    def run():
-        with torch.no_grad():
-            fn(*args)
-    return run
-
-
-def forward_backward(fn, args):
-    def run():
-        y, m = fn(*args)
-        (y.sum() + m.sum()).backward()
-        for x in args:
-            x.grad = None
-    return run
 
 
 def run(args):

@@ -74,6 +74,24 @@ def median_time(fn: Callable[[], Any], device: str, warmup: int = 2, repeat: int
     return statistics.median(times)
 
 
+def forward_only(fn: Callable[..., Any], args: list) -> Callable[[], None]:
+    """A timed call of ``fn(*args)`` without autograd."""
+    def run():
+        with torch.no_grad():
+            fn(*args)
+    return run
+
+
+def forward_backward(fn: Callable[..., Any], args: list) -> Callable[[], None]:
+    """A timed call of ``fn(*args)`` (returning y and the final state) and the backward of their sums."""
+    def run():
+        y, m = fn(*args)
+        (y.sum() + m.sum()).backward()
+        for x in args:
+            x.grad = None
+    return run
+
+
 def peak_memory_mb(fn: Callable[[], Any], device: str) -> float | None:
     """Peak CUDA memory of one call of ``fn()`` in MiB (None on CPU)."""
     if device != "cuda":

@@ -26,7 +26,8 @@ import torch
 from torch._higher_order_ops.scan import scan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_time, plot_bars, result_path, write_json  # noqa: E402
+from common import (forward_backward, forward_only, median_time, plot_bars, result_path,  # noqa: E402
+                    write_json)
 
 import hecate  # noqa: E402
 import hecate.lowering  # noqa: E402,F401
@@ -109,22 +110,6 @@ def inputs(B, H, T, d, device, requires_grad):
     return [x.to(device).requires_grad_(requires_grad) for x in (k, v, q, alpha, eta, m0)]
 
 
-def fwd_bwd(fn, args):
-    def run():
-        y, m = fn(*args)
-        (y.sum() + m.sum()).backward()
-        for x in args:
-            x.grad = None
-    return run
-
-
-def fwd_only(fn, args):
-    def run():
-        with torch.no_grad():
-            fn(*args)
-    return run
-
-
 def timed_compile(fn, args, backend, backward, options=None):
     """Compile and run once (forward, plus backward if asked): returns (compiled fn, seconds of that first call).
 
@@ -132,7 +117,7 @@ def timed_compile(fn, args, backend, backward, options=None):
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=backend, **({"options": options} if options else {}))
     start = time.perf_counter()
-    (fwd_bwd if backward else fwd_only)(compiled, args)()
+    (forward_backward if backward else forward_only)(compiled, args)()
     return compiled, time.perf_counter() - start
 
 
@@ -177,7 +162,7 @@ def run(args):
                 row = {"B": B, "H": H, "T": T, "d_k": d, "d_v": d, "p": p, "repeats": reps, "warmup": warm}
                 print(f"p={p} T={T} d={d}", flush=True)
                 loop, scan_form = make_loop(p), make_scan(p)
-                for mode, builder in (("forward", fwd_only), ("forward+backward", fwd_bwd)):
+                for mode, builder in (("forward", forward_only), ("forward+backward", forward_backward)):
                     backward = mode != "forward"
                     x = inputs(B, H, T, d, device, requires_grad=backward)
                     res = {}
@@ -228,7 +213,7 @@ def run(args):
         d, p = dims[0], 2.0
         loop = make_loop(p)
         entry = {"B": B, "H": H, "T": T, "d_k": d, "d_v": d, "p": p}
-        for mode, builder in (("forward", fwd_only), ("forward+backward", fwd_bwd)):
+        for mode, builder in (("forward", forward_only), ("forward+backward", forward_backward)):
             backward = mode != "forward"
             x = inputs(B, H, T, d, device, requires_grad=backward)
             compiled, first = timed_compile(loop, x, "inductor", backward)
