@@ -134,6 +134,20 @@ def _delta_system(K, keep_prev, b, o_c, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _state_tile(i_v, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr):
+    # the offsets of a sequential program: chunk rows o_c [C], key columns o_k [BK], its value rows o_v [BV],
+    # their masks, the offsets of its [BV, BK] tile inside one [DV, DK] state, and the causal [C, C] mask
+    o_c = tl.arange(0, CHUNK)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = o_k < DK, o_v < DV
+    mask_kv = mask_v[:, None] & mask_k[None, :]
+    tile = o_v[:, None] * DK + o_k[None, :]
+    causal = o_c[:, None] >= o_c[None, :]
+    return o_c, o_k, o_v, mask_k, mask_v, mask_kv, tile, causal
+
+
+@triton.jit
 def delta_prepare_kernel(
     k, v, alpha, eta, u, w_hat, cu_seqlens, T,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -174,13 +188,7 @@ def chunk_forward_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, length, slot0 = _sequence(cu_seqlens, i_n, T, CHUNK, VARLEN)
-    o_c = tl.arange(0, CHUNK)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = o_k < DK, o_v < DV
-    mask_kv = mask_v[:, None] & mask_k[None, :]
-    tile = o_v[:, None] * DK + o_k[None, :]  # offsets inside one [DV, DK] state
-    causal = o_c[:, None] >= o_c[None, :]
+    o_c, o_k, o_v, mask_k, mask_v, mask_kv, tile, causal = _state_tile(i_v, DK, DV, BK, BV, CHUNK)
 
     A = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_M0:
@@ -223,13 +231,7 @@ def chunk_backward_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, length, slot0 = _sequence(cu_seqlens, i_n, T, CHUNK, VARLEN)
-    o_c = tl.arange(0, CHUNK)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_k, mask_v = o_k < DK, o_v < DV
-    mask_kv = mask_v[:, None] & mask_k[None, :]
-    tile = o_v[:, None] * DK + o_k[None, :]
-    causal = o_c[:, None] >= o_c[None, :]
+    o_c, o_k, o_v, mask_k, mask_v, mask_kv, tile, causal = _state_tile(i_v, DK, DV, BK, BV, CHUNK)
 
     D = tl.load(dm_final + i_nh * DV * DK + tile, mask=mask_kv, other=0.0).to(tl.float32)
     n_chunks = tl.cdiv(length, CHUNK)
