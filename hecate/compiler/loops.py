@@ -41,7 +41,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.utils import _pytree as pytree
 
-from hecate.compiler.normalize import functionalize
+from hecate.compiler.normalize import functional_op, functionalize, mutates
 
 _TENSOR_OPS = ("call_function", "call_method")
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform")
@@ -384,12 +384,11 @@ def _stack_dim(node: fx.Node) -> int:
 
 
 def _pure(node: fx.Node) -> bool:
+    """Nothing in place and nothing random (Dynamo's calls are judged by their names)."""
     if isinstance(node.target, torch._ops.OpOverload):  # an ATen graph (torch.export's)
-        return not node.target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in node.target.tags
+        return functional_op(node.target)
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if name.endswith("_") and not name.endswith("__") or "out" in node.kwargs:
-        return False  # in place
-    return node.target is not operator.setitem and not any(r in name for r in _RANDOM)
+    return not mutates(node) and not any(r in name for r in _RANDOM)
 
 
 def _same_meta(a: fx.Node, b: fx.Node) -> bool:

@@ -298,12 +298,12 @@ def eliminate_common_subexpressions(graph: fx.Graph) -> None:
     inputs), never when its result is later mutated (the two would share one buffer), and two
     graph outputs never merge into one (outputs must not alias each other)."""
     outputs = _output_nodes(graph)
-    mutated = {_storage(a) for n in graph.nodes if _mutates(n) for a in (n, *n.args[:1])} - {None}
+    mutated = {_storage(a) for n in graph.nodes if mutates(n) for a in (n, *n.args[:1])} - {None}
     seen: dict[Any, fx.Node] = {}
     purity: dict[Any, bool] = {}  # by op and literals: whether a call is pure does not depend on its inputs
     epoch = 0  # in-place ops so far
     for node in list(graph.nodes):
-        if _mutates(node):
+        if mutates(node):
             epoch += 1
             continue
         if node.op not in ("call_function", "call_method") or not isinstance(_val(node), torch.Tensor) \
@@ -350,7 +350,7 @@ def _key(value: Any) -> Any:
     raise TypeError  # an argument this CSE does not compare: keep the node
 
 
-def _mutates(node: fx.Node) -> bool:
+def mutates(node: fx.Node) -> bool:
     """Whether ``node`` may write into a tensor (in place, through ``out=`` or by item assignment)."""
     if node.op not in ("call_function", "call_method"):
         return False
@@ -369,12 +369,12 @@ def _pure(node: fx.Node) -> bool:
     if node.is_impure():
         return False
     if isinstance(node.target, torch._ops.OpOverload):
-        return _functional(node.target)
+        return functional_op(node.target)
     aten_graph = _aten_graph(node)
-    return aten_graph is not None and all(_functional(n.target) for n in aten_graph.nodes if n.op == "call_function")
+    return aten_graph is not None and all(functional_op(n.target) for n in aten_graph.nodes if n.op == "call_function")
 
 
-def _functional(op: Any) -> bool:
+def functional_op(op: Any) -> bool:
     return isinstance(op, torch._ops.OpOverload) and not op._schema.is_mutable \
         and torch.Tag.nondeterministic_seeded not in op.tags
 
