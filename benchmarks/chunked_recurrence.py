@@ -76,8 +76,8 @@ class per_token:
 
 def run(args):
     torch.set_num_threads(args.threads)
-    lengths = [256, 1024] if args.quick else [1024, 4096, 16384]
-    dims = [64] if args.quick else [64, 128]
+    lengths = [128] if args.quick else [1024, 4096, 16384]  # --quick: two chunks of 64
+    dims = [32] if args.quick else [64, 128]
     labels, series = [], {mode: {"chunked": [], "per-token loop": [], "eager loop": []}
                           for mode in ("forward", "forward+backward")}
     rows = []
@@ -136,7 +136,7 @@ def run(args):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small shapes (T = 256, 1024; d = 64)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: T = 128, d = 32")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--repeat", type=int, default=3, help="calls per measurement (the median is reported)")
     parser.add_argument("--max-seconds", type=float, default=20.0,

@@ -16,7 +16,7 @@ at evaluation there are no targets). See hecate/models/fep.py. Both can be
 switched back with flags, but the held-out number is then not a fair bpc.
 
     PYTHONPATH=. python3 examples/char_lm.py            # the committed run (≤ 10 min, 2 CPU cores)
-    PYTHONPATH=. python3 examples/char_lm.py --quick    # ~30 s smoke run
+    PYTHONPATH=. python3 examples/char_lm.py --quick    # ~10 s smoke run
     PYTHONPATH=. python3 examples/char_lm.py --spec-defaults   # §6.1 sizes (K=64, 4 layers, 10 VFE steps, N=128): slow
 
 Writes ``<out>/char_lm.json`` and ``<out>/char_lm.png`` (default examples/results); ``--quick``
@@ -102,7 +102,7 @@ def baseline_width(vocab_size, n_layers, n_heads, max_seq_len, target_params):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="~30 s smoke run (tiny sizes, eager fallback)")
+    p.add_argument("--quick", action="store_true", help="~10 s smoke run (tiny sizes, eager fallback)")
     p.add_argument("--spec-defaults", action="store_true",
                    help="the spec's §6.1 sizes: embed_dim 64, 4 layers, 10 VFE steps, seq_len 128")
     p.add_argument("--steps", type=int, default=1500)
