@@ -25,6 +25,10 @@ proves, for T ≥ 2 consecutive blocks of L nodes:
 * nothing in the loop mutates (in-place updates of unaliased tensors are made functional
   first) or draws random numbers.
 
+What every step computes from values before the loop alone (``1 - self.decay``, once common
+subexpressions are merged) sits in block 0 only: it is first moved before the loop
+(:func:`_hoist_invariants`), where it is an invariant like any other.
+
 A run whose blocks differ from block t on (another literal, op or p) is rolled up to t and
 the rest is tried again as a loop of its own. A run that fails any check is left unrolled,
 exactly as Dynamo produced it.
@@ -95,6 +99,7 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
     ``x[:, t]`` of a symbolic-size x is then one ``select``).
     """
     functionalize(gm.graph)
+    _hoist_invariants(gm.graph)
     gm.recompile()
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
@@ -122,6 +127,41 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
     if not loops:
         return None
     return RolledGraph(_rebuild(gm, loops), [loop.T for loop in loops])
+
+
+def _hoist_invariants(graph: fx.Graph) -> None:
+    """Move before the loops what several steps share and compute from values before the loops alone.
+
+    Once common subexpressions are merged, ``1 - self.decay`` written in every step is computed in
+    the first step only and read by all of them. A node is such a shared invariant when it depends on
+    no per-step slice (nor on anything impure) and nodes of at least two time indices read it; it moves,
+    with the invariants it reads, right after the graph's inputs. Exact: a pure call computes the same
+    value earlier (in-place ops are functional by now).
+    """
+    step: dict[fx.Node, int] = {}  # the latest time index a node reads (-1: none, an invariant)
+    impure: set[fx.Node] = set()
+    for node in graph.nodes:
+        sliced = _time_slice(node) if node.op in _TENSOR_OPS else None
+        step[node] = max([step[i] for i in node.all_input_nodes] + [sliced[2] if sliced else -1])
+        if node.op in _TENSOR_OPS and not _pure(node) or any(i in impure for i in node.all_input_nodes):
+            impure.add(node)
+    shared = [n for n in graph.nodes
+              if n.op in _TENSOR_OPS and step[n] < 0 and n not in impure and isinstance(_value(n), torch.Tensor)
+              and len({step[u] for u in n.users if step[u] >= 0}) >= 2]  # a scan's invariants are tensors
+    hoist: set[fx.Node] = set()
+    pending = list(shared)
+    while pending:
+        node = pending.pop()
+        if node not in hoist and node.op != "placeholder":
+            hoist.add(node)
+            pending.extend(node.all_input_nodes)
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    if not hoist or not inputs:
+        return
+    anchor = inputs[-1]
+    for node in [n for n in graph.nodes if n in hoist]:  # graph order: each after what it reads
+        anchor.append(node)
+        anchor = node
 
 
 # ---------------------------------------------------------------- per-step slices

@@ -24,7 +24,10 @@ graph and the body of every ``scan`` in it in this form:
 
 Dynamo's graph gets the first and the last before loops are rolled up (:func:`collapse_captured`):
 there in-place ops are ``call_method`` ``mul_`` / ``operator.isub``, and a step that writes an
-expression again at each use would not read as the same step as the last one.
+expression again at each use would not read as the same step as the last one. It also gets
+:func:`float_inputs_as_tensors`: a float attribute Dynamo does not specialise (``dynamic=True``) is read
+by arithmetic on its 0-d tensor instead of on a Python float taken out of it at each step, and
+Python arithmetic on literals is folded (:func:`fold_scalar_constants`).
 """
 
 from __future__ import annotations
@@ -79,11 +82,84 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
     captured for the fallback if the pipeline fails later."""
     copy = fx.GraphModule(gm, gm.graph.__deepcopy__())  # node metas (fake values) are shared, not copied
     copy.meta.update(gm.meta)
+    float_inputs_as_tensors(copy.graph)
+    fold_scalar_constants(copy.graph)
     functionalize(copy.graph)
     eliminate_common_subexpressions(copy.graph)
     copy.graph.lint()
     copy.recompile()
     return copy
+
+
+# arithmetic a Python float and a 0-d float64 tensor enter alike (ATen wraps a Python float as one)
+_SCALAR_ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow)
+
+
+def float_inputs_as_tensors(graph: fx.Graph) -> None:
+    """Read an unspecialised float input as the 0-d float64 tensor Dynamo passes it as, not as ``.item()``.
+
+    Under ``dynamic=True`` Dynamo passes a module's float attribute (``self.eta = 0.1``) as a 0-d
+    float64 tensor and each use calls ``.item()`` on it: a loop's steps then each read their own
+    SymFloat, which neither rolls up nor matches a gate. Exact where every value it reaches is Python
+    arithmetic ending in a floating tensor with dims: ATen takes a Python float as a 0-d float64
+    tensor, and a tensor with dims sets the result's dtype over either. Elsewhere (an int tensor, a
+    0-d tensor, a call such as ``math.sqrt``) the ``.item()`` stays.
+    """
+    for node in list(graph.nodes):
+        if not (node.op == "call_method" and node.target == "item" and len(node.args) == 1 and not node.kwargs):
+            continue
+        source = node.args[0]
+        value = _val(source)
+        if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.float64):
+            continue
+        reached = _scalar_arithmetic_reached(node)
+        if reached is None:
+            continue
+        node.replace_all_uses_with(source)
+        graph.erase_node(node)
+        for scalar in reached:  # now 0-d tensors: their fake values follow
+            scalar.meta["example_value"] = scalar.target(*fx.node.map_arg(scalar.args, _val))
+
+
+def fold_scalar_constants(graph: fx.Graph) -> None:
+    """Replace Python arithmetic on literals (``1 - 0.05`` where Dynamo specialised ``self.decay``) by its value.
+
+    Dynamo computes such a value once and every step of a loop reads that node; as a literal in
+    each step instead, the steps read alike again. Exact: Python computes the same number."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _SCALAR_ARITHMETIC or node.kwargs \
+                or not all(type(a) in (int, float, bool) for a in node.args):
+            continue
+        value = node.target(*node.args)
+        for user in list(node.users):
+            user.args, user.kwargs = fx.node.map_aggregate((user.args, user.kwargs),
+                                                           lambda a: value if a is node else a)
+        graph.erase_node(node)
+
+
+def _scalar_arithmetic_reached(item: fx.Node) -> list[fx.Node] | None:
+    """The scalar arithmetic nodes computed from ``item``, in graph order, if all of its values end in
+    floating tensors with dims (see :func:`float_inputs_as_tensors`); else None."""
+    reached, pending = [], [item]
+    while pending:
+        for user in pending.pop().users:
+            if user in reached:
+                continue
+            if user.op != "call_function" or user.target not in _SCALAR_ARITHMETIC or user.kwargs:
+                return None
+            value = _val(user)
+            if isinstance(value, torch.Tensor):
+                others = [_val(a) for a in user.args if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)]
+                if not (value.dtype.is_floating_point and value.dim() >= 1
+                        and any(o.dim() >= 1 and o.dtype == value.dtype for o in others)):
+                    return None
+            elif isinstance(value, (float, torch.SymFloat)):
+                reached.append(user)
+                pending.append(user)
+            else:
+                return None
+    position = {n: i for i, n in enumerate(item.graph.nodes)}
+    return sorted(reached, key=position.__getitem__)
 
 
 def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:

@@ -261,3 +261,50 @@ def test_dynamo_graph_computes_each_subexpression_once_on_a_copy():
     expected = gm(*args)
     torch.manual_seed(0)
     assert torch.equal(collapsed(*args)[0], expected[0])
+
+
+class _Scalars(torch.nn.Module):
+    """Float attributes read by float and int tensors: under dynamic=True Dynamo passes each as a 0-d input."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale, self.shift = 0.3, 1.7
+
+    def forward(self, x, counts):
+        return (1 - self.scale) * x + self.scale * 2, counts * self.shift
+
+
+def test_float_attributes_are_read_as_tensors_where_exact(fresh_dynamo):
+    args = (torch.randn(3, 4), torch.arange(5))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch.compile(_Scalars(), backend=capture, dynamic=True, fullgraph=True)(*args)
+    [gm] = graphs
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = [n.meta["example_value"] for n in placeholders]
+    assert sum(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in values) == 2, gm.code
+    collapsed = collapse_captured(gm)
+    items = [n for n in collapsed.graph.nodes if n.op == "call_method" and n.target == "item"]
+    # the scale reaches only a float tensor with dims: read as a tensor; the shift meets an int
+    # tensor (a 0-d float64 tensor would make the result float64, a Python float float32): kept
+    assert len(items) == 1, collapsed.code
+    inputs = _graph_inputs(gm, args)
+    for got, expected in zip(collapsed(*inputs), gm(*inputs)):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def _graph_inputs(gm, args):
+    """Dynamo's graph inputs for ``args``: the tensors, the attributes as 0-d float64 tensors, sizes as ints."""
+    by_name = {"L_x_": args[0], "L_counts_": args[1],
+               "L_self_scale": torch.tensor(0.3, dtype=torch.float64),
+               "L_self_shift": torch.tensor(1.7, dtype=torch.float64)}
+    inputs = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            value = n.meta["example_value"]
+            inputs.append(by_name[n.target] if n.target in by_name else int(value.node.hint))
+    return inputs

@@ -350,3 +350,68 @@ def test_spelling_fuses_and_matches_eager(name, fresh_dynamo):
     assert_close("M", m, m_ref, TOL)
     for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
         assert_close(f"grad {what}", a, b, TOL)
+
+
+# ---------------------------------------------------------------- scalar hyperparameters held by a module
+
+class _ScalarGates(torch.nn.Module):
+    """The delta rule with η and the decay held by the module (how each is held: the subclasses)."""
+
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        for t in range(k.shape[1]):
+            e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+            M = (1 - self.decay) * M - self.eta * 2 * e[..., None] * k[:, t, :, None, :]
+            ys.append((M @ q[:, t, :, :, None])[..., 0])
+        return torch.stack(ys, 1), M
+
+
+class FloatAttributes(_ScalarGates):
+    """Plain float attributes: under dynamic=True Dynamo passes them as 0-d inputs, read by .item()."""
+
+    def __init__(self):
+        super().__init__()
+        self.eta, self.decay = 0.1, 0.05
+
+
+class ScalarBuffers(_ScalarGates):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("eta", torch.tensor(0.1))
+        self.register_buffer("decay", torch.tensor(0.05))
+
+
+class LearnedScalars(_ScalarGates):
+    """Learned 0-d parameters, the decay as σ of a logit."""
+
+    def __init__(self):
+        super().__init__()
+        self.eta = torch.nn.Parameter(torch.tensor(0.1))
+        self.decay_logit = torch.nn.Parameter(torch.tensor(-3.0))
+
+    @property
+    def decay(self):
+        return torch.sigmoid(self.decay_logit)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("module", [FloatAttributes, ScalarBuffers, LearnedScalars], ids=lambda m: m.__name__)
+def test_scalar_hyperparameters_fuse_at_every_batch_size(module, dynamic, fresh_dynamo):
+    model = module()
+    compiled = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})
+    for batch in (2, 3):
+        k, q, v = torch.randn(batch, T, H, DK), torch.randn(batch, T, H, DK), torch.randn(batch, T, H, DV)
+        inputs = [x.requires_grad_() for x in (k, v, q)]
+        params = list(model.parameters())
+        results = []
+        for fn in (model, compiled):
+            y, M = fn(*inputs)
+            loss = y.square().sum() + (M * torch.linspace(-1, 1, M.numel()).view_as(M)).sum()
+            results.append((y, M, torch.autograd.grad(loss, inputs + params)))
+        report = hecate.last_report()
+        assert report.count("memory_scan") == 1 and not report.misses, f"batch {batch}: {report}"
+        (y_ref, m_ref, g_ref), (y, m, g) = results
+        assert_close("y", y, y_ref, TOL)
+        assert_close("M", m, m_ref, TOL)
+        for i, (a, b) in enumerate(zip(g, g_ref)):
+            assert_close(f"gradient {i}", a, b, TOL)
