@@ -220,6 +220,26 @@ def _check_conv_common(conv: fx.Node) -> str | None:
     return None
 
 
+def _carried_state(conv: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(state [B, D, S], x [B, D, T]) when the conv reads ``torch.cat([state, x], time)``, i.e. the inputs before
+    x carried from the previous chunk in place of the zero padding; None otherwise."""
+    cat = conv.args[0]
+    if not (isinstance(cat, fx.Node) and cat.target == aten.cat.default) or val(cat).dim() != 3:
+        return None
+    parts, dim = cat.args[0], _arg(cat, 1, "dim", 0)
+    if len(parts) != 2 or dim % 3 != 2:
+        return None
+    return parts[0], parts[1]
+
+
+def _check_state(conv: fx.Node, state: fx.Node) -> str | None:
+    k, steps = val(conv.args[1]).shape[2], val(state).shape[2]
+    if steps != k - 1:
+        return (f"conv1d reads cat([state, x]) with a state of {steps} steps; a causal conv of kernel {k} carries "
+                f"the K−1={k - 1} inputs before x")
+    return None
+
+
 def _check_conv_then_slice(match: Match) -> str | None:
     conv, cut = match.node(aten.conv1d.default), match.node(aten.slice.Tensor)
     reason = _check_conv_common(conv)
@@ -231,6 +251,17 @@ def _check_conv_then_slice(match: Match) -> str | None:
         return (f"conv1d padding={padding} with kernel {k}: a causal conv pads K−1={k - 1} and keeps the first "
                 f"T outputs")
     dim, start, step = cut.args[1], _arg(cut, 2, "start"), _arg(cut, 4, "step", 1)
+    carried = _carried_state(conv)
+    if carried is not None:   # output K−1+t is x[t]'s: its window ends at index K−1+t of cat([state, x])
+        reason = _check_state(conv, carried[0])
+        if reason:
+            return reason
+        seq_len = val(carried[1]).shape[2]
+        if dim % 3 != 2 or start != k - 1 or step != 1 or val(cut).shape[2] != seq_len:
+            return (f"conv1d over cat([state, x]) pads {k - 1} on both sides but the slice (dim={dim}, start={start}, "
+                    f"step={step}) keeps {val(cut).shape[dim]} outputs, not the T={seq_len} from K−1={k - 1} "
+                    f"(x's outputs)")
+        return None
     if dim % 3 != 2 or start not in (0, None) or step != 1 or val(cut).shape[2] != seq_len:
         return (f"conv1d pads {k - 1} on both sides but the slice (dim={dim}, start={start}, step={step}) keeps "
                 f"{val(cut).shape[dim]} outputs, not the first T={seq_len}: not causal")
@@ -255,7 +286,7 @@ def _check_pad_then_conv(match: Match) -> str | None:
 
 
 def _check_unpadded_conv(match: Match) -> str | None:
-    """A conv1d neither sliced nor after F.pad is causal only as a pointwise (K = 1) conv."""
+    """A conv1d neither sliced nor after F.pad is causal as a pointwise (K = 1) conv, or over cat([state, x])."""
     conv = match.node(aten.conv1d.default)
     reason = _check_conv_common(conv)
     if reason:
@@ -264,6 +295,9 @@ def _check_unpadded_conv(match: Match) -> str | None:
     if any(padding):
         return (f"conv1d padding={padding} pads both sides (kernel {k}) and no slice keeps the first T outputs: "
                 f"outputs see future tokens, not causal")
+    carried = _carried_state(conv)
+    if carried is not None:
+        return _check_state(conv, carried[0])
     if k != 1:
         return f"conv1d has no padding (kernel {k}) and no F.pad(K−1, 0) before it: not a causal conv"
     return None
@@ -455,11 +489,34 @@ class _Found:
 
 
 @dataclass
+class _State:
+    """The conv's carried state: ``cat`` = cat([state, x]) it reads, ``node`` the state [B, D, K−1] in it, and
+    ``swap`` the [B, K−1, D] → [B, D, K−1] transpose that made it (None: the op gets a transpose of ``node``)."""
+
+    cat: fx.Node
+    node: fx.Node
+    swap: _Found | None
+
+    @property
+    def op_input(self) -> fx.Node | None:
+        """The [B, K−1, D] state the op reads, when the graph has it."""
+        return self.swap.input if self.swap is not None else None
+
+    @property
+    def covered(self) -> list[fx.Node]:
+        """The nodes the op replaces: the cat (and the state's transpose) unless another reader keeps the cat."""
+        if len(self.cat.users) != 1:
+            return []
+        return [self.cat] + (self.swap.match.nodes if self.swap is not None else [])
+
+
+@dataclass
 class _Chain:
     projection: _Found | None
     swap_in: _Found
     conv: _Found
     tail: list[_Found]
+    state: _State | None = None
 
     @property
     def parts(self) -> list[_Found]:
@@ -497,9 +554,23 @@ class _Index:
 
 
 def _conv_input_node(conv: _Found) -> fx.Node:
-    first = conv.match.node(aten.pad.default) if conv.piece.check is _check_pad_then_conv \
-        else conv.match.node(aten.conv1d.default)
-    return first.args[0]
+    """x [B, D, T]: what the conv (or its F.pad) reads; with a carried state, the part of the cat after it."""
+    if conv.piece.check is _check_pad_then_conv:
+        return conv.match.node(aten.pad.default).args[0]
+    conv_node = conv.match.node(aten.conv1d.default)
+    carried = _carried_state(conv_node)
+    return carried[1] if carried is not None else conv_node.args[0]
+
+
+def _state_of(conv: _Found, index: _Index) -> _State | None:
+    conv_node = conv.match.node(aten.conv1d.default)
+    carried = _carried_state(conv_node) if conv.piece.check is not _check_pad_then_conv else None
+    if carried is None:
+        return None
+    swap = index.producer("swap", carried[0])
+    if swap is not None and swap.piece.check(swap.match):
+        swap = None
+    return _State(conv_node.args[0], carried[0], swap)
 
 
 def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Chain | str:
@@ -535,7 +606,7 @@ def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Ch
         users = ", ".join(u.name for u in conv.output.users) or "nothing"
         return (f"the conv output stays [B, D, T] (read by {users}); the fused op returns [B, T, D], so the chain "
                 f"needs the transpose back")
-    chain = _Chain(projection, swap_in, conv, tail)
+    chain = _Chain(projection, swap_in, conv, tail, _state_of(conv, index))
     reason = _check_dtypes(chain)
     return reason or chain
 
@@ -604,6 +675,7 @@ def _elementwise_phi(node: fx.Node, index: _Index) -> _Found | None:
 
 def _check_dtypes(chain: _Chain) -> str | None:
     tensors = [n for n in _op_tensor_args(chain) if isinstance(n, fx.Node)]
+    tensors += [chain.state.node] if chain.state is not None else []
     dtypes = {val(n).dtype for n in tensors}
     if len(dtypes) > 1:
         return f"inputs have mixed dtypes {sorted(map(str, dtypes))}; the fused op needs one dtype"
@@ -649,10 +721,15 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
     # One match covering every part's computation nodes. They key themselves: two parts may come
     # from the same piece (the swap in and the swap back), whose pattern nodes would collide.
     covered = {node: node for part in chain.parts for node in part.match.nodes}
+    nodes_replaced = len(covered)
+    if chain.state is not None:
+        args.append(_state_argument(gm, chain.state))
+        covered.update({node: node for node in chain.state.covered})
+        # a cat another node reads stays, and with it x's transpose
+        nodes_replaced = len(covered) - (len(chain.swap_in.match.nodes) if not chain.state.covered else 0)
     match = Match(chain.conv.match.pattern,
                   InternalMatch(anchors=[], nodes_map=covered, returning_nodes=[chain.tail[-1].output]))
     detail = _describe(chain, phi_kind, _phi_scalar(phi))
-    nodes_replaced = len(match.nodes)
     result = val(chain.tail[-1].output)  # [B, T, H, Dh or d_phi] when the chain splits heads
     call = replace_with_op(gm, match, op, args)
     if heads is not None:
@@ -664,6 +741,16 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
         call.replace_all_uses_with(split, delete_user_cb=lambda user: user is not split)
         nodes_replaced -= 1  # a head split is still there
     report.add_fusion(PATTERN, OP_NAME, nodes_replaced, detail)
+
+
+def _state_argument(gm: fx.GraphModule, state: _State) -> fx.Node:
+    """The op's conv_state [B, K−1, D]: the tensor the graph transposed into the cat, or a new transpose."""
+    if state.op_input is not None:
+        return state.op_input
+    with gm.graph.inserting_after(state.node):
+        swapped = gm.graph.call_function(aten.transpose.int, (state.node, 1, 2))
+    swapped.meta["val"] = val(state.node).transpose(1, 2)
+    return swapped
 
 
 def _phi_scalar(phi: _Found | None) -> float:
@@ -686,7 +773,7 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
     """The variant, e.g. "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]"; the layout is the op's input's."""
     k = val(chain.conv.match.node(aten.conv1d.default).args[1]).shape[2]
     steps = [chain.projection.piece.value] if chain.projection else []
-    steps.append(f"conv(K={k})")
+    steps.append(f"conv(K={k}, carried state)" if chain.state is not None else f"conv(K={k})")
     if chain.stage("activation"):
         steps.append("silu")
     if phi_kind == "exp":
