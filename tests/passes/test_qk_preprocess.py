@@ -643,3 +643,79 @@ def test_stateful_near_miss_is_not_fused_and_says_why(name):
     assert report.fusions == []
     assert [m.pattern for m in report.misses] == ["qk_preprocess"], str(report)
     assert reason in report.misses[0].reason, report.misses[0].reason
+
+
+class Stepper(nn.Module):
+    """A block's decode step as a forward: (x_t, state) → step(x_t, state)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x_t, state):
+        return self.block.step(x_t, state)
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(), "window step conv(K=4, carried state) → silu [B,D]"),
+    (dict(bias=False, activation="none"), "window step conv(K=4, carried state) [B,D]"),
+], ids=["silu-bias", "no-bias-no-activation"])
+def test_short_conv_step_decodes_token_by_token_fused(kwargs, expected, tmp_path):
+    """ShortCausalConv.step's window product Σ_k window[:, k]·w[:, k] is the conv of one token: compiled, step by
+    step from a random state, it equals forward() over the whole sequence (outputs, final state, gradients of the
+    weights, the tokens and the first state). The window stays: it is also the next state."""
+    from hecate.models.short_conv import ShortCausalConv
+
+    torch.manual_seed(0)
+    block = ShortCausalConv(6, 4, **kwargs)
+    _randomize(block)
+    torch._dynamo.reset()
+    compiled = torch.compile(Stepper(block), backend="hecate", options={"fallback": "eager", "dump_dir": str(tmp_path)})
+    x = torch.randn(3, 5, 6, requires_grad=True)
+    state0 = torch.randn(3, 3, 6, requires_grad=True)
+    state, outs = state0, []
+    for t in range(x.shape[1]):
+        out, state = compiled(x[:, t], state)
+        outs.append(out)
+    assert _details(hecate.last_report()) == [expected], str(hecate.last_report())
+    after = next(tmp_path.glob("*after_qk_preprocess.txt")).read_text()
+    assert "aten.einsum" not in after and "aten.cat" in after
+    got = [torch.stack(outs, 1), state]
+    weights = [torch.randn_like(g) for g in got]
+    got_grads = torch.autograd.grad(sum((g * w).sum() for g, w in zip(got, weights)),
+                                    [x, state0, *block.parameters()])
+    ref = [block(x, state0), block.next_state(x, state0)]
+    ref_grads = torch.autograd.grad(sum((r * w).sum() for r, w in zip(ref, weights)),
+                                    [x, state0, *block.parameters()])
+    for name, g, r in zip(("outputs", "final state"), got, ref):
+        assert_close(name, g, r, TOL)
+    for name, g, r in zip(["x", "state"] + [n for n, _ in block.named_parameters()], got_grads, ref_grads):
+        assert_close(f"d/d{name}", g, r, TOL)
+    torch._dynamo.reset()
+
+
+class WindowProduct(nn.Module):
+    def __init__(self, product, d=6, k=4):
+        super().__init__()
+        self.product = product
+        self.kernel = nn.Parameter(torch.randn(d, k) * 0.5)
+
+    def forward(self, x_t, state):
+        return F.silu(self.product(self, torch.cat([state, x_t.unsqueeze(1)], 1)))
+
+
+@pytest.mark.parametrize("product", [
+    lambda m, w: (w.square() * m.kernel.T).sum(1),            # not linear in the window
+    lambda m, w: (w * m.kernel.T.softmax(0)).sum(1),           # a function of the weight, not the weight
+    lambda m, w: (w[:, 1:] * m.kernel.T[1:]).sum(1),           # K−1 of the kernel's K taps
+], ids=["squared-window", "softmax-weight", "first-tap-dropped"])
+def test_a_window_product_that_is_not_a_conv_is_left_alone(product):
+    report = _compare_with_eager(WindowProduct(product), torch.randn(2, 6), torch.randn(2, 3, 6))
+    assert report.fusions == [] and report.misses == [], str(report)
+
+
+def test_window_step_with_as_many_taps_as_channels_finds_its_layout():
+    """K = D: a [D, K] and a [K, D] kernel have the same shape; the evaluation tells which one the product reads."""
+    for product in (lambda m, w: (w * m.kernel.T).sum(1), lambda m, w: (w * m.kernel).sum(1)):
+        report = _compare_with_eager(WindowProduct(product, d=4, k=4), torch.randn(2, 4), torch.randn(2, 3, 4))
+        assert _details(report) == ["window step conv(K=4, carried state) → silu [B,D]"], str(report)
