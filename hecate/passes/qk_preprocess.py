@@ -11,7 +11,13 @@ PyTorch function traced to a pattern and found with :func:`find_matches`:
   normal form) with an optional ``+ b``;
 * swap [B,T,D] ↔ [B,D,T]: ``transpose``, ``.mT``, ``permute(0, 2, 1)``;
 * causal conv: ``F.conv1d(x, w, b, padding=K-1, groups=D)[..., :T]`` (also ``nn.Conv1d``),
-  or ``F.conv1d(F.pad(x, (K-1, 0)), w, b, groups=D)``;
+  or ``F.conv1d(F.pad(x, (K-1, 0)), w, b, groups=D)``; streaming, with the K−1 inputs before x
+  carried as a state in place of the zero padding, ``F.conv1d(torch.cat([state, x], -1), w, b,
+  groups=D)`` or the same with ``padding=K-1`` keeping x's outputs ``[..., K-1:K-1+T]`` (the op's
+  ``conv_state``; the next state the graph computes from the cat stays, a slice);
+* a decode step's window product (:func:`_window_step`): ``window = torch.cat([state, x_t[:, None]], 1)``,
+  ``z = Σ_k window[:, k] · w[:, k]`` (+ b) in any spelling (einsum, a product and a sum, ...), read
+  by evaluating it; the op runs on the one token and its [B, 1, D] result is squeezed;
 * tail stages, each at most once, SiLU before φ: the swap back to [B,T,D]
   (required: the op returns [B,T,D]); SiLU (``F.silu``, ``z * sigmoid(z)``,
   ``sigmoid(z) * z``); a head split [B,T,D] → [B,T,H,Dh] after the swap back
@@ -595,6 +601,7 @@ def _conv_input_node(conv: _Found) -> fx.Node:
 
 
 def _state_of(conv: _Found, index: _Index) -> _State | None:
+    """The carried state of a conv over cat([state, x]) (None for a conv over zero padding)."""
     conv_node = conv.match.node(aten.conv1d.default)
     carried = _carried_state(conv_node) if conv.piece.check is not _check_pad_then_conv else None
     if carried is None:

@@ -719,3 +719,51 @@ def test_window_step_with_as_many_taps_as_channels_finds_its_layout():
     for product in (lambda m, w: (w * m.kernel.T).sum(1), lambda m, w: (w * m.kernel).sum(1)):
         report = _compare_with_eager(WindowProduct(product, d=4, k=4), torch.randn(2, 4), torch.randn(2, 3, 4))
         assert _details(report) == ["window step conv(K=4, carried state) → silu [B,D]"], str(report)
+
+
+def test_memory_layer_streams_in_chunks_with_its_convs_fused_with_their_state():
+    """LpMemory.forward_chunk carries (the convs' states, M): compiled chunk by chunk, both short convs are
+    qk_preprocess with their state and the recurrence memory_scan from M, and the chunks equal eager on the
+    whole sequence (outputs, final M, gradients of the weights, x and every initial state)."""
+    from hecate.models.memory import LpMemory
+
+    torch.manual_seed(0)
+    model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=2.0, alpha=None, eta=None, phi="elu1", use_scan=True)
+
+    class Chunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.memory = model
+
+        def forward(self, x, q_state, k_state, m):
+            out, ((q_state, k_state), m, _) = self.memory.forward_chunk(x, ((q_state, k_state), m, None))
+            return out, q_state, k_state, m
+
+    torch._dynamo.reset()
+    compiled = torch.compile(Chunk(), backend="hecate", options={"fallback": "eager"}, dynamic=False)
+    x = torch.randn(2, 9, 8, requires_grad=True)
+    first = [(0.5 * torch.randn(2, 3, 8)).requires_grad_(), (0.5 * torch.randn(2, 3, 8)).requires_grad_(),
+             (0.1 * torch.randn(2, 2, 4, 4)).requires_grad_()]
+    state, outs = first, []
+    for start, stop in ((0, 2), (2, 6), (6, 9)):
+        out, *state = compiled(x[:, start:stop], *state)
+        outs.append(out)
+        report = hecate.last_report()
+        assert report.count("memory_scan") == 1 and report.misses == [], str(report)
+        details = _details(report)
+        assert len(details) == 2 and all("conv(K=4, carried state) → silu → elu+1" in d for d in details), details
+    got = [torch.cat(outs, 1), state[2]]
+    leaves = [x, *first, *model.parameters()]
+    weights = [torch.randn_like(g) for g in got]
+    got_grads = torch.autograd.grad(sum((g * w).sum() for g, w in zip(got, weights)), leaves, allow_unused=True)
+    out, (_, m, _) = model.forward_chunk(x, (tuple(first[:2]), first[2], None))   # eager, the whole of x
+    ref = [out, m]
+    ref_grads = torch.autograd.grad(sum((r * w).sum() for r, w in zip(ref, weights)), leaves, allow_unused=True)
+    for name, g, r in zip(("outputs", "final M"), got, ref):
+        assert_close(name, g, r, TOL)
+    names = ["x", "q conv state", "k conv state", "M"] + [n for n, _ in model.named_parameters()]
+    for name, g, r in zip(names, got_grads, ref_grads):
+        assert (g is None) == (r is None), name
+        if r is not None:
+            assert_close(f"d/d{name}", g, r, TOL)
+    torch._dynamo.reset()
