@@ -555,6 +555,11 @@ class _Chain:
         return [p for p in [self.projection, self.swap_in, self.conv, *self.tail] if p is not None]
 
     @property
+    def output(self) -> fx.Node:
+        """The last node the op stands for."""
+        return self.tail[-1].output if self.tail else self.window.output
+
+    @property
     def kernel_size(self) -> int:
         if self.window is not None:
             return val(self.window.cat).shape[1]
@@ -877,8 +882,13 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
         elif node.op == "call_function" and node.target == aten.cat.default:
             window = _window_step(node)
             if window is not None:
-                tail = _walk_tail(window.output, index, report, channels_last=True)
-                chains.append(_Chain(None, None, None, tail, window=window))
+                chain = _Chain(None, None, None, _walk_tail(window.output, index, report, channels_last=True),
+                               window=window)
+                reason = _check_dtypes(chain)
+                if reason:
+                    report.add_miss(PATTERN, f"decode step's window product: {reason}", window.output.name)
+                else:
+                    chains.append(chain)
     for chain in chains:
         _replace(gm, chain, op, report)
 
@@ -905,10 +915,9 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
         window_nodes = [chain.window.cat, *chain.window.nodes]
         covered.update({node: node for node in window_nodes})
         nodes_replaced += _erased(window_nodes, chain.window.output)
-    output = chain.tail[-1].output if chain.tail else chain.window.output
-    match = Match(fx.Graph(), InternalMatch(anchors=[], nodes_map=covered, returning_nodes=[output]))
+    match = Match(fx.Graph(), InternalMatch(anchors=[], nodes_map=covered, returning_nodes=[chain.output]))
     detail = _describe(chain, phi_kind, _phi_scalar(phi))
-    result = val(output)  # [B, T, H, Dh or d_phi] when the chain splits heads; [B, (H,) D] for a window step
+    result = val(chain.output)  # [B, T, H, Dh or d_phi] when the chain splits heads; [B, (H,) D] for a window step
     call = replace_with_op(gm, match, op, args)
     # the op returns [B, T, C]: a window step squeezes its one token; SiLU and φ ran after the head split, and
     # as they act per channel (per head for a matrix φ) the op's [B, T, H·Dh] result is split instead.
@@ -985,9 +994,8 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
     if chain.window is not None:
         layout = layout.replace("T,", "")
     text = " → ".join(steps) + " " + layout
-    output = chain.tail[-1].output if chain.tail else chain.window.output
     if phi_kind == "identity":
-        readers = sorted({str(u.target) for u in output.users if u.op == "call_function"})
+        readers = sorted({str(u.target) for u in chain.output.users if u.op == "call_function"})
         if readers:
             text += f"; read by {', '.join(readers)}, left to the fallback (not a φ the op fuses)"
     return text

@@ -767,3 +767,13 @@ def test_memory_layer_streams_in_chunks_with_its_convs_fused_with_their_state():
         if r is not None:
             assert_close(f"d/d{name}", g, r, TOL)
     torch._dynamo.reset()
+
+
+def test_window_step_with_a_bias_of_another_dtype_is_a_near_miss():
+    model = WindowProduct(lambda m, w: (w * m.kernel.T).sum(1) + m.bias)
+    model.bias = nn.Parameter(torch.randn(6, dtype=torch.float64))
+    report = _compare_with_eager(model, torch.randn(2, 6), torch.randn(2, 3, 6))
+    assert report.fusions == []
+    assert [m.reason for m in report.misses] == [
+        "decode step's window product: inputs have mixed dtypes ['torch.float32', 'torch.float64']; the fused op "
+        "needs one dtype"], str(report)
