@@ -11,7 +11,13 @@ PyTorch function traced to a pattern and found with :func:`find_matches`:
   normal form) with an optional ``+ b``;
 * swap [B,T,D] ↔ [B,D,T]: ``transpose``, ``.mT``, ``permute(0, 2, 1)``;
 * causal conv: ``F.conv1d(x, w, b, padding=K-1, groups=D)[..., :T]`` (also ``nn.Conv1d``),
-  or ``F.conv1d(F.pad(x, (K-1, 0)), w, b, groups=D)``;
+  or ``F.conv1d(F.pad(x, (K-1, 0)), w, b, groups=D)``; streaming, with the K−1 inputs before x
+  carried as a state in place of the zero padding, ``F.conv1d(torch.cat([state, x], -1), w, b,
+  groups=D)`` or the same with ``padding=K-1`` keeping x's outputs ``[..., K-1:K-1+T]`` (the op's
+  ``conv_state``; the next state the graph computes from the cat stays, a slice);
+* a decode step's window product (:func:`_window_step`): ``window = torch.cat([state, x_t[:, None]], 1)``,
+  ``z = Σ_k window[:, k] · w[:, k]`` (+ b) in any spelling (einsum, a product and a sum, ...), read
+  by evaluating it; the op runs on the one token and its [B, 1, D] result is squeezed;
 * tail stages, each at most once, SiLU before φ: the swap back to [B,T,D]
   (required: the op returns [B,T,D]); SiLU (``F.silu``, ``z * sigmoid(z)``,
   ``sigmoid(z) * z``); a head split [B,T,D] → [B,T,H,Dh] after the swap back
@@ -220,6 +226,26 @@ def _check_conv_common(conv: fx.Node) -> str | None:
     return None
 
 
+def _carried_state(conv: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(state [B, D, S], x [B, D, T]) when the conv reads ``torch.cat([state, x], time)``, i.e. the inputs before
+    x carried from the previous chunk in place of the zero padding; None otherwise."""
+    cat = conv.args[0]
+    if not (isinstance(cat, fx.Node) and cat.target == aten.cat.default) or val(cat).dim() != 3:
+        return None
+    parts, dim = cat.args[0], _arg(cat, 1, "dim", 0)
+    if len(parts) != 2 or dim % 3 != 2:
+        return None
+    return parts[0], parts[1]
+
+
+def _check_state(conv: fx.Node, state: fx.Node) -> str | None:
+    k, steps = val(conv.args[1]).shape[2], val(state).shape[2]
+    if steps != k - 1:
+        return (f"conv1d reads cat([state, x]) with a state of {steps} steps; a causal conv of kernel {k} carries "
+                f"the K−1={k - 1} inputs before x")
+    return None
+
+
 def _check_conv_then_slice(match: Match) -> str | None:
     conv, cut = match.node(aten.conv1d.default), match.node(aten.slice.Tensor)
     reason = _check_conv_common(conv)
@@ -231,6 +257,17 @@ def _check_conv_then_slice(match: Match) -> str | None:
         return (f"conv1d padding={padding} with kernel {k}: a causal conv pads K−1={k - 1} and keeps the first "
                 f"T outputs")
     dim, start, step = cut.args[1], _arg(cut, 2, "start"), _arg(cut, 4, "step", 1)
+    carried = _carried_state(conv)
+    if carried is not None:   # output K−1+t is x[t]'s: its window ends at index K−1+t of cat([state, x])
+        reason = _check_state(conv, carried[0])
+        if reason:
+            return reason
+        seq_len = val(carried[1]).shape[2]
+        if dim % 3 != 2 or start != k - 1 or step != 1 or val(cut).shape[2] != seq_len:
+            return (f"conv1d over cat([state, x]) pads {k - 1} on both sides but the slice (dim={dim}, start={start}, "
+                    f"step={step}) keeps {val(cut).shape[dim]} outputs, not the T={seq_len} from K−1={k - 1} "
+                    f"(x's outputs)")
+        return None
     if dim % 3 != 2 or start not in (0, None) or step != 1 or val(cut).shape[2] != seq_len:
         return (f"conv1d pads {k - 1} on both sides but the slice (dim={dim}, start={start}, step={step}) keeps "
                 f"{val(cut).shape[dim]} outputs, not the first T={seq_len}: not causal")
@@ -255,7 +292,7 @@ def _check_pad_then_conv(match: Match) -> str | None:
 
 
 def _check_unpadded_conv(match: Match) -> str | None:
-    """A conv1d neither sliced nor after F.pad is causal only as a pointwise (K = 1) conv."""
+    """A conv1d neither sliced nor after F.pad is causal as a pointwise (K = 1) conv, or over cat([state, x])."""
     conv = match.node(aten.conv1d.default)
     reason = _check_conv_common(conv)
     if reason:
@@ -264,6 +301,9 @@ def _check_unpadded_conv(match: Match) -> str | None:
     if any(padding):
         return (f"conv1d padding={padding} pads both sides (kernel {k}) and no slice keeps the first T outputs: "
                 f"outputs see future tokens, not causal")
+    carried = _carried_state(conv)
+    if carried is not None:
+        return _check_state(conv, carried[0])
     if k != 1:
         return f"conv1d has no padding (kernel {k}) and no F.pad(K−1, 0) before it: not a causal conv"
     return None
@@ -290,8 +330,8 @@ def _no_literals(match: Match) -> str | None:
 
 def _check_heads(match: Match) -> str | None:
     x, out = val(match.inputs[0]), val(match.outputs[0])
-    if x.dim() != 3 or out.dim() != 4 or tuple(out.shape[:2]) != tuple(x.shape[:2]) \
-            or out.shape[2] * out.shape[3] != x.shape[2]:
+    if x.dim() not in (2, 3) or out.dim() != x.dim() + 1 or tuple(out.shape[:-2]) != tuple(x.shape[:-1]) \
+            or out.shape[-2] * out.shape[-1] != x.shape[-1]:
         return f"reshape {tuple(x.shape)} → {tuple(out.shape)} is not a head split [B, T, D] → [B, T, H, D/H]"
     return None
 
@@ -410,6 +450,9 @@ def _tail_pieces() -> list[Piece]:
         Piece("heads", lambda z: z.view(_B, _T, 2, _D // 2), x, _check_heads),
         Piece("heads", lambda z: z.reshape(_B, _T, 2, _D // 2), x, _check_heads),
         Piece("heads", lambda z: z.unflatten(-1, (2, _D // 2)), x, _check_heads),
+        # a decode step's [B, D]
+        Piece("heads", lambda z: z.view(_B, 2, _D // 2), (_x_btd[:, 0],), _check_heads),
+        Piece("heads", lambda z: z.reshape(_B, 2, _D // 2), (_x_btd[:, 0],), _check_heads),
         # φ: longest spellings first, so relu² is tried before relu
         Piece("phi", lambda z: F.elu(z) + 1, x, _check_elu_plus_one, "elu1"),
         Piece("phi", lambda z: F.relu(z) ** 2, x, _check_square, "relu2"),
@@ -455,15 +498,72 @@ class _Found:
 
 
 @dataclass
+class _State:
+    """The conv's carried state: ``cat`` = cat([state, x]) it reads, ``node`` the state [B, D, K−1] in it, and
+    ``swap`` the [B, K−1, D] → [B, D, K−1] transpose that made it (None: the op gets a transpose of ``node``)."""
+
+    cat: fx.Node
+    node: fx.Node
+    swap: _Found | None
+
+    @property
+    def op_input(self) -> fx.Node | None:
+        """The [B, K−1, D] state the op reads, when the graph has it."""
+        return self.swap.input if self.swap is not None else None
+
+    @property
+    def covered(self) -> list[fx.Node]:
+        """The nodes the op replaces: the cat (and the state's transpose) unless another reader keeps the cat."""
+        if len(self.cat.users) != 1:
+            return []
+        return [self.cat] + (self.swap.match.nodes if self.swap is not None else [])
+
+
+@dataclass
+class _Window:
+    """A decode step's conv written as its window product: z [B, D] = Σ_k window[:, k] · w[:, k] (+ b) over
+    window = cat([state [B, K−1, D], x_t [B, 1, D]], 1). ``weight`` is the tensor the product reads, in
+    ``layout`` "D1K" (the nn.Conv1d weight), "DK" or "KD"; ``nodes`` the product (and the bias add)."""
+
+    cat: fx.Node
+    weight: fx.Node
+    layout: str
+    bias: fx.Node | None
+    nodes: list[fx.Node]
+    output: fx.Node
+
+    @property
+    def state(self) -> fx.Node:
+        return self.cat.args[0][0]
+
+    @property
+    def x(self) -> fx.Node:
+        return self.cat.args[0][1]
+
+
+@dataclass
 class _Chain:
     projection: _Found | None
-    swap_in: _Found
-    conv: _Found
+    swap_in: _Found | None      # None for a window step, which has no swaps and no conv1d
+    conv: _Found | None
     tail: list[_Found]
+    state: _State | None = None
+    window: _Window | None = None
 
     @property
     def parts(self) -> list[_Found]:
         return [p for p in [self.projection, self.swap_in, self.conv, *self.tail] if p is not None]
+
+    @property
+    def output(self) -> fx.Node:
+        """The last node the op stands for."""
+        return self.tail[-1].output if self.tail else self.window.output
+
+    @property
+    def kernel_size(self) -> int:
+        if self.window is not None:
+            return val(self.window.cat).shape[1]
+        return val(self.conv.match.node(aten.conv1d.default).args[1]).shape[2]
 
     def stage(self, name: str) -> _Found | None:
         return next((p for p in self.tail if p.piece.stage == name), None)
@@ -497,9 +597,24 @@ class _Index:
 
 
 def _conv_input_node(conv: _Found) -> fx.Node:
-    first = conv.match.node(aten.pad.default) if conv.piece.check is _check_pad_then_conv \
-        else conv.match.node(aten.conv1d.default)
-    return first.args[0]
+    """x [B, D, T]: what the conv (or its F.pad) reads; with a carried state, the part of the cat after it."""
+    if conv.piece.check is _check_pad_then_conv:
+        return conv.match.node(aten.pad.default).args[0]
+    conv_node = conv.match.node(aten.conv1d.default)
+    carried = _carried_state(conv_node)
+    return carried[1] if carried is not None else conv_node.args[0]
+
+
+def _state_of(conv: _Found, index: _Index) -> _State | None:
+    """The carried state of a conv over cat([state, x]) (None for a conv over zero padding)."""
+    conv_node = conv.match.node(aten.conv1d.default)
+    carried = _carried_state(conv_node) if conv.piece.check is not _check_pad_then_conv else None
+    if carried is None:
+        return None
+    swap = index.producer("swap", carried[0])
+    if swap is not None and swap.piece.check(swap.match):
+        swap = None
+    return _State(conv_node.args[0], carried[0], swap)
 
 
 def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Chain | str:
@@ -535,24 +650,25 @@ def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Ch
         users = ", ".join(u.name for u in conv.output.users) or "nothing"
         return (f"the conv output stays [B, D, T] (read by {users}); the fused op returns [B, T, D], so the chain "
                 f"needs the transpose back")
-    chain = _Chain(projection, swap_in, conv, tail)
+    chain = _Chain(projection, swap_in, conv, tail, _state_of(conv, index))
     reason = _check_dtypes(chain)
     return reason or chain
 
 
-def _walk_tail(node: fx.Node, index: _Index, report: FusionReport) -> list[_Found]:
+def _walk_tail(node: fx.Node, index: _Index, report: FusionReport, channels_last: bool = False) -> list[_Found]:
     """The tail stages after the conv, each at most once: swap back, SiLU (before φ), head split
     (after the swap back), φ. The order of the rest is free: they are elementwise or layout-only,
     except a matrix φ, which needs the channels last (after the swap back) and ends the chain.
-    An elementwise φ is read where no other stage follows (:func:`_elementwise_phi`)."""
+    An elementwise φ is read where no other stage follows (:func:`_elementwise_phi`).
+    ``channels_last``: the conv's output is already [..., D] (a window step): no swap back."""
     tail: list[_Found] = []
     while True:
         done = {p.piece.stage for p in tail}
         found = None
         for candidate in index.consumers(node):
             stage, matrix = candidate.piece.stage, candidate.piece.value in MATRIX_PHI
-            if stage in done or (stage == "activation" and "phi" in done) \
-                    or ((stage == "heads" or matrix) and "swap" not in done) \
+            if stage in done or (stage == "activation" and "phi" in done) or (stage == "swap" and channels_last) \
+                    or ((stage == "heads" or matrix) and "swap" not in done and not channels_last) \
                     or (stage == "phi" and not matrix):
                 continue
             reason = candidate.piece.check(candidate.match)
@@ -604,6 +720,8 @@ def _elementwise_phi(node: fx.Node, index: _Index) -> _Found | None:
 
 def _check_dtypes(chain: _Chain) -> str | None:
     tensors = [n for n in _op_tensor_args(chain) if isinstance(n, fx.Node)]
+    tensors += [chain.state.node] if chain.state is not None else []
+    tensors += [chain.window.state] if chain.window is not None else []
     dtypes = {val(n).dtype for n in tensors}
     if len(dtypes) > 1:
         return f"inputs have mixed dtypes {sorted(map(str, dtypes))}; the fused op needs one dtype"
@@ -611,6 +729,10 @@ def _check_dtypes(chain: _Chain) -> str | None:
 
 
 def _op_tensor_args(chain: _Chain) -> list:
+    """[x, proj_weight, proj_bias, conv_weight, conv_bias]; a window step's conv_weight is the tensor its
+    product reads (:func:`_window_weight` gives the op's [D, 1, K])."""
+    if chain.window is not None:
+        return [chain.window.x, None, None, chain.window.weight, chain.window.bias]
     conv_node = chain.conv.match.node(aten.conv1d.default)
     if chain.projection is not None:
         x = chain.projection.input
@@ -618,6 +740,127 @@ def _op_tensor_args(chain: _Chain) -> list:
     else:
         x, weight, bias = chain.swap_in.input, None, None
     return [x, weight, bias, conv_node.args[1], _arg(conv_node, 2, "bias")]
+
+
+# ---------------------------------------------------------------- a decode step's window product
+
+# How a window step's weight is laid out: the [D, K] matrix the product reads, and the op's [D, 1, K] from it.
+_WINDOW_LAYOUTS = {"D1K": (lambda w: w[:, 0], ()), "DK": (lambda w: w, ((aten.unsqueeze.default, (1,)),)),
+                   "KD": (lambda w: w.t(), ((aten.t.default, ()), (aten.unsqueeze.default, (1,))))}
+_WINDOW_SEARCH = 8  # nodes between the window and z: an einsum, or a product and a sum, and the weight's views
+
+
+def _window_step(cat: fx.Node) -> _Window | None:
+    """The conv a decode step writes as z = Σ_k window[:, k] · w[:, k] (+ b) over window = cat([state, x_t], 1),
+    read by evaluating the product at random float64 points (a private generator); None if ``cat`` is not one."""
+    parts, dim = cat.args[0], _arg(cat, 1, "dim", 0)
+    window = val(cat)
+    if window.dim() != 3 or len(parts) != 2 or dim % 3 != 1 or val(parts[1]).shape[1] != 1 \
+            or not window.dtype.is_floating_point:
+        return None
+    batch, _, channels = window.shape
+    for z in _descendants(cat, depth=3):
+        if tuple(val(z).shape) != (batch, channels) or val(z).dtype != window.dtype:
+            continue
+        found = _window_product(cat, z)
+        if found is not None:
+            nodes, weight, layout = found
+            bias, output = _bias_add(z, channels)
+            return _Window(cat, weight, layout, bias, nodes + ([output] if bias is not None else []), output)
+    return None
+
+
+def _descendants(node: fx.Node, depth: int) -> list[fx.Node]:
+    """The nodes reading ``node`` within ``depth`` steps, in graph order."""
+    found, frontier = set(), {node}
+    for _ in range(depth):
+        frontier = {u for n in frontier for u in n.users if u.op == "call_function"} - found
+        found |= frontier
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(found, key=order.__getitem__)
+
+
+def _window_product(cat: fx.Node, z: fx.Node) -> tuple[list[fx.Node], fx.Node, str] | None:
+    """(the nodes computing z from the window and one weight tensor, that tensor, its layout) when z is
+    Σ_k window[:, k] · w[:, k] at random points; None otherwise."""
+    region, leaves, stack = [], [], [z]
+    while stack:
+        node = stack.pop()
+        if node is cat or node in region or node in leaves:
+            continue
+        if node.op != "call_function":
+            leaves.append(node)
+            continue
+        if len(region) == _WINDOW_SEARCH or not isinstance(node.target, torch._ops.OpOverload) \
+                or node.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in node.target.tags:
+            return None
+        region.append(node)
+        stack.extend(node.all_input_nodes)
+    if len(leaves) != 1 or not isinstance(val(leaves[0]), torch.Tensor):
+        return None
+    weight = leaves[0]
+    reads_window = {n for n in region if cat in _ancestors_in(n, region)}
+    if any(u not in region for n in reads_window - {z} for u in n.users):
+        return None                                   # an intermediate someone else reads
+    window = val(cat)
+    k, channels = window.shape[1], window.shape[2]
+    layouts = [name for name, shape in (("D1K", (channels, 1, k)), ("DK", (channels, k)), ("KD", (k, channels)))
+               if tuple(val(weight).shape) == shape]
+    if not layouts or not all(isinstance(d, int) for d in val(weight).shape):
+        return None
+    order = {n: i for i, n in enumerate(cat.graph.nodes)}
+    region.sort(key=order.__getitem__)
+    generator = torch.Generator().manual_seed(0)
+    batch = window.shape[0] if isinstance(window.shape[0], int) else 2
+    points = {cat: torch.randn(batch, k, channels, generator=generator, dtype=torch.float64),
+              weight: torch.randn(tuple(val(weight).shape), generator=generator, dtype=torch.float64)}
+    try:
+        for node in region:
+            points[node] = node.target(*fx.node.map_arg(node.args, points.__getitem__),
+                                       **fx.node.map_arg(node.kwargs, points.__getitem__))
+    except Exception:  # noqa: BLE001 - a region that does not run on these points is not the product
+        return None
+    for layout in layouts:
+        expected = torch.einsum("bkd,dk->bd", points[cat], _WINDOW_LAYOUTS[layout][0](points[weight]))
+        if points[z].shape == expected.shape and torch.allclose(points[z], expected, rtol=1e-9, atol=1e-12):
+            return region, weight, layout
+    return None
+
+
+def _ancestors_in(node: fx.Node, region: list[fx.Node]) -> set[fx.Node]:
+    """What ``node`` reads, transitively, through ``region``."""
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            if n in region:
+                stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _bias_add(z: fx.Node, channels) -> tuple[fx.Node | None, fx.Node]:
+    """(b, z + b) when z's one reader adds a [D] bias; else (None, z)."""
+    if len(z.users) != 1:
+        return None, z
+    add = next(iter(z.users))
+    if add.target != aten.add.Tensor or _arg(add, 2, "alpha", 1) != 1:
+        return None, z
+    other = add.args[1] if add.args[0] is z else add.args[0]
+    if not isinstance(other, fx.Node) or tuple(val(other).shape) != (channels,):
+        return None, z
+    return other, add
+
+
+def _window_weight(gm: fx.GraphModule, window: _Window) -> fx.Node:
+    """The op's conv_weight [D, 1, K] from the tensor the window product reads (views inserted after it)."""
+    node = window.weight
+    for target, literals in _WINDOW_LAYOUTS[window.layout][1]:
+        with gm.graph.inserting_after(node):
+            view = gm.graph.call_function(target, (node, *literals))
+        view.meta["val"] = target(val(node), *literals)
+        node = view
+    return node
 
 
 # ---------------------------------------------------------------- the pass
@@ -636,6 +879,16 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
                 report.add_miss(PATTERN, chain, node.name)
             else:
                 chains.append(chain)
+        elif node.op == "call_function" and node.target == aten.cat.default:
+            window = _window_step(node)
+            if window is not None:
+                chain = _Chain(None, None, None, _walk_tail(window.output, index, report, channels_last=True),
+                               window=window)
+                reason = _check_dtypes(chain)
+                if reason:
+                    report.add_miss(PATTERN, f"decode step's window product: {reason}", window.output.name)
+                else:
+                    chains.append(chain)
     for chain in chains:
         _replace(gm, chain, op, report)
 
@@ -649,21 +902,59 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
     # One match covering every part's computation nodes. They key themselves: two parts may come
     # from the same piece (the swap in and the swap back), whose pattern nodes would collide.
     covered = {node: node for part in chain.parts for node in part.match.nodes}
-    match = Match(chain.conv.match.pattern,
-                  InternalMatch(anchors=[], nodes_map=covered, returning_nodes=[chain.tail[-1].output]))
+    nodes_replaced = len(covered)
+    if chain.state is not None:
+        args.append(_state_argument(gm, chain.state))
+        covered.update({node: node for node in chain.state.covered})
+        # a cat another node reads stays, and with it x's transpose
+        nodes_replaced = len(covered) - (len(chain.swap_in.match.nodes) if not chain.state.covered else 0)
+    if chain.window is not None:
+        args[3] = _window_weight(gm, chain.window)
+        args.append(chain.window.state)
+        # the window itself stays when the step also returns window[:, 1:] as its next state
+        window_nodes = [chain.window.cat, *chain.window.nodes]
+        covered.update({node: node for node in window_nodes})
+        nodes_replaced += _erased(window_nodes, chain.window.output)
+    match = Match(fx.Graph(), InternalMatch(anchors=[], nodes_map=covered, returning_nodes=[chain.output]))
     detail = _describe(chain, phi_kind, _phi_scalar(phi))
-    nodes_replaced = len(match.nodes)
-    result = val(chain.tail[-1].output)  # [B, T, H, Dh or d_phi] when the chain splits heads
+    result = val(chain.output)  # [B, T, H, Dh or d_phi] when the chain splits heads; [B, (H,) D] for a window step
     call = replace_with_op(gm, match, op, args)
+    # the op returns [B, T, C]: a window step squeezes its one token; SiLU and φ ran after the head split, and
+    # as they act per channel (per head for a matrix φ) the op's [B, T, H·Dh] result is split instead.
+    layout = []
+    if chain.window is not None:
+        layout.append((aten.squeeze.dim, (1,)))
     if heads is not None:
-        # SiLU and φ ran after the head split; they act per channel (per head for a matrix φ),
-        # so split the op's [B, T, H·Dh] result instead.
-        with gm.graph.inserting_after(call):
-            split = gm.graph.call_function(aten.unflatten.int, (call, -1, list(result.shape[2:])))
-        split.meta["val"] = result
-        call.replace_all_uses_with(split, delete_user_cb=lambda user: user is not split)
+        layout.append((aten.unflatten.int, (-1, list(result.shape[-2:]))))
         nodes_replaced -= 1  # a head split is still there
+    last = call
+    for target, literals in layout:
+        with gm.graph.inserting_after(last):
+            reshaped = gm.graph.call_function(target, (last, *literals))
+        reshaped.meta["val"] = target(val(last), *literals)
+        last.replace_all_uses_with(reshaped, delete_user_cb=lambda user: user is not reshaped)
+        last = reshaped
     report.add_fusion(PATTERN, OP_NAME, nodes_replaced, detail)
+
+
+def _erased(nodes: list[fx.Node], output: fx.Node) -> int:
+    """How many of ``nodes`` a replacement of ``output`` erases: those no other node reads."""
+    order = {n: i for i, n in enumerate(output.graph.nodes)}
+    gone: set[fx.Node] = set()
+    for node in sorted(nodes, key=order.__getitem__, reverse=True):
+        if node is output or all(u in gone for u in node.users):
+            gone.add(node)
+    return len(gone)
+
+
+def _state_argument(gm: fx.GraphModule, state: _State) -> fx.Node:
+    """The op's conv_state [B, K−1, D]: the tensor the graph transposed into the cat, or a new transpose."""
+    if state.op_input is not None:
+        return state.op_input
+    with gm.graph.inserting_after(state.node):
+        swapped = gm.graph.call_function(aten.transpose.int, (state.node, 1, 2))
+    swapped.meta["val"] = val(state.node).transpose(1, 2)
+    return swapped
 
 
 def _phi_scalar(phi: _Found | None) -> float:
@@ -684,9 +975,12 @@ _PHI_NAMES = {"elu1": "elu+1", "relu": "relu", "relu2": "relu²",
 
 def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
     """The variant, e.g. "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]"; the layout is the op's input's."""
-    k = val(chain.conv.match.node(aten.conv1d.default).args[1]).shape[2]
+    k = chain.kernel_size
     steps = [chain.projection.piece.value] if chain.projection else []
-    steps.append(f"conv(K={k})")
+    if chain.window is not None:
+        steps.append(f"window step conv(K={k}, carried state)")
+    else:
+        steps.append(f"conv(K={k}, carried state)" if chain.state is not None else f"conv(K={k})")
     if chain.stage("activation"):
         steps.append("silu")
     if phi_kind == "exp":
@@ -697,9 +991,11 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
     elif phi_kind != "identity":
         steps.append(_PHI_NAMES.get(phi_kind, f"φ = {phi_kind}"))
     layout = "[B,T,H,Dh]" if chain.stage("heads") else "[B,T,D]"
+    if chain.window is not None:
+        layout = layout.replace("T,", "")
     text = " → ".join(steps) + " " + layout
     if phi_kind == "identity":
-        readers = sorted({str(u.target) for u in chain.tail[-1].output.users if u.op == "call_function"})
+        readers = sorted({str(u.target) for u in chain.output.users if u.op == "call_function"})
         if readers:
             text += f"; read by {', '.join(readers)}, left to the fallback (not a φ the op fuses)"
     return text

@@ -130,3 +130,60 @@ def test_streaming_mode_needs_the_protocol(tmp_path):
         hecate.export_onnx(torch.nn.Linear(3, 3), (torch.randn(2, 3),), tmp_path / "x.onnx", mode="prefill")
     with pytest.raises(ValueError, match="mode must be one of"):
         hecate.export_onnx(torch.nn.Linear(3, 3), (torch.randn(2, 3),), tmp_path / "x.onnx", mode="stream")
+
+
+def _graph_input_behind(model, name: str) -> str | None:
+    """The graph input a value comes from through layout-only nodes (Transpose, Identity, Reshape), if any."""
+    producers = {out: node for node in model.graph.node for out in node.output}
+    inputs = {i.name for i in model.graph.input}
+    while name not in inputs:
+        node = producers.get(name)
+        if node is None or node.op_type not in ("Transpose", "Identity", "Reshape"):
+            return None
+        name = node.input[0]
+    return name
+
+
+def _decode_steps_match(path, step, state, vocab: int | None, d_in: int, n_steps: int = 4) -> None:
+    """onnxruntime and PyTorch decode ``n_steps`` tokens from ``state``, each feeding its own next state back."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()][1:]
+    batch = state[0].shape[0]
+    onnx_state = [s.numpy() for s in state]
+    for t in range(n_steps):
+        x_t = torch.randint(0, vocab, (batch,)) if vocab else torch.randn(batch, d_in)
+        with torch.no_grad():
+            out, state = step(x_t, state)
+        got = session.run(None, {"x_t": x_t.numpy(), **dict(zip(names, onnx_state))})
+        expected = [*(out if isinstance(out, tuple) else (out,)), *state]
+        assert len(got) == len(expected)
+        for n, (g, e) in enumerate(zip(got, expected)):
+            assert_close(f"output {n} at step {t}, batch {batch}", torch.from_numpy(g), e, TOL)
+        onnx_state = got[len(got) - len(state):]
+
+
+@pytest.mark.parametrize("model_name", ["memory LM (conv over cat([state, x]))",
+                                        "KeyQueryPreprocess (window step)"])
+def test_decode_conv_is_causal_conv_with_state_reading_the_carried_state(model_name, tmp_path):
+    """The decode step's short convs are each one CausalConvWithState whose past_state is the carried conv state
+    (state_0 / state_1, transposed to [B, D, K-1]); onnxruntime equals PyTorch over several steps at batch 1
+    and 3, the state going from one step's outputs to the next step's inputs."""
+    import onnx
+
+    torch.manual_seed(0)
+    if model_name.startswith("memory"):
+        model, example, vocab, d_in = _lm(), torch.zeros(2, dtype=torch.long), 7, None
+        states = lambda b: (torch.randn(b, 3, 8), torch.randn(b, 3, 8), 0.3 * torch.randn(b, 2, 4, 4))  # noqa: E731
+    else:
+        model, example, vocab, d_in = KeyQueryPreprocess(8, n_heads=2).eval(), torch.randn(2, 8), None, 8
+        states = lambda b: (torch.randn(b, 3, 8), torch.randn(b, 3, 8))  # noqa: E731
+    path = tmp_path / "decode.onnx"
+    report = hecate.export_onnx(model, (example,), path, mode="decode", opset_version=27)
+    forms = [f for f in report.onnx_forms if f.op == "hecate.qk_preprocess"]
+    assert [f.form for f in forms] == ["CausalConvWithState(silu)"] * 2, report.onnx_forms
+    assert all("past_state = the carried conv state" in f.reason for f in forms), forms
+    onnx_model = onnx.load(str(path))
+    convs = [n for n in onnx_model.graph.node if n.op_type == "CausalConvWithState"]
+    assert sorted(_graph_input_behind(onnx_model, n.input[3]) for n in convs) == ["state_0", "state_1"]
+    for batch in (1, 3):
+        _decode_steps_match(path, model.step, states(batch), vocab, d_in)

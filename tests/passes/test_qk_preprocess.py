@@ -498,3 +498,282 @@ def test_narrow_for_the_causal_slice_fuses_and_another_window_is_reported():
     assert [m.reason for m in report.misses] == [
         "conv1d pads 3 on both sides but the slice (dim=2, start=3, step=1) keeps 7 outputs, not the first T=7: "
         "not causal"]
+
+
+# ---------------------------------------------------------------- a carried conv state (streaming)
+
+class Streamed(nn.Module):
+    """One chunk of a stream: (the block's output on x after ``state``, the state after x)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, state):
+        return self.block(x, state), self.block.next_state(x, state)
+
+
+def _leaves(tree) -> list[torch.Tensor]:
+    return list(tree) if isinstance(tree, (tuple, list)) else [tree]
+
+
+def _stream_compiled_vs_whole_eager(block: nn.Module, x: torch.Tensor, state, bounds, expected: str):
+    """x in chunks through the compiled block, carrying the state, equals eager on the whole of x: outputs, the
+    final state, and the gradients of the parameters, of x and of the first state. Each chunk's graph fuses
+    ``expected(T)`` (T: the chunk's length)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(Streamed(block), backend="hecate", options={"fallback": "eager"}, dynamic=False)
+    xs = x.detach().clone().requires_grad_()
+    states = [s.detach().clone().requires_grad_() for s in _leaves(state)]
+    carried, outs = tuple(states) if isinstance(state, tuple) else states[0], []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        out, carried = compiled(xs[:, start:stop], carried)
+        outs.append(_leaves(out))
+        assert _details(hecate.last_report()) == [expected(stop - start)] * len(_leaves(out)), \
+            str(hecate.last_report())
+    got = [torch.cat(parts, 1) for parts in zip(*outs)] + _leaves(carried)
+    weights = [torch.randn_like(g) for g in got]
+    sum((g * w).sum() for g, w in zip(got, weights)).backward()
+    got_grads = {n: p.grad for n, p in block.named_parameters()}
+    block.zero_grad(set_to_none=True)
+
+    x_ref = x.detach().clone().requires_grad_()
+    ref_states = [s.detach().clone().requires_grad_() for s in _leaves(state)]
+    out, final = Streamed(block)(x_ref, tuple(ref_states) if isinstance(state, tuple) else ref_states[0])
+    ref = _leaves(out) + _leaves(final)
+    sum((r * w).sum() for r, w in zip(ref, weights)).backward()
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_close(f"output {i}", g, r, TOL)
+    for name, p in block.named_parameters():
+        assert_close(f"d/d{name}", got_grads[name], p.grad, TOL)
+    assert_close("d/dx", xs.grad, x_ref.grad, TOL)
+    for i, (s, r) in enumerate(zip(states, ref_states)):
+        assert_close(f"d/dstate{i}", s.grad, r.grad, TOL)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kernel_size,bounds", [(4, (0, 2, 7, 9)), (3, (0, 4, 5, 9))],
+                         ids=["K4-chunk-shorter-than-state", "K3-one-token-chunk"])
+def test_short_conv_streams_in_chunks_with_the_state_fused(kernel_size, bounds):
+    """ShortCausalConv.forward(x, state) convolves cat([state, x]): the op with the state as conv_state."""
+    from hecate.models.short_conv import ShortCausalConv
+
+    torch.manual_seed(0)
+    block = ShortCausalConv(6, kernel_size)
+    _randomize(block)
+    state = torch.randn(2, kernel_size - 1, 6)
+    _stream_compiled_vs_whole_eager(block, torch.randn(2, 9, 6), state, bounds,
+                                    lambda T: f"conv(K={kernel_size}, carried state) → silu [B,T,D]")
+
+
+@pytest.mark.parametrize("kwargs,projection,rest", [
+    (dict(n_heads=2, phi="elu1"), "linear", "conv(K=4, carried state) → silu → elu+1 [B,T,H,Dh]"),
+    (dict(phi="relu", activation="none", proj_style="matmul", proj_bias=True), "x @ W.T + b",
+     "conv(K=4, carried state) → relu [B,T,D]"),
+], ids=["heads-elu1", "matmul-no-silu-relu"])
+def test_key_query_block_streams_in_chunks_with_the_state_fused(kwargs, projection, rest):
+    """KeyQueryPreprocess with its (queries', keys') conv states: both chains fuse with their state. A chunk of
+    at most K−1 tokens is all the next state's too, so its projection is read twice and stays outside the op."""
+    torch.manual_seed(0)
+    block = KeyQueryPreprocess(5, 6, **kwargs)
+    _randomize(block)
+    state = (torch.randn(3, 3, 6), torch.randn(3, 3, 6))
+    _stream_compiled_vs_whole_eager(block, torch.randn(3, 10, 5), state, (0, 3, 4, 10),
+                                    lambda T: f"{projection} → {rest}" if T > 3 else rest)
+
+
+class StatefulSpelling(nn.Module):
+    """A chain over cat([state, x]) written by ``spelling(self, u [B, D, T], state [B, K−1, D])``."""
+
+    def __init__(self, spelling, d=6, k=4):
+        super().__init__()
+        self.spelling, self.k = spelling, k
+        self.cw = nn.Parameter(torch.randn(d, 1, k) * 0.5)
+        self.cb = nn.Parameter(torch.randn(d) * 0.5)
+
+    def forward(self, x, state):
+        return F.silu(self.spelling(self, x.transpose(1, 2), state).transpose(1, 2))
+
+
+STATEFUL_SPELLINGS = {
+    "state kept channels first": lambda m, u, s: F.conv1d(torch.cat([s.permute(0, 2, 1), u], 2), m.cw, m.cb, groups=6),
+    "padding=K-1 then keep x's outputs": lambda m, u, s: F.conv1d(
+        torch.cat([s.mT, u], -1), m.cw, m.cb, padding=m.k - 1, groups=6)[..., m.k - 1:-(m.k - 1)],
+}
+
+
+@pytest.mark.parametrize("name", list(STATEFUL_SPELLINGS))
+def test_stateful_spellings_fuse_and_match_eager(name):
+    report = _compare_with_eager(StatefulSpelling(STATEFUL_SPELLINGS[name]), torch.randn(2, 5, 6),
+                                 torch.randn(2, 3, 6))
+    assert _details(report) == ["conv(K=4, carried state) → silu [B,T,D]"], str(report)
+    assert report.misses == []
+
+
+def test_state_read_elsewhere_keeps_its_cat():
+    """The cat is also the next state's source: the op reads the state, the cat stays for the other reader."""
+    class Both(StatefulSpelling):
+        def forward(self, x, state):
+            context = torch.cat([state.transpose(1, 2), x.transpose(1, 2)], -1)
+            z = F.conv1d(context, self.cw, self.cb, groups=6)
+            return F.silu(z.transpose(1, 2)), context[..., -(self.k - 1):]
+
+    report = _compare_with_eager(Both(None), torch.randn(2, 5, 6), torch.randn(2, 3, 6))
+    assert _details(report) == ["conv(K=4, carried state) → silu [B,T,D]"], str(report)
+    assert [f.nodes_replaced for f in report.fusions] == [3]    # conv, transpose back, silu: x's transpose stays
+
+
+STATEFUL_NEAR_MISSES = {
+    "state of K-2 steps": (lambda m, u, s: F.conv1d(torch.cat([s[:, 1:].transpose(1, 2), u], -1), m.cw, m.cb,
+                                                    groups=6),
+                           "conv1d reads cat([state, x]) with a state of 2 steps; a causal conv of kernel 4 carries "
+                           "the K−1=3 inputs before x"),
+    "padding=K-1 keeping the first T": (
+        lambda m, u, s: F.conv1d(torch.cat([s.transpose(1, 2), u], -1), m.cw, m.cb, padding=m.k - 1,
+                                 groups=6)[..., :u.shape[2]],
+        "conv1d over cat([state, x]) pads 3 on both sides but the slice (dim=2, start=0, step=1) keeps 5 outputs, "
+        "not the T=5 from K−1=3 (x's outputs)"),
+}
+
+
+@pytest.mark.parametrize("name", list(STATEFUL_NEAR_MISSES))
+def test_stateful_near_miss_is_not_fused_and_says_why(name):
+    spelling, reason = STATEFUL_NEAR_MISSES[name]
+    report = _compare_with_eager(StatefulSpelling(spelling), torch.randn(2, 5, 6), torch.randn(2, 3, 6))
+    assert report.fusions == []
+    assert [m.pattern for m in report.misses] == ["qk_preprocess"], str(report)
+    assert reason in report.misses[0].reason, report.misses[0].reason
+
+
+class Stepper(nn.Module):
+    """A block's decode step as a forward: (x_t, state) → step(x_t, state)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x_t, state):
+        return self.block.step(x_t, state)
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(), "window step conv(K=4, carried state) → silu [B,D]"),
+    (dict(bias=False, activation="none"), "window step conv(K=4, carried state) [B,D]"),
+], ids=["silu-bias", "no-bias-no-activation"])
+def test_short_conv_step_decodes_token_by_token_fused(kwargs, expected, tmp_path):
+    """ShortCausalConv.step's window product Σ_k window[:, k]·w[:, k] is the conv of one token: compiled, step by
+    step from a random state, it equals forward() over the whole sequence (outputs, final state, gradients of the
+    weights, the tokens and the first state). The window stays: it is also the next state."""
+    from hecate.models.short_conv import ShortCausalConv
+
+    torch.manual_seed(0)
+    block = ShortCausalConv(6, 4, **kwargs)
+    _randomize(block)
+    torch._dynamo.reset()
+    compiled = torch.compile(Stepper(block), backend="hecate", options={"fallback": "eager", "dump_dir": str(tmp_path)})
+    x = torch.randn(3, 5, 6, requires_grad=True)
+    state0 = torch.randn(3, 3, 6, requires_grad=True)
+    state, outs = state0, []
+    for t in range(x.shape[1]):
+        out, state = compiled(x[:, t], state)
+        outs.append(out)
+    assert _details(hecate.last_report()) == [expected], str(hecate.last_report())
+    after = next(tmp_path.glob("*after_qk_preprocess.txt")).read_text()
+    assert "aten.einsum" not in after and "aten.cat" in after
+    got = [torch.stack(outs, 1), state]
+    weights = [torch.randn_like(g) for g in got]
+    got_grads = torch.autograd.grad(sum((g * w).sum() for g, w in zip(got, weights)),
+                                    [x, state0, *block.parameters()])
+    ref = [block(x, state0), block.next_state(x, state0)]
+    ref_grads = torch.autograd.grad(sum((r * w).sum() for r, w in zip(ref, weights)),
+                                    [x, state0, *block.parameters()])
+    for name, g, r in zip(("outputs", "final state"), got, ref):
+        assert_close(name, g, r, TOL)
+    for name, g, r in zip(["x", "state"] + [n for n, _ in block.named_parameters()], got_grads, ref_grads):
+        assert_close(f"d/d{name}", g, r, TOL)
+    torch._dynamo.reset()
+
+
+class WindowProduct(nn.Module):
+    def __init__(self, product, d=6, k=4):
+        super().__init__()
+        self.product = product
+        self.kernel = nn.Parameter(torch.randn(d, k) * 0.5)
+
+    def forward(self, x_t, state):
+        return F.silu(self.product(self, torch.cat([state, x_t.unsqueeze(1)], 1)))
+
+
+@pytest.mark.parametrize("product", [
+    lambda m, w: (w.square() * m.kernel.T).sum(1),            # not linear in the window
+    lambda m, w: (w * m.kernel.T.softmax(0)).sum(1),           # a function of the weight, not the weight
+    lambda m, w: (w[:, 1:] * m.kernel.T[1:]).sum(1),           # K−1 of the kernel's K taps
+], ids=["squared-window", "softmax-weight", "first-tap-dropped"])
+def test_a_window_product_that_is_not_a_conv_is_left_alone(product):
+    report = _compare_with_eager(WindowProduct(product), torch.randn(2, 6), torch.randn(2, 3, 6))
+    assert report.fusions == [] and report.misses == [], str(report)
+
+
+def test_window_step_with_as_many_taps_as_channels_finds_its_layout():
+    """K = D: a [D, K] and a [K, D] kernel have the same shape; the evaluation tells which one the product reads."""
+    for product in (lambda m, w: (w * m.kernel.T).sum(1), lambda m, w: (w * m.kernel).sum(1)):
+        report = _compare_with_eager(WindowProduct(product, d=4, k=4), torch.randn(2, 4), torch.randn(2, 3, 4))
+        assert _details(report) == ["window step conv(K=4, carried state) → silu [B,D]"], str(report)
+
+
+def test_memory_layer_streams_in_chunks_with_its_convs_fused_with_their_state():
+    """LpMemory.forward_chunk carries (the convs' states, M): compiled chunk by chunk, both short convs are
+    qk_preprocess with their state and the recurrence memory_scan from M, and the chunks equal eager on the
+    whole sequence (outputs, final M, gradients of the weights, x and every initial state)."""
+    from hecate.models.memory import LpMemory
+
+    torch.manual_seed(0)
+    model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=2.0, alpha=None, eta=None, phi="elu1", use_scan=True)
+
+    class Chunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.memory = model
+
+        def forward(self, x, q_state, k_state, m):
+            out, ((q_state, k_state), m, _) = self.memory.forward_chunk(x, ((q_state, k_state), m, None))
+            return out, q_state, k_state, m
+
+    torch._dynamo.reset()
+    compiled = torch.compile(Chunk(), backend="hecate", options={"fallback": "eager"}, dynamic=False)
+    x = torch.randn(2, 9, 8, requires_grad=True)
+    first = [(0.5 * torch.randn(2, 3, 8)).requires_grad_(), (0.5 * torch.randn(2, 3, 8)).requires_grad_(),
+             (0.1 * torch.randn(2, 2, 4, 4)).requires_grad_()]
+    state, outs = first, []
+    for start, stop in ((0, 2), (2, 6), (6, 9)):
+        out, *state = compiled(x[:, start:stop], *state)
+        outs.append(out)
+        report = hecate.last_report()
+        assert report.count("memory_scan") == 1 and report.misses == [], str(report)
+        details = _details(report)
+        assert len(details) == 2 and all("conv(K=4, carried state) → silu → elu+1" in d for d in details), details
+    got = [torch.cat(outs, 1), state[2]]
+    leaves = [x, *first, *model.parameters()]
+    weights = [torch.randn_like(g) for g in got]
+    got_grads = torch.autograd.grad(sum((g * w).sum() for g, w in zip(got, weights)), leaves, allow_unused=True)
+    out, (_, m, _) = model.forward_chunk(x, (tuple(first[:2]), first[2], None))   # eager, the whole of x
+    ref = [out, m]
+    ref_grads = torch.autograd.grad(sum((r * w).sum() for r, w in zip(ref, weights)), leaves, allow_unused=True)
+    for name, g, r in zip(("outputs", "final M"), got, ref):
+        assert_close(name, g, r, TOL)
+    names = ["x", "q conv state", "k conv state", "M"] + [n for n, _ in model.named_parameters()]
+    for name, g, r in zip(names, got_grads, ref_grads):
+        assert (g is None) == (r is None), name
+        if r is not None:
+            assert_close(f"d/d{name}", g, r, TOL)
+    torch._dynamo.reset()
+
+
+def test_window_step_with_a_bias_of_another_dtype_is_a_near_miss():
+    model = WindowProduct(lambda m, w: (w * m.kernel.T).sum(1) + m.bias)
+    model.bias = nn.Parameter(torch.randn(6, dtype=torch.float64))
+    report = _compare_with_eager(model, torch.randn(2, 6), torch.randn(2, 3, 6))
+    assert report.fusions == []
+    assert [m.reason for m in report.misses] == [
+        "decode step's window product: inputs have mixed dtypes ['torch.float32', 'torch.float64']; the fused op "
+        "needs one dtype"], str(report)

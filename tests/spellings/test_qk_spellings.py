@@ -159,3 +159,76 @@ def test_spelling_fuses_and_matches_eager(name):
 
 def test_corpus_size():
     assert len(SPELLINGS) >= 15
+
+
+# ---------------------------------------------------------------- with a carried conv state
+
+class StatefulBlock(Block):
+    """``spelling(self, x, state)``: x [B, T, D_in] (or a decode step's x_t [B, D_in]) after the conv's state
+    [B, K−1, D], the K−1 projected inputs before it. ``taps`` is a depthwise kernel kept as [K, D]."""
+
+    def __init__(self, spelling):
+        super().__init__(spelling)
+        self.taps = nn.Parameter(torch.randn(K, D) * 0.5)
+
+    def forward(self, x, state):
+        return self.spelling(self, x, state)
+
+
+def _window(m, x_t, state):     # [B, K, D]: the K−1 carried inputs, then the projected token
+    return torch.cat([state, m.proj(x_t).unsqueeze(1)], dim=1)
+
+
+# name: (forward, whether it is a one-token decode step, the fusion's detail)
+STATEFUL_SPELLINGS = {
+    "F.conv1d over cat([state.transpose, u], -1)": (
+        lambda m, x, s: F.silu(F.conv1d(torch.cat([s.transpose(1, 2), m.proj(x).transpose(1, 2)], -1),
+                                        m.conv.weight, m.conv.bias, groups=D).transpose(1, 2)),
+        False, "linear → conv(K=4, carried state) → silu [B,T,D]"),
+    "nn.Conv1d(padding=K-1) over cat([state.mT, u]), x's outputs [K-1:-(K-1)]": (
+        lambda m, x, s: F.elu(F.silu(m.conv(torch.cat([s.mT, m.proj(x).mT], 2))[..., K - 1:-(K - 1)].mT)) + 1,
+        False, "linear → conv(K=4, carried state) → silu → elu+1 [B,T,D]"),
+    "step: einsum('bkd,dk->bd') with conv.weight[:, 0, :], + bias": (
+        lambda m, x, s: F.silu(torch.einsum("bkd,dk->bd", _window(m, x, s), m.conv.weight[:, 0, :]) + m.conv.bias),
+        True, "window step conv(K=4, carried state) → silu [B,D]"),
+    "step: (window * kernel.T).sum(1), sigmoid product, relu": (
+        lambda m, x, s: F.relu((lambda z: z * torch.sigmoid(z))((_window(m, x, s) * m.kernel.T).sum(1))),
+        True, "window step conv(K=4, carried state) → silu → relu [B,D]"),
+    "step: taps [K, D], torch.sum(window * taps, dim=1) + bias, heads": (
+        lambda m, x, s: F.elu(F.silu(torch.sum(_window(m, x, s) * m.taps, dim=1) + m.conv.bias)
+                              .view(x.shape[0], H, D // H)) + 1,
+        True, "window step conv(K=4, carried state) → silu → elu+1 [B,H,Dh]"),
+    "step: window.transpose(1, 2) * conv.weight.squeeze(1), .sum(-1)": (
+        lambda m, x, s: F.silu((_window(m, x, s).transpose(1, 2) * m.conv.weight.squeeze(1)).sum(-1)),
+        True, "window step conv(K=4, carried state) → silu [B,D]"),
+}
+
+
+@pytest.mark.parametrize("name", list(STATEFUL_SPELLINGS))
+def test_stateful_spelling_fuses_with_its_state_and_matches_eager(name):
+    spelling, step, detail = STATEFUL_SPELLINGS[name]
+    model = StatefulBlock(spelling)
+    args = (torch.randn(B, D_IN) if step else torch.randn(B, T, D_IN), torch.randn(B, K - 1, D))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="hecate", options={"fallback": "eager"})
+    inputs = [a.clone().requires_grad_() for a in args]
+    ref_inputs = [a.clone().requires_grad_() for a in args]
+    got = compiled(*inputs)
+    report = hecate.last_report()
+    assert [f.detail for f in report.fusions if f.pattern == "qk_preprocess"] == [detail], str(report)
+    assert report.misses == [], str(report)
+    weight = torch.randn_like(got)
+    (got * weight).sum().backward()
+    got_grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ref = model(*ref_inputs)
+    (ref * weight).sum().backward()
+    assert_close("output", got, ref, TOL)
+    for name_, a, r in zip(("x", "state"), inputs, ref_inputs):
+        assert_close(f"d/d{name_}", a.grad, r.grad, TOL)
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            assert got_grads[n] is None, n
+        else:
+            assert_close(f"d/d{n}", got_grads[n], p.grad, TOL)
+    torch._dynamo.reset()

@@ -108,8 +108,10 @@ def qk_preprocess_fused_onnx(*args, **kwargs):
     past = None if a["conv_state"] is None else ox.Transpose(a["conv_state"], perm=[0, 2, 1])   # [B, D, K-1]
     z, _ = call_fused("CausalConvWithState", u, conv_weight, a["conv_bias"], past,
                       shapes=([B, D, T], [B, D, K - 1]), activation=a["activation"])
+    # present_state is not used: the op has one output, and the graph's next state stays the slice it is
     note("hecate.qk_preprocess", f"CausalConvWithState({a['activation']})",
          f"depthwise causal conv K={K}" + (" + SiLU" if a["activation"] == "silu" else "")
+         + (", past_state = the carried conv state" if past is not None else "")
          + (f", then φ={a['phi']} as ordinary ops" if a["phi"] != "identity" else ""))
     return _phi(ox.Transpose(z, perm=[0, 2, 1]), D, a["phi"], a["phi_params"], a["phi_scalar"])
 

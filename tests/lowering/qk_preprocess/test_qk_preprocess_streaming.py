@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from hecate.lowering.dispatch import triton_on_cpu
+from hecate.lowering.qk_preprocess import kernels
 from hecate.lowering.qk_preprocess.naive import qk_preprocess_reference
 from hecate.lowering.qk_preprocess.op import next_conv_state
-from hecate.testing import assert_close
+from hecate.testing import assert_close, poisoned
 
 from qk_preprocess_cases import Case, detached
 
 OP = torch.ops.hecate.qk_preprocess.default
 PATHS = {"aten": (contextlib.nullcontext, torch.float64, 1e-12), "triton": (triton_on_cpu, torch.float32, 1e-5)}
+FP32_TOL = 1e-5
 
 
 def _chunked(case: Case, tensors: dict, state: torch.Tensor, bounds) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +68,45 @@ def test_chunks_carrying_the_conv_state_equal_the_whole_sequence(case, bounds, p
     names = [n for n, t in tensors.items() if t is not None] + ["conv_state"]
     for name, g, g_ref in zip(names, grads, grads_ref):
         assert_close(f"d{name}", g, g_ref, tol)
+
+
+# interpreter tiles: 16 rows (the backward owns 16 − 2(K−1) of them), 16 channels
+@pytest.mark.parametrize("case", [
+    Case(B=3, T=19, D_in=7, D=17, K=4),                                   # 2 D blocks, 2 backward T blocks
+    Case(B=2, T=2, D=10, K=5, proj=False, proj_bias=False, conv_bias=False, phi="relu2"),   # T < K−1
+    Case(B=1, T=11, D_in=5, D=12, K=3, activation="none", phi="performer", head_dim=6, d_phi=5),
+], ids=["proj-elu1-odd", "T<K-1-no-proj", "performer-2-heads"])
+def test_triton_kernels_with_a_state_write_every_output_element(case):
+    """NaN-filled buffers, the Triton kernels on a carried state: the output, du, the conv's partial sums and the
+    state's gradient are all written and equal the reference on [state; u] (x's outputs, its gradients)."""
+    t = {n: v.detach() if v is not None else None for n, v in case.tensors().items()}
+    state = torch.randn(case.B, case.K - 1, case.D)
+    phi_params = case.phi_params(t)
+    args = (t["x"], t["proj_weight"], t["proj_bias"], t["conv_weight"], t["conv_bias"], case.activation, case.phi,
+            phi_params, case.phi_scalar)
+    out = poisoned(case.B, case.T, case.out_width)
+    kernels.launch_forward(out, *args, state)
+
+    n_partial = case.B * kernels.backward_row_blocks(case.T, case.K)
+    du, dcw_partial, dstate = poisoned(case.B, case.T, case.D), poisoned(n_partial, case.K, case.D), \
+        poisoned(case.B, case.K - 1, case.D)
+    dcb_partial = poisoned(n_partial, case.D) if case.conv_bias else None
+    grad_out = torch.randn(case.B, case.T, case.out_width)
+    kernels.launch_backward_conv(du, dcw_partial, dcb_partial, None, None, grad_out, *args, state, dstate)
+
+    u = (torch.nn.functional.linear(t["x"], t["proj_weight"], t["proj_bias"]) if case.proj else t["x"]).double()
+    leaves = [u.requires_grad_(), state.double().requires_grad_(), t["conv_weight"].double().requires_grad_()]
+    leaves += [t["conv_bias"].double().requires_grad_()] if case.conv_bias else []
+    ref = qk_preprocess_reference(torch.cat(leaves[:2][::-1], 1), None, None, leaves[2],
+                                  leaves[3] if case.conv_bias else None, case.activation, case.phi,
+                                  [p.double() for p in phi_params], case.phi_scalar)[:, case.K - 1:]
+    ref_grads = torch.autograd.grad(ref, leaves, grad_out.double())
+    assert_close("out", out, ref, FP32_TOL)
+    assert_close("du", du, ref_grads[0], FP32_TOL)
+    assert_close("dconv_state", dstate, ref_grads[1], FP32_TOL)
+    assert_close("dconv_weight", dcw_partial.sum(0).t().unsqueeze(1), ref_grads[2], FP32_TOL)
+    if case.conv_bias:
+        assert_close("dconv_bias", dcb_partial.sum(0), ref_grads[3], FP32_TOL)
 
 
 @pytest.mark.parametrize("path", PATHS)
