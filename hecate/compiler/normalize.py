@@ -27,7 +27,8 @@ there in-place ops are ``call_method`` ``mul_`` / ``operator.isub``, and a step 
 expression again at each use would not read as the same step as the last one. It also gets
 :func:`float_inputs_as_tensors`: a float attribute Dynamo does not specialise (``dynamic=True``) is read
 by arithmetic on its 0-d tensor instead of on a Python float taken out of it at each step, and
-Python arithmetic on literals is folded (:func:`fold_scalar_constants`).
+Python arithmetic on literals is folded (:func:`fold_scalar_constants`); ``x.unbind(d)[t]`` is
+``x.select(d, t)`` where it is read (:func:`unbind_as_selects`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
     copy.meta.update(gm.meta)
     float_inputs_as_tensors(copy.graph)
     fold_scalar_constants(copy.graph)
+    unbind_as_selects(copy.graph)
     functionalize(copy.graph)
     eliminate_common_subexpressions(copy.graph)
     copy.graph.lint()
@@ -135,6 +137,40 @@ def fold_scalar_constants(graph: fx.Graph) -> None:
             user.args, user.kwargs = fx.node.map_aggregate((user.args, user.kwargs),
                                                            lambda a: value if a is node else a)
         graph.erase_node(node)
+
+
+_UNBINDS = ("unbind", torch.unbind, aten.unbind.int)
+
+
+def unbind_as_selects(graph: fx.Graph) -> None:
+    """``x.unbind(d)[t]`` → ``x.select(d, t)``, made just before its first reader.
+
+    ``for k_t in k.unbind(1)`` takes every step's slice before the loop starts; made where each
+    step reads it, the slice is inside its step as in ``k[:, t]``, and the steps read alike.
+    Exact: unbind's pieces are those selects (views of x)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.target not in _UNBINDS or node.op not in ("call_function", "call_method") or not node.args:
+            continue
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if not isinstance(dim, int) or len(node.args) > 2 or set(node.kwargs) - {"dim"} \
+                or not all(u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users):
+            continue
+        for piece in list(node.users):
+            if not piece.users:
+                continue
+            first_reader = min(piece.users, key=order.__getitem__)
+            with graph.inserting_before(first_reader):
+                select = (graph.call_function(aten.select.int, (node.args[0], dim, piece.args[1]))
+                          if isinstance(node.target, torch._ops.OpOverload)
+                          else graph.call_method("select", (node.args[0], dim, piece.args[1])))
+            select.meta.update(piece.meta)
+            piece.replace_all_uses_with(select)
+            graph.erase_node(piece)
+        if not any(u.users for u in node.users):
+            for piece in list(node.users):
+                graph.erase_node(piece)
+            graph.erase_node(node)
 
 
 def _scalar_arithmetic_reached(item: fx.Node) -> list[fx.Node] | None:

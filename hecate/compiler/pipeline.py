@@ -66,7 +66,27 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> 
                        for x in example_inputs]
         # run node by node so each ATen node keeps the user's source line (meta["stack_trace"])
         with fx_traceback.preserve_node_meta():
-            return normalize(make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs))
+            traced = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
+    _check_traced_through(traced)
+    return normalize(traced)
+
+
+class UntraceableGraph(Exception):
+    """Dynamo's graph calls something the re-trace to ATen cannot follow: it is compiled as captured."""
+
+
+def _check_traced_through(traced: fx.GraphModule) -> None:
+    """Raise :class:`UntraceableGraph` if the re-trace recorded a value it did not follow as a constant.
+
+    Dynamo's graph of ``torch.vmap`` calls functorch's batching levels directly; make_fx does not
+    trace through them and stores their (fake) result as a constant, a graph that would compute
+    nothing at run time."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for node in traced.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(traced, node.target, None), FakeTensor):
+            raise UntraceableGraph("the graph calls functorch transforms (torch.vmap, torch.func.grad) that Hecate "
+                                   "cannot re-trace to ATen")
 
 
 def fuse_or_original(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
@@ -75,6 +95,12 @@ def fuse_or_original(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
     in the report (``options.strict`` re-raises)."""
     try:
         return fuse(gm, example_inputs, options)
+    except UntraceableGraph as e:  # a limit, not a fault: said, never raised
+        report = FusionReport(graphs=1)
+        transforms = [n for n in gm.graph.nodes if "functorch" in str(n.target) or "vmap" in str(n.target)]
+        report.add_miss("hecate", f"{e}; the graph is compiled as Dynamo captured it, without fusions",
+                        "functorch transform", transforms)
+        return gm, report
     except Exception as e:
         if options.strict:
             raise

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import torch
+
 
 @dataclass(frozen=True)
 class Fusion:
@@ -94,17 +96,22 @@ class FusionReport:
         return "\n".join(lines)
 
 
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep  # torch's own frames
+
+
 def source_line(nodes: Iterable[Any]) -> str:
     """``file:line: code`` of the innermost user frame of the first node that has a stack trace.
 
-    Dynamo records each node's Python stack (``node.meta["stack_trace"]``); the last
-    ``File ..., line N`` entry is the user's own line.
+    Dynamo records each node's Python stack (``node.meta["stack_trace"]``); its last
+    ``File ..., line N`` entry outside torch itself (``torch.vmap``'s own frames come last
+    inside a vmap) is the user's own line.
     """
     for node in nodes:
         trace = getattr(node, "meta", {}).get("stack_trace") or ""
         frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
-        if frames:
-            path, line, code = frames[-1]
+        users = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
+        if users:
+            path, line, code = users[-1]
             return f"{os.path.basename(path)}:{line}: {code.strip()}"
     return ""
 

@@ -127,3 +127,19 @@ def test_strict_defaults_from_the_environment(monkeypatch):
     monkeypatch.setenv("HECATE_STRICT", "yes")
     with pytest.raises(hecate.HecateOptionsError, match="HECATE_STRICT must be 0 or 1, got 'yes'"):
         parse_options(None)
+
+
+def batched_outer(a, b):  # torch.vmap in the user's code: functorch levels in Dynamo's graph
+    return torch.vmap(torch.outer)(a * 2, b) * 3
+
+
+@pytest.mark.parametrize("fallback", ["eager", "inductor"])
+def test_graph_the_retrace_cannot_follow_runs_as_captured_and_says_why(fallback, fresh_dynamo):
+    a, b = torch.randn(2, 3), torch.randn(2, 4)
+    # strict too: a limit of the re-trace is reported, not raised
+    compiled = torch.compile(batched_outer, backend="hecate", options={"fallback": fallback, "strict": True})
+    got, expected = compiled(a, b), batched_outer(a, b)
+    assert torch.equal(got, expected)
+    [miss] = hecate.last_report().misses
+    assert "functorch transforms" in miss.reason and "compiled as Dynamo captured it" in miss.reason
+    assert miss.source.startswith("test_isolation.py:") and "torch.vmap(torch.outer)" in miss.source, miss.source

@@ -130,6 +130,16 @@ def l2_matmul_mT_contiguous(k, v, q, alpha, eta):
     return torch.stack(ys, dim=1), M
 
 
+def l2_unbind_zip(k, v, q, alpha, eta):
+    """Per-step inputs by zip over unbind (each step's slice is taken before the loop)."""
+    M, ys = _m0(k, v), []
+    for kt, vt, qt, at, et in zip(k.unbind(1), v.unbind(1), q.unbind(1), alpha.unbind(1), eta.unbind(1)):
+        e = (M @ kt[..., None]).squeeze(-1) - vt
+        M = (1 - at)[..., None, None] * M - et[..., None, None] * torch.einsum("bhi,bhj->bhij", 2 * e, kt)
+        ys.append((M @ qt[..., None]).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def l2_single_head(k, v, q, alpha, eta):
     """One head: k, q [B, T, Dk], v [B, T, Dv], gates [B, T]."""
     k, v, q, alpha, eta = k[:, :, 0], v[:, :, 0], q[:, :, 0], alpha[:, :, 0], eta[:, :, 0]
@@ -307,6 +317,7 @@ SPELLINGS = {
     "l2_bmm_narrow_cat": (l2_bmm_narrow_cat, "memory_scan"),
     "l2_matmul_mT_contiguous": (l2_matmul_mT_contiguous, "memory_scan"),
     "l2_single_head": (l2_single_head, "memory_scan"),
+    "l2_unbind_zip": (l2_unbind_zip, "memory_scan"),
     "l2_delta_rule_no_two": (l2_delta_rule_no_two, "memory_scan"),
     "l2_phi_and_gates_inside_the_loop": (l2_phi_and_gates_inside_the_loop, "memory_scan"),
     "l1_tanh": (l1_tanh, "memory_scan"),
