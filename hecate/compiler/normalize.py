@@ -19,6 +19,7 @@ graph and the body of every ``scan`` in it in this form:
 * an ``einsum`` that is a tensor times a matrix (``einsum("btd,ed->bte", x, W)``) is that
   ``matmul`` (``x @ W.permute(1, 0)``);
 * ``x * x`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``);
+* a negated reshape is a reshape of the negation (``-kl.flatten(0, 1)`` → ``(-kl).flatten(0, 1)``);
 * common subexpressions: the same pure op on the same inputs is computed once (so
   ``k[:, t]`` written at every use becomes one node).
 
@@ -323,7 +324,16 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
     if target is aten.mul.Tensor and len(args) == 2 and args[0] is args[1] and isinstance(args[0], fx.Node):
         with graph.inserting_before(node):
             return _emit(graph, aten.pow.Tensor_Scalar, args[0], 2)
+    if target is aten.neg.default and isinstance(args[0], fx.Node) and args[0].op == "call_function" \
+            and args[0].target in _RESHAPES and len(args[0].users) == 1 and args[0] not in outputs:
+        view = args[0]  # −x.flatten(0, 1) → (−x).flatten(0, 1): a score's sign stays with the score
+        with graph.inserting_before(node):
+            return _emit(graph, view.target, _emit(graph, aten.neg.default, view.args[0]), *view.args[1:],
+                         **view.kwargs)
     return None
+
+
+_RESHAPES = (aten.view.default, aten.reshape.default, aten.flatten.using_ints, aten._unsafe_view.default)
 
 
 # the end torch.export writes for a slice to the end of a dim of symbolic size (``x[:, t]`` → slice(x, 0, 0, END))
