@@ -2,7 +2,7 @@
 
 What a model computes (spec §3.2, §4.1, §4.2; ``hecate/models/fep.py`` is one spelling)::
 
-    KL_ij = KL(N(μ_i, v_i) ‖ N(μ_j, v_j))                 # [B, N, N], from the [B, N, N, K] broadcast
+    KL_ij = KL(N(μ_i, v_i) ‖ N(μ_j, v_j))                 # [*L, N, N], from the [*L, N, N, K] broadcast
     β     = softmax(−KL / κ  over the allowed keys, dim=-1)
     ... Σ_j β_ij V_j (β @ V, einsum, (β[..., None] * V[:, None]).sum(-2)), Σ_j β_ij KL_ij, ...
 
@@ -10,14 +10,19 @@ What replaces it: ``hecate.kl_attention(μ, v, V, W, κ, causal, mask_diagonal)`
 whose outputs are the sums Σ_j β_ij V_j, Σ_j β_ij KL_ij V_j, Σ_j β_ij KL_ij, Σ_j β_ji W_j,
 Σ_j β_ji KL_ji W_j and Σ_j β_ji (Σ_l β_jl KL_jl) W_j.
 
+L is any number of leading dims: none (one sequence, beliefs [N, K]), a batch [B], a batch and
+heads [B, H], ... The positions are always the last two dims of the score and the last but one
+of the beliefs; the replacement folds L into the op's B ([*L, N, K] → [prod(L), N, K]) and
+unfolds its outputs. μ and σ² may broadcast against each other over L (one σ² for every head).
+
 How, by what the code computes rather than how it is spelled:
 
-1. Every softmax over the key axis of a [B, N, N] score is a candidate. Masks are peeled off
+1. Every softmax over the key axis of a [*L, N, N] score is a candidate. Masks are peeled off
    (``masked_fill(·, −inf)``, ``torch.where(·, ·, −inf)``, an additive mask): each is evaluated
    (it depends on sizes only) and compared with the masks the op knows: none, causal j ≤ i,
    no-self j ≠ i, both.
-2. The score's subgraph is cut where per-position tensors [B, N, K] are broadcast into the pair
-   space (``x.unsqueeze(1)`` / ``x.unsqueeze(2)``, ``x[:, None]``). If it is a pairwise score, it is
+2. The score's subgraph is cut where per-position tensors [*L, N, K] are broadcast into the pair
+   space (``x.unsqueeze(-3)`` / ``x.unsqueeze(-2)``, ``x[:, None]``). If it is a pairwise score, it is
    evaluated in float64 at random points (a private generator) and must equal −KL(q_i‖q_j)/κ
    for one of the per-position tensors as the means and another, as variance, log-variance,
    standard deviation, log-std or precision. So the log/ratio/square spelling,
@@ -32,7 +37,7 @@ How, by what the code computes rather than how it is spelled:
    Python (:func:`_replacement`) and traced under the graph's fake mode, so shapes stay symbolic.
 
 β or KL read whole (β returned by the model, β.sum(), ...) is formed beside the op in the matmul
-form, [B, N, N] (never [B, N, N, K]); the report says so. A row with no allowed key gives what
+form, [*L, N, N] (never [*L, N, N, K]); the report says so. A row with no allowed key gives what
 the model's code gives: NaN from the softmax of all −inf, or 0 where the model zero-fills β at
 the masked keys. If something computed from β or KL is used in a way the algebra cannot read,
 the graph is left as is and the first reason is reported with the user's source line.
@@ -462,7 +467,8 @@ class _PairAlgebra:
         if node in self.roots:
             return False
         if node.target == aten.unsqueeze.default and not self.is_pair(node.args[0]):
-            return _rank(node.args[0]) == self.rank and node.args[1] % (self.rank + 1) in (self.rank - 2, self.rank - 1)
+            lead = self.rank - 2  # [*L, N, K] → [*L, 1, N, K] (j) or [*L, N, 1, K] (i)
+            return _rank(node.args[0]) == self.rank and node.args[1] % (self.rank + 1) in (lead, lead + 1)
         if node.target in _ELEMENTWISE or _is_noop(node):
             return any(self.is_pair(a) for a in node.args)
         return False
@@ -637,7 +643,7 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
     if score.empty_rows_nan:
         mode += ", NaN on rows with no key"
     if algebra.escapes:
-        mode += ", [B, N, N] formed for " + ", ".join(sorted({u.name for _, u in algebra.escapes}))
+        mode += f", {_dims(score.rank)} formed for " + ", ".join(sorted({u.name for _, u in algebra.escapes}))
     report.add_fusion(PATTERN, OP_NAME, len(score.nodes) + len(algebra.visited | set(roots)) + 1,
                       f"{mode}, {score.parameterisation}, κ={score.kappa:g}, {len(roots)} β-weighted sums "
                       f"(row values {plan.v_width}, column values {plan.w_width} wide)")
@@ -659,13 +665,13 @@ def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node]:
             elif user.target in _ELEMENTWISE or _is_noop(user):
                 stack.append(user)
             elif node in whole:
-                algebra.escapes.append((node, user))  # e.g. β returned: formed [B, N, N] for it
+                algebra.escapes.append((node, user))  # e.g. β returned: formed [*L, N, N] for it
             elif user.target == aten.sum.dim_IntList:
                 raise NotFused(f"{user.name} sums a tensor computed from β over dims {user.args[1]}; the fused "
                                "op gives sums over the key dim only")
             elif user.op == "output":
-                raise NotFused(f"{node.name}, a [B, N, N] tensor computed from β or KL, is an output of the "
-                               "graph; the fused op does not form it")
+                raise NotFused(f"{node.name}, a {_dims(algebra.rank)} tensor computed from β or KL, is an output "
+                               "of the graph; the fused op does not form it")
             else:
                 raise NotFused(f"{user.name} ({short(user.target)}) uses {node.name}, computed from β or KL; "
                                "the fused op cannot provide it")
@@ -676,7 +682,7 @@ def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node]:
 def _outside_users(algebra: _PairAlgebra, roots, core: set) -> str | None:
     """The first use of a tensor computed from β or KL that the fused op does not provide, or None.
 
-    The factors read from the beliefs alone (``μ.unsqueeze(2)``, ``μ_i − μ_j``) may have other
+    The factors read from the beliefs alone (``μ.unsqueeze(-2)``, ``μ_i − μ_j``) may have other
     readers (the decode's ``μ_i − m_v``, once equal subexpressions are one node): they stay for them."""
     inside = algebra.visited | set(roots) | core
     escapes = set(algebra.escapes)
@@ -685,8 +691,8 @@ def _outside_users(algebra: _PairAlgebra, roots, core: set) -> str | None:
             continue  # the score's own nodes stay for their other users
         for user in node.users:
             if user not in inside and (node, user) not in escapes:
-                return (f"{user.name} ({short(user.target)}) uses {node.name}, a [B, N, N] tensor the fused op "
-                        "does not form")
+                return (f"{user.name} ({short(user.target)}) uses {node.name}, a tensor over the pairs (i, j) the "
+                        "fused op does not form")
     return None
 
 

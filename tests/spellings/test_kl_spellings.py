@@ -365,11 +365,18 @@ def a_heads_of_heads(mu, var):  # [B, 2, 2, N, K]: groups of heads, values share
     return torch.matmul(F.softmax(-kl_pairs(mu_g, var_g) / 0.9, dim=-1), mu[0])
 
 
+def a_multihead_returns_beta(mu, logstd):  # the attention map returned per head, beside its output
+    mu_h, std_h = _heads(mu), _heads(logstd).exp()
+    kl = kl_divergence(Normal(mu_h.unsqueeze(-2), std_h.unsqueeze(-2)), Normal(mu_h.unsqueeze(-3), std_h.unsqueeze(-3)))
+    beta = torch.softmax(-kl.sum(-1), dim=-1)
+    return beta, beta @ mu_h
+
+
 OTHER_LEADING_DIMS = [
     (a_batchless, (B, N, K), _var), (a_multihead, (B, N, K), _var), (a_batchless_causal, (B, N, K), _logvar),
     (a_multihead_einsum, (B, N, K), _var), (a_multihead_view_transpose, (B, N, H * K), _var),
     (a_multihead_free_energy, (B, N, K), _var), (a_multihead_shared_variance, (B, N, K), _var),
-    (a_heads_of_heads, (B, N, K), _var),
+    (a_heads_of_heads, (B, N, K), _var), (a_multihead_returns_beta, (B, N, K), _logvar),
 ]
 
 
@@ -419,9 +426,15 @@ def m_mask_per_head(mu, var):  # head 0 causal, head 1 full: not one mask for ev
     return F.softmax((-kl_pairs(mu_h, var_h)).masked_fill(~mask, float("-inf")), dim=-1) @ mu_h
 
 
+def m_score_spread_over_heads(mu, var):  # one belief per sequence, the score made [B, H, N, N] by a product
+    mu_1, var_1 = mu.unsqueeze(1), var.unsqueeze(1)
+    return F.softmax(-kl_pairs(mu_1, var_1) * torch.ones(H, 1, 1), dim=-1) @ mu_1
+
+
 @pytest.mark.parametrize("fn,reason", [
     (m_multihead_reversed_kl, "KL(q_j ‖ q_i)"),
     (m_mask_per_head, "differs along the leading dims of the [B, H, N, N] score"),
+    (m_score_spread_over_heads, "its leading dim 1 is not theirs"),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_attention_over_other_leading_dims_near_miss_is_reported(fn, reason, fresh_dynamo):
     report = _compare(fn, (torch.randn(B, N, K), _var((B, N, K))), "kl_attention")
