@@ -636,6 +636,12 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
     outside = _outside_users(algebra, roots, core)
     if outside:
         raise NotFused(outside)
+    lead = shape_of(score.softmax)[:-2]
+    for root in roots:
+        if shape_of(root)[:len(lead)] != lead:
+            raise NotFused(f"{root.name} is {list(shape_of(root))}: its values broadcast the attention "
+                           f"{list(shape_of(score.softmax))} over more leading dims (sequences or heads) than the "
+                           "beliefs have; the op gives one sum per row of β")
     if not roots and not algebra.escapes:
         return  # β is not used
     _rewrite(gm, algebra, roots, plan, score)

@@ -431,8 +431,14 @@ def m_score_spread_over_heads(mu, var):  # one belief per sequence, the score ma
     return F.softmax(-kl_pairs(mu_1, var_1) * torch.ones(H, 1, 1), dim=-1) @ mu_1
 
 
+def m_values_over_more_heads(mu, var):  # one attention per sequence [B, 1, N, N] read by per-head values
+    beta = F.softmax(-kl_pairs(mu.unsqueeze(1), var.unsqueeze(1)), dim=-1)
+    return beta @ _heads(mu)
+
+
 @pytest.mark.parametrize("fn,reason", [
     (m_multihead_reversed_kl, "KL(q_j ‖ q_i)"),
+    (m_values_over_more_heads, "over more leading dims (sequences or heads) than the beliefs have"),
     (m_mask_per_head, "differs along the leading dims of the [B, H, N, N] score"),
     (m_score_spread_over_heads, "its leading dim 1 is not theirs"),
 ], ids=lambda x: getattr(x, "__name__", None))
