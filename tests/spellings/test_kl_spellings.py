@@ -387,6 +387,15 @@ def test_attention_over_other_leading_dims_fuses(fn, shape, draw, fresh_dynamo):
     assert not [m for m in report.misses if m.pattern == "kl_attention"], str(report)
 
 
+def test_heads_folded_into_the_batch_on_the_triton_kernels(fresh_dynamo):
+    """The Triton kernels (interpreter on CPU) read the [B·H, N, K] fold of per-head beliefs made by view/transpose."""
+    from hecate.lowering.dispatch import triton_on_cpu
+
+    with triton_on_cpu():
+        report = _compare(a_multihead_view_transpose, (torch.randn(B, N, H * K), _var((B, N, H * K))), "kl_attention")
+    assert report.count("kl_attention") == 1, str(report)
+
+
 def test_multihead_under_dynamic_shapes_fuses_at_two_batch_sizes(fresh_dynamo):
     """dynamic=True: one graph, symbolic B and N, fused; two batch sizes (and lengths) each equal eager."""
     def fn(mu, logvar):  # [B, H, N, K] given whole, log-variances, a causal −inf bias
