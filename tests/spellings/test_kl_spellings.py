@@ -5,7 +5,8 @@ Every spelling is compiled with ``backend="hecate"`` and must be FUSED (one ``kl
 ≤ 1e-5, fp32). The spellings differ in parameterisation (variance, log-variance, std, log-std),
 in how the KL is written (log of a ratio, difference of logs, ``torch.distributions``), in the
 temperature, the mask (``masked_fill``, ``torch.where``, an additive −inf mask, symbolic
-``tril(ones(N, N))``) and in how β is read (``@``, ``bmm``, ``einsum``, broadcast sums).
+``tril(ones(N, N))``), in how β is read (``@``, ``bmm``, ``einsum``, broadcast sums) and in the
+leading dims of the score: [B, N, N], one sequence [N, N], heads [B, H, N, N] and more.
 """
 
 import pytest
