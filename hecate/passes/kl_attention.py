@@ -2,7 +2,7 @@
 
 What a model computes (spec §3.2, §4.1, §4.2; ``hecate/models/fep.py`` is one spelling)::
 
-    KL_ij = KL(N(μ_i, v_i) ‖ N(μ_j, v_j))                 # [B, N, N], from the [B, N, N, K] broadcast
+    KL_ij = KL(N(μ_i, v_i) ‖ N(μ_j, v_j))                 # [*L, N, N], from the [*L, N, N, K] broadcast
     β     = softmax(−KL / κ  over the allowed keys, dim=-1)
     ... Σ_j β_ij V_j (β @ V, einsum, (β[..., None] * V[:, None]).sum(-2)), Σ_j β_ij KL_ij, ...
 
@@ -10,14 +10,19 @@ What replaces it: ``hecate.kl_attention(μ, v, V, W, κ, causal, mask_diagonal)`
 whose outputs are the sums Σ_j β_ij V_j, Σ_j β_ij KL_ij V_j, Σ_j β_ij KL_ij, Σ_j β_ji W_j,
 Σ_j β_ji KL_ji W_j and Σ_j β_ji (Σ_l β_jl KL_jl) W_j.
 
+L is any number of leading dims: none (one sequence, beliefs [N, K]), a batch [B], a batch and
+heads [B, H], ... The positions are always the last two dims of the score and the last but one
+of the beliefs; the replacement folds L into the op's B ([*L, N, K] → [prod(L), N, K]) and
+unfolds its outputs. μ and σ² may broadcast against each other over L (one σ² for every head).
+
 How, by what the code computes rather than how it is spelled:
 
-1. Every softmax over the key axis of a [B, N, N] score is a candidate. Masks are peeled off
+1. Every softmax over the key axis of a [*L, N, N] score is a candidate. Masks are peeled off
    (``masked_fill(·, −inf)``, ``torch.where(·, ·, −inf)``, an additive mask): each is evaluated
    (it depends on sizes only) and compared with the masks the op knows: none, causal j ≤ i,
    no-self j ≠ i, both.
-2. The score's subgraph is cut where per-position tensors [B, N, K] are broadcast into the pair
-   space (``x.unsqueeze(1)`` / ``x.unsqueeze(2)``, ``x[:, None]``). If it is a pairwise score, it is
+2. The score's subgraph is cut where per-position tensors [*L, N, K] are broadcast into the pair
+   space (``x.unsqueeze(-3)`` / ``x.unsqueeze(-2)``, ``x[:, None]``). If it is a pairwise score, it is
    evaluated in float64 at random points (a private generator) and must equal −KL(q_i‖q_j)/κ
    for one of the per-position tensors as the means and another, as variance, log-variance,
    standard deviation, log-std or precision. So the log/ratio/square spelling,
@@ -32,7 +37,7 @@ How, by what the code computes rather than how it is spelled:
    Python (:func:`_replacement`) and traced under the graph's fake mode, so shapes stay symbolic.
 
 β or KL read whole (β returned by the model, β.sum(), ...) is formed beside the op in the matmul
-form, [B, N, N] (never [B, N, N, K]); the report says so. A row with no allowed key gives what
+form, [*L, N, N] (never [*L, N, N, K]); the report says so. A row with no allowed key gives what
 the model's code gives: NaN from the softmax of all −inf, or 0 where the model zero-fills β at
 the masked keys. If something computed from β or KL is used in a way the algebra cannot read,
 the graph is left as is and the first reason is reported with the user's source line.
@@ -69,8 +74,8 @@ class _Score:
 
     softmax: fx.Node
     beta: fx.Node  # the softmax, or its zero-fill at the masked keys
-    mean: fx.Node  # [B, N, K]
-    scale: fx.Node  # [B, N, K], the variance through VARIANCE_FROM[parameterisation]
+    mean: fx.Node  # [*L, N, K]
+    scale: fx.Node  # [*L, N, K], the variance through VARIANCE_FROM[parameterisation]
     parameterisation: str
     kappa: float
     causal: bool
@@ -79,6 +84,7 @@ class _Score:
     kl_scales: dict  # node -> γ for the score's nodes whose value is γ · KL_ij
     draw: dict  # the per-position tensors' values the score was evaluated at, and ("kl",): KL there
     nodes: list  # the score's nodes and its masking, up to the softmax
+    rank: int  # the score's dims: its leading dims (batch, heads, ...; maybe none), then [N, N]
 
 
 def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx.Node]]:
@@ -122,26 +128,30 @@ def _depends_on_sizes_only(node: fx.Node) -> bool:
     return True
 
 
-def _broadcast_side(node: fx.Node) -> tuple[fx.Node, str] | None:
-    """(x, "i" | "j") when ``node`` is a [B, N, K] tensor x broadcast as [B, N, 1, K] ("i") or [B, 1, N, K] ("j")."""
+def _broadcast_side(node: fx.Node, rank: int) -> tuple[fx.Node, str] | None:
+    """(x, "i" | "j") when ``node`` is a [*L, N, K] tensor x (``rank`` = len(L) + 2 dims) broadcast as
+    [*L, N, 1, K] ("i") or [*L, 1, N, K] ("j")."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     x, out = node.args[0], shape_of(node)
     src = shape_of(x)
-    if src is None or out is None or len(src) != 3 or len(out) != 4:
+    if src is None or out is None or len(src) != rank or len(out) != rank + 1:
         return None
+    lead = rank - 2
     if node.target == aten.unsqueeze.default:
-        dim = node.args[1] % 4
-    elif node.target in (aten.view.default, aten.reshape.default) and out[3] == src[2]:
-        dim = 2 if (out[2] == 1 and out[1] == src[1]) else 1 if (out[1] == 1 and out[2] == src[1]) else None
+        dim = node.args[1] % (rank + 1)
+    elif (node.target in (aten.view.default, aten.reshape.default) and out[-1] == src[-1]
+          and out[:lead] == src[:lead]):
+        dim = (lead + 1 if (out[lead + 1] == 1 and out[lead] == src[lead])
+               else lead if (out[lead] == 1 and out[lead + 1] == src[lead]) else None)
     else:
         return None
-    if dim not in (1, 2):
+    if dim not in (lead, lead + 1):
         return None
-    return strip_noops(x), ("i" if dim == 2 else "j")
+    return strip_noops(x), ("i" if dim == lead + 1 else "j")
 
 
-def _score_inputs(logits: fx.Node) -> tuple[dict, list[fx.Node], list[fx.Node]]:
+def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list[fx.Node]]:
     """({broadcast per-position tensor: sides}, the score's nodes, other graph inputs it reads)."""
     bases: dict[fx.Node, set] = {}
     nodes, others, seen, stack = [], [], set(), [logits]
@@ -150,7 +160,7 @@ def _score_inputs(logits: fx.Node) -> tuple[dict, list[fx.Node], list[fx.Node]]:
         if n in seen:
             continue
         seen.add(n)
-        side = _broadcast_side(n)
+        side = _broadcast_side(n, rank)
         if side is not None:
             bases.setdefault(side[0], set()).add(side[1])
             continue
@@ -176,25 +186,27 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     """
     x, dim = softmax.args[0], softmax.args[1]
     shape = shape_of(x)
-    if shape is None or len(shape) != 3:
+    if shape is None or len(shape) < 2:
         return None
+    rank = len(shape)
     logits, masks, peeled = _peel_masks(x)
-    bases, nodes, others = _score_inputs(logits)
+    bases, nodes, others = _score_inputs(logits, rank)
     if not any(sides == {"i", "j"} for sides in bases.values()):
         return None  # not a score of broadcast pairs (e.g. q @ kᵀ): not this family
-    if dim % 3 != 2:
-        raise NotFused(f"softmax over dim {dim} of the [B, N, N] pairwise score normalises over the queries; "
-                       "the attention normalises over the keys (dim -1)")
+    if dim % rank != rank - 1:
+        raise NotFused(f"softmax over dim {dim} of the {_dims(rank)} pairwise score does not normalise over "
+                       "the keys (dim -1)")
     if others:
         raise NotFused(f"the pairwise score also reads {others[0].name}, which is neither a per-position "
                        "belief tensor nor a constant (a tensor temperature? the op needs κ as a number)")
     if len(bases) < 2:
         raise NotFused("the pairwise score reads one per-position tensor; a KL between Gaussians needs means "
                        "and a variance")
-    k = {_size_hint(shape_of(b)[2]) for b in bases}
+    k = {_size_hint(shape_of(b)[-1]) for b in bases}
     if len(k) != 1:
         raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
-    kappa, mean, scale, param, memo = _match_kl(logits, independent(list(bases)), k.pop())
+    kappa, mean, scale, param, memo = _match_kl(logits, independent(list(bases)), rank - 2, k.pop())
+    _check_leading_dims(shape, mean, scale, param)
     kl_scales = {}
     for n in nodes:
         if shape_of(n) == shape and n in memo:
@@ -210,15 +222,32 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if len(users) == 1 and _zero_fill_of_masked(users[0], softmax, allowed):
         beta, empty_rows_nan = users[0], False
     return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan,
-                  kl_scales, draw, [n for n in peeled if n is not logits] + nodes)
+                  kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank)
 
 
-def _kl_scale(node: fx.Node, draw: dict) -> float | None:
+def _check_leading_dims(shape, mean: fx.Node, scale: fx.Node, param: str) -> None:
+    """The score's leading dims are μ's and σ²'s, one of them 1 where the other spans a dim (NotFused if not):
+    so the replacement reads each leading size off μ or σ², and folds them into the op's B."""
+    m, s = shape_of(mean), shape_of(scale)
+    for d, size in enumerate(shape[:-2]):
+        if not ((m[d] == size and s[d] in (1, size)) or (s[d] == size and m[d] == 1)):
+            raise NotFused(f"the score {_dims(len(shape))} is {list(shape)} but the means {mean.name} are "
+                           f"{list(m)} and the {param} {scale.name} {list(s)}: its leading dim {d} is not theirs "
+                           "(it broadcasts against something else)")
+
+
+def _dims(rank: int) -> str:
+    """How a pairwise score of ``rank`` dims is named in reasons: [N, N], [B, N, N], [B, H, N, N], ..."""
+    lead = ["B", "H"][:rank - 2] + [f"L{i}" for i in range(2, rank - 2)]
+    return "[" + ", ".join(lead + ["N", "N"]) + "]"
+
+
+def _kl_scale(node: fx.Node, draw: dict, rank: int) -> float | None:
     """γ when ``node`` computes γ · KL_ij from the same beliefs (a second copy of the KL, say); else None."""
     shape = shape_of(node)
-    if shape is None or len(shape) != 3 or shape[1] != shape[2]:
+    if shape is None or len(shape) != rank or shape[-1] != shape[-2]:
         return None
-    bases, _, others = _score_inputs(node)
+    bases, _, others = _score_inputs(node, rank)
     if others or not bases or any(b not in draw for b in bases):
         return None
     try:
@@ -228,12 +257,20 @@ def _kl_scale(node: fx.Node, draw: dict) -> float | None:
     return proportion(value, draw[("kl",)]) if isinstance(value, torch.Tensor) else None
 
 
-def _match_kl(logits, bases, k):
-    """(κ, mean, scale, parameterisation, evaluated values) with logits = −KL/κ; else NotFused."""
+def _pairwise_kl(m, v):
+    """KL(q_i ‖ q_j) [*L, N, N] of beliefs [*L, N, K]."""
+    return gaussian_kl(m.unsqueeze(-2), v.unsqueeze(-2), m.unsqueeze(-3), v.unsqueeze(-3))
+
+
+def _match_kl(logits, bases, lead, k):
+    """(κ, mean, scale, parameterisation, evaluated values) with logits = −KL/κ; else NotFused.
+
+    The per-position tensors are drawn [2, .., 2, 5, k] (``lead`` leading dims)."""
     gen = torch.Generator().manual_seed(20251123)
     draws = []
     for low, high in ((0.3, 2.0), (0.05, 4.0)):
-        env = {b: low + (high - low) * torch.rand(2, 5, k, generator=gen, dtype=torch.float64) for b in bases}
+        env = {b: low + (high - low) * torch.rand((2,) * lead + (5, k), generator=gen, dtype=torch.float64)
+               for b in bases}
         memo = dict(env)
         try:
             value = evaluate(logits, memo)
@@ -252,14 +289,14 @@ def _match_kl(logits, bases, k):
                 alphas = []
                 for env, memo, value in draws:
                     m, v = env[mean], to_var(env[scale])
-                    kl = gaussian_kl(m.unsqueeze(2), v.unsqueeze(2), m.unsqueeze(1), v.unsqueeze(1))
+                    kl = _pairwise_kl(m, v)
                     alphas.append(proportion(value, kl))
-                    if alphas[-1] is None and proportion(value, kl.transpose(1, 2)) is not None:
+                    if alphas[-1] is None and proportion(value, kl.transpose(-1, -2)) is not None:
                         reversed_found = (mean, scale, param)
                 if all(a is not None and a < 0 for a in alphas) and math.isclose(alphas[0], alphas[1], rel_tol=1e-9):
                     env, memo, value = draws[0]
                     m, v = env[mean], to_var(env[scale])
-                    memo[("kl",)] = gaussian_kl(m.unsqueeze(2), v.unsqueeze(2), m.unsqueeze(1), v.unsqueeze(1))
+                    memo[("kl",)] = _pairwise_kl(m, v)
                     kappa = float(f"{-1.0 / alphas[0]:.12g}")
                     return kappa, mean, scale, param, memo
     names = ", ".join(b.name for b in bases)
@@ -272,16 +309,16 @@ def _match_kl(logits, bases, k):
 
 def _allowed(masks, shape, softmax) -> torch.Tensor:
     """[N, N] bool: which keys the peeled masks allow (evaluated at the example's size)."""
-    n = _size_hint(shape[1])
+    n = _size_hint(shape[-1])
     allowed = torch.ones(n, n, dtype=torch.bool)
     for node, kind in masks:
         try:
             value = evaluate(node, {}, size_hint=_size_hint)
         except NotFused as e:
             raise NotFused(f"attention mask {node.name}: {e}") from None
-        if not isinstance(value, torch.Tensor) or value.dim() > 3 or (value.dim() == 3 and value.shape[0] != 1):
-            raise NotFused(f"attention mask {node.name} differs between batch elements; the op's masks are "
-                           "the same for every sequence")
+        if not isinstance(value, torch.Tensor) or value.dim() > len(shape) or any(d != 1 for d in value.shape[:-2]):
+            raise NotFused(f"attention mask {node.name} differs along the leading dims of the {_dims(len(shape))} "
+                           "score (between sequences or heads); the op's masks are the same for every sequence")
         value = value.reshape(value.shape[-2:]) if value.dim() >= 2 else value
         value = value.expand(n, n)
         if kind == "additive":
@@ -319,6 +356,8 @@ def _zero_fill_of_masked(user: fx.Node, softmax: fx.Node, allowed: torch.Tensor)
         value = evaluate(cond, {}, size_hint=_size_hint)
     except NotFused:
         return False
+    if not isinstance(value, torch.Tensor) or any(d != 1 for d in value.shape[:-2]):
+        return False  # a fill that differs between sequences or heads is not the op's mask
     value = value.reshape(value.shape[-2:]).expand(allowed.shape).bool()
     return torch.equal(~value if masked else value, allowed)
 
@@ -371,10 +410,12 @@ def _poly_transpose(a: Poly) -> Poly:
 
 @dataclass
 class _Leaf:
-    """A per-position tensor entering the pair space; ``node`` normalised to [B or 1, N, K or 1]."""
+    """A per-position tensor entering the pair space; ``node`` normalised to [*L (or 1s), N, K or 1]."""
 
     source: fx.Node  # the graph node as it appears in the expression
-    normalize: str  # "as_is", "squeeze2", "squeeze1", "transpose" (how to get [B, N, K'] from source)
+    # how to get [*L, N, K'] from source: "as_is"; "squeeze_j" ([*L, N, 1, K]); "squeeze_i" ([*L, 1, N, K]);
+    # "transpose" ([*L, 1, N] or values [*L, D, N])
+    normalize: str
     per_k: bool  # K' = K (True) or 1
 
 
@@ -389,7 +430,7 @@ class _PairAlgebra:
 
     beta: fx.Node
     kl_scales: dict  # node -> γ: the nodes whose value is γ · KL_ij
-    n: Any
+    rank: int  # the score's: [*L, N, N] (L = rank − 2 leading dims), the pair space [*L, N, N, K]
     kl_of: Any = None  # node -> γ or None: recognises another node computing γ · KL_ij
     roots: set = field(default_factory=set)  # the sums over j, read as leaves once reduced
     leaves: dict = field(default_factory=dict)  # leaf id -> _Leaf
@@ -426,7 +467,8 @@ class _PairAlgebra:
         if node in self.roots:
             return False
         if node.target == aten.unsqueeze.default and not self.is_pair(node.args[0]):
-            return _rank(node.args[0]) == 3 and node.args[1] % 4 in (1, 2)
+            lead = self.rank - 2  # [*L, N, K] → [*L, 1, N, K] (j) or [*L, N, 1, K] (i)
+            return _rank(node.args[0]) == self.rank and node.args[1] % (self.rank + 1) in (lead, lead + 1)
         if node.target in _ELEMENTWISE or _is_noop(node):
             return any(self.is_pair(a) for a in node.args)
         return False
@@ -452,12 +494,13 @@ class _PairAlgebra:
         if t == aten.unsqueeze.default:
             x, dim = args
             if self.is_pair(x):
-                if _rank(x) == 3 and dim in (-1, 3):
+                if _rank(x) == self.rank and dim % (self.rank + 1) == self.rank:
                     return self.read(x)
                 raise NotFused(f"{node.name} unsqueezes a pair tensor at dim {dim}, not at the end")
-            return self._leaf(x, "i" if dim % 4 == 2 else "j", "as_is", shape_of(x)[-1] != 1)
+            return self._leaf(x, "i" if dim % (self.rank + 1) == self.rank - 1 else "j", "as_is",
+                              shape_of(x)[-1] != 1)
         if t == aten.transpose.int:
-            if sorted(d % _rank(node) for d in args[1:3]) != [1, 2]:
+            if sorted(d % _rank(node) for d in args[1:3]) != [self.rank - 2, self.rank - 1]:
                 raise NotFused(f"{node.name} transposes dims {args[1:3]}, not the two position dims")
             return _poly_transpose(self.read(args[0]))
         if t == aten.neg.default:
@@ -497,18 +540,16 @@ class _PairAlgebra:
         shape = shape_of(node)
         if shape is None:
             raise NotFused(f"{node.name} has no shape information")
-        rank = len(shape)
-        if rank == 4:
-            i_dim, j_dim = shape[1], shape[2]
-            if j_dim == 1:
-                return self._leaf(node, "i", "squeeze2", shape[3] != 1)
-            if i_dim == 1:
-                return self._leaf(node, "j", "squeeze1", shape[3] != 1)
-        if rank == 3:
-            # a [B, N, N] frame: [B, N, 1] is per-query, [B, 1, N] per-key (N = 1: the same)
-            if shape[2] == 1:
+        if len(shape) == self.rank + 1:  # the [*L, N, N, K] frame
+            if shape[-2] == 1:
+                return self._leaf(node, "i", "squeeze_j", shape[-1] != 1)
+            if shape[-3] == 1:
+                return self._leaf(node, "j", "squeeze_i", shape[-1] != 1)
+        if len(shape) == self.rank:
+            # the [*L, N, N] frame: [*L, N, 1] is per-query, [*L, 1, N] per-key (N = 1: the same)
+            if shape[-1] == 1:
                 return self._leaf(node, "i", "as_is", False)
-            if shape[1] == 1:
+            if shape[-2] == 1:
                 return self._leaf(node, "j", "transpose", False)
         raise NotFused(f"{node.name} of shape {list(shape)} is neither per-query nor per-key")
 
@@ -518,26 +559,27 @@ def _rank(node) -> int:
     return len(s) if s is not None else -1
 
 
-def _sum_over_keys(node: fx.Node) -> bool:
-    """``x.sum(dim=2[, keepdim])`` of a [B, N, N, K] tensor or ``x.sum(-1[, keepdim])`` of [B, N, N]."""
+def _sum_over_keys(node: fx.Node, rank: int) -> bool:
+    """``x.sum(dim=-2[, keepdim])`` of a [*L, N, N, K] tensor or ``x.sum(-1[, keepdim])`` of [*L, N, N]
+    (``rank`` = len(L) + 2: the key axis is dim rank − 1 of both)."""
     if node.target != aten.sum.dim_IntList or len(node.args) < 2 or node.args[1] is None:
         return False
-    rank = _rank(node.args[0])
-    dims = [d % rank for d in node.args[1]] if rank > 0 else None
-    if node.kwargs.get("dtype") is not None:
+    summed = _rank(node.args[0])
+    if summed not in (rank, rank + 1) or node.kwargs.get("dtype") is not None:
         return False
-    return (rank == 4 and dims == [2]) or (rank == 3 and dims == [2])
+    return [d % summed for d in node.args[1]] == [rank - 1]
 
 
-def _matmul_reader(node: fx.Node, is_pair) -> tuple[fx.Node, fx.Node, bool, bool] | None:
-    """(pair operand P, per-key values X, X given as [B, D, N], P read transposed) for Σ_j P_ij X_j.
+def _matmul_reader(node: fx.Node, is_pair, rank: int) -> tuple[fx.Node, fx.Node, bool, bool] | None:
+    """(pair operand P, per-key values X, X given as [*L, D, N], P read transposed) for Σ_j P_ij X_j.
 
-    ``P @ X``, ``torch.bmm(P, X)``, ``torch.einsum("bij,bjd->bid", P, X)`` (any letters, X in
-    either layout; "bji,bjd->bid" reads Pᵀ).
+    ``P @ X`` (X may broadcast over P's leading dims), ``torch.bmm(P, X)``,
+    ``torch.einsum("bij,bjd->bid", P, X)`` (any letters, any number of leading ones shared by P, X
+    and the result, X in either layout; "bji,bjd->bid" reads Pᵀ). ``rank``: P's, [*L, N, N].
     """
     if node.target in (aten.matmul.default, aten.bmm.default):
         p, x = node.args[:2]
-        if is_pair(p) and not is_pair(x) and _rank(p) == 3 and _rank(x) == 3:
+        if is_pair(p) and not is_pair(x) and _rank(p) == rank and 2 <= _rank(x) <= rank:
             return p, x, False, False
         return None
     if node.target != aten.einsum.default or len(node.args[1]) != 2:
@@ -548,17 +590,19 @@ def _matmul_reader(node: fx.Node, is_pair) -> tuple[fx.Node, fx.Node, bool, bool
     lhs, out = equation.split("->")
     letters = lhs.split(",")
     pair = [i for i, op in enumerate(operands) if is_pair(op)]
-    if len(pair) != 1 or any(len(t) != 3 for t in letters + [out]) or _rank(operands[pair[0]]) != 3:
+    if (len(pair) != 1 or any(len(t) != rank for t in letters + [out]) or _rank(operands[pair[0]]) != rank
+            or len(set(letters[pair[0]])) != rank or len(set(out)) != rank):
         return None
-    (b, i, j), xs = letters[pair[0]], letters[1 - pair[0]]
-    transposed = out[:2] == b + j
+    pair_letters, xs = letters[pair[0]], letters[1 - pair[0]]
+    lead, i, j = pair_letters[:-2], pair_letters[-2], pair_letters[-1]
+    transposed = out[:-1] == lead + j
     kept, summed = (j, i) if transposed else (i, j)
-    if out[:2] != b + kept or len(set(out)) != 3:
+    if out[:-1] != lead + kept:
         return None
-    d = out[2]
-    if xs == b + summed + d:
+    d = out[-1]
+    if xs == lead + summed + d:
         return operands[pair[0]], operands[1 - pair[0]], False, transposed
-    if xs == b + d + summed:
+    if xs == lead + d + summed:
         return operands[pair[0]], operands[1 - pair[0]], True, transposed
     return None
 
@@ -580,9 +624,8 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
 
 
 def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
-    shape = shape_of(score.mean)
-    algebra = _PairAlgebra(beta=score.beta, kl_scales=score.kl_scales, n=shape[1],
-                           kl_of=lambda node: _kl_scale(node, score.draw))
+    algebra = _PairAlgebra(beta=score.beta, kl_scales=score.kl_scales, rank=score.rank,
+                           kl_of=lambda node: _kl_scale(node, score.draw, score.rank))
     core = {score.softmax, *score.nodes}
     roots = _find_roots(algebra, core)
     algebra.roots = set(roots)
@@ -593,6 +636,12 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
     outside = _outside_users(algebra, roots, core)
     if outside:
         raise NotFused(outside)
+    lead = shape_of(score.softmax)[:-2]
+    for root in roots:
+        if shape_of(root)[:len(lead)] != lead:
+            raise NotFused(f"{root.name} is {list(shape_of(root))}: its values broadcast the attention "
+                           f"{list(shape_of(score.softmax))} over more leading dims (sequences or heads) than the "
+                           "beliefs have; the op gives one sum per row of β")
     if not roots and not algebra.escapes:
         return  # β is not used
     _rewrite(gm, algebra, roots, plan, score)
@@ -600,7 +649,7 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
     if score.empty_rows_nan:
         mode += ", NaN on rows with no key"
     if algebra.escapes:
-        mode += ", [B, N, N] formed for " + ", ".join(sorted({u.name for _, u in algebra.escapes}))
+        mode += f", {_dims(score.rank)} formed for " + ", ".join(sorted({u.name for _, u in algebra.escapes}))
     report.add_fusion(PATTERN, OP_NAME, len(score.nodes) + len(algebra.visited | set(roots)) + 1,
                       f"{mode}, {score.parameterisation}, κ={score.kappa:g}, {len(roots)} β-weighted sums "
                       f"(row values {plan.v_width}, column values {plan.w_width} wide)")
@@ -617,18 +666,18 @@ def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node]:
             if user in seen or user in algebra.kl_scales:
                 continue
             seen.add(user)
-            if _sum_over_keys(user) or _matmul_reader(user, algebra.is_pair) is not None:
+            if _sum_over_keys(user, algebra.rank) or _matmul_reader(user, algebra.is_pair, algebra.rank) is not None:
                 roots.append(user)
             elif user.target in _ELEMENTWISE or _is_noop(user):
                 stack.append(user)
             elif node in whole:
-                algebra.escapes.append((node, user))  # e.g. β returned: formed [B, N, N] for it
+                algebra.escapes.append((node, user))  # e.g. β returned: formed [*L, N, N] for it
             elif user.target == aten.sum.dim_IntList:
                 raise NotFused(f"{user.name} sums a tensor computed from β over dims {user.args[1]}; the fused "
                                "op gives sums over the key dim only")
             elif user.op == "output":
-                raise NotFused(f"{node.name}, a [B, N, N] tensor computed from β or KL, is an output of the "
-                               "graph; the fused op does not form it")
+                raise NotFused(f"{node.name}, a {_dims(algebra.rank)} tensor computed from β or KL, is an output "
+                               "of the graph; the fused op does not form it")
             else:
                 raise NotFused(f"{user.name} ({short(user.target)}) uses {node.name}, computed from β or KL; "
                                "the fused op cannot provide it")
@@ -639,7 +688,7 @@ def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node]:
 def _outside_users(algebra: _PairAlgebra, roots, core: set) -> str | None:
     """The first use of a tensor computed from β or KL that the fused op does not provide, or None.
 
-    The factors read from the beliefs alone (``μ.unsqueeze(2)``, ``μ_i − μ_j``) may have other
+    The factors read from the beliefs alone (``μ.unsqueeze(-2)``, ``μ_i − μ_j``) may have other
     readers (the decode's ``μ_i − m_v``, once equal subexpressions are one node): they stay for them."""
     inside = algebra.visited | set(roots) | core
     escapes = set(algebra.escapes)
@@ -648,8 +697,8 @@ def _outside_users(algebra: _PairAlgebra, roots, core: set) -> str | None:
             continue  # the score's own nodes stay for their other users
         for user in node.users:
             if user not in inside and (node, user) not in escapes:
-                return (f"{user.name} ({short(user.target)}) uses {node.name}, a [B, N, N] tensor the fused op "
-                        "does not form")
+                return (f"{user.name} ({short(user.target)}) uses {node.name}, a tensor over the pairs (i, j) the "
+                        "fused op does not form")
     return None
 
 
@@ -665,9 +714,9 @@ def _computed_from_beta_or_kl(algebra: _PairAlgebra) -> set[fx.Node]:
 
 
 def _root_poly(algebra: _PairAlgebra, root: fx.Node) -> Poly:
-    if _sum_over_keys(root):
+    if _sum_over_keys(root, algebra.rank):
         return algebra.read(root.args[0])
-    pair, values, values_transposed, pair_transposed = _matmul_reader(root, algebra.is_pair)
+    pair, values, values_transposed, pair_transposed = _matmul_reader(root, algebra.is_pair, algebra.rank)
     poly = algebra.read(pair)
     if pair_transposed:
         poly = _poly_transpose(poly)
@@ -763,33 +812,36 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, score: _Score) -> No
     escaping = sorted({node for node, _ in algebra.escapes}, key=lambda n: n.name)
 
     def fn(mean, scale, *leaf_values):
-        # the graph's sizes (maybe symbolic) → the same sizes of the traced inputs
-        sizes = {str(g): t for node, value in zip(inputs, (mean, scale) + leaf_values)
-                 for g, t in zip(node.meta["val"].shape, value.shape)}
-        return _replacement(algebra, roots, plan, score, dict(zip(leaf_keys, leaf_values)), escaping, mean, scale,
-                            sizes)
+        return _replacement(algebra, roots, plan, score, dict(zip(leaf_keys, leaf_values)), escaping, mean, scale)
 
     replaced = list(roots) + escaping  # β / KL read whole: every reader gets the formed one
     replace_with_function(gm, replaced, fn, inputs, outputs=replaced)
 
 
-def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale, sizes):
+def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale):
     """The roots' values (then β / γ·KL for the nodes read whole) from one ``hecate.kl_attention`` call."""
     from hecate.lowering.kl_attention.matmul_form import scores_and_beta
 
-    var = VARIANCE_FROM[score.parameterisation](scale)
-    b, n, k = mean.shape
+    # μ and σ² may share leading dims by broadcasting (one variance for every head): the op takes both whole
+    mean, var = torch.broadcast_tensors(mean, VARIANCE_FROM[score.parameterisation](scale))
+    *lead, n, k = mean.shape
     root_values: dict[fx.Node, torch.Tensor] = {}
+
+    def fold(t):  # [*L, N, D] → [prod(L), N, D], the op's B
+        return t.reshape(math.prod(lead), *t.shape[-2:])
+
+    def unfold(t):  # [prod(L), N, ...] → [*L, N, ...]
+        return t.reshape(*lead, *t.shape[1:])
 
     def leaf(key):
         src = leaf_values[key] if key in leaf_values else root_values[algebra.leaves[key].source]
         how = algebra.leaves[key].normalize
-        if how == "squeeze2":
-            return src.squeeze(2)
-        if how == "squeeze1":
-            return src.squeeze(1)
+        if how == "squeeze_j":
+            return src.squeeze(-2)
+        if how == "squeeze_i":
+            return src.squeeze(-3)
         if how == "transpose":
-            return src.transpose(1, 2)
+            return src.transpose(-1, -2)
         return src
 
     def product(leaves):
@@ -803,18 +855,20 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
         cols, spans, start = [], [], 0
         for leaves in products:
             t = product(leaves)
-            t = mean.new_ones(b, n, 1) if t is None else t
-            t = t.expand(b, n, t.shape[-1]).to(mean.dtype)
+            t = mean.new_ones(*lead, n, 1) if t is None else t
+            t = t.expand(*lead, n, t.shape[-1]).to(mean.dtype)
             cols.append(t)
             spans.append((start, start + t.shape[-1]))
             start += t.shape[-1]
-        return (torch.cat(cols, -1) if cols else mean.new_zeros(b, n, 0)), spans
+        return (torch.cat(cols, -1) if cols else mean.new_zeros(*lead, n, 0)), spans
 
     v, v_spans = features(plan.v_features)
     w, w_spans = features(plan.w_features)
     plan.v_width, plan.w_width = v.shape[-1], w.shape[-1]
+    sums = torch.ops.hecate.kl_attention(fold(mean), fold(var), fold(v), fold(w), score.kappa, score.causal,
+                                         score.mask_diagonal)
     outputs = dict(zip(("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum"),
-                       torch.ops.hecate.kl_attention(mean, var, v, w, score.kappa, score.causal, score.mask_diagonal)))
+                       map(unfold, sums)))
     empty_rows = None
     if score.empty_rows_nan:  # the softmax over no key is NaN: its row's sums, and every column sum
         empty_rows = torch.arange(n, device=mean.device) == 0 if score.causal else torch.ones(n, dtype=torch.bool,
@@ -833,20 +887,25 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
             if term.coef != 1.0:
                 t = t * term.coef
             total = t if total is None else total + t
-        target = [sizes.get(str(s), s) for s in root.meta["val"].shape]
         if total is None:
-            total = mean.new_zeros(b, n, 1)
+            total = mean.new_zeros(*lead, n, 1)
         if empty_rows is not None:
             if any(term.output.startswith("col") for term in plan.terms[root]):
                 total = total + float("nan")
             else:
                 total = torch.where(empty_rows.unsqueeze(-1), float("nan"), total)
-        width = target[-1] if (_rank(root.args[0]) == 4 or not _sum_over_keys(root)) else 1
+        # the root is [*L, N] + tail, tail (), (1,), (W,) or (1, W); a symbolic W is the terms' width (sizes
+        # are read off the traced tensors, never the graph's SymInts)
+        tail = root.meta["val"].shape[len(lead) + 1:]
+        summed_pairs = _sum_over_keys(root, score.rank) and _rank(root.args[0]) == score.rank
+        width = 1 if summed_pairs else tail[-1] if isinstance(tail[-1], int) else total.shape[-1]
+        target = [*lead, n] + [1 if isinstance(s, int) and s == 1 else width for s in tail]
         # the dtype the graph gave the sum (under autocast, not the op's)
-        root_values[root] = total.expand(b, n, width).reshape(target).to(root.meta["val"].dtype)
+        root_values[root] = total.expand(*lead, n, width).reshape(target).to(root.meta["val"].dtype)
     formed = []
     if escaping:
-        kl, beta, _ = scores_and_beta(mean, var, score.kappa, score.causal, score.mask_diagonal)
+        kl, beta, _ = map(unfold, scores_and_beta(fold(mean), fold(var), score.kappa, score.causal,
+                                                  score.mask_diagonal))
         if empty_rows is not None:
             beta = torch.where(empty_rows.unsqueeze(-1), float("nan"), beta)
         for node in escaping:

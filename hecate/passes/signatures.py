@@ -139,13 +139,9 @@ def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                 n = out[dims[0]]
                 built = (f"a softmax over a pairwise [{n}, {n}] score, built by broadcasting "
                          f"[.., {n}, 1, ..] against [.., 1, {n}, ..] and reducing a feature axis,")
-                if len(score) != 3:  # the pass looks at [B, N, N] scores only: say so, not "not a KL"
-                    yield (f"{built} is {list(score)}: kl_attention reads [B, N, N] scores only (μ and σ² as "
-                           "two [B, N, K] tensors); a score without a batch dim or with more leading dims "
-                           "(heads) is not folded into B", [softmax, node])
-                else:
-                    yield (f"{built} is not a pairwise KL(q_i‖q_j) between diagonal Gaussians that "
-                           "kl_attention reads (μ and σ² as two [B, N, K] tensors)", [softmax, node])
+                yield (f"{built} is not a pairwise KL(q_i‖q_j) between diagonal Gaussians that "
+                       "kl_attention reads (μ and σ² as two [..., N, K] tensors broadcast at their position "
+                       "dim)", [softmax, node])
                 break
 
 

@@ -206,3 +206,32 @@ def test_recompiles_at_new_batch_sizes_and_lengths(fallback, dynamic, fresh_dyna
         loss = lambda out: out[0].sum() + out[1].square().sum()  # noqa: E731
         for a, r in zip(torch.autograd.grad(loss(got), (mu, var)), torch.autograd.grad(loss(ref), (mu, var))):
             assert_close(f"grad b={b} n={n}", a, r, 1e-5)
+
+
+class _MultiHeadKLAttention(torch.nn.Module):
+    """[B, N, H·K] beliefs split into H heads, causal KL attention per head, heads merged back."""
+
+    def forward(self, mu, logvar):
+        b, n, _ = mu.shape
+        mu_h, var_h = (x.view(b, n, 2, -1).transpose(1, 2) for x in (mu, logvar.exp()))
+        mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        beta = F.softmax((-_kl_pairs(mu_h, var_h) / 0.5).masked_fill(~mask, float("-inf")), dim=-1)
+        return (beta @ mu_h).transpose(1, 2).reshape(b, n, -1)
+
+
+def _kl_pairs(mu, var):  # [..., N, K] → [..., N, N]
+    mu_i, mu_j, var_i, var_j = mu.unsqueeze(-2), mu.unsqueeze(-3), var.unsqueeze(-2), var.unsqueeze(-3)
+    return (0.5 * (torch.log(var_j / var_i) + var_i / var_j + (mu_i - mu_j).square() / var_j - 1.0)).sum(dim=-1)
+
+
+def test_multihead_attention_to_onnx_runs_at_other_batch_sizes_and_lengths(tmp_path):
+    """Heads folded into the op's batch: one export, onnxruntime == PyTorch at new B and N (dynamic dims)."""
+    model = _MultiHeadKLAttention()
+    path = tmp_path / "heads.onnx"
+    report = hecate.export_onnx(model, (torch.randn(2, 5, 6), 0.3 * torch.randn(2, 5, 6)), path)
+    assert report.count("kl_attention") == 1, str(report)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for b, n in ((1, 3), (3, 7)):
+        mu, logvar = torch.randn(b, n, 6), 0.3 * torch.randn(b, n, 6)
+        [got] = session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), (mu, logvar))})
+        assert_close(f"output at B={b}, N={n}", torch.from_numpy(got), model(mu, logvar), 1e-5)
