@@ -277,7 +277,20 @@ def d_logits_returned(mu, logvar, prior_mu, prior_var, targets):
     return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1))
 
 
-DECODE = [d_spec_ce, d_logvar_priors_ce_sum, d_distributions_ignore_index, d_logits_returned]
+def d_std_textbook(mu, std, prior_mu, prior_std, targets):  # the textbook KL over standard deviations
+    kl = (torch.log(prior_std / std[:, :, None]) + (std[:, :, None] ** 2 + (mu[:, :, None] - prior_mu) ** 2)
+          / (2 * prior_std ** 2) - 0.5).sum(-1)
+    return F.cross_entropy(-kl.flatten(0, 1), targets.flatten())
+
+
+def d_log_softmax_nll(mu, var, prior_mu, prior_var, targets):  # log_softmax + nll_loss, diff squared by hand
+    diff = mu[:, :, None, :] - prior_mu[None, None]
+    kl = 0.5 * (prior_var.log() - var.log()[:, :, None] + (var[:, :, None] + diff * diff) / prior_var - 1).sum(-1)
+    return F.nll_loss(torch.log_softmax(-kl, dim=-1).reshape(-1, V), targets.reshape(-1))
+
+
+DECODE = [d_spec_ce, d_logvar_priors_ce_sum, d_distributions_ignore_index, d_logits_returned, d_std_textbook,
+          d_log_softmax_nll]
 _PRIOR_DRAW = {d_logvar_priors_ce_sum: _logvar, d_logits_returned: _var}
 
 
