@@ -129,15 +129,14 @@ SPELLINGS = {
         "linear → conv(K=4) → silu → elu+1 [B,T,D]"),
 }
 
-@pytest.mark.parametrize("name", list(SPELLINGS))
-def test_spelling_fuses_and_matches_eager(name):
-    spelling, detail = SPELLINGS[name]
-    model = Block(spelling)
-    x = torch.randn(B, T, D_IN)
+def _fuses_and_matches_eager(model, args, detail, input_names):
+    """Compile ``model``: one qk_preprocess fusion described as ``detail``, no near-miss, and the output
+    and every gradient (inputs and parameters) equal to eager within TOL."""
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="hecate", options={"fallback": "eager"})
-    inputs, ref_inputs = x.clone().requires_grad_(), x.clone().requires_grad_()
-    got = compiled(inputs)
+    inputs = [a.clone().requires_grad_() for a in args]
+    ref_inputs = [a.clone().requires_grad_() for a in args]
+    got = compiled(*inputs)
     report = hecate.last_report()
     assert [f.detail for f in report.fusions if f.pattern == "qk_preprocess"] == [detail], str(report)
     assert report.misses == [], str(report)
@@ -145,10 +144,11 @@ def test_spelling_fuses_and_matches_eager(name):
     (got * weight).sum().backward()
     got_grads = {n: p.grad for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    ref = model(ref_inputs)
+    ref = model(*ref_inputs)
     (ref * weight).sum().backward()
     assert_close("output", got, ref, TOL)
-    assert_close("d/dx", inputs.grad, ref_inputs.grad, TOL)
+    for name, a, r in zip(input_names, inputs, ref_inputs):
+        assert_close(f"d/d{name}", a.grad, r.grad, TOL)
     for n, p in model.named_parameters():
         if p.grad is None:
             assert got_grads[n] is None, n
@@ -156,6 +156,11 @@ def test_spelling_fuses_and_matches_eager(name):
             assert_close(f"d/d{n}", got_grads[n], p.grad, TOL)
     torch._dynamo.reset()
 
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_spelling_fuses_and_matches_eager(name):
+    spelling, detail = SPELLINGS[name]
+    _fuses_and_matches_eager(Block(spelling), (torch.randn(B, T, D_IN),), detail, ("x",))
 
 def test_corpus_size():
     assert len(SPELLINGS) >= 15
@@ -207,28 +212,5 @@ STATEFUL_SPELLINGS = {
 @pytest.mark.parametrize("name", list(STATEFUL_SPELLINGS))
 def test_stateful_spelling_fuses_with_its_state_and_matches_eager(name):
     spelling, step, detail = STATEFUL_SPELLINGS[name]
-    model = StatefulBlock(spelling)
     args = (torch.randn(B, D_IN) if step else torch.randn(B, T, D_IN), torch.randn(B, K - 1, D))
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="hecate", options={"fallback": "eager"})
-    inputs = [a.clone().requires_grad_() for a in args]
-    ref_inputs = [a.clone().requires_grad_() for a in args]
-    got = compiled(*inputs)
-    report = hecate.last_report()
-    assert [f.detail for f in report.fusions if f.pattern == "qk_preprocess"] == [detail], str(report)
-    assert report.misses == [], str(report)
-    weight = torch.randn_like(got)
-    (got * weight).sum().backward()
-    got_grads = {n: p.grad for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    ref = model(*ref_inputs)
-    (ref * weight).sum().backward()
-    assert_close("output", got, ref, TOL)
-    for name_, a, r in zip(("x", "state"), inputs, ref_inputs):
-        assert_close(f"d/d{name_}", a.grad, r.grad, TOL)
-    for n, p in model.named_parameters():
-        if p.grad is None:
-            assert got_grads[n] is None, n
-        else:
-            assert_close(f"d/d{n}", got_grads[n], p.grad, TOL)
-    torch._dynamo.reset()
+    _fuses_and_matches_eager(StatefulBlock(spelling), args, detail, ("x", "state"))
