@@ -349,8 +349,29 @@ def _whole_slice(node: fx.Node) -> bool:
 
 
 def _same_layout_free(node: fx.Node) -> bool:
-    """A copy whose only effect is memory layout or a fresh buffer (no dtype/device change)."""
-    return set(node.kwargs) <= {"memory_format"}
+    """A copy whose only effect is memory layout or a fresh buffer (no dtype/device change), and whose
+    layout no later view needs: ``x.transpose(0, 1).contiguous().view(...)`` keeps its copy (a view of
+    the transposed x itself may not exist)."""
+    return set(node.kwargs) <= {"memory_format"} and not _views_need_copy(node)
+
+
+def _views_need_copy(copy: fx.Node) -> bool:
+    """Whether a chain of views from ``copy`` fails when run on the copied tensor itself (its strides)."""
+    pending = [(copy, _val(copy.args[0]))]
+    while pending:
+        node, value = pending.pop()
+        if not isinstance(value, torch.Tensor):
+            return True
+        for user in node.users:
+            if not (isinstance(user.target, torch._ops.OpOverload)
+                    and any(r.alias_info is not None for r in user.target._schema.returns)):
+                continue  # not a view: it reads values, not strides
+            args, kwargs = fx.node.map_arg((user.args, user.kwargs), lambda a: value if a is node else _val(a))
+            try:
+                pending.append((user, user.target(*args, **kwargs)))
+            except Exception:  # e.g. view() of a tensor whose strides do not allow it
+                return True
+    return False
 
 
 def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:

@@ -90,6 +90,19 @@ def test_unmatched_graph_is_compiled_by_fallback_and_trains(fallback, fresh_dyna
     assert hecate.last_report().graphs == 1
 
 
+def test_torch_transformer_layer_compiles_through_inductor_without_a_miss(fresh_dynamo):
+    """nn.MultiheadAttention views heads of a transposed, .contiguous() copy: the normal form keeps that copy."""
+    from hecate.testing import assert_close
+
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    x = torch.randn(2, 7, 16)
+    compiled = torch.compile(model, backend="hecate", options={"fallback": "inductor", "strict": True})
+    got = compiled(x)
+    assert hecate.last_report().misses == [], str(hecate.last_report())
+    assert_close("output", got, model(x), 1e-5)
+
+
 def test_dump_dir_holds_graph_before_and_after_each_pass(tmp_path, fresh_dynamo):
     f = torch.compile(lambda x: torch.relu(x) + 1, backend="hecate",
                       options={"fallback": "eager", "dump_dir": str(tmp_path)})

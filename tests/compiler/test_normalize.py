@@ -131,6 +131,20 @@ def test_narrow_square_copies_and_repeated_slices():
     _check_exact(spellings, args, gm)
 
 
+def copies_views_need(x):
+    heads = x.transpose(0, 1).contiguous().view(2, 12)  # a view of the transpose itself cannot exist
+    flat = x.contiguous().view(-1)  # x is contiguous already: this copy goes
+    return heads, flat, -x.transpose(0, 1).reshape(-1)
+
+
+def test_copies_a_later_view_needs_are_kept():
+    args = (torch.randn(6, 4),)
+    gm = normalize_graph(_traced(copies_views_need, *args))
+    copies = [n for n in gm.graph.nodes if n.target in (aten.clone.default, aten.contiguous.default)]
+    assert len(copies) == 1 and copies[0].args[0].target is aten.transpose.int, gm.graph
+    _check_exact(copies_views_need, args, gm)
+
+
 def test_slice_of_a_whole_dim_is_dropped():
     """``x[:, t]`` of a symbolic-size x is ``slice(x, 0, 0, END)`` then ``select``: the slice is x itself."""
     def whole_then_part(x):
