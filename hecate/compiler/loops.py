@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
-from torch.utils import _pytree as pytree
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from hecate.compiler.normalize import functional_op, functionalize, mutates
 
@@ -94,8 +94,8 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
     graph is expected in the normal form (:func:`hecate.compiler.normalize.normalize_graph`:
     ``x[:, t]`` of a symbolic-size x is then one ``select``).
     """
-    functionalize(gm.graph)
-    gm.recompile()
+    if functionalize(gm.graph):
+        gm.recompile()
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     loops: list[_Loop] = []
@@ -108,9 +108,11 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
         shortest = count
         for s in range(max(end, start_pos - period + 1), start_pos + 1):
             loop = _Loop(nodes, position, s, period, count)
-            while not loop.verify() and loop.bad is not None and 2 <= loop.bad < loop.T:
+            proven = loop.verify()
+            while not proven and loop.bad is not None and 2 <= loop.bad < loop.T:
                 loop = _Loop(nodes, position, s, period, loop.bad)  # the steps before the first that differs
-            if loop.verify():
+                proven = loop.verify()
+            if proven:
                 loops.append(loop)
                 end = loop.end
                 shortest = loop.T
@@ -253,6 +255,7 @@ class _Loop:
     stacks: dict[fx.Node, int] = field(default_factory=dict)  # torch.stack after the loop -> offset
     finals: dict[fx.Node, int] = field(default_factory=dict)  # last block's carry read after -> offset
     bad: int | None = None  # after a failed verify(): the first block that differs, if one was found
+    flat0: dict[int, tuple[list, Any]] = field(default_factory=dict)  # offset -> block 0's node flattened
 
     @property
     def end(self) -> int:
@@ -297,9 +300,15 @@ class _Loop:
         nt = self.at(t, o)
         if nt.op != n0.op or nt.target != n0.target:
             return False
-        leaves0, spec0 = pytree.tree_flatten((n0.args, n0.kwargs))
-        leaves, spec = pytree.tree_flatten((nt.args, nt.kwargs))
+        leaves0, spec0 = self._flat0(o, n0)
+        leaves, spec = _flatten(nt)
         return spec == spec0 and all(self._same_leaf(o, j, t, a0, a) for j, (a0, a) in enumerate(zip(leaves0, leaves)))
+
+    def _flat0(self, o: int, n0: fx.Node) -> tuple[list, Any]:
+        """:func:`_flatten` of node o of block 0, which every other block is compared with."""
+        if o not in self.flat0:
+            self.flat0[o] = _flatten(n0)
+        return self.flat0[o]
 
     def _find_time_slice(self, o: int) -> None:
         """Record node o as a per-step slice if its index advances by one per block (else it is ordinary)."""
@@ -381,6 +390,38 @@ _CATS = (torch.cat, torch.concat, torch.ops.aten.cat.default)
 
 def _stack_dim(node: fx.Node) -> int:
     return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+
+
+def _flatten(node: fx.Node) -> tuple[list, Any]:
+    """The leaves of ``(node.args, node.kwargs)`` in order, and their nesting (lists, tuples, dicts).
+
+    Every node of every block is flattened once per proof, so this walks only the containers
+    fx arguments are made of (torch's pytree, general, costs several times as much)."""
+    leaves: list = []
+
+    def walk(value: Any) -> Any:
+        if type(value) in _SEQUENCES:
+            return type(value), tuple(walk(v) for v in value)
+        if type(value) in _MAPPINGS:
+            return dict, tuple((k, walk(v)) for k, v in value.items())
+        leaves.append(value)
+        return None
+
+    return leaves, walk((node.args, node.kwargs))
+
+
+def _unflatten(spec: Any, leaves) -> Any:
+    """The arguments :func:`_flatten` gave ``spec`` of, with the next of ``leaves`` at each leaf."""
+    if spec is None:
+        return next(leaves)
+    kind, items = spec
+    if kind is dict:
+        return {k: _unflatten(v, leaves) for k, v in items}
+    return (list if kind is immutable_list else kind)(_unflatten(v, leaves) for v in items)
+
+
+_SEQUENCES = (tuple, list, immutable_list)
+_MAPPINGS = (dict, immutable_dict)
 
 
 def _pure(node: fx.Node) -> bool:
@@ -489,7 +530,7 @@ def _body(loop: _Loop) -> fx.GraphModule:
         node = loop.at(0, o)
         if o in loop.slices:
             continue
-        leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+        leaves, spec = _flatten(node)
         for j, leaf in enumerate(leaves):
             if not isinstance(leaf, fx.Node):
                 continue
@@ -500,7 +541,7 @@ def _body(loop: _Loop) -> fx.GraphModule:
                 leaves[j] = invariant_in[ref]
             else:
                 leaves[j] = carry_in[ref]
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        args, kwargs = _unflatten(spec, iter(leaves))
         env[node] = body.create_node(node.op, node.target, args, kwargs)
     outputs = [env[loop.at(0, o)] for o in carries]
     for o in ys:  # scan outputs must not alias each other or an input
