@@ -28,6 +28,10 @@ proves, for T ≥ 2 consecutive blocks of L nodes:
 A run whose blocks differ from block t on (another literal, op or p) is rolled up to t and
 the rest is tried again as a loop of its own. A run that fails any check is left unrolled,
 exactly as Dynamo produced it.
+
+A loop of one step (T = 1, e.g. a one-token forward) has no second block to compare with; it
+is read from what a loop leaves around it instead (:func:`_one_step`) and rolled when that
+reading is unambiguous.
 """
 
 from __future__ import annotations
@@ -121,8 +125,13 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
         if shortest < count and count - shortest >= 2:  # what follows a step that differs may be a loop again
             pending.append((start_pos + shortest * period, period, count - shortest))
             pending.sort()
+    for node in nodes:
+        loop = _one_step(nodes, position, node)
+        if loop is not None and all(loop.end <= other.s or other.end <= loop.s for other in loops):
+            loops.append(loop)
     if not loops:
         return None
+    loops.sort(key=lambda loop: loop.s)
     return RolledGraph(_rebuild(gm, loops), [loop.T for loop in loops])
 
 
@@ -436,6 +445,76 @@ def _same_meta(a: fx.Node, b: fx.Node) -> bool:
     va, vb = _value(a), _value(b)
     return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) \
         and va.shape == vb.shape and va.dtype == vb.dtype and va.device == vb.device
+
+
+def _one_step(nodes: list[fx.Node], position: dict[fx.Node, int], stack: fx.Node) -> _Loop | None:
+    """The loop of one step whose output ``stack`` collects, if it is one (else None).
+
+    ``for t in range(T)`` at T = 1 leaves one copy of the step: no second copy tells the loop's
+    extent, its carries or its per-step inputs. Read instead from what a loop leaves around it:
+    ``stack`` is ``torch.stack([y])`` (or ``torch.cat`` along a size-1 dim); the step runs from
+    the first per-step slice ``x[.., 0, ..]`` of a size-1 time dim that y reads to just before
+    ``stack``; what the step computes and is read after it is a carry, whose init is the one
+    tensor from before the step of the same shape, dtype and device that the step reads (none,
+    or several, and it is not rolled). For one step any such reading computes what the graph
+    computes; it decides only whether the memory passes recognise the step.
+    """
+    if stack.op != "call_function" or stack.target not in _STACKS + _CATS or not stack.args \
+            or not isinstance(stack.args[0], (list, tuple)) or len(stack.args[0]) != 1:
+        return None
+    first, todo, seen = None, [stack.args[0][0]], set()
+    while todo:  # y's ancestors back to the per-step slices
+        node = todo.pop()
+        if not isinstance(node, fx.Node) or node in seen or node.op not in _TENSOR_OPS:
+            continue
+        seen.add(node)
+        if _one_step_slice(node) is not None:
+            first = node if first is None or position[node] < position[first] else first
+        else:
+            todo.extend(node.all_input_nodes)
+    if first is None:
+        return None
+    loop = _Loop(nodes, position, position[first], position[stack] - position[first], 1)
+    if not loop._is_stack_of(stack, position[stack.args[0][0]] - loop.s):
+        return None
+    reads: dict[fx.Node, list[tuple[int, int]]] = {}  # tensor from before the step -> where the step reads it
+    for o in range(loop.L):
+        node = loop.at(0, o)
+        if node.op not in _TENSOR_OPS or not _pure(node):
+            return None
+        sliced = _one_step_slice(node)
+        if sliced is not None and loop.block(sliced[0]) is None:
+            loop.slices[o] = sliced
+            continue
+        for j, leaf in enumerate(_flatten(node)[0]):
+            if isinstance(leaf, fx.Node):
+                inside = loop.block(leaf)
+                loop.args[(o, j)] = ("internal", inside[1]) if inside is not None else ("invariant", leaf)
+                if inside is None:
+                    reads.setdefault(leaf, []).append((o, j))
+    for o in range(loop.L):
+        node = loop.at(0, o)
+        after = [user for user in node.users if loop.block(user) is None]
+        loop.stacks.update({user: o for user in after if loop._is_stack_of(user, o)})
+        if all(user in loop.stacks for user in after):
+            continue
+        inits = [a for a in reads if _same_meta(a, node)]  # node is read after the step: a carry's next value
+        if len(inits) != 1 or inits[0] in loop.carries.values():
+            return None
+        loop.carries[o], loop.finals[node] = inits[0], o
+        loop.args.update({where: ("carry", o) for where in reads[inits[0]]})
+    return loop if loop.carries and loop.slices else None
+
+
+def _one_step_slice(node: fx.Node) -> tuple[fx.Node, int, int, Any] | None:
+    """``_time_slice(node)`` if it reads index 0 of a size-1 dim: the step of a loop of one."""
+    sliced = _time_slice(node)
+    if sliced is None or sliced[2] != 0:
+        return None
+    size = _value(sliced[0]).shape[sliced[1]]
+    if not (is_concrete_int(size) and int(size) == 1):
+        return None
+    return sliced
 
 
 # ---------------------------------------------------------------- rebuilding the graph
