@@ -335,7 +335,6 @@ def common_subexpressions(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     seen: dict[Any, fx.Node] = {}
     purity: dict[Any, bool] = {}
     epoch = 0  # in-place ops so far
-
     for node in graph.nodes:
         if mutates(node):
             epoch += 1
