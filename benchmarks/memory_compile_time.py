@@ -13,8 +13,9 @@ Per run (model ``LpMemory(32, n_heads=2, d_k=d_v=8, p=3, data-dependent gates)``
               and is in compile_s only)
   dynamo_s    first forward minus backend_s minus a warm forward: Dynamo tracing the
               Python loop (grows with T for every backend)
-  roll_s, canonicalize_s, passes_s (Hecate only): parts of backend_s (rolling the loop up,
-              re-tracing to ATen, the passes; the rest is Inductor)
+  cse_s, roll_s, canonicalize_s, passes_s (Hecate only): parts of backend_s (merging common
+              subexpressions in Dynamo's graph, rolling the loop up, re-tracing to ATen, the
+              passes; the rest is Inductor)
   warm_ms     a warm forward + backward
 
 ``python3 benchmarks/memory_compile_time.py [--quick] [--timeout S]``
@@ -44,7 +45,7 @@ def worker(backend: str, T: int, use_scan: bool) -> dict:
     torch.manual_seed(0)
     model = LpMemory(32, n_heads=2, d_k=8, d_v=8, p=3.0, alpha=None, eta=None, use_scan=use_scan)
     x = torch.randn(2, T, 32, requires_grad=True)
-    timings = {"backend_s": 0.0, "roll_s": 0.0, "canonicalize_s": 0.0, "passes_s": 0.0}
+    timings = {"backend_s": 0.0, "cse_s": 0.0, "roll_s": 0.0, "canonicalize_s": 0.0, "passes_s": 0.0}
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -59,6 +60,7 @@ def worker(backend: str, T: int, use_scan: bool) -> dict:
         import hecate.compiler.backend as hb
         import hecate.compiler.pipeline as pipeline
 
+        pipeline.collapse_captured = timed("cse_s", pipeline.collapse_captured)
         pipeline.roll_loops = timed("roll_s", pipeline.roll_loops)
         pipeline.canonicalize = timed("canonicalize_s", pipeline.canonicalize)
         pipeline.run_passes = timed("passes_s", pipeline.run_passes)
@@ -91,8 +93,8 @@ def worker(backend: str, T: int, use_scan: bool) -> dict:
         import hecate
 
         report = hecate.last_report()
-        result.update(roll_s=timings["roll_s"], canonicalize_s=timings["canonicalize_s"], passes_s=timings["passes_s"],
-                      fused=[f.detail for f in report.fusions], missed=[m.reason for m in report.misses])
+        result.update(cse_s=timings["cse_s"], roll_s=timings["roll_s"], canonicalize_s=timings["canonicalize_s"],
+                      passes_s=timings["passes_s"], fused=[f.detail for f in report.fusions], missed=[m.reason for m in report.misses])
     eager = min(_time(lambda: model(x)[0].square().sum().backward()) for _ in range(2))
     result["eager_ms"] = eager * 1e3
     return result
@@ -137,6 +139,7 @@ def plot(runs: list[dict], quick: bool = False) -> None:
               "compile time (first fwd+bwd − warm); no bar = did not finish / failed / not run", labels,
               {"hecate": series("hecate", "compile_s"), "hecate: Dynamo trace": series("hecate", "dynamo_s"),
                "hecate: backend": series("hecate", "backend_s"),
+               "hecate: common subexpressions (in backend)": series("hecate", "cse_s"),
                "hecate: roll up the loop (in backend)": series("hecate", "roll_s"),
                "hecate: canonicalise (in backend)": series("hecate", "canonicalize_s"),
                "hecate: passes (in backend)": series("hecate", "passes_s"),

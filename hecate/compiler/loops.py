@@ -32,6 +32,10 @@ subexpressions are merged) sits in block 0 only: it is first moved before the lo
 A run whose blocks differ from block t on (another literal, op or p) is rolled up to t and
 the rest is tried again as a loop of its own. A run that fails any check is left unrolled,
 exactly as Dynamo produced it.
+
+A loop of one step (T = 1, e.g. a one-token forward) has no second block to compare with; it
+is read from what a loop leaves around it instead (:func:`_one_step`) and rolled when that
+reading is unambiguous.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
-from torch.utils import _pytree as pytree
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from hecate.compiler.normalize import functional_op, functionalize, mutates
 
@@ -98,9 +102,9 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
     graph is expected in the normal form (:func:`hecate.compiler.normalize.normalize_graph`:
     ``x[:, t]`` of a symbolic-size x is then one ``select``).
     """
-    functionalize(gm.graph)
-    _hoist_invariants(gm.graph)
-    gm.recompile()
+    changed = functionalize(gm.graph)
+    if _hoist_invariants(gm.graph) or changed:
+        gm.recompile()
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     loops: list[_Loop] = []
@@ -113,9 +117,11 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
         shortest = count
         for s in range(max(end, start_pos - period + 1), start_pos + 1):
             loop = _Loop(nodes, position, s, period, count)
-            while not loop.verify() and loop.bad is not None and 2 <= loop.bad < loop.T:
+            proven = loop.verify()
+            while not proven and loop.bad is not None and 2 <= loop.bad < loop.T:
                 loop = _Loop(nodes, position, s, period, loop.bad)  # the steps before the first that differs
-            if loop.verify():
+                proven = loop.verify()
+            if proven:
                 loops.append(loop)
                 end = loop.end
                 shortest = loop.T
@@ -124,19 +130,24 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
         if shortest < count and count - shortest >= 2:  # what follows a step that differs may be a loop again
             pending.append((start_pos + shortest * period, period, count - shortest))
             pending.sort()
+    for node in nodes:
+        loop = _one_step(nodes, position, node)
+        if loop is not None and all(loop.end <= other.s or other.end <= loop.s for other in loops):
+            loops.append(loop)
     if not loops:
         return None
+    loops.sort(key=lambda loop: loop.s)
     return RolledGraph(_rebuild(gm, loops), [loop.T for loop in loops])
 
 
-def _hoist_invariants(graph: fx.Graph) -> None:
+def _hoist_invariants(graph: fx.Graph) -> bool:
     """Move before the loops what several steps share and compute from values before the loops alone.
 
     Once common subexpressions are merged, ``1 - self.decay`` written in every step is computed in
     the first step only and read by all of them. A node is such a shared invariant when it depends on
     no per-step slice (nor on anything impure) and nodes of at least two time indices read it; it moves,
-    with the invariants it reads, right after the graph's inputs. Exact: a pure call computes the same
-    value earlier (in-place ops are functional by now).
+    with the invariants it reads, right after the graph's inputs; returns whether any moved. Exact: a
+    pure call computes the same value earlier (in-place ops are functional by now).
     """
     step: dict[fx.Node, int] = {}  # the latest time index a node reads (-1: none, an invariant)
     impure: set[fx.Node] = set()
@@ -157,11 +168,12 @@ def _hoist_invariants(graph: fx.Graph) -> None:
             pending.extend(node.all_input_nodes)
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     if not hoist or not inputs:
-        return
+        return False
     anchor = inputs[-1]
     for node in [n for n in graph.nodes if n in hoist]:  # graph order: each after what it reads
         anchor.append(node)
         anchor = node
+    return True
 
 
 # ---------------------------------------------------------------- per-step slices
@@ -293,6 +305,7 @@ class _Loop:
     stacks: dict[fx.Node, int] = field(default_factory=dict)  # torch.stack after the loop -> offset
     finals: dict[fx.Node, int] = field(default_factory=dict)  # last block's carry read after -> offset
     bad: int | None = None  # after a failed verify(): the first block that differs, if one was found
+    flat0: dict[int, tuple[list, Any]] = field(default_factory=dict)  # offset -> block 0's node flattened
 
     @property
     def end(self) -> int:
@@ -337,9 +350,15 @@ class _Loop:
         nt = self.at(t, o)
         if nt.op != n0.op or nt.target != n0.target:
             return False
-        leaves0, spec0 = pytree.tree_flatten((n0.args, n0.kwargs))
-        leaves, spec = pytree.tree_flatten((nt.args, nt.kwargs))
+        leaves0, spec0 = self._flat0(o, n0)
+        leaves, spec = _flatten(nt)
         return spec == spec0 and all(self._same_leaf(o, j, t, a0, a) for j, (a0, a) in enumerate(zip(leaves0, leaves)))
+
+    def _flat0(self, o: int, n0: fx.Node) -> tuple[list, Any]:
+        """:func:`_flatten` of node o of block 0, which every other block is compared with."""
+        if o not in self.flat0:
+            self.flat0[o] = _flatten(n0)
+        return self.flat0[o]
 
     def _find_time_slice(self, o: int) -> None:
         """Record node o as a per-step slice if its index advances by one per block (else it is ordinary)."""
@@ -423,6 +442,38 @@ def _stack_dim(node: fx.Node) -> int:
     return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
 
 
+def _flatten(node: fx.Node) -> tuple[list, Any]:
+    """The leaves of ``(node.args, node.kwargs)`` in order, and their nesting (lists, tuples, dicts).
+
+    Every node of every block is flattened once per proof, so this walks only the containers
+    fx arguments are made of (torch's pytree, general, costs several times as much)."""
+    leaves: list = []
+
+    def walk(value: Any) -> Any:
+        if type(value) in _SEQUENCES:
+            return type(value), tuple(walk(v) for v in value)
+        if type(value) in _MAPPINGS:
+            return dict, tuple((k, walk(v)) for k, v in value.items())
+        leaves.append(value)
+        return None
+
+    return leaves, walk((node.args, node.kwargs))
+
+
+def _unflatten(spec: Any, leaves) -> Any:
+    """The arguments :func:`_flatten` gave ``spec`` of, with the next of ``leaves`` at each leaf."""
+    if spec is None:
+        return next(leaves)
+    kind, items = spec
+    if kind is dict:
+        return {k: _unflatten(v, leaves) for k, v in items}
+    return (list if kind is immutable_list else kind)(_unflatten(v, leaves) for v in items)
+
+
+_SEQUENCES = (tuple, list, immutable_list)
+_MAPPINGS = (dict, immutable_dict)
+
+
 def _pure(node: fx.Node) -> bool:
     """Nothing in place and nothing random (Dynamo's calls are judged by their names)."""
     if isinstance(node.target, torch._ops.OpOverload):  # an ATen graph (torch.export's)
@@ -435,6 +486,76 @@ def _same_meta(a: fx.Node, b: fx.Node) -> bool:
     va, vb = _value(a), _value(b)
     return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) \
         and va.shape == vb.shape and va.dtype == vb.dtype and va.device == vb.device
+
+
+def _one_step(nodes: list[fx.Node], position: dict[fx.Node, int], stack: fx.Node) -> _Loop | None:
+    """The loop of one step whose output ``stack`` collects, if it is one (else None).
+
+    ``for t in range(T)`` at T = 1 leaves one copy of the step: no second copy tells the loop's
+    extent, its carries or its per-step inputs. Read instead from what a loop leaves around it:
+    ``stack`` is ``torch.stack([y])`` (or ``torch.cat`` along a size-1 dim); the step runs from
+    the first per-step slice ``x[.., 0, ..]`` of a size-1 time dim that y reads to just before
+    ``stack``; what the step computes and is read after it is a carry, whose init is the one
+    tensor from before the step of the same shape, dtype and device that the step reads (none,
+    or several, and it is not rolled). For one step any such reading computes what the graph
+    computes; it decides only whether the memory passes recognise the step.
+    """
+    if stack.op != "call_function" or stack.target not in _STACKS + _CATS or not stack.args \
+            or not isinstance(stack.args[0], (list, tuple)) or len(stack.args[0]) != 1:
+        return None
+    first, todo, seen = None, [stack.args[0][0]], set()
+    while todo:  # y's ancestors back to the per-step slices
+        node = todo.pop()
+        if not isinstance(node, fx.Node) or node in seen or node.op not in _TENSOR_OPS:
+            continue
+        seen.add(node)
+        if _one_step_slice(node) is not None:
+            first = node if first is None or position[node] < position[first] else first
+        else:
+            todo.extend(node.all_input_nodes)
+    if first is None:
+        return None
+    loop = _Loop(nodes, position, position[first], position[stack] - position[first], 1)
+    if not loop._is_stack_of(stack, position[stack.args[0][0]] - loop.s):
+        return None
+    reads: dict[fx.Node, list[tuple[int, int]]] = {}  # tensor from before the step -> where the step reads it
+    for o in range(loop.L):
+        node = loop.at(0, o)
+        if node.op not in _TENSOR_OPS or not _pure(node):
+            return None
+        sliced = _one_step_slice(node)
+        if sliced is not None and loop.block(sliced[0]) is None:
+            loop.slices[o] = sliced
+            continue
+        for j, leaf in enumerate(_flatten(node)[0]):
+            if isinstance(leaf, fx.Node):
+                inside = loop.block(leaf)
+                loop.args[(o, j)] = ("internal", inside[1]) if inside is not None else ("invariant", leaf)
+                if inside is None:
+                    reads.setdefault(leaf, []).append((o, j))
+    for o in range(loop.L):
+        node = loop.at(0, o)
+        after = [user for user in node.users if loop.block(user) is None]
+        loop.stacks.update({user: o for user in after if loop._is_stack_of(user, o)})
+        if all(user in loop.stacks for user in after):
+            continue
+        inits = [a for a in reads if _same_meta(a, node)]  # node is read after the step: a carry's next value
+        if len(inits) != 1 or inits[0] in loop.carries.values():
+            return None
+        loop.carries[o], loop.finals[node] = inits[0], o
+        loop.args.update({where: ("carry", o) for where in reads[inits[0]]})
+    return loop if loop.carries and loop.slices else None
+
+
+def _one_step_slice(node: fx.Node) -> tuple[fx.Node, int, int, Any] | None:
+    """``_time_slice(node)`` if it reads index 0 of a size-1 dim: the step of a loop of one."""
+    sliced = _time_slice(node)
+    if sliced is None or sliced[2] != 0:
+        return None
+    size = _value(sliced[0]).shape[sliced[1]]
+    if not (is_concrete_int(size) and int(size) == 1):
+        return None
+    return sliced
 
 
 # ---------------------------------------------------------------- rebuilding the graph
@@ -529,7 +650,7 @@ def _body(loop: _Loop) -> fx.GraphModule:
         node = loop.at(0, o)
         if o in loop.slices:
             continue
-        leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+        leaves, spec = _flatten(node)
         for j, leaf in enumerate(leaves):
             if not isinstance(leaf, fx.Node):
                 continue
@@ -540,7 +661,7 @@ def _body(loop: _Loop) -> fx.GraphModule:
                 leaves[j] = invariant_in[ref]
             else:
                 leaves[j] = carry_in[ref]
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        args, kwargs = _unflatten(spec, iter(leaves))
         env[node] = body.create_node(node.op, node.target, args, kwargs)
     outputs = [env[loop.at(0, o)] for o in carries]
     for o in ys:  # scan outputs must not alias each other or an input

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 
 aten = torch.ops.aten
@@ -76,22 +77,41 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
 
 
 def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of Dynamo's ``gm``, functional, with each subexpression computed once.
+    """Dynamo's ``gm`` made functional, with each subexpression computed once.
 
     Before loops are rolled up: a loop whose steps write an expression again at each use
     has steps that differ at its first or last step (the last step's state has fewer
-    readers), which no longer reads as one loop. A copy, so that Dynamo's graph stays as
-    captured for the fallback if the pipeline fails later."""
-    copy = fx.GraphModule(gm, gm.graph.__deepcopy__())  # node metas (fake values) are shared, not copied
-    copy.meta.update(gm.meta)
-    float_inputs_as_tensors(copy.graph)
-    fold_scalar_constants(copy.graph)
-    unbind_as_selects(copy.graph)
-    functionalize(copy.graph)
-    eliminate_common_subexpressions(copy.graph)
-    copy.graph.lint()
-    copy.recompile()
-    return copy
+    readers), which no longer reads as one loop. What changes is changed on a copy, so that
+    Dynamo's graph stays as captured for the fallback if the pipeline fails later; a graph
+    with nothing to change (the common case) is returned as it is, uncopied. The copy's code
+    is generated only if it is run: the pipeline reads its nodes, and code for tens of
+    thousands of unrolled nodes takes longer than everything else done here."""
+    graph = gm.graph
+    if _has_in_place_ops(graph) or _has_captured_spellings(graph):
+        graph = graph.__deepcopy__()  # node metas (fake values) are shared, not copied
+        float_inputs_as_tensors(graph)
+        fold_scalar_constants(graph)
+        unbind_as_selects(graph)
+        functionalize(graph)
+    merges = common_subexpressions(graph)
+    if graph is gm.graph:
+        if not merges:
+            return gm
+        graph = graph.__deepcopy__()
+        copies = dict(zip(gm.graph.nodes, graph.nodes))  # a copy keeps the order of the nodes
+        merges = {copies[node]: copies[earlier] for node, earlier in merges.items()}
+    _merge(graph, merges)
+    graph.lint()
+    collapsed = _LazyGraphModule(gm, graph)
+    collapsed.meta.update(gm.meta)
+    return collapsed
+
+
+def _has_captured_spellings(graph: fx.Graph) -> bool:
+    """Whether one of the rewrites of Dynamo's spellings below may have something to do."""
+    return any(n.op == "call_method" and n.target == "item" or n.op != "placeholder" and n.target in _UNBINDS
+               or n.op == "call_function" and n.target in _SCALAR_ARITHMETIC and not n.all_input_nodes
+               for n in graph.nodes)
 
 
 # arithmetic a Python float and a 0-d float64 tensor enter alike (ATen wraps a Python float as one)
@@ -246,15 +266,23 @@ def _storage(node: Any) -> StorageWeakRef | None:
         return None
 
 
-def functionalize(graph: fx.Graph) -> None:
-    """Replace each in-place op on a tensor that nothing else aliases by its out-of-place op.
+def _has_in_place_ops(graph: fx.Graph) -> bool:
+    return any(_out_of_place(n) is not None for n in graph.nodes)
+
+
+def functionalize(graph: fx.Graph) -> bool:
+    """Replace each in-place op on a tensor that nothing else aliases by its out-of-place op;
+    return whether any was replaced.
 
     A storage qualifies when exactly one node computes it (not a graph input or attribute,
     not a view of another node) and every other node holding it is an in-place op on it:
     then no view can observe the mutations, and reading each op's result wherever the
     tensor is read afterwards is exactly what the mutation did.
     """
+    if not _has_in_place_ops(graph):  # most graphs: no need to group every node by its storage
+        return False
     order = {n: i for i, n in enumerate(graph.nodes)}
+    changed = False
     groups: dict[StorageWeakRef, list[fx.Node]] = {}
     for node in graph.nodes:
         key = _storage(node)
@@ -266,6 +294,7 @@ def functionalize(graph: fx.Graph) -> None:
             continue
         if any(_out_of_place(n) is None or not n.args or n.args[0] not in members for n in mutations):
             continue
+        changed = True
         for node in mutations:  # in program order: each reads the previous one's result
             current = node.args[0]
             node.op, node.target = _out_of_place(node)
@@ -273,6 +302,7 @@ def functionalize(graph: fx.Graph) -> None:
             current.replace_all_uses_with(node, delete_user_cb=lambda u: order.get(u, -1) > position)
             if isinstance(node.target, torch._ops.OpOverload):
                 _refake(node)  # a fresh tensor now
+    return changed
 
 
 def _refake(node: fx.Node) -> None:
@@ -434,55 +464,73 @@ def _placed(graph: fx.Graph, x: fx.Node, term: str, order: str) -> fx.Node:
 # ---------------------------------------------------------------- common subexpressions
 
 def eliminate_common_subexpressions(graph: fx.Graph) -> None:
-    """Replace each pure call returning a tensor by an earlier identical call (same op, inputs, literals).
+    """Replace each pure call returning a tensor by an earlier identical call (see :func:`common_subexpressions`)."""
+    _merge(graph, common_subexpressions(graph))
 
-    Works on ATen graphs and on Dynamo's (``call_method``, Python operators, torch functions).
-    A call merges only with one made since the last in-place op (which may have changed its
-    inputs), never when its result is later mutated (the two would share one buffer), and two
-    graph outputs never merge into one (outputs must not alias each other)."""
+
+def common_subexpressions(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Each pure call returning a tensor that repeats an earlier identical call (same op, inputs,
+    literals), mapped to that earlier call; ``graph`` is left as it is.
+
+    One pass in program order, hashing each call by (op, target, inputs, literals), with the
+    inputs read through the merges already found. Works on ATen graphs and on Dynamo's
+    (``call_method``, Python operators, torch functions). A call merges only with one made since
+    the last in-place op (which may have changed its inputs), never when its result is later
+    mutated (the two would share one buffer), and two graph outputs never merge into one
+    (outputs must not alias each other). Whether a call is pure is decided once per op and
+    literals, not per node (a Dynamo-level call is traced to ATen to decide it)."""
     outputs = _output_nodes(graph)
     mutated = {_storage(a) for n in graph.nodes if mutates(n) for a in (n, *n.args[:1])} - {None}
+    merges: dict[fx.Node, fx.Node] = {}
     seen: dict[Any, fx.Node] = {}
-    purity: dict[Any, bool] = {}  # by op and literals: whether a call is pure does not depend on its inputs
+    purity: dict[Any, bool] = {}
     epoch = 0  # in-place ops so far
-    for node in list(graph.nodes):
+    for node in graph.nodes:
         if mutates(node):
             epoch += 1
             continue
         if node.op not in ("call_function", "call_method") or not isinstance(_val(node), torch.Tensor) \
-                or _storage(node) in mutated:
+                or mutated and _storage(node) in mutated:
             continue
         try:
-            key = (node.op, node.target, _key(node.args), _key(node.kwargs), epoch)
+            node_key = (node.op, node.target, _key(node.args, merges), _key(node.kwargs, merges), epoch)
         except TypeError:
             continue
-        earlier = seen.setdefault(key, node)
+        earlier = seen.setdefault(node_key, node)
         if earlier is node or node in outputs and earlier in outputs:
             continue
-        kind = (node.op, node.target, _key(fx.node.map_arg((node.args, node.kwargs), lambda _: _ANY_NODE)))
+        kind = (node.op, node.target, _key(fx.node.map_arg((node.args, node.kwargs), lambda _: _ANY_NODE), merges))
         if kind not in purity:
             purity[kind] = _pure(node)
         if purity[kind]:
             if node in outputs:
                 outputs.add(earlier)
-            node.replace_all_uses_with(earlier)
-            graph.erase_node(node)
+            merges[node] = earlier
+    return merges
+
+
+def _merge(graph: fx.Graph, merges: dict[fx.Node, fx.Node]) -> None:
+    """Replace each key of ``merges`` by its value, which comes earlier in ``graph``."""
+    for node, earlier in merges.items():
+        node.replace_all_uses_with(earlier)
+        graph.erase_node(node)
 
 
 _ANY_NODE = object()  # stands for every node argument when only a call's literals count
 
 
-def _key(value: Any) -> Any:
+def _key(value: Any, merges: dict[fx.Node, fx.Node]) -> Any:
+    """A hashable key equal for equal call arguments; a node stands for the node it was merged into."""
+    if isinstance(value, fx.Node):
+        return ("node", id(merges.get(value, value)))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_key(v, merges) for v in value))
     if value is _ANY_NODE:
         return ("any node",)
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_key(v) for v in value))
     if isinstance(value, dict):
-        return ("dict", tuple(sorted((k, _key(v)) for k, v in value.items())))
-    if isinstance(value, fx.Node):
-        return ("node", id(value))
+        return ("dict", tuple(sorted((k, _key(v, merges)) for k, v in value.items())))
     if isinstance(value, slice):  # Dynamo's x[:, t]
-        return ("slice", _key(value.start), _key(value.stop), _key(value.step))
+        return ("slice", _key(value.start, merges), _key(value.stop, merges), _key(value.step, merges))
     if value is Ellipsis:
         return ("Ellipsis",)
     if isinstance(value, float):  # 2.0 and 2 differ in type promotion; -0.0 and 0.0 in sign

@@ -305,3 +305,69 @@ def test_memory_step_spelled_with_einsum_is_fused_through_the_rolled_scan(fresh_
     assert report.count("memory_scan") == 1 and not report.misses, str(report)
     for a, b in zip(got, expected):
         assert_close("output", a, b, 1e-5)
+
+
+def rnn_input_first(x, h, W):
+    """The RNN step reading its per-step input first (a step of one starts at its first per-step slice)."""
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.tanh(x[:, t] + h @ W)
+        ys.append(h * 2)
+    return torch.stack(ys, dim=1), h
+
+
+def test_rnn_of_one_step_is_rolled_into_a_scan_of_one():
+    """``for t in range(1)`` leaves one copy of the step: the stack of its one output and the state read
+    after it (paired with the one input of its shape) still make it a loop."""
+    rolled = _check_rolled(rnn_input_first, torch.randn(3, 1, 5), torch.randn(3, 5), torch.randn(5, 5), steps=[1])
+    (scan,) = _scans(rolled.gm)
+    _, init, xs, invariants = scan.args
+    assert len(init) == 1 and len(xs) == 1 and len(invariants) == 1  # h; x_t; W
+
+
+def test_one_step_whose_carries_cannot_be_told_apart_stays_unrolled():
+    """With momentum the step reads two states of M's shape (M and S): which one M's next value
+    continues is not in the graph, so the step is left as written (and reported, below)."""
+    model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=2.0, momentum=0.5)
+    gm, _ = _dynamo_graph(model, torch.randn(2, 1, 8))
+    assert roll_loops(gm) is None
+
+
+def test_straight_line_code_is_not_a_loop_of_one():
+    """A stack of one output of a slice x[:, 0] of a size-1 dim, but no state carried through: not a loop."""
+    def fn(x, h):
+        return torch.stack([torch.tanh(x[:, 0])], 1), h * 2
+
+    gm, _ = _dynamo_graph(fn, torch.randn(3, 1, 4), torch.randn(3, 4))
+    assert roll_loops(gm) is None
+
+
+def test_one_token_memory_forward_is_fused_as_a_loop_of_one(fresh_dynamo):
+    """A one-token forward of the loop form is a memory_scan of one step: outputs and gradients match eager."""
+    torch.manual_seed(0)
+    model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=3.0, alpha=None, eta=None)
+    x = torch.randn(2, 1, 8, requires_grad=True)
+    expected = model(x)
+    expected_grads = torch.autograd.grad(expected[0].square().sum() + expected[1].sum(), [x, *model.parameters()])
+    got = torch.compile(model, backend="hecate", options={"fallback": "eager"})(x)
+    report = hecate.last_report()
+    (fusion,) = [f for f in report.fusions if f.pattern == "memory_scan"]
+    assert fusion.detail.endswith("loop rolled up 1 step"), fusion.detail
+    assert not report.misses, str(report)
+    grads = torch.autograd.grad(got[0].square().sum() + got[1].sum(), [x, *model.parameters()])
+    for name, a, b in zip(("out", "M"), got, expected):
+        assert_close(name, a, b, 1e-5)
+    for (name, _), a, b in zip([("x", x), *model.named_parameters()], grads, expected_grads):
+        assert_close(f"grad {name}", a, b, 1e-5)
+
+
+def test_one_token_memory_forward_with_momentum_is_reported_as_a_single_step(fresh_dynamo):
+    model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=2.0, momentum=0.5)
+    x = torch.randn(2, 1, 8)
+    got = torch.compile(model, backend="hecate", options={"fallback": "eager"})(x)
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 0
+    (miss,) = [m for m in report.misses if m.pattern == "memory_scan"]
+    assert "a single step" in miss.reason and "compiled as written" in miss.reason
+    for name, a, b in zip(("out", "M"), got, model(x)):
+        assert_close(name, a, b, 1e-6)

@@ -322,3 +322,50 @@ def _graph_inputs(gm, args):
             value = n.meta["example_value"]
             inputs.append(by_name[n.target] if n.target in by_name else int(value.node.hint))
     return inputs
+
+
+def repeated_chains(x):
+    """The same chain of four ops written 500 times, and a random draw written 500 times."""
+    kept = [((x + 1).sin() * 2).sum(0) for _ in range(500)]
+    drawn = [torch.rand_like(x) for _ in range(500)]
+    return torch.stack(kept), torch.stack(drawn)
+
+
+def test_cse_merges_every_repeated_chain_in_one_pass_and_no_random_draw():
+    """Each repeat merges into the first, a chain's later ops too (they read the merged nodes)."""
+    gm = _traced(repeated_chains, torch.randn(4, 3))
+    assert len(gm.graph.nodes) > 2500
+    eliminate_common_subexpressions(gm.graph)
+    gm.recompile()
+    targets = _targets(gm)
+    for op in (aten.add.Tensor, aten.sin.default, aten.mul.Tensor, aten.sum.dim_IntList):
+        assert targets.count(op) == 1, (op, targets.count(op))
+    assert targets.count(aten.rand_like.default) == 500
+    x = torch.randn(4, 3)
+    kept, _ = gm(x)
+    assert torch.equal(kept, repeated_chains(x)[0])
+
+
+def nothing_repeated(x, k):
+    return (k[:, 1].unsqueeze(-1) * x).sin()
+
+
+def test_dynamo_graph_with_nothing_to_change_is_not_copied():
+    gm = _dynamo_graph(nothing_repeated, torch.randn(3, 4), torch.randn(3, 2))
+    assert collapse_captured(gm) is gm
+
+
+def updated_in_place_then_read_twice(x):
+    h = x * 1.0
+    h.add_(1.0)
+    return h.sin() + h.sin()
+
+
+def test_dynamo_graph_updated_in_place_is_made_functional_and_merged_on_a_copy():
+    x = torch.randn(5)
+    gm = _dynamo_graph(updated_in_place_then_read_twice, x)
+    collapsed = collapse_captured(gm)
+    methods = lambda g: [n.target for n in g.graph.nodes if n.op == "call_method"]  # noqa: E731
+    assert "add_" not in methods(collapsed) and methods(collapsed).count("sin") == 1
+    assert "add_" in methods(gm) and methods(gm).count("sin") == 2  # Dynamo's graph is left as captured
+    assert torch.equal(collapsed(x)[0], gm(x)[0])
