@@ -503,7 +503,7 @@ def m_window_mask(mu, var):  # a local window: neither causal nor no-self
 @pytest.mark.parametrize("fn,extra,reason", [
     (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
-    (m_tensor_temperature, (torch.tensor(0.7),), "a tensor temperature"),
+    (m_tensor_temperature, (torch.tensor(0.7),), "a temperature held as a tensor"),
     (m_score_bias, (), "not a mask of 0 and −inf"),
     (m_window_mask, (), "none of: all keys, causal (j ≤ i), no self (j ≠ i)"),
 ], ids=lambda x: getattr(x, "__name__", None))
