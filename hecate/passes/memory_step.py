@@ -234,6 +234,7 @@ class Recurrence:
     normaliser_state: int | None = None
     per_step: dict[str, PerStep] = field(default_factory=dict)  # k, v, q [*lead, D]; alpha, eta [*lead]
     params: dict[str, float] = field(default_factory=dict)
+    read_before_update: bool = False  # y_t reads M_{t−1} (retrieve, then write) instead of M_t
 
     @property
     def name(self) -> str:
@@ -360,12 +361,16 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                 break
         if read:
             break
+    before = False
+    if read is None and q_norm == 2.0:  # retrieve, then write: y_t = M_{t−1}·q_t
+        read = _plain_read(b, b.env[M_in], lead, A, C)
+        before = read is not None
     if read is None:
-        raise NotFused("the per-step output is not the memory read y = M_new·q (nor y / (z·q + eps)) "
-                       "of the new state for any per-step input q")
+        raise NotFused("the per-step output is not the memory read y = M·q (nor y / (z·q + eps)) of the new "
+                       "or the old state for any per-step input q")
     layout, qn, z_index, norm_eps = read
     dv, dk = (A, C) if layout == "vk" else (C, A)
-    rec = Recurrence("lp", layout, lead, dv, dk, m, params={"q_norm": q_norm})
+    rec = Recurrence("lp", layout, lead, dv, dk, m, params={"q_norm": q_norm}, read_before_update=before)
     rec.per_step["q"] = PerStep(1.0, [qn])
     # M_out = Σ terms: a·M (retention), the update, and with momentum the new buffer S
     retention, update, momentum = None, [], None
@@ -417,6 +422,18 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                        ", which the memory step does not update")
     _verify(b, rec)
     return rec
+
+
+def _plain_read(b: _Body, W: torch.Tensor, lead: tuple, A: int, C: int) -> tuple | None:
+    """(layout, q, None, None) when the step's output is read(W, q) for a per-step q, else None."""
+    for layout, d_in, d_out in (("vk", C, A), ("kv", A, C)):
+        y_val = _as(b.env[b.ys[0]], lead + (d_out,))
+        if y_val is None:
+            continue
+        for qn in b.per_step_nodes(lead + (d_in,)):
+            if _close(y_val, _read(W, _as(b.env[qn], lead + (d_in,)), layout)):
+                return layout, qn, None, None
+    return None
 
 
 def _state_transform(b: _Body, m: int) -> tuple[float, float, fx.Node]:
@@ -641,7 +658,7 @@ def _verify(b: _Body, rec: Recurrence) -> None:
     expect = {}
     if rec.kind == "hebbian":
         M_new = alpha * M + v.unsqueeze(-1) * k.unsqueeze(-2)
-        y = M_new @ q.unsqueeze(-1)
+        y = (M if rec.read_before_update else M_new) @ q.unsqueeze(-1)
         y = y.squeeze(-1)
         if rec.normaliser_state is not None:
             z_in = _as(env[b.carries[rec.normaliser_state]], lead + (rec.dk,))
@@ -662,7 +679,7 @@ def _verify(b: _Body, rec: Recurrence) -> None:
             expect[b.carry_out[rec.momentum_state]] = S_new.transpose(-1, -2) if rec.layout == "kv" else S_new
         else:
             M_new = (1 - alpha) * M - eta * U
-        y = (_lq(M_new, qn, eps) @ q.unsqueeze(-1)).squeeze(-1)
+        y = (_lq(M if rec.read_before_update else M_new, qn, eps) @ q.unsqueeze(-1)).squeeze(-1)
     expect[b.carry_out[rec.state]] = M_new.transpose(-1, -2) if rec.layout == "kv" else M_new
     expect[b.ys[0]] = y
     for node, value in expect.items():
@@ -751,7 +768,8 @@ def describe(rec: Recurrence) -> str:
         what = "Hebbian M ← α M + v φ(k)ᵀ"
         if rec.normaliser_state is not None:
             what += ", normalised by z ← α z + φ(k)"
-        return what + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
+        return (what + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
+                + (", read before the update" if rec.read_before_update else ""))
     p = rec.params["p"]
     bias = {2.0: "l_2 bias p=2 (2e fast path)", 1.0: "l_1 bias p=1 (tanh fast path)"}.get(
         p, f"l_p bias p={p:g} (general form)")
@@ -763,7 +781,8 @@ def describe(rec: Recurrence) -> str:
         retention = f"GD with momentum β={rec.params['momentum']:g}"
     else:
         retention = "GD"
-    return f"{retention}, {bias}" + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
+    return (f"{retention}, {bias}" + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
+            + (", read before the update" if rec.read_before_update else ""))
 
 
 def _is_zeros(node: Any) -> bool:
@@ -868,6 +887,8 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
         if "M0" in initial:
             m0 = M0.transpose(-1, -2) if rec.layout == "kv" else M0
             m0 = m0.reshape(B, H, *m0.shape[-2:])
+        if rec.read_before_update:  # y_t = M_{t−1} q_t: the op's read after step t − 1 with the query of t
+            q_first, q = q[:, :1], torch.cat([q[:, 1:], torch.zeros_like(q[:, :1])], 1)
         if rec.kind == "lp":
             y, m, _ = torch.ops.hecate.memory_scan(k, v, q, bthd(x["alpha"]), bthd(x["eta"]), m0, None, p["p"],
                                                    p["a"], p["eps"], p.get("momentum", 0.0), p["q_norm"],
@@ -877,6 +898,10 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
             z0 = x["z0"].reshape(B, H, -1) if "z0" in initial else None
             y, m, z = torch.ops.hecate.linear_attention(k, v, q, bthd(x["alpha"]), m0, z0,
                                                         rec.normaliser_state is not None, p.get("eps", 1e-6), True)
+        if rec.read_before_update:  # y_0 = M0 q_0 (0 from zeros); the op's last read is of no step
+            first = (torch.zeros_like(y[:, :1]) if m0 is None
+                     else (m0.unsqueeze(1) @ q_first.unsqueeze(-1)).squeeze(-1).to(y.dtype))
+            y = torch.cat([first, y[:, :-1]], 1)
         results = []
         if "y" in reads:  # [B, T, H, Dv] → [T, *lead, Dv], with the size-1 dims the body's y has
             y = y.movedim(1, 0)

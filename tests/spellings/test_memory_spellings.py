@@ -140,6 +140,16 @@ def l2_unbind_zip(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_retrieve_then_write(k, v, q, alpha, eta):
+    """Read with the memory so far, then write (y_t = M_{t-1} q_t), from a memory that does not start at 0."""
+    M, ys = torch.full_like(_m0(k, v), 0.1), []
+    for t in range(k.shape[1]):
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * 2 * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+    return torch.stack(ys, dim=1), M
+
+
 def l2_single_head(k, v, q, alpha, eta):
     """One head: k, q [B, T, Dk], v [B, T, Dv], gates [B, T]."""
     k, v, q, alpha, eta = k[:, :, 0], v[:, :, 0], q[:, :, 0], alpha[:, :, 0], eta[:, :, 0]
@@ -255,6 +265,16 @@ def hebbian_reference(k, v, q, alpha, eta):
     return torch.stack(ys, dim=1), M
 
 
+def hebbian_read_before_write_kv(k, v, q, alpha, eta):
+    """Memory stored [Dk, Dv], read before the token is written into it."""
+    M = k.new_zeros(k.shape[0], k.shape[2], k.shape[3], v.shape[3])
+    ys = []
+    for t in range(k.shape[1]):
+        ys.append(torch.einsum("bhk,bhkv->bhv", q[:, t], M))
+        M = alpha[:, t, :, None, None] * M + k[:, t, :, :, None] * v[:, t, :, None, :]
+    return torch.stack(ys, 1), M
+
+
 def hebbian_einsum(k, v, q, alpha, eta):
     M, ys = _m0(k, v), []
     for t in range(k.shape[1]):
@@ -318,6 +338,7 @@ SPELLINGS = {
     "l2_matmul_mT_contiguous": (l2_matmul_mT_contiguous, "memory_scan"),
     "l2_single_head": (l2_single_head, "memory_scan"),
     "l2_unbind_zip": (l2_unbind_zip, "memory_scan"),
+    "l2_retrieve_then_write": (l2_retrieve_then_write, "memory_scan"),
     "l2_delta_rule_no_two": (l2_delta_rule_no_two, "memory_scan"),
     "l2_phi_and_gates_inside_the_loop": (l2_phi_and_gates_inside_the_loop, "memory_scan"),
     "l1_tanh": (l1_tanh, "memory_scan"),
@@ -328,6 +349,7 @@ SPELLINGS = {
     "huber": (huber, "memory_scan"),
     "hebbian_reference": (hebbian_reference, "linear_attention"),
     "hebbian_einsum": (hebbian_einsum, "linear_attention"),
+    "hebbian_read_before_write_kv": (hebbian_read_before_write_kv, "linear_attention"),
     "hebbian_key_value_layout_inplace": (hebbian_key_value_layout_inplace, "linear_attention"),
     "hebbian_float_decay_matmul_outer": (hebbian_float_decay_matmul_outer, "linear_attention"),
     "hebbian_normalised": (hebbian_normalised, "linear_attention"),
