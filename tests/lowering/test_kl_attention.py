@@ -72,6 +72,15 @@ def test_matches_reference_odd_shapes(path, causal, mask_diagonal):
     _check_against_reference(mu, var, rv, cv, 0.7, causal, mask_diagonal, path, 2e-5)
 
 
+@pytest.mark.parametrize("causal,mask_diagonal", MASKS)
+def test_cpu_path_over_several_row_blocks(causal, mask_diagonal):
+    """N = BLOCK_ROWS + 21: the op's CPU path runs two blocks of query rows, the second one short."""
+    from hecate.lowering.kl_attention.matmul_form import BLOCK_ROWS
+
+    mu, var, rv, cv = _inputs(2, BLOCK_ROWS + 21, 5, 3, 4)
+    _check_against_reference(mu, var, rv, cv, 0.7, causal, mask_diagonal, "cpu", 2e-5)
+
+
 @pytest.mark.parametrize("path", ["cpu", "triton"])
 @pytest.mark.parametrize("causal,mask_diagonal", MASKS)
 def test_single_position(path, causal, mask_diagonal):
