@@ -133,12 +133,11 @@ def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
 def row_blocks(n: int, causal: bool, rows: int | None = None) -> list[tuple[int, int, int]]:
     """(r0, r1, keys) per block of query rows: ``keys`` = the keys they may see (r1 when causal).
 
-    ``rows`` defaults to :data:`BLOCK_ROWS`; traced, one block of N rows.
+    ``rows`` defaults to :data:`BLOCK_ROWS`; traced, one block of N rows (N may be symbolic).
     """
     if _tracing():
-        rows = n
-    elif rows is None:
-        rows = BLOCK_ROWS
+        return [(0, n, n)]
+    rows = rows or BLOCK_ROWS
     return [(r0, min(n, r0 + rows), min(n, r0 + rows) if causal else n) for r0 in range(0, n, rows)]
 
 
