@@ -142,43 +142,44 @@ def row_blocks(n: int, causal: bool, rows: int | None = None) -> list[tuple[int,
     return [(r0, min(n, r0 + rows), min(n, r0 + rows) if causal else n) for r0 in range(0, n, rows)]
 
 
-def _t_matmul(x, y):
-    """xᵀ @ y for x [B, R, C], y [B, R, D], as (yᵀ @ x)ᵀ: the big matrix is never transposed."""
-    return (y.transpose(1, 2) @ x).transpose(1, 2)
-
-
 def forward(mu, var, row_values, col_values, kappa: float, causal: bool, mask_diagonal: bool,
             block_rows: int | None = None):
-    """The op's seven outputs in the matmul form (CPU path, and the ATen decomposition)."""
+    """The op's seven outputs in the matmul form (CPU path, and the ATen decomposition).
+
+    The column sums are formed transposed, [B, D, N] = Σ over blocks of (values)ᵀ [B, D, rows] @ β [B, rows, keys]:
+    the big matrix is never transposed, and each block's GEMM adds into the sums in place.
+    """
     qa, kb = kl_features(mu, var)
     dtype = softmax_dtype(mu.dtype)
     rv, cv = row_values.to(dtype), col_values.to(dtype)
-    dw = cv.shape[-1]
+    (b, n), dw = mu.shape[:2], cv.shape[-1]
 
     def block(r0, r1, keys):
-        """Rows r0..r1: (row_sum, row_kl_sum, energy, lse) for them, and their part of the three column sums
-        over keys 0..keys, as [col_sum, col_energy_sum] and col_kl_sum."""
+        """Rows r0..r1: (row_sum, row_kl_sum, energy, lse) for them, and the (left, right) factors of their
+        part of the transposed column sums over keys 0..keys, [col_sum, col_energy_sum] and col_kl_sum."""
         kl, beta, lse = _scores(qa[:, r0:r1], kb[:, :keys], r0, kappa, causal, mask_diagonal, dtype)
         beta_kl = beta * kl
         energy = beta_kl.sum(-1)
         w = cv[:, r0:r1]
-        return (beta @ rv[:, :keys], beta_kl @ rv[:, :keys], energy, lse,
-                _t_matmul(beta, torch.cat([w, energy.unsqueeze(-1) * w], -1)), _t_matmul(beta_kl, w))
+        return ((beta @ rv[:, :keys], beta_kl @ rv[:, :keys], energy, lse),
+                ((torch.cat([w, energy.unsqueeze(-1) * w], -1).transpose(1, 2), beta), (w.transpose(1, 2), beta_kl)))
 
-    blocks = row_blocks(mu.shape[1], causal, block_rows)
+    blocks = row_blocks(n, causal, block_rows)
     if len(blocks) == 1:
-        row, row_kl, energy, lse, col, col_kl = block(*blocks[0])
+        (row, row_kl, energy, lse), cols = block(*blocks[0])
+        col_t, col_kl_t = (left @ right for left, right in cols)
     else:
-        row, row_kl = (rv.new_empty(*rv.shape) for _ in range(2))
-        energy, lse = (rv.new_empty(*mu.shape[:2]) for _ in range(2))
-        col, col_kl = cv.new_zeros(*cv.shape[:2], 2 * dw), cv.new_zeros(*cv.shape)
+        row, row_kl = (rv.new_empty(rv.shape) for _ in range(2))
+        energy, lse = (rv.new_empty(b, n) for _ in range(2))
+        col_t, col_kl_t = cv.new_zeros(b, 2 * dw, n), cv.new_zeros(b, dw, n)
         for r0, r1, keys in blocks:
-            row[:, r0:r1], row_kl[:, r0:r1], energy[:, r0:r1], lse[:, r0:r1], c, c_kl = block(r0, r1, keys)
-            col[:, :keys] += c
-            col_kl[:, :keys] += c_kl
+            (row[:, r0:r1], row_kl[:, r0:r1], energy[:, r0:r1], lse[:, r0:r1]), cols = block(r0, r1, keys)
+            for total, (left, right) in zip((col_t, col_kl_t), cols):
+                total[..., :keys].baddbmm_(left, right)
     dt = mu.dtype
-    # contiguous copies: the column sums come transposed, and the halves of ``col`` must not alias (dw = 0)
+    # contiguous copies of the transposed sums (the halves of col_t must not alias, even when dw = 0)
     dense = dict(memory_format=torch.contiguous_format, copy=True)
+    col, col_kl = col_t.transpose(1, 2), col_kl_t.transpose(1, 2)
     return (row.to(dt), row_kl.to(dt), energy.to(dt), col[..., :dw].to(dt, **dense), col_kl.to(dt, **dense),
             col[..., dw:].to(dt, **dense), lse.to(dt))
 
@@ -206,9 +207,10 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
     direct_keys = torch.cat([rv, g_col_kl], -1).transpose(1, 2)
     p_keys = torch.cat([rv, g_col, g_col_energy], -1).transpose(1, 2)
     g_cols = torch.cat([g_col, g_col_energy], -1)
-    dw = cv.shape[-1]
-    grad_rv, grad_cv = torch.zeros_like(rv), torch.empty_like(cv)
-    grad_qa, grad_kb = torch.empty_like(qa), torch.zeros_like(kb)
+    (b, n), dw = mu.shape[:2], cv.shape[-1]
+    # the sums over query rows (dV, the keys' b') transposed, [B, D, N]: each block's GEMM adds in place
+    grad_rv_t, grad_kb_t = rv.new_zeros(b, rv.shape[-1], n), kb.new_zeros(b, kb.shape[-1], n)
+    grad_qa, grad_cv = torch.empty_like(qa), torch.empty_like(cv)
     for r0, r1, keys in row_blocks(mu.shape[1], causal, block_rows):
         kl, beta, _ = _scores(qa[:, r0:r1], kb[:, :keys], r0, kappa, causal, mask_diagonal, dtype)
         beta_kl = beta * kl
@@ -217,7 +219,8 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
         xy = beta @ g_cols[:, :keys]
         x, y = xy[..., :dw] + beta_kl @ g_col_kl[:, :keys], xy[..., dw:]
         g_e = g_energy[:, r0:r1, None] + (w * y).sum(-1, keepdim=True)
-        grad_rv[:, :keys] += _t_matmul(beta, g_row[:, r0:r1]) + _t_matmul(beta_kl, g_row_kl[:, r0:r1])
+        grad_rv_t[..., :keys].baddbmm_(g_row[:, r0:r1].transpose(1, 2), beta)
+        grad_rv_t[..., :keys].baddbmm_(g_row_kl[:, r0:r1].transpose(1, 2), beta_kl)
         direct = torch.baddbmm(g_e, torch.cat([g_row_kl[:, r0:r1], w], -1), direct_keys[..., :keys])
         grad_p = torch.cat([g_row[:, r0:r1], w, energy * w], -1) @ p_keys[..., :keys]
         grad_p.addcmul_(kl, direct)
@@ -226,10 +229,10 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
         grad_s = _fill(grad_p.sub_(shift).mul_(-1.0 / kappa).add_(direct).mul_(beta), r0,
                        masked_keys(r1 - r0, False, True, mu.device), 0.0).double()
         grad_qa[:, r0:r1] = grad_s @ kb[:, :keys]
-        grad_kb[:, :keys] += _t_matmul(grad_s, qa[:, r0:r1])
+        grad_kb_t[..., :keys].baddbmm_(qa[:, r0:r1].transpose(1, 2), grad_s)
         grad_cv[:, r0:r1] = x + energy * y
-    return _features_backward(mu, var, grad_qa, grad_kb) + (grad_rv.to(row_values.dtype),
-                                                            grad_cv.to(col_values.dtype))
+    grad_rv = grad_rv_t.transpose(1, 2).to(row_values.dtype, memory_format=torch.contiguous_format)
+    return _features_backward(mu, var, grad_qa, grad_kb_t.transpose(1, 2)) + (grad_rv, grad_cv.to(col_values.dtype))
 
 
 def _features_backward(mu, var, grad_qa, grad_kb):
