@@ -176,7 +176,7 @@ def main():
                         help="NxK cells where the Inductor-compiled training step is measured")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (default 1: on a shared machine OpenMP barriers make timings noise)")
-    parser.add_argument("--sizes", help="comma-separated NxK cells (default: N ∈ {256, 1024, 4096} × K ∈ {16, 64})")
+    parser.add_argument("--sizes", help="comma-separated NxK cells (default N ∈ {256, 1024, 4096} × K ∈ {16, 64})")
     parser.add_argument("--workloads", default="attention,train_step", help="comma-separated, of attention,train_step")
     parser.add_argument("--merge", action="store_true",
                         help="keep the cells already in the JSON file; a cell measured again has its "

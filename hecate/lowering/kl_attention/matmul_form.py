@@ -13,9 +13,9 @@ like the KL) run in float64. It stays within 10× of eager float32's own error f
 e^-7..e^7, 30σ spreads and κ = 1e-3 (tests/lowering/test_kl_attention.py).
 
 On the CPU path the query rows are processed in blocks of :data:`BLOCK_ROWS` rows, so that
-each [B, rows, N] tile stays in cache across its dozen passes (the softmax
-is per row; the column sums and key gradients accumulate over blocks), and a causal block
-stops at its last row's key. Traced (the decomposition, under fake or functional modes)
+each [B, rows, N] tile stays in cache across its dozen passes (the softmax is per row; the
+column sums and key gradients accumulate over blocks), and a causal block stops at its last
+row's key. Traced (the decomposition, under fake or functional modes)
 there is one block, N rows, and every op is functional. The Triton kernels compute the KL
 per pair per tile instead (elementwise work is cheap there).
 """
@@ -211,7 +211,7 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
     # the sums over query rows (dV, the keys' b') transposed, [B, D, N]: each block's GEMM adds in place
     grad_rv_t, grad_kb_t = rv.new_zeros(b, rv.shape[-1], n), kb.new_zeros(b, kb.shape[-1], n)
     grad_qa, grad_cv = torch.empty_like(qa), torch.empty_like(cv)
-    for r0, r1, keys in row_blocks(mu.shape[1], causal, block_rows):
+    for r0, r1, keys in row_blocks(n, causal, block_rows):
         kl, beta, _ = _scores(qa[:, r0:r1], kb[:, :keys], r0, kappa, causal, mask_diagonal, dtype)
         beta_kl = beta * kl
         energy = beta_kl.sum(-1, keepdim=True)
