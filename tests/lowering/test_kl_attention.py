@@ -279,7 +279,8 @@ def test_float64_is_computed_in_float64(path):
 @pytest.mark.parametrize("causal,mask_diagonal", MASKS)
 def test_row_blocks_equal_one_block(causal, mask_diagonal, dv, dw, dtype, tol):
     """The CPU path's blocks of 16 query rows (N = 37: blocks of 16, 16, 5) give what one block of N rows
-    gives, forward and every gradient, within `tol` relative (the sums over blocks only reorder roundings)."""
+    gives, forward and every gradient, within `tol` relative (the sums over blocks only reorder roundings),
+    contiguous as the fake kernels promise (the column sums are formed transposed)."""
     from hecate.lowering.kl_attention import matmul_form
 
     mu, var, rv, cv = (t.detach() for t in _inputs(2, 37, 3, dv, dw, dtype=dtype))
@@ -288,12 +289,12 @@ def test_row_blocks_equal_one_block(causal, mask_diagonal, dv, dw, dtype, tol):
     one = matmul_form.forward(mu, var, rv, cv, kappa, causal, mask_diagonal, block_rows=37)
     blocked = matmul_form.forward(mu, var, rv, cv, kappa, causal, mask_diagonal, block_rows=16)
     for name, b, o in zip(OUTPUT_NAMES, blocked, one):
-        assert b.shape == o.shape and b.dtype == o.dtype, name
+        assert b.shape == o.shape and b.dtype == o.dtype and b.is_contiguous() and o.is_contiguous(), name
         assert_close_nonfinite(name, b, o, tol)  # lse: −inf on row 0 when causal and diagonal-masked
     grads = [torch.randn(o.shape, dtype=dtype) for o in one]
     one = matmul_form.backward(mu, var, rv, cv, grads, kappa, causal, mask_diagonal, block_rows=37)
     blocked = matmul_form.backward(mu, var, rv, cv, grads, kappa, causal, mask_diagonal, block_rows=16)
     for name, b, o in zip(("d mu", "d var", "d row_values", "d col_values"), blocked, one):
-        assert b.shape == o.shape and b.dtype == o.dtype, name
+        assert b.shape == o.shape and b.dtype == o.dtype and b.is_contiguous() and o.is_contiguous(), name
         if o.numel():
             assert_close(name, b, o, tol)

@@ -231,8 +231,8 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
         grad_qa[:, r0:r1] = grad_s @ kb[:, :keys]
         grad_kb_t[..., :keys].baddbmm_(qa[:, r0:r1].transpose(1, 2), grad_s)
         grad_cv[:, r0:r1] = x + energy * y
-    grad_rv = grad_rv_t.transpose(1, 2).to(row_values.dtype, memory_format=torch.contiguous_format)
-    return _features_backward(mu, var, grad_qa, grad_kb_t.transpose(1, 2)) + (grad_rv, grad_cv.to(col_values.dtype))
+    return _features_backward(mu, var, grad_qa, grad_kb_t.transpose(1, 2)) + (
+        grad_rv_t.transpose(1, 2).to(row_values.dtype).contiguous(), grad_cv.to(col_values.dtype).contiguous())
 
 
 def _features_backward(mu, var, grad_qa, grad_kb):
@@ -241,4 +241,4 @@ def _features_backward(mu, var, grad_qa, grad_kb):
     muc, v = center(mu.double(), dim=1), var.double()
     gq_mu, gq_var = query_features_backward(muc, v, grad_qa[..., :2 * k], grad_qa[..., 2 * k])
     gk_mu, gk_var = key_features_backward(muc, v, grad_kb[..., :2 * k], grad_kb[..., 2 * k + 1])
-    return (gq_mu + gk_mu).to(mu.dtype), (gq_var + gk_var).to(var.dtype)
+    return (gq_mu + gk_mu).to(mu.dtype).contiguous(), (gq_var + gk_var).to(var.dtype).contiguous()
