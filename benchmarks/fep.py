@@ -24,11 +24,13 @@ memory exceeds ``--max-gib`` is skipped and the reason written to the JSON. Time
 medians in ms; memory is the CUDA peak on a GPU (None on CPU).
 
     PYTHONPATH=. python3 benchmarks/fep.py [--quick] [--device cpu|cuda]
+    PYTHONPATH=. python3 benchmarks/fep.py --workloads attention --sizes 1024x16,4096x16 --merge
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -107,7 +109,7 @@ COMPILE_SKIP = ("the Inductor compile of the unrolled training graph takes minut
 
 
 def _run_impls(workload, fn, args, n, k, device, impls, max_gib, repeat, extra=None, model=None, step=None):
-    cell = {"workload": workload, "N": n, "K": k, "B": 1}
+    cell = {"workload": workload, "N": n, "K": k, "B": 1, "date": time.strftime("%Y-%m-%d %H:%M")}
     need = _estimate_gib(workload, 1, n, k)
     for impl in impls:
         if impl in ("eager", "inductor") and need > max_gib:
@@ -149,6 +151,19 @@ def _run_impls(workload, fn, args, n, k, device, impls, max_gib, repeat, extra=N
     return cell
 
 
+def _key(cell):
+    return cell["workload"], cell["N"], cell["K"]
+
+
+def _merge(old_cells, new_cells):
+    """The old cells with the new ones' implementations replacing theirs (new cells added), in the default order."""
+    merged = {_key(c): dict(c) for c in old_cells}
+    for cell in new_cells:
+        merged.setdefault(_key(cell), {}).update(cell)
+    order = {w: i for i, w in enumerate(BROADCAST_LIVE)}
+    return sorted(merged.values(), key=lambda c: (c["K"], c["N"], order[c["workload"]]))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes only (N ∈ {64, 256}, K = 16)")
@@ -161,19 +176,38 @@ def main():
                         help="NxK cells where the Inductor-compiled training step is measured")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (default 1: on a shared machine OpenMP barriers make timings noise)")
+    parser.add_argument("--sizes", help="comma-separated NxK cells (default N ∈ {256, 1024, 4096} × K ∈ {16, 64})")
+    parser.add_argument("--workloads", default="attention,train_step", help="comma-separated, of attention,train_step")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the cells already in the JSON file; a cell measured again has its "
+                             "implementations replaced by the new ones")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    sizes = [(64, 16), (256, 16)] if args.quick else [(n, k) for k in (16, 64) for n in (256, 1024, 4096)]
+    if args.sizes:
+        sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
+    else:
+        sizes = [(64, 16), (256, 16)] if args.quick else [(n, k) for k in (16, 64) for n in (256, 1024, 4096)]
+    workloads = args.workloads.split(",")
+    unknown = set(workloads) - set(BROADCAST_LIVE)
+    if unknown:
+        parser.error(f"--workloads: unknown {sorted(unknown)}, expected some of {sorted(BROADCAST_LIVE)}")
     impls = args.impls.split(",")
     compiled_train = {tuple(int(x) for x in s.split("x")) for s in args.compiled_train_sizes.split(",") if s}
     cells = []
     for n, k in tqdm(sizes, desc="N, K", disable=args.no_progress, dynamic_ncols=True):
-        cells.append(bench_attention(n, k, args.device, impls, args.max_gib, args.repeat))
-        train_impls = [i if i == "eager" or (n, k) in compiled_train or args.device == "cuda"
-                       else (i, COMPILE_SKIP) for i in impls] + ["hecate_eager"]
-        cells.append(bench_train_step(n, k, args.device, train_impls, args.max_gib, args.repeat))
+        if "attention" in workloads:
+            cells.append(bench_attention(n, k, args.device, impls, args.max_gib, args.repeat))
+        if "train_step" in workloads:
+            train_impls = [i if i == "eager" or (n, k) in compiled_train or args.device == "cuda"
+                           else (i, COMPILE_SKIP) for i in impls] + ["hecate_eager"]
+            cells.append(bench_train_step(n, k, args.device, train_impls, args.max_gib, args.repeat))
+    name = "fep"
+    json_path = result_path(name, args.device, "json", args.quick)
+    if args.merge and os.path.exists(json_path):
+        with open(json_path) as f:
+            cells = _merge(json.load(f)["cells"], cells)
     for cell in cells:
         base = cell.get("eager", {}).get("ms")
         for impl in ("inductor", "hecate", "hecate_eager", "sdpa"):
@@ -181,14 +215,15 @@ def main():
                 cell[impl]["speedup_vs_eager"] = base / cell[impl]["ms"]
         if "sdpa" in cell and "ms" in cell.get("hecate", {}):
             cell["hecate"]["ratio_to_sdpa"] = cell["hecate"]["ms"] / cell["sdpa"]["ms"]
-    name = "fep"
     path = write_json(name, args.device, {
         "workloads": {"attention": bench_attention.__doc__ or "one Q-flow step's attention + alignment gradient",
                       "train_step": "forward + backward, 1 layer, 2 Q-flow steps, V = 64, B = 1"},
         "notes": "CPU: hecate's kl_attention runs its matmul-form CPU path ([B,N,N] scores, no [B,N,N,K]); "
-                 "the rest of the graph goes to Inductor. Memory only measured on CUDA.",
+                 "the rest of the graph goes to Inductor. Memory only measured on CUDA. A cell's date is "
+                 "when it was measured (--merge keeps the cells not measured again; older cells have none).",
         "cells": cells}, quick=args.quick)
-    series = {impl: [] for impl in impls + ["hecate_eager", "sdpa"]}
+    series = {impl: [] for impl in ("eager", "inductor", "hecate", "hecate_eager", "sdpa")
+              if any(impl in cell for cell in cells)}
     labels = []
     for cell in cells:
         labels.append(f"{cell['workload']} N={cell['N']} K={cell['K']}")

@@ -10,7 +10,7 @@ DESIGN fact "Pairwise KL is a dot product"::
 
 The expansion subtracts terms of size μ²/v: callers shift the means first (KL is
 shift-invariant) and compute KL values that are read whole per pair instead
-(``kl_attention/matmul_form.pairwise_kl``).
+(``kl_attention/matmul_form.kl_features``).
 """
 
 from __future__ import annotations

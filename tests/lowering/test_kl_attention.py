@@ -11,7 +11,7 @@ import hecate.lowering  # noqa: F401
 from hecate.lowering.dispatch import triton_on_cpu
 from hecate.lowering.kl_attention.naive import kl_attention_naive
 from hecate.lowering.kl_attention.op import OUTPUT_NAMES
-from hecate.testing import assert_close, rel_err
+from hecate.testing import assert_close, assert_close_nonfinite, rel_err
 
 OP = torch.ops.hecate.kl_attention
 
@@ -70,6 +70,15 @@ def _check_against_reference(mu, var, rv, cv, kappa, causal, mask_diagonal, path
 def test_matches_reference_odd_shapes(path, causal, mask_diagonal):
     mu, var, rv, cv = _inputs(2, 19, 5, 3, 4)  # N not a multiple of the tile, 2K = 10 not a power of two
     _check_against_reference(mu, var, rv, cv, 0.7, causal, mask_diagonal, path, 2e-5)
+
+
+@pytest.mark.parametrize("causal,mask_diagonal", MASKS)
+def test_cpu_path_over_several_row_blocks(causal, mask_diagonal):
+    """N = BLOCK_ROWS + 21: the op's CPU path runs two blocks of query rows, the second one short."""
+    from hecate.lowering.kl_attention.matmul_form import BLOCK_ROWS
+
+    mu, var, rv, cv = _inputs(2, BLOCK_ROWS + 21, 5, 3, 4)
+    _check_against_reference(mu, var, rv, cv, 0.7, causal, mask_diagonal, "cpu", 2e-5)
 
 
 @pytest.mark.parametrize("path", ["cpu", "triton"])
@@ -263,3 +272,29 @@ def test_float64_is_computed_in_float64(path):
     for name, g, r in zip(OUTPUT_NAMES[:6], got, ref):
         assert g.dtype == torch.float64
         assert_close(name, g, r, 1e-12)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
+@pytest.mark.parametrize("dv,dw", [(3, 4), (0, 2), (2, 0)])
+@pytest.mark.parametrize("causal,mask_diagonal", MASKS)
+def test_row_blocks_equal_one_block(causal, mask_diagonal, dv, dw, dtype, tol):
+    """The CPU path's blocks of 16 query rows (N = 37: blocks of 16, 16, 5) give what one block of N rows
+    gives, forward and every gradient, within `tol` relative (the sums over blocks only reorder roundings),
+    contiguous as the fake kernels promise (the column sums are formed transposed)."""
+    from hecate.lowering.kl_attention import matmul_form
+
+    mu, var, rv, cv = (t.detach() for t in _inputs(2, 37, 3, dv, dw, dtype=dtype))
+    kappa = 0.6
+    assert len(matmul_form.row_blocks(37, causal, 16)) == 3
+    one = matmul_form.forward(mu, var, rv, cv, kappa, causal, mask_diagonal, block_rows=37)
+    blocked = matmul_form.forward(mu, var, rv, cv, kappa, causal, mask_diagonal, block_rows=16)
+    for name, b, o in zip(OUTPUT_NAMES, blocked, one):
+        assert b.shape == o.shape and b.dtype == o.dtype and b.is_contiguous() and o.is_contiguous(), name
+        assert_close_nonfinite(name, b, o, tol)  # lse: −inf on row 0 when causal and diagonal-masked
+    grads = [torch.randn(o.shape, dtype=dtype) for o in one]
+    one = matmul_form.backward(mu, var, rv, cv, grads, kappa, causal, mask_diagonal, block_rows=37)
+    blocked = matmul_form.backward(mu, var, rv, cv, grads, kappa, causal, mask_diagonal, block_rows=16)
+    for name, b, o in zip(("d mu", "d var", "d row_values", "d col_values"), blocked, one):
+        assert b.shape == o.shape and b.dtype == o.dtype and b.is_contiguous() and o.is_contiguous(), name
+        if o.numel():
+            assert_close(name, b, o, tol)

@@ -1,15 +1,23 @@
-"""The op's CPU path (and its ATen decomposition), with [B, N, N] scores and matmuls.
+"""The op's CPU path (and its ATen decomposition): scores and matmuls, one block of query rows at a time.
 
 KL is a dot product, c_i + a_i·b_j + d_j (:mod:`hecate.lowering.gaussian_features`), one
 GEMM; but it subtracts terms of size μ²/v: with variances spanning e^±7 or means spread
 over tens of σ, in float32 the KL of near pairs (which carry the softmax's weight, amplified
-by 1/κ) loses every digit, and KL_ii is not 0. So the CPU path forms it in float64 over
-centred means (KL is shift-invariant, so the gradient with respect to the centred means is
-the gradient with respect to the means) and sets KL_ii = 0 and its gradient exactly
-(:func:`pairwise_kl`, :func:`_scores_backward`); then it stays within 10× of eager float32's
-own error for variances e^-7..e^7, 30σ spreads and κ = 1e-3 (tests/lowering/test_kl_attention.py),
-at about twice the float32 time. The Triton kernels compute the KL per pair per tile instead
-(elementwise work is cheap there).
+by 1/κ) loses every digit, and KL_ii is not 0. So the KL is formed in float64 over centred
+means (KL is shift-invariant, so the gradient with respect to the centred means is the
+gradient with respect to the means) and KL_ii set to 0 exactly. Once formed, the KL is read
+whole per pair: the softmax, β·KL and the β-weighted sums run in the input's precision
+(float32 at least, as eager's softmax does). The backward forms dKL in that precision too,
+and only the GEMMs that take it back through the dot form (dKL @ b, dKLᵀ @ a, which cancel
+like the KL) run in float64. It stays within 10× of eager float32's own error for variances
+e^-7..e^7, 30σ spreads and κ = 1e-3 (tests/lowering/test_kl_attention.py).
+
+On the CPU path the query rows are processed in blocks of :data:`BLOCK_ROWS` rows, so that
+each [B, rows, N] tile stays in cache across its dozen passes (the softmax is per row; the
+column sums and key gradients accumulate over blocks), and a causal block stops at its last
+row's key. Traced (the decomposition, under fake or functional modes)
+there is one block, N rows, and every op is functional. The Triton kernels compute the KL
+per pair per tile instead (elementwise work is cheap there).
 """
 
 from __future__ import annotations
@@ -19,11 +27,20 @@ import torch
 from hecate.lowering.gaussian_features import (center, key_features, key_features_backward, query_features,
                                                query_features_backward)
 
+# query rows per block on the CPU path: fewer pay the per-op overhead more often, more leave the
+# cache (1 thread: at N = 1024 fastest of 16..256 and 1.8× faster than one block, forward and
+# backward; at N = 4096 as fast as 64 or 256)
+BLOCK_ROWS = 128
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The CPU path computes in float64 whatever the input: the softmax's gradient is amplified by
-    1/κ (κ down to 1e-3), and its float32 rounding would then exceed eager's own error."""
-    return torch.float64
+
+def _tracing() -> bool:
+    """Under a dispatch mode (fake / functional / proxy tracing for export): stay functional."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
+def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Everything after the KL: the input's precision, float32 at least."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 _MASKS: dict = {}
@@ -37,7 +54,7 @@ def masked_keys(n: int, causal: bool, mask_diagonal: bool, device) -> torch.Tens
     if not causal and not mask_diagonal:
         return None
     key = (n, causal, mask_diagonal, str(device))
-    tracing = torch._C._len_torch_dispatch_stack() > 0
+    tracing = _tracing()
     if tracing or key not in _MASKS:
         i = torch.arange(n, device=device)
         j, i = i.unsqueeze(0), i.unsqueeze(1)
@@ -53,41 +70,54 @@ def masked_keys(n: int, causal: bool, mask_diagonal: bool, device) -> torch.Tens
     return _MASKS[key]
 
 
-def pairwise_kl(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-    """KL(q_i ‖ q_j) [B, N, N]: the dot form over centred means in float64, KL_ii = 0 exactly."""
+def kl_features(mu: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a', b') float64 [B, N, 2K+2] over centred means, KL_ij = a'_i · b'_j: a' = [a, c, 1], b' = [b, 1, d].
+
+    c and d ride in the GEMM (no [B, N, N] broadcast add), and its transposes give their gradients,
+    the row and column sums of dKL, as columns 2K and 2K+1.
+    """
     muc, v = center(mu.double(), dim=1), var.double()
     a, c = query_features(muc, v)
     b, d = key_features(muc, v)
-    return _zero_diagonal(torch.baddbmm(c.unsqueeze(-1) + d.unsqueeze(-2), a, b.transpose(1, 2)))
+    one = torch.ones_like(c).unsqueeze(-1)
+    return torch.cat([a, c.unsqueeze(-1), one], -1), torch.cat([b, one, d.unsqueeze(-1)], -1)
 
 
-def _zero_diagonal(x: torch.Tensor) -> torch.Tensor:
-    """KL_ii is 0 whatever q_i: set it (and its gradient) exactly, where the dot form leaves rounding."""
-    return x.masked_fill(torch.eye(x.shape[1], dtype=torch.bool, device=x.device), 0.0)
+def _fill(x: torch.Tensor, r0: int, mask: torch.Tensor, value: float) -> torch.Tensor:
+    """x [B, R, C] (query rows r0.., keys 0..) with ``value`` where ``mask`` [R, R] says, on keys r0..r0+R.
+
+    A block's masked pairs (j > i, j = i) all lie in that square, and its mask is the [R, R] one
+    whatever r0. In place on the CPU path; traced there is one block (r0 = 0, R = C = N).
+    """
+    if _tracing():
+        return x.masked_fill(mask, value)
+    x[:, :, r0:r0 + mask.shape[0]].masked_fill_(mask, value)
+    return x
 
 
-def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
-    """(KL [B,N,N], β [B,N,N] with 0 at masked pairs, lse [B,N]).
+def _scores(qa, kb, r0: int, kappa: float, causal: bool, mask_diagonal: bool, dtype):
+    """(KL, β, lse) of the query rows r0.. with features ``qa`` [B, R, F] against the keys ``kb`` [B, C, F].
 
-    KL is 0 at masked pairs (every use multiplies it by β, which is 0 there).
+    KL is formed in float64 with KL_ii = 0 exactly, then cast to ``dtype``; it is 0 at masked
+    pairs (every use multiplies it by β, which is 0 there, even for a NaN or infinite belief).
     One pass of exp: β = exp(l − m) / Σ, lse = m + log Σ (m = 0 on a row with no key, so
     its β is exp(−inf) = 0 and its lse is log 0 = −inf).
     """
-    ct = compute_dtype(mu.dtype)
-    kl = pairwise_kl(mu, var).to(ct)
+    rows = qa.shape[1]
+    kl = _fill(torch.bmm(qa, kb.transpose(1, 2)), r0, masked_keys(rows, False, True, qa.device), 0.0).to(dtype)
     logits = kl * (-1.0 / kappa)
-    masked = masked_keys(mu.shape[1], causal, mask_diagonal, mu.device)
+    masked = masked_keys(rows, causal, mask_diagonal, qa.device)
     if masked is not None:
-        logits = logits.masked_fill(masked, float("-inf"))
-        kl = kl.masked_fill(masked, 0.0)  # β is 0 there: 0, not β·KL, even for a NaN or infinite belief
+        logits = _fill(logits, r0, masked, float("-inf"))
+        kl = _fill(kl, r0, masked, 0.0)
     m = logits.amax(-1, keepdim=True)
     if masked is not None:
         m = m.masked_fill(torch.isinf(m), 0.0)
-    if torch._C._len_torch_dispatch_stack() > 0:  # traced (decomposition for export): stay functional
+    if _tracing():
         p = torch.exp(logits - m)
         total = p.sum(-1, keepdim=True)
         beta = p / total.clamp_min(torch.finfo(p.dtype).tiny)
-    else:  # the CPU path: reuse the [B, N, N] buffer
+    else:  # reuse the tile's buffer
         p = torch.exp_(logits.sub_(m))
         total = p.sum(-1, keepdim=True)
         beta = p.div_(total.clamp_min(torch.finfo(p.dtype).tiny))
@@ -95,24 +125,67 @@ def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
     return kl, beta, lse
 
 
-def _t_matmul(x, y):
-    """xᵀ @ y for x [B, N, N], y [B, N, D], as (yᵀ @ x)ᵀ: the big matrix is never transposed."""
-    return (y.transpose(1, 2) @ x).transpose(1, 2)
+def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
+    """(KL [B,N,N], β [B,N,N] with 0 at masked pairs, lse [B,N]) in :func:`softmax_dtype`, all rows at once."""
+    qa, kb = kl_features(mu, var)
+    return _scores(qa, kb, 0, kappa, causal, mask_diagonal, softmax_dtype(mu.dtype))
 
 
-def forward(mu, var, row_values, col_values, kappa: float, causal: bool, mask_diagonal: bool):
-    """The op's seven outputs in the matmul form (CPU path, and the ATen decomposition)."""
-    kl, beta, lse = scores_and_beta(mu, var, kappa, causal, mask_diagonal)
-    beta_kl = beta * kl
-    energy = beta_kl.sum(-1)
-    rv, cv = row_values.to(kl.dtype), col_values.to(kl.dtype)
+def row_blocks(n: int, causal: bool, rows: int | None = None) -> list[tuple[int, int, int]]:
+    """(r0, r1, keys) per block of query rows: ``keys`` = the keys they may see (r1 when causal).
+
+    ``rows`` defaults to :data:`BLOCK_ROWS`; traced, one block of N rows (N may be symbolic).
+    """
+    if _tracing():
+        return [(0, n, n)]
+    rows = rows or BLOCK_ROWS
+    return [(r0, min(n, r0 + rows), min(n, r0 + rows) if causal else n) for r0 in range(0, n, rows)]
+
+
+def forward(mu, var, row_values, col_values, kappa: float, causal: bool, mask_diagonal: bool,
+            block_rows: int | None = None):
+    """The op's seven outputs in the matmul form (CPU path, and the ATen decomposition).
+
+    The column sums are formed transposed, [B, D, N] = Σ over blocks of (values)ᵀ [B, D, rows] @ β [B, rows, keys]:
+    the big matrix is never transposed, and each block's GEMM adds into the sums in place.
+    """
+    qa, kb = kl_features(mu, var)
+    dtype = softmax_dtype(mu.dtype)
+    rv, cv = row_values.to(dtype), col_values.to(dtype)
+    (b, n), dw = mu.shape[:2], cv.shape[-1]
+
+    def block(r0, r1, keys):
+        """Rows r0..r1: (row_sum, row_kl_sum, energy, lse) for them, and the (left, right) factors of their
+        part of the transposed column sums over keys 0..keys, [col_sum, col_energy_sum] and col_kl_sum."""
+        kl, beta, lse = _scores(qa[:, r0:r1], kb[:, :keys], r0, kappa, causal, mask_diagonal, dtype)
+        beta_kl = beta * kl
+        energy = beta_kl.sum(-1)
+        w = cv[:, r0:r1]
+        return ((beta @ rv[:, :keys], beta_kl @ rv[:, :keys], energy, lse),
+                ((torch.cat([w, energy.unsqueeze(-1) * w], -1).transpose(1, 2), beta), (w.transpose(1, 2), beta_kl)))
+
+    blocks = row_blocks(n, causal, block_rows)
+    if len(blocks) == 1:
+        (row, row_kl, energy, lse), cols = block(*blocks[0])
+        col_t, col_kl_t = (left @ right for left, right in cols)
+    else:
+        row, row_kl = (rv.new_empty(rv.shape) for _ in range(2))
+        energy, lse = (rv.new_empty(b, n) for _ in range(2))
+        col_t, col_kl_t = cv.new_zeros(b, 2 * dw, n), cv.new_zeros(b, dw, n)
+        for r0, r1, keys in blocks:
+            (row[:, r0:r1], row_kl[:, r0:r1], energy[:, r0:r1], lse[:, r0:r1]), cols = block(r0, r1, keys)
+            for total, (left, right) in zip((col_t, col_kl_t), cols):
+                total[..., :keys].baddbmm_(left, right)
     dt = mu.dtype
-    return ((beta @ rv).to(dt), (beta_kl @ rv).to(dt), energy.to(dt), _t_matmul(beta, cv).to(dt).contiguous(),
-            _t_matmul(beta_kl, cv).to(dt).contiguous(),
-            _t_matmul(beta, energy.unsqueeze(-1) * cv).to(dt).contiguous(), lse.to(dt))
+    # contiguous copies of the transposed sums (the halves of col_t must not alias, even when dw = 0)
+    dense = dict(memory_format=torch.contiguous_format, copy=True)
+    col, col_kl = col_t.transpose(1, 2), col_kl_t.transpose(1, 2)
+    return (row.to(dt), row_kl.to(dt), energy.to(dt), col[..., :dw].to(dt, **dense), col_kl.to(dt, **dense),
+            col[..., dw:].to(dt, **dense), lse.to(dt))
 
 
-def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool, mask_diagonal: bool):
+def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool, mask_diagonal: bool,
+             block_rows: int | None = None):
     """(dμ, dv, d row_values, d col_values) given the gradients of the seven outputs.
 
     With P = β, S = KL, E = rowsum(P∘S), the outputs are O1 = P V, O2 = (P∘S) V, E,
@@ -121,36 +194,51 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
 
         dP_ij = dO1_i·V_j + S_ij (dO2_i·V_j + dE'_i) + W_i·dO3_j + S_ij W_i·dO4_j + E_i W_i·dO5_j
         dS_ij = P_ij (dO2_i·V_j + dE'_i + W_i·dO4_j − dlse_i/κ) − P_ij (dP_ij − D_i) / κ
-        D_i   = Σ_j P_ij dP_ij = dO1_i·O1_i + dO2_i·O2_i + dE'_i E_i + W_i·X_i + E_i W_i·Y_i
+        D_i   = Σ_j P_ij dP_ij
         dV    = Pᵀ dO1 + (P∘S)ᵀ dO2,      dW = X + E⊙Y,   X = P dO3 + (P∘S) dO4
+
+    Every term is per query row but dV and the key side of dS's GEMM, which add up over the blocks.
     """
-    kl, beta, _ = scores_and_beta(mu, var, kappa, causal, mask_diagonal)
-    g_row, g_row_kl, g_energy, g_col, g_col_kl, g_col_energy, g_lse = (g.to(kl.dtype) for g in grads)
-    rv, cv = row_values.to(kl.dtype), col_values.to(kl.dtype)
-    beta_kl = beta * kl
-    energy = beta_kl.sum(-1, keepdim=True)
-    x = beta @ g_col + beta_kl @ g_col_kl
-    y = beta @ g_col_energy
-    g_energy = g_energy.unsqueeze(-1) + (cv * y).sum(-1, keepdim=True)
-    grad_rv = _t_matmul(beta, g_row) + _t_matmul(beta_kl, g_row_kl)
-    direct = g_row_kl @ rv.transpose(1, 2) + g_energy + cv @ g_col_kl.transpose(1, 2)  # ∂/∂S at fixed P
-    grad_p = (g_row @ rv.transpose(1, 2) + kl * direct + cv @ g_col.transpose(1, 2)
-              + (energy * cv) @ g_col_energy.transpose(1, 2))
-    row_dot = (beta * grad_p).sum(-1, keepdim=True)
-    grad_s = beta * (direct - g_lse.unsqueeze(-1) / kappa) - beta * (grad_p - row_dot) / kappa
-    grad_cv = x + energy * y
-    return _scores_backward(mu, var, grad_s) + (grad_rv.to(row_values.dtype).contiguous(),
-                                                grad_cv.to(col_values.dtype).contiguous())
+    qa, kb = kl_features(mu, var)
+    dtype = softmax_dtype(mu.dtype)
+    g_row, g_row_kl, g_energy, g_col, g_col_kl, g_col_energy, g_lse = (g.to(dtype) for g in grads)
+    rv, cv = row_values.to(dtype), col_values.to(dtype)
+    # the key-side factors of the two [rows, keys] GEMMs of dP's terms: direct (∂/∂S at fixed P) and the rest
+    direct_keys = torch.cat([rv, g_col_kl], -1).transpose(1, 2)
+    p_keys = torch.cat([rv, g_col, g_col_energy], -1).transpose(1, 2)
+    g_cols = torch.cat([g_col, g_col_energy], -1)
+    (b, n), dw = mu.shape[:2], cv.shape[-1]
+    # the sums over query rows (dV, the keys' b') transposed, [B, D, N]: each block's GEMM adds in place
+    grad_rv_t, grad_kb_t = rv.new_zeros(b, rv.shape[-1], n), kb.new_zeros(b, kb.shape[-1], n)
+    grad_qa, grad_cv = torch.empty_like(qa), torch.empty_like(cv)
+    for r0, r1, keys in row_blocks(n, causal, block_rows):
+        kl, beta, _ = _scores(qa[:, r0:r1], kb[:, :keys], r0, kappa, causal, mask_diagonal, dtype)
+        beta_kl = beta * kl
+        energy = beta_kl.sum(-1, keepdim=True)
+        w = cv[:, r0:r1]
+        xy = beta @ g_cols[:, :keys]
+        x, y = xy[..., :dw] + beta_kl @ g_col_kl[:, :keys], xy[..., dw:]
+        g_e = g_energy[:, r0:r1, None] + (w * y).sum(-1, keepdim=True)
+        grad_rv_t[..., :keys].baddbmm_(g_row[:, r0:r1].transpose(1, 2), beta)
+        grad_rv_t[..., :keys].baddbmm_(g_row_kl[:, r0:r1].transpose(1, 2), beta_kl)
+        direct = torch.baddbmm(g_e, torch.cat([g_row_kl[:, r0:r1], w], -1), direct_keys[..., :keys])
+        grad_p = torch.cat([g_row[:, r0:r1], w, energy * w], -1) @ p_keys[..., :keys]
+        grad_p.addcmul_(kl, direct)
+        shift = (beta * grad_p).sum(-1, keepdim=True) - g_lse[:, r0:r1, None]
+        # dS = P (direct − (dP − D + dlse) / κ); KL_ii ≡ 0 has no gradient
+        grad_s = _fill(grad_p.sub_(shift).mul_(-1.0 / kappa).add_(direct).mul_(beta), r0,
+                       masked_keys(r1 - r0, False, True, mu.device), 0.0).double()
+        grad_qa[:, r0:r1] = grad_s @ kb[:, :keys]
+        grad_kb_t[..., :keys].baddbmm_(qa[:, r0:r1].transpose(1, 2), grad_s)
+        grad_cv[:, r0:r1] = x + energy * y
+    return _features_backward(mu, var, grad_qa, grad_kb_t.transpose(1, 2)) + (
+        grad_rv_t.transpose(1, 2).to(row_values.dtype).contiguous(), grad_cv.to(col_values.dtype).contiguous())
 
 
-def _scores_backward(mu, var, grad_s):
-    """(dμ, dv) from dKL [B, N, N] through KL = c_i + a_i·b_j + d_j, in float64; KL_ii ≡ 0 has no gradient."""
-    ct = torch.float64
-    grad_s = _zero_diagonal(grad_s.to(ct))
-    muc = center(mu.to(ct), dim=1)
-    v = var.to(ct)
-    a, _ = query_features(muc, v)
-    b, _ = key_features(muc, v)
-    gq_mu, gq_var = query_features_backward(muc, v, grad_s @ b, grad_s.sum(-1))
-    gk_mu, gk_var = key_features_backward(muc, v, _t_matmul(grad_s, a), grad_s.sum(-2))
+def _features_backward(mu, var, grad_qa, grad_kb):
+    """(dμ, dv) from the gradients of :func:`kl_features`' a' and b', in float64."""
+    k = mu.shape[-1]
+    muc, v = center(mu.double(), dim=1), var.double()
+    gq_mu, gq_var = query_features_backward(muc, v, grad_qa[..., :2 * k], grad_qa[..., 2 * k])
+    gk_mu, gk_var = key_features_backward(muc, v, grad_kb[..., :2 * k], grad_kb[..., 2 * k + 1])
     return (gq_mu + gk_mu).to(mu.dtype).contiguous(), (gq_var + gk_var).to(var.dtype).contiguous()
