@@ -10,6 +10,7 @@ graph and the body of every ``scan`` in it in this form:
   tensor read the result; an in-place op on an input or on a view stays as it is;
 * no-op copies dropped: ``clone`` / ``contiguous`` / ``alias`` whose result is not a graph
   output (outputs must not alias each other);
+* ``x.unbind(d)[t]`` → ``x.select(d, t)`` where it is read (:func:`unbind_as_selects`);
 * ``narrow(x, d, s, n)`` → ``slice(x, d, s, s + n)``; a slice of a whole dim (``x[:, t]`` under
   torch.export leaves ``slice(x, 0, 0, END)`` before the select) → ``x``;
 * a product with nothing summed is a broadcast multiply: ``matmul``/``bmm`` whose
@@ -61,6 +62,7 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``graph_module`` (not the graphs it calls) into the normal form, in place; return it."""
     graph = graph_module.graph
     functionalize(graph)
+    unbind_as_selects(graph)
     outputs = _output_nodes(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":

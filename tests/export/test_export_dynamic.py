@@ -114,6 +114,29 @@ def test_loop_form_warns_that_its_length_is_fixed(tmp_path):
     assert session.get_inputs()[0].shape[1:] == [EXAMPLE_LENGTH, 12], session.get_inputs()[0].shape
 
 
+class _UnbindLoop(torch.nn.Module):
+    """The delta rule over zip(x.unbind(1), ...): torch.export's ATen unbind, read as per-step selects."""
+
+    def forward(self, k, v, q):
+        M, ys = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), []
+        for k_t, v_t, q_t in zip(k.unbind(1), v.unbind(1), q.unbind(1)):
+            e = (M @ k_t[..., None])[..., 0] - v_t
+            M = 0.9 * M - 0.2 * e[..., None] * k_t[:, None, :]
+            ys.append((M @ q_t[..., None])[..., 0])
+        return torch.stack(ys, 1)
+
+
+def test_loop_over_unbind_exports_fused(tmp_path):
+    model, args = _UnbindLoop(), (torch.randn(2, 5, 4), torch.randn(2, 5, 3), torch.randn(2, 5, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fixed length is warned about (tested above)
+        report = hecate.export_onnx(model, args, tmp_path / "unbind.onnx")
+    assert report.count("memory_scan") == 1, str(report)
+    session = ort.InferenceSession(str(tmp_path / "unbind.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)}
+    assert_close("onnxruntime", torch.from_numpy(session.run(None, feeds)[0]), model(*args), 1e-5)
+
+
 def test_static_opt_out(tmp_path):
     model, x = QKPreprocess(), torch.randn(2, 5, 7)
     hecate.export_onnx(model, (x,), tmp_path / "static.onnx", dynamic_shapes="static")
