@@ -373,16 +373,14 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
     rec = Recurrence("lp", layout, lead, dv, dk, m, params={"q_norm": q_norm}, read_before_update=before)
     rec.per_step["q"] = PerStep(1.0, [qn])
     # M_out = Σ terms: a·M (retention), the update, and with momentum the new buffer S
-    retention, update, momentum = None, [], None
+    retention, update, momentum = [], [], None
     for sign, term in _terms(M_out, stop=frozenset(b.carry_out) - {M_out}):
         prod = _product(term)
         prod.coef *= sign
         if prod.factors.count(M_in) == 1 and all(not b.depends[f] for f in prod.factors + prod.divisors
                                                  if f is not M_in):
-            if retention is not None:
-                raise NotFused("the new memory keeps the old one through two terms")
             prod.factors.remove(M_in)
-            retention = prod
+            retention.append(prod)
         elif isinstance(term, fx.Node) and term in b.carry_out and term is not M_out and prod.coef == 1.0 \
                 and prod.factors == [term]:
             momentum = b.carry_out.index(term)
@@ -406,8 +404,7 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
     if len(update) != 1:
         raise NotFused(f"the new memory is not a·M plus one update term ({len(update)} update terms)")
     (update,) = update
-    retention = retention or _Product(0.0)
-    keep = PerStep(retention.coef, retention.factors, retention.divisors)
+    keep = _keep(retention)
     if any(b.depends[f] - {m} for f in update.factors + update.divisors):
         raise NotFused("the update reads another state")
     if z_index is not None or not any(b.depends[f] for f in update.factors + update.divisors):
@@ -434,6 +431,20 @@ def _plain_read(b: _Body, W: torch.Tensor, lead: tuple, A: int, C: int) -> tuple
             if _close(y_val, _read(W, _as(b.env[qn], lead + (d_in,)), layout)):
                 return layout, qn, None, None
     return None
+
+
+def _keep(retention: list) -> PerStep:
+    """What the new memory keeps of the old: none (0), one term a·M, or two (``M − α·M``: a number and a gate)."""
+    if not retention:
+        return PerStep(0.0, [])
+    if len(retention) == 1:
+        (r,) = retention
+        return PerStep(r.coef, r.factors, r.divisors)
+    constant = [r for r in retention if not r.factors and not r.divisors]
+    gated = [r for r in retention if r.factors or r.divisors]
+    if len(retention) == 2 and len(constant) == 1 and len(gated) == 1:
+        return PerStep(-gated[0].coef, gated[0].factors, gated[0].divisors, offset=constant[0].coef)
+    raise NotFused(f"the new memory keeps the old one through {len(retention)} terms")
 
 
 def _state_transform(b: _Body, m: int) -> tuple[float, float, fx.Node]:
@@ -579,7 +590,12 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     rec.params.update(p=p, a=a, eps=eps)
     # M_new = keep·M + coef·Π gates·G(e)·kᵀ = (1 − α)·M − η·bias(e)·kᵀ with η = −coef·scale·Π gates
     rec.per_step["eta"] = PerStep(-update.coef * scale, gates, update.divisors)
-    rec.per_step["alpha"] = PerStep(keep.coef, keep.factors, keep.divisors, offset=1.0)
+    if keep.offset is None:
+        rec.per_step["alpha"] = PerStep(keep.coef, keep.factors, keep.divisors, offset=1.0)
+    elif keep.offset == 1.0:  # keep = 1 − c·Π: α = c·Π
+        rec.per_step["alpha"] = PerStep(keep.coef, keep.factors, keep.divisors)
+    else:
+        raise NotFused(f"the memory is kept as {keep.offset:g} − (a gate); memory_scan's retention is 1 − α")
 
 
 def _bias_expression(e: fx.Node, g_factors: list[fx.Node], g_divisors: list[fx.Node], e_sign: float) -> str:

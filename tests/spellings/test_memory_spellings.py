@@ -150,6 +150,17 @@ def l2_retrieve_then_write(k, v, q, alpha, eta):
     return torch.stack(ys, dim=1), M
 
 
+def l2_decay_as_its_own_term(k, v, q, alpha, eta):
+    """M − lr·(2 e kᵀ) − α·M: the decay as a term of its own, the step size clamped."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        lr = eta[:, t].clamp(0, 0.25)[..., None, None]
+        e = M @ k[:, t, ..., None] - v[:, t, ..., None]
+        M = M - lr * e * k[:, t, :, None, :] * 2 - alpha[:, t, :, None, None] * M
+        ys.append((M @ q[:, t, ..., None]).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def l2_single_head(k, v, q, alpha, eta):
     """One head: k, q [B, T, Dk], v [B, T, Dv], gates [B, T]."""
     k, v, q, alpha, eta = k[:, :, 0], v[:, :, 0], q[:, :, 0], alpha[:, :, 0], eta[:, :, 0]
@@ -275,6 +286,15 @@ def hebbian_read_before_write_kv(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_forget_as_its_own_term(k, v, q, alpha, eta):
+    """M + v kᵀ − (1 − α)·M: what is forgotten written as a term of its own."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = M + torch.einsum("bhv,bhk->bhvk", v[:, t], k[:, t]) - (1 - alpha[:, t, :, None, None]) * M
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, 1), M
+
+
 def hebbian_einsum(k, v, q, alpha, eta):
     M, ys = _m0(k, v), []
     for t in range(k.shape[1]):
@@ -339,6 +359,7 @@ SPELLINGS = {
     "l2_single_head": (l2_single_head, "memory_scan"),
     "l2_unbind_zip": (l2_unbind_zip, "memory_scan"),
     "l2_retrieve_then_write": (l2_retrieve_then_write, "memory_scan"),
+    "l2_decay_as_its_own_term": (l2_decay_as_its_own_term, "memory_scan"),
     "l2_delta_rule_no_two": (l2_delta_rule_no_two, "memory_scan"),
     "l2_phi_and_gates_inside_the_loop": (l2_phi_and_gates_inside_the_loop, "memory_scan"),
     "l1_tanh": (l1_tanh, "memory_scan"),
@@ -350,6 +371,7 @@ SPELLINGS = {
     "hebbian_reference": (hebbian_reference, "linear_attention"),
     "hebbian_einsum": (hebbian_einsum, "linear_attention"),
     "hebbian_read_before_write_kv": (hebbian_read_before_write_kv, "linear_attention"),
+    "hebbian_forget_as_its_own_term": (hebbian_forget_as_its_own_term, "linear_attention"),
     "hebbian_key_value_layout_inplace": (hebbian_key_value_layout_inplace, "linear_attention"),
     "hebbian_float_decay_matmul_outer": (hebbian_float_decay_matmul_outer, "linear_attention"),
     "hebbian_normalised": (hebbian_normalised, "linear_attention"),
