@@ -7,7 +7,8 @@ already report, with the first reason it can give and the user's source line:
 
 * ``kl_attention``: a softmax over a pairwise ``[..., N, N]`` score made by broadcasting an
   ``[..., N, 1, ...]`` operand against an ``[..., 1, N, ...]`` one, over a feature axis that
-  is then reduced (``[B, N, N, K]`` → ``[B, N, N]``), as the pairwise KL is;
+  is then reduced (``[B, N, N, K]`` → ``[B, N, N]``), as the pairwise KL is; or made by matrix
+  products of per-position tensors with the log of one, as the KL expanded into products is;
 * ``memory_scan`` / ``linear_attention``: a loop-carried matrix state updated by an outer
   product, in a rolled ``scan`` body or in a chain of unrolled steps;
 * ``qk_preprocess``: a depthwise conv1d (groups = channels).
@@ -143,6 +144,27 @@ def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                        "kl_attention reads (μ and σ² as two [..., N, K] tensors broadcast at their position "
                        "dim)", [softmax, node])
                 break
+        else:
+            product = _gaussian_score_by_products(softmax, score)
+            if product is not None:
+                n = score[-1]
+                yield (f"a softmax over a pairwise [{n}, {n}] score made by matrix products of per-position "
+                       f"tensors, with the log of one (as a Gaussian KL expanded into products has): kl_attention "
+                       "reads the KL written per pair, μ and σ² broadcast as [..., N, 1, K] against "
+                       "[..., 1, N, K]; compiled as written", [softmax, product])
+
+
+def _gaussian_score_by_products(softmax: fx.Node, score: tuple) -> fx.Node | None:
+    """A matrix product making the square score, when the score also reads log of an [..., N, K] tensor."""
+    if not _is(score[-1], score[-2]):
+        return None
+    ancestors = list(_ancestors(softmax))
+    product = next((a for a in ancestors if a.target in _PRODUCTS + (aten.einsum.default,)
+                    and (_shape(a) or ())[-2:] == tuple(score[-2:])), None)
+    logs = [a for a in ancestors if a.target in (aten.log.default, aten.log2.default, aten.log10.default)
+            and (lambda shape: shape is not None and len(shape) >= 2 and _is(shape[-2], score[-1])
+                 and not _is(shape[-1], score[-1]))(_shape(a.args[0]))]
+    return product if product is not None and logs else None
 
 
 # ---- memory: a matrix state updated by an outer product -----------------------------------

@@ -57,6 +57,22 @@ def test_pairwise_softmax_that_is_not_kl_is_reported():
     assert report.fusions == []
 
 
+def kl_attention_by_products(mu, var):
+    """KL(q_i‖q_j) expanded into matrix products (no [B, N, N, K] tensor)."""
+    log_var = var.log()
+    kl2 = (log_var.sum(-1)[:, None, :] - log_var.sum(-1)[:, :, None] + var @ (1 / var).mT
+           + (mu ** 2) @ (1 / var).mT - 2 * mu @ (mu / var).mT + (mu ** 2 / var).sum(-1)[:, None, :] - mu.shape[-1])
+    return F.softmax(-0.5 * kl2, -1) @ mu
+
+
+def test_gaussian_score_by_matrix_products_is_reported_and_plain_attention_is_not():
+    mu, var = torch.randn(2, 5, 3), torch.rand(2, 5, 3) + 0.5
+    miss = _only_miss(hecate.explain(kl_attention_by_products, mu, var), "kl_attention")
+    assert "matrix products" in miss.reason and "F.softmax(-0.5 * kl2, -1)" in miss.source, miss
+    # dot-product attention reads no log of a per-position tensor: not a Gaussian score
+    assert hecate.explain(lambda q, k: F.softmax(q @ k.mT, -1) @ k, mu, var).misses == []
+
+
 def test_unrolled_outer_product_state_is_reported_once_with_its_line():
     report = hecate.explain(tanh_retention_memory, torch.randn(2, 6, 3), torch.randn(2, 6, 3))
     assert len(report.misses) == 1, str(report)  # the loop's note and the chain are one miss
