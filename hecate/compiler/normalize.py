@@ -17,6 +17,8 @@ graph and the body of every ``scan`` in it in this form:
   contracted dim has size 1 (``g.unsqueeze(-1) @ k.unsqueeze(-2)``) and an ``einsum`` in
   which every index is kept (``einsum("bhv,bhk->bhvk", g, k)``) become ``mul`` of the
   operands unsqueezed/permuted into place (a sum of one product is that product);
+* an ``einsum`` of two operands over the same indices (``einsum("bij,bij->b", a, k)``) is their
+  product summed over the indices it drops;
 * an ``einsum`` that is a tensor times a matrix (``einsum("btd,ed->bte", x, W)``) is that
   ``matmul`` (``x @ W.permute(1, 0)``);
 * ``x * x`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``);
@@ -410,6 +412,7 @@ def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | 
     """``einsum(eq, [x, y])`` as the op it is, each operand permuted (and unsqueezed) into place:
 
     * nothing summed (``"bhv,bhk->bhvk"``): the broadcast multiply ``x' * y'``;
+    * both operands over the same indices (``"bij,bij->b"``): the multiply, summed over the rest;
     * one index summed against a matrix y, nothing else shared (``"btd,ed->bte"``, a projection):
       ``x' @ y'``, with x' [..., d] and y' [d, e], then read as any matmul.
 
@@ -438,6 +441,11 @@ def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | 
         with graph.inserting_before(node):
             placed = [_placed(graph, x, term, output) for term, x in zip(terms, operands)]
             return _emit(graph, aten.mul.Tensor, *placed)
+    if set(terms[0]) == set(terms[1]):  # an elementwise product, summed ("bij,bij->b"): mul, then sum
+        order = output + "".join(summed)
+        with graph.inserting_before(node):
+            product = _emit(graph, aten.mul.Tensor, *(_placed(graph, x, t, order) for t, x in zip(terms, operands)))
+            return _emit(graph, aten.sum.dim_IntList, product, list(range(len(output), len(order))))
     if len(summed) != 1:
         return None
     (s,) = summed

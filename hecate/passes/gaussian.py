@@ -123,19 +123,24 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
 
 
 def independent(bases: Sequence[fx.Node], depth: int = 16) -> list[fx.Node]:
-    """``bases`` without those computed from another of them (``log(v)`` beside ``v``): those are
-    evaluated from it rather than drawn independently. Looks ``depth`` ops up."""
-    kept = []
-    for node in bases:
-        others = set(bases) - {node}
-        frontier, found = [node], False
+    """``bases`` without those computed from the others alone (``log(v)`` beside ``v``): those are
+    evaluated from them rather than drawn independently. A base that also reads anything else (the
+    next belief step's means, computed from the variances *and* the previous means) stays a base.
+    Looks ``depth`` ops up; a base whose inputs go deeper stays a base."""
+    def derived(node: fx.Node, others: set) -> bool:
+        frontier, seen_other = list(node.all_input_nodes), False
         for _ in range(depth):
-            frontier = [i for n in frontier for i in n.all_input_nodes]
-            if any(n in others for n in frontier):
-                found = True
-                break
             if not frontier:
-                break
-        if not found:
-            kept.append(node)
-    return kept
+                return seen_other
+            nxt = []
+            for n in frontier:
+                if n in others:
+                    seen_other = True
+                elif n.op != "call_function":
+                    return False
+                else:
+                    nxt.extend(n.all_input_nodes)
+            frontier = nxt
+        return False
+
+    return [node for node in bases if not derived(node, set(bases) - {node})]

@@ -582,6 +582,44 @@ def _sum_over_keys(node: fx.Node, rank: int) -> bool:
     return [d % summed for d in node.args[1]] == [rank - 1]
 
 
+_SUMS = {aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean"}
+
+
+def _split_key_sum(node: fx.Node, rank: int) -> fx.Node | None:
+    """A sum or mean over the key dim and others (``(β * kl).sum((-1, -2))``, ``(β * kl).mean()``)
+    rewritten as the key-dim sum the op gives, then the rest (a mean also divides by the key
+    count, which must then be a number); returns the key-dim sum."""
+    kind = _SUMS.get(node.target)
+    if kind is None or node.kwargs.get("dtype") is not None:
+        return None
+    x = node.args[0]
+    summed, shape = _rank(x), shape_of(x)
+    if summed not in (rank, rank + 1) or (kind == "mean" and not isinstance(shape[rank - 1], int)):
+        return None
+    if len(node.args) < 2 or node.args[1] is None or list(node.args[1]) == []:
+        dims, keep = list(range(summed)), False
+    else:
+        dims = sorted({d % summed for d in node.args[1]})
+        keep = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    if rank - 1 not in dims or (kind == "sum" and len(dims) < 2):
+        return None
+    rest = [d if keep or d < rank - 1 else d - 1 for d in dims if d != rank - 1]
+    graph, steps = node.graph, [(aten.sum.dim_IntList, [rank - 1], keep)]
+    if rest:
+        steps.append((aten.sum.dim_IntList if kind == "sum" else aten.mean.dim, rest, keep))
+    if kind == "mean":
+        steps.append((aten.mul.Tensor, 1.0 / shape[rank - 1]))
+    new = []
+    with graph.inserting_before(node):
+        for target, *args in steps:
+            new.append(graph.call_function(target, (new[-1] if new else x, *args)))
+            new[-1].meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
+            new[-1].meta["val"] = target(new[-2].meta["val"] if len(new) > 1 else x.meta["val"], *args)
+    node.replace_all_uses_with(new[-1])
+    graph.erase_node(node)
+    return new[0]
+
+
 def _matmul_reader(node: fx.Node, is_pair, rank: int) -> tuple[fx.Node, fx.Node, bool, bool] | None:
     """(pair operand P, per-key values X, X given as [*L, D, N], P read transposed) for Σ_j P_ij X_j.
 
@@ -674,12 +712,15 @@ def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node]:
     whole = set(stack)
     while stack:
         node = stack.pop()
-        for user in node.users:
+        for user in list(node.users):
             if user in seen or user in algebra.kl_scales:
                 continue
             seen.add(user)
             if _sum_over_keys(user, algebra.rank) or _matmul_reader(user, algebra.is_pair, algebra.rank) is not None:
                 roots.append(user)
+            elif (key_sum := _split_key_sum(user, algebra.rank)) is not None:
+                seen.add(key_sum)
+                roots.append(key_sum)
             elif user.target in _ELEMENTWISE or _is_noop(user):
                 stack.append(user)
             elif node in whole:
