@@ -1,4 +1,4 @@
-"""``torch.compile(model, backend="hecate", options={...})``.
+"""``torch.compile(model, backend="hecate", options={...})`` (or ``mode=...``).
 
 Registered as a ``torch_dynamo_backends`` entry point in ``pyproject.toml``, so it
 works without ``import hecate``. Dynamo calls :func:`hecate_backend` once per
@@ -42,20 +42,29 @@ _REPORTS: list[FusionReport] = []
 
 
 def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
-                   options: Mapping[str, Any] | None = None) -> Callable:
-    """Fuse Hecate's patterns in ``gm`` and compile the rest with the fallback."""
+                   options: Mapping[str, Any] | None = None, mode: str | None = None) -> Callable:
+    """Fuse Hecate's patterns in ``gm`` and compile the rest with the fallback.
+
+    ``mode`` is ``torch.compile``'s (it passes it to the backend when given instead of
+    ``options``): Inductor compiles the rest in that mode ("max-autotune", "reduce-overhead"...).
+    """
     import hecate.lowering  # noqa: F401  registers torch.ops.hecate.*
 
     opts = parse_options(options)
+    mode_config = {}
+    if mode is not None:
+        from torch._inductor import list_mode_options
+
+        mode_config = list_mode_options(mode)  # raises for a mode Inductor does not know
     aten_gm, report = fuse_or_original(gm, example_inputs, opts)
     check_ddp_split(gm, opts, report)
     _REPORTS.append(report)
     if opts.print_report:
         print(report)
     if aten_gm is gm:
-        return _compile_rest(gm, example_inputs, opts)
+        return _compile_rest(gm, example_inputs, opts, mode_config)
     try:
-        return _compile_rest(aten_gm, example_inputs, opts)
+        return _compile_rest(aten_gm, example_inputs, opts, mode_config)
     except torch._dynamo.exc.RestartAnalysis:
         raise  # Dynamo asks to trace again (e.g. Inductor tensorifying a float): a request, not a failure
     except Exception as e:  # the fused graph must never cost the user the compile
@@ -65,10 +74,11 @@ def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
                   "the graph is compiled as Dynamo captured it, without fusions")
         report.add_miss("hecate", reason)
         warn_once("fallback compile", e, reason)
-        return _compile_rest(gm, example_inputs, opts)
+        return _compile_rest(gm, example_inputs, opts, mode_config)
 
 
-def _compile_rest(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], opts: Options) -> Callable:
+def _compile_rest(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], opts: Options,
+                  mode_config: Mapping[str, Any]) -> Callable:
     if opts.fallback == "eager":
         return gm
     from torch._inductor.compile_fx import compile_fx
@@ -77,7 +87,7 @@ def _compile_rest(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], op
     # tagging the cache key with Hecate's source keeps a stale artifact from being reused.
     with stage("fallback compile (inductor)", opts.progress), \
             torch.compiler.config.patch(cache_key_tag=f"hecate-{_source_hash()}"):
-        return compile_fx(gm, list(example_inputs))
+        return compile_fx(gm, list(example_inputs), config_patches=dict(mode_config) or None)
 
 
 @functools.cache

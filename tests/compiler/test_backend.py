@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import hecate
+from hecate.models.short_conv import KeyQueryPreprocess
+from hecate.testing import assert_close
 
 
 def test_entry_point_works_without_importing_hecate():
@@ -61,7 +63,7 @@ def test_dynamo_restart_from_the_fallback_compile_is_passed_on(monkeypatch):
 
     calls = []
 
-    def restart(g, inputs, opts):  # asks once; compiling the unfused graph instead would succeed
+    def restart(g, inputs, opts, mode_config):  # asks once; compiling the unfused graph instead would succeed
         calls.append(g)
         if len(calls) == 1:
             raise torch._dynamo.exc.TensorifyScalarRestartAnalysis()
@@ -71,6 +73,27 @@ def test_dynamo_restart_from_the_fallback_compile_is_passed_on(monkeypatch):
     with pytest.raises(torch._dynamo.exc.RestartAnalysis):
         backend.hecate_backend(gm, [torch.randn(3)], {"strict": False})
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("mode", ["max-autotune-no-cudagraphs", "reduce-overhead"])
+def test_torch_compile_mode_reaches_inductor_and_still_fuses(mode, fresh_dynamo, monkeypatch):
+    from torch._inductor import compile_fx as inductor
+
+    patches = []
+    real = inductor.compile_fx
+    monkeypatch.setattr(inductor, "compile_fx", lambda *a, **kw: patches.append(kw.get("config_patches")) or real(*a, **kw))
+    model = KeyQueryPreprocess(8, kernel_size=3)
+    x = torch.randn(2, 5, 8)
+    got = torch.compile(model, backend="hecate", mode=mode)(x)
+    assert hecate.last_report().count("qk_preprocess") == 2, str(hecate.last_report())  # keys and queries
+    assert patches and patches[0] == torch._inductor.list_mode_options(mode), patches  # the outer call; Inductor recurses
+    for g, r in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(model(x))):
+        assert_close("output", g, r, 1e-5)
+
+
+def test_unknown_torch_compile_mode_is_an_error_naming_it(fresh_dynamo):
+    with pytest.raises(Exception, match="bogus"):
+        torch.compile(torch.nn.Linear(3, 3), backend="hecate", mode="bogus")(torch.randn(2, 3))
 
 
 @pytest.mark.parametrize("fallback", ["eager", "inductor"])
