@@ -85,8 +85,19 @@ def _check_traced_through(traced: fx.GraphModule) -> None:
 
     for node in traced.graph.nodes:
         if node.op == "get_attr" and isinstance(getattr(traced, node.target, None), FakeTensor):
-            raise UntraceableGraph("the graph calls functorch transforms (torch.vmap, torch.func.grad) that Hecate "
-                                   "cannot re-trace to ATen")
+            raise UntraceableGraph(_TRANSFORMS)
+
+
+def transform_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """Dynamo's calls into functorch's transform levels (``torch.vmap``, ``torch.func.grad``).
+
+    Hecate never runs such a graph: a re-trace that stops inside a transform leaves functorch's
+    level stack pushed, and the fallback's own compile of the graph then fails."""
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and getattr(n.target, "__module__", "").startswith(("torch._functorch", "torch._C._functorch"))]
+
+
+_TRANSFORMS = "the graph calls functorch transforms (torch.vmap, torch.func.grad) that Hecate cannot re-trace to ATen"
 
 
 def fuse_or_original(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
@@ -97,9 +108,8 @@ def fuse_or_original(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
         return fuse(gm, example_inputs, options)
     except UntraceableGraph as e:  # a limit, not a fault: said, never raised
         report = FusionReport(graphs=1)
-        transforms = [n for n in gm.graph.nodes if "functorch" in str(n.target) or "vmap" in str(n.target)]
         report.add_miss("hecate", f"{e}; the graph is compiled as Dynamo captured it, without fusions",
-                        "functorch transform", transforms)
+                        "functorch transform", transform_calls(gm))
         return gm, report
     except Exception as e:
         if options.strict:
@@ -115,6 +125,8 @@ def fuse_or_original(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
 def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
          options: Options) -> tuple[fx.GraphModule, FusionReport]:
     """Dynamo's graph → the ATen graph with Hecate's ops in it, and what was fused and why."""
+    if transform_calls(gm):
+        raise UntraceableGraph(_TRANSFORMS)
     report = FusionReport(graphs=1)
     with stage("common subexpressions", options.progress):
         gm = collapse_captured(gm)
