@@ -248,18 +248,22 @@ def _install_graph(program: torch.export.ExportedProgram, gm: torch.fx.GraphModu
 def _quiet_onnx_exporter():
     """Silence what torch's ONNX exporter prints that says nothing about the user's model.
 
-    It logs a warning per torchvision op when torchvision is not installed, and a
-    pytree deprecation warning from its own internals.
+    It logs a warning per torchvision op when torchvision is not installed, a pytree
+    deprecation warning from its own internals, and that onnxscript's version converter hands
+    the opset conversion to onnx's (which it does for every opset Hecate asks for).
     """
-    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = registration.level
-    registration.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in ("torch.onnx._internal.exporter._registration",
+                                                    "onnxscript.version_converter")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             yield
     finally:
-        registration.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _name_dynamic_dims(model) -> None:

@@ -8,6 +8,7 @@ sizes × 3 lengths (relative error ≤ 1e-5, fp32).
 from __future__ import annotations
 
 import itertools
+import logging
 import warnings
 
 import onnx
@@ -235,3 +236,14 @@ def test_kl_decode_ops(tmp_path):
 
     rows = {0: Dim.AUTO}  # [R, K]: only the rows are dynamic (K is the priors')
     _export_and_check(tmp_path, KLDecode(), args, dynamic_dims=("batch", ""), dynamic_shapes=(rows, rows, rows))
+
+
+def test_export_prints_nothing_but_hecate(tmp_path, capfd, caplog):
+    """No torchvision registration warnings, no onnxscript version-converter notice: only what is about the model."""
+    model = KeyQueryPreprocess(8, kernel_size=3).eval()
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO):
+        warnings.simplefilter("error")  # a warning would be about the model; this one has none to give
+        hecate.export_onnx(model, (torch.randn(EXAMPLE_BATCH, EXAMPLE_LENGTH, 8),), tmp_path / "qk.onnx")
+    logged = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+    out, err = capfd.readouterr()
+    assert not logged and out == "" and err == "", (logged, out, err)
