@@ -585,16 +585,16 @@ def _sum_over_keys(node: fx.Node, rank: int) -> bool:
 _SUMS = {aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean"}
 
 
-def _split_key_sum(node: fx.Node, rank: int) -> fx.Node | None:
+def _split_key_sum(node: fx.Node, rank: int, positions: fx.Node) -> fx.Node | None:
     """A sum or mean over the key dim and others (``(β * kl).sum((-1, -2))``, ``(β * kl).mean()``)
     rewritten as the key-dim sum the op gives, then the rest (a mean also divides by the key
-    count, which must then be a number); returns the key-dim sum."""
+    count); returns the key-dim sum."""
     kind = _SUMS.get(node.target)
     if kind is None or node.kwargs.get("dtype") is not None:
         return None
     x = node.args[0]
-    summed, shape = _rank(x), shape_of(x)
-    if summed not in (rank, rank + 1) or (kind == "mean" and not isinstance(shape[rank - 1], int)):
+    summed = _rank(x)
+    if summed not in (rank, rank + 1):
         return None
     if len(node.args) < 2 or node.args[1] is None or list(node.args[1]) == []:
         dims, keep = list(range(summed)), False
@@ -607,14 +607,19 @@ def _split_key_sum(node: fx.Node, rank: int) -> fx.Node | None:
     graph, steps = node.graph, [(aten.sum.dim_IntList, [rank - 1], keep)]
     if rest:
         steps.append((aten.sum.dim_IntList if kind == "sum" else aten.mean.dim, rest, keep))
-    if kind == "mean":
-        steps.append((aten.mul.Tensor, 1.0 / shape[rank - 1]))
     new = []
     with graph.inserting_before(node):
+        if kind == "mean":  # divided by the key count: a symbol under dynamic shapes, read off the positions
+            n_keys = x.meta["val"].shape[rank - 1]
+            if not isinstance(n_keys, int):
+                n_keys = graph.call_function(aten.sym_size.int, (positions, _rank(positions) - 2))
+                n_keys.meta["val"] = positions.meta["val"].shape[-2]
+            steps.append((aten.div.Tensor, n_keys))
         for target, *args in steps:
             new.append(graph.call_function(target, (new[-1] if new else x, *args)))
             new[-1].meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
-            new[-1].meta["val"] = target(new[-2].meta["val"] if len(new) > 1 else x.meta["val"], *args)
+            new[-1].meta["val"] = target(new[-2].meta["val"] if len(new) > 1 else x.meta["val"],
+                                         *(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
     node.replace_all_uses_with(new[-1])
     graph.erase_node(node)
     return new[0]
@@ -677,7 +682,7 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
     algebra = _PairAlgebra(beta=score.beta, kl_scales=score.kl_scales, rank=score.rank,
                            kl_of=lambda node: _kl_scale(node, score.draw, score.rank))
     core = {score.softmax, *score.nodes}
-    roots = _find_roots(algebra, core)
+    roots = _find_roots(algebra, core, score.mean)
     algebra.roots = set(roots)
     try:
         plan = _plan(algebra, roots)
@@ -705,8 +710,11 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
                       f"(row values {plan.v_width}, column values {plan.w_width} wide)")
 
 
-def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node]:
-    """The sums over j that the values computed from β and KL flow into (graph order)."""
+def _find_roots(algebra: _PairAlgebra, core: set, positions: fx.Node) -> list[fx.Node]:
+    """The sums over j that the values computed from β and KL flow into (graph order).
+
+    ``positions`` is a per-position tensor [*L, N, K] (the means): where a mean over the keys
+    needs their count N, it is read from there."""
     roots, seen = [], set(core)
     stack = [algebra.beta] + list(algebra.kl_scales)
     whole = set(stack)
@@ -718,7 +726,7 @@ def _find_roots(algebra: _PairAlgebra, core: set) -> list[fx.Node]:
             seen.add(user)
             if _sum_over_keys(user, algebra.rank) or _matmul_reader(user, algebra.is_pair, algebra.rank) is not None:
                 roots.append(user)
-            elif (key_sum := _split_key_sum(user, algebra.rank)) is not None:
+            elif (key_sum := _split_key_sum(user, algebra.rank, positions)) is not None:
                 seen.add(key_sum)
                 roots.append(key_sum)
             elif user.target in _ELEMENTWISE or _is_noop(user):

@@ -144,3 +144,17 @@ def test_every_step_fuses_and_equals_eager(name, fresh_dynamo):
     grads_ref = torch.autograd.grad(sum((o * w).sum() for o, w in zip(ref, weights)), [xe, *params])
     for i, (g, r) in enumerate(zip(grads_got, grads_ref)):
         assert_close(f"grad {i}", g, r, TOL)
+
+
+@pytest.mark.parametrize("name", ["mean", "mean_over_keys", "sum_pairs", "einsum_total"])
+def test_energies_fuse_under_dynamic_shapes_at_other_sizes(name, fresh_dynamo):
+    torch.manual_seed(0)
+    model = FreeEnergyAlongTheFlow(ENERGIES[name], steps=2)
+    compiled = torch.compile(model, backend="hecate", dynamic=True, options={"strict": True})
+    for batch, length in [(2, 7), (3, 5), (4, 9)]:
+        x = torch.randn(batch, length, D)
+        got, ref = compiled(x), model(x)
+        report = hecate.last_report()
+        assert report.count("kl_attention") == 2 and not report.misses, str(report)
+        for i, (g, r) in enumerate(zip(got, ref)):
+            assert_close(f"output {i} at {batch}x{length}", g, r, TOL)
