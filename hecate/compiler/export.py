@@ -8,8 +8,9 @@ each fused op carries its own ONNX translation and its own ATen decomposition
 Shapes. By default the batch and sequence dimensions stay dynamic: dimensions 0 and 1
 of every tensor argument are exported as ``torch.export.Dim.AUTO``, so one ONNX file
 runs at any batch size and length; a dimension the model's code fixes (a weight's
-width, a head count, a Python loop over T) comes out static, and a warning names the
-batch or sequence dimension that did. ``dynamic_shapes="static"`` (or ``None``) fixes
+width, a head count) comes out static, and a warning names the batch or sequence
+dimension that did. A Python loop over T fixes T in ``torch.export``'s graph; once fused,
+T is made dynamic again where the graph holds it only in its sizes (:mod:`hecate.compiler.lengths`). ``dynamic_shapes="static"`` (or ``None``) fixes
 every shape to the example's; a dict or tuple is handed to ``torch.export`` as is.
 
 Streaming (``mode``). A model that generates token by token implements
@@ -38,6 +39,7 @@ from torch.export.graph_signature import TensorArgument
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
+from hecate.compiler.lengths import generic_in_length
 from hecate.compiler.normalize import normalize_graph
 from hecate.compiler.options import parse_options
 from hecate.compiler.pipeline import fuse_rolled_loops, run_passes
@@ -118,9 +120,9 @@ def _resolve_dynamic_shapes(dynamic_shapes: Any, args: Sequence[Any], mode: str)
     return dynamic_shapes
 
 
-def _warn_static(program: torch.export.ExportedProgram, args: Sequence[Any], names: Sequence[str] | None,
-                 requested: tuple) -> None:
-    """Warn for each batch/sequence dim the model's code fixed.
+def _fixed_dims(program: torch.export.ExportedProgram, args: Sequence[Any], names: Sequence[str] | None,
+                requested: tuple) -> list[tuple[str, int, int]]:
+    """(input name, dim, size) for each batch/sequence dim the model's code fixed.
 
     The batch and the sequence length are those of the first tensor argument; a dim of
     another size (a state's head count, a feature width) is not expected to be dynamic.
@@ -131,16 +133,15 @@ def _warn_static(program: torch.export.ExportedProgram, args: Sequence[Any], nam
     values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
     first = next((x for x, spec in zip(args, requested) if spec), None)
     if first is None:
-        return
+        return []
+    fixed = []
     for name, placeholder, spec, x in zip(names, placeholders, requested, args):
         val = values.get(placeholder)
         if not spec or not isinstance(val, torch.Tensor):
             continue
-        for d in spec:
-            if is_concrete_int(val.shape[d]) and x.shape[d] > 1 and x.shape[d] == first.shape[d]:
-                warnings.warn(f"export: the {_DIM_NAMES[d]} dimension (dim {d}) of input {name!r} is fixed at "
-                              f"{x.shape[d]} in the exported graph: the model's code specialises it (a Python loop "
-                              "over it does; write the loop with torch's scan to keep it dynamic)", stacklevel=4)
+        fixed += [(name, d, x.shape[d]) for d in spec
+                  if is_concrete_int(val.shape[d]) and x.shape[d] > 1 and x.shape[d] == first.shape[d]]
+    return fixed
 
 
 def _plain_shape_reads(program: torch.export.ExportedProgram) -> None:
@@ -205,20 +206,36 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
     # a streaming forward is forward(x, *state): torch.export wants the state's shapes as one tuple
     export_shapes = (shapes[0], tuple(shapes[1:])) if mode == "decode" and isinstance(shapes, (tuple, list)) \
         else shapes
-    program = torch.export.export(module, flat_args, dict(kwargs or {}), dynamic_shapes=export_shapes)
-    if isinstance(dynamic_shapes, str) and dynamic_shapes == "auto":
-        _warn_static(program, flat_args, input_names, shapes)
-    if shapes is not None:
-        _plain_shape_reads(program)
-    report = FusionReport(graphs=1)
-    normalize_graph(program.graph_module)  # what the passes read, and loops roll in this form
-    example = [n.meta["val"] for n in program.graph.find_nodes(op="placeholder")]
-    rolled = fuse_rolled_loops(program.graph_module, example, opts, report, dump_name="export")
-    if rolled is not None:
-        fused, report = rolled
-        _install_graph(program, fused)
-    else:
-        run_passes(program.graph_module, opts, report, dump_name="export")
+
+    def fused(example: tuple) -> tuple[torch.export.ExportedProgram, FusionReport, list]:
+        program = torch.export.export(module, example, dict(kwargs or {}), dynamic_shapes=export_shapes)
+        auto = isinstance(dynamic_shapes, str) and dynamic_shapes == "auto"
+        fixed = _fixed_dims(program, example, input_names, shapes) if auto else []
+        if shapes is not None:
+            _plain_shape_reads(program)
+        report = FusionReport(graphs=1)
+        normalize_graph(program.graph_module)  # what the passes read, and loops roll in this form
+        placeholders = [n.meta["val"] for n in program.graph.find_nodes(op="placeholder")]
+        rolled = fuse_rolled_loops(program.graph_module, placeholders, opts, report, dump_name="export")
+        if rolled is not None:
+            gm, report = rolled
+            _install_graph(program, gm)
+        else:
+            run_passes(program.graph_module, opts, report, dump_name="export")
+        return program, report, fixed
+
+    program, report, fixed = fused(flat_args)
+    if fixed and {d for _, d, _ in fixed} == {1} and mode != "decode" and not kwargs:
+        # a Python loop over T fixed the length: once fused, the graph may hold T only in its sizes
+        generic = generic_in_length(program, lambda example: fused(example)[0], module, flat_args, export_shapes)
+        if generic is not None:  # its inputs are named by position: give them the model's names back
+            input_names = input_names or list(program.graph_signature.user_inputs)
+            program, fixed = generic, []
+    for name, d, size in fixed:
+        warnings.warn(f"export: the {_DIM_NAMES[d]} dimension (dim {d}) of input {name!r} is fixed at {size} in "
+                      "the exported graph: the model's code specialises it (a Python loop over it does, where "
+                      "the fused graph still depends on it; write the loop with torch's scan to keep it dynamic)",
+                      stacklevel=3)
     return program, report, (flat_args, input_names, output_names)
 
 

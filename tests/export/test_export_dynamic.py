@@ -7,6 +7,7 @@ sizes × 3 lengths (relative error ≤ 1e-5, fp32).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import warnings
@@ -104,17 +105,6 @@ def test_hebbian_noncausal_form(tmp_path):
     _export_and_check(tmp_path, model, _x(12), "hecate.linear_attention")
 
 
-def test_loop_form_warns_that_its_length_is_fixed(tmp_path):
-    model = LpMemory(12, n_heads=2, d_k=4, d_v=3).eval()
-    with pytest.warns(UserWarning, match=r"sequence dimension \(dim 1\) of input 'x' is fixed at 5"):
-        report = hecate.export_onnx(model, _x(12)(EXAMPLE_BATCH, EXAMPLE_LENGTH), tmp_path / "loop.onnx")
-    # torch.export unrolls the Python loop (fixing T); the export path rolls it up again and fuses it
-    # (use_scan=True is the form that also keeps T dynamic)
-    assert report.count("memory_scan") == 1, str(report)
-    session = ort.InferenceSession(str(tmp_path / "loop.onnx"), providers=["CPUExecutionProvider"])
-    assert session.get_inputs()[0].shape[1:] == [EXAMPLE_LENGTH, 12], session.get_inputs()[0].shape
-
-
 class _UnbindLoop(torch.nn.Module):
     """The delta rule over zip(x.unbind(1), ...): torch.export's ATen unbind, read as per-step selects."""
 
@@ -127,13 +117,62 @@ class _UnbindLoop(torch.nn.Module):
         return torch.stack(ys, 1)
 
 
-def test_loop_over_unbind_exports_fused(tmp_path):
-    model, args = _UnbindLoop(), (torch.randn(2, 5, 4), torch.randn(2, 5, 3), torch.randn(2, 5, 4))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fixed length is warned about (tested above)
-        report = hecate.export_onnx(model, args, tmp_path / "unbind.onnx")
-    assert report.count("memory_scan") == 1, str(report)
-    session = ort.InferenceSession(str(tmp_path / "unbind.onnx"), providers=["CPUExecutionProvider"])
+class _GatedBlock(torch.nn.Module):
+    """A researcher's gated delta-rule layer: one projection chunked, a loop over range(T), heads by view."""
+
+    def __init__(self, d=12, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.gate = heads, torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, heads)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1) for z in self.qkv(x).chunk(3, -1))
+        k = torch.nn.functional.normalize(k, dim=-1)
+        beta = torch.sigmoid(self.gate(x))
+        M, ys = x.new_zeros(b, self.heads, d // self.heads, d // self.heads), []
+        for i in range(t):
+            e = torch.einsum("bhvk,bhk->bhv", M, k[:, i]) - v[:, i]
+            M = M - beta[:, i, :, None, None] * torch.einsum("bhv,bhk->bhvk", e, k[:, i])
+            ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, i]))
+        return x + torch.stack(ys, 1).reshape(b, t, d)
+
+
+LOOPS = {  # Python loops over T: torch.export unrolls them (fixing T); once fused, the length is dynamic again
+    "lp_memory": (lambda: LpMemory(12, n_heads=2, d_k=4, d_v=3), _x(12, scale=0.5), "hecate.memory_scan"),
+    "hebbian_memory": (lambda: HebbianMemory(12, n_heads=2, d_k=4, d_v=3), _x(12), "hecate.linear_attention"),
+    "unbind_loop": (_UnbindLoop, lambda b, t: (torch.randn(b, t, 4), torch.randn(b, t, 3), torch.randn(b, t, 4)),
+                    "hecate.memory_scan"),
+    "gated_block": (_GatedBlock, _x(12, scale=0.5), "hecate.memory_scan"),
+}
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_python_loop_over_the_length_exports_with_the_length_dynamic(name, tmp_path):
+    make_model, make_args, fused_op = LOOPS[name]
+    torch.manual_seed(0)
+    model = make_model()
+    graph = _export_and_check(tmp_path, model, make_args, fused_op)
+    names = list(inspect.signature(model.forward).parameters)[:len(make_args(1, 1))]  # those given
+    assert [i.name for i in graph.input] == names, [i.name for i in graph.input]  # the model's names, as unrolled
+
+
+class _LengthInTheArithmetic(torch.nn.Module):
+    """A loop whose outputs are scaled by 1/T, a Python float: the graph holds T beyond its sizes."""
+
+    def forward(self, k, v):
+        M, ys = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), []
+        for t in range(k.shape[1]):
+            M = 0.9 * M + v[:, t, :, None] * k[:, t, None, :]
+            ys.append((M @ k[:, t, :, None])[..., 0] / k.shape[1])
+        return torch.stack(ys, 1)
+
+
+def test_a_length_the_fused_graph_still_depends_on_stays_fixed_and_warns(tmp_path):
+    model, args = _LengthInTheArithmetic(), (torch.randn(2, 5, 4), torch.randn(2, 5, 3))
+    with pytest.warns(UserWarning, match=r"sequence dimension \(dim 1\) of input 'k' is fixed at 5"):
+        hecate.export_onnx(model, args, tmp_path / "fixed.onnx")
+    session = ort.InferenceSession(str(tmp_path / "fixed.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape[1:] == [5, 4], session.get_inputs()[0].shape
     feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)}
     assert_close("onnxruntime", torch.from_numpy(session.run(None, feeds)[0]), model(*args), 1e-5)
 
