@@ -57,12 +57,19 @@ def generic_in_length(first: torch.export.ExportedProgram, export: Callable[[tup
     if carrier is None:
         return None
     length = args[carrier].shape[_SEQUENCE]
-    second = export(lengthened(args, length, 1))
+    try:  # the model may refuse longer inputs (an input whose dim 1 only happens to equal T)
+        second = export(lengthened(args, length, 1))
+    except Exception:
+        return None
     try:
         graph = _generalised(first.graph_module, second.graph_module, length,
                              first.graph_signature.user_inputs[carrier])
-        program = torch.export.export(_Program(first, graph), tuple(args), dynamic_shapes=(tuple(dynamic_shapes),))
-    except (_NotGeneric, torch._dynamo.exc.UserError):
+        generic = _Program(first, graph)
+    except _NotGeneric:
+        return None
+    try:  # torch.export may still fix T (a guard on it the sizes alone did not show)
+        program = torch.export.export(generic, tuple(args), dynamic_shapes=(tuple(dynamic_shapes),))
+    except Exception:
         return None
     if not _checks_at(program, module, lengthened(args, length, 3)):
         return None

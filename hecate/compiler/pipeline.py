@@ -3,6 +3,7 @@
 Dynamo graph (torch-level, many spellings)
   → compute each subexpression once (:func:`hecate.compiler.normalize.collapse_captured`), so an
     expression written again at each use reads as one node from here on
+  → each ``torch.utils.checkpoint`` region's body through this same pipeline, the region kept
   → roll the loops Dynamo unrolled back up into scans (:mod:`hecate.compiler.loops`), so
     what follows sees a loop body once, not T times
   → canonicalise: re-trace to the pre-autograd ATen graph (``make_fx(pre_dispatch=True)``),
@@ -28,9 +29,12 @@ Substitution happens before autograd, so a fused op's backward is its own fused 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
+import logging
 import os
 import re
 import warnings
@@ -41,6 +45,7 @@ from torch import fx
 from torch.fx import traceback as fx_traceback
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from hecate.compiler.logs import log, stage
 from hecate.compiler.loops import RolledGraph, roll_loops
@@ -56,6 +61,50 @@ _graph_counter = itertools.count()
 
 def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
     """Re-trace a Dynamo graph to the pre-autograd ATen graph the passes match on."""
+    with _checkpoint_bodies_traceable(gm):
+        traced = _retrace(gm, example_inputs)
+    for node in traced.graph.find_nodes(op="call_function", target=_CHECKPOINT):  # the trace copies it over
+        body = getattr(traced, node.args[0].target)
+        if body.meta.get("_checkpoint_context_fn") is _PLAIN_CHECKPOINT:
+            del body.meta["_checkpoint_context_fn"]
+    return traced
+
+
+_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+
+
+def _recompute_all(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_PLAIN_CHECKPOINT = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+
+
+@contextlib.contextmanager
+def _checkpoint_bodies_traceable(gm: fx.GraphModule):
+    """Let the pre-dispatch re-trace through a plain ``torch.utils.checkpoint`` region.
+
+    torch's pre-dispatch rule for ``tag_activation_checkpoint`` reads the body's
+    ``_checkpoint_context_fn``, which Dynamo sets only when the user passed a ``context_fn``;
+    a plain checkpoint is given the context it means (recompute everything) while tracing."""
+    given = [body for node in gm.graph.find_nodes(op="call_function", target=_CHECKPOINT)
+             if "_checkpoint_context_fn" not in (body := getattr(gm, node.args[0].target)).meta]
+    for body in given:
+        body.meta["_checkpoint_context_fn"] = _PLAIN_CHECKPOINT
+    # torch then warns that the user passed a context_fn, which they did not
+    wrap_log, quiet = logging.getLogger("torch._higher_order_ops.wrap"), lambda record: "context_fn" not in record.msg
+    wrap_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        wrap_log.removeFilter(quiet)
+        for body in given:
+            del body.meta["_checkpoint_context_fn"]
+
+
+def _retrace(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
     fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -130,12 +179,39 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
     report = FusionReport(graphs=1)
     with stage("common subexpressions", options.progress):
         gm = collapse_captured(gm)
+    gm = _fuse_checkpointed(gm, options, report)
     rolled = fuse_rolled_loops(gm, example_inputs, options, report)
     if rolled is not None:
         return rolled
     with stage("re-trace to ATen", options.progress):
         aten_gm = canonicalize(gm, example_inputs)
     return run_passes(aten_gm, options, report), report
+
+
+def _fuse_checkpointed(gm: fx.GraphModule, options: Options, report: FusionReport) -> fx.GraphModule:
+    """``gm`` with each ``torch.utils.checkpoint`` region fused inside.
+
+    Dynamo keeps a checkpointed region as a ``tag_activation_checkpoint`` call on a body
+    graph; each body goes through this pipeline on its own (its fusions and misses join
+    ``report``) and the call stays, so the region is still recomputed in the backward."""
+    fused_bodies = {}
+    for node in gm.graph.find_nodes(op="call_function", target=_CHECKPOINT):
+        body = getattr(gm, node.args[0].target)
+        examples = [a.meta.get("example_value") if isinstance(a, fx.Node) else a for a in node.args[1:]]
+        fused, body_report = fuse_or_original(body, examples, options)
+        report.fusions += body_report.fusions
+        report.misses += body_report.misses
+        if fused is not body:
+            fused.meta.update(body.meta)  # a user's context_fn (selective checkpointing) stays
+            fused_bodies[node.args[0].target] = fused
+    if not fused_bodies:
+        return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copied = fx.GraphModule(gm, graph)  # Dynamo's graph keeps its own bodies
+    for name, fused in fused_bodies.items():
+        setattr(copied, name, fused)
+    return copied
 
 
 def fuse_rolled_loops(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: Options,

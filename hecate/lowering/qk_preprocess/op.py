@@ -355,9 +355,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out):
-    x, proj_weight, proj_bias, conv_weight, conv_bias, conv_state = ctx.saved_tensors[:6]
+    # saved_tensors unpacked once: under torch.utils.checkpoint a second unpack is an error
+    x, proj_weight, proj_bias, conv_weight, conv_bias, conv_state, *phi_params = ctx.saved_tensors
     activation, phi, phi_scalar = ctx.attrs
-    phi_params = ctx.saved_tensors[6:]
     needs = ctx.needs_input_grad
     output_mask = ([bool(n) for n in needs[:5]] + [bool(n) for n in needs[7]] + [False] * (2 - len(phi_params))
                    + [len(needs) > 9 and bool(needs[9])])      # conv_state, when it was passed

@@ -1,0 +1,87 @@
+"""Activation checkpointing (``torch.utils.checkpoint``) around a family: fused inside, still checkpointed.
+
+Dynamo keeps a checkpointed region as a ``tag_activation_checkpoint`` call on a body graph.
+The body goes through Hecate's pipeline on its own and the call stays (the region is still
+recomputed in the backward); the compiled model equals eager, outputs and gradients (≤ 1e-5).
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import hecate
+from hecate.models.memory import LpMemory
+from hecate.testing import assert_close
+
+TOL = 1e-5
+
+
+def kl_attention_step(mu, var):  # pairwise-KL attention and its β-weighted means
+    d = mu[:, :, None] - mu[:, None]
+    kl = 0.5 * (var[:, :, None] / var[:, None] + d ** 2 / var[:, None] - 1 + var[:, None].log()
+                - var[:, :, None].log()).sum(-1)
+    return torch.softmax(-kl, -1) @ mu
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):  # selective checkpointing: keep products, recompute the rest
+    return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default) \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, inner, selective=False):
+        super().__init__()
+        self.inner, self.selective = inner, selective
+
+    def forward(self, *args):
+        if self.selective:
+            context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+            return checkpoint(self.inner, *args, use_reentrant=False, context_fn=context)
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+class KLBlock(nn.Module):
+    def __init__(self, d=5):
+        super().__init__()
+        self.enc = nn.Linear(d, 2 * d)
+
+    def forward(self, x):
+        mu, logvar = self.enc(x).chunk(2, -1)
+        return kl_attention_step(mu, logvar.exp())
+
+
+CASES = {
+    "memory_loop": (lambda: LpMemory(8, n_heads=2, d_k=4, d_v=4), (2, 6, 8), "memory_scan"),
+    "kl_attention": (KLBlock, (2, 7, 5), "kl_attention"),
+}
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["checkpoint", "selective"])
+@pytest.mark.parametrize("fallback", ["inductor", "eager"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_checkpointed_family_is_fused_and_equals_eager(name, fallback, selective, fresh_dynamo, tmp_path):
+    make, shape, pattern = CASES[name]
+    torch.manual_seed(0)
+    model = Checkpointed(make(), selective)
+    x = torch.randn(*shape)
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    compiled = torch.compile(model, backend="hecate", options={"fallback": fallback, "strict": True,
+                                                                "dump_dir": str(tmp_path)})
+    got, ref = compiled(xc), model(xe)
+    report = hecate.last_report()
+    assert report.count(pattern) == 1 and not report.misses, str(report)
+    got, ref = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref)
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_close(f"output {i}", g, r, TOL)
+    weights = [torch.randn(r.shape, generator=torch.Generator().manual_seed(i)) for i, r in enumerate(ref)]
+    params = list(model.parameters())
+    grads_got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(got, weights)), [xc, *params])
+    grads_ref = torch.autograd.grad(sum((o * w).sum() for o, w in zip(ref, weights)), [xe, *params])
+    for i, (g, r) in enumerate(zip(grads_got, grads_ref)):
+        assert_close(f"grad {i}", g, r, TOL)
+    # the region is still a checkpoint: the fused graph calls tag_activation_checkpoint on its body
+    dumps = list(tmp_path.glob("*_after_*.txt"))
+    assert any("tag_activation_checkpoint" in f.read_text() for f in dumps), [f.name for f in dumps]
