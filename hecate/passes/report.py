@@ -47,6 +47,7 @@ class FusionReport:
     misses: list[Miss] = field(default_factory=list)
     graphs: int = 0  # how many FX graphs Dynamo handed to the backend
     onnx_forms: list = field(default_factory=list)  # export_onnx: the ONNX form each fused op took, and why
+    graph_breaks: list[str] = field(default_factory=list)  # hecate.explain: why Dynamo split the code, first lines
 
     def add_fusion(self, pattern: str, op: str, nodes_replaced: int, detail: str = "") -> None:
         self.fusions.append(Fusion(pattern, op, nodes_replaced, detail))
@@ -62,6 +63,7 @@ class FusionReport:
         self.fusions.extend(other.fusions)
         self.misses.extend(other.misses)
         self.graphs += other.graphs
+        self.graph_breaks.extend(other.graph_breaks)
 
     def count(self, pattern: str) -> int:
         """How many times ``pattern`` was fused."""
@@ -93,6 +95,10 @@ class FusionReport:
                     lines.append(f"{indent}at {m.source}")
                 if m.where and (verbose or not m.source):
                     lines.append(f"{indent}graph nodes: {m.where}")
+        if self.graph_breaks:
+            lines += ["", "Dynamo graph breaks (each piece is compiled as its own graph: a pattern split across "
+                      "pieces cannot be fused):"]
+            lines += [f"  {reason}" for reason in self.graph_breaks]
         return "\n".join(lines)
 
 

@@ -60,3 +60,16 @@ def test_report_shows_source_through_explain():
     assert misses, str(report)
     assert all(m.source.startswith("test_report.py:") for m in misses), str(report)
     assert "conv(x.transpose(1, 2))" in str(report)
+
+
+def _split_by_the_user(x):
+    y = x.sin()
+    torch._dynamo.graph_break()
+    return y.cos()
+
+
+def test_explain_says_why_dynamo_split_the_code(fresh_dynamo):
+    report = hecate.explain(_split_by_the_user, torch.randn(3))
+    assert report.graphs == 2 and report.graph_breaks == ["Call to `torch._dynamo.graph_break()`"], report.graph_breaks
+    assert "Dynamo graph breaks" in str(report) and "torch._dynamo.graph_break()" in str(report)
+    assert hecate.explain(lambda x: x.sin(), torch.randn(3)).graph_breaks == []
