@@ -7,7 +7,9 @@
   rolled up by :mod:`hecate.compiler.loops`);
 * causal by cumulative sum (no decay): ``M_t = Σ_{s≤t} v_s k_sᵀ (+ m0)``, ``y_t = M_t q_t``,
   normalised by ``q_t · Σ_{s≤t} k_s + eps``; the [B, T, H, Dv, Dk] tensor of all M_t is never built;
-* non-causal: ``φ(Q)(φ(K)ᵀV)`` by einsum, normalised by ``φ(Q)·Σ_t φ(k_t) + eps``.
+* non-causal: ``φ(Q)(φ(K)ᵀV)`` by einsum, normalised by ``φ(Q)·Σ_t φ(k_t) + eps``;
+* the parallel form ``(φ(Q)φ(K)ᵀ ⊙ D) V`` with a causal or decaying mask D, recognised by
+  evaluation in :mod:`hecate.passes.linear_attention_parallel`.
 
 Tensors are [B, T, H, D] (time on dim 1), as the op takes them. A form that matches but
 differs (another time dim, the cumulated states read elsewhere, an einsum over other
@@ -22,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from hecate.passes.linear_attention_parallel import fuse_parallel_forms
 from hecate.passes.report import FusionReport
 from hecate.passes.memory_step import fuse_scans, report_unrolled_updates
 from hecate.passes.matching import Match, NotFused, find_matches, flat_args, literal_slots, pattern_graph, \
@@ -151,6 +154,7 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
     """Fuse the loop and scan forms (as memory_scan does), then the cumsum and non-causal forms."""
     fuse_scans(gm, report, "linear_attention")
     report_unrolled_updates(gm, report, "linear_attention")
+    fuse_parallel_forms(gm, report)
     for form, normalise, with_m0, pattern in _forms():
         for match in find_matches(gm, pattern):  # a form's matches do not overlap
             try:

@@ -11,7 +11,9 @@ already report, with the first reason it can give and the user's source line:
   products of per-position tensors with the log of one, as the KL expanded into products is;
 * ``memory_scan`` / ``linear_attention``: a loop-carried matrix state updated by an outer
   product, in a rolled ``scan`` body or in a chain of unrolled steps;
-* ``qk_preprocess``: a depthwise conv1d (groups = channels).
+* ``qk_preprocess``: a depthwise conv1d (groups = channels);
+* ``kl_decode``: a softmax over the vocabulary of logits made by matrix products of the
+  beliefs with per-token tensors and the log of one, as the KL to the priors expanded is.
 
 Found by what the graph computes (broadcast shapes, pointwise tags, contraction sizes),
 not by op spellings.
@@ -36,6 +38,7 @@ _FAMILIES = {
     "kl_attention": ("kl_attention",),
     "memory_scan": ("memory_scan", "linear_attention", "loops"),
     "qk_preprocess": ("qk_preprocess",),
+    "kl_decode": ("kl_decode",),
 }
 _SOFTMAX = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
 _CONV = (aten.conv1d.default, aten.convolution.default)
@@ -63,6 +66,8 @@ def report_unfused_signatures(gm: fx.GraphModule, enabled: Iterable[str], report
                 found.append(("memory_scan", reason, nodes))
     if "qk_preprocess" in enabled:
         found += [("qk_preprocess", reason, nodes) for reason, nodes in _depthwise_convs(gm.graph)]
+    if "kl_decode" in enabled:
+        found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_products(gm.graph)]
     for family, reason, nodes in found:
         if not _already_reported(report, family, nodes):
             report.add_miss(family, reason, nodes=nodes)
@@ -165,6 +170,36 @@ def _gaussian_score_by_products(softmax: fx.Node, score: tuple) -> fx.Node | Non
             and (lambda shape: shape is not None and len(shape) >= 2 and _is(shape[-2], score[-1])
                  and not _is(shape[-1], score[-1]))(_shape(a.args[0]))]
     return product if product is not None and logs else None
+
+
+# ---- kl_decode: a softmax over the vocabulary of a Gaussian score by products -----------------
+
+def _decode_scores_by_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
+    """A (log-)softmax or cross-entropy over V logits made by a product of per-position [..., N, K]
+    tensors with per-token [V, K] ones, reading the log (or exp: log-variances) of a [V, K] or
+    [..., N, K] tensor: the KL to token priors expanded into products (the broadcast form is
+    kl_decode's own)."""
+    readers = _SOFTMAX + (aten.cross_entropy_loss.default,)
+    for softmax in (n for t in readers for n in graph.find_nodes(op="call_function", target=t)):
+        logits = _shape(softmax.args[0])
+        if logits is None or len(logits) < 2 or _is(logits[-1], logits[-2]):
+            continue  # a square score is kl_attention's
+        vocab = logits[-1]
+        ancestors = list(_ancestors(softmax))
+        product = next((a for a in ancestors if a.target in _PRODUCTS + (aten.einsum.default,)
+                        and _is((_shape(a) or (None,))[-1], vocab)
+                        and any(vocab in (_shape(x) or ()) for x in a.all_input_nodes)), None)
+        if product is None:
+            continue
+        widths = {(_shape(x) or (None,))[-1] for x in product.all_input_nodes} - {vocab}
+        # the variances: a log of them, or an exp of log-variances
+        logs = [a for a in ancestors if a.target in (aten.log.default, aten.exp.default)
+                and (_shape(a.args[0]) or (None,))[-1] in widths and len(_shape(a.args[0]) or ()) >= 2]
+        if logs:
+            yield (f"a softmax over {logits[-1]} logits made by matrix products of per-position beliefs with "
+                   "per-token tensors, with the log or exp of one (as the KL to token priors expanded into "
+                   "products has): kl_decode reads the KL written per (position, token) pair, the beliefs [..., N, 1, K] "
+                   "broadcast against the priors [V, K]; compiled as written", [softmax, product])
 
 
 # ---- memory: a matrix state updated by an outer product -----------------------------------

@@ -1,0 +1,210 @@
+"""Linear attention in its parallel form, ``(φ(Q) φ(K)ᵀ ⊙ D) V``, → ``hecate.linear_attention``.
+
+    y_t = Σ_{s≤t} D_ts (q_t · k_s) v_s,   D_ts = γ^{t−s}   (γ = 1: plain causal linear attention;
+                                                              γ < 1: a decaying mask, RetNet's retention)
+
+is the Hebbian recurrence M_t = γ M_{t−1} + v_t k_tᵀ, y_t = M_t q_t written for all t at once:
+researchers train with it because it is parallel over t, at the price of the [T, T] score.
+The op computes the recurrence (chunked), never forming the score.
+
+Recognised by what it computes, whatever spells the mask (``tril``, a product with a
+``tril(ones)`` or decay matrix, ``masked_fill``/``where`` with 0) or the transpose: for
+``y = A @ V`` where A is a [..., T, T] tensor computed from one product ``S = Q @ Kᵀ`` (and
+nothing else but constants), the subgraph from (Q, K, V) to y is evaluated at random float64
+points and compared with the formula above, D read off the subgraph itself (its value at
+q = k = e₁, where every q_t · k_s is 1). A normaliser ``y / (A.sum(-1, keepdim=True) + eps)``
+is recognised the same way. Q, K, V are [T, D], [B, T, D] or [B, H, T, D] (time on dim −2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from hecate.passes.gaussian import evaluate
+from hecate.passes.matching import NotFused, replace_with_function
+from hecate.passes.report import FusionReport
+
+aten = torch.ops.aten
+_PRODUCTS = (aten.matmul.default, aten.bmm.default)
+_SEARCH = 12  # ops between the score product and the masked score: a mask is a few of them
+
+
+def fuse_parallel_forms(gm: fx.GraphModule, report: FusionReport) -> None:
+    for y in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _PRODUCTS]:
+        if y._erased or not y.users:
+            continue  # erased by an earlier fusion
+        found = _parallel_form(y)
+        if found is None:
+            continue
+        try:
+            _fuse(gm, y, *found, report)
+        except NotFused as why:
+            report.add_miss("linear_attention", f"linear attention in its parallel form (φ(Q)φ(K)ᵀ ⊙ D) V: {why}",
+                            nodes=[y])
+
+
+def _shape(node) -> tuple | None:
+    """The shape, sizes as text (a symbol compares by name: no guard is added under dynamic shapes)."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(str(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _parallel_form(y: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node, fx.Node] | None:
+    """(A, S, Q, K, V) when ``y = A @ V`` has the parallel form's structure (not yet its values)."""
+    a, v = y.args[:2]
+    sa, sv = _shape(a), _shape(v)
+    if sa is None or sv is None or len(sa) < 2 or len(sa) != len(sv) or sa[-1] != sa[-2]:
+        return None
+    score, _ = _score_product(a, sa)
+    if score is None:
+        return None
+    q, kt = score.args[:2]
+    k = _untransposed(kt)
+    if k is None or _shape(q) is None or _shape(q) != _shape(k) or _shape(q)[:-1] != sv[:-1] or len(sv) > 4:
+        return None
+    return a, score, q, k, v
+
+
+def _score_product(a: fx.Node, shape: tuple) -> tuple[fx.Node | None, set]:
+    """The one [..., T, T] product A is computed from (through pointwise ops and masks), if any,
+    and the nodes between them."""
+    frontier, seen, products = [a], set(), []
+    for _ in range(_SEARCH):
+        nxt = []
+        for node in frontier:
+            if node in seen or not isinstance(node, fx.Node) or node.op != "call_function":
+                continue
+            seen.add(node)
+            if node.target in _PRODUCTS and _shape(node) == shape:
+                products.append(node)
+            elif node.target in (aten.softmax.int, aten._softmax.default, aten.exp.default):
+                return None, seen  # softmax attention, not linear
+            else:
+                nxt += node.all_input_nodes
+        frontier = nxt
+    return (products[0] if len(products) == 1 else None), seen
+
+
+def _untransposed(node: fx.Node) -> fx.Node | None:
+    """X for a node that is X with its last two dims swapped (``.mT``, ``transpose(-1, -2)``, ``permute``)."""
+    if node.op != "call_function":
+        return None
+    rank = len(_shape(node) or ())
+    if node.target in (aten.mT.default, aten.t.default) or node.target == aten.numpy_T.default and rank == 2:
+        return node.args[0]
+    if node.target == aten.transpose.int and {d % rank for d in node.args[1:3]} == {rank - 2, rank - 1}:
+        return node.args[0]
+    if node.target == aten.permute.default and list(node.args[1]) == [*range(rank - 2), rank - 1, rank - 2]:
+        return node.args[0]
+    return None
+
+
+def _size(value) -> int:
+    return int(value.node.shape_env.size_hint(value.node.expr)) if isinstance(value, torch.SymInt) else int(value)
+
+
+def _sizes(node: fx.Node) -> list[int]:
+    return [_size(s) for s in node.meta["val"].shape]
+
+
+def _draw(node: fx.Node, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(_sizes(node), dtype=torch.float64, generator=generator)
+
+
+def _decays(a: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node) -> tuple[torch.Tensor, list[float]]:
+    """(D [*L, T, T], γ per head) for the mask A applies to the scores: A at q = k = e₁ (every
+    q_t · k_s = 1), checked to be γ^{t−s} below the diagonal, one γ per head ([B, H, T, T])
+    or one for all, the same in every sequence."""
+    ones = torch.zeros(_sizes(q), dtype=torch.float64)
+    ones[..., 0] = 1.0
+    try:
+        d = evaluate(a, {q: ones, k: ones.clone(), v: torch.zeros(_sizes(v), dtype=torch.float64)}, _size)
+    except NotFused:
+        raise NotFused("its mask D reads a tensor the graph takes as input (a buffer, parameter or argument), "
+                       "whose values are not known when compiling; the mask must be computed from sizes and "
+                       "constants") from None
+    heads = d[0] if d.dim() == 4 else d.reshape(-1, *d.shape[-2:])[:1]  # [H or 1, T, T]
+    if d.dim() == 4 and not bool((d == heads).all()) or d.dim() < 4 and not bool((d == heads[0]).all()):
+        raise NotFused("its mask differs between sequences")
+    t = d.shape[-1]
+    steps = torch.arange(t, dtype=torch.float64)
+    below = steps[:, None] >= steps[None, :]
+    gammas = [float(h[1, 0]) if t > 1 else 1.0 for h in heads]
+    for gamma, h in zip(gammas, heads):
+        expected = torch.where(below, gamma ** (steps[:, None] - steps[None, :]), 0.0)
+        # the model computes its decay in its own precision (γ^(t−s) in float32, say)
+        if not (0.0 < gamma <= 1.0 and torch.allclose(h, expected, rtol=1e-6, atol=0.0)):
+            raise NotFused("its mask D is not causal with D_ts = γ^(t−s), 0 < γ ≤ 1 (a decay the recurrence keeps)")
+    return d, (gammas if len(set(gammas)) > 1 else gammas[:1])
+
+
+def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor) -> tuple[fx.Node, float] | None:
+    """(the division node, eps) when y's only reader divides it by Σ_s A_ts + eps."""
+    if len(y.users) != 1:
+        return None
+    (div,) = y.users
+    if div.target != aten.div.Tensor or div.args[0] is not y or not isinstance(div.args[1], fx.Node):
+        return None
+    try:
+        den = evaluate(div.args[1], values, _size)
+    except NotFused:
+        return None
+    if den.shape != expected_den.shape:
+        return None
+    eps = (den - expected_den).flatten()
+    if not torch.allclose(eps, eps[0].expand_as(eps), rtol=0.0, atol=1e-12):
+        return None
+    return div, float(eps[0])
+
+
+def _fuse(gm: fx.GraphModule, y: fx.Node, a: fx.Node, score: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node,
+          report: FusionReport) -> None:
+    if not hasattr(torch.ops.hecate, "linear_attention"):
+        raise NotFused("the op hecate.linear_attention is not registered (import hecate.lowering)")
+    d, gammas = _decays(a, q, k, v)
+    generator = torch.Generator().manual_seed(0)
+    values = {q: _draw(q, generator), k: _draw(k, generator), v: _draw(v, generator)}
+    scores = (values[q] @ values[k].mT) * d
+    if not torch.allclose(evaluate(y, dict(values), _size), scores @ values[v], rtol=1e-6, atol=1e-9):
+        raise NotFused("A @ V differs from Σ_s D_ts (q_t·k_s) v_s at random points")
+    dtypes = {n.meta["val"].dtype for n in (q, k, v)}
+    if len(dtypes) != 1:
+        raise NotFused(f"q, k, v have dtypes {sorted(map(str, dtypes))}; linear_attention needs one")
+    normaliser = _normaliser(y, dict(values), scores.sum(-1, keepdim=True))
+    replaced, out = [y, a], y
+    if normaliser is not None:
+        out = normaliser[0]
+        replaced.append(out)
+    eps = normaliser[1] if normaliser is not None else 1e-6
+    _, between = _score_product(a, _shape(a))
+    replace_with_function(gm, replaced, _linear_attention_of(gammas, normaliser is not None, eps), [k, v, q],
+                          outputs=[out])
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in sorted((n for n in between | {score} if not n._erased), key=order.__getitem__, reverse=True):
+        if not node.users:  # the score and its mask, now read by nothing
+            gm.graph.erase_node(node)
+    report.add_fusion("linear_attention", "hecate.linear_attention", len(replaced) + 1,
+                      "causal (φ(Q)φ(K)ᵀ ⊙ D) V, parallel form"
+                      + (f", decay γ={'/'.join(f'{g:g}' for g in gammas)}" if gammas != [1.0] else "")
+                      + (", normalised" if normaliser is not None else ""))
+
+
+def _linear_attention_of(gammas: list[float], normalise: bool, eps: float):
+    """The replacement: the op over [B, T, H, D] views of [T, D] / [B, T, D] / [B, H, T, D] inputs,
+    with the per-head (or one) decay γ as the keep factor of every step."""
+    def parallel_form_as_recurrence(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        rank = q.dim()
+
+        def to_op(x):  # [T, D] / [B, T, D] / [B, H, T, D] → [B, T, H, D]
+            return x[None, :, None] if rank == 2 else x[:, :, None] if rank == 3 else x.transpose(1, 2)
+
+        k_, v_, q_ = to_op(k), to_op(v), to_op(q)
+        alpha: Any = None if gammas == [1.0] else \
+            torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()
+        y = torch.ops.hecate.linear_attention(k_, v_, q_, alpha, None, None, normalise, eps, True)[0]
+        return y[0, :, 0] if rank == 2 else y[:, :, 0] if rank == 3 else y.transpose(1, 2)
+
+    return parallel_form_as_recurrence

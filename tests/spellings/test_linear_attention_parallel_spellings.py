@@ -1,0 +1,168 @@
+"""Linear attention in its parallel form, (φ(Q)φ(K)ᵀ ⊙ D) V, as researchers write it for training.
+
+Each spelling must fuse into ONE ``hecate.linear_attention`` (the recurrence; the [T, T] score is
+never formed) and equal eager, outputs and input gradients, within 1e-5 relative (fp32), static
+and under ``dynamic=True``. Softmax attention and an anti-causal mask are not linear attention:
+the first is left alone, the second is reported with its reason.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hecate
+from hecate.testing import assert_close
+
+TOL = 1e-5
+B, T, D = 2, 7, 4
+
+
+def phi(x):
+    return F.elu(x) + 1
+
+
+def tril_method(q, k, v):
+    return (phi(q) @ phi(k).transpose(-1, -2)).tril() @ v
+
+
+def times_tril_of_ones(q, k, v):
+    n = q.shape[-2]
+    return ((phi(q) @ phi(k).mT) * torch.tril(torch.ones(n, n))) @ v
+
+
+def masked_fill_bmm(q, k, v):
+    n = q.shape[1]
+    scores = torch.bmm(phi(q), phi(k).transpose(1, 2))
+    return torch.bmm(scores.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), 0.0), v)
+
+
+def normalised(q, k, v):
+    a = torch.tril(phi(q) @ phi(k).transpose(-1, -2))
+    return (a @ v) / (a.sum(-1, keepdim=True) + 1e-6)
+
+
+def where_arange_relu_features(q, k, v):
+    n = q.shape[-2]
+    t = torch.arange(n)
+    scores = F.relu(q) @ F.relu(k).permute(0, 2, 1)
+    return torch.where(t[:, None] >= t[None, :], scores, torch.zeros_like(scores)) @ v
+
+
+def retention(q, k, v):  # one decay γ = 0.9: RetNet's retention with a single scale
+    n = q.shape[-2]
+    t = torch.arange(n)
+    decay = torch.where(t[:, None] >= t[None, :], 0.9 ** (t[:, None] - t[None, :]).float(), 0.0)
+    return ((q @ k.transpose(-2, -1)) * decay) @ v
+
+
+def one_sequence(q, k, v):  # [T, D]: no batch
+    return torch.tril(phi(q[0]) @ phi(k[0]).T) @ v[0]
+
+
+class MultiHead(nn.Module):
+    """[B, H, T, Dh] heads, projections, the heads merged back."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (z.view(b, n, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        y = torch.tril(phi(q) @ phi(k).transpose(-2, -1)) @ v
+        return self.out(y.transpose(1, 2).reshape(b, n, D))
+
+
+class MultiScaleRetention(nn.Module):
+    """RetNet: one decay per head, γ_h = 1 − 2^(−2−h), the decay matrix built per head."""
+
+    def __init__(self, heads=2, decay_in_a_buffer=False):
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(D, 3 * D, bias=False)
+        self.decay_in_a_buffer = decay_in_a_buffer
+        if decay_in_a_buffer:
+            self.register_buffer("gammas", self._gammas())
+
+    def _gammas(self):
+        return 1 - 2.0 ** (-2 - torch.arange(self.heads, dtype=torch.float32))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (z.view(b, n, self.heads, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        t = torch.arange(n, device=x.device)
+        gap = (t[:, None] - t[None, :]).float()
+        gammas = self.gammas if self.decay_in_a_buffer else self._gammas()
+        decay = torch.where(gap >= 0, gammas[:, None, None] ** gap, torch.zeros(()))  # [H, T, T]
+        return ((q @ k.transpose(-1, -2)) * decay) @ v
+
+
+FUNCTIONS = [tril_method, times_tril_of_ones, masked_fill_bmm, normalised, where_arange_relu_features, retention,
+             one_sequence]
+
+
+def _check(fn, args, dynamic, params=()):
+    args_c = [a.clone().requires_grad_() for a in args]
+    args_e = [a.clone().requires_grad_() for a in args]
+    got = torch.compile(fn, backend="hecate", dynamic=dynamic, options={"strict": True})(*args_c)
+    report = hecate.last_report()
+    ref = fn(*args_e)
+    assert_close("output", got, ref, TOL)
+    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    grads_got = torch.autograd.grad((got * weight).sum(), [*args_c, *params])
+    grads_ref = torch.autograd.grad((ref * weight).sum(), [*args_e, *params])
+    for i, (g, r) in enumerate(zip(grads_got, grads_ref)):
+        assert_close(f"grad {i}", g, r, TOL)
+    return report
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn", FUNCTIONS, ids=[f.__name__ for f in FUNCTIONS])
+def test_parallel_form_fuses_and_equals_eager(fn, dynamic, fresh_dynamo):
+    torch.manual_seed(0)
+    report = _check(fn, [torch.randn(B, T, D) for _ in range(3)], dynamic)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("module", [MultiHead, MultiScaleRetention], ids=lambda m: m.__name__)
+def test_multihead_parallel_form_fuses_and_equals_eager(module, dynamic, fresh_dynamo):
+    torch.manual_seed(0)
+    model = module()
+    report = _check(model, [torch.randn(B, T, D)], dynamic, list(model.parameters()))
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    if module is MultiScaleRetention:
+        assert "decay γ=0.75/0.875" in report.fusions[0].detail, report.fusions[0].detail
+
+
+def softmax_attention(q, k, v):
+    n = q.shape[-2]
+    scores = (q @ k.mT).masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def anticausal(q, k, v):
+    return (phi(q) @ phi(k).mT).triu() @ v
+
+
+def test_softmax_attention_is_not_linear_attention(fresh_dynamo):
+    report = _check(softmax_attention, [torch.randn(B, T, D) for _ in range(3)], False)
+    assert report.count("linear_attention") == 0 and not report.misses, str(report)
+
+
+def test_anticausal_mask_is_reported_with_its_reason(fresh_dynamo):
+    report = _check(anticausal, [torch.randn(B, T, D) for _ in range(3)], False)
+    assert report.count("linear_attention") == 0, str(report)
+    [miss] = report.misses
+    assert "mask D is not causal" in miss.reason and "anticausal" not in miss.reason, miss
+    assert miss.source.startswith("test_linear_attention_parallel_spellings.py:"), miss.source
+
+
+def test_decay_read_from_a_buffer_is_reported_not_assumed(fresh_dynamo):
+    """A buffer's values may change between calls: the mask is not a constant the op can take."""
+    torch.manual_seed(0)
+    model = MultiScaleRetention(decay_in_a_buffer=True)
+    report = _check(model, [torch.randn(B, T, D)], False, list(model.parameters()))
+    assert report.count("linear_attention") == 0, str(report)
+    [miss] = report.misses
+    assert "buffer, parameter or argument" in miss.reason and "* decay) @ v" in miss.source, miss
