@@ -28,7 +28,7 @@ from hecate.passes.linear_attention_parallel import fuse_parallel_forms
 from hecate.passes.report import FusionReport
 from hecate.passes.memory_step import fuse_scans, report_unrolled_updates
 from hecate.passes.matching import Match, NotFused, find_matches, flat_args, literal_slots, pattern_graph, \
-    replace_with_op, same_literal
+    replace_with_function, replace_with_op, same_literal
 
 aten = torch.ops.aten
 _EPS = 3.5e-7  # a distinctive eps traced into the patterns, read back from each match
@@ -127,11 +127,12 @@ def _einsum_roles(match: Match) -> tuple[fx.Node, fx.Node]:
     return (x, y) if k_is_x else (y, x)
 
 
-def _check_inputs(k: fx.Node, v: fx.Node, q: fx.Node) -> None:
+def _check_inputs(k: fx.Node, v: fx.Node, q: fx.Node, ranks: tuple[int, ...] = (4,)) -> None:
     kv, vv, qv = (n.meta["val"] for n in (k, v, q))
-    if kv.dim() != 4 or vv.dim() != 4 or qv.dim() != 4 or kv.shape != qv.shape or kv.shape[:3] != vv.shape[:3]:
+    if kv.dim() not in ranks or vv.dim() != kv.dim() or qv.dim() != kv.dim() or kv.shape != qv.shape \
+            or kv.shape[:-1] != vv.shape[:-1]:
         raise NotFused(f"k {list(kv.shape)}, v {list(vv.shape)}, q {list(qv.shape)}: linear_attention needs "
-                        "k, q [B, T, H, Dk] and v [B, T, H, Dv]")
+                        "k, q [B, T, H, Dk] and v [B, T, H, Dv]" + (" (or one head, [B, T, D])" if 3 in ranks else ""))
     if not kv.dtype == vv.dtype == qv.dtype:
         raise NotFused(f"k, v, q have dtypes {kv.dtype}, {vv.dtype}, {qv.dtype}; linear_attention needs one")
 
@@ -172,17 +173,28 @@ def _fuse(gm: fx.GraphModule, match: Match, pattern: fx.Graph, form: str, normal
         final_reads = _final_state_reads(match.outputs[1], match)
     else:
         k, v = _einsum_roles(match)
-    _check_inputs(k, v, q)
+    _check_inputs(k, v, q, (3, 4) if causal else (4,))
     if not hasattr(torch.ops.hecate, "linear_attention"):
         raise NotFused("the op hecate.linear_attention is not registered (import hecate.lowering)")
-    args: list[Any] = [k, v, q, None, m0[0] if with_m0 else None, None, normalise, eps, causal]
     nodes = len(match.nodes)
-    replace_with_op(gm, match, torch.ops.hecate.linear_attention.default, args, [0, 1] if causal else [0])
+    if k.meta["val"].dim() == 3:  # one head, [B, T, D]: the op's head dim added and taken away
+        replace_with_function(gm, match, _single_head(normalise, eps), [k, v, q, *m0])
+    else:
+        args: list[Any] = [k, v, q, None, m0[0] if with_m0 else None, None, normalise, eps, causal]
+        replace_with_op(gm, match, torch.ops.hecate.linear_attention.default, args, [0, 1] if causal else [0])
     for read in final_reads:  # select(M_t, 1, -1) now reads M_T, the op's second result, itself
         read.replace_all_uses_with(read.args[0])
         gm.graph.erase_node(read)
     report.add_fusion("linear_attention", "hecate.linear_attention", nodes + len(final_reads),
                       _describe(form, normalise) + (", from m0" if with_m0 else ""))
+
+
+def _single_head(normalise: bool, eps: float) -> Callable:
+    def causal_single_head(k, v, q, *m0):  # [B, T, D] → the op's [B, T, 1, D]; M0 [B, Dv, Dk] → [B, 1, Dv, Dk]
+        y, m, _ = torch.ops.hecate.linear_attention(k[:, :, None], v[:, :, None], q[:, :, None], None,
+                                                     m0[0][:, None] if m0 else None, None, normalise, eps, True)
+        return y[:, :, 0], m[:, 0]
+    return causal_single_head
 
 
 def _describe(form: str, normalise: bool) -> str:

@@ -119,3 +119,25 @@ NEAR_MISSES = [
 def test_near_miss_is_reported_not_fused_and_correct(fn, reason, fresh_dynamo):
     _check(_Fn(fn), _bthd(), miss=reason)
 
+
+
+def single_head_cumsum(k, v, q):
+    """One head, [B, T, D]: the op's head dim is added and taken away around it."""
+    k, v, q = k[:, :, 0], v[:, :, 0], q[:, :, 0]
+    Ms = torch.cumsum(v.unsqueeze(-1) * k.unsqueeze(-2), dim=1)
+    return (Ms @ q.unsqueeze(-1)).squeeze(-1), Ms[:, -1]
+
+
+def single_head_cumsum_normalised_from_m0(k, v, q):
+    k, v, q = k[:, :, 0], v[:, :, 0], q[:, :, 0]
+    m0 = torch.linspace(-1, 1, v.shape[-1] * k.shape[-1]).view(v.shape[-1], k.shape[-1]).expand(k.shape[0], -1, -1)
+    Ms = torch.cumsum(v.unsqueeze(-1) * k.unsqueeze(-2), dim=1) + m0.unsqueeze(1)
+    y = (Ms @ q.unsqueeze(-1)).squeeze(-1)
+    return y / ((torch.cumsum(k, dim=1) * q).sum(-1, keepdim=True) + 1e-6), Ms[:, -1]
+
+
+@pytest.mark.parametrize("fn,detail", [(single_head_cumsum, CUMSUM),
+                                       (single_head_cumsum_normalised_from_m0, CUMSUM + ", normalised, from m0")],
+                         ids=["cumsum", "normalised-m0"])
+def test_single_head_cumsum_form_is_fused(fn, detail, fresh_dynamo):
+    _check(_Fn(fn), _bthd(), detail=detail)
