@@ -13,11 +13,14 @@ Recognised by what it computes, whatever spells the mask (``tril``, a product wi
 nothing else but constants), the subgraph from (Q, K, V) to y is evaluated at random float64
 points and compared with the formula above, D read off the subgraph itself (its value at
 q = k = e₁, where every q_t · k_s is 1). A normaliser ``y / (A.sum(-1, keepdim=True) + eps)``
-is recognised the same way. Q, K, V are [T, D], [B, T, D] or [B, H, T, D] (time on dim −2).
+is recognised the same way. The products are ``@``/``bmm`` or einsums with their letters in any
+order; once each operand is permuted to [*L, T, D] (L: none, a batch, or a batch and heads) the
+replacement feeds the op's [B, T, H, D] and permutes the result back to y's layout.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,14 +36,14 @@ _SEARCH = 12  # ops between the score product and the masked score: a mask is a 
 
 
 def fuse_parallel_forms(gm: fx.GraphModule, report: FusionReport) -> None:
-    for y in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _PRODUCTS]:
+    for y in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _PRODUCTS + (aten.einsum.default,)]:
         if y._erased or not y.users:
             continue  # erased by an earlier fusion
-        found = _parallel_form(y)
-        if found is None:
+        form = _parallel_form(y)
+        if form is None:
             continue
         try:
-            _fuse(gm, y, *found, report)
+            _fuse(gm, y, form, report)
         except NotFused as why:
             report.add_miss("linear_attention", f"linear attention in its parallel form (φ(Q)φ(K)ᵀ ⊙ D) V: {why}",
                             nodes=[y])
@@ -52,20 +55,92 @@ def _shape(node) -> tuple | None:
     return tuple(str(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _parallel_form(y: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node, fx.Node] | None:
-    """(A, S, Q, K, V) when ``y = A @ V`` has the parallel form's structure (not yet its values)."""
-    a, v = y.args[:2]
-    sa, sv = _shape(a), _shape(v)
+@dataclass
+class _Form:
+    """The parallel form found at y = A @ V: its nodes, and each operand's permutation to the
+    canonical layout (Q, K [*L, T, D], V [*L, T, E], A [*L, T, T]) and y's from it (None: as is)."""
+
+    a: fx.Node
+    score: fx.Node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    perms: dict[str, list[int] | None]
+
+    def canonical(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        perm = self.perms[name]
+        return value if perm is None else value.permute(perm)
+
+    def as_y(self, value: torch.Tensor) -> torch.Tensor:
+        """A canonical [*L, T, E] value in y's own layout."""
+        perm = self.perms["y"]
+        return value if perm is None else value.permute(perm)
+
+
+def _parallel_form(y: fx.Node) -> _Form | None:
+    """The parallel form's structure at ``y`` (not yet its values)."""
+    outer = _matrix_product(y, key_major=False)
+    if outer is None:
+        return None
+    a, v, pa, pv, py = outer
+    sa, sv = _permuted(_shape(a), pa), _permuted(_shape(v), pv)
     if sa is None or sv is None or len(sa) < 2 or len(sa) != len(sv) or sa[-1] != sa[-2]:
         return None
-    score, _ = _score_product(a, sa)
-    if score is None:
+    score, _ = _score_product(a, _shape(a))
+    inner = _matrix_product(score, key_major=True) if score is not None else None
+    if inner is None:
         return None
-    q, kt = score.args[:2]
-    k = _untransposed(kt)
-    if k is None or _shape(q) is None or _shape(q) != _shape(k) or _shape(q)[:-1] != sv[:-1] or len(sv) > 4:
+    q, k, pq, pk, ps = inner
+    sq, sk = _permuted(_shape(q), pq), _permuted(_shape(k), pk)
+    if sq is None or sq != sk or sq[:-1] != sv[:-1] or len(sv) > 4 or pa != _inverse(ps):
+        return None  # (A is the masked score: the same layout)
+    return _Form(a, score, q, k, v, {"a": pa, "q": pq, "k": pk, "v": pv, "y": py})
+
+
+def _inverse(perm: list[int] | None) -> list[int] | None:
+    return None if perm is None else sorted(range(len(perm)), key=perm.__getitem__)
+
+
+def _permuted(shape: tuple | None, perm: list[int] | None) -> tuple | None:
+    return shape if shape is None or perm is None else tuple(shape[i] for i in perm)
+
+
+def _matrix_product(node: fx.Node, key_major: bool):
+    """(X, Y, X's permutation, Y's, the result's) for a product of X [*L, t, c] with Y over c:
+    Y [*L, c, s] (``key_major=False``: A @ V) or Y [*L, s, c] (``key_major=True``: the score
+    Q Kᵀ, Y = K), the result [*L, t, s]. Spelled ``@``/``bmm`` (the score's K transposed by
+    ``.mT``, ``transpose``, ``permute``) or an einsum whose letters may sit anywhere
+    (``"bts,bse->bte"``, ``"bthd,bshd->bhts"``). Permutations take each operand to that
+    layout and the canonical result to the node's own (None: already so)."""
+    if node.target in _PRODUCTS:
+        x, y = node.args[:2]
+        if not key_major:
+            return x, y, None, None, None
+        k = _untransposed(y)
+        return None if k is None else (x, k, None, None, None)
+    if node.target is not aten.einsum.default or len(node.args[1]) != 2 or not isinstance(node.args[0], str):
         return None
-    return a, score, q, k, v
+    inputs, _, out = node.args[0].replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    if len(terms) != 2 or any(len(set(t)) != len(t) for t in (*terms, out)):
+        return None
+    a, b = terms
+    contracted = (set(a) & set(b)) - set(out)
+    t, s = set(a) - set(b), set(b) - set(a)
+    lead = [letter for letter in out if letter in a and letter in b]
+    if len(contracted) != 1 or len(t) != 1 or len(s) != 1 or set(out) != set(lead) | t | s:
+        return None
+    (c,), (t,), (s,) = contracted, t, s
+    x_order, y_order = lead + [t, c], lead + ([s, c] if key_major else [c, s])
+    canonical = lead + [t, s]
+
+    def perm(term, order):
+        p = [term.index(letter) for letter in order]
+        return None if p == list(range(len(p))) else p
+
+    out_perm = [canonical.index(letter) for letter in out]
+    return (*node.args[1], perm(a, x_order), perm(b, y_order),
+            None if out_perm == list(range(len(out_perm))) else out_perm)
 
 
 def _score_product(a: fx.Node, shape: tuple) -> tuple[fx.Node | None, set]:
@@ -78,7 +153,7 @@ def _score_product(a: fx.Node, shape: tuple) -> tuple[fx.Node | None, set]:
             if node in seen or not isinstance(node, fx.Node) or node.op != "call_function":
                 continue
             seen.add(node)
-            if node.target in _PRODUCTS and _shape(node) == shape:
+            if node.target in _PRODUCTS + (aten.einsum.default,) and _shape(node) == shape:
                 products.append(node)
             elif node.target in (aten.softmax.int, aten._softmax.default, aten.exp.default):
                 return None, seen  # softmax attention, not linear
@@ -114,14 +189,19 @@ def _draw(node: fx.Node, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(_sizes(node), dtype=torch.float64, generator=generator)
 
 
-def _decays(a: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node) -> tuple[torch.Tensor, list[float]]:
+def _decays(form: _Form) -> tuple[torch.Tensor, list[float]]:
     """(D [*L, T, T], γ per head) for the mask A applies to the scores: A at q = k = e₁ (every
     q_t · k_s = 1), checked to be γ^{t−s} below the diagonal, one γ per head ([B, H, T, T])
     or one for all, the same in every sequence."""
-    ones = torch.zeros(_sizes(q), dtype=torch.float64)
-    ones[..., 0] = 1.0
+    values = {}
+    for name in ("q", "k"):
+        node = getattr(form, name)
+        ones = torch.zeros(_sizes(node), dtype=torch.float64)
+        form.canonical(name, ones)[..., 0] = 1.0  # a view: the feature dim in the node's own layout
+        values[node] = ones
+    values[form.v] = torch.zeros(_sizes(form.v), dtype=torch.float64)
     try:
-        d = evaluate(a, {q: ones, k: ones.clone(), v: torch.zeros(_sizes(v), dtype=torch.float64)}, _size)
+        d = form.canonical("a", evaluate(form.a, values, _size))
     except NotFused:
         raise NotFused("its mask D reads a tensor the graph takes as input (a buffer, parameter or argument), "
                        "whose values are not known when compiling; the mask must be computed from sizes and "
@@ -160,30 +240,30 @@ def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor) -> tuple[f
     return div, float(eps[0])
 
 
-def _fuse(gm: fx.GraphModule, y: fx.Node, a: fx.Node, score: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node,
-          report: FusionReport) -> None:
+def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> None:
     if not hasattr(torch.ops.hecate, "linear_attention"):
         raise NotFused("the op hecate.linear_attention is not registered (import hecate.lowering)")
-    d, gammas = _decays(a, q, k, v)
+    d, gammas = _decays(form)
     generator = torch.Generator().manual_seed(0)
-    values = {q: _draw(q, generator), k: _draw(k, generator), v: _draw(v, generator)}
-    scores = (values[q] @ values[k].mT) * d
-    if not torch.allclose(evaluate(y, dict(values), _size), scores @ values[v], rtol=1e-6, atol=1e-9):
+    values = {n: _draw(n, generator) for n in (form.q, form.k, form.v)}
+    q, k, v = (form.canonical(name, values[getattr(form, name)]) for name in ("q", "k", "v"))
+    scores = (q @ k.mT) * d
+    if not torch.allclose(evaluate(y, dict(values), _size), form.as_y(scores @ v), rtol=1e-6, atol=1e-9):
         raise NotFused("A @ V differs from Σ_s D_ts (q_t·k_s) v_s at random points")
-    dtypes = {n.meta["val"].dtype for n in (q, k, v)}
+    dtypes = {n.meta["val"].dtype for n in (form.q, form.k, form.v)}
     if len(dtypes) != 1:
         raise NotFused(f"q, k, v have dtypes {sorted(map(str, dtypes))}; linear_attention needs one")
-    normaliser = _normaliser(y, dict(values), scores.sum(-1, keepdim=True))
-    replaced, out = [y, a], y
+    normaliser = _normaliser(y, dict(values), form.as_y(scores.sum(-1, keepdim=True)))
+    replaced, out = [y, form.a], y
     if normaliser is not None:
         out = normaliser[0]
         replaced.append(out)
     eps = normaliser[1] if normaliser is not None else 1e-6
-    _, between = _score_product(a, _shape(a))
-    replace_with_function(gm, replaced, _linear_attention_of(gammas, normaliser is not None, eps), [k, v, q],
-                          outputs=[out])
+    _, between = _score_product(form.a, _shape(form.a))
+    replace_with_function(gm, replaced, _linear_attention_of(form.perms, gammas, normaliser is not None, eps),
+                          [form.k, form.v, form.q], outputs=[out])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in sorted((n for n in between | {score} if not n._erased), key=order.__getitem__, reverse=True):
+    for node in sorted((n for n in between | {form.score} if not n._erased), key=order.__getitem__, reverse=True):
         if not node.users:  # the score and its mask, now read by nothing
             gm.graph.erase_node(node)
     report.add_fusion("linear_attention", "hecate.linear_attention", len(replaced) + 1,
@@ -192,10 +272,11 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, a: fx.Node, score: fx.Node, q: fx.Node
                       + (", normalised" if normaliser is not None else ""))
 
 
-def _linear_attention_of(gammas: list[float], normalise: bool, eps: float):
-    """The replacement: the op over [B, T, H, D] views of [T, D] / [B, T, D] / [B, H, T, D] inputs,
-    with the per-head (or one) decay γ as the keep factor of every step."""
+def _linear_attention_of(perms: dict, gammas: list[float], normalise: bool, eps: float):
+    """The replacement: the op over [B, T, H, D] views of the canonical [T, D] / [B, T, D] /
+    [B, H, T, D] inputs, with the per-head (or one) decay γ as the keep factor of every step."""
     def parallel_form_as_recurrence(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        k, v, q = (x if perms[name] is None else x.permute(perms[name]) for x, name in ((k, "k"), (v, "v"), (q, "q")))
         rank = q.dim()
 
         def to_op(x):  # [T, D] / [B, T, D] / [B, H, T, D] → [B, T, H, D]
@@ -205,6 +286,7 @@ def _linear_attention_of(gammas: list[float], normalise: bool, eps: float):
         alpha: Any = None if gammas == [1.0] else \
             torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()
         y = torch.ops.hecate.linear_attention(k_, v_, q_, alpha, None, None, normalise, eps, True)[0]
-        return y[0, :, 0] if rank == 2 else y[:, :, 0] if rank == 3 else y.transpose(1, 2)
+        y = y[0, :, 0] if rank == 2 else y[:, :, 0] if rank == 3 else y.transpose(1, 2)
+        return y if perms["y"] is None else y.permute(perms["y"])
 
     return parallel_form_as_recurrence

@@ -97,8 +97,25 @@ class MultiScaleRetention(nn.Module):
         return ((q @ k.transpose(-1, -2)) * decay) @ v
 
 
+def einsum_scores_and_read(q, k, v):
+    scores = torch.einsum("btd,bsd->bts", phi(q), phi(k)).tril()
+    return torch.einsum("bts,bsd->btd", scores, v)
+
+
+def einsum_heads_in_place(q, k, v):  # [B, T, H, D] kept, scores [B, H, T, S]
+    q, k, v = (x.view(x.shape[0], x.shape[1], 2, -1) for x in (q, k, v))
+    scores = torch.einsum("bthd,bshd->bhts", phi(q), phi(k))
+    return torch.einsum("bhts,bshd->bthd", scores.tril(), v).flatten(2)
+
+
+def einsum_time_major_scores(q, k, v):  # scores laid out [T, S, B], the mask broadcast over B
+    scores = torch.einsum("btd,bsd->tsb", phi(q), phi(k))
+    mask = torch.tril(torch.ones(q.shape[1], q.shape[1]))[:, :, None]
+    return torch.einsum("tsb,bsd->btd", scores * mask, v)
+
+
 FUNCTIONS = [tril_method, times_tril_of_ones, masked_fill_bmm, normalised, where_arange_relu_features, retention,
-             one_sequence]
+             one_sequence, einsum_scores_and_read, einsum_heads_in_place, einsum_time_major_scores]
 
 
 def _check(fn, args, dynamic, params=()):
