@@ -31,6 +31,20 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
         raise AssertionError(f"{name}: relative error {err:.3e} > tolerance {tol:.1e}")
 
 
+def assert_outputs_and_gradients_close(got, ref, wrt_got, wrt_ref, tol: float) -> None:
+    """Outputs (any nesting of tensors) within ``tol``, and so the gradients of one fixed random
+    weighting of them with respect to ``wrt_got`` and ``wrt_ref`` (each side's own inputs, then
+    any parameters they share)."""
+    got, ref = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref)
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        assert_close(f"output {i}", g, r, tol)
+    weights = [torch.randn(r.shape, generator=torch.Generator().manual_seed(i)) for i, r in enumerate(ref)]
+    grads_got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(got, weights)), list(wrt_got))
+    grads_ref = torch.autograd.grad(sum((o * w).sum() for o, w in zip(ref, weights)), list(wrt_ref))
+    for i, (g, r) in enumerate(zip(grads_got, grads_ref)):
+        assert_close(f"grad {i}", g, r, tol)
+
+
 def assert_close_nonfinite(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
     """NaN, +inf and −inf exactly where ``expected`` has them, and the finite rest within ``tol``
     (:func:`assert_close` on the finite elements)."""

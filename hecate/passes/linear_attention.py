@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from hecate.passes.linear_attention_parallel import fuse_parallel_forms
+from hecate.passes.linear_attention_parallel import fuse_cumulated_forms, fuse_parallel_forms
 from hecate.passes.report import FusionReport
 from hecate.passes.memory_step import fuse_scans, report_unrolled_updates
 from hecate.passes.matching import Match, NotFused, find_matches, flat_args, literal_slots, pattern_graph, \
@@ -162,6 +162,7 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
                 _fuse(gm, match, pattern, form, normalise, with_m0, report)
             except NotFused as why:
                 report.add_miss("linear_attention", f"{_describe(form, normalise)}: {why}", match.where())
+    fuse_cumulated_forms(gm, report)  # the cumsum form in the layouts and reads the patterns do not spell
 
 
 def _fuse(gm: fx.GraphModule, match: Match, pattern: fx.Graph, form: str, normalise: bool, with_m0: bool,

@@ -1,4 +1,5 @@
-"""Linear attention in its parallel form, ``(φ(Q) φ(K)ᵀ ⊙ D) V``, → ``hecate.linear_attention``.
+"""Linear attention over the whole sequence, recognised by evaluation → ``hecate.linear_attention``:
+the parallel form ``(φ(Q) φ(K)ᵀ ⊙ D) V`` and (at the end) every step's state by a cumulative sum.
 
     y_t = Σ_{s≤t} D_ts (q_t · k_s) v_s,   D_ts = γ^{t−s}   (γ = 1: plain causal linear attention;
                                                               γ < 1: a decaying mask, RetNet's retention)
@@ -290,3 +291,117 @@ def _linear_attention_of(perms: dict, gammas: list[float], normalise: bool, eps:
         return y if perms["y"] is None else y.permute(perms["y"])
 
     return parallel_form_as_recurrence
+
+
+# ---------------------------------------------------------------- the cumulative-sum form, any layout
+
+def fuse_cumulated_forms(gm: fx.GraphModule, report: FusionReport) -> None:
+    """``M_t = cumsum(k ⊗ v or v ⊗ k, dim=1)`` read by q in any spelling (an einsum, ``@`` either side,
+    a product and a sum) → the op, recognised by evaluating the read against the formula.
+
+    The form the pattern pass reads (M_t laid out [Dv, Dk], ``(M_t @ q.unsqueeze(-1)).squeeze(-1)``,
+    with m0, a normaliser or the last state read) is fused there first; this takes the other
+    layouts and reads of the plain form. k, v, q are [B, T, D] or [B, T, H, D]."""
+    for cumsum in list(gm.graph.find_nodes(op="call_function", target=aten.cumsum.default)):
+        if cumsum._erased:
+            continue
+        found = _cumulated_form(cumsum)
+        if found is None:
+            continue
+        try:
+            _fuse_cumulated(gm, cumsum, *found, report)
+        except NotFused as why:
+            report.add_miss("linear_attention", f"causal M_t = Σ_{{s≤t}} v_s k_sᵀ by cumsum: {why}", nodes=[cumsum])
+
+
+def _unsqueezed(node: fx.Node, dim: int) -> fx.Node | None:
+    """X for ``X.unsqueeze(dim)`` (dim counted in the result)."""
+    if node.op == "call_function" and node.target == aten.unsqueeze.default:
+        rank = len(_shape(node))
+        if node.args[1] % rank == dim % rank:
+            return node.args[0]
+    return None
+
+
+def _cumulated_form(cumsum: fx.Node):
+    """(x, y, q, read, region) for M = cumsum(x ⊗ y, 1) read into ``read`` with q, if shaped so."""
+    product, shape = cumsum.args[0], _shape(cumsum)
+    if shape is None or len(shape) not in (4, 5) or cumsum.args[1] % len(shape) != 1 \
+            or product.op != "call_function" or product.target != aten.mul.Tensor:
+        return None
+    rank = len(shape)
+    a, b = product.args[:2]
+    x, y = _unsqueezed(a, rank - 1), _unsqueezed(b, rank - 2)
+    if x is None or y is None:
+        x, y = _unsqueezed(b, rank - 1), _unsqueezed(a, rank - 2)
+    if x is None or y is None:
+        return None
+    per_token = shape[:-2]
+    region, frontier = [], [cumsum]
+    for _ in range(6):  # the read: a few views, a product, a sum or squeeze
+        frontier = [u for n in frontier for u in n.users]
+        region += frontier
+        reads = [n for n in frontier if _shape(n) is not None and _shape(n)[:-1] == per_token
+                 and _shape(n)[-1] in (shape[-1], shape[-2])]
+        if reads:
+            break
+    else:
+        return None
+    read = reads[0]
+    region = [n for n in region if n is read or read in _descendants(n, 6)]  # on the way to the read only
+    if any(u not in region for n in [cumsum, *region] if n is not read for u in n.users):
+        return None  # the states are read elsewhere too: the pattern pass or the signatures say so
+    inputs = {i for n in region for i in n.all_input_nodes} - set(region) - {cumsum}
+    if len(inputs) != 1:
+        return None
+    (q,) = inputs
+    for _ in range(2):  # q.unsqueeze(...) / q[..., None, :]
+        if q.op == "call_function" and q.target == aten.unsqueeze.default:
+            q = q.args[0]
+    if _shape(q) is None or _shape(q)[:-1] != per_token:
+        return None
+    return x, y, q, read, region
+
+
+def _descendants(node: fx.Node, depth: int) -> set:
+    found, frontier = set(), [node]
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users]
+        found.update(frontier)
+    return found
+
+
+def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node, q: fx.Node, read: fx.Node,
+                    region: list, report: FusionReport) -> None:
+    inside = set(region) | {cumsum}
+    generator = torch.Generator().manual_seed(0)
+    values = {n: _draw(n, generator) for n in {x, y, q}}
+    got = evaluate(read, dict(values), _size)
+    for k, v in ((x, y), (y, x)):
+        if _shape(k) != _shape(q) or got.shape != values[v].shape:
+            continue
+        kk, vv, qq = (values[n] if values[n].dim() == 3 else values[n].transpose(1, 2) for n in (k, v, q))
+        expected = (qq @ kk.mT).tril() @ vv
+        if values[q].dim() == 4:
+            expected = expected.transpose(1, 2)
+        if torch.allclose(got, expected, rtol=1e-6, atol=1e-9):
+            break
+    else:
+        raise NotFused("its read differs from y_t = M_t q_t at random points")
+    if len({n.meta["val"].dtype for n in (k, v, q)}) != 1:
+        raise NotFused("k, v, q differ in dtype; linear_attention needs one")
+    replace_with_function(gm, [read], _cumulated_as_op, [k, v, q], outputs=[read])
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in sorted((n for n in inside | {cumsum.args[0], *cumsum.args[0].all_input_nodes} if not n._erased),
+                       key=order.__getitem__, reverse=True):
+        if not node.users and node.op == "call_function":
+            gm.graph.erase_node(node)
+    report.add_fusion("linear_attention", "hecate.linear_attention", len(inside) + 3,
+                      "causal M_t = Σ_{s≤t} v_s φ(k_s)ᵀ by cumsum, y_t = M_t φ(q_t), read by meaning")
+
+
+def _cumulated_as_op(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    if q.dim() == 3:  # one head: the op's head dim added and taken away
+        return torch.ops.hecate.linear_attention(k[:, :, None], v[:, :, None], q[:, :, None], None, None, None,
+                                                 False, 1e-6, True)[0][:, :, 0]
+    return torch.ops.hecate.linear_attention(k, v, q, None, None, None, False, 1e-6, True)[0]

@@ -10,7 +10,7 @@ already report, with the first reason it can give and the user's source line:
   is then reduced (``[B, N, N, K]`` → ``[B, N, N]``), as the pairwise KL is; or made by matrix
   products of per-position tensors with the log of one, as the KL expanded into products is;
 * ``memory_scan`` / ``linear_attention``: a loop-carried matrix state updated by an outer
-  product, in a rolled ``scan`` body or in a chain of unrolled steps;
+  product, in a rolled ``scan`` body or in a chain of unrolled steps, or cumulated by ``cumsum``;
 * ``qk_preprocess``: a depthwise conv1d (groups = channels);
 * ``kl_decode``: a softmax over the vocabulary of logits made by matrix products of the
   beliefs with per-token tensors and the log of one, as the KL to the priors expanded is.
@@ -58,6 +58,7 @@ def report_unfused_signatures(gm: fx.GraphModule, enabled: Iterable[str], report
         # the pipeline's note on each loop it rolled up but no pass fused, in loop order, is about
         # the same loop as each unrolled chain: it gets the chain's source line instead of a twin
         loops = [i for i, m in enumerate(report.misses) if m.pattern == "loops" and not m.source]
+        found += [("memory_scan", reason, nodes) for reason, nodes in _cumulated_outer_products(gm.graph)]
         for reason, nodes in _unrolled_states(gm.graph):
             if loops:
                 i = loops.pop(0)
@@ -219,6 +220,17 @@ def _is_outer_product(node: fx.Node) -> bool:
         return len(operands) >= 2 and set("".join(operands)) <= set(output) and len(output) >= 2
     shape = _shape(node)
     return shape is not None and _pair_dims(node) == (len(shape) - 2, len(shape) - 1)
+
+
+def _cumulated_outer_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
+    """A cumulative sum of outer products: the Hebbian state of every step at once."""
+    for cumsum in graph.find_nodes(op="call_function", target=aten.cumsum.default):
+        product = cumsum.args[0]
+        if isinstance(product, fx.Node) and _is_outer_product(product) and _is_matrix(_shape(product)):
+            yield ("a cumulative sum of outer products (the Hebbian state M_t = Σ_{s≤t} v_s k_sᵀ of every step) "
+                   "that linear_attention does not read in this form (it reads M_t = cumsum(v.unsqueeze(-1) * "
+                   "k.unsqueeze(-2), dim=1) laid out [B, T, H, Dv, Dk], read as (M_t @ q.unsqueeze(-1)).squeeze(-1), "
+                   "or the loop); compiled as written", [cumsum])
 
 
 def _is_matrix(shape: tuple | None) -> bool:

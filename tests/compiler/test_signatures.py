@@ -148,3 +148,17 @@ def test_fused_family_leaves_no_signature():
     block = KeyQueryPreprocess(d_model=8, n_heads=2, kernel_size=3)
     report = hecate.explain(block, torch.randn(2, 5, 8))
     assert report.count("qk_preprocess") == 2 and report.misses == [], str(report)
+
+
+def hebbian_states_by_cumsum_summed_whole(k, v, q):
+    """Every step's state at once, summed whole: no read y_t = M_t q_t the pass could fuse."""
+    states = torch.cumsum(k.unsqueeze(-1) * v.unsqueeze(-2), dim=1)
+    return states.sum((-2, -1)) * q.sum(-1)
+
+
+def test_cumulated_outer_products_are_reported():
+    k, v, q = torch.randn(2, 5, 3), torch.randn(2, 5, 4), torch.randn(2, 5, 3)
+    miss = _only_miss(hecate.explain(hebbian_states_by_cumsum_summed_whole, k, v, q), "memory_scan")
+    assert "cumulative sum of outer products" in miss.reason and "torch.cumsum(k.unsqueeze(-1)" in miss.source, miss
+    # a cumulative sum of vectors (a running mean) is not a state
+    assert hecate.explain(lambda x: torch.cumsum(x, 1) / 3, q).misses == []
