@@ -65,6 +65,7 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     graph = graph_module.graph
     functionalize(graph)
     unbind_as_selects(graph)
+    softmax_spellings(graph)
     outputs = _output_nodes(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -321,6 +322,56 @@ def _refake(node: fx.Node) -> None:
 
 
 # ---------------------------------------------------------------- local rewrites
+
+def softmax_spellings(graph: fx.Graph) -> None:
+    """``exp(log_softmax(x, d))`` and ``e / e.sum(d, keepdim=True)`` with ``e = exp(x − x.amax(d, keepdim=True))``
+    (or ``x.max(d, keepdim=True)[0]``) → ``softmax(x, d)``: the same values, so passes read one softmax.
+
+    The softmax of ``exp(x) / Σ exp(x)`` without the max subtracted is left alone: it overflows where
+    softmax does not, so it does not compute the same."""
+    for node in list(graph.nodes):
+        x, dim = _softmax_of(node)
+        if x is not None:
+            with graph.inserting_before(node):
+                node.replace_all_uses_with(_emit(graph, aten.softmax.int, x, dim))
+            graph.erase_node(node)
+
+
+def _softmax_of(node: fx.Node) -> tuple[Any, int | None]:
+    """(x, d) when ``node`` computes softmax(x, d) in one of the spellings of :func:`softmax_spellings`."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None, None
+    arg = node.args[0]
+    if node.target is aten.exp.default and arg.target in (aten.log_softmax.int, aten._log_softmax.default) \
+            and (len(arg.args) < 3 or arg.args[2] in (None, False)) and not arg.kwargs.get("dtype"):
+        return arg.args[0], arg.args[1]
+    if node.target is not aten.div.Tensor or not isinstance(node.args[1], fx.Node):
+        return None, None
+    total = node.args[1]
+    if total.target is not aten.sum.dim_IntList or total.args[0] is not arg or total.kwargs.get("dtype") \
+            or len(total.args) < 3 or total.args[2] is not True or len(total.args[1]) != 1:
+        return None, None
+    dim = total.args[1][0]
+    if arg.target is not aten.exp.default or not isinstance(arg.args[0], fx.Node) \
+            or arg.args[0].target is not aten.sub.Tensor or arg.args[0].kwargs.get("alpha", 1) != 1:
+        return None, None
+    x, peak = arg.args[0].args
+    while isinstance(peak, fx.Node) and peak.target in (aten.detach.default, aten.alias.default):
+        peak = peak.args[0]
+    if not isinstance(peak, fx.Node) or not _is_row_max(peak, x, dim):
+        return None, None
+    return x, dim
+
+
+def _is_row_max(peak: fx.Node, x: Any, dim: int) -> bool:
+    """Whether ``peak`` is ``x.amax(dim, keepdim=True)`` or ``x.max(dim, keepdim=True)[0]``."""
+    if peak.target is aten.amax.default:
+        return peak.args[0] is x and list(peak.args[1]) == [dim] and len(peak.args) > 2 and peak.args[2] is True
+    if peak.target is operator.getitem and peak.args[1] == 0 and isinstance(peak.args[0], fx.Node):
+        m = peak.args[0]
+        return m.target is aten.max.dim and m.args[0] is x and m.args[1] == dim and len(m.args) > 2 and m.args[2]
+    return False
+
 
 def _val(node: Any) -> Any:
     """A node's fake value (``val`` in ATen graphs, ``example_value`` in Dynamo's), or the literal itself."""

@@ -123,24 +123,27 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
 
 
 def independent(bases: Sequence[fx.Node], depth: int = 16) -> list[fx.Node]:
-    """``bases`` without those computed from the others alone (``log(v)`` beside ``v``): those are
-    evaluated from them rather than drawn independently. A base that also reads anything else (the
-    next belief step's means, computed from the variances *and* the previous means) stays a base.
-    Looks ``depth`` ops up; a base whose inputs go deeper stays a base."""
-    def derived(node: fx.Node, others: set) -> bool:
-        frontier, seen_other = list(node.all_input_nodes), False
-        for _ in range(depth):
-            if not frontier:
-                return seen_other
-            nxt = []
-            for n in frontier:
-                if n in others:
-                    seen_other = True
-                elif n.op != "call_function":
-                    return False
-                else:
-                    nxt.extend(n.all_input_nodes)
-            frontier = nxt
-        return False
+    """``bases`` without those computed from others of them alone (``log(v)`` beside ``v``): those are
+    evaluated from them rather than drawn independently. A base that also reads a graph input (the
+    means of a second Q-flow step, computed from the first step's beliefs) is drawn. Looks ``depth`` ops up."""
+    return [node for node in bases if not _computed_from(node, set(bases) - {node}, depth)]
 
-    return [node for node in bases if not derived(node, set(bases) - {node})]
+
+def _computed_from(node: fx.Node, others: set, depth: int) -> bool:
+    """Whether ``node`` is a function of ``others`` (and constants) only, within ``depth`` ops."""
+    found, seen, frontier = False, {node}, [node]
+    for _ in range(depth):
+        parents = []
+        for n in frontier:
+            for i in n.all_input_nodes:
+                if i in others:
+                    found = True
+                elif i.op in ("placeholder", "get_attr") and isinstance(i.meta.get("val"), torch.Tensor):
+                    return False
+                elif i not in seen:
+                    seen.add(i)
+                    parents.append(i)
+        frontier = parents
+        if not frontier:
+            return found
+    return False

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, _is_noop, evaluate, gaussian_kl, independent, proportion, shape_of,
@@ -88,7 +88,7 @@ class _Score:
 
 
 def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx.Node]]:
-    """(the unmasked logits, [(mask node, "masked" | "allowed" | "additive"), ...], the nodes peeled)."""
+    """(the unmasked logits, [(mask node, "masked" | "allowed" | "additive" | "finite"), ...], the nodes peeled)."""
     masks, peeled = [], []
     while True:
         peeled.append(x)
@@ -103,6 +103,15 @@ def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx
         elif t == aten.where.ScalarSelf and args[1] == _NEG_INF:
             masks.append((args[0], "masked"))
             x = args[2]
+        elif t == aten.masked_fill.Scalar and isinstance(args[2], (int, float)) and math.isfinite(args[2]):
+            masks.append((args[1], "finite"))  # not a mask the op takes: reported once the score is a KL's
+            x = args[0]
+        elif t == aten.where.self and _constant_number(args[2]) == _NEG_INF:
+            masks.append((args[0], "allowed"))
+            x = args[1]
+        elif t == aten.where.self and _constant_number(args[1]) == _NEG_INF:
+            masks.append((args[0], "masked"))
+            x = args[2]
         elif t == aten.add.Tensor and x.kwargs.get("alpha", 1) == 1 and all(isinstance(a, fx.Node) for a in args):
             constant = [a for a in args if _depends_on_sizes_only(a)]
             if len(constant) != 1:
@@ -113,6 +122,22 @@ def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx
             break
         peeled.append(x)
     return x, masks, peeled
+
+
+def _constant_number(node) -> float | None:
+    """The number a one-element constant tensor of the graph holds (``torch.tensor(float("-inf"))``
+    written in the model is a module constant), else None."""
+    while isinstance(node, fx.Node) and node.target in (aten.detach.default, aten.lift_fresh_copy.default,
+                                                         aten.alias.default, aten.clone.default):
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
+        return None
+    value = node.graph.owning_module
+    for name in node.target.split("."):
+        value = getattr(value, name, None)
+    if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter) or value.numel() != 1:
+        return None
+    return value.item()
 
 
 def _depends_on_sizes_only(node: fx.Node) -> bool:
@@ -218,6 +243,10 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if len(k) != 1:
         raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
     kappa, mean, scale, param, memo = _match_kl(logits, independent(list(bases)), rank - 2, k.pop())
+    if any(kind == "finite" for _, kind in masks):
+        raise NotFused("the KL score is masked by masked_fill with a finite number (-1e9, say): the op masks "
+                       "with −inf, which differs from it in a row with no allowed key; masked_fill with "
+                       "float('-inf') fuses")
     _check_leading_dims(shape, mean, scale, param)
     kl_scales = {}
     for n in nodes:
@@ -274,24 +303,44 @@ def _pairwise_kl(m, v):
     return gaussian_kl(m.unsqueeze(-2), v.unsqueeze(-2), m.unsqueeze(-3), v.unsqueeze(-3))
 
 
-def _match_kl(logits, bases, lead, k):
-    """(κ, mean, scale, parameterisation, evaluated values) with logits = −KL/κ; else NotFused.
+# Largest pairwise broadcast [*L, N, N, K] evaluated at a score's own sizes (float64: 128 MiB).
+_MAX_OWN_SIZE_DRAW = 2 ** 24
 
-    The per-position tensors are drawn [2, .., 2, 5, k] (``lead`` leading dims)."""
+
+def _draws(logits, bases, shape) -> list:
+    """Two (draw, evaluated values, score) at random float64 beliefs of ``shape(base)``, a positive range each."""
     gen = torch.Generator().manual_seed(20251123)
     draws = []
     for low, high in ((0.3, 2.0), (0.05, 4.0)):
-        env = {b: low + (high - low) * torch.rand((2,) * lead + (5, k), generator=gen, dtype=torch.float64)
-               for b in bases}
+        env = {b: low + (high - low) * torch.rand(shape(b), generator=gen, dtype=torch.float64) for b in bases}
         memo = dict(env)
+        draws.append((env, memo, evaluate(logits, memo)))
+    return draws
+
+
+def _match_kl(logits, bases, lead, k):
+    """(κ, mean, scale, parameterisation, evaluated values) with logits = −KL/κ; else NotFused.
+
+    The per-position tensors are drawn [2, .., 2, 5, k] (``lead`` leading dims), or at their own
+    sizes where the score bakes its sizes in (``mu.view(n, 1, k)`` of a static graph)."""
+    try:
+        draws = _draws(logits, bases, lambda b: (2,) * lead + (5, k))
+    except NotFused:
+        raise
+    except Exception as small:  # a spelling that cannot run at other sizes: try its own
+        own = {b: tuple(_size_hint(s) for s in shape_of(b)) for b in bases}
+        n = max(s[-2] for s in own.values())
+        if math.prod(max(s[d] for s in own.values()) for d in range(lead)) * n * n * k > _MAX_OWN_SIZE_DRAW:
+            raise NotFused(f"the pairwise score could not be evaluated to check it is a KL ({type(small).__name__}: "
+                           f"{str(small).splitlines()[0] if str(small) else ''}), and its own sizes are too large "
+                           "to evaluate it at") from None
         try:
-            value = evaluate(logits, memo)
+            draws = _draws(logits, bases, own.__getitem__)
         except NotFused:
             raise
-        except Exception as e:  # a spelling the evaluation cannot run at other sizes
+        except Exception as e:
             raise NotFused(f"the pairwise score could not be evaluated to check it is a KL ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
-        draws.append((env, memo, value))
     reversed_found = None
     for mean in bases:
         for scale in bases:

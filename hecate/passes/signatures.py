@@ -176,31 +176,35 @@ def _gaussian_score_by_products(softmax: fx.Node, score: tuple) -> fx.Node | Non
 # ---- kl_decode: a softmax over the vocabulary of a Gaussian score by products -----------------
 
 def _decode_scores_by_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
-    """A (log-)softmax or cross-entropy over V logits made by a product of per-position [..., N, K]
-    tensors with per-token [V, K] ones, reading the log (or exp: log-variances) of a [V, K] or
-    [..., N, K] tensor: the KL to token priors expanded into products (the broadcast form is
-    kl_decode's own)."""
+    """Logits over V tokens made by matrix products of per-position [..., N, K] tensors with per-token
+    [V, K] ones, reading the log (or exp: log-variances) of a [V, K] or [..., N, K] tensor: the KL to
+    token priors expanded into products (the broadcast form is kl_decode's own). The logits are read by
+    a (log-)softmax or cross-entropy, or returned; returned ones need two such products (the squared-mean
+    and the cross term), so a linear head beside a variance does not count."""
     readers = _SOFTMAX + (aten.cross_entropy_loss.default,)
-    for softmax in (n for t in readers for n in graph.find_nodes(op="call_function", target=t)):
-        logits = _shape(softmax.args[0])
+    sinks = [(n, 1) for t in readers for n in graph.find_nodes(op="call_function", target=t)]
+    sinks += [(n, 2) for out in graph.find_nodes(op="output") for n in out.all_input_nodes
+              if n.op == "call_function" and n.target not in readers]
+    for sink, needed in sinks:
+        logits = _shape(sink if needed == 2 else sink.args[0])
         if logits is None or len(logits) < 2 or _is(logits[-1], logits[-2]):
             continue  # a square score is kl_attention's
         vocab = logits[-1]
-        ancestors = list(_ancestors(softmax))
-        product = next((a for a in ancestors if a.target in _PRODUCTS + (aten.einsum.default,)
-                        and _is((_shape(a) or (None,))[-1], vocab)
-                        and any(vocab in (_shape(x) or ()) for x in a.all_input_nodes)), None)
-        if product is None:
+        ancestors = list(_ancestors(sink))
+        products = [a for a in ancestors if a.target in _PRODUCTS + (aten.einsum.default,)
+                    and _is((_shape(a) or (None,))[-1], vocab)
+                    and any(vocab in (_shape(x) or ()) for x in a.all_input_nodes)]
+        if len(products) < needed:
             continue
-        widths = {(_shape(x) or (None,))[-1] for x in product.all_input_nodes} - {vocab}
+        widths = {(_shape(x) or (None,))[-1] for p in products for x in p.all_input_nodes} - {vocab}
         # the variances: a log of them, or an exp of log-variances
         logs = [a for a in ancestors if a.target in (aten.log.default, aten.exp.default)
                 and (_shape(a.args[0]) or (None,))[-1] in widths and len(_shape(a.args[0]) or ()) >= 2]
         if logs:
-            yield (f"a softmax over {logits[-1]} logits made by matrix products of per-position beliefs with "
+            yield (f"logits over {vocab} tokens made by matrix products of per-position beliefs with "
                    "per-token tensors, with the log or exp of one (as the KL to token priors expanded into "
-                   "products has): kl_decode reads the KL written per (position, token) pair, the beliefs [..., N, 1, K] "
-                   "broadcast against the priors [V, K]; compiled as written", [softmax, product])
+                   "products has): kl_decode reads the KL written per (position, token) pair, the beliefs "
+                   "[..., N, 1, K] broadcast against the priors [V, K]; compiled as written", [sink, products[0]])
 
 
 # ---- memory: a matrix state updated by an outer product -----------------------------------

@@ -177,12 +177,57 @@ def a_mean_of_terms_times_k(mu, var):  # .mean(-1) * K, division by a learned-fr
     return (beta.unsqueeze(-1) * mu.unsqueeze(1)).sum(2) + (beta * kl).sum(-1, keepdim=True)
 
 
+def a_view_baked_sizes(mu, var):  # pairs by .view with the sizes read off the tensor (constants when static)
+    b, n, k = mu.shape
+    mi, vi, mj, vj = mu.view(b, n, 1, k), var.view(b, n, 1, k), mu.view(b, 1, n, k), var.view(b, 1, n, k)
+    kl = 0.5 * (torch.log(vj) - torch.log(vi) + (vi + (mi - mj) ** 2) / vj - 1).sum(-1)
+    return torch.matmul(F.softmax(-kl / 0.7, dim=2), mu)
+
+
+def a_precision_arange_where(mu, var):  # precision, a causal mask from arange, torch.where with a float −inf
+    prec = 1.0 / var
+    i = torch.arange(mu.shape[1])
+    p_i, p_j = prec[:, :, None, :], prec[:, None, :, :]
+    kl = 0.5 * (p_i.log() - p_j.log() + p_j / p_i + p_j * (mu[:, :, None] - mu[:, None]).square() - 1).sum(-1)
+    return F.softmax(torch.where(i[:, None] >= i[None, :], -kl, float("-inf")), dim=-1) @ mu
+
+
+def a_log_softmax_exp_triu(mu, std):  # std ** 2, the future masked by triu(…, 1), β as exp of log_softmax
+    var = std ** 2
+    kl = kl_spec(mu, var)
+    future = torch.triu(torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool), diagonal=1)
+    return torch.log_softmax((-kl).masked_fill(future, float("-inf")), dim=-1).exp() @ mu
+
+
+def a_exp_over_sum(mu, var):  # β written out: exp of the max-shifted score over its row sum
+    score = -kl_spec(mu, var)
+    e = torch.exp(score - score.amax(-1, keepdim=True))
+    return ((e / e.sum(-1, keepdim=True)).unsqueeze(-1) * mu.unsqueeze(1)).sum(2)
+
+
+def a_where_tensor_inf_no_self(mu, logvar):  # the fill a tensor constant made in forward, the diagonal masked
+    var = logvar.exp()
+    same = torch.eye(mu.shape[1], dtype=torch.bool)
+    return torch.where(same, torch.tensor(float("-inf")), -kl_spec(mu, var)).softmax(-1).bmm(mu)
+
+
+def a_in_place_terms(mu, std):  # the KL accumulated by add_ into one buffer, the variance floored in place
+    v = std * std
+    v.add_(1e-5)
+    kl = torch.log(v.unsqueeze(1) / v.unsqueeze(2))
+    kl.add_(v.unsqueeze(2) / v.unsqueeze(1))
+    kl.add_((mu.unsqueeze(2) - mu.unsqueeze(1)).pow(2).div(v.unsqueeze(1)))
+    return kl.sub(1).mul(0.5).sum(-1).neg().softmax(-1).bmm(mu)
+
+
 ATTENTION = [
     (a_matmul_causal, _var), (a_einsum_where, _logvar), (a_bmm_full, _var), (a_broadcast_sum, _var),
     (a_returns_beta, _var), (a_distributions, _var), (a_distributions_summed_additive_mask, _var),
     (a_triu_additive, _var), (a_no_self, _var), (a_energy, _var), (a_logstd_transposed_read, _logvar),
     (a_gradient_terms, _var), (a_zero_filled_causal_no_self, _var), (a_temperature_multiply, _logvar),
     (a_sum_of_terms, _var), (a_mean_of_terms_times_k, _var),
+    (a_precision_arange_where, _var), (a_log_softmax_exp_triu, _var), (a_exp_over_sum, _var),
+    (a_where_tensor_inf_no_self, _logvar), (a_in_place_terms, _var),
 ]
 
 
@@ -208,6 +253,28 @@ def test_attention_spelling_fuses_and_equals_eager(fn, draw, fresh_dynamo):
     report = _compare(fn, (torch.randn(B, N, K), draw((B, N, K))), "kl_attention")
     assert report.count("kl_attention") == 1, str(report)
     assert not [m for m in report.misses if m.pattern == "kl_attention"], str(report)
+
+
+def test_sizes_baked_into_views_fuse(fresh_dynamo):
+    # sizes other than the recogniser's own draw ([2, 5, K]), so the views cannot run at the draw's
+    shape = (3, 6, 4)
+    report = _compare(a_view_baked_sizes, (torch.randn(shape), _var(shape)), "kl_attention")
+    assert report.count("kl_attention") == 1, str(report)
+    assert not report.misses, str(report)
+
+
+def q_flow_fixed_variance(mu, std, steps=3):  # several belief updates, each re-running the attention
+    var = std * std + 1e-6
+    for _ in range(steps):
+        beta = torch.softmax(-kl_spec(mu, var), dim=-1)
+        mu = mu + 0.1 * (beta @ mu - mu)
+    return mu
+
+
+def test_q_flow_with_a_fixed_variance_fuses_every_step(fresh_dynamo):
+    report = _compare(q_flow_fixed_variance, (torch.randn(B, N, K), _var((B, N, K))), "kl_attention")
+    assert report.count("kl_attention") == 3, str(report)
+    assert not report.misses, str(report)
 
 
 def test_masked_rows_give_nan_as_eager(fresh_dynamo):
@@ -289,8 +356,17 @@ def d_log_softmax_nll(mu, var, prior_mu, prior_var, targets):  # log_softmax + n
     return F.nll_loss(torch.log_softmax(-kl, dim=-1).reshape(-1, V), targets.reshape(-1))
 
 
+def _kl_to(mq, vq, mp, vp):  # a helper a model would share between its losses
+    return 0.5 * ((vq + (mq - mp) ** 2) / vp + vp.log() - vq.log() - 1).sum(-1)
+
+
+def d_softplus_helper_flatten(mu, s, prior_mu, prior_s, targets):  # softplus variances, flatten, logits returned
+    logits = -_kl_to(mu[:, :, None, :], F.softplus(s)[:, :, None, :], prior_mu[None, None], F.softplus(prior_s)) / 1.5
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
 DECODE = [d_spec_ce, d_logvar_priors_ce_sum, d_distributions_ignore_index, d_logits_returned, d_std_textbook,
-          d_log_softmax_nll]
+          d_log_softmax_nll, d_softplus_helper_flatten]
 _PRIOR_DRAW = {d_logvar_priors_ce_sum: _logvar, d_logits_returned: _var}
 
 
@@ -304,6 +380,22 @@ def test_decode_spelling_fuses_and_equals_eager(fn, fresh_dynamo):
     report = _compare(lambda *a: fn(*a, targets), args, "kl_decode")
     assert report.count("kl_decode") == 1, str(report)
     assert not [m for m in report.misses if m.pattern == "kl_decode"], str(report)
+
+
+def m_decode_expanded_into_products(mu, var, prior_mu, prior_logvar):  # −½Σ[(μ−m)²/s + log s + v/s] multiplied out
+    inv = 1 / prior_logvar.exp()
+    return -0.5 * ((mu * mu) @ inv.T - 2 * mu @ (prior_mu * inv).T + (prior_mu * prior_mu * inv).sum(-1)
+                   + var @ inv.T + prior_logvar.sum(-1))
+
+
+def test_decode_expanded_into_products_is_reported(fresh_dynamo):
+    args = (torch.randn(B, N, K), _var((B, N, K)), torch.randn(V, K), _logvar((V, K)))
+    report = hecate.explain(m_decode_expanded_into_products, *args)
+    misses = [m for m in report.misses if m.pattern == "kl_decode"]
+    assert report.count("kl_decode") == 0 and misses, str(report)
+    assert "expanded into products" in misses[0].reason and "test_kl_spellings.py" in misses[0].source, misses[0]
+    compiled = torch.compile(m_decode_expanded_into_products, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(*args), m_decode_expanded_into_products(*args), 1e-6)
 
 
 # --- attention over other leading dims: none (one sequence), heads, heads of heads ------------------
@@ -500,7 +592,14 @@ def m_window_mask(mu, var):  # a local window: neither causal nor no-self
     return F.softmax((-kl_spec(mu, var)).masked_fill(~mask, float("-inf")), dim=-1) @ mu
 
 
+def m_finite_fill_in_float64(mu, var):  # the KL in float64, the diagonal filled with -1e9 (not −inf), cast back
+    eye = torch.eye(mu.shape[1], dtype=torch.bool)
+    kl = kl_spec(mu.double(), var.double())
+    return torch.softmax(kl.neg().masked_fill(eye, -1e9), -1).float() @ mu
+
+
 @pytest.mark.parametrize("fn,extra,reason", [
+    (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
     (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
     (m_tensor_temperature, (torch.tensor(0.7),), "a temperature held as a tensor"),
