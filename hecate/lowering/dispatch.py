@@ -47,3 +47,11 @@ def triton_on_cpu() -> Iterator[None]:
         yield
     finally:
         _force_triton_on_cpu = previous
+
+
+def dense(outputs: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """A fused op's outputs, contiguous: every op's fake says so, and Inductor asserts the strides of what
+    runs against the fake's (inputs laid out transposed would otherwise give transposed gradients)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.contiguous()
+    return tuple(t.contiguous() for t in outputs)

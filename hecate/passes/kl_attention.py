@@ -205,15 +205,17 @@ def _size_hint(value) -> int:
 
 
 def _describe_other(node: fx.Node) -> str:
-    """What a score input that is not a belief is, in the user's terms."""
+    """Why a score input that is not a belief stops the fusion, in the user's terms."""
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor) and value.dim() == 0:
         return ("a 0-d tensor (a temperature held as a tensor: a parameter or buffer, or a float attribute "
                 "torch.compile(dynamic=True) passes in as a tensor unless torch._dynamo.config.specialize_float "
-                "is set)")
+                "is set); the op takes κ as a number")
     if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {list(value.shape)} ({node.name})"
-    return node.name
+        return (f"a tensor of shape {list(value.shape)} that is not laid out per position like the means "
+                "(a per-head or shared variance, say); the op reads means and variances of one shape, "
+                "[..., N, K]")
+    return f"a value computed at run time ({node.name}); the op takes κ as a number"
 
 
 def _recognise(softmax: fx.Node) -> _Score | None:
@@ -234,8 +236,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
         raise NotFused(f"softmax over dim {dim} of the {_dims(rank)} pairwise score does not normalise over "
                        "the keys (dim -1)")
     if others:
-        raise NotFused(f"the pairwise score also reads {_describe_other(others[0])}, which is neither a "
-                       "per-position belief tensor nor a constant; the op takes κ as a number")
+        raise NotFused(f"the pairwise score also reads {_describe_other(others[0])}")
     if len(bases) < 2:
         raise NotFused("the pairwise score reads one per-position tensor; a KL between Gaussians needs means "
                        "and a variance")

@@ -41,7 +41,7 @@ import math
 import torch
 import triton
 
-from hecate.lowering.dispatch import interpreting, use_triton
+from hecate.lowering.dispatch import dense, interpreting, use_triton
 from hecate.lowering.kl_attention import matmul_form
 
 OUTPUT_NAMES = ("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum", "lse")
@@ -76,8 +76,8 @@ def kl_attention(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, 
                             torch.Tensor]:
     check_inputs(mu, var, row_values, col_values, kappa)
     if use_triton(mu) and mu.dtype != torch.float64:  # the kernels compute in fp32
-        return _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal)
-    return matmul_form.forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal)
+        return dense(_triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal))
+    return dense(matmul_form.forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal))
 
 
 @kl_attention.register_fake
@@ -86,8 +86,8 @@ def _(mu, var, row_values, col_values, kappa, causal, mask_diagonal):
     b, n, _ = mu.shape
     row = mu.new_empty(b, n, row_values.shape[2])
     col = mu.new_empty(b, n, col_values.shape[2])
-    return (row, torch.empty_like(row), mu.new_empty(b, n), col, torch.empty_like(col), torch.empty_like(col),
-            mu.new_empty(b, n))
+    return row, row.new_empty(row.shape), mu.new_empty(b, n), col, col.new_empty(col.shape), col.new_empty(col.shape), \
+        mu.new_empty(b, n)
 
 
 @torch.library.custom_op("hecate::kl_attention_backward", mutates_args=())
@@ -100,15 +100,15 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = (grad_row_sum, grad_row_kl_sum, grad_energy, grad_col_sum, grad_col_kl_sum, grad_col_energy_sum, grad_lse)
     if use_triton(mu) and mu.dtype != torch.float64:  # the kernels compute in fp32
-        return _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
-                                kappa, causal, mask_diagonal)
-    return matmul_form.backward(mu, var, row_values, col_values, grads, kappa, causal, mask_diagonal)
+        return dense(_triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
+                                      kappa, causal, mask_diagonal))
+    return dense(matmul_form.backward(mu, var, row_values, col_values, grads, kappa, causal, mask_diagonal))
 
 
 @kl_attention_backward.register_fake
 def _(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, g1, g2, g3, g4, g5, g6, g7,
       kappa, causal, mask_diagonal):
-    return (torch.empty_like(mu), torch.empty_like(var), torch.empty_like(row_values), torch.empty_like(col_values))
+    return tuple(t.new_empty(t.shape) for t in (mu, var, row_values, col_values))
 
 
 def _setup_context(ctx, inputs, output):

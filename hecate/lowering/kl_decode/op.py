@@ -28,7 +28,7 @@ import math
 import torch
 import triton
 
-from hecate.lowering.dispatch import interpreting, use_triton
+from hecate.lowering.dispatch import dense, interpreting, use_triton
 from hecate.lowering.kl_decode import matmul_form
 
 
@@ -76,8 +76,8 @@ def kl_decode_logits(mu: torch.Tensor, var: torch.Tensor, prior_mu: torch.Tensor
                      tau: float) -> torch.Tensor:
     check_inputs(mu, var, prior_mu, prior_var, tau)
     if _use_kernels(mu):
-        return _triton_logits(mu, var, prior_mu, prior_var, tau)
-    return matmul_form.logits(mu, var, prior_mu, prior_var, tau)
+        return dense(_triton_logits(mu, var, prior_mu, prior_var, tau))
+    return dense(matmul_form.logits(mu, var, prior_mu, prior_var, tau))
 
 
 @kl_decode_logits.register_fake
@@ -90,12 +90,12 @@ def _(mu, var, prior_mu, prior_var, tau):
 def kl_decode_logits_backward(mu: torch.Tensor, var: torch.Tensor, prior_mu: torch.Tensor, prior_var: torch.Tensor,
                               grad_logits: torch.Tensor, tau: float
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return matmul_form.grad_from_logits(mu, var, prior_mu, prior_var, grad_logits, tau)
+    return dense(matmul_form.grad_from_logits(mu, var, prior_mu, prior_var, grad_logits, tau))
 
 
 @kl_decode_logits_backward.register_fake
 def _(mu, var, prior_mu, prior_var, grad_logits, tau):
-    return torch.empty_like(mu), torch.empty_like(var), torch.empty_like(prior_mu), torch.empty_like(prior_var)
+    return tuple(t.new_empty(t.shape) for t in (mu, var, prior_mu, prior_var))
 
 
 def _logits_setup(ctx, inputs, output):
@@ -123,8 +123,8 @@ def kl_decode_ce(mu: torch.Tensor, var: torch.Tensor, prior_mu: torch.Tensor, pr
     check_inputs(mu, var, prior_mu, prior_var, tau, targets)
     check_targets(targets, prior_mu.shape[0], ignore_index)
     if _use_kernels(mu):
-        return _triton_ce(mu, var, prior_mu, prior_var, targets, tau, ignore_index)
-    return matmul_form.ce(mu, var, prior_mu, prior_var, targets, tau, ignore_index)
+        return dense(_triton_ce(mu, var, prior_mu, prior_var, targets, tau, ignore_index))
+    return dense(matmul_form.ce(mu, var, prior_mu, prior_var, targets, tau, ignore_index))
 
 
 @kl_decode_ce.register_fake
@@ -138,15 +138,15 @@ def kl_decode_ce_backward(mu: torch.Tensor, var: torch.Tensor, prior_mu: torch.T
                           targets: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor, tau: float,
                           ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_kernels(mu):
-        return _triton_ce_backward(mu, var, prior_mu, prior_var, targets, lse, grad_loss, tau, ignore_index)
+        return dense(_triton_ce_backward(mu, var, prior_mu, prior_var, targets, lse, grad_loss, tau, ignore_index))
     grad_logits = matmul_form.ce_grad_logits(mu, var, prior_mu, prior_var, targets, lse, grad_loss, tau,
                                              ignore_index)
-    return matmul_form.grad_from_logits(mu, var, prior_mu, prior_var, grad_logits, tau)
+    return dense(matmul_form.grad_from_logits(mu, var, prior_mu, prior_var, grad_logits, tau))
 
 
 @kl_decode_ce_backward.register_fake
 def _(mu, var, prior_mu, prior_var, targets, lse, grad_loss, tau, ignore_index):
-    return torch.empty_like(mu), torch.empty_like(var), torch.empty_like(prior_mu), torch.empty_like(prior_var)
+    return tuple(t.new_empty(t.shape) for t in (mu, var, prior_mu, prior_var))
 
 
 def _ce_setup(ctx, inputs, output):

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from hecate.lowering.autocast import register_autocast
-from hecate.lowering.dispatch import use_triton_kernels
+from hecate.lowering.dispatch import dense, use_triton_kernels
 from hecate.lowering.memory_scan import chunked, cpu
 from hecate.lowering.memory_scan.op import check_kvq_shapes
 
@@ -142,12 +142,12 @@ def linear_attention(k: Tensor, v: Tensor, q: Tensor, alpha: Optional[Tensor], m
     if not causal:
         _, _, _, M, z, num, den = _non_causal(k, v, q, normalize, eps)
         y = num / den if normalize else num
-        return y.to(v.dtype).contiguous(), M, z if normalize else torch.zeros_like(z)
+        return dense((y.to(v.dtype), M, z if normalize else torch.zeros_like(z)))
     Dv = v.shape[-1]
     v_aug, forget, step, A0 = _hebbian_inputs(k, v, alpha, m0, z0, normalize)
     y_aug, A = _recurrence(k, v_aug, q, forget, step, A0)
     y, M, z, _ = _split(y_aug, A, Dv, eps, normalize)
-    return y.to(v.dtype).contiguous(), M, z
+    return dense((y.to(v.dtype), M, z))
 
 
 @linear_attention.register_fake
@@ -181,8 +181,8 @@ def linear_attention_backward(dy: Tensor, dm_final: Tensor, dz_final: Tensor, k:
             dk = dk + (torch.einsum("bth,bthk->bhk", dden, qf) + dz_final.to(state)).unsqueeze(1)
         dv = torch.einsum("bhvk,bthk->bthv", dM, kf)
         zeros = k.new_zeros(B, T, H, dtype=state)
-        return (dk.to(k.dtype), dv.to(v.dtype), dq.to(q.dtype), zeros, k.new_zeros(B, H, Dv, Dk, dtype=state),
-                k.new_zeros(B, H, Dk, dtype=state))
+        return dense((dk.to(k.dtype), dv.to(v.dtype), dq.to(q.dtype), zeros, k.new_zeros(B, H, Dv, Dk, dtype=state),
+                      k.new_zeros(B, H, Dk, dtype=state)))
     v_aug, forget, step, A0 = _hebbian_inputs(k, v, alpha, m0, z0, normalize)
     if normalize:
         y_aug, _ = _recurrence(k, v_aug, q, forget, step, A0)
@@ -197,8 +197,8 @@ def linear_attention_backward(dy: Tensor, dm_final: Tensor, dz_final: Tensor, k:
                                                            forget, step, A0)
     dm0 = dA0[:, :, :Dv].contiguous()
     dz0 = dA0[:, :, Dv].contiguous() if normalize else k.new_zeros(B, H, Dk, dtype=state)
-    return (dk.to(k.dtype), dv_aug[..., :Dv].to(v.dtype).contiguous(), dq.to(q.dtype), (-dforget).to(state),
-            dm0.to(state), dz0.to(state))
+    return dense((dk.to(k.dtype), dv_aug[..., :Dv].to(v.dtype), dq.to(q.dtype), (-dforget).to(state),
+                  dm0.to(state), dz0.to(state)))
 
 
 @linear_attention_backward.register_fake

@@ -59,7 +59,7 @@ from torch import Tensor
 
 from hecate.lowering import pointwise
 from hecate.lowering.autocast import register_autocast
-from hecate.lowering.dispatch import use_triton_kernels
+from hecate.lowering.dispatch import dense, use_triton_kernels
 from hecate.lowering.memory_scan import chunked, cpu
 
 
@@ -153,9 +153,11 @@ def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0:
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
         if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, m0):
-            return chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens)
-        return kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias, s0=s0)
-    return cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias, s0=s0)
+            return dense(chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens))
+        return dense(kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias,
+                                     s0=s0))
+    return dense(cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias,
+                                    s0=s0))
 
 
 def _final_states_fake(k, v, cu_seqlens, momentum):
@@ -183,11 +185,11 @@ def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: 
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
         if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, m0, dy, dm_final):
-            return chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens)
-        return kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                                bias=bias, s0=s0, ds_final=ds_final)
-    return cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                               bias=bias, s0=s0, dS_final=ds_final)
+            return dense(chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens))
+        return dense(kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
+                                      bias=bias, s0=s0, ds_final=ds_final))
+    return dense(cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
+                                     bias=bias, s0=s0, dS_final=ds_final))
 
 
 @memory_scan_backward.register_fake

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from hecate.lowering import pointwise
 from hecate.lowering.autocast import register_autocast
-from hecate.lowering.dispatch import use_triton_kernels
+from hecate.lowering.dispatch import dense, use_triton_kernels
 from hecate.lowering.qk_preprocess.naive import (ACTIVATIONS, MATRIX_PHI, PHI_KINDS, PHI_PARAM_COUNT,
                                                  apply_activation, apply_phi, is_pointwise_phi)
 
@@ -306,10 +306,10 @@ def qk_preprocess(x: torch.Tensor, proj_weight: torch.Tensor | None, proj_bias: 
     if use_triton_kernels(x):
         from hecate.lowering.qk_preprocess import kernels
 
-        return kernels.forward(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
-                               phi_scalar, conv_state)
-    return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar,
-                        conv_state)
+        return dense(kernels.forward(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
+                                     phi_scalar, conv_state))
+    return dense(forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
+                              phi_scalar, conv_state))
 
 
 @qk_preprocess.register_fake
@@ -332,10 +332,10 @@ def qk_preprocess_backward(grad_out: torch.Tensor, x: torch.Tensor, proj_weight:
     if use_triton_kernels(x):
         from hecate.lowering.qk_preprocess import kernels
 
-        return kernels.backward(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
-                                phi_params, phi_scalar, mask, conv_state)
-    return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
-                         phi_scalar, mask, conv_state)
+        return dense(kernels.backward(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
+                                      phi_params, phi_scalar, mask, conv_state))
+    return dense(backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
+                               phi_params, phi_scalar, mask, conv_state))
 
 
 @qk_preprocess_backward.register_fake
@@ -345,7 +345,7 @@ def _qk_preprocess_backward_fake(grad_out, x, proj_weight, proj_bias, conv_weigh
     mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi, conv_state)
     shaped = (x, proj_weight, proj_bias, conv_weight, conv_bias, phi_params[0] if phi in MATRIX_PHI else None,
               phi_params[1] if phi == "random_fourier" else None, conv_state)
-    return tuple(torch.empty_like(t) if m else x.new_empty(0) for m, t in zip(mask, shaped))
+    return tuple(t.new_empty(t.shape) if m else x.new_empty(0) for m, t in zip(mask, shaped))
 
 
 def _setup_context(ctx, inputs, output):
