@@ -55,22 +55,22 @@ class _Decode:
 
 
 def _query_side(node: fx.Node) -> fx.Node | None:
-    """x when ``node`` is a [B, N, K] tensor x broadcast per query as [B, N, 1, K]."""
+    """x when ``node`` is an [..., N, K] tensor x broadcast per query as [..., N, 1, K]."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     src, out = shape_of(node.args[0]), shape_of(node)
-    if src is None or out is None or len(src) != 3 or len(out) != 4 or out[2] != 1:
+    if src is None or out is None or len(src) < 2 or len(out) != len(src) + 1 or out[-2] != 1:
         return None
-    if node.target == aten.unsqueeze.default and node.args[1] % 4 == 2:
+    if node.target == aten.unsqueeze.default and node.args[1] % len(out) == len(out) - 2:
         return strip_noops(node.args[0])
-    if node.target in (aten.view.default, aten.reshape.default) and out[1] == src[1] and out[3] == src[2]:
+    if node.target in (aten.view.default, aten.reshape.default) and out[:-2] == src[:-1] and out[-1] == src[-1]:
         return strip_noops(node.args[0])
     return None
 
 
 def _inputs(logits: fx.Node) -> tuple[list, list] | None:
     """(per-query belief tensors, [V, K] prior tensors) the score reads, or None if it reads others."""
-    b, n, v = shape_of(logits)
+    score = shape_of(logits)
     queries, priors, seen, stack = [], [], set(), [logits]
     while stack:
         node = stack.pop()
@@ -81,10 +81,10 @@ def _inputs(logits: fx.Node) -> tuple[list, list] | None:
         shape = shape_of(node)
         if q is not None:
             queries.append(q) if q not in queries else None
-        elif shape is not None and len(shape) == 2:
+        elif shape is not None and len(shape) == 2 and not _in_score(shape, score):
             node = strip_noops(node)
             priors.append(node) if node not in priors else None
-        elif shape is not None and not _in_score(shape, (b, n, v)):
+        elif shape is not None and not _in_score(shape, score):
             return None  # the walk stays inside the [B, N, V(, K)] score
         elif node.op != "call_function":
             if isinstance(node.meta.get("val"), torch.Tensor):
@@ -101,19 +101,19 @@ def _is(size, other) -> bool:
 
 
 def _in_score(shape, logits_shape) -> bool:
-    """Whether a tensor of ``shape`` lives in the [B, N, V, K] score (or broadcasts into it as a prior)."""
-    b, n, v = logits_shape
-    if len(shape) == 3 and _is(shape[0], b) and _is(shape[1], n) and _is(shape[2], v):
+    """Whether a tensor of ``shape`` lives in the [..., N, V, K] score of [..., N, V] logits: the logits'
+    shape, or a shape broadcasting into [..., N, V, K] (a query's [..., N, 1, K], a prior's [1, V, K])."""
+    *lead, v = logits_shape
+    if len(shape) == len(logits_shape) and all(_is(a, b) for a, b in zip(shape, logits_shape)):
         return True
-    if len(shape) == 4:  # [B, N, V, K], a query's [B, N, 1, K], a prior's [1, 1, V, K]
-        return ((_is(shape[2], 1) or _is(shape[2], v)) and (_is(shape[0], 1) or _is(shape[0], b))
-                and (_is(shape[1], 1) or _is(shape[1], n)))
-    return len(shape) == 3 and _is(shape[0], 1) and _is(shape[1], v)
+    if len(shape) == len(lead) + 2:
+        return all(_is(a, 1) or _is(a, b) for a, b in zip(shape, (*lead, v)))
+    return 2 < len(shape) < len(lead) + 2 and _is(shape[-2], v) and all(_is(a, 1) for a in shape[:-2])
 
 
 def _recognise(logits: fx.Node) -> _Decode | None:
     shape = shape_of(logits)
-    if shape is None or len(shape) != 3 or logits.op != "call_function":
+    if shape is None or len(shape) < 2 or logits.op != "call_function":
         return None
     found = _inputs(logits)
     if found is None or not found[0] or not found[1]:
@@ -123,11 +123,13 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     if len(k) != 1 or len(queries) < 2 or len(priors) < 2:
         return None
     k = k.pop()
-    v = _hint(shape[2])
+    v = _hint(shape[-1])
+    positions = (2,) * (len(shape) - 2) + (3,)  # the draw's own leading sizes
     gen = torch.Generator().manual_seed(20251123)
     draws = []
     for low, high in ((0.3, 2.0), (0.05, 4.0)):
-        env = {x: low + (high - low) * torch.rand(2, 3, k, generator=gen, dtype=torch.float64) for x in queries}
+        env = {x: low + (high - low) * torch.rand(*positions, k, generator=gen, dtype=torch.float64)
+               for x in queries}
         env.update({x: low + (high - low) * torch.rand(v, k, generator=gen, dtype=torch.float64) for x in priors})
         try:
             value = evaluate(logits, dict(env))
@@ -144,7 +146,7 @@ def _recognise(logits: fx.Node) -> _Decode | None:
                         for prior_param, prior_to_var in VARIANCE_FROM.items():
                             alphas = []
                             for env, value in draws:
-                                kl = gaussian_kl(env[mu].unsqueeze(2), to_var(env[scale]).unsqueeze(2),
+                                kl = gaussian_kl(env[mu].unsqueeze(-2), to_var(env[scale]).unsqueeze(-2),
                                                  env[prior_mu], prior_to_var(env[prior_scale]))
                                 alphas.append(proportion(value, kl))
                             if all(a is not None and a < 0 for a in alphas) and math.isclose(*alphas, rel_tol=1e-9):
@@ -177,10 +179,10 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
     logits, tau = d.logits, d.tau
     inputs = [d.mu, d.scale, d.prior_mu, d.prior_scale]
 
-    def beliefs(mu, scale, prior_mu, prior_scale):
-        b, n, k = mu.shape
+    def beliefs(mu, scale, prior_mu, prior_scale):  # the op reads the positions flat: [M, K]
+        k = mu.shape[-1]
         var, prior_var = VARIANCE_FROM[d.param](scale), VARIANCE_FROM[d.prior_param](prior_scale)
-        return mu.reshape(b * n, k), var.reshape(b * n, k), prior_mu, prior_var.to(prior_mu.dtype)
+        return mu.reshape(-1, k), var.reshape(-1, k), prior_mu, prior_var.to(prior_mu.dtype)
 
     what = f"{d.param} beliefs, {d.prior_param} priors, τ={tau:g}"
     ce = _cross_entropy_user(logits, shape_of(logits))
@@ -188,7 +190,7 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
         def logits_fn(*values):
             mu2, var2, prior_mu, prior_var = beliefs(*values)
             flat = torch.ops.hecate.kl_decode_logits(mu2, var2, prior_mu, prior_var, tau)
-            flat = flat.reshape(values[0].shape[0], values[0].shape[1], prior_mu.shape[0])
+            flat = flat.reshape(*values[0].shape[:-1], prior_mu.shape[0])
             return flat.to(logits.meta["val"].dtype)  # the graph's dtype (under autocast, not the op's)
 
         replace_with_function(gm, [logits], logits_fn, inputs, outputs=[logits])
@@ -219,9 +221,11 @@ def _cross_entropy_user(logits: fx.Node, shape: tuple):
     if len(users) != 1:
         names = ", ".join(f"{u.name} ({short(u.target) if u.op == 'call_function' else u.op})" for u in users)
         return f"logits are also used by {names}"
-    view = users[0]
-    b, n, v = shape
-    if view.target not in (aten.view.default, aten.reshape.default) or shape_of(view) != (b * n, v):
+    # [N, V] logits go to cross-entropy as they are; [..., N, V] ones through a view(-1, V)
+    view = logits if len(shape) == 2 else users[0]
+    rows = math.prod(shape[:-1])
+    if view is not logits and (view.target not in (aten.view.default, aten.reshape.default)
+                               or shape_of(view) != (rows, shape[-1])):
         return f"logits feed {view.name} ({short(view.target)}), not a view(-1, V) into cross-entropy"
     ce_users = list(view.users)
     if len(ce_users) != 1 or ce_users[0].target != aten.cross_entropy_loss.default or ce_users[0].args[0] is not view:

@@ -12,8 +12,10 @@ already report, with the first reason it can give and the user's source line:
 * ``memory_scan`` / ``linear_attention``: a loop-carried matrix state updated by an outer
   product, in a rolled ``scan`` body or in a chain of unrolled steps, or cumulated by ``cumsum``;
 * ``qk_preprocess``: a depthwise conv1d (groups = channels);
-* ``kl_decode``: a softmax over the vocabulary of logits made by matrix products of the
-  beliefs with per-token tensors and the log of one, as the KL to the priors expanded is.
+* ``kl_decode``: a softmax (or cross-entropy, logsumexp) over the vocabulary of logits made by
+  broadcasting the beliefs against per-token tensors with a log of the features, or by matrix
+  products of the beliefs with per-token tensors and the log of one, as the KL to the priors
+  expanded is.
 
 Found by what the graph computes (broadcast shapes, pointwise tags, contraction sizes),
 not by op spellings.
@@ -68,6 +70,7 @@ def report_unfused_signatures(gm: fx.GraphModule, enabled: Iterable[str], report
     if "qk_preprocess" in enabled:
         found += [("qk_preprocess", reason, nodes) for reason, nodes in _depthwise_convs(gm.graph)]
     if "kl_decode" in enabled:
+        found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_pairs(gm.graph)]
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_products(gm.graph)]
     for family, reason, nodes in found:
         if not _already_reported(report, family, nodes):
@@ -175,13 +178,41 @@ def _gaussian_score_by_products(softmax: fx.Node, score: tuple) -> fx.Node | Non
 
 # ---- kl_decode: a softmax over the vocabulary of a Gaussian score by products -----------------
 
+_LOGIT_READERS = _SOFTMAX + (aten.cross_entropy_loss.default, aten.logsumexp.default)
+
+
+def _decode_scores_by_pairs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
+    """A (log-)softmax, cross-entropy or logsumexp over logits built by broadcasting per-position
+    beliefs [..., N, 1, K] against per-token tensors [V, K] and reducing K, with a log or exp of the
+    features on the way (the variances of a Gaussian KL), that kl_decode left: a layout or a
+    consumer it does not take."""
+    for reader in (n for t in _LOGIT_READERS for n in graph.find_nodes(op="call_function", target=t)):
+        logits = _shape(reader.args[0])
+        if logits is None:
+            continue
+        ancestors = list(_ancestors(reader))
+        for node in ancestors:
+            dims, out = _pair_dims(node), _shape(node)
+            if not dims or len(out) <= len(logits) or _is(out[dims[0]], out[dims[1]]):
+                continue
+            width = out[-1]
+            if any(a.target in (aten.log.default, aten.exp.default) and _is((_shape(a) or (None,))[-1], width)
+                   for a in ancestors):
+                yield (f"logits over {out[dims[1]]} tokens built by broadcasting per-position beliefs "
+                       f"[..., 1, {width}] against per-token [{out[dims[1]]}, {width}] tensors were not fused: "
+                       "kl_decode takes the logits −KL(q_i‖π_v)/τ laid out [..., N, V], read as they are, by a "
+                       "softmax, or by cross-entropy over their last dim after a view(-1, V); compiled as "
+                       "written", [reader, node])
+                break
+
+
 def _decode_scores_by_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
     """Logits over V tokens made by matrix products of per-position [..., N, K] tensors with per-token
     [V, K] ones, reading the log (or exp: log-variances) of a [V, K] or [..., N, K] tensor: the KL to
     token priors expanded into products (the broadcast form is kl_decode's own). The logits are read by
     a (log-)softmax or cross-entropy, or returned; returned ones need two such products (the squared-mean
     and the cross term), so a linear head beside a variance does not count."""
-    readers = _SOFTMAX + (aten.cross_entropy_loss.default,)
+    readers = _LOGIT_READERS
     sinks = [(n, 1) for t in readers for n in graph.find_nodes(op="call_function", target=t)]
     sinks += [(n, 2) for out in graph.find_nodes(op="output") for n in out.all_input_nodes
               if n.op == "call_function" and n.target not in readers]

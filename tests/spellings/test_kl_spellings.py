@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributions import Independent, Normal, kl_divergence
 
 import hecate
-from hecate.testing import assert_close
+from hecate.testing import assert_close, assert_outputs_and_gradients_close
 
 B, N, K = 2, 5, 3
 
@@ -365,8 +365,28 @@ def d_softplus_helper_flatten(mu, s, prior_mu, prior_s, targets):  # softplus va
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
 
 
+def d_gather_nll(mu, var, prior_mu, prior_var, targets):  # the NLL picked by gather from log_softmax
+    logp = F.log_softmax(-_kl_to(mu[:, :, None], var[:, :, None], prior_mu, prior_var), -1)
+    return -logp.gather(-1, targets[..., None]).squeeze(-1).mean()
+
+
+def d_logsumexp_minus_target(mu, var, prior_mu, prior_var, targets):  # cross-entropy written as lse − s_t
+    s = -_kl_to(mu[:, :, None], var[:, :, None], prior_mu, prior_var)
+    return (torch.logsumexp(s, -1) - s.gather(-1, targets[..., None]).squeeze(-1)).mean()
+
+
+def d_label_smoothing(mu, var, prior_mu, prior_var, targets):  # smoothing: the logits fuse, the loss stays
+    logits = -_kl_to(mu.unsqueeze(-2), var.unsqueeze(-2), prior_mu, prior_var) * 0.5
+    return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), label_smoothing=0.1)
+
+
+def d_probabilities(mu, var, prior_mu, prior_var, targets):  # the token distribution itself
+    return torch.softmax(-_kl_to(mu[..., None, :], var[..., None, :], prior_mu[None, None], prior_var[None, None]), -1)
+
+
 DECODE = [d_spec_ce, d_logvar_priors_ce_sum, d_distributions_ignore_index, d_logits_returned, d_std_textbook,
-          d_log_softmax_nll, d_softplus_helper_flatten]
+          d_log_softmax_nll, d_softplus_helper_flatten, d_gather_nll, d_logsumexp_minus_target, d_label_smoothing,
+          d_probabilities]
 _PRIOR_DRAW = {d_logvar_priors_ce_sum: _logvar, d_logits_returned: _var}
 
 
@@ -380,6 +400,49 @@ def test_decode_spelling_fuses_and_equals_eager(fn, fresh_dynamo):
     report = _compare(lambda *a: fn(*a, targets), args, "kl_decode")
     assert report.count("kl_decode") == 1, str(report)
     assert not [m for m in report.misses if m.pattern == "kl_decode"], str(report)
+
+
+def d_any_leading_dims(mu, var, prior_mu, prior_var, targets):  # [N, K] or [B, H, N, K] beliefs
+    logits = -_kl_to(mu.unsqueeze(-2), var.unsqueeze(-2), prior_mu, prior_var) / 0.8
+    return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+
+
+def d_any_leading_dims_logits(mu, var, prior_mu, prior_var, targets):  # the logits returned, any leading dims
+    return F.log_softmax(-_kl_to(mu[..., None, :], var[..., None, :], prior_mu, prior_var), -1)
+
+
+def d_one_sequence_ce(mu, var, prior_mu, prior_var, targets):  # [N, V] logits straight into cross-entropy
+    return F.cross_entropy(-_kl_to(mu[:, None], var[:, None], prior_mu, prior_var), targets)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("fn,lead", [(d_any_leading_dims, (N,)), (d_any_leading_dims, (B, 2, N)),
+                                     (d_any_leading_dims_logits, (N,)), (d_any_leading_dims_logits, (B, 2, N)),
+                                     (d_one_sequence_ce, (N,))],
+                         ids=["one-sequence", "heads", "one-sequence-logits", "heads-logits", "one-sequence-ce"])
+def test_decode_over_other_leading_dims_fuses(fn, lead, dynamic, fresh_dynamo):
+    targets = torch.randint(0, V, lead)
+    args = [a.requires_grad_() for a in (torch.randn(*lead, K), _var((*lead, K)), torch.randn(V, K), _var((V, K)))]
+    ref_args = [a.detach().clone().requires_grad_() for a in args]
+    got = torch.compile(fn, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})(*args, targets)
+    report = hecate.last_report()
+    assert report.count("kl_decode") == 1 and not report.misses, str(report)
+    assert_outputs_and_gradients_close(got, fn(*ref_args, targets), args, ref_args, 1e-5)
+
+
+def d_class_dim_one(mu, var, prior_mu, prior_var, targets):  # cross-entropy over dim 1 of [B, V, N] logits
+    return F.cross_entropy(-_kl_to(mu[:, :, None], var[:, :, None], prior_mu, prior_var).transpose(1, 2), targets,
+                           reduction="none")
+
+
+def test_decode_read_through_a_transpose_is_reported(fresh_dynamo):
+    args = (torch.randn(B, N, K), _var((B, N, K)), torch.randn(V, K), _var((V, K)), torch.randint(0, V, (B, N)))
+    report = hecate.explain(d_class_dim_one, *args)
+    misses = [m for m in report.misses if m.pattern == "kl_decode"]
+    assert report.count("kl_decode") == 0 and misses, str(report)
+    assert "laid out [..., N, V]" in misses[0].reason and "test_kl_spellings.py" in misses[0].source, misses[0]
+    compiled = torch.compile(d_class_dim_one, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(*args), d_class_dim_one(*args), 1e-6)
 
 
 def m_decode_expanded_into_products(mu, var, prior_mu, prior_logvar):  # −½Σ[(μ−m)²/s + log s + v/s] multiplied out
