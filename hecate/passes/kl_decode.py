@@ -13,8 +13,9 @@ What replaces it:
   observation gradient) → ``hecate.kl_decode_logits``, the matmul form: [B,N,V] is formed
   because it is asked for, [B,N,V,K] is not; a cross-entropy on it stays as it is.
 
-Recognised by what it computes: a [B, N, V] tensor computed from beliefs broadcast per query
-(``x.unsqueeze(2)``, ``x[:, :, None]``) against [V, K] prior tensors is evaluated in float64 at
+Recognised by what it computes: an [..., N, V] tensor (any leading dims: one sequence [N, V], a
+batch, heads) computed from beliefs broadcast per query (``x.unsqueeze(-2)``, ``x[:, :, None]``)
+against [V, K] prior tensors is evaluated in float64 at
 random points and must equal −KL(q_i‖π_v)/τ (τ > 0) for some choice of means and of variance,
 log-variance, standard deviation, log-std or precision on each side (:mod:`hecate.passes.gaussian`).
 """
