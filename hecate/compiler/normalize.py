@@ -64,6 +64,7 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``graph_module`` (not the graphs it calls) into the normal form, in place; return it."""
     graph = graph_module.graph
     functionalize(graph)
+    detach_no_grad_results(graph)
     unbind_as_selects(graph)
     softmax_spellings(graph)
     outputs = _output_nodes(graph)
@@ -323,9 +324,31 @@ def _refake(node: fx.Node) -> None:
 
 # ---------------------------------------------------------------- local rewrites
 
+def detach_no_grad_results(graph: fx.Graph) -> None:
+    """A value computed under ``torch.no_grad()`` and read where gradients are enabled again is read
+    through ``detach``: no gradient flows back through it, and a pass now sees that (a fused op
+    spanning the region's end would let gradients through what the user computed without them)."""
+    enabled, grad_enabled = True, {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+        grad_enabled[node] = enabled
+    for node in list(grad_enabled):
+        later = [u for u in node.users if grad_enabled.get(u, True)]
+        if grad_enabled[node] or not later or not isinstance(_val(node), torch.Tensor):
+            continue
+        with graph.inserting_after(node):
+            detached = _emit(graph, aten.detach.default, node)
+        detached.meta["stack_trace"] = node.meta.get("stack_trace")  # the user's line inside the region
+        for user in later:
+            user.replace_input_with(node, detached)
+
+
 def softmax_spellings(graph: fx.Graph) -> None:
     """``exp(log_softmax(x, d))`` and ``e / e.sum(d, keepdim=True)`` with ``e = exp(x − x.amax(d, keepdim=True))``
     (or ``x.max(d, keepdim=True)[0]``) → ``softmax(x, d)``: the same values, so passes read one softmax.
+    So is ``softmax(x − x.amax(d, keepdim=True), d)`` (the row max detached or not): a softmax does not
+    change with a shift along its dim, nor does its gradient.
 
     The softmax of ``exp(x) / Σ exp(x)`` without the max subtracted is left alone: it overflows where
     softmax does not, so it does not compute the same."""
@@ -342,6 +365,10 @@ def _softmax_of(node: fx.Node) -> tuple[Any, int | None]:
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return None, None
     arg = node.args[0]
+    if node.target is aten.softmax.int and (len(node.args) < 3 or node.args[2] is None) \
+            and arg.target is aten.sub.Tensor and arg.kwargs.get("alpha", 1) == 1 and isinstance(arg.args[1], fx.Node) \
+            and _is_row_max(_undetached(arg.args[1]), arg.args[0], node.args[1]):
+        return arg.args[0], node.args[1]
     if node.target is aten.exp.default and arg.target in (aten.log_softmax.int, aten._log_softmax.default) \
             and (len(arg.args) < 3 or arg.args[2] in (None, False)) and not arg.kwargs.get("dtype"):
         return arg.args[0], arg.args[1]
@@ -356,11 +383,16 @@ def _softmax_of(node: fx.Node) -> tuple[Any, int | None]:
             or arg.args[0].target is not aten.sub.Tensor or arg.args[0].kwargs.get("alpha", 1) != 1:
         return None, None
     x, peak = arg.args[0].args
-    while isinstance(peak, fx.Node) and peak.target in (aten.detach.default, aten.alias.default):
-        peak = peak.args[0]
+    peak = _undetached(peak)
     if not isinstance(peak, fx.Node) or not _is_row_max(peak, x, dim):
         return None, None
     return x, dim
+
+
+def _undetached(node: Any) -> Any:
+    while isinstance(node, fx.Node) and node.target in (aten.detach.default, aten.alias.default):
+        node = node.args[0]
+    return node
 
 
 def _is_row_max(peak: fx.Node, x: Any, dim: int) -> bool:
@@ -382,7 +414,6 @@ def _emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
     new = graph.call_function(target, args, kwargs)
     _refake(new)
     return new
-
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
@@ -536,7 +567,8 @@ def common_subexpressions(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     One pass in program order, hashing each call by (op, target, inputs, literals), with the
     inputs read through the merges already found. Works on ATen graphs and on Dynamo's
     (``call_method``, Python operators, torch functions). A call merges only with one made since
-    the last in-place op (which may have changed its inputs), never when its result is later
+    the last in-place op (which may have changed its inputs) and the last change of grad mode or
+    autocast (under which it computes something else), never when its result is later
     mutated (the two would share one buffer), and two graph outputs never merge into one
     (outputs must not alias each other). Whether a call is pure is decided once per op and
     literals, not per node (a Dynamo-level call is traced to ATen to decide it)."""
@@ -547,7 +579,7 @@ def common_subexpressions(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     purity: dict[Any, bool] = {}
     epoch = 0  # in-place ops so far
     for node in graph.nodes:
-        if mutates(node):
+        if mutates(node) or node.target in _MODE_CHANGES:
             epoch += 1
             continue
         if node.op not in ("call_function", "call_method") or not isinstance(_val(node), torch.Tensor) \
@@ -568,6 +600,11 @@ def common_subexpressions(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
                 outputs.add(earlier)
             merges[node] = earlier
     return merges
+
+
+# calls after which the same op computes something else: with or without gradients, in another dtype
+_MODE_CHANGES = (torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
+                 torch.amp.autocast_mode._exit_autocast)
 
 
 def _merge(graph: fx.Graph, merges: dict[fx.Node, fx.Node]) -> None:

@@ -28,6 +28,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 from torch.utils import _pytree as pytree
 
+from hecate.passes.report import source_line
+
 
 class NotFused(Exception):
     """Raised while recognising a match that cannot be fused; the message is the report's reason."""
@@ -172,6 +174,34 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def check_gradients_flow(args: Sequence[Any], outputs: Sequence[fx.Node]) -> None:
+    """Raise :class:`NotFused` if the subgraph from ``args`` to ``outputs`` stops gradients on the way
+    (``detach``; what is computed under ``torch.no_grad()`` reaches the rest through one): a fused
+    op's backward would let them through. A detached constant stops nothing."""
+    inputs = {a for a in pytree.tree_leaves(list(args)) if isinstance(a, fx.Node)}
+    for node in _differentiable_ancestors(outputs, inputs):
+        if node.target is torch.ops.aten.detach.default and inputs & _differentiable_ancestors(node.args, inputs):
+            raise NotFused(f"gradients stop inside it at {source_line([node]) or node.name} (detach, or a value "
+                           "computed under torch.no_grad()); the fused op would let them through; compiled as "
+                           "written")
+
+
+def _differentiable_ancestors(nodes: Sequence[Any], stop: set[fx.Node]) -> set[fx.Node]:
+    """``nodes`` and the floating-point tensors they are computed from, up to the nodes in ``stop``
+    (sizes and masks carry no gradient)."""
+    seen: set[fx.Node] = set()
+    stack = [n for n in nodes if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        value = node.meta.get("val")
+        if node in seen or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        seen.add(node)
+        if node not in stop:
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
 def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
                     args: Sequence[Any], outputs: Sequence[int | None] | None = None) -> fx.Node:
     """Replace the matched subgraph by one call ``op(*args)``.
@@ -181,6 +211,7 @@ def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
     The new node gets its fake value, so later passes and exporters can read
     its shape. Returns the new call node.
     """
+    check_gradients_flow(args, match.outputs)
     graph = gm.graph
     with graph.inserting_before(_last(graph, match.nodes)):
         call = graph.call_function(op, tuple(args))
@@ -218,6 +249,7 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
     if not old_outputs:
         raise ValueError(f"replace_with_function: no outputs to replace among {[n.name for n in nodes]}; "
                          "pass a Match or outputs=[the replaced nodes read afterwards]")
+    check_gradients_flow(args, old_outputs)
     values = [fx.node.map_aggregate(a, val) for a in args]
     fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     if fake_mode is None:

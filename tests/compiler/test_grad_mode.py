@@ -1,0 +1,82 @@
+"""Code run under ``torch.no_grad()`` / ``detach`` / autocast keeps its meaning through Hecate:
+no common subexpression is shared across a change of grad mode or autocast, and no fused op
+lets gradients through where the user's code stops them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hecate
+from hecate.testing import assert_close, assert_outputs_and_gradients_close
+
+
+def same_expression_with_and_without_grad(x):
+    with torch.no_grad():
+        a = x.sin() * 2
+    b = x.sin() * 2  # identical call, but this one is differentiated
+    return a + b
+
+
+@pytest.mark.parametrize("fallback", ["eager", "inductor"])
+def test_an_expression_under_no_grad_is_not_shared_with_its_twin_outside(fallback, fresh_dynamo):
+    x = torch.randn(7, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    got = torch.compile(same_expression_with_and_without_grad, backend="hecate", options={"fallback": fallback})(x)
+    assert_outputs_and_gradients_close(got, same_expression_with_and_without_grad(x_ref), [x], [x_ref], 1e-6)
+
+
+def same_product_in_and_out_of_autocast(x, w):
+    with torch.autocast("cpu", torch.bfloat16):
+        low = x @ w
+    return low.float() + x @ w  # the second product in float32
+
+
+def test_an_expression_under_autocast_is_not_shared_with_its_twin_outside(fresh_dynamo):
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    got = torch.compile(same_product_in_and_out_of_autocast, backend="hecate", options={"fallback": "eager"})(x, w)
+    assert_close("output", got, same_product_in_and_out_of_autocast(x, w), 1e-6)
+
+
+def _kl(mu, var):
+    mi, mj, vi, vj = mu[:, :, None], mu[:, None], var[:, :, None], var[:, None]
+    return 0.5 * (torch.log(vj / vi) + (vi + (mi - mj) ** 2) / vj - 1).sum(-1)
+
+
+def score_without_grad(mu, var):  # β from a KL computed without gradients, the values differentiated
+    with torch.no_grad():
+        kl = _kl(mu, var)
+    return F.softmax(-kl, -1) @ mu
+
+
+def score_detached(mu, var):
+    return F.softmax(-_kl(mu, var).detach(), -1) @ mu
+
+
+@pytest.mark.parametrize("fn", [score_without_grad, score_detached])
+def test_a_score_whose_gradient_the_user_stops_is_reported_not_fused(fn, fresh_dynamo):
+    mu, var = torch.randn(2, 5, 3, requires_grad=True), (torch.rand(2, 5, 3) + 0.2).requires_grad_()
+    refs = [mu.detach().clone().requires_grad_(), var.detach().clone().requires_grad_()]
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(mu, var)
+    report = hecate.last_report()
+    assert report.count("kl_attention") == 0, str(report)
+    assert any("gradients stop inside it" in m.reason for m in report.misses if m.pattern == "kl_attention"), \
+        str(report)
+    out, ref = got, fn(*refs)
+    assert_close("output", out, ref, 1e-6)
+    weights = torch.randn(ref.shape)
+    g_mu, = torch.autograd.grad((out * weights).sum(), [mu])
+    r_mu, = torch.autograd.grad((ref * weights).sum(), [refs[0]])
+    assert_close("grad mu", g_mu, r_mu, 1e-5)
+
+
+def shifted_by_detached_row_max(mu, var):  # the stable-softmax idiom: the shift does not change β or its gradient
+    s = -_kl(mu, var)
+    return F.softmax(s - s.amax(-1, keepdim=True).detach(), -1) @ mu
+
+
+def test_softmax_of_a_score_shifted_by_its_detached_row_max_fuses(fresh_dynamo):
+    mu, var = torch.randn(2, 5, 3, requires_grad=True), (torch.rand(2, 5, 3) + 0.2).requires_grad_()
+    refs = [mu.detach().clone().requires_grad_(), var.detach().clone().requires_grad_()]
+    got = torch.compile(shifted_by_detached_row_max, backend="hecate", options={"fallback": "eager"})(mu, var)
+    assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
+    assert_outputs_and_gradients_close(got, shifted_by_detached_row_max(*refs), [mu, var], refs, 1e-5)
