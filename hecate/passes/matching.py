@@ -176,14 +176,33 @@ def _is_number(x: Any) -> bool:
 
 def check_gradients_flow(args: Sequence[Any], outputs: Sequence[fx.Node]) -> None:
     """Raise :class:`NotFused` if the subgraph from ``args`` to ``outputs`` stops gradients on the way
-    (``detach``; what is computed under ``torch.no_grad()`` reaches the rest through one): a fused
-    op's backward would let them through. A detached constant stops nothing."""
+    (``detach``; what is computed under ``torch.no_grad()`` reaches the rest through one), also inside
+    a loop body it calls: a fused op's backward would let them through. A detached constant stops
+    nothing."""
     inputs = {a for a in pytree.tree_leaves(list(args)) if isinstance(a, fx.Node)}
     for node in _differentiable_ancestors(outputs, inputs):
-        if node.target is torch.ops.aten.detach.default and inputs & _differentiable_ancestors(node.args, inputs):
-            raise NotFused(f"gradients stop inside it at {source_line([node]) or node.name} (detach, or a value "
+        stop = _gradient_stop(node, inputs)
+        if stop is None:
+            stop = next((s for body in _bodies(node) for s in (_gradient_stop(n, set(body.graph.find_nodes(
+                op="placeholder"))) for n in body.graph.nodes) if s is not None), None)
+        if stop is not None:
+            raise NotFused(f"gradients stop inside it at {source_line([stop]) or stop.name} (detach, or a value "
                            "computed under torch.no_grad()); the fused op would let them through; compiled as "
                            "written")
+
+
+def _gradient_stop(node: fx.Node, inputs: set[fx.Node]) -> fx.Node | None:
+    """``node`` if it is a detach of something computed from ``inputs``."""
+    if node.target is torch.ops.aten.detach.default and inputs & _differentiable_ancestors(node.args, inputs):
+        return node
+    return None
+
+
+def _bodies(node: fx.Node) -> list[fx.GraphModule]:
+    """The graphs ``node`` calls (a scan's or a checkpoint's body)."""
+    owner = node.graph.owning_module
+    return [getattr(owner, a.target) for a in node.all_input_nodes
+            if a.op == "get_attr" and isinstance(getattr(owner, a.target, None), fx.GraphModule)]
 
 
 def _differentiable_ancestors(nodes: Sequence[Any], stop: set[fx.Node]) -> set[fx.Node]:
@@ -193,8 +212,8 @@ def _differentiable_ancestors(nodes: Sequence[Any], stop: set[fx.Node]) -> set[f
     stack = [n for n in nodes if isinstance(n, fx.Node)]
     while stack:
         node = stack.pop()
-        value = node.meta.get("val")
-        if node in seen or not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        values = pytree.tree_leaves(node.meta.get("val"))  # a loop's results come as a tuple
+        if node in seen or not any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in values):
             continue
         seen.add(node)
         if node not in stop:

@@ -80,3 +80,33 @@ def test_softmax_of_a_score_shifted_by_its_detached_row_max_fuses(fresh_dynamo):
     got = torch.compile(shifted_by_detached_row_max, backend="hecate", options={"fallback": "eager"})(mu, var)
     assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
     assert_outputs_and_gradients_close(got, shifted_by_detached_row_max(*refs), [mu, var], refs, 1e-5)
+
+
+def delta_rule_error_without_grad(k, v, q):  # the memory's error term computed under no_grad, in a loop
+    m = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1])
+    ys = []
+    for t in range(k.shape[1]):
+        kt, vt = k[:, t], v[:, t]
+        with torch.no_grad():
+            err = torch.einsum("bvk,bk->bv", m, kt) - vt
+        m = m - 0.1 * err[:, :, None] * kt[:, None, :]
+        ys.append(torch.einsum("bvk,bk->bv", m, q[:, t]))
+    return torch.stack(ys, 1)
+
+
+def test_a_memory_loop_whose_gradient_the_user_stops_is_reported_not_fused(fresh_dynamo):
+    args = [torch.randn(2, 6, 3, requires_grad=True), torch.randn(2, 6, 4, requires_grad=True),
+            torch.randn(2, 6, 3, requires_grad=True)]
+    refs = [a.detach().clone().requires_grad_() for a in args]
+    got = torch.compile(delta_rule_error_without_grad, backend="hecate", options={"fallback": "eager"})(*args)
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 0, str(report)
+    assert any("gradients stop inside it" in m.reason for m in report.misses), str(report)
+    ref = delta_rule_error_without_grad(*refs)
+    assert_close("output", got, ref, 1e-6)
+    weights = torch.randn(ref.shape)
+    grads = torch.autograd.grad((got * weights).sum(), args, allow_unused=True)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), refs, allow_unused=True)
+    assert ref_grads[1] is None and grads[1] is None  # v reaches the output only through the no_grad error
+    for name, g, r in zip(("k", "q"), grads[::2], ref_grads[::2]):
+        assert_close(f"grad {name}", g, r, 1e-5)
