@@ -52,7 +52,9 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from hecate.compiler.normalize import functional_op, functionalize, mutates
 
 _TENSOR_OPS = ("call_function", "call_method")
-_RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform")
+# words of the names of calls that draw random numbers (``F.normalize`` is none: a name matches by whole words)
+_RANDOM = {"rand", "randn", "randint", "randperm", "dropout", "dropout1d", "dropout2d", "dropout3d", "bernoulli",
+           "normal", "multinomial", "uniform", "poisson", "exponential", "geometric", "cauchy", "rrelu"}
 
 
 @dataclass
@@ -479,7 +481,7 @@ def _pure(node: fx.Node) -> bool:
     if isinstance(node.target, torch._ops.OpOverload):  # an ATen graph (torch.export's)
         return functional_op(node.target)
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return not mutates(node) and not any(r in name for r in _RANDOM)
+    return not mutates(node) and _RANDOM.isdisjoint(name.lower().split("_"))
 
 
 def _same_meta(a: fx.Node, b: fx.Node) -> bool:

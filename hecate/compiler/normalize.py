@@ -21,10 +21,14 @@ graph and the body of every ``scan`` in it in this form:
   product summed over the indices it drops;
 * an ``einsum`` that is a tensor times a matrix (``einsum("btd,ed->bte", x, W)``) is that
   ``matmul`` (``x @ W.permute(1, 0)``);
+* ``baddbmm(M, a, b, beta=β, alpha=α)``, ``addmm``, ``addr`` → ``β·M + α·(a @ b)`` (``addr``: α·a bᵀ), the
+  product then read as above (the same sums, which the fused call may round once fewer);
+* ``x.expand_as(y)`` → ``x.expand(y.shape)``: a gate broadcast as the memory does not read the memory;
 * ``x * x`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``);
 * a negated reshape is a reshape of the negation (``-kl.flatten(0, 1)`` → ``(-kl).flatten(0, 1)``);
 * common subexpressions: the same pure op on the same inputs is computed once (so
-  ``k[:, t]`` written at every use becomes one node).
+  ``k[:, t]`` written at every use becomes one node; in Dynamo's graph the slices themselves stay
+  apart, each step reading its own, and what is computed from equal slices is computed once).
 
 Dynamo's graph gets the first and the last before loops are rolled up (:func:`collapse_captured`):
 there in-place ops are ``call_method`` ``mul_`` / ``operator.isub``, and a step that writes an
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -99,7 +103,7 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
         fold_scalar_constants(graph)
         unbind_as_selects(graph)
         functionalize(graph)
-    merges = common_subexpressions(graph)
+    merges = common_subexpressions(graph, apart=_per_step_slice)
     if graph is gm.graph:
         if not merges:
             return gm
@@ -111,6 +115,17 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
     collapsed = _LazyGraphModule(gm, graph)
     collapsed.meta.update(gm.meta)
     return collapsed
+
+
+def _per_step_slice(node: fx.Node) -> bool:
+    """Whether ``node`` reads one index of a tensor (``k[:, t]``): each step of a loop reads its own.
+
+    Kept apart by the common subexpressions of Dynamo's graph: merged into the same slice taken before the
+    loop (``k[:, 0]`` read for its shape), step 0 would lose its slice and no longer read as the other
+    steps. A view computes nothing, so nothing is recomputed."""
+    from hecate.compiler.loops import _time_slice
+
+    return node.op in ("call_function", "call_method") and _time_slice(node) is not None
 
 
 def _has_captured_spellings(graph: fx.Graph) -> bool:
@@ -423,12 +438,16 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         if node not in outputs and isinstance(args[0], fx.Node) and _same_layout_free(node):
             return args[0]
         return None
+    if target is aten.expand_as.default and isinstance(_val(args[1]), torch.Tensor):
+        return _expand_as(graph, node)
     if target is aten.slice.Tensor and _whole_slice(node):
         return args[0]
     if target is aten.narrow.default and all(isinstance(a, int) for a in args[1:]):
         with graph.inserting_before(node):
             return _emit(graph, aten.slice.Tensor, args[0], args[1], args[2], args[2] + args[3])
-    if target in (aten.matmul.default, aten.bmm.default) and len(node.kwargs) == 0:
+    if target in _ADD_PRODUCTS and isinstance(args[0], fx.Node):
+        return _add_product(graph, node, outputs)
+    if target in (aten.matmul.default, aten.bmm.default, aten.mm.default) and len(node.kwargs) == 0:
         a, b = (_val(x) for x in args)
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2 and b.dim() >= 2 \
                 and a.shape[-1] == 1 and b.shape[-2] == 1 and a.dtype == b.dtype:
@@ -447,6 +466,51 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             return _emit(graph, view.target, _emit(graph, aten.neg.default, view.args[0]), *view.args[1:],
                          **view.kwargs)
     return None
+
+
+def _expand_as(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """``x.expand_as(y)`` → ``x.expand(y.shape)``: a broadcast that reads y's sizes, not its values (a gate
+    expanded as the memory does not depend on the memory); a symbolic size is read by ``sym_size`` as
+    ``x.expand(y.shape)`` reads it."""
+    x, like = node.args
+    with graph.inserting_before(node):
+        sizes = []
+        for d, size in enumerate(_val(like).shape):
+            if isinstance(size, torch.SymInt):
+                size_node = graph.call_function(aten.sym_size.int, (like, d))
+                size_node.meta["val"] = size
+                size = size_node
+            sizes.append(size)
+        return _emit(graph, aten.expand.default, x, sizes)
+
+
+# self·β + (product)·α in one call: torch.baddbmm (batched), torch.addmm (one matrix), torch.addr (an outer product)
+_ADD_PRODUCTS = (aten.baddbmm.default, aten.addmm.default, aten.addr.default)
+
+
+def _add_product(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
+    """``baddbmm(M, a, b, beta=β, alpha=α)`` (so ``addmm``, ``addr``) → ``β·M + α·(a @ b)`` (``addr``: α·a bᵀ),
+    the product then read as any (``a [.., D, 1] @ b [.., 1, C]`` is the broadcast multiply ``a * b``).
+
+    With β = 0, M is not read (its NaNs do not propagate) and the result is the product alone. The
+    same sums as the fused call, which may round the scaling and the addition once fewer."""
+    M, a, b = node.args[:3]
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    values = [_val(x) for x in (M, a, b)]
+    if len(node.args) != 3 or set(node.kwargs) - {"beta", "alpha"} \
+            or not all(isinstance(v, torch.Tensor) and v.dtype == values[0].dtype for v in values) \
+            or not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in (beta, alpha)):
+        return None
+    with graph.inserting_before(node):
+        if node.target is aten.addr.default:
+            product = _emit(graph, aten.mul.Tensor, _emit(graph, aten.unsqueeze.default, a, -1), b)
+        else:
+            product = _emit(graph, aten.bmm.default if node.target is aten.baddbmm.default else aten.mm.default, a, b)
+            product = _rewrite(graph, product, outputs) or product
+        if beta == 0:
+            return product if alpha == 1 else _emit(graph, aten.mul.Tensor, product, alpha)
+        kept = M if beta == 1 else _emit(graph, aten.mul.Tensor, M, beta)
+        return _emit(graph, aten.add.Tensor, kept, product, **({} if alpha == 1 else {"alpha": alpha}))
 
 
 _RESHAPES = (aten.view.default, aten.reshape.default, aten.flatten.using_ints, aten._unsafe_view.default)
@@ -560,7 +624,8 @@ def eliminate_common_subexpressions(graph: fx.Graph) -> None:
     _merge(graph, common_subexpressions(graph))
 
 
-def common_subexpressions(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+def common_subexpressions(graph: fx.Graph, apart: Callable[[fx.Node], bool] = lambda node: False
+                          ) -> dict[fx.Node, fx.Node]:
     """Each pure call returning a tensor that repeats an earlier identical call (same op, inputs,
     literals), mapped to that earlier call; ``graph`` is left as it is.
 
@@ -570,11 +635,12 @@ def common_subexpressions(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     the last in-place op (which may have changed its inputs) and the last change of grad mode or
     autocast (under which it computes something else), never when its result is later
     mutated (the two would share one buffer), and two graph outputs never merge into one
-    (outputs must not alias each other). Whether a call is pure is decided once per op and
+    (outputs must not alias each other), nor does a call ``apart`` says to keep apart. Whether a call is pure is decided once per op and
     literals, not per node (a Dynamo-level call is traced to ATen to decide it)."""
     outputs = _output_nodes(graph)
     mutated = {_storage(a) for n in graph.nodes if mutates(n) for a in (n, *n.args[:1])} - {None}
     merges: dict[fx.Node, fx.Node] = {}
+    same = {}  # merges, and the calls kept apart that repeat an earlier one: what reads either reads the same
     seen: dict[Any, fx.Node] = {}
     purity: dict[Any, bool] = {}
     epoch = 0  # in-place ops so far
@@ -586,16 +652,19 @@ def common_subexpressions(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
                 or mutated and _storage(node) in mutated:
             continue
         try:
-            node_key = (node.op, node.target, _key(node.args, merges), _key(node.kwargs, merges), epoch)
+            node_key = (node.op, node.target, _key(node.args, same), _key(node.kwargs, same), epoch)
         except TypeError:
             continue
         earlier = seen.setdefault(node_key, node)
         if earlier is node or node in outputs and earlier in outputs:
             continue
-        kind = (node.op, node.target, _key(fx.node.map_arg((node.args, node.kwargs), lambda _: _ANY_NODE), merges))
+        kind = (node.op, node.target, _key(fx.node.map_arg((node.args, node.kwargs), lambda _: _ANY_NODE), same))
         if kind not in purity:
             purity[kind] = _pure(node)
         if purity[kind]:
+            same[node] = earlier
+            if apart(node):
+                continue
             if node in outputs:
                 outputs.add(earlier)
             merges[node] = earlier

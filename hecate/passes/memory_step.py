@@ -325,17 +325,29 @@ def analyse(body: fx.GraphModule, n_carries: int) -> Recurrence:
                        f"{str(why).splitlines()[0] if str(why) else ''})") from None
     if len(b.ys) != 1:
         raise NotFused(f"the loop produces {len(b.ys)} per-step outputs; a memory loop produces its reads y_t")
-    candidates = [i for i, c in enumerate(b.carries)
-                  if isinstance(b.env[c], torch.Tensor) and b.env[c].is_floating_point() and b.env[c].dim() >= 3]
+    matrices = [i for i, c in enumerate(b.carries)
+                if isinstance(b.env[c], torch.Tensor) and b.env[c].is_floating_point() and b.env[c].dim() >= 2]
+    candidates = [i for i in matrices if b.env[b.carries[i]].dim() >= 3]
+    found = _first_fit(b, candidates or matrices)  # one sequence's memory [Dv, Dk] (torch.addr) where no batched one
+    if isinstance(found, Recurrence):
+        return found
     if not candidates:
-        raise NotFused("no matrix state is carried from step to step (a memory M [.., Dv, Dk])")
+        raise NotFused("no matrix state is carried from step to step (a memory M [.., Dv, Dk])" + (
+            "" if found is None else f"; read as one sequence's memory [Dv, Dk], the 2-D state "
+            f"{' and '.join(str(list(b.env[b.carries[i]].shape)) for i in matrices)} is no memory step either: {found}"))
+    raise found
+
+
+def _first_fit(b: _Body, candidates: list[int]) -> Recurrence | NotFused | None:
+    """The memory step of the first of the ``candidates`` states that is one (the largest first), else
+    why not (None without candidates)."""
     why = None
     for m in sorted(candidates, key=lambda i: -b.env[b.carries[i]].dim()):
         try:
             return _analyse_state(b, m)
         except NotFused as e:
             why = e if why is None or "per-step output is not" in str(why) else why
-    raise why
+    return why
 
 
 def _analyse_state(b: _Body, m: int) -> Recurrence:
@@ -539,13 +551,13 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     g_factors = [f for f in update.factors if b.depends[f]]
     g_divisors = [d for d in update.divisors if b.depends[d]]
     update.divisors = [d for d in update.divisors if not b.depends[d]]
-    k_val = b.env[kn]
-    k_factors = [f for f in update.factors if not b.depends[f] and f is kn
-                 or (not b.depends[f] and _as(b.env[f], rec.lead + (rec.dk,)) is not None
-                     and _close(_as(b.env[f], rec.lead + (rec.dk,)), _as(k_val, rec.lead + (rec.dk,))))]
-    if len(k_factors) != 1:
+    key = _key_factors(b, rec, [f for f in update.factors if f not in g_factors], update.divisors, kn)
+    if key is None:
         raise NotFused("the update is not an outer product with the key that forms the error (g kᵀ)")
-    gates = [f for f in update.factors if f not in g_factors and f is not k_factors[0]]
+    gates = [f for f in update.factors if f not in g_factors]
+    for f in key[0]:
+        gates.remove(f)
+    update.divisors = [d for d in update.divisors if d not in key[1]]
     for f in gates + update.divisors:
         if _as(b.env[f], rec.lead) is None and b.env[f].numel() != 1:
             raise NotFused(f"the update's factor {f.name} is neither the key, nor a function of e, nor one "
@@ -596,6 +608,27 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
         rec.per_step["alpha"] = PerStep(keep.coef, keep.factors, keep.divisors)
     else:
         raise NotFused(f"the memory is kept as {keep.offset:g} − (a gate); memory_scan's retention is 1 − α")
+
+
+def _key_factors(b: _Body, rec: Recurrence, factors: list[fx.Node], divisors: list[fx.Node],
+                 kn: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """The factors and divisors of the update (not g's) whose product is the key ``kn``: one vector, with
+    the numbers per head it is scaled by where the product reads the key apart (``F.normalize(k)`` is
+    k / ‖k‖); None if none is."""
+    shape = rec.lead + (rec.dk,)
+    k = _as(b.env[kn], shape)
+    heads = [(f, False) for f in factors] + [(d, True) for d in divisors]
+    heads = [(x, div) for x, div in heads if _as(b.env[x], rec.lead) is not None or b.env[x].numel() == 1]
+    for vector in factors:
+        if _as(b.env[vector], shape) is None:
+            continue
+        for n in range(len(heads) + 1):
+            for scales in itertools.combinations(heads, n):
+                over = [x for x, div in scales if not div and x is not vector]
+                under = [x for x, div in scales if div]
+                if len(over) + len(under) == n and _close(PerStep(1.0, [vector] + over, under).value(b.env, shape), k):
+                    return [vector] + over, under
+    return None
 
 
 def _bias_expression(e: fx.Node, g_factors: list[fx.Node], g_divisors: list[fx.Node], e_sign: float) -> str:

@@ -12,6 +12,8 @@ an einsum became a matmul: the same sums, which BLAS may add in another order (1
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -111,6 +113,40 @@ def test_contractions_are_kept():
     gm = normalize_graph(_traced(contraction, *args))
     assert aten.einsum.default in _targets(gm)
     _check_exact(contraction, args, gm)
+
+
+def fused_add_products(M, g, k, M1, g1, k1):
+    batched = torch.baddbmm(M, g.unsqueeze(2), k.unsqueeze(1), beta=0.9, alpha=-0.5)
+    overwritten = torch.baddbmm(M, g.unsqueeze(2), k.unsqueeze(1), beta=0, alpha=2.0)  # M not read
+    one = torch.addmm(M1, g1[:, None], k1[None, :], beta=0.5)
+    outer = torch.addr(M1, g1, k1, alpha=-1.0)
+    return batched, overwritten, one, outer
+
+
+def test_add_products_become_a_sum_of_terms():
+    """``baddbmm``/``addmm``/``addr`` are β·M + α·(a @ b): the product of a column and a row a broadcast multiply."""
+    args = (torch.randn(2, 4, 3), torch.randn(2, 4), torch.randn(2, 3), torch.randn(4, 3), torch.randn(4),
+            torch.randn(3))
+    gm = normalize_graph(_traced(fused_add_products, *args))
+    targets = _targets(gm)
+    assert not {aten.baddbmm.default, aten.addmm.default, aten.addr.default, aten.bmm.default,
+                aten.mm.default} & set(targets), gm.graph
+    _check_exact(fused_add_products, args, gm, rel_tol=1e-6)
+    nan = args[0].clone().fill_(float("nan"))  # β = 0 reads nothing of M, not even its NaNs
+    assert not fused_add_products(nan, *args[1:])[1].isnan().any() and not gm(nan, *args[1:])[1].isnan().any()
+
+
+def test_expand_as_is_an_expand_to_the_other_shape():
+    """``x.expand_as(M)`` reads M's sizes, not M: the normal form does not read M at all."""
+    def gate_as_memory(a, M):
+        return a[:, None, None].expand_as(M) * 2
+
+    args = (torch.randn(2), torch.randn(2, 4, 3))
+    gm = normalize_graph(_traced(gate_as_memory, *args))
+    assert aten.expand_as.default not in _targets(gm)
+    _, memory = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert not memory.users, gm.graph
+    _check_exact(gate_as_memory, args, gm)
 
 
 def spellings(x, k):
@@ -275,6 +311,26 @@ def test_dynamo_graph_computes_each_subexpression_once_on_a_copy():
     expected = gm(*args)
     torch.manual_seed(0)
     assert torch.equal(collapsed(*args)[0], expected[0])
+
+
+def first_slice_read_for_its_shape(k):
+    k0 = k[:, 0]
+    M = k0.new_zeros(k0.shape)
+    for t in range(2):
+        M = M + k[:, t] * 2 + k[:, t] * 2
+    return M
+
+
+def test_dynamo_graph_keeps_per_step_slices_apart():
+    """``k[:, 0]`` taken before a loop is not the first step's ``k[:, t]``: each step keeps its own slice
+    (the loop proof looks for it there), while what is computed from equal slices is computed once."""
+    args = (torch.randn(3, 2),)
+    gm = _dynamo_graph(first_slice_read_for_its_shape, *args)
+    collapsed = collapse_captured(gm)
+    calls = [n.target for n in collapsed.graph.nodes if n.op in ("call_function", "call_method")]
+    assert calls.count(operator.getitem) == 5  # k0, and k[:, t] at both uses of both steps
+    assert calls.count(operator.mul) == 2  # one product per step
+    assert torch.equal(collapsed(*args)[0], gm(*args)[0])
 
 
 class _Scalars(torch.nn.Module):

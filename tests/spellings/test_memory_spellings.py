@@ -196,6 +196,72 @@ def l2_phi_and_gates_inside_the_loop(k, v, q, alpha, eta):
     return torch.stack(ys, dim=1), M
 
 
+def l2_baddbmm_fused_update(k, v, q, alpha, eta):
+    """One head, the whole update in one call: M ← β·M + α·(e kᵀ) by torch.baddbmm, fixed gates."""
+    k, v, q = k[:, :, 0], v[:, :, 0], q[:, :, 0]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = torch.bmm(M, k[:, t, :, None]).squeeze(2) - v[:, t]
+        M = torch.baddbmm(M, e.unsqueeze(2), k[:, t].unsqueeze(1), beta=0.95, alpha=-0.2)
+        ys.append(torch.bmm(M, q[:, t, :, None]).squeeze(2))
+    return torch.stack(ys, 1), M
+
+
+def l2_addr_one_sequence(k, v, q, alpha, eta):
+    """One sequence, one head: k, q [T, Dk], M [Dv, Dk] updated by torch.addr (β·M + α·e kᵀ)."""
+    k, v, q = k[0, :, 0], v[0, :, 0], q[0, :, 0]
+    M, ys = k.new_zeros(v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[0]):
+        e = M @ k[t] - v[t]
+        M = torch.addr(M, e, k[t], beta=0.9, alpha=-0.2)
+        ys.append(M @ q[t])
+    return torch.stack(ys), M
+
+
+def l2_normalised_keys(k, v, q, alpha, eta):
+    """Keys and queries L2-normalised per step inside the loop with F.normalize."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt, qt = torch.nn.functional.normalize(k[:, t], dim=-1), torch.nn.functional.normalize(q[:, t], dim=-1)
+        e = (M @ kt.unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * 2 * e.unsqueeze(-1) * kt.unsqueeze(-2)
+        ys.append((M @ qt.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_normalised_keys(k, v, q, alpha, eta):
+    """The delta rule M ← M + η (v − Mk̂) k̂ᵀ with k̂ = F.normalize(k) (DeltaNet's keys)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt = torch.nn.functional.normalize(k[:, t], p=2.0, dim=-1)
+        M = M + eta[:, t, :, None, None] * torch.einsum("bhv,bhk->bhvk", v[:, t] - torch.einsum("bhvk,bhk->bhv", M, kt), kt)
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, 1), M
+
+
+def l2_expand_as(k, v, q, alpha, eta):
+    """Every factor broadcast to the memory's shape by expand_as, reads as multiply and sum."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt = k[:, t].unsqueeze(-2).expand_as(M)
+        e = (M * kt).sum(-1) - v[:, t]
+        keep = (1 - alpha[:, t, :, None, None]).expand_as(M)
+        M = keep * M - eta[:, t, :, None, None] * (2 * e).unsqueeze(-1).expand_as(M) * kt
+        ys.append((M * q[:, t].unsqueeze(-2).expand_as(M)).sum(-1))
+    return torch.stack(ys, 1), M
+
+
+def l2_first_slice_read_for_its_shape(k, v, q, alpha, eta):
+    """The memory made from the shape of k[:, 0], the very slice the first step reads again."""
+    k0 = k[:, 0]
+    M, ys = k0.new_zeros(*k0.shape[:-1], v.shape[-1], k0.shape[-1]), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, :, :, None]).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * 2 * e[..., None] * k[:, t][..., None, :]
+        ys.append((M @ q[:, t][..., None]).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 # ---------------------------------------------------------------- p = 1, general p, momentum
 
 def l1_tanh(k, v, q, alpha, eta):
@@ -346,6 +412,45 @@ def hebbian_single_head_bmm(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_baddbmm(k, v, q, alpha, eta):
+    """One head, M ← λ·M + ½·v kᵀ in one torch.baddbmm call."""
+    k, v, q = k[:, :, 0], v[:, :, 0], q[:, :, 0]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = torch.baddbmm(M, v[:, t].unsqueeze(2), k[:, t].unsqueeze(1), beta=0.9, alpha=0.5)
+        ys.append(torch.bmm(M, q[:, t].unsqueeze(2)).squeeze(2))
+    return torch.stack(ys, 1), M
+
+
+def hebbian_addmm_one_sequence(k, v, q, alpha, eta):
+    """One sequence, one head: M [Dv, Dk] ← λ·M + v kᵀ by torch.addmm of a column and a row."""
+    k, v, q = k[0, :, 0], v[0, :, 0], q[0, :, 0]
+    M, ys = k.new_zeros(v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[0]):
+        M = torch.addmm(M, v[t, :, None], k[t, None, :], beta=0.9)
+        ys.append(M @ q[t])
+    return torch.stack(ys), M
+
+
+def hebbian_expand_as(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        outer = v[:, t, :, :, None].expand_as(M) * k[:, t, :, None, :].expand_as(M)
+        M = alpha[:, t, :, None, None].expand_as(M) * M + outer
+        ys.append((M @ q[:, t, :, :, None]).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def hebbian_normalised_keys(k, v, q, alpha, eta):
+    """Keys and queries L2-normalised per step with F.normalize."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt, qt = torch.nn.functional.normalize(k[:, t], dim=-1), torch.nn.functional.normalize(q[:, t], dim=-1)
+        M = alpha[:, t, :, None, None] * M + v[:, t].unsqueeze(-1) * kt.unsqueeze(-2)
+        ys.append((M @ qt.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
     "l2_reference": (l2_reference, "memory_scan"),
     "l2_none_indexing_each_use": (l2_none_indexing_each_use, "memory_scan"),
@@ -362,6 +467,12 @@ SPELLINGS = {
     "l2_decay_as_its_own_term": (l2_decay_as_its_own_term, "memory_scan"),
     "l2_delta_rule_no_two": (l2_delta_rule_no_two, "memory_scan"),
     "l2_phi_and_gates_inside_the_loop": (l2_phi_and_gates_inside_the_loop, "memory_scan"),
+    "l2_baddbmm_fused_update": (l2_baddbmm_fused_update, "memory_scan"),
+    "l2_addr_one_sequence": (l2_addr_one_sequence, "memory_scan"),
+    "l2_normalised_keys": (l2_normalised_keys, "memory_scan"),
+    "delta_rule_normalised_keys": (delta_rule_normalised_keys, "memory_scan"),
+    "l2_expand_as": (l2_expand_as, "memory_scan"),
+    "l2_first_slice_read_for_its_shape": (l2_first_slice_read_for_its_shape, "memory_scan"),
     "l1_tanh": (l1_tanh, "memory_scan"),
     "lp3_tanh_square": (lp3_tanh_square, "memory_scan"),
     "lp25_pow_sigmoid_gates": (lp25_pow_sigmoid_gates, "memory_scan"),
@@ -376,6 +487,10 @@ SPELLINGS = {
     "hebbian_float_decay_matmul_outer": (hebbian_float_decay_matmul_outer, "linear_attention"),
     "hebbian_normalised": (hebbian_normalised, "linear_attention"),
     "hebbian_single_head_bmm": (hebbian_single_head_bmm, "linear_attention"),
+    "hebbian_baddbmm": (hebbian_baddbmm, "linear_attention"),
+    "hebbian_addmm_one_sequence": (hebbian_addmm_one_sequence, "linear_attention"),
+    "hebbian_expand_as": (hebbian_expand_as, "linear_attention"),
+    "hebbian_normalised_keys": (hebbian_normalised_keys, "linear_attention"),
 }
 
 
