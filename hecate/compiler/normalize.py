@@ -36,7 +36,8 @@ expression again at each use would not read as the same step as the last one. It
 :func:`float_inputs_as_tensors`: a float attribute Dynamo does not specialise (``dynamic=True``) is read
 by arithmetic on its 0-d tensor instead of on a Python float taken out of it at each step, and
 Python arithmetic on literals is folded (:func:`fold_scalar_constants`); ``x.unbind(d)[t]`` is
-``x.select(d, t)`` where it is read (:func:`unbind_as_selects`).
+``x.select(d, t)`` where it is read (:func:`unbind_as_selects`); outputs written into every slot of a
+fresh tensor once (``out[:, t] = y``) are the stack of what was written (:func:`slot_writes_as_stacks`).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
         float_inputs_as_tensors(graph)
         fold_scalar_constants(graph)
         unbind_as_selects(graph)
+        slot_writes_as_stacks(graph)
         functionalize(graph)
     merges = common_subexpressions(graph, apart=_per_step_slice)
     if graph is gm.graph:
@@ -131,6 +133,7 @@ def _per_step_slice(node: fx.Node) -> bool:
 def _has_captured_spellings(graph: fx.Graph) -> bool:
     """Whether one of the rewrites of Dynamo's spellings below may have something to do."""
     return any(n.op == "call_method" and n.target == "item" or n.op != "placeholder" and n.target in _UNBINDS
+               or n.op == "call_function" and n.target is operator.setitem
                or n.op == "call_function" and n.target in _SCALAR_ARITHMETIC and not n.all_input_nodes
                for n in graph.nodes)
 
@@ -213,6 +216,76 @@ def unbind_as_selects(graph: fx.Graph) -> None:
             for piece in list(node.users):
                 graph.erase_node(piece)
             graph.erase_node(node)
+
+
+# calls that make a tensor nothing else holds (its values are never read here: every slot is written)
+_FRESH = (torch.empty, torch.zeros, torch.empty_like, torch.zeros_like, "new_empty", "new_zeros")
+
+
+def slot_writes_as_stacks(graph: fx.Graph) -> None:
+    """``out = torch.empty(B, T, D)`` (or zeros), then ``out[:, t] = y_t`` (or ``out[:, t].copy_(y_t)``) for
+    every t → ``out = torch.stack([y_0, .., y_{T−1}], 1)``, made where out is first read.
+
+    Exact where: out is made fresh, each of its T slots along one dim is written exactly once, by a
+    value of the slot's shape, dtype and device (no broadcast, no cast), out is read only after the last
+    write, no y_t is written to afterwards, and grad mode and autocast stay as they are throughout. Then
+    out holds the y_t, and stack makes the same values (and gradients); a loop's steps then no longer write
+    into one tensor, and collect their outputs as a loop rolled up does."""
+    from hecate.compiler.loops import _getitem_slice, _time_slice
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for out in [n for n in graph.nodes if n.op in ("call_function", "call_method") and n.target in _FRESH]:
+        value = _val(out)
+        if not isinstance(value, torch.Tensor) or out.kwargs.get("requires_grad") or value.dim() == 0:
+            continue
+        writes, slots = [], {}  # the nodes that write (and the views they write into), slot -> value written
+        for user in out.users:
+            if user.op == "call_function" and user.target is operator.setitem and user.args[0] is out \
+                    and len(user.args) == 3 and not user.users:
+                where, y = _getitem_slice(out, value.dim(), user.args[1]), user.args[2]
+                written = [user]
+            elif _time_slice(user) is not None and len(user.users) == 1:
+                (copy,) = user.users
+                if not (copy.op == "call_method" and copy.target == "copy_" and copy.args[0] is user
+                        and len(copy.args) == 2 and not copy.kwargs and not copy.users):
+                    continue
+                where, y, written = _time_slice(user), copy.args[1], [user, copy]
+            else:
+                continue
+            y_value = _val(y)
+            if where is None or where[3] is not None or not isinstance(y_value, torch.Tensor) \
+                    or (where[1], where[2]) in slots or y_value.dtype != value.dtype or y_value.device != value.device \
+                    or tuple(y_value.shape) != tuple(value.shape[:where[1]] + value.shape[where[1] + 1:]):
+                continue
+            slots[(where[1], where[2])] = y
+            writes += written
+        dims = {dim for dim, _ in slots}
+        if len(dims) != 1:
+            continue
+        (dim,) = dims
+        size = value.shape[dim]
+        if not is_concrete_int(size) or set(slots) != {(dim, t) for t in range(int(size))}:
+            continue
+        last = max(order[w] for w in writes)
+        readers = [u for u in out.users if u not in writes]
+        if any(order[r] < last for r in readers) or _written_after(graph, list(slots.values()), order, order[out]) \
+                or any(n.target in _MODE_CHANGES for n in graph.nodes if order[out] < order[n] < last):
+            continue
+        first_reader = min(readers, key=order.__getitem__, default=next(reversed(graph.nodes)))
+        with graph.inserting_before(first_reader):
+            stack = graph.call_function(torch.stack, ([slots[(dim, t)] for t in range(int(size))], dim))
+        stack.meta.update(out.meta)
+        out.replace_all_uses_with(stack, delete_user_cb=lambda u: u not in writes)
+        for node in sorted(writes, key=order.__getitem__, reverse=True):
+            graph.erase_node(node)
+        graph.erase_node(out)
+
+
+def _written_after(graph: fx.Graph, values: list[fx.Node], order: dict[fx.Node, int], start: int) -> bool:
+    """Whether a node after position ``start`` writes into the storage of one of ``values``."""
+    storages = {_storage(v) for v in values} - {None}
+    return any(order[n] > start and mutates(n) and n.args and _storage(n.args[0]) in storages for n in graph.nodes)
 
 
 def _scalar_arithmetic_reached(item: fx.Node) -> list[fx.Node] | None:

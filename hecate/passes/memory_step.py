@@ -1044,8 +1044,15 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
             updates.append(node)
     if updates:
         gm.meta["hecate_unrolled_reported"] = True
+        writes = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                  and n.target._schema.is_mutable]
+        why = ("the steps differ (an op, a literal such as p, or a gate's form changes between steps), an "
+               "intermediate state is read outside the loop, or there is a single step")
+        if writes:  # what the loop proof refuses first: steps that write into a tensor
+            why = (f"the steps write into a tensor in place ({len(writes)} in-place call(s) such as "
+                   f"{writes[0].target._schema.name.replace('::', '.')}); outputs written into a fresh tensor, "
+                   "out[:, t] = y, are read as collected only when every slot is written exactly once, by a value "
+                   "of its shape and dtype, and out is read after the last write alone")
         report.add_miss(op, f"{len(updates)} memory update step(s) M ← a·M + (outer product) are written out step by "
-                        "step and could not be rolled up into one loop: the steps differ (an op, a literal such as "
-                        "p, or a gate's form changes between steps), an intermediate state is read outside the "
-                        "loop, or there is a single step; compiled as written",
+                        f"step and could not be rolled up into one loop: {why}; compiled as written",
                         f"{updates[0].name} .. {updates[-1].name}", nodes=updates)

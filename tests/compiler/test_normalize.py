@@ -333,6 +333,31 @@ def test_dynamo_graph_keeps_per_step_slices_apart():
     assert torch.equal(collapsed(*args)[0], gm(*args)[0])
 
 
+def outputs_into_slots(x):
+    out = torch.empty(3, 2, 4)
+    for t in range(2):
+        out[:, t] = x[:, t] * 2
+    return out + 1
+
+
+def outputs_into_slots_read_early(x):
+    out = torch.zeros(3, 2, 4)
+    for t in range(2):
+        out[:, t] = x[:, t] * 2 + out.sum(1)
+    return out
+
+
+def test_outputs_written_into_every_slot_once_are_a_stack():
+    """``out[:, t] = y_t`` into a fresh tensor, every slot once, out read after: ``torch.stack`` of the y_t."""
+    args = (torch.randn(3, 2, 4),)
+    for fn, stacked in ((outputs_into_slots, True), (outputs_into_slots_read_early, False)):
+        gm = _dynamo_graph(fn, *args)
+        collapsed = collapse_captured(gm)
+        targets = [n.target for n in collapsed.graph.nodes]
+        assert (torch.stack in targets) is stacked and (operator.setitem in targets) is not stacked, collapsed.graph
+        assert torch.equal(collapsed(*[a.clone() for a in args])[0], fn(*args))
+
+
 class _Scalars(torch.nn.Module):
     """Float attributes read by float and int tensors: under dynamic=True Dynamo passes each as a 0-d input."""
 

@@ -262,6 +262,17 @@ def l2_first_slice_read_for_its_shape(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_outputs_into_a_preallocated_tensor(k, v, q, alpha, eta):
+    """Outputs written into out = torch.empty(B, T, H, Dv), one slot out[:, t] = y per step."""
+    M = _m0(k, v)
+    out = torch.empty(k.shape[0], k.shape[1], k.shape[2], v.shape[-1])
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * 2 * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        out[:, t] = (M @ q[:, t].unsqueeze(-1)).squeeze(-1)
+    return out, M
+
+
 # ---------------------------------------------------------------- p = 1, general p, momentum
 
 def l1_tanh(k, v, q, alpha, eta):
@@ -451,6 +462,16 @@ def hebbian_normalised_keys(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_outputs_copied_into_zeros(k, v, q, alpha, eta):
+    """Outputs copied into a zeros tensor shaped like v: out[:, t].copy_(y)."""
+    M = _m0(k, v)
+    out = v.new_zeros(v.shape)
+    for t in range(k.shape[1]):
+        M = alpha[:, t, :, None, None] * M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        out[:, t].copy_((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return out, M
+
+
 SPELLINGS = {
     "l2_reference": (l2_reference, "memory_scan"),
     "l2_none_indexing_each_use": (l2_none_indexing_each_use, "memory_scan"),
@@ -473,6 +494,7 @@ SPELLINGS = {
     "delta_rule_normalised_keys": (delta_rule_normalised_keys, "memory_scan"),
     "l2_expand_as": (l2_expand_as, "memory_scan"),
     "l2_first_slice_read_for_its_shape": (l2_first_slice_read_for_its_shape, "memory_scan"),
+    "l2_outputs_into_a_preallocated_tensor": (l2_outputs_into_a_preallocated_tensor, "memory_scan"),
     "l1_tanh": (l1_tanh, "memory_scan"),
     "lp3_tanh_square": (lp3_tanh_square, "memory_scan"),
     "lp25_pow_sigmoid_gates": (lp25_pow_sigmoid_gates, "memory_scan"),
@@ -491,6 +513,7 @@ SPELLINGS = {
     "hebbian_addmm_one_sequence": (hebbian_addmm_one_sequence, "linear_attention"),
     "hebbian_expand_as": (hebbian_expand_as, "linear_attention"),
     "hebbian_normalised_keys": (hebbian_normalised_keys, "linear_attention"),
+    "hebbian_outputs_copied_into_zeros": (hebbian_outputs_copied_into_zeros, "linear_attention"),
 }
 
 
@@ -585,3 +608,51 @@ def test_scalar_hyperparameters_fuse_at_every_batch_size(module, dynamic, fresh_
         assert_close("M", m, m_ref, TOL)
         for i, (a, b) in enumerate(zip(g, g_ref)):
             assert_close(f"gradient {i}", a, b, TOL)
+
+
+# ---------------------------------------------------------------- what stays unfused, and says why
+
+def hebbian_output_slot_left_unwritten(k, v, q, alpha, eta):
+    """out[:, 0] keeps its zeros: out is no stack of the steps' outputs."""
+    M = _m0(k, v)
+    out = v.new_zeros(v.shape)
+    for t in range(1, k.shape[1]):
+        M = alpha[:, t, :, None, None] * M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        out[:, t] = (M @ q[:, t].unsqueeze(-1)).squeeze(-1)
+    return out, M
+
+
+def hebbian_outputs_read_while_written(k, v, q, alpha, eta):
+    """Each step reads what the earlier steps wrote into out."""
+    M = _m0(k, v)
+    out = v.new_zeros(v.shape)
+    for t in range(k.shape[1]):
+        M = alpha[:, t, :, None, None] * M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        out[:, t] = (M @ q[:, t].unsqueeze(-1)).squeeze(-1) + out.sum(1)
+    return out, M
+
+
+REPORTED = {
+    "hebbian_output_slot_left_unwritten": (hebbian_output_slot_left_unwritten,
+                                           ["could not be rolled up", "write into a tensor in place",
+                                            "every slot is written exactly once"]),
+    "hebbian_outputs_read_while_written": (hebbian_outputs_read_while_written,
+                                           ["could not be rolled up", "write into a tensor in place",
+                                            "read after the last write alone"]),
+}
+
+
+@pytest.mark.parametrize("name", list(REPORTED))
+def test_unfused_spelling_says_why_and_matches_eager(name, fresh_dynamo):
+    fn, reasons = REPORTED[name]
+    inputs = _inputs()
+    y_ref, m_ref, g_ref = _run(fn, inputs)
+    y, m, g = _run(torch.compile(fn, backend="hecate", options={"fallback": "eager"}), inputs)
+    report = hecate.last_report()
+    assert not report.fusions, str(report)
+    reason = report.misses[0].reason if report.misses else ""
+    assert all(r in reason for r in reasons), str(report)
+    assert_close("y", y, y_ref, TOL)
+    assert_close("M", m, m_ref, TOL)
+    for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
+        assert_close(f"grad {what}", a, b, TOL)
