@@ -417,6 +417,11 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
         raise NotFused(f"the new memory is not a·M plus one update term ({len(update)} update terms)")
     (update,) = update
     keep = _keep(retention)
+    for f in keep.factors + keep.divisors:
+        if _as(b.env[f], lead) is None and b.env[f].numel() != 1:
+            raise NotFused(f"the memory's decay has a factor of shape {list(b.env[f].shape)}, neither one number nor one "
+                           f"per batch and head {list(lead)}: a factor broadcast from fewer dims than the memory (a "
+                           "per-head [H, 1, 1] tensor) is not read as a gate")
     if any(b.depends[f] - {m} for f in update.factors + update.divisors):
         raise NotFused("the update reads another state")
     if z_index is not None or not any(b.depends[f] for f in update.factors + update.divisors):

@@ -610,6 +610,50 @@ def test_scalar_hyperparameters_fuse_at_every_batch_size(module, dynamic, fresh_
             assert_close(f"gradient {i}", a, b, TOL)
 
 
+class _HebbianConstantDecay(torch.nn.Module):
+    """Hebbian memory [B, H, Dv, Dk] with one decay λ for every head, held by the module."""
+
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        for t in range(k.shape[1]):
+            M = self.decay * M + v[:, t, :, :, None] * k[:, t, :, None, :]
+            ys.append((M @ q[:, t, :, :, None])[..., 0])
+        return torch.stack(ys, 1), M
+
+
+class HebbianFloatDecay(_HebbianConstantDecay):
+    def __init__(self):
+        super().__init__()
+        self.decay = 0.9
+
+
+class HebbianBufferDecay(_HebbianConstantDecay):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("decay", torch.tensor(0.9))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("module", [HebbianFloatDecay, HebbianBufferDecay], ids=lambda m: m.__name__)
+def test_hebbian_constant_decay_held_by_the_module_fuses(module, dynamic, fresh_dynamo):
+    model = module()
+    compiled = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})
+    k, q, v = torch.randn(B, T, H, DK), torch.randn(B, T, H, DK), torch.randn(B, T, H, DV)
+    inputs = [x.requires_grad_() for x in (k, v, q)]
+    results = []
+    for fn in (model, compiled):
+        y, M = fn(*inputs)
+        loss = y.square().sum() + (M * torch.linspace(-1, 1, M.numel()).view_as(M)).sum()
+        results.append((y, M, torch.autograd.grad(loss, inputs)))
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    (y_ref, m_ref, g_ref), (y, m, g) = results
+    assert_close("y", y, y_ref, TOL)
+    assert_close("M", m, m_ref, TOL)
+    for i, (a, b) in enumerate(zip(g, g_ref)):
+        assert_close(f"gradient {i}", a, b, TOL)
+
+
 # ---------------------------------------------------------------- what stays unfused, and says why
 
 def hebbian_output_slot_left_unwritten(k, v, q, alpha, eta):
@@ -632,7 +676,46 @@ def hebbian_outputs_read_while_written(k, v, q, alpha, eta):
     return out, M
 
 
+def lp_per_head_decay_tensor(k, v, q, alpha, eta):
+    """A constant decay per head as an [H, 1, 1] tensor broadcast against M [B, H, Dv, Dk]."""
+    decay = torch.linspace(0.9, 0.5, k.shape[2])[:, None, None]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = decay * M - eta[:, t, :, None, None] * 2 * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_per_head_decay_tensor(k, v, q, alpha, eta):
+    decay = torch.linspace(0.9, 0.5, k.shape[2])[:, None, None]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = decay * M + v[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def lp_nested_loop_over_heads(k, v, q, alpha, eta):
+    """One memory [B, Dv, Dk] per head, the heads an outer Python loop, gates read as alpha[:, t, h]."""
+    outs, memories = [], []
+    for h in range(k.shape[2]):
+        kh, vh, qh = k[:, :, h], v[:, :, h], q[:, :, h]
+        M, ys = kh.new_zeros(kh.shape[0], vh.shape[-1], kh.shape[-1]), []
+        for t in range(k.shape[1]):
+            e = (M @ kh[:, t, :, None])[..., 0] - vh[:, t]
+            M = (1 - alpha[:, t, h, None, None]) * M - eta[:, t, h, None, None] * 2 * e[..., None] * kh[:, t, None, :]
+            ys.append((M @ qh[:, t, :, None])[..., 0])
+        outs.append(torch.stack(ys, 1))
+        memories.append(M)
+    return torch.stack(outs, 2), torch.stack(memories, 1)
+
+
+PER_HEAD_TENSOR = ["not a memory step", "decay has a factor of shape [2, 1, 1]", "per-head [H, 1, 1] tensor"]
 REPORTED = {
+    "lp_per_head_decay_tensor": (lp_per_head_decay_tensor, PER_HEAD_TENSOR),
+    "hebbian_per_head_decay_tensor": (hebbian_per_head_decay_tensor, PER_HEAD_TENSOR),
+    "lp_nested_loop_over_heads": (lp_nested_loop_over_heads, ["could not be rolled up", "the steps differ"]),
     "hebbian_output_slot_left_unwritten": (hebbian_output_slot_left_unwritten,
                                            ["could not be rolled up", "write into a tensor in place",
                                             "every slot is written exactly once"]),
