@@ -27,7 +27,7 @@ graph and the body of every ``scan`` in it in this form:
   ``F.pad`` is the pad of the permute (``F.pad(h, (0, 0, K-1, 0)).transpose(1, 2)`` →
   ``F.pad(h.transpose(1, 2), (K-1, 0))``), so a conv's padding and slicing sit next to it;
 * a ``conv2d`` over one row with a (1, K) kernel (``F.conv2d(h.unsqueeze(2), w.unsqueeze(2))``)
-  is the ``conv1d`` (unsqueezed); ``x.unsqueeze(d).squeeze(d)`` → ``x``;
+  is the ``conv1d`` (unsqueezed); ``x.unsqueeze(d).squeeze(d)`` and ``x.unsqueeze(d).select(d, 0)`` → ``x``;
 * ``x * x`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``);
 * a negated reshape is a reshape of the negation (``-kl.flatten(0, 1)`` → ``(-kl).flatten(0, 1)``);
 * common subexpressions: the same pure op on the same inputs is computed once (so
@@ -445,16 +445,17 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return None
     if target is aten.einsum.default:
         return _einsum(graph, node, outputs)
-    if target is aten.slice.Tensor and _permutation(args[0]) is not None:
+    if target is aten.slice.Tensor and len(args) > 1 and _permutation(args[0]) is not None:
         return _slice_before_permute(graph, node, outputs)
     if _permutation(node) is not None and isinstance(args[0], fx.Node) and _zero_pad(args[0]) is not None \
             and len(args[0].users) == 1 and args[0] not in outputs:
         return _pad_after_permute(graph, node, outputs)
     if target is aten.conv2d.default:
         return _conv2d_over_one_row(graph, node, outputs)
-    if target in (aten.squeeze.dim, aten.squeeze.dims) and isinstance(args[0], fx.Node) \
-            and args[0].target is aten.unsqueeze.default and _squeezed_dim(node) == _squeezed_dim(args[0]):
-        return args[0].args[0]
+    if (target in (aten.squeeze.dim, aten.squeeze.dims) or target is aten.select.int and args[2] in (0, -1)) \
+            and isinstance(args[0], fx.Node) and args[0].target is aten.unsqueeze.default \
+            and _squeezed_dim(node) == _squeezed_dim(args[0]):
+        return args[0].args[0]  # x.unsqueeze(d).squeeze(d), x[:, :, None][:, :, 0]: x
     if target is aten.mul.Tensor and len(args) == 2 and args[0] is args[1] and isinstance(args[0], fx.Node):
         with graph.inserting_before(node):
             return _emit(graph, aten.pow.Tensor_Scalar, args[0], 2)
@@ -630,8 +631,9 @@ def _conv2d_over_one_row(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) 
     args = list(node.args) + [None, [1, 1], [0, 0], [1, 1], 1][len(node.args) - 2:]
     x, w, bias, stride, padding, dilation, groups = args[:7]
     x_val, w_val = _val(x), _val(w)
-    if node.kwargs or not isinstance(x_val, torch.Tensor) or x_val.dim() != 4 or x_val.shape[2] != 1 \
-            or w_val.dim() != 4 or w_val.shape[2] != 1:
+    one_row = [isinstance(v, torch.Tensor) and v.dim() == 4 and type(v.shape[2]) is int and v.shape[2] == 1
+               for v in (x_val, w_val)]  # a symbolic height is not asked about: that would guard on it
+    if node.kwargs or not all(one_row):
         return None
     stride, padding, dilation = ([v, v] if isinstance(v, int) else list(v) for v in (stride, padding, dilation))
     if padding[0] != 0:
