@@ -20,10 +20,17 @@ graph and the body of every ``scan`` in it in this form:
 * an ``einsum`` of two operands over the same indices (``einsum("bij,bij->b", a, k)``) is their
   product summed over the indices it drops;
 * an ``einsum`` that is a tensor times a matrix (``einsum("btd,ed->bte", x, W)``) is that
-  ``matmul`` (``x @ W.permute(1, 0)``);
+  ``matmul`` (``x @ W.permute(1, 0)``), in any index layout: with the output's indices in another
+  order (``einsum("btd,ed->bet", x, W)``) it is that matmul, then one ``permute`` into the output's order;
 * ``baddbmm(M, a, b, beta=β, alpha=α)``, ``addmm``, ``addr`` → ``β·M + α·(a @ b)`` (``addr``: α·a bᵀ), the
   product then read as above (the same sums, which the fused call may round once fewer);
 * ``x.expand_as(y)`` → ``x.expand(y.shape)``: a gate broadcast as the memory does not read the memory;
+* a permute sees the smaller tensor: a slice of a ``transpose``/``permute`` is the permute of the
+  slice (``y.transpose(1, 2)[:, :T]`` → ``y[..., :T].transpose(1, 2)``), and a permute of a zero
+  ``F.pad`` is the pad of the permute (``F.pad(h, (0, 0, K-1, 0)).transpose(1, 2)`` →
+  ``F.pad(h.transpose(1, 2), (K-1, 0))``), so a conv's padding and slicing sit next to it;
+* a ``conv2d`` over one row with a (1, K) kernel (``F.conv2d(h.unsqueeze(2), w.unsqueeze(2))``)
+  is the ``conv1d`` (unsqueezed); ``x.unsqueeze(d).squeeze(d)`` and ``x.unsqueeze(d).select(d, 0)`` → ``x``;
 * ``x * x`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``);
 * a negated reshape is a reshape of the negation (``-kl.flatten(0, 1)`` → ``(-kl).flatten(0, 1)``);
 * common subexpressions: the same pure op on the same inputs is computed once (so
@@ -517,7 +524,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return args[0]
     if target is aten.narrow.default and all(isinstance(a, int) for a in args[1:]):
         with graph.inserting_before(node):
-            return _emit(graph, aten.slice.Tensor, args[0], args[1], args[2], args[2] + args[3])
+            cut = _emit(graph, aten.slice.Tensor, args[0], args[1], args[2], args[2] + args[3])
+            return _rewrite(graph, cut, outputs) or cut
     if target in _ADD_PRODUCTS and isinstance(args[0], fx.Node):
         return _add_product(graph, node, outputs)
     if target in (aten.matmul.default, aten.bmm.default, aten.mm.default) and len(node.kwargs) == 0:
@@ -529,6 +537,17 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return None
     if target is aten.einsum.default:
         return _einsum(graph, node, outputs)
+    if target is aten.slice.Tensor and len(args) > 1 and _permutation(args[0]) is not None:
+        return _slice_before_permute(graph, node, outputs)
+    if _permutation(node) is not None and isinstance(args[0], fx.Node) and _zero_pad(args[0]) is not None \
+            and len(args[0].users) == 1 and args[0] not in outputs:
+        return _pad_after_permute(graph, node, outputs)
+    if target is aten.conv2d.default:
+        return _conv2d_over_one_row(graph, node, outputs)
+    if (target in (aten.squeeze.dim, aten.squeeze.dims) or target is aten.select.int and args[2] in (0, -1)) \
+            and isinstance(args[0], fx.Node) and args[0].target is aten.unsqueeze.default \
+            and _squeezed_dim(node) == _squeezed_dim(args[0]):
+        return args[0].args[0]  # x.unsqueeze(d).squeeze(d), x[:, :, None][:, :, 0]: x
     if target is aten.mul.Tensor and len(args) == 2 and args[0] is args[1] and isinstance(args[0], fx.Node):
         with graph.inserting_before(node):
             return _emit(graph, aten.pow.Tensor_Scalar, args[0], 2)
@@ -633,7 +652,8 @@ def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | 
     * nothing summed (``"bhv,bhk->bhvk"``): the broadcast multiply ``x' * y'``;
     * both operands over the same indices (``"bij,bij->b"``): the multiply, summed over the rest;
     * one index summed against a matrix y, nothing else shared (``"btd,ed->bte"``, a projection):
-      ``x' @ y'``, with x' [..., d] and y' [d, e], then read as any matmul.
+      ``x' @ y'``, with x' [..., d] and y' [d, e], then read as any matmul; an output that puts e
+      elsewhere (``"btd,ed->bet"``, channels first) is that product, then one ``permute``.
 
     Other contractions (batched ones, ``"bthk,bthv->bhvk"``) stay einsums: passes read them by meaning."""
     equation, operands = node.args[0], node.args[1]
@@ -668,13 +688,109 @@ def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | 
     if len(summed) != 1:
         return None
     (s,) = summed
-    for (x, x_term), (y, y_term) in (zip(operands, terms), zip(reversed(operands), reversed(terms))):
-        if len(y_term) == 2 and set(x_term) & set(y_term) == {s} and output[-1] in y_term:
-            with graph.inserting_before(node):
-                product = _emit(graph, aten.matmul.default, _placed(graph, x, x_term, output[:-1] + s),
-                                _placed(graph, y, y_term, s + output[-1]))
-            return _rewrite(graph, product, outputs) or product
+    pairs = [((x, x_term), (y, y_term)) for (x, x_term), (y, y_term)
+             in (zip(operands, terms), zip(reversed(operands), reversed(terms)))
+             if len(y_term) == 2 and set(x_term) & set(y_term) == {s}]
+    if not pairs:
+        return None
+    pairs.sort(key=lambda pair: output[-1] not in pair[1][1])  # a product already in the output's order first
+    (x, x_term), (y, y_term) = pairs[0]
+    (e,) = set(y_term) - {s}
+    natural = output.replace(e, "") + e  # the matmul's order: the matrix's free index last
+    with graph.inserting_before(node):
+        product = _emit(graph, aten.matmul.default, _placed(graph, x, x_term, natural[:-1] + s),
+                        _placed(graph, y, y_term, s + e))
+        product = _rewrite(graph, product, outputs) or product
+        if natural != output:  # "btd,ed->bet": x @ W.permute(1, 0), then permuted like any transpose
+            product = _emit(graph, aten.permute.default, product, [natural.index(letter) for letter in output])
+    return product
+
+
+def _permutation(node: Any) -> list[int] | None:
+    """The dims of ``node``'s input that ``node``'s dims are, when it is a ``transpose`` or ``permute``."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or not isinstance(_val(node), torch.Tensor):
+        return None
+    rank = _val(node).dim()
+    if node.target is aten.permute.default:
+        return [d % rank for d in node.args[1]]
+    if node.target is aten.transpose.int:
+        order = list(range(rank))
+        a, b = (d % rank for d in node.args[1:3])
+        order[a], order[b] = order[b], order[a]
+        return order
     return None
+
+
+def _slice_before_permute(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node:
+    """``x.transpose(1, 2)[:, :T]`` → ``x[..., :T].transpose(1, 2)``: the slice on the permuted dim of x, then the
+    same transpose or permute. Exact: both are views of the same elements. So a causal conv's first T outputs
+    read as one slice right after the conv, sliced before or after transposing back."""
+    permute = node.args[0]
+    dim = _permutation(permute)[node.args[1] % _val(permute).dim()]
+    with graph.inserting_before(node):
+        cut = _emit(graph, aten.slice.Tensor, permute.args[0], dim, *node.args[2:], **node.kwargs)
+        cut = _rewrite(graph, cut, outputs) or cut
+        return _emit(graph, permute.target, cut, *permute.args[1:])
+
+
+def _zero_pad(node: fx.Node) -> list[int] | None:
+    """The amounts of ``F.pad(x, amounts)`` with zeros (mode constant, value 0 or unset), else None."""
+    if node.op != "call_function" or node.target is not aten.pad.default:
+        return None
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
+    if mode != "constant" or value not in (None, 0) or not all(isinstance(a, int) for a in node.args[1]):
+        return None
+    return list(node.args[1])
+
+
+def _pad_after_permute(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node:
+    """``F.pad(h, (0, 0, K-1, 0)).transpose(1, 2)`` → ``F.pad(h.transpose(1, 2), (K-1, 0))``: each dim keeps its
+    zeros, now on the dim it moved to. Exact: the same elements, the same zeros. So a causal conv's left padding
+    reads as one F.pad right before the conv, padded before or after transposing to [B, D, T]."""
+    pad, order = node.args[0], _permutation(node)
+    rank, amounts = len(order), _zero_pad(node.args[0])
+    per_dim = {rank - 1 - i // 2: amounts[i - i % 2:i - i % 2 + 2] for i in range(0, len(amounts), 2)}
+    moved = [per_dim.get(order[d], [0, 0]) for d in reversed(range(rank))]  # F.pad's order: the last dim first
+    while moved and moved[-1] == [0, 0]:
+        moved.pop()
+    with graph.inserting_before(node):
+        permuted = _emit(graph, node.target, pad.args[0], *node.args[1:])
+        permuted = _rewrite(graph, permuted, outputs) or permuted
+        return _emit(graph, aten.pad.default, permuted, [a for pair in moved for a in pair], *pad.args[2:],
+                     **pad.kwargs)
+
+
+def _conv2d_over_one_row(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
+    """``F.conv2d(h.unsqueeze(2), w.unsqueeze(2), b, padding=(0, p), ...)`` over one row with a (1, K) kernel →
+    ``F.conv1d(h, w, b, padding=p, ...).unsqueeze(2)``: the same sums (ATen runs a conv1d as that conv2d).
+    The row's own stride and dilation do not matter (one output row); its padding must be 0."""
+    args = list(node.args) + [None, [1, 1], [0, 0], [1, 1], 1][len(node.args) - 2:]
+    x, w, bias, stride, padding, dilation, groups = args[:7]
+    x_val, w_val = _val(x), _val(w)
+    one_row = [isinstance(v, torch.Tensor) and v.dim() == 4 and type(v.shape[2]) is int and v.shape[2] == 1
+               for v in (x_val, w_val)]  # a symbolic height is not asked about: that would guard on it
+    if node.kwargs or not all(one_row):
+        return None
+    stride, padding, dilation = ([v, v] if isinstance(v, int) else list(v) for v in (stride, padding, dilation))
+    if padding[0] != 0:
+        return None
+    with graph.inserting_before(node):
+        rows = []
+        for t in (x, w):
+            squeezed = _emit(graph, aten.squeeze.dim, t, 2)
+            rows.append(_rewrite(graph, squeezed, outputs) or squeezed)
+        conv = _emit(graph, aten.conv1d.default, *rows, bias, stride[1:], padding[1:], dilation[1:], groups)
+        return _emit(graph, aten.unsqueeze.default, conv, 2)
+
+
+def _squeezed_dim(node: fx.Node) -> int | None:
+    """The one dim a ``squeeze(d)`` removes or an ``unsqueeze(d)`` adds, counted in the larger tensor."""
+    big = _val(node.args[0]) if node.target is not aten.unsqueeze.default else _val(node)
+    dims = node.args[1] if not isinstance(node.args[1], int) else [node.args[1]]
+    if not isinstance(big, torch.Tensor) or len(dims) != 1 or big.dim() == 0:
+        return None
+    return dims[0] % big.dim()
 
 
 def _placed(graph: fx.Graph, x: fx.Node, term: str, order: str) -> fx.Node:

@@ -14,7 +14,10 @@ PyTorch function traced to a pattern and found with :func:`find_matches`:
   or ``F.conv1d(F.pad(x, (K-1, 0)), w, b, groups=D)``; streaming, with the K−1 inputs before x
   carried as a state in place of the zero padding, ``F.conv1d(torch.cat([state, x], -1), w, b,
   groups=D)`` or the same with ``padding=K-1`` keeping x's outputs ``[..., K-1:K-1+T]`` (the op's
-  ``conv_state``; the next state the graph computes from the cat stays, a slice);
+  ``conv_state``; the next state the graph computes from the cat stays, a slice); the padding is zeros
+  (``F.pad`` in mode circular / replicate / reflect, or ``nn.Conv1d(padding_mode=...)``, is reported);
+  a conv2d over one row, and padding or slicing on the other side of a transpose, read as these in the
+  normal form (:mod:`hecate.compiler.normalize`);
 * a decode step's window product (:func:`_window_step`): ``window = torch.cat([state, x_t[:, None]], 1)``,
   ``z = Σ_k window[:, k] · w[:, k]`` (+ b) in any spelling (einsum, a product and a sum, ...), read
   by evaluating it; the op runs on the one token and its [B, 1, D] result is squeezed;
@@ -223,7 +226,30 @@ def _check_conv_common(conv: fx.Node) -> str | None:
     bias = _arg(conv, 2, "bias")
     if bias is not None and _shape(bias) != (channels,):
         return f"conv1d bias has shape {_shape(bias)}; the pattern needs [{channels}]"
-    return None
+    return _padded_with_other_than_zeros(conv)
+
+
+# what a padding mode other than zeros puts before the first token
+_PAD_MODES = {"circular": "wraps the sequence around (the first outputs read the last tokens)",
+              "replicate": "repeats the edge tokens",
+              "reflect": "mirrors the tokens next to the edges (the first outputs read future tokens)"}
+
+
+def _padded_with_other_than_zeros(conv: fx.Node) -> str | None:
+    """The reason a conv1d reading ``F.pad(x, ..., mode=m)`` with m not zeros (also ``nn.Conv1d(padding_mode=m)``,
+    which pads so) is no causal conv, or None."""
+    pad = conv.args[0]
+    if not (isinstance(pad, fx.Node) and pad.target == aten.pad.default):
+        return None
+    mode, value = _arg(pad, 2, "mode", "constant"), _arg(pad, 3, "value")
+    if mode == "constant" and value in (None, 0):
+        return None
+    if mode == "constant":
+        padded = f"F.pad value={value}, not zeros"
+    else:
+        what = _PAD_MODES.get(mode, "does not pad with zeros")
+        padded = f"F.pad mode={mode!r} (as nn.Conv1d padding_mode={mode!r} pads), which {what}"
+    return f"conv1d input is padded with {padded}: not a causal zero-padded conv (K−1 zeros on the left)"
 
 
 def _carried_state(conv: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -280,9 +306,7 @@ def _check_pad_then_conv(match: Match) -> str | None:
     if reason:
         return reason
     k = val(conv.args[1]).shape[2]
-    amounts, mode, value = list(pad.args[1]), _arg(pad, 2, "mode", "constant"), _arg(pad, 3, "value")
-    if mode != "constant" or value not in (None, 0):
-        return f"F.pad mode={mode!r} value={value}; a causal conv pads with zeros"
+    amounts = list(pad.args[1])  # its mode is zeros (_check_conv_common)
     if amounts[:2] != [k - 1, 0] or any(amounts[2:]):
         return f"F.pad pads {tuple(amounts)} with kernel {k}; a causal conv pads (K−1, 0) = ({k - 1}, 0)"
     padding = list(_arg(conv, 4, "padding", [0]))

@@ -11,7 +11,9 @@ already report, with the first reason it can give and the user's source line:
   products of per-position tensors with the log of one, as the KL expanded into products is;
 * ``memory_scan`` / ``linear_attention``: a loop-carried matrix state updated by an outer
   product, in a rolled ``scan`` body or in a chain of unrolled steps, or cumulated by ``cumsum``;
-* ``qk_preprocess``: a depthwise conv1d (groups = channels);
+* ``qk_preprocess``: a depthwise conv1d (groups = channels); a causal conv written by hand: a
+  tensor zero-padded (P, 0) on its last dim read through its P + 1 shifted windows (slices at
+  offsets 0..P, or ``unfold(-1, P + 1, 1)``);
 * ``kl_decode``: a softmax (or cross-entropy, logsumexp) over the vocabulary of logits made by
   broadcasting the beliefs against per-token tensors with a log of the features, or by matrix
   products of the beliefs with per-token tensors and the log of one, as the KL to the priors
@@ -69,6 +71,7 @@ def report_unfused_signatures(gm: fx.GraphModule, enabled: Iterable[str], report
                 found.append(("memory_scan", reason, nodes))
     if "qk_preprocess" in enabled:
         found += [("qk_preprocess", reason, nodes) for reason, nodes in _depthwise_convs(gm.graph)]
+        found += [("qk_preprocess", reason, nodes) for reason, nodes in _hand_written_convs(gm.graph)]
     if "kl_decode" in enabled:
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_pairs(gm.graph)]
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_products(gm.graph)]
@@ -361,6 +364,32 @@ def _depthwise_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                 why = ("qk_preprocess fuses a causal one: conv1d(padding=K-1) then [..., :T], or "
                        "F.pad(x, (K-1, 0)) then conv1d, on [B, T, D] inputs transposed to [B, D, T]")
             yield f"depthwise conv1d ({channels} channels, kernel {kernel}) not fused: {why}", [conv]
+
+
+def _hand_written_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
+    """A causal conv written by hand (Σ_k w[:, k] · F.pad(x, (K-1, 0))[..., k:k+T], or over ``unfold``): a tensor
+    zero-padded (P, 0) on its last dim, read through all its P + 1 windows of the unpadded length."""
+    for pad in graph.find_nodes(op="call_function", target=aten.pad.default):
+        shape, amounts = _shape(pad), list(pad.args[1])
+        mode = pad.args[2] if len(pad.args) > 2 else pad.kwargs.get("mode", "constant")
+        value = pad.args[3] if len(pad.args) > 3 else pad.kwargs.get("value")
+        if shape is None or mode != "constant" or value not in (None, 0) or len(amounts) < 2 \
+                or not isinstance(amounts[0], int) or amounts[0] < 1 or amounts[1] != 0 or any(amounts[2:]):
+            continue
+        p, last = amounts[0], len(shape) - 1
+        starts, unfolded = set(), False
+        for user in pad.users:
+            if user.target is aten.slice.Tensor and user.args[1] % len(shape) == last \
+                    and (user.args[4] if len(user.args) > 4 else 1) == 1 and _is(_shape(user)[-1], shape[-1] - p):
+                starts.add(user.args[2] if len(user.args) > 2 else 0)
+            unfolded |= user.target is aten.unfold.default and user.args[1] % len(shape) == last \
+                and tuple(user.args[2:4]) == (p + 1, 1)
+        if unfolded or starts == set(range(p + 1)):
+            how = f"unfold(-1, {p + 1}, 1)" if unfolded else f"slices [..., k:k+T] for k = 0..{p}"
+            yield (f"a causal conv of kernel {p + 1} written by hand (a tensor zero-padded ({p}, 0) on its last dim, "
+                   f"read through its {p + 1} shifted windows by {how}) not fused: qk_preprocess reads the conv as "
+                   "F.conv1d(F.pad(x, (K-1, 0)), w, groups=D) or nn.Conv1d(padding=K-1, groups=D)(x)[..., :T]; "
+                   "compiled as written", [pad])
 
 
 def _first(value):

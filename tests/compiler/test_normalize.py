@@ -450,3 +450,52 @@ def test_dynamo_graph_updated_in_place_is_made_functional_and_merged_on_a_copy()
     assert "add_" not in methods(collapsed) and methods(collapsed).count("sin") == 1
     assert "add_" in methods(gm) and methods(gm).count("sin") == 2  # Dynamo's graph is left as captured
     assert torch.equal(collapsed(x)[0], gm(x)[0])
+
+
+def channels_first_projections(x, W):
+    return torch.einsum("btd,ed->bet", x, W), torch.einsum("ed,btd->bet", W, x), torch.einsum("btd,ed->bte", x, W)
+
+
+def test_einsum_with_the_output_in_another_order_is_the_matmul_then_one_permute():
+    args = (torch.randn(2, 3, 4), torch.randn(5, 4))
+    gm = normalize_graph(_traced(channels_first_projections, *args))
+    targets = _targets(gm)
+    assert aten.einsum.default not in targets and targets.count(aten.matmul.default) == 1, gm.graph
+    permutes = [n.args[1] for n in gm.graph.nodes if n.target is aten.permute.default]
+    # W's once, and the product's into [b, e, t] for each output (outputs never alias each other)
+    assert sorted(permutes) == [[0, 2, 1], [0, 2, 1], [1, 0]], gm.graph
+    _check_exact(channels_first_projections, args, gm, rel_tol=1e-6)
+
+
+def conv_layouts(h, w):
+    K = w.shape[-1]
+    sliced_after = torch.nn.functional.conv1d(h.transpose(1, 2), w, padding=K - 1, groups=4).transpose(1, 2)[:, :-(K - 1)]
+    narrowed_after = torch.nn.functional.conv1d(h.mT, w, padding=K - 1, groups=4).permute(0, 2, 1).narrow(1, 0, 5)
+    padded_before = torch.nn.functional.conv1d(torch.nn.functional.pad(h, (0, 0, K - 1, 0)).transpose(1, 2), w, groups=4)
+    one_row = torch.nn.functional.conv2d(h.transpose(1, 2).unsqueeze(2), w.unsqueeze(2), padding=(0, K - 1),
+                                         groups=4).squeeze(2)
+    indexed_row = torch.nn.functional.conv2d(h.transpose(1, 2)[:, :, None], w[:, :, None], padding=(0, K - 1),
+                                             groups=4)[:, :, 0]
+    return sliced_after, narrowed_after, padded_before, one_row, indexed_row
+
+
+def test_slices_and_zero_pads_sit_next_to_the_conv_and_a_conv2d_over_one_row_is_a_conv1d():
+    args = (torch.randn(2, 5, 4), torch.randn(4, 1, 3))
+    gm = normalize_graph(_traced(conv_layouts, *args))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert not {aten.conv2d.default, aten.squeeze.dim, aten.select.int} & set(_targets(gm)), gm.graph
+    for n in nodes:
+        if n.target is aten.slice.Tensor:
+            assert n.args[0].target is aten.conv1d.default and n.args[1] == 2, gm.graph
+        if n.target is aten.pad.default:
+            assert list(n.args[1]) == [2, 0] and n.args[0].target is aten.transpose.int, gm.graph
+    _check_exact(conv_layouts, args, gm)
+
+
+def test_a_pad_that_is_not_zeros_keeps_its_place():
+    def replicate(h):
+        return torch.nn.functional.pad(h, (0, 0, 2, 0), mode="replicate").transpose(1, 2)
+
+    gm = normalize_graph(_traced(replicate, torch.randn(2, 5, 4)))
+    pad = next(n for n in gm.graph.nodes if n.target is aten.pad.default)
+    assert [u.target for u in pad.users] == [aten.transpose.int], gm.graph

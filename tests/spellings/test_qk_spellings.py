@@ -5,7 +5,11 @@ near-miss) and the compiled model must equal eager, forward and every gradient.
 The spellings vary independently: projection (nn.Linear, F.linear, x @ W.T, torch.matmul), the layout swap
 (transpose, .mT, permute), the conv (nn.Conv1d + slice, F.pad + F.conv1d, narrow, a weight built from a
 [D, K] parameter by None-indexing), SiLU (F.silu, nn.SiLU, sigmoid products, by hand), heads, and φ (the
-built-in maps in other words, and functions nobody listed).
+built-in maps in other words, and functions nobody listed); the projection as an einsum in any index layout,
+the causal padding or slicing on either side of the transpose, a conv2d over one row.
+
+What is not a causal zero-padded conv (circular, replicate, reflect or non-zero padding), and a causal conv
+written by hand as shifted windows weighted and summed, must not fuse and must be reported with that reason.
 """
 
 import pytest
@@ -29,6 +33,7 @@ class Block(nn.Module):
         self.proj = nn.Linear(D_IN, D)
         self.conv = nn.Conv1d(D, D, K, groups=D, padding=K - 1)
         self.kernel = nn.Parameter(torch.randn(D, K) * 0.5)          # a depthwise kernel kept as [D, K]
+        self.conv_no_bias = nn.Conv1d(D, D, K, groups=D, padding=K - 1, bias=False)
         self.silu = nn.SiLU()
         self.elu = nn.ELU()
         with torch.no_grad():
@@ -127,6 +132,44 @@ SPELLINGS = {
         lambda m, x: F.elu(F.silu(_conv_slice(m, m.proj(x).transpose(1, 2).contiguous()).transpose(1, 2)
                                   .contiguous())) + 1,
         "linear → conv(K=4) → silu → elu+1 [B,T,D]"),
+    # the projection as an einsum in any index layout, the layouts of the conv's padding and slicing, a conv2d
+    # over one row: one normal form (hecate.compiler.normalize)
+    "einsum('btd,ed->bet') straight to channels first, a rational φ": (
+        lambda m, x: (lambda a: a / (1 + a.abs()))(F.silu(
+            m.conv(torch.einsum("btd,ed->bet", x, m.proj.weight))[..., :x.shape[1]].transpose(1, 2))),
+        "x @ W.permute(1, 0) → conv(K=4) → silu → φ = abs(x);add(1.0,%0);div(x,%1) [B,T,D]"),
+    "einsum('ed,btd->bet'), weight first, F.pad then conv1d": (
+        lambda m, x: F.elu(F.silu(F.conv1d(F.pad(torch.einsum("ed,btd->bet", m.proj.weight, x), (K - 1, 0)),
+                                           m.conv.weight, m.conv.bias, groups=D).mT)) + 1,
+        "x @ W.permute(1, 0) → conv(K=4) → silu → elu+1 [B,T,D]"),
+    "einsum('btd,de->bet') with W.T, nn.Conv1d(bias=False)": (
+        lambda m, x: F.relu(F.silu(m.conv_no_bias(torch.einsum("btd,de->bet", x, m.proj.weight.T))[..., :x.shape[1]]
+                                   .transpose(1, 2))),
+        "x @ W.T → conv(K=4) → silu → relu [B,T,D]"),
+    "slice after transposing back: [:, :T]": (
+        lambda m, x: F.elu(F.silu(F.conv1d(m.proj(x).transpose(1, 2), m.conv.weight, m.conv.bias, padding=K - 1,
+                                           groups=D).transpose(1, 2)[:, :x.shape[1]])) + 1,
+        "linear → conv(K=4) → silu → elu+1 [B,T,D]"),
+    "slice after transposing back: [:, :-(K-1)], x * torch.sigmoid(x)": (
+        lambda m, x: (lambda a: a * torch.sigmoid(a))(m.conv(m.proj(x).transpose(1, 2)).transpose(1, 2)[:, :-(K - 1)]),
+        "linear → conv(K=4) → silu [B,T,D]"),
+    "narrow after permuting back, nn.Conv1d(bias=False)": (
+        lambda m, x: F.silu(m.conv_no_bias(m.proj(x).permute(0, 2, 1)).permute(0, 2, 1).narrow(1, 0, x.shape[1])) ** 2,
+        "linear → conv(K=4) → silu → φ = pow(x,2.0) [B,T,D]"),
+    "F.pad(h, (0, 0, K-1, 0)) on [B, T, D] before transposing": (
+        lambda m, x: F.elu(F.silu(F.conv1d(F.pad(m.proj(x), (0, 0, K - 1, 0)).transpose(1, 2), m.conv.weight,
+                                           m.conv.bias, groups=D).transpose(1, 2))) + 1,
+        "linear → conv(K=4) → silu → elu+1 [B,T,D]"),
+    "conv2d over one row with a (1, K) kernel, an invented φ": (
+        lambda m, x: (lambda a: torch.log1p(a * a) + 0.1 * a)(F.silu(F.conv2d(
+            m.proj(x).transpose(1, 2).unsqueeze(2), m.conv.weight.unsqueeze(2), m.conv.bias, padding=(0, K - 1),
+            groups=D).squeeze(2)[..., :x.shape[1]].transpose(1, 2))),
+        "linear → conv(K=4) → silu → φ = pow(x,2.0);log1p(%0);mul(0.1,x);add(%1,%2) [B,T,D]"),
+    "conv2d over one row, F.pad on [B, T, D] first, x * sigmoid(x) before transposing back": (
+        lambda m, x: F.relu((lambda a: a * torch.sigmoid(a))(F.conv2d(
+            F.pad(x @ m.proj.weight.T + m.proj.bias, (0, 0, K - 1, 0)).transpose(1, 2)[:, :, None],
+            m.kernel[:, None, None, :], groups=D)[:, :, 0]).transpose(1, 2)),
+        "x @ W.T + b → conv(K=4) → silu → relu [B,T,D]"),
 }
 
 def _fuses_and_matches_eager(model, args, detail, input_names):
@@ -163,7 +206,63 @@ def test_spelling_fuses_and_matches_eager(name):
     _fuses_and_matches_eager(Block(spelling), (torch.randn(B, T, D_IN),), detail, ("x",))
 
 def test_corpus_size():
-    assert len(SPELLINGS) >= 15
+    assert len(SPELLINGS) >= 29
+
+
+# ---------------------------------------------------------------- what is not a causal conv, or is not read as one
+
+# name: (forward, the reason reported)
+NOT_FUSED = {
+    "nn.Conv1d(padding_mode='circular') then [..., :T]": (
+        lambda m, x: F.silu(m.circular(m.proj(x).transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)),
+        "conv1d input is padded with F.pad mode='circular' (as nn.Conv1d padding_mode='circular' pads), which wraps "
+        "the sequence around (the first outputs read the last tokens): not a causal zero-padded conv"),
+    "nn.Conv1d(padding_mode='replicate') then [..., :T]": (
+        lambda m, x: F.silu(m.replicate(m.proj(x).transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)),
+        "F.pad mode='replicate' (as nn.Conv1d padding_mode='replicate' pads), which repeats the edge tokens: not a "
+        "causal zero-padded conv"),
+    "F.pad(..., (K-1, 0), mode='replicate') then conv1d": (
+        lambda m, x: F.silu(F.conv1d(F.pad(m.proj(x).transpose(1, 2), (K - 1, 0), mode="replicate"), m.conv.weight,
+                                     m.conv.bias, groups=D).transpose(1, 2)),
+        "F.pad mode='replicate' (as nn.Conv1d padding_mode='replicate' pads), which repeats the edge tokens"),
+    "F.pad(..., (K-1, 0), mode='reflect') then conv1d": (
+        lambda m, x: F.silu(F.conv1d(F.pad(m.proj(x).transpose(1, 2), (K - 1, 0), mode="reflect"), m.conv.weight,
+                                     m.conv.bias, groups=D).transpose(1, 2)),
+        "F.pad mode='reflect' (as nn.Conv1d padding_mode='reflect' pads), which mirrors the tokens next to the "
+        "edges (the first outputs read future tokens)"),
+    "F.pad(..., (K-1, 0), value=1.0) then conv1d": (
+        lambda m, x: F.silu(F.conv1d(F.pad(m.proj(x).transpose(1, 2), (K - 1, 0), value=1.0), m.conv.weight,
+                                     m.conv.bias, groups=D).transpose(1, 2)),
+        "conv1d input is padded with F.pad value=1.0, not zeros: not a causal zero-padded conv"),
+    "by hand: Σ_k w[:, k] · F.pad(h, (K-1, 0))[..., k:k+T]": (
+        lambda m, x: F.silu(sum(m.kernel[:, k, None] * F.pad(m.proj(x).transpose(1, 2), (K - 1, 0))[..., k:k + x.shape[1]]
+                                for k in range(K)).transpose(1, 2)),
+        "a causal conv of kernel 4 written by hand (a tensor zero-padded (3, 0) on its last dim, read through its 4 "
+        "shifted windows by slices [..., k:k+T] for k = 0..3) not fused: qk_preprocess reads the conv as F.conv1d"),
+    "by hand: F.pad(h, (K-1, 0)).unfold(-1, K, 1), weighted and summed": (
+        lambda m, x: F.silu((F.pad(m.proj(x).transpose(1, 2), (K - 1, 0)).unfold(-1, K, 1) * m.kernel[:, None, :])
+                            .sum(-1).transpose(1, 2)),
+        "a causal conv of kernel 4 written by hand (a tensor zero-padded (3, 0) on its last dim, read through its 4 "
+        "shifted windows by unfold(-1, 4, 1)) not fused"),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_FUSED))
+def test_not_a_causal_conv_or_not_read_as_one_is_reported_and_matches_eager(name):
+    spelling, reason = NOT_FUSED[name]
+    model = Block(spelling)
+    model.circular = nn.Conv1d(D, D, K, groups=D, padding=K - 1, padding_mode="circular")
+    model.replicate = nn.Conv1d(D, D, K, groups=D, padding=K - 1, padding_mode="replicate")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="hecate", options={"fallback": "eager"})
+    x = torch.randn(B, T, D_IN)
+    got = compiled(x)
+    report = hecate.last_report()
+    assert report.fusions == [], str(report)
+    assert [m.pattern for m in report.misses] == ["qk_preprocess"], str(report)
+    assert reason in report.misses[0].reason, report.misses[0].reason
+    assert_close("output", got, model(x), TOL)
+    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------- with a carried conv state
