@@ -135,14 +135,19 @@ def _constant_number(node) -> float | None:
     while isinstance(node, fx.Node) and node.target in (aten.detach.default, aten.lift_fresh_copy.default,
                                                          aten.alias.default, aten.clone.default):
         node = node.args[0]
+    value = _constant_tensor(node)
+    return value.item() if value is not None and value.numel() == 1 else None
+
+
+def _constant_tensor(node) -> torch.Tensor | None:
+    """The value of a constant tensor of the graph (a ``get_attr`` that is not a parameter: a tensor the
+    model makes in forward, such as the ``torch.tensor(0.5)`` of ``Normal(mu, 0.5)``), else None."""
     if not isinstance(node, fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
         return None
     value = node.graph.owning_module
     for name in node.target.split("."):
         value = getattr(value, name, None)
-    if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter) or value.numel() != 1:
-        return None
-    return value.item()
+    return value if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) else None
 
 
 def _depends_on_sizes_only(node: fx.Node) -> bool:
@@ -350,13 +355,14 @@ def _pairwise_kl(m, v):
 _MAX_OWN_SIZE_DRAW = 2 ** 24
 
 
-def _draws(logits, bases, shape) -> list:
-    """Two (draw, evaluated values, score) at random float64 beliefs of ``shape(base)``, a positive range each."""
+def _draws(logits, bases, shape, constants) -> list:
+    """Two (draw, evaluated values, score) at random float64 beliefs of ``shape(base)``, a positive range each,
+    and the ``constants`` (node → value) the score reads."""
     gen = torch.Generator().manual_seed(20251123)
     draws = []
     for low, high in ((0.3, 2.0), (0.05, 4.0)):
         env = {b: low + (high - low) * torch.rand(shape(b), generator=gen, dtype=torch.float64) for b in bases}
-        memo = dict(env)
+        memo = {**constants, **env}
         draws.append((env, memo, evaluate(logits, memo)))
     return draws
 
@@ -367,10 +373,12 @@ def _match_kl(logits, bases, shared, lead, k):
     ``bases`` the per-position tensors [*L, N, K] (``lead`` = len(L)), ``shared`` those the same at
     every position (see :func:`_score_inputs`): each one of up to ``lead`` + 2 dims is tried as the
     variance, broadcast to the means' [*L, N, K], never as the means. What the others are not computed
-    from is drawn: the per-position tensors [2, .., 2, 5, k], the shared ones at their own sizes but 2
-    for a leading dim the beliefs span; or all at their own sizes where the score bakes its sizes in
-    (``mu.view(n, 1, k)`` of a static graph)."""
-    drawn = independent(bases + shared)
+    from is drawn (the graph's constants are read): the per-position tensors [2, .., 2, 5, k], the
+    shared ones at their own sizes but 2 for a leading dim the beliefs span; or all at their own sizes
+    where the score bakes its sizes in (``mu.view(n, 1, k)`` of a static graph)."""
+    constants = {b: (v.double() if v.is_floating_point() else v) for b in shared
+                 if (v := _constant_tensor(b)) is not None}  # read, not drawn
+    drawn = [b for b in independent(bases + shared) if b not in constants]
     means = [b for b in bases if b in drawn]
     scales = [b for b in drawn if b not in shared] + [b for b in shared if len(shape_of(b)) <= lead + 2]
 
@@ -381,7 +389,7 @@ def _match_kl(logits, bases, shared, lead, k):
         return tuple(s or 2 for s in own[:-2]) + tuple(s or k for s in own[-2:])
 
     try:
-        draws = _draws(logits, drawn, small)
+        draws = _draws(logits, drawn, small, constants)
     except NotFused:
         raise
     except Exception as error:  # a spelling that cannot run at other sizes: try its own
@@ -393,7 +401,7 @@ def _match_kl(logits, bases, shared, lead, k):
                            f"{str(error).splitlines()[0] if str(error) else ''}), and its own sizes are too large "
                            "to evaluate it at") from None
         try:
-            draws = _draws(logits, drawn, own.__getitem__)
+            draws = _draws(logits, drawn, own.__getitem__, constants)
         except NotFused:
             raise
         except Exception as e:
