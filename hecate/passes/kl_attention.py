@@ -431,12 +431,13 @@ def _match_kl(logits, bases, shared, lead, k):
     scalars = [b for b in shared if len(shape_of(b)) == 0]
     if scalars:  # most likely κ held as a tensor
         raise NotFused(f"the pairwise score also reads {_describe_other(scalars[0])}")
-    names = ", ".join(b.name for b in means)
+    names, variances = ", ".join(b.name for b in means), "another"
     if shared:
         names += (" (per position) and " + ", ".join(b.name for b in drawn if b in shared)
                   + " (the same at every position)")
+        variances += ", or one the same at every position,"
     raise NotFused(f"the pairwise score over {names} is not −KL(q_i ‖ q_j)/κ of diagonal Gaussians (κ > 0) "
-                   f"for any per-position one as the means and another as {', '.join(VARIANCE_FROM)}")
+                   f"for any per-position one as the means and {variances} as {', '.join(VARIANCE_FROM)}")
 
 
 def _allowed(masks, shape, softmax) -> torch.Tensor:
