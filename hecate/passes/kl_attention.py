@@ -216,31 +216,39 @@ def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list
     for node in nodes:
         if any(i in paired for i in node.all_input_nodes):
             paired.add(node)
-    read = [x for node in nodes if node in paired for x in node.all_input_nodes if x not in paired]
-    shared, others, seen, stack = set(), [], set(), [(x, True) for x in read]
-    while stack:
-        x, read_by_pairs = stack.pop()
-        if x in seen or _depends_on_sizes_only(x):
-            continue
-        seen.add(x)
-        if _shared(shape_of(x), rank, n):
+    frames = defaultdict(set)  # what the pair-space nodes read that no belief flows into -> their dims
+    for node in nodes:
+        if node in paired:
+            for x in node.all_input_nodes:
+                if x not in paired and not _depends_on_sizes_only(x):  # (a tuple of tensors: None)
+                    frames[x].add(_rank(node) if shape_of(node) is not None else None)
+    shared = {x for x, fs in frames.items() if all(_shared(shape_of(x), rank, n, frame) for frame in fs)}
+    others = [x for x in frames if x not in shared]
+    seen, stack = set(shared), [i for x in shared for i in x.all_input_nodes]
+    while stack:  # what those are computed from, as long as it is the same at every position too
+        x = stack.pop()
+        if x not in seen and x not in frames and not _depends_on_sizes_only(x) and _shared(shape_of(x), rank, n):
             shared.add(x)
-            stack.extend((i, False) for i in x.all_input_nodes)
-        elif read_by_pairs:
-            others.append(x)
-    return bases, sorted(shared, key=order.__getitem__), nodes, sorted(others, key=order.__getitem__)
+            stack.extend(x.all_input_nodes)
+        seen.add(x)
+    return bases, sorted(shared, key=order.__getitem__), nodes, others
 
 
-def _shared(shape, rank: int, n) -> bool:
+def _shared(shape, rank: int, n, frame: int | None = None) -> bool:
     """Whether a tensor of ``shape`` is the same at every position, as a variance [K], [H, 1, K],
-    [B, 1, K] or a 0-d one is: of size 1 or absent at the position dim of the beliefs' [*L, N, K]
-    (``rank`` = len(L) + 2 dims, N = ``n`` not 1), or at both of the pair space [*L, N, N, K]."""
-    if shape is None or len(shape) > rank + 1:
+    [B, 1, K] or a 0-d one is (N = ``n`` not 1): of size 1 or absent at both position dims of the
+    ``frame`` it is read in, the pair space [*L, N, N, K] (``rank`` + 1 dims, ``rank`` = len(L) + 2)
+    or the score [*L, N, N] (``rank``; there a [N] is per key); without a frame, at the position
+    dim of the beliefs' [*L, N, K] or at both of the pair space."""
+    if shape is None or _size_hint(n) == 1:
         return False
-    one = [isinstance(s, int) and s == 1 for s in shape]
-    if len(shape) == rank + 1:
-        return one[-3] and one[-2] and _size_hint(n) != 1
-    return len(shape) < 2 or (one[-2] and _size_hint(n) != 1)
+    if frame is None:
+        frame, positions = (rank + 1, (-3, -2)) if len(shape) == rank + 1 else (rank, (-2,))
+    else:
+        positions = {rank + 1: (-3, -2), rank: (-2, -1)}.get(frame, ())
+    if not positions or len(shape) > frame:
+        return False
+    return all(len(shape) < -p or (isinstance(shape[p], int) and shape[p] == 1) for p in positions)
 
 
 def _size_hint(value) -> int:
@@ -407,10 +415,10 @@ def _match_kl(logits, bases, shared, lead, k):
         except Exception as e:
             raise NotFused(f"the pairwise score could not be evaluated to check it is a KL ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    reversed_found = None
+    reversed_found, drawn_values = None, draws[0][1]
     for mean in means:
         for scale in scales:
-            if scale is mean:
+            if scale is mean or not _broadcasts(drawn_values, mean, scale):
                 continue
             for param, to_var in VARIANCE_FROM.items():
                 alphas = []
@@ -438,6 +446,15 @@ def _match_kl(logits, bases, shared, lead, k):
         variances += ", or one the same at every position,"
     raise NotFused(f"the pairwise score over {names} is not −KL(q_i ‖ q_j)/κ of diagonal Gaussians (κ > 0) "
                    f"for any per-position one as the means and {variances} as {', '.join(VARIANCE_FROM)}")
+
+
+def _broadcasts(values: dict, mean, scale) -> bool:
+    """Whether ``scale`` was evaluated and broadcasts against ``mean`` (a shared tensor [N] does not, say)."""
+    try:
+        torch.broadcast_shapes(values[mean].shape, values[scale].shape)
+    except (KeyError, RuntimeError):
+        return False
+    return True
 
 
 def _allowed(masks, shape, softmax) -> torch.Tensor:

@@ -934,3 +934,17 @@ def test_shared_variance_read_by_the_values_is_reported(fresh_dynamo):
     assert "of shape [3] is neither per-query nor per-key" in misses[0].reason, misses[0]
     compiled = torch.compile(m_shared_variance_gradient_terms, backend="hecate", options={"fallback": "eager"})
     assert_close("output", compiled(*args), m_shared_variance_gradient_terms(*args), 1e-6)
+
+
+def m_key_bias(mu, var, key_bias):  # a learned bias per key [N] added to the score: not a variance, not a mask
+    return F.softmax(-kl_spec(mu, var) + key_bias, dim=-1) @ mu
+
+
+def test_a_bias_per_key_is_not_taken_for_a_shared_variance(fresh_dynamo):
+    args = (torch.randn(B, N, K), _var((B, N, K)), torch.randn(N))
+    report = hecate.explain(m_key_bias, *args)
+    misses = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert report.count("kl_attention") == 0 and misses, str(report)
+    assert "a tensor of shape [5] that is neither laid out per position" in misses[0].reason, misses[0]
+    compiled = torch.compile(m_key_bias, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(*args), m_key_bias(*args), 1e-6)
