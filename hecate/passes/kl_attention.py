@@ -13,7 +13,10 @@ whose outputs are the sums Σ_j β_ij V_j, Σ_j β_ij KL_ij V_j, Σ_j β_ij KL_i
 L is any number of leading dims: none (one sequence, beliefs [N, K]), a batch [B], a batch and
 heads [B, H], ... The positions are always the last two dims of the score and the last but one
 of the beliefs; the replacement folds L into the op's B ([*L, N, K] → [prod(L), N, K]) and
-unfolds its outputs. μ and σ² may broadcast against each other over L (one σ² for every head).
+unfolds its outputs. μ and σ² may broadcast against each other over L (one σ² for every head), and
+σ² may be the same at every position: one per feature [K], per head [H, 1, K], per sequence
+[B, 1, K], or 0-d; the replacement broadcasts it to the means' [*L, N, K] (its gradient is summed
+back by the broadcast's backward).
 
 How, by what the code computes rather than how it is spelled:
 
@@ -24,7 +27,8 @@ How, by what the code computes rather than how it is spelled:
 2. The score's subgraph is cut where per-position tensors [*L, N, K] are broadcast into the pair
    space (``x.unsqueeze(-3)`` / ``x.unsqueeze(-2)``, ``x[:, None]``). If it is a pairwise score, it is
    evaluated in float64 at random points (a private generator) and must equal −KL(q_i‖q_j)/κ
-   for one of the per-position tensors as the means and another, as variance, log-variance,
+   for one of the per-position tensors as the means and another, or a tensor the score reads that
+   is the same at every position (size 1 or absent at the position dim), as variance, log-variance,
    standard deviation, log-std or precision. So the log/ratio/square spelling,
    ``torch.distributions.kl_divergence`` of ``Normal``s, a KL computed per term and summed,
    any temperature spelling all read the same. Nodes of the score equal to γ·KL are KL factors.
@@ -75,7 +79,8 @@ class _Score:
     softmax: fx.Node
     beta: fx.Node  # the softmax, or its zero-fill at the masked keys
     mean: fx.Node  # [*L, N, K]
-    scale: fx.Node  # [*L, N, K], the variance through VARIANCE_FROM[parameterisation]
+    # the variance through VARIANCE_FROM[parameterisation]: [*L, N, K], or the same at every position ([K], 0-d, ...)
+    scale: fx.Node
     parameterisation: str
     kappa: float
     causal: bool
@@ -130,14 +135,19 @@ def _constant_number(node) -> float | None:
     while isinstance(node, fx.Node) and node.target in (aten.detach.default, aten.lift_fresh_copy.default,
                                                          aten.alias.default, aten.clone.default):
         node = node.args[0]
+    value = _constant_tensor(node)
+    return value.item() if value is not None and value.numel() == 1 else None
+
+
+def _constant_tensor(node) -> torch.Tensor | None:
+    """The value of a constant tensor of the graph (a ``get_attr`` that is not a parameter: a tensor the
+    model makes in forward, such as the ``torch.tensor(0.5)`` of ``Normal(mu, 0.5)``), else None."""
     if not isinstance(node, fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
         return None
     value = node.graph.owning_module
     for name in node.target.split("."):
         value = getattr(value, name, None)
-    if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter) or value.numel() != 1:
-        return None
-    return value.item()
+    return value if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) else None
 
 
 def _depends_on_sizes_only(node: fx.Node) -> bool:
@@ -153,14 +163,15 @@ def _depends_on_sizes_only(node: fx.Node) -> bool:
     return True
 
 
-def _broadcast_side(node: fx.Node, rank: int) -> tuple[fx.Node, str] | None:
+def _broadcast_side(node: fx.Node, rank: int, n) -> tuple[fx.Node, str] | None:
     """(x, "i" | "j") when ``node`` is a [*L, N, K] tensor x (``rank`` = len(L) + 2 dims) broadcast as
-    [*L, N, 1, K] ("i") or [*L, 1, N, K] ("j")."""
+    [*L, N, 1, K] ("i") or [*L, 1, N, K] ("j"). ``n``: the score's N; an x of size 1 at the position
+    dim ([B, 1, K]) where N is not 1 is shared across positions, not per position (see :func:`_shared`)."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     x, out = node.args[0], shape_of(node)
     src = shape_of(x)
-    if src is None or out is None or len(src) != rank or len(out) != rank + 1:
+    if src is None or out is None or len(src) != rank or len(out) != rank + 1 or _shared(src, rank, n):
         return None
     lead = rank - 2
     if node.target == aten.unsqueeze.default:
@@ -176,26 +187,68 @@ def _broadcast_side(node: fx.Node, rank: int) -> tuple[fx.Node, str] | None:
     return strip_noops(x), ("i" if dim == lead + 1 else "j")
 
 
-def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list[fx.Node]]:
-    """({broadcast per-position tensor: sides}, the score's nodes, other graph inputs it reads)."""
+def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list[fx.Node], list[fx.Node]]:
+    """({broadcast per-position tensor: sides}, [tensors the same at every position], the score's nodes,
+    [other tensors it reads]).
+
+    The tensors no belief flows into meet the pair space as inputs of the score's ops that read the
+    beliefs. Those the same at every position (:func:`_shared`) are listed with what they are computed
+    from that is too (``log_var`` [K] and ``log_var.exp()[None, None]`` [1, 1, 1, K]): a shared
+    variance is one of them; the others stop the fusion."""
+    n = shape_of(logits)[-1]
     bases: dict[fx.Node, set] = {}
-    nodes, others, seen, stack = [], [], set(), [logits]
+    nodes, broadcasts, seen, stack = [], set(), set(), [logits]
     while stack:
-        n = stack.pop()
-        if n in seen:
+        node = stack.pop()
+        if node in seen:
             continue
-        seen.add(n)
-        side = _broadcast_side(n, rank)
+        seen.add(node)
+        side = _broadcast_side(node, rank, n)
         if side is not None:
             bases.setdefault(side[0], set()).add(side[1])
-            continue
-        if n.op in ("placeholder", "get_attr"):
-            if isinstance(n.meta.get("val"), torch.Tensor):
-                others.append(n)
-            continue
-        nodes.append(n)
-        stack.extend(n.all_input_nodes)
-    return bases, nodes, others
+            broadcasts.add(node)
+        elif node.op == "call_function":
+            nodes.append(node)
+            stack.extend(node.all_input_nodes)
+    order = {node: i for i, node in enumerate(logits.graph.nodes)}
+    nodes.sort(key=order.__getitem__)
+    paired = set(broadcasts)  # the nodes a belief flows into
+    for node in nodes:
+        if any(i in paired for i in node.all_input_nodes):
+            paired.add(node)
+    frames = defaultdict(set)  # what the pair-space nodes read that no belief flows into -> their dims
+    for node in nodes:
+        if node in paired:
+            for x in node.all_input_nodes:
+                if x not in paired and not _depends_on_sizes_only(x):  # (a tuple of tensors: None)
+                    frames[x].add(_rank(node) if shape_of(node) is not None else None)
+    shared = {x for x, fs in frames.items() if all(_shared(shape_of(x), rank, n, frame) for frame in fs)}
+    others = [x for x in frames if x not in shared]
+    seen, stack = set(shared), [i for x in shared for i in x.all_input_nodes]
+    while stack:  # what those are computed from, as long as it is the same at every position too
+        x = stack.pop()
+        if x not in seen and x not in frames and not _depends_on_sizes_only(x) and _shared(shape_of(x), rank, n):
+            shared.add(x)
+            stack.extend(x.all_input_nodes)
+        seen.add(x)
+    return bases, sorted(shared, key=order.__getitem__), nodes, others
+
+
+def _shared(shape, rank: int, n, frame: int | None = None) -> bool:
+    """Whether a tensor of ``shape`` is the same at every position, as a variance [K], [H, 1, K],
+    [B, 1, K] or a 0-d one is (N = ``n`` not 1): of size 1 or absent at both position dims of the
+    ``frame`` it is read in, the pair space [*L, N, N, K] (``rank`` + 1 dims, ``rank`` = len(L) + 2)
+    or the score [*L, N, N] (``rank``; there a [N] is per key); without a frame, at the position
+    dim of the beliefs' [*L, N, K] or at both of the pair space."""
+    if shape is None or _size_hint(n) == 1:
+        return False
+    if frame is None:
+        frame, positions = (rank + 1, (-3, -2)) if len(shape) == rank + 1 else (rank, (-2,))
+    else:
+        positions = {rank + 1: (-3, -2), rank: (-2, -1)}.get(frame, ())
+    if not positions or len(shape) > frame:
+        return False
+    return all(len(shape) < -p or (isinstance(shape[p], int) and shape[p] == 1) for p in positions)
 
 
 def _size_hint(value) -> int:
@@ -208,13 +261,13 @@ def _describe_other(node: fx.Node) -> str:
     """Why a score input that is not a belief stops the fusion, in the user's terms."""
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor) and value.dim() == 0:
-        return ("a 0-d tensor (a temperature held as a tensor: a parameter or buffer, or a float attribute "
-                "torch.compile(dynamic=True) passes in as a tensor unless torch._dynamo.config.specialize_float "
-                "is set); the op takes κ as a number")
+        return (f"a 0-d tensor {node.name} that is not the KL's variance (a temperature held as a tensor: a "
+                "parameter or buffer, or a float attribute torch.compile(dynamic=True) passes in as a tensor "
+                "unless torch._dynamo.config.specialize_float is set); the op takes κ as a number")
     if isinstance(value, torch.Tensor):
-        return (f"a tensor of shape {list(value.shape)} that is not laid out per position like the means "
-                "(a per-head or shared variance, say); the op reads means and variances of one shape, "
-                "[..., N, K]")
+        return (f"{node.name}, a tensor of shape {list(value.shape)} that is neither laid out per position like "
+                "the means ([..., N, K]) nor the same at every position (size 1 or absent at the position dim, "
+                "as a shared variance is)")
     return f"a value computed at run time ({node.name}); the op takes κ as a number"
 
 
@@ -229,7 +282,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
         return None
     rank = len(shape)
     logits, masks, peeled = _peel_masks(x)
-    bases, nodes, others = _score_inputs(logits, rank)
+    bases, shared, nodes, others = _score_inputs(logits, rank)
     if not any(sides == {"i", "j"} for sides in bases.values()):
         return None  # not a score of broadcast pairs (e.g. q @ kᵀ): not this family
     if dim % rank != rank - 1:
@@ -237,13 +290,13 @@ def _recognise(softmax: fx.Node) -> _Score | None:
                        "the keys (dim -1)")
     if others:
         raise NotFused(f"the pairwise score also reads {_describe_other(others[0])}")
-    if len(bases) < 2:
-        raise NotFused("the pairwise score reads one per-position tensor; a KL between Gaussians needs means "
-                       "and a variance")
+    if len(bases) + len(shared) < 2:
+        raise NotFused("the pairwise score reads one per-position tensor and none shared across positions; a KL "
+                       "between Gaussians needs means and a variance")
     k = {_size_hint(shape_of(b)[-1]) for b in bases}
     if len(k) != 1:
         raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
-    kappa, mean, scale, param, memo = _match_kl(logits, independent(list(bases)), rank - 2, k.pop())
+    kappa, mean, scale, param, memo = _match_kl(logits, list(bases), shared, rank - 2, k.pop())
     if any(kind == "finite" for _, kind in masks):
         raise NotFused("the KL score is masked by masked_fill with a finite number (-1e9, say): the op masks "
                        "with −inf, which differs from it in a row with no allowed key; masked_fill with "
@@ -255,7 +308,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
             gamma = proportion(memo[n], memo[("kl",)])
             if gamma is not None:
                 kl_scales[n] = gamma
-    draw = {key: value for key, value in memo.items() if key in bases or key == ("kl",)}
+    draw = {key: value for key, value in memo.items() if key in bases or key in shared or key == ("kl",)}
     allowed = _allowed(masks, shape, softmax)
     causal, mask_diagonal = _mask_kind(allowed)
     has_empty_row = mask_diagonal and (causal or allowed.shape[0] == 1)
@@ -269,8 +322,10 @@ def _recognise(softmax: fx.Node) -> _Score | None:
 
 def _check_leading_dims(shape, mean: fx.Node, scale: fx.Node, param: str) -> None:
     """The score's leading dims are μ's and σ²'s, one of them 1 where the other spans a dim (NotFused if not):
-    so the replacement reads each leading size off μ or σ², and folds them into the op's B."""
+    so the replacement reads each leading size off μ or σ², and folds them into the op's B. A σ² shared
+    across positions may have fewer dims ([K], 0-d): it is read as broadcasting does, from the right."""
     m, s = shape_of(mean), shape_of(scale)
+    s = (1,) * (len(m) - len(s)) + s
     for d, size in enumerate(shape[:-2]):
         if not ((m[d] == size and s[d] in (1, size)) or (s[d] == size and m[d] == 1)):
             raise NotFused(f"the score {_dims(len(shape))} is {list(shape)} but the means {mean.name} are "
@@ -289,8 +344,8 @@ def _kl_scale(node: fx.Node, draw: dict, rank: int) -> float | None:
     shape = shape_of(node)
     if shape is None or len(shape) != rank or shape[-1] != shape[-2]:
         return None
-    bases, _, others = _score_inputs(node, rank)
-    if others or not bases or any(b not in draw for b in bases):
+    bases, shared, _, others = _score_inputs(node, rank)
+    if others or not bases or any(b not in draw for b in [*bases, *shared]):
         return None
     try:
         value = evaluate(node, dict(draw))
@@ -308,65 +363,98 @@ def _pairwise_kl(m, v):
 _MAX_OWN_SIZE_DRAW = 2 ** 24
 
 
-def _draws(logits, bases, shape) -> list:
-    """Two (draw, evaluated values, score) at random float64 beliefs of ``shape(base)``, a positive range each."""
+def _draws(logits, bases, shape, constants) -> list:
+    """Two (draw, evaluated values, score) at random float64 beliefs of ``shape(base)``, a positive range each,
+    and the ``constants`` (node → value) the score reads."""
     gen = torch.Generator().manual_seed(20251123)
     draws = []
     for low, high in ((0.3, 2.0), (0.05, 4.0)):
         env = {b: low + (high - low) * torch.rand(shape(b), generator=gen, dtype=torch.float64) for b in bases}
-        memo = dict(env)
+        memo = {**constants, **env}
         draws.append((env, memo, evaluate(logits, memo)))
     return draws
 
 
-def _match_kl(logits, bases, lead, k):
+def _match_kl(logits, bases, shared, lead, k):
     """(κ, mean, scale, parameterisation, evaluated values) with logits = −KL/κ; else NotFused.
 
-    The per-position tensors are drawn [2, .., 2, 5, k] (``lead`` leading dims), or at their own
-    sizes where the score bakes its sizes in (``mu.view(n, 1, k)`` of a static graph)."""
+    ``bases`` the per-position tensors [*L, N, K] (``lead`` = len(L)), ``shared`` those the same at
+    every position (see :func:`_score_inputs`): each one of up to ``lead`` + 2 dims is tried as the
+    variance, broadcast to the means' [*L, N, K], never as the means. What the others are not computed
+    from is drawn (the graph's constants are read): the per-position tensors [2, .., 2, 5, k], the
+    shared ones at their own sizes but 2 for a leading dim the beliefs span; or all at their own sizes
+    where the score bakes its sizes in (``mu.view(n, 1, k)`` of a static graph)."""
+    constants = {b: (v.double() if v.is_floating_point() else v) for b in shared
+                 if (v := _constant_tensor(b)) is not None}  # read, not drawn
+    drawn = [b for b in independent(bases + shared) if b not in constants]
+    means = [b for b in bases if b in drawn]
+    scales = [b for b in drawn if b not in shared] + [b for b in shared if len(shape_of(b)) <= lead + 2]
+
+    def small(b):
+        if b not in shared:
+            return (2,) * lead + (5, k)
+        own = [1 if isinstance(s, int) and s == 1 else None for s in shape_of(b)]  # None: a size the beliefs span
+        return tuple(s or 2 for s in own[:-2]) + tuple(s or k for s in own[-2:])
+
     try:
-        draws = _draws(logits, bases, lambda b: (2,) * lead + (5, k))
+        draws = _draws(logits, drawn, small, constants)
     except NotFused:
         raise
-    except Exception as small:  # a spelling that cannot run at other sizes: try its own
-        own = {b: tuple(_size_hint(s) for s in shape_of(b)) for b in bases}
-        n = max(s[-2] for s in own.values())
-        if math.prod(max(s[d] for s in own.values()) for d in range(lead)) * n * n * k > _MAX_OWN_SIZE_DRAW:
-            raise NotFused(f"the pairwise score could not be evaluated to check it is a KL ({type(small).__name__}: "
-                           f"{str(small).splitlines()[0] if str(small) else ''}), and its own sizes are too large "
+    except Exception as error:  # a spelling that cannot run at other sizes: try its own
+        own = {b: tuple(_size_hint(s) for s in shape_of(b)) for b in drawn}
+        n = max(s[-2] for b, s in own.items() if b not in shared)
+        if math.prod(max(s[d] for b, s in own.items() if b not in shared) for d in range(lead)) * n * n * k \
+                > _MAX_OWN_SIZE_DRAW:
+            raise NotFused(f"the pairwise score could not be evaluated to check it is a KL ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else ''}), and its own sizes are too large "
                            "to evaluate it at") from None
         try:
-            draws = _draws(logits, bases, own.__getitem__)
+            draws = _draws(logits, drawn, own.__getitem__, constants)
         except NotFused:
             raise
         except Exception as e:
             raise NotFused(f"the pairwise score could not be evaluated to check it is a KL ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    reversed_found = None
-    for mean in bases:
-        for scale in bases:
-            if scale is mean:
+    reversed_found, drawn_values = None, draws[0][1]
+    for mean in means:
+        for scale in scales:
+            if scale is mean or not _broadcasts(drawn_values, mean, scale):
                 continue
             for param, to_var in VARIANCE_FROM.items():
                 alphas = []
-                for env, memo, value in draws:
-                    m, v = env[mean], to_var(env[scale])
+                for _, memo, value in draws:
+                    m, v = torch.broadcast_tensors(memo[mean], to_var(memo[scale]))
                     kl = _pairwise_kl(m, v)
                     alphas.append(proportion(value, kl))
                     if alphas[-1] is None and proportion(value, kl.transpose(-1, -2)) is not None:
                         reversed_found = (mean, scale, param)
                 if all(a is not None and a < 0 for a in alphas) and math.isclose(alphas[0], alphas[1], rel_tol=1e-9):
-                    env, memo, value = draws[0]
-                    m, v = env[mean], to_var(env[scale])
-                    memo[("kl",)] = _pairwise_kl(m, v)
+                    memo = draws[0][1]
+                    memo[("kl",)] = _pairwise_kl(*torch.broadcast_tensors(memo[mean], to_var(memo[scale])))
                     kappa = float(f"{-1.0 / alphas[0]:.12g}")
                     return kappa, mean, scale, param, memo
-    names = ", ".join(b.name for b in bases)
     if reversed_found is not None:
         raise NotFused(f"the score is KL(q_j ‖ q_i) (key to query) of {reversed_found[0].name} and the "
                        f"{reversed_found[2]} {reversed_found[1].name}; the fused op computes KL(q_i ‖ q_j)")
+    scalars = [b for b in shared if len(shape_of(b)) == 0]
+    if scalars:  # most likely κ held as a tensor
+        raise NotFused(f"the pairwise score also reads {_describe_other(scalars[0])}")
+    names, variances = ", ".join(b.name for b in means), "another"
+    if shared:
+        names += (" (per position) and " + ", ".join(b.name for b in drawn if b in shared)
+                  + " (the same at every position)")
+        variances += ", or one the same at every position,"
     raise NotFused(f"the pairwise score over {names} is not −KL(q_i ‖ q_j)/κ of diagonal Gaussians (κ > 0) "
-                   f"for any of them as the means and another as {', '.join(VARIANCE_FROM)}")
+                   f"for any per-position one as the means and {variances} as {', '.join(VARIANCE_FROM)}")
+
+
+def _broadcasts(values: dict, mean, scale) -> bool:
+    """Whether ``scale`` was evaluated and broadcasts against ``mean`` (a shared tensor [N] does not, say)."""
+    try:
+        torch.broadcast_shapes(values[mean].shape, values[scale].shape)
+    except (KeyError, RuntimeError):
+        return False
+    return True
 
 
 def _allowed(masks, shape, softmax) -> torch.Tensor:

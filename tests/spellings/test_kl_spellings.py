@@ -9,9 +9,12 @@ temperature, the mask (``masked_fill``, ``torch.where``, an additive −inf mask
 leading dims of the score: [B, N, N], one sequence [N, N], heads [B, H, N, N] and more.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributions import Independent, Normal, kl_divergence
 
 import hecate
@@ -696,3 +699,252 @@ def test_autocast_gives_eager_dtypes(fn, fresh_dynamo):
     assert hecate.last_report().fusions, str(hecate.last_report())
     assert got.dtype == ref.dtype
     assert_close("output", got.float(), ref.float(), 2e-2)
+
+
+# --- a variance shared across positions: one per feature [K], per head [H, 1, K], per sequence [B, 1, K], 0-d ---
+
+
+def kl_diag(mu_p, logvar_p, mu_q, logvar_q):  # a helper written once for any broadcastable log-variances
+    return 0.5 * (logvar_q - logvar_p + torch.exp(logvar_p - logvar_q)
+                  + (mu_p - mu_q) ** 2 * torch.exp(-logvar_q) - 1.0).sum(-1)
+
+
+class SharedLogVarAttention(nn.Module):  # one learned log-variance per feature, shared by every position
+    def __init__(self, k):
+        super().__init__()
+        self.log_var = nn.Parameter(0.3 * torch.randn(k))
+
+    def forward(self, mu):
+        kl = kl_diag(mu[:, :, None], self.log_var, mu[:, None], self.log_var)
+        return torch.softmax(-kl / 0.8, dim=-1) @ mu
+
+
+class BufferVarianceCausal(nn.Module):  # a fixed variance buffer [K]: the KL is half a Mahalanobis distance
+    def __init__(self, k, temperature=0.7):
+        super().__init__()
+        self.register_buffer("var", torch.rand(k) + 0.5)
+        self.temperature = temperature
+
+    def forward(self, mu):
+        n = mu.shape[1]
+        kl = 0.5 * ((mu.unsqueeze(2) - mu.unsqueeze(1)).square() / self.var).sum(-1)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        beta = F.softmax((-kl / self.temperature).masked_fill(~causal, float("-inf")), dim=-1)
+        return beta @ mu, (beta * kl).sum(-1)
+
+
+class ScalarSigmaDistributions(nn.Module):  # one 0-d learned log σ, the KL from torch.distributions
+    def __init__(self):
+        super().__init__()
+        self.log_sigma = nn.Parameter(torch.tensor(-0.2))
+
+    def forward(self, mu):
+        sigma = self.log_sigma.exp()
+        kl = kl_divergence(Normal(mu.unsqueeze(2), sigma), Normal(mu.unsqueeze(1), sigma)).sum(-1)
+        return torch.einsum("bij,bjd->bid", F.softmax(-kl, dim=-1), mu)
+
+
+class SoftplusScaleIndependent(nn.Module):  # Independent(Normal) with a shared softplus scale [K]
+    def __init__(self, k):
+        super().__init__()
+        self.raw_scale = nn.Parameter(torch.randn(k))
+
+    def forward(self, mu):
+        scale = F.softplus(self.raw_scale) + 1e-3
+        q_i = Independent(Normal(mu[:, :, None, :], scale), 1)
+        q_j = Independent(Normal(mu[:, None, :, :], scale), 1)
+        beta = torch.softmax(-kl_divergence(q_i, q_j) / 1.5, dim=-1)
+        return torch.bmm(beta, mu), beta
+
+
+class UnitScaleNormal(nn.Module):  # isotropic unit-variance beliefs: Normal(μ, 1.0), the scale a number
+    def forward(self, mu):
+        kl = kl_divergence(Normal(mu[:, :, None], 1.0), Normal(mu[:, None], 1.0)).sum(-1)
+        beta = torch.softmax(-kl / torch.tensor(0.9), dim=-1)  # the temperature a tensor constant of the graph
+        return beta @ mu
+
+
+class PerHeadLogVar(nn.Module):  # heads laid out [B, H, N, K], one log-variance per head [H, 1, K]
+    def __init__(self, heads, k):
+        super().__init__()
+        self.log_var = nn.Parameter(0.3 * torch.randn(heads, 1, k))
+
+    def forward(self, mu):
+        kl = kl_pairs(mu, self.log_var.exp())
+        beta = F.softmax(-kl, dim=-1)
+        return beta @ mu, (beta.unsqueeze(-1) * mu.unsqueeze(-3)).sum(-2)
+
+
+class PerHeadStdSplitHeads(nn.Module):  # [B, N, H·K] split into heads, a per-head std [1, H, 1, K], causal
+    def __init__(self, heads, k):
+        super().__init__()
+        self.heads = heads
+        self.log_std = nn.Parameter(0.2 * torch.randn(1, heads, 1, k))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        mu = x.view(b, n, self.heads, -1).transpose(1, 2)
+        std = self.log_std.exp()
+        s_i, s_j = std.unsqueeze(-2), std.unsqueeze(-3)
+        kl = (torch.log(s_j / s_i) + (s_i ** 2 + (mu.unsqueeze(-2) - mu.unsqueeze(-3)) ** 2) / (2 * s_j ** 2)
+              - 0.5).sum(-1)
+        future = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
+        out = torch.softmax((-kl).masked_fill(future, float("-inf")), dim=-1) @ mu
+        return out.transpose(1, 2).reshape(b, n, -1)
+
+
+SHARED_VARIANCE_MODULES = [
+    (lambda: SharedLogVarAttention(K), (B, N, K)),
+    (lambda: BufferVarianceCausal(K), (B, N, K)),
+    (lambda: ScalarSigmaDistributions(), (B, N, K)),
+    (lambda: SoftplusScaleIndependent(K), (B, N, K)),
+    (lambda: UnitScaleNormal(), (B, N, K)),
+    (lambda: PerHeadLogVar(H, K), (B, H, N, K)),
+    (lambda: PerHeadStdSplitHeads(H, K), (B, N, H * K)),
+]
+
+
+def _compare_module(model, x, dynamic=False):
+    """The compiled module against a copy run eagerly: outputs, then gradients in x and every parameter."""
+    ref_model = copy.deepcopy(model)
+    args, ref_args = [x.clone().requires_grad_()], [x.clone().requires_grad_()]
+    got = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})(*args)
+    report = hecate.last_report()
+    assert_outputs_and_gradients_close(got, ref_model(*ref_args), [*args, *model.parameters()],
+                                       [*ref_args, *ref_model.parameters()], 1e-5)
+    return report
+
+
+@pytest.mark.parametrize("make,shape", SHARED_VARIANCE_MODULES,
+                         ids=[type(make()).__name__ for make, _ in SHARED_VARIANCE_MODULES])
+def test_shared_variance_module_fuses_and_equals_eager(make, shape, fresh_dynamo):
+    report = _compare_module(make(), torch.randn(shape))
+    assert report.count("kl_attention") == 1, str(report)
+    assert not [m for m in report.misses if m.pattern == "kl_attention"], str(report)
+
+
+def a_per_sequence_variance(mu, var):  # one variance per sequence [B, 1, K], the spec's pairwise form
+    return F.softmax(-kl_spec(mu, var) / 0.6, dim=-1) @ mu
+
+
+def a_shared_precision_causal(mu, var):  # a variance [K] given as an input, read as a precision, causal by where
+    prec = var.reciprocal()
+    n = mu.shape[1]
+    d = mu[:, :, None, :] - mu[:, None, :, :]
+    kl = 0.5 * (d * d * prec).sum(-1)
+    return torch.where(_causal(n), -kl, float("-inf")).softmax(-1).bmm(mu)
+
+
+def a_scalar_variance(mu, var):  # one 0-d variance: isotropic beliefs, the squared distance over 2σ²
+    kl = ((mu.unsqueeze(2) - mu.unsqueeze(1)) ** 2).sum(-1) / (2 * var)
+    return F.softmax(-kl, dim=-1) @ mu
+
+
+SHARED_VARIANCE_FUNCTIONS = [(a_per_sequence_variance, (B, 1, K)), (a_shared_precision_causal, (K,)),
+                             (a_scalar_variance, ())]
+
+
+@pytest.mark.parametrize("fn,var_shape", SHARED_VARIANCE_FUNCTIONS,
+                         ids=[f.__name__ for f, _ in SHARED_VARIANCE_FUNCTIONS])
+def test_shared_variance_input_fuses_and_equals_eager(fn, var_shape, fresh_dynamo):
+    report = _compare(fn, (torch.randn(B, N, K), _var(var_shape)), "kl_attention")
+    assert report.count("kl_attention") == 1, str(report)
+    assert not [m for m in report.misses if m.pattern == "kl_attention"], str(report)
+
+
+@pytest.mark.parametrize("make,lead", [(lambda: SharedLogVarAttention(K), ()), (lambda: PerHeadLogVar(H, K), (H,))],
+                         ids=["one-per-feature", "per-head"])
+def test_shared_variance_under_dynamic_shapes_fuses_at_two_sizes(make, lead, fresh_dynamo):
+    """dynamic=True: a log-variance parameter shared by every position, one graph for two batch sizes and lengths."""
+    model = make()
+    ref_model = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="hecate", dynamic=True, options={"fallback": "eager"})
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for b, n in ((4, 5), (6, 7)):  # sizes distinct from H and K (no duck-sized equalities)
+        x = torch.randn(b, *lead, n, K)
+        args, ref_args = [x.clone().requires_grad_()], [x.clone().requires_grad_()]
+        got = compiled(*args)
+        report = hecate.last_report()
+        assert report.count("kl_attention") == 1 and not report.misses, str(report)
+        assert_outputs_and_gradients_close(got, ref_model(*ref_args), [*args, model.log_var],
+                                           [*ref_args, ref_model.log_var], 1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+def m_shared_query_variance(mu, var, prior_var):  # KL(N(μ_i, σ²) ‖ N(μ_j, v_j)): the query's variance not its own
+    mi, mj, vj = mu.unsqueeze(2), mu.unsqueeze(1), var.unsqueeze(1)
+    kl = 0.5 * (torch.log(vj / prior_var) + prior_var / vj + (mi - mj) ** 2 / vj - 1).sum(-1)
+    return F.softmax(-kl, dim=-1) @ mu
+
+
+def m_shared_variance_l1(mu, var, prior_var):  # a shared scale, but an L1 distance: not a KL
+    return F.softmax(-((mu.unsqueeze(2) - mu.unsqueeze(1)).abs() / prior_var).sum(-1), dim=-1) @ mu
+
+
+@pytest.mark.parametrize("fn,reason", [
+    (m_shared_query_variance, "is not −KL(q_i ‖ q_j)/κ"),
+    (m_shared_variance_l1, "is not −KL(q_i ‖ q_j)/κ"),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_shared_variance_near_miss_is_reported(fn, reason, fresh_dynamo):
+    args = (torch.randn(B, N, K), _var((B, N, K)), _var((K,)))
+    report = hecate.explain(fn, *args)
+    assert report.count("kl_attention") == 0
+    misses = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert misses and reason in misses[0].reason, str(report)
+    assert "test_kl_spellings.py" in misses[0].source, misses[0]
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(*args), fn(*args), 1e-6)
+
+
+class SharedLogVarLearnedTemperature(nn.Module):  # a shared log-variance [K] and a learned 0-d temperature
+    def __init__(self, k):
+        super().__init__()
+        self.log_var = nn.Parameter(0.3 * torch.randn(k))
+        self.log_tau = nn.Parameter(torch.tensor(0.1))
+
+    def forward(self, mu):
+        kl = kl_diag(mu[:, :, None], self.log_var, mu[:, None], self.log_var)
+        return torch.softmax(-kl / self.log_tau.exp(), dim=-1) @ mu
+
+
+def test_shared_variance_with_a_learned_temperature_is_reported(fresh_dynamo):
+    model, mu = SharedLogVarLearnedTemperature(K), torch.randn(B, N, K)
+    report = hecate.explain(model, mu)
+    misses = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert report.count("kl_attention") == 0 and misses, str(report)
+    assert "a temperature held as a tensor" in misses[0].reason, misses[0]
+    assert "test_kl_spellings.py" in misses[0].source, misses[0]
+    report = _compare_module(model, mu)
+    assert report.count("kl_attention") == 0
+
+
+def m_shared_variance_gradient_terms(mu, var, prior_var):  # Σ_j β_ij (μ_i − μ_j) / σ² with σ² [K] read by the values
+    d = mu.unsqueeze(2) - mu.unsqueeze(1)
+    beta = F.softmax(-0.5 * (d ** 2 / prior_var).sum(-1), dim=-1)
+    return (beta.unsqueeze(-1) * d / prior_var).sum(dim=2)
+
+
+def test_shared_variance_read_by_the_values_is_reported(fresh_dynamo):
+    """The score is recognised as the KL of a shared variance, but the values read σ² [K] in the pair space,
+    which the op's row and column values (per key or per query) do not express: reported, not fused."""
+    args = (torch.randn(B, N, K), _var((B, N, K)), _var((K,)))
+    report = hecate.explain(m_shared_variance_gradient_terms, *args)
+    misses = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert report.count("kl_attention") == 0 and misses, str(report)
+    assert "of shape [3] is neither per-query nor per-key" in misses[0].reason, misses[0]
+    compiled = torch.compile(m_shared_variance_gradient_terms, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(*args), m_shared_variance_gradient_terms(*args), 1e-6)
+
+
+def m_key_bias(mu, var, key_bias):  # a learned bias per key [N] added to the score: not a variance, not a mask
+    return F.softmax(-kl_spec(mu, var) + key_bias, dim=-1) @ mu
+
+
+def test_a_bias_per_key_is_not_taken_for_a_shared_variance(fresh_dynamo):
+    args = (torch.randn(B, N, K), _var((B, N, K)), torch.randn(N))
+    report = hecate.explain(m_key_bias, *args)
+    misses = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert report.count("kl_attention") == 0 and misses, str(report)
+    assert "a tensor of shape [5] that is neither laid out per position" in misses[0].reason, misses[0]
+    compiled = torch.compile(m_key_bias, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(*args), m_key_bias(*args), 1e-6)
