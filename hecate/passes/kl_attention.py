@@ -60,7 +60,7 @@ from torch import fx, nn
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, _is_noop, evaluate, gaussian_kl, independent, proportion, shape_of,
                                     short, strip_noops)
-from hecate.passes.matching import NotFused, replace_with_function
+from hecate.passes.matching import NotFused, replace_with_function, size_hint
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -240,7 +240,7 @@ def _shared(shape, rank: int, n, frame: int | None = None) -> bool:
     ``frame`` it is read in, the pair space [*L, N, N, K] (``rank`` + 1 dims, ``rank`` = len(L) + 2)
     or the score [*L, N, N] (``rank``; there a [N] is per key); without a frame, at the position
     dim of the beliefs' [*L, N, K] or at both of the pair space."""
-    if shape is None or _size_hint(n) == 1:
+    if shape is None or size_hint(n) == 1:
         return False
     if frame is None:
         frame, positions = (rank + 1, (-3, -2)) if len(shape) == rank + 1 else (rank, (-2,))
@@ -249,12 +249,6 @@ def _shared(shape, rank: int, n, frame: int | None = None) -> bool:
     if not positions or len(shape) > frame:
         return False
     return all(len(shape) < -p or (isinstance(shape[p], int) and shape[p] == 1) for p in positions)
-
-
-def _size_hint(value) -> int:
-    if isinstance(value, torch.SymInt):
-        return value.node.shape_env.size_hint(value.node.expr)
-    return int(value)
 
 
 def _describe_other(node: fx.Node) -> str:
@@ -293,7 +287,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if len(bases) + len(shared) < 2:
         raise NotFused("the pairwise score reads one per-position tensor and none shared across positions; a KL "
                        "between Gaussians needs means and a variance")
-    k = {_size_hint(shape_of(b)[-1]) for b in bases}
+    k = {size_hint(shape_of(b)[-1]) for b in bases}
     if len(k) != 1:
         raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
     kappa, mean, scale, param, memo = _match_kl(logits, list(bases), shared, rank - 2, k.pop())
@@ -401,7 +395,7 @@ def _match_kl(logits, bases, shared, lead, k):
     except NotFused:
         raise
     except Exception as error:  # a spelling that cannot run at other sizes: try its own
-        own = {b: tuple(_size_hint(s) for s in shape_of(b)) for b in drawn}
+        own = {b: tuple(size_hint(s) for s in shape_of(b)) for b in drawn}
         n = max(s[-2] for b, s in own.items() if b not in shared)
         if math.prod(max(s[d] for b, s in own.items() if b not in shared) for d in range(lead)) * n * n * k \
                 > _MAX_OWN_SIZE_DRAW:
@@ -459,11 +453,11 @@ def _broadcasts(values: dict, mean, scale) -> bool:
 
 def _allowed(masks, shape, softmax) -> torch.Tensor:
     """[N, N] bool: which keys the peeled masks allow (evaluated at the example's size)."""
-    n = _size_hint(shape[-1])
+    n = size_hint(shape[-1])
     allowed = torch.ones(n, n, dtype=torch.bool)
     for node, kind in masks:
         try:
-            value = evaluate(node, {}, size_hint=_size_hint)
+            value = evaluate(node, {}, size_hint=size_hint)
         except NotFused as e:
             raise NotFused(f"attention mask {node.name}: {e}") from None
         if not isinstance(value, torch.Tensor) or value.dim() > len(shape) or any(d != 1 for d in value.shape[:-2]):
@@ -503,7 +497,7 @@ def _zero_fill_of_masked(user: fx.Node, softmax: fx.Node, allowed: torch.Tensor)
     else:
         return False
     try:
-        value = evaluate(cond, {}, size_hint=_size_hint)
+        value = evaluate(cond, {}, size_hint=size_hint)
     except NotFused:
         return False
     if not isinstance(value, torch.Tensor) or any(d != 1 for d in value.shape[:-2]):

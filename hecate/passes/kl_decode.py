@@ -32,7 +32,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, evaluate, gaussian_kl, independent, proportion, shape_of, short,
                                     strip_noops)
-from hecate.passes.matching import NotFused, replace_with_function
+from hecate.passes.matching import NotFused, replace_with_function, size_hint
 
 PATTERN = "kl_decode"
 aten = torch.ops.aten
@@ -120,11 +120,11 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     if found is None or not found[0] or not found[1]:
         return None
     queries, priors = found
-    k = {_hint(shape_of(x)[-1]) for x in queries + priors}
+    k = {size_hint(shape_of(x)[-1]) for x in queries + priors}
     if len(k) != 1 or len(queries) < 2 or len(priors) < 2:
         return None
     k = k.pop()
-    v = _hint(shape[-1])
+    v = size_hint(shape[-1])
     positions = (2,) * (len(shape) - 2) + (3,)  # the draw's own leading sizes
     gen = torch.Generator().manual_seed(20251123)
     draws = []
@@ -154,10 +154,6 @@ def _recognise(logits: fx.Node) -> _Decode | None:
                                 tau = float(f"{-1.0 / alphas[0]:.12g}")
                                 return _Decode(logits, mu, scale, param, prior_mu, prior_scale, prior_param, tau)
     return None
-
-
-def _hint(size) -> int:
-    return size.node.shape_env.size_hint(size.node.expr) if isinstance(size, torch.SymInt) else int(size)
 
 
 def run(gm: fx.GraphModule, report: FusionReport) -> None:

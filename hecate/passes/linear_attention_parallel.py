@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from hecate.passes.gaussian import evaluate
-from hecate.passes.matching import NotFused, replace_with_function
+from hecate.passes.matching import NotFused, replace_with_function, size_hint
 from hecate.passes.report import FusionReport
 
 aten = torch.ops.aten
@@ -178,12 +178,8 @@ def _untransposed(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _size(value) -> int:
-    return int(value.node.shape_env.size_hint(value.node.expr)) if isinstance(value, torch.SymInt) else int(value)
-
-
 def _sizes(node: fx.Node) -> list[int]:
-    return [_size(s) for s in node.meta["val"].shape]
+    return [size_hint(s) for s in node.meta["val"].shape]
 
 
 def _draw(node: fx.Node, generator: torch.Generator) -> torch.Tensor:
@@ -202,7 +198,7 @@ def _decays(form: _Form) -> tuple[torch.Tensor, list[float]]:
         values[node] = ones
     values[form.v] = torch.zeros(_sizes(form.v), dtype=torch.float64)
     try:
-        d = form.canonical("a", evaluate(form.a, values, _size))
+        d = form.canonical("a", evaluate(form.a, values, size_hint))
     except NotFused:
         raise NotFused("its mask D reads a tensor the graph takes as input (a buffer, parameter or argument), "
                        "whose values are not known when compiling; the mask must be computed from sizes and "
@@ -230,7 +226,7 @@ def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor) -> tuple[f
     if div.target != aten.div.Tensor or div.args[0] is not y or not isinstance(div.args[1], fx.Node):
         return None
     try:
-        den = evaluate(div.args[1], values, _size)
+        den = evaluate(div.args[1], values, size_hint)
     except NotFused:
         return None
     if den.shape != expected_den.shape:
@@ -249,7 +245,7 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     values = {n: _draw(n, generator) for n in (form.q, form.k, form.v)}
     q, k, v = (form.canonical(name, values[getattr(form, name)]) for name in ("q", "k", "v"))
     scores = (q @ k.mT) * d
-    if not torch.allclose(evaluate(y, dict(values), _size), form.as_y(scores @ v), rtol=1e-6, atol=1e-9):
+    if not torch.allclose(evaluate(y, dict(values), size_hint), form.as_y(scores @ v), rtol=1e-6, atol=1e-9):
         raise NotFused("A @ V differs from Σ_s D_ts (q_t·k_s) v_s at random points")
     dtypes = {n.meta["val"].dtype for n in (form.q, form.k, form.v)}
     if len(dtypes) != 1:
@@ -376,7 +372,7 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
     inside = set(region) | {cumsum}
     generator = torch.Generator().manual_seed(0)
     values = {n: _draw(n, generator) for n in {x, y, q}}
-    got = evaluate(read, dict(values), _size)
+    got = evaluate(read, dict(values), size_hint)
     for k, v in ((x, y), (y, x)):
         if _shape(k) != _shape(q) or got.shape != values[v].shape:
             continue

@@ -25,6 +25,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 from torch.utils import _pytree as pytree
 
@@ -126,6 +127,11 @@ def _is_view(node: fx.Node) -> bool:
 def val(node: Any) -> Any:
     """The fake value of a node (its shape and dtype), or the literal itself."""
     return node.meta["val"] if isinstance(node, fx.Node) else node
+
+
+def size_hint(size: Any) -> int:
+    """A size as a number: a symbolic size's hint (the value it has now), without adding a guard."""
+    return optimization_hint(size) if isinstance(size, torch.SymInt) else int(size)
 
 
 def flat_args(node: fx.Node) -> list[Any]:
