@@ -531,18 +531,24 @@ def _run(fn, inputs):
     return y, M, torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
 
 
-@pytest.mark.parametrize("name", list(SPELLINGS))
-def test_spelling_fuses_and_matches_eager(name, fresh_dynamo):
-    fn, op = SPELLINGS[name]
+def _compile_and_compare(fn):
+    """Run fn eagerly and compiled by Hecate; assert equal outputs and gradients; return the report."""
     inputs = _inputs()
     y_ref, m_ref, g_ref = _run(fn, inputs)
     y, m, g = _run(torch.compile(fn, backend="hecate", options={"fallback": "eager"}), inputs)
     report = hecate.last_report()
-    assert report.count(op) == 1 and not report.misses, str(report)
     assert_close("y", y, y_ref, TOL)
     assert_close("M", m, m_ref, TOL)
     for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
         assert_close(f"grad {what}", a, b, TOL)
+    return report
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_spelling_fuses_and_matches_eager(name, fresh_dynamo):
+    fn, op = SPELLINGS[name]
+    report = _compile_and_compare(fn)
+    assert report.count(op) == 1 and not report.misses, str(report)
 
 
 # ---------------------------------------------------------------- scalar hyperparameters held by a module
@@ -728,14 +734,7 @@ REPORTED = {
 @pytest.mark.parametrize("name", list(REPORTED))
 def test_unfused_spelling_says_why_and_matches_eager(name, fresh_dynamo):
     fn, reasons = REPORTED[name]
-    inputs = _inputs()
-    y_ref, m_ref, g_ref = _run(fn, inputs)
-    y, m, g = _run(torch.compile(fn, backend="hecate", options={"fallback": "eager"}), inputs)
-    report = hecate.last_report()
+    report = _compile_and_compare(fn)
     assert not report.fusions, str(report)
     reason = report.misses[0].reason if report.misses else ""
     assert all(r in reason for r in reasons), str(report)
-    assert_close("y", y, y_ref, TOL)
-    assert_close("M", m, m_ref, TOL)
-    for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
-        assert_close(f"grad {what}", a, b, TOL)
