@@ -1050,6 +1050,16 @@ def _is_outer_product(node: Any) -> bool:
     return any(_is_outer_product(a) for a in node.args)
 
 
+def _read_at_two_indices(gm: fx.GraphModule) -> bool:
+    """Whether a tensor is read at two integer indices that both take several values, ``x[:, t, h]``."""
+    reads: dict[tuple, set[tuple]] = {}
+    for n in gm.graph.nodes:
+        inner = n.args[0] if n.target is aten.select.int else None
+        if isinstance(inner, fx.Node) and inner.target is aten.select.int:
+            reads.setdefault((inner.args[0], inner.args[1], n.args[1]), set()).add((inner.args[2], n.args[2]))
+    return any(len({i for i, _ in pairs}) > 1 and len({j for _, j in pairs}) > 1 for pairs in reads.values())
+
+
 def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
     """Report (once per graph) memory updates ``M ← a·M ± outer product`` left in the graph unrolled.
 
@@ -1077,6 +1087,11 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
                   and n.target._schema.is_mutable]
         why = ("the steps differ (an op, a literal such as p, or a gate's form changes between steps), an "
                "intermediate state is read outside the loop, or there is a single step")
+        if _read_at_two_indices(gm):
+            why = ("one tensor is read at two integer indices that both change, x[:, t, h] (a Python loop over heads "
+                   "inside or around the loop over time, one memory per head, gates read as alpha[:, t, h]); Hecate "
+                   "rolls up one loop over time: write the heads as a batch dim of one memory [B, H, Dv, Dk], read "
+                   "k[:, t] [B, H, Dk] and alpha[:, t] [B, H] per step, or flatten them into the batch [B·H, Dv, Dk]")
         if writes:  # what the loop proof refuses first: steps that write into a tensor
             why = (f"the steps write into a tensor in place ({len(writes)} in-place call(s) such as "
                    f"{writes[0].target._schema.name.replace('::', '.')}); outputs written into a fresh tensor, "

@@ -795,8 +795,56 @@ def lp_nested_loop_over_heads(k, v, q, alpha, eta):
     return torch.stack(outs, 2), torch.stack(memories, 1)
 
 
+def lp_loop_over_heads_inside_time(k, v, q, alpha, eta):
+    """One memory [B, Dv, Dk] per head kept in a list, the heads a Python loop inside the loop over time."""
+    memories = [k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]) for _ in range(k.shape[2])]
+    ys = []
+    for t in range(k.shape[1]):
+        yt = []
+        for h in range(k.shape[2]):
+            M = memories[h]
+            e = (M @ k[:, t, h, :, None])[..., 0] - v[:, t, h]
+            M = (1 - alpha[:, t, h, None, None]) * M - eta[:, t, h, None, None] * 2 * e[..., None] * k[:, t, h, None, :]
+            memories[h] = M
+            yt.append((M @ q[:, t, h, :, None])[..., 0])
+        ys.append(torch.stack(yt, 1))
+    return torch.stack(ys, 1), torch.stack(memories, 1)
+
+
+def lp_memory_indexed_per_head(k, v, q, alpha, eta):
+    """M [B, H, Dv, Dk] read per head as M[:, h] in a loop over heads, restacked every step."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        heads, yt = [], []
+        for h in range(k.shape[2]):
+            e = (M[:, h] @ k[:, t, h, :, None])[..., 0] - v[:, t, h]
+            Mh = (1 - alpha[:, t, h, None, None]) * M[:, h] - eta[:, t, h, None, None] * 2 * e[..., None] * k[:, t, h, None, :]
+            heads.append(Mh)
+            yt.append((Mh @ q[:, t, h, :, None])[..., 0])
+        M = torch.stack(heads, 1)
+        ys.append(torch.stack(yt, 1))
+    return torch.stack(ys, 1), M
+
+
+def hebbian_loop_over_heads_inside_time(k, v, q, alpha, eta):
+    memories = [k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]) for _ in range(k.shape[2])]
+    ys = []
+    for t in range(k.shape[1]):
+        yt = []
+        for h in range(k.shape[2]):
+            memories[h] = alpha[:, t, h, None, None] * memories[h] + v[:, t, h, :, None] * k[:, t, h, None, :]
+            yt.append((memories[h] @ q[:, t, h, :, None])[..., 0])
+        ys.append(torch.stack(yt, 1))
+    return torch.stack(ys, 1), torch.stack(memories, 1)
+
+
+HEADS_LOOP = ["could not be rolled up", "read at two integer indices that both change, x[:, t, h]",
+              "a Python loop over heads", "write the heads as a batch dim of one memory [B, H, Dv, Dk]"]
 REPORTED = {
-    "lp_nested_loop_over_heads": (lp_nested_loop_over_heads, ["could not be rolled up", "the steps differ"]),
+    "lp_nested_loop_over_heads": (lp_nested_loop_over_heads, HEADS_LOOP),
+    "lp_loop_over_heads_inside_time": (lp_loop_over_heads_inside_time, HEADS_LOOP),
+    "lp_memory_indexed_per_head": (lp_memory_indexed_per_head, HEADS_LOOP),
+    "hebbian_loop_over_heads_inside_time": (hebbian_loop_over_heads_inside_time, HEADS_LOOP),
     "hebbian_output_slot_left_unwritten": (hebbian_output_slot_left_unwritten,
                                            ["could not be rolled up", "write into a tensor in place",
                                             "every slot is written exactly once"]),
