@@ -147,8 +147,9 @@ def _hoist_invariants(graph: fx.Graph) -> bool:
 
     Once common subexpressions are merged, ``1 - self.decay`` written in every step is computed in
     the first step only and read by all of them. A node is such a shared invariant when it depends on
-    no per-step slice (nor on anything impure) and nodes of at least two time indices read it; it moves,
-    with the invariants it reads, right after the graph's inputs; returns whether any moved. Exact: a
+    no per-step slice (nor on anything impure) and nodes of at least two time indices read it, directly
+    or through other invariants (``self.eta[:, None, None]`` merged, each step's ``· 2`` of it not); it
+    moves, with the invariants it reads, right after the graph's inputs; returns whether any moved. Exact: a
     pure call computes the same value earlier (in-place ops are functional by now).
     """
     step: dict[fx.Node, int] = {}  # the latest time index a node reads (-1: none, an invariant)
@@ -158,9 +159,12 @@ def _hoist_invariants(graph: fx.Graph) -> bool:
         step[node] = max([step[i] for i in node.all_input_nodes] + [sliced[2] if sliced else -1])
         if node.op in _TENSOR_OPS and not _pure(node) or any(i in impure for i in node.all_input_nodes):
             impure.add(node)
+    read_at: dict[fx.Node, set[int]] = {}  # the time indices of the nodes that read a node, through invariants
+    for node in reversed(graph.nodes):
+        read_at[node] = set().union(*({step[u]} if step[u] >= 0 else read_at[u] for u in node.users))
     shared = [n for n in graph.nodes
               if n.op in _TENSOR_OPS and step[n] < 0 and n not in impure and isinstance(_value(n), torch.Tensor)
-              and len({step[u] for u in n.users if step[u] >= 0}) >= 2]  # a scan's invariants are tensors
+              and len(read_at[n]) >= 2]  # a scan's invariants are tensors
     hoist: set[fx.Node] = set()
     pending = list(shared)
     while pending:

@@ -192,14 +192,18 @@ class PerStep:
     divisors: list[fx.Node] = field(default_factory=list)
     offset: float | None = None  # the value is offset − (coef · Π ...) (memory_scan's α = 1 − keep)
 
-    def value(self, env: dict[fx.Node, Any], shape: tuple[int, ...], like: torch.Tensor | None = None) -> torch.Tensor:
-        """The value from the body's values ``env``, as ``shape`` (in the dtype of ``like``, float64 by default)."""
+    def value(self, env: dict[fx.Node, Any], lead: tuple[int, ...], size: Any = None,
+              like: torch.Tensor | None = None) -> torch.Tensor:
+        """The value from the body's values ``env``, as [*lead] (a gate) or [*lead, size] (a vector), in the dtype
+        of ``like`` (float64 by default)."""
+        shape = tuple(lead) + (() if size is None else (size,))
         out = None
         for f in self.factors:
-            x = _broadcastable(env[f], shape)
+            x = _broadcastable(env[f], shape, lead)
             out = x if out is None else out * x
         for d in self.divisors:
-            out = (1.0 / _broadcastable(env[d], shape)) if out is None else out / _broadcastable(env[d], shape)
+            x = _broadcastable(env[d], shape, lead)
+            out = 1.0 / x if out is None else out / x
         if out is None:
             out = torch.full(shape, float(self.coef), dtype=torch.float64 if like is None else like.dtype,
                              device=None if like is None else like.device)
@@ -209,15 +213,36 @@ class PerStep:
         return out if self.offset is None else self.offset - out
 
 
-def _broadcastable(value: Any, shape: tuple[int, ...]) -> Any:
-    """A factor's value viewed to broadcast against ``shape``: whole, per head ([*lead, 1]), or one number."""
+def _heads(value: torch.Tensor) -> torch.Tensor:
+    """A factor broadcast against the memory [*lead, A, C] as the leading dims it has, from the right: an
+    [H, 1, 1] tensor as [H] (a parameter [H] read as ``lam[:, None, None]`` arrives as [H] through the views)."""
+    return value[..., 0, 0] if value.dim() >= 2 and value.shape[-2:] == (1, 1) else value
+
+
+def _is_gate(value: Any, lead: tuple[int, ...]) -> bool:
+    """One number, one per batch and head [*lead], or one per head broadcast over the batch ([H, 1, 1], [H])."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    if value.numel() == 1 or _as(value, lead) is not None:
+        return True
+    heads = _heads(value).shape
+    return len(heads) <= len(lead) and all(s in (1, n) for s, n in zip(reversed(heads), reversed(lead)))
+
+
+def _broadcastable(value: Any, shape: tuple[int, ...], lead: tuple[int, ...]) -> Any:
+    """A factor's value viewed to broadcast against ``shape`` ([*lead] or [*lead, D]): whole, one per batch and
+    head ([*lead, 1]), one number, or one per head (:func:`_heads`, broadcast over the batch)."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value
     if value.numel() == 1:
         return value.reshape(())
     if value.numel() == math.prod(shape):
         return value.reshape(shape)
-    return value.reshape(shape[:-1] + (1,))
+    tail = (1,) * (len(shape) - len(lead))
+    if value.numel() == math.prod(lead):
+        return value.reshape(tuple(lead) + tail)
+    heads = _heads(value)
+    return heads.reshape(tuple(heads.shape) + tail)
 
 
 @dataclass
@@ -418,10 +443,9 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
     (update,) = update
     keep = _keep(retention)
     for f in keep.factors + keep.divisors:
-        if _as(b.env[f], lead) is None and b.env[f].numel() != 1:
-            raise NotFused(f"the memory's decay has a factor of shape {list(b.env[f].shape)}, neither one number nor one "
-                           f"per batch and head {list(lead)}: a factor broadcast from fewer dims than the memory (a "
-                           "per-head [H, 1, 1] tensor) is not read as a gate")
+        if not _is_gate(b.env[f], lead):
+            raise NotFused(f"the memory's decay has a factor of shape {list(b.env[f].shape)}, neither one number, nor "
+                           f"one per batch and head {list(lead)}, nor one per head broadcast over the batch")
     if any(b.depends[f] - {m} for f in update.factors + update.divisors):
         raise NotFused("the update reads another state")
     if z_index is not None or not any(b.depends[f] for f in update.factors + update.divisors):
@@ -505,7 +529,7 @@ def _hebbian(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, z_index
         if v is None or k is None:
             continue
         rest = PerStep(update.coef, [f for f in factors if f is not vn and f is not kn], update.divisors)
-        if any(_as(b.env[f], rec.lead) is None and b.env[f].numel() != 1 for f in rest.factors + rest.divisors):
+        if not all(_is_gate(b.env[f], rec.lead) for f in rest.factors + rest.divisors):
             continue
         if _close(M_out, rest.value(b.env, rec.lead)[..., None, None] * _outer(v, k, rec.layout)):
             # b folds into v: linear_attention adds v kᵀ
@@ -564,7 +588,7 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
         gates.remove(f)
     update.divisors = [d for d in update.divisors if d not in key[1]]
     for f in gates + update.divisors:
-        if _as(b.env[f], rec.lead) is None and b.env[f].numel() != 1:
+        if not _is_gate(b.env[f], rec.lead):
             raise NotFused(f"the update's factor {f.name} is neither the key, nor a function of e, nor one "
                            "number per head (a gate)")
     # G: the g-factors as a function of e alone
@@ -631,7 +655,7 @@ def _key_factors(b: _Body, rec: Recurrence, factors: list[fx.Node], divisors: li
             for scales in itertools.combinations(heads, n):
                 over = [x for x, div in scales if not div and x is not vector]
                 under = [x for x, div in scales if div]
-                if len(over) + len(under) == n and _close(PerStep(1.0, [vector] + over, under).value(b.env, shape), k):
+                if len(over) + len(under) == n and _close(PerStep(1.0, [vector] + over, under).value(b.env, rec.lead, rec.dk), k):
                     return [vector] + over, under
     return None
 
@@ -702,9 +726,9 @@ def _verify(b: _Body, rec: Recurrence) -> None:
     """The whole step, at fresh random points, against the op's own equations with the recovered roles."""
     env = _evaluate(b.graph, _random_inputs(b.placeholders, 1, set(b.carries)))
     lead = rec.lead
-    k = rec.per_step["k"].value(env, lead + (rec.dk,))
-    v = rec.per_step["v"].value(env, lead + (rec.dv,))
-    q = rec.per_step["q"].value(env, lead + (rec.dk,))
+    k = rec.per_step["k"].value(env, lead, rec.dk)
+    v = rec.per_step["v"].value(env, lead, rec.dv)
+    q = rec.per_step["q"].value(env, lead, rec.dk)
     alpha = rec.per_step["alpha"].value(env, lead)[..., None, None]
     M = env[b.carries[rec.state]]
     if rec.layout == "kv":
@@ -851,13 +875,13 @@ def _is_zeros(node: Any) -> bool:
 
 
 def _per_step_shape(rec: Recurrence, role: str, M: torch.Tensor) -> tuple:
-    """The shape of ``role``'s per-step value, read off the memory M [*lead, A, C] (symbolic where M's is):
-    [*lead, Dk] for k and q, [*lead, Dv] for v, [*lead] for the gates."""
+    """The shape of ``role``'s per-step value as (lead, size), read off the memory M [*lead, A, C] (symbolic where
+    M's is): [*lead, Dk] for k and q, [*lead, Dv] for v, [*lead] (size None) for the gates."""
     lead = tuple(M.shape[:-2])
     if role in ("alpha", "eta"):
-        return lead
+        return lead, None
     dk_dim, dv_dim = (-1, -2) if rec.layout == "vk" else (-2, -1)
-    return lead + (M.shape[dk_dim if role in ("k", "q") else dv_dim],)
+    return lead, M.shape[dk_dim if role in ("k", "q") else dv_dim]
 
 
 def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> fx.Node:
@@ -879,7 +903,7 @@ def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> 
         *values, M = values
         env = _evaluate(body, dict(zip(inputs, values)), upto=needed)
         like = env.get(like_node) if like_node in env else values[0]
-        return per_step.value(env, _per_step_shape(rec, role, M), like=like)
+        return per_step.value(env, *_per_step_shape(rec, role, M), like=like)
 
     fake_vals = [n.meta["val"] for n in outer]
     fake_mode = detect_fake_mode([v for v in fake_vals if isinstance(v, torch.Tensor)])
@@ -1026,6 +1050,16 @@ def _is_outer_product(node: Any) -> bool:
     return any(_is_outer_product(a) for a in node.args)
 
 
+def _read_at_two_indices(gm: fx.GraphModule) -> bool:
+    """Whether a tensor is read at two integer indices that both take several values, ``x[:, t, h]``."""
+    reads: dict[tuple, set[tuple]] = {}
+    for n in gm.graph.nodes:
+        inner = n.args[0] if n.target is aten.select.int else None
+        if isinstance(inner, fx.Node) and inner.target is aten.select.int:
+            reads.setdefault((inner.args[0], inner.args[1], n.args[1]), set()).add((inner.args[2], n.args[2]))
+    return any(len({i for i, _ in pairs}) > 1 and len({j for _, j in pairs}) > 1 for pairs in reads.values())
+
+
 def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
     """Report (once per graph) memory updates ``M ← a·M ± outer product`` left in the graph unrolled.
 
@@ -1053,6 +1087,11 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
                   and n.target._schema.is_mutable]
         why = ("the steps differ (an op, a literal such as p, or a gate's form changes between steps), an "
                "intermediate state is read outside the loop, or there is a single step")
+        if _read_at_two_indices(gm):
+            why = ("one tensor is read at two integer indices that both change, x[:, t, h] (a Python loop over heads "
+                   "inside or around the loop over time, one memory per head, gates read as alpha[:, t, h]); Hecate "
+                   "rolls up one loop over time: write the heads as a batch dim of one memory [B, H, Dv, Dk], read "
+                   "k[:, t] [B, H, Dk] and alpha[:, t] [B, H] per step, or flatten them into the batch [B·H, Dv, Dk]")
         if writes:  # what the loop proof refuses first: steps that write into a tensor
             why = (f"the steps write into a tensor in place ({len(writes)} in-place call(s) such as "
                    f"{writes[0].target._schema.name.replace('::', '.')}); outputs written into a fresh tensor, "

@@ -273,6 +273,34 @@ def l2_outputs_into_a_preallocated_tensor(k, v, q, alpha, eta):
     return out, M
 
 
+def l2_per_head_decay_tensor(k, v, q, alpha, eta):
+    """A constant decay per head as an [H, 1, 1] tensor broadcast against M [B, H, Dv, Dk]."""
+    decay = torch.linspace(0.9, 0.5, k.shape[2])[:, None, None]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = decay * M - eta[:, t, :, None, None] * 2 * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def _heads_into_the_batch(*xs):
+    """[B, T, H, ...] → [B·H, T, ...]: each head a memory of its own."""
+    return [x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], x.shape[1], *x.shape[3:]) for x in xs]
+
+
+def l2_heads_flattened_into_the_batch(k, v, q, alpha, eta):
+    """Heads flattened into the batch before the loop: B·H memories [B·H, Dv, Dk], torch.bmm reads."""
+    Bn, Tn, Hn, Dk = k.shape
+    kf, vf, qf, af, ef = _heads_into_the_batch(k, v, q, alpha, eta)
+    M, ys = kf.new_zeros(Bn * Hn, v.shape[-1], Dk), []
+    for t in range(Tn):
+        e = torch.bmm(M, kf[:, t, :, None])[..., 0] - vf[:, t]
+        M = (1 - af[:, t, None, None]) * M - ef[:, t, None, None] * torch.bmm(2 * e[..., None], kf[:, t, None, :])
+        ys.append(torch.bmm(M, qf[:, t, :, None])[..., 0])
+    return torch.stack(ys, 1).reshape(Bn, Hn, Tn, -1).transpose(1, 2), M.reshape(Bn, Hn, *M.shape[1:])
+
+
 # ---------------------------------------------------------------- p = 1, general p, momentum
 
 def l1_tanh(k, v, q, alpha, eta):
@@ -471,6 +499,27 @@ def hebbian_outputs_copied_into_zeros(k, v, q, alpha, eta):
         out[:, t].copy_((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
     return out, M
 
+def hebbian_per_head_decay_tensor(k, v, q, alpha, eta):
+    """A constant decay per head as an [H, 1, 1] tensor broadcast against M [B, H, Dv, Dk]."""
+    decay = torch.linspace(0.9, 0.5, k.shape[2])[:, None, None]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = decay * M + v[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_heads_flattened_into_the_batch(k, v, q, alpha, eta):
+    """Heads flattened into the batch before the loop: B·H memories [B·H, Dv, Dk]."""
+    Bn, Tn, Hn, Dk = k.shape
+    kf, vf, qf, af = _heads_into_the_batch(k, v, q, alpha)
+    M, ys = kf.new_zeros(Bn * Hn, v.shape[-1], Dk), []
+    for t in range(Tn):
+        M = af[:, t].view(-1, 1, 1) * M + vf[:, t].unsqueeze(-1) * kf[:, t].unsqueeze(-2)
+        ys.append((M @ qf[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1).view(Bn, Hn, Tn, -1).transpose(1, 2), M.view(Bn, Hn, *M.shape[1:])
+
+
 
 SPELLINGS = {
     "l2_reference": (l2_reference, "memory_scan"),
@@ -495,6 +544,8 @@ SPELLINGS = {
     "l2_expand_as": (l2_expand_as, "memory_scan"),
     "l2_first_slice_read_for_its_shape": (l2_first_slice_read_for_its_shape, "memory_scan"),
     "l2_outputs_into_a_preallocated_tensor": (l2_outputs_into_a_preallocated_tensor, "memory_scan"),
+    "l2_per_head_decay_tensor": (l2_per_head_decay_tensor, "memory_scan"),
+    "l2_heads_flattened_into_the_batch": (l2_heads_flattened_into_the_batch, "memory_scan"),
     "l1_tanh": (l1_tanh, "memory_scan"),
     "lp3_tanh_square": (lp3_tanh_square, "memory_scan"),
     "lp25_pow_sigmoid_gates": (lp25_pow_sigmoid_gates, "memory_scan"),
@@ -514,6 +565,8 @@ SPELLINGS = {
     "hebbian_expand_as": (hebbian_expand_as, "linear_attention"),
     "hebbian_normalised_keys": (hebbian_normalised_keys, "linear_attention"),
     "hebbian_outputs_copied_into_zeros": (hebbian_outputs_copied_into_zeros, "linear_attention"),
+    "hebbian_per_head_decay_tensor": (hebbian_per_head_decay_tensor, "linear_attention"),
+    "hebbian_heads_flattened_into_the_batch": (hebbian_heads_flattened_into_the_batch, "linear_attention"),
 }
 
 
@@ -660,6 +713,57 @@ def test_hebbian_constant_decay_held_by_the_module_fuses(module, dynamic, fresh_
         assert_close(f"gradient {i}", a, b, TOL)
 
 
+class _PerHeadParameters(torch.nn.Module):
+    """A learned decay λ and step size η per head, parameters [H] read as lam[:, None, None]."""
+
+    def __init__(self):
+        super().__init__()
+        self.lam = torch.nn.Parameter(torch.linspace(0.9, 0.6, H))
+        self.eta = torch.nn.Parameter(torch.linspace(0.2, 0.4, H))
+
+
+class LpPerHeadParameters(_PerHeadParameters):
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        for t in range(k.shape[1]):
+            e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+            M = self.lam[:, None, None] * M - self.eta[:, None, None] * 2 * e[..., None] * k[:, t, :, None, :]
+            ys.append((M @ q[:, t, :, :, None])[..., 0])
+        return torch.stack(ys, 1), M
+
+
+class HebbianPerHeadParameters(_PerHeadParameters):
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        for t in range(k.shape[1]):
+            M = self.lam[:, None, None] * M + self.eta[:, None, None] * v[:, t, :, :, None] * k[:, t, :, None, :]
+            ys.append((M @ q[:, t, :, :, None])[..., 0])
+        return torch.stack(ys, 1), M
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("module, op", [(LpPerHeadParameters, "memory_scan"),
+                                        (HebbianPerHeadParameters, "linear_attention")], ids=["lp", "hebbian"])
+def test_per_head_parameters_fuse_and_get_their_gradients(module, op, dynamic, fresh_dynamo):
+    """λ, η [H] broadcast to the op's one gate per batch and head: the broadcast's backward sums their gradients."""
+    model = module()
+    compiled = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})
+    k, q, v = torch.randn(B, T, H, DK), torch.randn(B, T, H, DK), torch.randn(B, T, H, DV)
+    inputs = [x.requires_grad_() for x in (k, v, q)]
+    results = []
+    for fn in (model, compiled):
+        y, M = fn(*inputs)
+        loss = y.square().sum() + (M * torch.linspace(-1, 1, M.numel()).view_as(M)).sum()
+        results.append((y, M, torch.autograd.grad(loss, inputs + [model.lam, model.eta])))
+    report = hecate.last_report()
+    assert report.count(op) == 1 and not report.misses, str(report)
+    (y_ref, m_ref, g_ref), (y, m, g) = results
+    assert_close("y", y, y_ref, TOL)
+    assert_close("M", m, m_ref, TOL)
+    for what, a, b in zip(("k", "v", "q", "lam", "eta"), g, g_ref):
+        assert_close(f"gradient {what}", a, b, TOL)
+
+
 # ---------------------------------------------------------------- what stays unfused, and says why
 
 def hebbian_output_slot_left_unwritten(k, v, q, alpha, eta):
@@ -682,26 +786,6 @@ def hebbian_outputs_read_while_written(k, v, q, alpha, eta):
     return out, M
 
 
-def lp_per_head_decay_tensor(k, v, q, alpha, eta):
-    """A constant decay per head as an [H, 1, 1] tensor broadcast against M [B, H, Dv, Dk]."""
-    decay = torch.linspace(0.9, 0.5, k.shape[2])[:, None, None]
-    M, ys = _m0(k, v), []
-    for t in range(k.shape[1]):
-        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
-        M = decay * M - eta[:, t, :, None, None] * 2 * e[..., None] * k[:, t, :, None, :]
-        ys.append((M @ q[:, t, :, :, None])[..., 0])
-    return torch.stack(ys, 1), M
-
-
-def hebbian_per_head_decay_tensor(k, v, q, alpha, eta):
-    decay = torch.linspace(0.9, 0.5, k.shape[2])[:, None, None]
-    M, ys = _m0(k, v), []
-    for t in range(k.shape[1]):
-        M = decay * M + v[:, t, :, :, None] * k[:, t, :, None, :]
-        ys.append((M @ q[:, t, :, :, None])[..., 0])
-    return torch.stack(ys, 1), M
-
-
 def lp_nested_loop_over_heads(k, v, q, alpha, eta):
     """One memory [B, Dv, Dk] per head, the heads an outer Python loop, gates read as alpha[:, t, h]."""
     outs, memories = [], []
@@ -717,11 +801,56 @@ def lp_nested_loop_over_heads(k, v, q, alpha, eta):
     return torch.stack(outs, 2), torch.stack(memories, 1)
 
 
-PER_HEAD_TENSOR = ["not a memory step", "decay has a factor of shape [2, 1, 1]", "per-head [H, 1, 1] tensor"]
+def lp_loop_over_heads_inside_time(k, v, q, alpha, eta):
+    """One memory [B, Dv, Dk] per head kept in a list, the heads a Python loop inside the loop over time."""
+    memories = [k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]) for _ in range(k.shape[2])]
+    ys = []
+    for t in range(k.shape[1]):
+        yt = []
+        for h in range(k.shape[2]):
+            M = memories[h]
+            e = (M @ k[:, t, h, :, None])[..., 0] - v[:, t, h]
+            M = (1 - alpha[:, t, h, None, None]) * M - eta[:, t, h, None, None] * 2 * e[..., None] * k[:, t, h, None, :]
+            memories[h] = M
+            yt.append((M @ q[:, t, h, :, None])[..., 0])
+        ys.append(torch.stack(yt, 1))
+    return torch.stack(ys, 1), torch.stack(memories, 1)
+
+
+def lp_memory_indexed_per_head(k, v, q, alpha, eta):
+    """M [B, H, Dv, Dk] read per head as M[:, h] in a loop over heads, restacked every step."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        heads, yt = [], []
+        for h in range(k.shape[2]):
+            e = (M[:, h] @ k[:, t, h, :, None])[..., 0] - v[:, t, h]
+            Mh = (1 - alpha[:, t, h, None, None]) * M[:, h] - eta[:, t, h, None, None] * 2 * e[..., None] * k[:, t, h, None, :]
+            heads.append(Mh)
+            yt.append((Mh @ q[:, t, h, :, None])[..., 0])
+        M = torch.stack(heads, 1)
+        ys.append(torch.stack(yt, 1))
+    return torch.stack(ys, 1), M
+
+
+def hebbian_loop_over_heads_inside_time(k, v, q, alpha, eta):
+    memories = [k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]) for _ in range(k.shape[2])]
+    ys = []
+    for t in range(k.shape[1]):
+        yt = []
+        for h in range(k.shape[2]):
+            memories[h] = alpha[:, t, h, None, None] * memories[h] + v[:, t, h, :, None] * k[:, t, h, None, :]
+            yt.append((memories[h] @ q[:, t, h, :, None])[..., 0])
+        ys.append(torch.stack(yt, 1))
+    return torch.stack(ys, 1), torch.stack(memories, 1)
+
+
+HEADS_LOOP = ["could not be rolled up", "read at two integer indices that both change, x[:, t, h]",
+              "a Python loop over heads", "write the heads as a batch dim of one memory [B, H, Dv, Dk]"]
 REPORTED = {
-    "lp_per_head_decay_tensor": (lp_per_head_decay_tensor, PER_HEAD_TENSOR),
-    "hebbian_per_head_decay_tensor": (hebbian_per_head_decay_tensor, PER_HEAD_TENSOR),
-    "lp_nested_loop_over_heads": (lp_nested_loop_over_heads, ["could not be rolled up", "the steps differ"]),
+    "lp_nested_loop_over_heads": (lp_nested_loop_over_heads, HEADS_LOOP),
+    "lp_loop_over_heads_inside_time": (lp_loop_over_heads_inside_time, HEADS_LOOP),
+    "lp_memory_indexed_per_head": (lp_memory_indexed_per_head, HEADS_LOOP),
+    "hebbian_loop_over_heads_inside_time": (hebbian_loop_over_heads_inside_time, HEADS_LOOP),
     "hebbian_output_slot_left_unwritten": (hebbian_output_slot_left_unwritten,
                                            ["could not be rolled up", "write into a tensor in place",
                                             "every slot is written exactly once"]),
