@@ -147,7 +147,7 @@ def _matrix_product(node: fx.Node, key_major: bool):
 def _score_product(a: fx.Node, shape: tuple) -> tuple[fx.Node | None, set]:
     """The one [..., T, T] product A is computed from (through pointwise ops and masks), if any,
     and the nodes between them."""
-    frontier, seen, products = [a], set(), []
+    frontier, seen, products, exps = [a], set(), [], []
     for _ in range(_SEARCH):
         nxt = []
         for node in frontier:
@@ -156,12 +156,30 @@ def _score_product(a: fx.Node, shape: tuple) -> tuple[fx.Node | None, set]:
             seen.add(node)
             if node.target in _PRODUCTS + (aten.einsum.default,) and _shape(node) == shape:
                 products.append(node)
-            elif node.target in (aten.softmax.int, aten._softmax.default, aten.exp.default):
-                return None, seen  # softmax attention, not linear
             else:
+                if node.target in (aten.softmax.int, aten._softmax.default, aten.exp.default):
+                    exps.append(node)
                 nxt += node.all_input_nodes
         frontier = nxt
-    return (products[0] if len(products) == 1 else None), seen
+    if len(products) != 1:
+        return None, seen
+    if any(_reads(e, products[0], seen) for e in exps):
+        return None, seen  # the scores exponentiated: softmax attention, not linear (an exp of the decay is)
+    return products[0], seen
+
+
+def _reads(node: fx.Node, source: fx.Node, within: set) -> bool:
+    """Whether ``node`` is computed from ``source`` through nodes of ``within``."""
+    stack, visited = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is source:
+            return True
+        if n in visited or n not in within:
+            continue
+        visited.add(n)
+        stack += n.all_input_nodes
+    return False
 
 
 def _untransposed(node: fx.Node) -> fx.Node | None:
