@@ -140,9 +140,9 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     # the KL when the 0-d tensors are 1: it is read besides the beliefs and priors, as a temperature
     if _match(logits, queries, priors, k, v, shape, {x: torch.ones((), dtype=torch.float64) for x in scalars}):
         names = ", ".join(x.name for x in scalars)
-        raise NotFused(f"the logits are −KL(q_i‖π_v) scaled by {names}, a 0-d tensor (a "
-                       "temperature held as a tensor: a parameter or buffer, or a float attribute "
-                       "torch.compile(dynamic=True) passes in as a tensor); kl_decode takes τ as a number")
+        raise NotFused(f"the logits read {names}, a 0-d tensor, besides the beliefs and priors, and are "
+                       "−KL(q_i‖π_v) where it is 1 (a temperature held as a tensor: a parameter or buffer, or a float "
+                       "attribute torch.compile(dynamic=True) passes in as a tensor); kl_decode takes τ as a number")
     return None
 
 

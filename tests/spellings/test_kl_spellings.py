@@ -600,7 +600,8 @@ def test_decode_temperature_in_a_buffer_is_reported(fresh_dynamo):
     report = _compare_decode_module(BufferTemperature(), _var, False)
     misses = [m for m in report.misses if m.pattern == "kl_decode"]
     assert report.count("kl_decode") == 0 and len(misses) == 1, str(report)
-    assert "scaled by" in misses[0].reason and "kl_decode takes τ as a number" in misses[0].reason, misses[0]
+    assert "a 0-d tensor, besides the beliefs and priors" in misses[0].reason, misses[0]
+    assert "kl_decode takes τ as a number" in misses[0].reason, misses[0]
     assert "test_kl_spellings.py" in misses[0].source, misses[0]
 
 
