@@ -18,6 +18,9 @@ batch, heads) computed from beliefs broadcast per query (``x.unsqueeze(-2)``, ``
 against [V, K] prior tensors is evaluated in float64 at
 random points and must equal −KL(q_i‖π_v)/τ (τ > 0) for some choice of means and of variance,
 log-variance, standard deviation, log-std or precision on each side (:mod:`hecate.passes.gaussian`).
+The priors' variance may be per token [V, K], shared by the tokens ([1, K], [K], 0-d: broadcast
+to [V, K] before the op, its gradient summed back) or absent (N(π_v, I): ones). A 0-d tensor that
+scales the KL (a temperature held in a buffer or parameter) is reported: the op takes τ as a number.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class _Decode:
     scale: fx.Node
     param: str
     prior_mu: fx.Node
-    prior_scale: fx.Node
+    prior_scale: fx.Node | None  # None: unit-variance priors N(π_v, I)
     prior_param: str
     tau: float
 
@@ -69,10 +72,13 @@ def _query_side(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _inputs(logits: fx.Node) -> tuple[list, list] | None:
-    """(per-query belief tensors, [V, K] prior tensors) the score reads, or None if it reads others."""
+def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
+    """(per-query belief tensors, prior tensors, 0-d input tensors) the score reads, or None if it reads
+    others. A prior tensor is per token [V, K] or shared by every token ([1, K], [K]: a variance
+    one per feature); a 0-d tensor may be a prior variance shared by everything, or a temperature
+    held as a tensor."""
     score = shape_of(logits)
-    queries, priors, seen, stack = [], [], set(), [logits]
+    queries, priors, scalars, seen, stack = [], [], [], set(), [logits]
     while stack:
         node = stack.pop()
         if node in seen:
@@ -82,9 +88,12 @@ def _inputs(logits: fx.Node) -> tuple[list, list] | None:
         shape = shape_of(node)
         if q is not None:
             queries.append(q) if q not in queries else None
-        elif shape is not None and len(shape) == 2 and not _in_score(shape, score):
+        elif shape is not None and len(shape) in (1, 2) and not _in_score(shape, score):
             node = strip_noops(node)
             priors.append(node) if node not in priors else None
+        elif shape == ():
+            node = strip_noops(node)
+            scalars.append(node) if node not in scalars else None
         elif shape is not None and not _in_score(shape, score):
             return None  # the walk stays inside the [B, N, V(, K)] score
         elif node.op != "call_function":
@@ -92,7 +101,7 @@ def _inputs(logits: fx.Node) -> tuple[list, list] | None:
                 return None
         else:
             stack.extend(node.all_input_nodes)
-    return independent(queries), independent(priors)
+    return independent(queries), independent(priors), independent(scalars)
 
 
 def _is(size, other) -> bool:
@@ -119,36 +128,56 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     found = _inputs(logits)
     if found is None or not found[0] or not found[1]:
         return None
-    queries, priors = found
+    queries, priors, scalars = found
     k = {size_hint(shape_of(x)[-1]) for x in queries + priors}
-    if len(k) != 1 or len(queries) < 2 or len(priors) < 2:
+    if len(k) != 1 or len(queries) < 2:
         return None
     k = k.pop()
     v = size_hint(shape[-1])
+    decode = _match(logits, queries, priors + scalars, k, v, shape)
+    if decode is not None or not scalars:
+        return decode
+    # the KL when the 0-d tensors are 1: it is read besides the beliefs and priors, as a temperature
+    if _match(logits, queries, priors, k, v, shape, {x: torch.ones((), dtype=torch.float64) for x in scalars}):
+        names = ", ".join(x.name for x in scalars)
+        raise NotFused(f"the logits read {names}, a 0-d tensor, besides the beliefs and priors, and are "
+                       "−KL(q_i‖π_v) where it is 1 (a temperature held as a tensor: a parameter or buffer, or a float "
+                       "attribute torch.compile(dynamic=True) passes in as a tensor); kl_decode takes τ as a number")
+    return None
+
+
+def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
+    """The decode whose KL the logits are at two random draws of the beliefs [2, .., 3, K] and the
+    priors (at their own sizes: [V, K], shared [1, K] / [K] / 0-d), the tensors ``fixed`` held."""
     positions = (2,) * (len(shape) - 2) + (3,)  # the draw's own leading sizes
+
+    def own(x):  # a prior's own size: per token [V, K], or shared by the tokens
+        return tuple(1 if _is(s, 1) else v if i == len(shape_of(x)) - 2 else k for i, s in enumerate(shape_of(x)))
+
     gen = torch.Generator().manual_seed(20251123)
     draws = []
     for low, high in ((0.3, 2.0), (0.05, 4.0)):
         env = {x: low + (high - low) * torch.rand(*positions, k, generator=gen, dtype=torch.float64)
                for x in queries}
-        env.update({x: low + (high - low) * torch.rand(v, k, generator=gen, dtype=torch.float64) for x in priors})
+        env.update({x: low + (high - low) * torch.rand(own(x), generator=gen, dtype=torch.float64) for x in priors})
         try:
-            value = evaluate(logits, dict(env))
+            value = evaluate(logits, {**(fixed or {}), **env})
         except Exception:  # not evaluable at other sizes: not recognisable
             return None
         draws.append((env, value))
+    per_token = [x for x in priors if own(x) == (v, k)]  # the means differ per token
     for mu in queries:
         for scale in queries:
-            for prior_mu in priors:
-                for prior_scale in priors:
+            for prior_mu in per_token:
+                for prior_scale in priors + [None]:  # None: priors of unit variance, N(π_v, I)
                     if scale is mu or prior_scale is prior_mu:
                         continue
                     for param, to_var in VARIANCE_FROM.items():
-                        for prior_param, prior_to_var in VARIANCE_FROM.items():
+                        for prior_param, prior_to_var in (_UNIT if prior_scale is None else VARIANCE_FROM).items():
                             alphas = []
                             for env, value in draws:
                                 kl = gaussian_kl(env[mu].unsqueeze(-2), to_var(env[scale]).unsqueeze(-2),
-                                                 env[prior_mu], prior_to_var(env[prior_scale]))
+                                                 env[prior_mu], prior_to_var(env.get(prior_scale, env[prior_mu])))
                                 alphas.append(proportion(value, kl))
                             if all(a is not None and a < 0 for a in alphas) and math.isclose(*alphas, rel_tol=1e-9):
                                 tau = float(f"{-1.0 / alphas[0]:.12g}")
@@ -172,14 +201,19 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
             report.add_miss(PATTERN, str(e), node.name, nodes=[node])
 
 
+_UNIT = {"unit-variance": torch.ones_like}  # priors N(π_v, I): the variance 1, made like the means
+
+
 def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
     logits, tau = d.logits, d.tau
-    inputs = [d.mu, d.scale, d.prior_mu, d.prior_scale]
+    inputs = [d.mu, d.scale, d.prior_mu] + ([d.prior_scale] if d.prior_scale is not None else [])
 
-    def beliefs(mu, scale, prior_mu, prior_scale):  # the op reads the positions flat: [M, K]
+    def beliefs(mu, scale, prior_mu, prior_scale=None):  # the op reads the positions flat: [M, K]
         k = mu.shape[-1]
-        var, prior_var = VARIANCE_FROM[d.param](scale), VARIANCE_FROM[d.prior_param](prior_scale)
-        return mu.reshape(-1, k), var.reshape(-1, k), prior_mu, prior_var.to(prior_mu.dtype)
+        var = VARIANCE_FROM[d.param](scale)
+        prior_var = _UNIT[d.prior_param](prior_mu) if prior_scale is None else VARIANCE_FROM[d.prior_param](prior_scale)
+        # a prior variance shared by the tokens ([1, K], [K], 0-d) broadcast to [V, K]: its gradient sums back
+        return mu.reshape(-1, k), var.reshape(-1, k), prior_mu, prior_var.to(prior_mu.dtype).expand_as(prior_mu)
 
     what = f"{d.param} beliefs, {d.prior_param} priors, τ={tau:g}"
     ce = _cross_entropy_user(logits, shape_of(logits))
@@ -221,7 +255,7 @@ def _cross_entropy_user(logits: fx.Node, shape: tuple):
     # [N, V] logits go to cross-entropy as they are; [..., N, V] ones through a view(-1, V)
     view = logits if len(shape) == 2 else users[0]
     rows = math.prod(shape[:-1])
-    if view is not logits and (view.target not in (aten.view.default, aten.reshape.default)
+    if view is not logits and (view.target not in (aten.view.default, aten.reshape.default, aten.flatten.using_ints)
                                or shape_of(view) != (rows, shape[-1])):
         return f"logits feed {view.name} ({short(view.target)}), not a view(-1, V) into cross-entropy"
     ce_users = list(view.users)

@@ -13,7 +13,10 @@ Recognised by what it computes, whatever spells the mask (``tril``, a product wi
 ``y = A @ V`` where A is a [..., T, T] tensor computed from one product ``S = Q @ Kᵀ`` (and
 nothing else but constants), the subgraph from (Q, K, V) to y is evaluated at random float64
 points and compared with the formula above, D read off the subgraph itself (its value at
-q = k = e₁, where every q_t · k_s is 1). A normaliser ``y / (A.sum(-1, keepdim=True) + eps)``
+q = k = e₁, where every q_t · k_s is 1). A mask that reads one tensor of the graph (a buffer or
+parameter of γ or log γ per head, RetNet's decay) is checked at random draws of it to be
+γ^(t−s) with γ that tensor's values, and γ is read from it at run time (so it may change or
+learn). A normaliser ``y / (A.sum(-1, keepdim=True) + eps)``
 is recognised the same way. The products are ``@``/``bmm`` or einsums with their letters in any
 order; once each operand is permuted to [*L, T, D] (L: none, a batch, or a batch and heads) the
 replacement feeds the op's [B, T, H, D] and permutes the result back to y's layout.
@@ -147,7 +150,7 @@ def _matrix_product(node: fx.Node, key_major: bool):
 def _score_product(a: fx.Node, shape: tuple) -> tuple[fx.Node | None, set]:
     """The one [..., T, T] product A is computed from (through pointwise ops and masks), if any,
     and the nodes between them."""
-    frontier, seen, products = [a], set(), []
+    frontier, seen, products, exps = [a], set(), [], []
     for _ in range(_SEARCH):
         nxt = []
         for node in frontier:
@@ -156,12 +159,30 @@ def _score_product(a: fx.Node, shape: tuple) -> tuple[fx.Node | None, set]:
             seen.add(node)
             if node.target in _PRODUCTS + (aten.einsum.default,) and _shape(node) == shape:
                 products.append(node)
-            elif node.target in (aten.softmax.int, aten._softmax.default, aten.exp.default):
-                return None, seen  # softmax attention, not linear
             else:
+                if node.target in (aten.softmax.int, aten._softmax.default, aten.exp.default):
+                    exps.append(node)
                 nxt += node.all_input_nodes
         frontier = nxt
-    return (products[0] if len(products) == 1 else None), seen
+    if len(products) != 1:
+        return None, seen
+    if any(_reads(e, products[0], seen) for e in exps):
+        return None, seen  # the scores exponentiated: softmax attention, not linear (an exp of the decay is)
+    return products[0], seen
+
+
+def _reads(node: fx.Node, source: fx.Node, within: set) -> bool:
+    """Whether ``node`` is computed from ``source`` through nodes of ``within``."""
+    stack, visited = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is source:
+            return True
+        if n in visited or n not in within:
+            continue
+        visited.add(n)
+        stack += n.all_input_nodes
+    return False
 
 
 def _untransposed(node: fx.Node) -> fx.Node | None:
@@ -186,10 +207,43 @@ def _draw(node: fx.Node, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(_sizes(node), dtype=torch.float64, generator=generator)
 
 
-def _decays(form: _Form) -> tuple[torch.Tensor, list[float]]:
-    """(D [*L, T, T], γ per head) for the mask A applies to the scores: A at q = k = e₁ (every
+# how a tensor the mask reads may hold the decay per head: γ itself, or log γ (RetNet's exp((t−s) log γ))
+_GAMMA_FROM = {"γ": lambda x: x, "log γ": torch.exp}
+_GAMMA_DRAW = {"γ": lambda u: u, "log γ": torch.log}
+
+
+@dataclass
+class _Decay:
+    """The mask D [*L, T, T] at the draw; γ per head (or one) when constant, else read at run time from
+    ``tensor`` (γ or log γ per head, ``form``); ``drawn`` the tensor's value at the draw."""
+
+    d: torch.Tensor
+    gammas: list[float] | None = None
+    tensor: fx.Node | None = None
+    form: str = "γ"
+    drawn: torch.Tensor | None = None
+
+
+def _mask_inputs(form: _Form) -> list[fx.Node]:
+    """The graph's input tensors (buffers, parameters, arguments) the mask reads, beside the score."""
+    stack, seen, found = [form.a], {form.score, form.q, form.k, form.v}, []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op in ("placeholder", "get_attr") and isinstance(node.meta.get("val"), torch.Tensor):
+            found.append(node)
+        stack += node.all_input_nodes
+    return found
+
+
+def _decays(form: _Form) -> _Decay:
+    """D [*L, T, T] and γ per head for the mask A applies to the scores: A at q = k = e₁ (every
     q_t · k_s = 1), checked to be γ^{t−s} below the diagonal, one γ per head ([B, H, T, T])
-    or one for all, the same in every sequence."""
+    or one for all, the same in every sequence. A mask that reads one tensor of the graph (a
+    buffer or parameter of per-head γ or log γ) is checked at two random draws of it, γ in (0.5, 1),
+    and its γ read from that tensor at run time."""
     values = {}
     for name in ("q", "k"):
         node = getattr(form, name)
@@ -197,12 +251,46 @@ def _decays(form: _Form) -> tuple[torch.Tensor, list[float]]:
         form.canonical(name, ones)[..., 0] = 1.0  # a view: the feature dim in the node's own layout
         values[node] = ones
     values[form.v] = torch.zeros(_sizes(form.v), dtype=torch.float64)
+    inputs = _mask_inputs(form)
+    if not inputs:
+        d = _decay_values(form, dict(values))
+        return _Decay(d, _gammas(d, None))
+    named = ", ".join(f"{n.name} of shape {list(_sizes(n))}" for n in inputs)
+    why = (f"its mask D reads {named}, taken by the graph as input (a buffer, parameter or argument), "
+           "whose values are not known when compiling; the mask must be computed from sizes and constants, "
+           "or be γ^(t−s) with γ (or log γ) per head read from one tensor")
+    if len(inputs) == 1 and inputs[0].meta["val"].is_floating_point():
+        (tensor,) = inputs
+        generator = torch.Generator().manual_seed(0)
+        for gamma_form, draw in _GAMMA_DRAW.items():
+            found = None
+            for _ in range(2):
+                drawn = draw(0.5 + 0.5 * torch.rand(_sizes(tensor), dtype=torch.float64, generator=generator))
+                d = _decay_values(form, {**values, tensor: drawn})
+                gammas = _GAMMA_FROM[gamma_form](drawn).flatten()
+                try:
+                    if _gammas(d, gammas) is None:
+                        break
+                except NotFused:
+                    break
+                found = found or _Decay(d, None, tensor, gamma_form, drawn)
+            else:
+                return found
+    raise NotFused(why)
+
+
+def _decay_values(form: _Form, values: dict) -> torch.Tensor:
     try:
-        d = form.canonical("a", evaluate(form.a, values, size_hint))
+        return form.canonical("a", evaluate(form.a, values, size_hint))
     except NotFused:
         raise NotFused("its mask D reads a tensor the graph takes as input (a buffer, parameter or argument), "
                        "whose values are not known when compiling; the mask must be computed from sizes and "
                        "constants") from None
+
+
+def _gammas(d: torch.Tensor, read: torch.Tensor | None) -> list[float] | None:
+    """γ per head (or one) of the mask D when causal with D_ts = γ^(t−s), else NotFused; with ``read``
+    (γ per head or one, flat), None unless those are D's γ."""
     heads = d[0] if d.dim() == 4 else d.reshape(-1, *d.shape[-2:])[:1]  # [H or 1, T, T]
     if d.dim() == 4 and not bool((d == heads).all()) or d.dim() < 4 and not bool((d == heads[0]).all()):
         raise NotFused("its mask differs between sequences")
@@ -210,25 +298,40 @@ def _decays(form: _Form) -> tuple[torch.Tensor, list[float]]:
     steps = torch.arange(t, dtype=torch.float64)
     below = steps[:, None] >= steps[None, :]
     gammas = [float(h[1, 0]) if t > 1 else 1.0 for h in heads]
+    if read is not None:
+        if read.numel() not in (1, len(heads)) or t < 2:
+            return None
+        gammas = [float(g) for g in read.expand(len(heads))]
     for gamma, h in zip(gammas, heads):
         expected = torch.where(below, gamma ** (steps[:, None] - steps[None, :]), 0.0)
         # the model computes its decay in its own precision (γ^(t−s) in float32, say)
         if not (0.0 < gamma <= 1.0 and torch.allclose(h, expected, rtol=1e-6, atol=0.0)):
+            if read is not None:
+                return None
             raise NotFused("its mask D is not causal with D_ts = γ^(t−s), 0 < γ ≤ 1 (a decay the recurrence keeps)")
-    return d, (gammas if len(set(gammas)) > 1 else gammas[:1])
+    return gammas if len(set(gammas)) > 1 else gammas[:1]
 
 
 def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor) -> tuple[fx.Node, float] | None:
-    """(the division node, eps) when y's only reader divides it by Σ_s A_ts + eps."""
+    """(the division node, eps) when y's only reader divides it by Σ_s A_ts + eps (or multiplies it by
+    the reciprocal of that)."""
     if len(y.users) != 1:
         return None
     (div,) = y.users
-    if div.target != aten.div.Tensor or div.args[0] is not y or not isinstance(div.args[1], fx.Node):
+    if div.target == aten.div.Tensor and div.args[0] is y:
+        other, inverted = div.args[1], False
+    elif div.target == aten.mul.Tensor and y in div.args[:2]:
+        other, inverted = div.args[1] if div.args[0] is y else div.args[0], True
+    else:
+        return None
+    if not isinstance(other, fx.Node) or other is y:
         return None
     try:
-        den = evaluate(div.args[1], values, size_hint)
+        den = evaluate(other, values, size_hint)
     except NotFused:
         return None
+    if inverted:
+        den = 1.0 / den
     if den.shape != expected_den.shape:
         return None
     eps = (den - expected_den).flatten()
@@ -240,11 +343,13 @@ def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor) -> tuple[f
 def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> None:
     if not hasattr(torch.ops.hecate, "linear_attention"):
         raise NotFused("the op hecate.linear_attention is not registered (import hecate.lowering)")
-    d, gammas = _decays(form)
+    decay = _decays(form)
     generator = torch.Generator().manual_seed(0)
     values = {n: _draw(n, generator) for n in (form.q, form.k, form.v)}
+    if decay.tensor is not None:
+        values[decay.tensor] = decay.drawn
     q, k, v = (form.canonical(name, values[getattr(form, name)]) for name in ("q", "k", "v"))
-    scores = (q @ k.mT) * d
+    scores = (q @ k.mT) * decay.d
     if not torch.allclose(evaluate(y, dict(values), size_hint), form.as_y(scores @ v), rtol=1e-6, atol=1e-9):
         raise NotFused("A @ V differs from Σ_s D_ts (q_t·k_s) v_s at random points")
     dtypes = {n.meta["val"].dtype for n in (form.q, form.k, form.v)}
@@ -257,22 +362,32 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
         replaced.append(out)
     eps = normaliser[1] if normaliser is not None else 1e-6
     _, between = _score_product(form.a, _shape(form.a))
+    gammas = decay.gammas if decay.tensor is None else _GAMMA_FROM[decay.form]
     replace_with_function(gm, replaced, _linear_attention_of(form.perms, gammas, normaliser is not None, eps),
-                          [form.k, form.v, form.q], outputs=[out])
+                          [form.k, form.v, form.q] + ([decay.tensor] if decay.tensor is not None else []),
+                          outputs=[out])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sorted((n for n in between | {form.score} if not n._erased), key=order.__getitem__, reverse=True):
         if not node.users:  # the score and its mask, now read by nothing
             gm.graph.erase_node(node)
     report.add_fusion("linear_attention", "hecate.linear_attention", len(replaced) + 1,
                       "causal (φ(Q)φ(K)ᵀ ⊙ D) V, parallel form"
-                      + (f", decay γ={'/'.join(f'{g:g}' for g in gammas)}" if gammas != [1.0] else "")
+                      + (f", decay γ={'/'.join(f'{g:g}' for g in gammas)}" if decay.tensor is None and gammas != [1.0]
+                         else f", decay {decay.form} per head read from {decay.tensor.name} at run time"
+                         if decay.tensor is not None else "")
                       + (", normalised" if normaliser is not None else ""))
 
 
-def _linear_attention_of(perms: dict, gammas: list[float], normalise: bool, eps: float):
+def _linear_attention_of(perms: dict, gammas, normalise: bool, eps: float):
     """The replacement: the op over [B, T, H, D] views of the canonical [T, D] / [B, T, D] /
-    [B, H, T, D] inputs, with the per-head (or one) decay γ as the keep factor of every step."""
-    def parallel_form_as_recurrence(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    [B, H, T, D] inputs, with the per-head (or one) decay γ as the keep factor of every step:
+    ``gammas`` the numbers, or the function giving them from the tensor the mask reads."""
+    def parallel_form_with_decay_read(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                                      read: torch.Tensor) -> torch.Tensor:
+        return parallel_form_as_recurrence(k, v, q, read)
+
+    def parallel_form_as_recurrence(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                                    read: torch.Tensor | None = None) -> torch.Tensor:
         k, v, q = (x if perms[name] is None else x.permute(perms[name]) for x, name in ((k, "k"), (v, "v"), (q, "q")))
         rank = q.dim()
 
@@ -280,13 +395,17 @@ def _linear_attention_of(perms: dict, gammas: list[float], normalise: bool, eps:
             return x[None, :, None] if rank == 2 else x[:, :, None] if rank == 3 else x.transpose(1, 2)
 
         k_, v_, q_ = to_op(k), to_op(v), to_op(q)
-        alpha: Any = None if gammas == [1.0] else \
-            torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()
+        if read is not None:  # γ per head (or one) from the tensor, its gradient summed back through the expand
+            alpha: Any = gammas(read).reshape(-1).to(k_.dtype).expand(k_.shape[:3]).contiguous()
+        else:
+            alpha = None if gammas == [1.0] else \
+                torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()
         y = torch.ops.hecate.linear_attention(k_, v_, q_, alpha, None, None, normalise, eps, True)[0]
         y = y[0, :, 0] if rank == 2 else y[:, :, 0] if rank == 3 else y.transpose(1, 2)
         return y if perms["y"] is None else y.permute(perms["y"])
 
-    return parallel_form_as_recurrence
+    # make_fx traces every parameter of the function it is given: the tensor read is one only where there is one
+    return parallel_form_with_decay_read if callable(gammas) else lambda k, v, q: parallel_form_as_recurrence(k, v, q)
 
 
 # ---------------------------------------------------------------- the cumulative-sum form, any layout

@@ -464,6 +464,147 @@ def test_decode_expanded_into_products_is_reported(fresh_dynamo):
     assert_close("output", compiled(*args), m_decode_expanded_into_products(*args), 1e-6)
 
 
+# --- KL decode as new users write it: modules with prior tables, shared or unit prior variances ------
+
+class PriorTableLogVar(nn.Module):  # prior means and log-variances nn.Parameter [V, K], log-variance beliefs, sum
+    def __init__(self):
+        super().__init__()
+        self.prior_mu, self.prior_logvar = nn.Parameter(torch.randn(V, K)), nn.Parameter(0.3 * torch.randn(V, K))
+
+    def forward(self, mu, logvar, targets):
+        mq, lq = mu.unsqueeze(-2), logvar.unsqueeze(-2)
+        kl = 0.5 * (self.prior_logvar - lq + (lq.exp() + (mq - self.prior_mu) ** 2) / self.prior_logvar.exp() - 1)
+        return F.cross_entropy(-kl.sum(-1).view(-1, V), targets.view(-1), reduction="sum")
+
+
+class EmbeddingPriorsSoftplus(nn.Module):  # nn.Embedding weight as the means, softplus variances, per-token losses
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.raw_var = nn.Embedding(V, K), nn.Parameter(torch.randn(V, K))
+
+    def forward(self, mu, var, targets):
+        pv = F.softplus(self.raw_var) + 1e-4
+        d = mu[:, :, None, :] - self.tokens.weight
+        kl = 0.5 * (torch.log(pv) - torch.log(var[:, :, None, :]) + (var[:, :, None, :] + d * d) / pv - 1.0).sum(-1)
+        return F.cross_entropy((-kl / 0.7).reshape(-1, V), targets.reshape(-1), reduction="none").view(targets.shape)
+
+
+class SharedPriorLogVar(nn.Module):  # one prior log-variance per feature [K] for the whole vocabulary, flatten(0, 1)
+    def __init__(self):
+        super().__init__()
+        self.prior_mu, self.prior_logvar = nn.Parameter(torch.randn(V, K)), nn.Parameter(0.3 * torch.randn(K))
+
+    def forward(self, mu, logvar, targets):
+        kl = 0.5 * (self.prior_logvar - logvar[:, :, None] + (logvar[:, :, None].exp()
+                    + (mu[:, :, None] - self.prior_mu).pow(2)) * torch.exp(-self.prior_logvar) - 1).sum(-1)
+        return F.cross_entropy(-kl.flatten(0, 1), targets.flatten())
+
+
+class ScalarPriorVariance(nn.Module):  # one learned 0-d prior variance by softplus, the tokens' means an Embedding
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.raw = nn.Embedding(V, K), nn.Parameter(torch.tensor(0.4))
+
+    def forward(self, mu, logvar, targets):
+        pv = F.softplus(self.raw)
+        kl = 0.5 * ((logvar.exp()[:, :, None] + (mu[:, :, None] - self.tokens.weight) ** 2) / pv
+                    + pv.log() - logvar[:, :, None] - 1).sum(-1)
+        return F.cross_entropy(-kl.view(-1, V), targets.view(-1), reduction="sum")
+
+
+class UnitVariancePriors(nn.Module):  # KL to N(π_v, I): the priors' variance 1, not written
+    def __init__(self):
+        super().__init__()
+        self.prior_mu = nn.Parameter(torch.randn(V, K))
+
+    def forward(self, mu, logvar, targets):
+        kl = 0.5 * (logvar[:, :, None].exp() + (mu[:, :, None] - self.prior_mu) ** 2 - 1 - logvar[:, :, None]).sum(-1)
+        return F.cross_entropy(-kl.view(-1, V), targets.view(-1))
+
+
+class LogSoftmaxNllSum(nn.Module):  # log_softmax + nll_loss(reduction="sum"), prior variances a Parameter
+    def __init__(self):
+        super().__init__()
+        self.prior_mu, self.prior_var = nn.Parameter(torch.randn(V, K)), nn.Parameter(_var((V, K)))
+
+    def forward(self, mu, var, targets):
+        kl = 0.5 * ((var.unsqueeze(2) + (mu.unsqueeze(2) - self.prior_mu) ** 2) / self.prior_var
+                    + self.prior_var.log() - var.unsqueeze(2).log() - 1).sum(dim=-1)
+        return F.nll_loss(F.log_softmax(-kl, dim=-1).view(-1, V), targets.view(-1), reduction="sum")
+
+
+class PaddedMeanLoss(nn.Module):  # per-token losses averaged over the tokens that are not padding (id 0)
+    def __init__(self):
+        super().__init__()
+        self.prior_mu, self.prior_var = nn.Parameter(torch.randn(V, K)), nn.Parameter(_var((V, K)))
+
+    def forward(self, mu, var, targets):
+        kl = 0.5 * (torch.log(self.prior_var / var[:, :, None])
+                    + (var[:, :, None] + (mu[:, :, None] - self.prior_mu) ** 2) / self.prior_var - 1).sum(-1)
+        loss = F.cross_entropy(-kl.view(-1, V), targets.view(-1), reduction="none").view(targets.shape)
+        keep = (targets != 0).float()
+        return (loss * keep).sum() / keep.sum()
+
+
+# (module, the belief draw, whether the belief variance's gradient is zero: with a prior variance the same for
+#  every token, the variance terms of the KL are the same in every logit and cross-entropy does not see them)
+DECODE_MODULES = [(PriorTableLogVar, _logvar, False), (EmbeddingPriorsSoftplus, _var, False),
+                  (SharedPriorLogVar, _logvar, True), (ScalarPriorVariance, _logvar, True),
+                  (UnitVariancePriors, _logvar, True), (LogSoftmaxNllSum, _var, False), (PaddedMeanLoss, _var, False)]
+
+
+def _compare_decode_module(model, draw, zero_variance_grad, dynamic=False):
+    torch.manual_seed(0)
+    targets = torch.randint(0, V, (B, N))
+    args = [torch.randn(B, N, K).requires_grad_(), draw((B, N, K)).requires_grad_()]
+    ref_model = copy.deepcopy(model)
+    ref_args = [a.detach().clone().requires_grad_() for a in args]
+    got = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})(*args, targets)
+    report = hecate.last_report()
+    ref = ref_model(*ref_args, targets)
+    assert_close("output", got, ref, 1e-5)
+    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad((got * weight).sum(), args + list(model.parameters()))
+    ref_grads = torch.autograd.grad((ref * weight).sum(), ref_args + list(ref_model.parameters()))
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        if i == 1 and zero_variance_grad:  # both rounding noise around 0
+            assert g.abs().max() < 1e-6 and r.abs().max() < 1e-6, (g, r)
+        else:
+            assert_close(f"grad {i}", g, r, 1e-5)
+    return report
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("make,draw,zero_variance_grad", DECODE_MODULES, ids=[m.__name__ for m, _, _ in DECODE_MODULES])
+def test_decode_module_fuses_and_equals_eager(make, draw, zero_variance_grad, dynamic, fresh_dynamo):
+    report = _compare_decode_module(make(), draw, zero_variance_grad, dynamic)
+    assert report.count("kl_decode") == 1, str(report)
+    assert not [m for m in report.misses if m.pattern == "kl_decode"], str(report)
+    if make is not LogSoftmaxNllSum:  # log_softmax + nll_loss: the logits fuse, the loss reads them as written
+        assert "cross-entropy (" in report.fusions[0].detail, report.fusions[0].detail
+
+
+class BufferTemperature(nn.Module):  # the temperature a registered 0-d buffer
+    def __init__(self):
+        super().__init__()
+        self.prior_mu, self.prior_var = nn.Parameter(torch.randn(V, K)), nn.Parameter(_var((V, K)))
+        self.register_buffer("tau", torch.tensor(2.0))
+
+    def forward(self, mu, var, targets):
+        kl = 0.5 * (torch.log(self.prior_var / var[:, :, None])
+                    + (var[:, :, None] + (mu[:, :, None] - self.prior_mu) ** 2) / self.prior_var - 1).sum(-1)
+        return F.cross_entropy((-kl / self.tau).view(-1, V), targets.view(-1))
+
+
+def test_decode_temperature_in_a_buffer_is_reported(fresh_dynamo):
+    report = _compare_decode_module(BufferTemperature(), _var, False)
+    misses = [m for m in report.misses if m.pattern == "kl_decode"]
+    assert report.count("kl_decode") == 0 and len(misses) == 1, str(report)
+    assert "a 0-d tensor, besides the beliefs and priors" in misses[0].reason, misses[0]
+    assert "kl_decode takes τ as a number" in misses[0].reason, misses[0]
+    assert "test_kl_spellings.py" in misses[0].source, misses[0]
+
+
 # --- attention over other leading dims: none (one sequence), heads, heads of heads ------------------
 
 H = 2

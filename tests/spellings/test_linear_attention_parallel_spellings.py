@@ -7,6 +7,8 @@ and under ``dynamic=True``. Softmax attention and an anti-causal mask are not li
 the first is left alone, the second is reported with its reason.
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -131,9 +133,43 @@ def cumsum_heads_method_row_vector_read(q, k, v):  # [B, T, H, Dh], q read as a 
     return (q.unsqueeze(-2) @ states).squeeze(-2).flatten(2)
 
 
+def triu_bool_masked_fill_einsum(q, k, v):  # the future masked by triu(ones, 1).bool(), i/j letters
+    n = q.shape[1]
+    s = torch.einsum("bid,bjd->bij", F.elu(q) + 1, F.elu(k) + 1)
+    return torch.einsum("bij,bjd->bid", s.masked_fill(torch.ones(n, n).triu(1).bool(), 0.0), v)
+
+
+def arange_comparison_float_mask(q, k, v):  # the mask an arange comparison cast to the dtype, multiplied in
+    n = q.size(-2)
+    i = torch.arange(n)
+    causal = (i[None, :] <= i[:, None]).to(q.dtype)
+    return (phi(q) @ phi(k).mT * causal) @ v
+
+
+def normalised_by_reciprocal(q, k, v):  # the normaliser multiplied as a reciprocal, its own eps
+    a = torch.tril(phi(q) @ phi(k).mT)
+    return (a @ v) * torch.reciprocal(a.sum(dim=-1, keepdim=True) + 1e-5)
+
+
+def normalised_by_clamp(q, k, v):  # a clamp is not + eps: A @ V fuses, the clamped division stays as written
+    a = torch.tril(phi(q) @ phi(k).mT)
+    return (a @ v) / a.sum(-1, keepdim=True).clamp(min=1e-6)
+
+
+def retention_linspace_gammas(q, k, v):  # RetNet's γ_h = 1 − exp(linspace(log 1/32, log 1/512)), built in forward
+    b, n, _ = q.shape
+    q, k, v = (z.view(b, n, 2, -1).transpose(1, 2) for z in (q, k, v))
+    gammas = 1 - torch.exp(torch.linspace(math.log(1 / 32), math.log(1 / 512), 2))
+    t = torch.arange(n).float()
+    decay = torch.tril(gammas[:, None, None] ** (t[:, None] - t[None, :]).clamp(min=0))
+    return ((q @ k.transpose(-1, -2)) * decay[None] @ v).transpose(1, 2).reshape(b, n, -1)
+
+
 FUNCTIONS = [cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
              cumsum_heads_method_row_vector_read, tril_method, times_tril_of_ones, masked_fill_bmm, normalised, where_arange_relu_features, retention,
-             one_sequence, einsum_scores_and_read, einsum_heads_in_place, einsum_time_major_scores]
+             one_sequence, einsum_scores_and_read, einsum_heads_in_place, einsum_time_major_scores,
+             triu_bool_masked_fill_einsum, arange_comparison_float_mask, normalised_by_reciprocal, normalised_by_clamp,
+             retention_linspace_gammas]
 
 
 def _check(fn, args, dynamic, params=()):
@@ -193,11 +229,127 @@ def test_anticausal_mask_is_reported_with_its_reason(fresh_dynamo):
     assert miss.source.startswith("test_linear_attention_parallel_spellings.py:"), miss.source
 
 
-def test_decay_read_from_a_buffer_is_reported_not_assumed(fresh_dynamo):
-    """A buffer's values may change between calls: the mask is not a constant the op can take."""
+def test_normaliser_is_fused_with_its_eps(fresh_dynamo):
+    report = _check(normalised_by_reciprocal, [torch.randn(B, T, D) for _ in range(3)], False)
+    assert report.fusions[0].detail.endswith("normalised"), report.fusions[0].detail
+    report = _check(normalised_by_clamp, [torch.randn(B, T, D) for _ in range(3)], False)
+    assert not report.fusions[0].detail.endswith("normalised"), report.fusions[0].detail
+
+
+# --- the decay read from a buffer or parameter: γ (or log γ) per head, read at run time -------------
+
+class RetNetLogDecayBuffer(nn.Module):
+    """torchscale's retention: log γ per head in a buffer, the decay exp((t−s) log γ) with +inf above the diagonal."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.register_buffer("log_decay", torch.log(1 - 2.0 ** (-5 - torch.arange(heads, dtype=torch.float))))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (f(x).view(b, n, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        index = torch.arange(n, dtype=x.dtype)
+        future = ~torch.tril(torch.ones(n, n, dtype=torch.bool))
+        mask = torch.nan_to_num(torch.exp((index[:, None] - index[None, :]).masked_fill(future, float("inf"))
+                                          * self.log_decay[:, None, None]))
+        return ((q @ k.transpose(-1, -2)) * mask) @ v
+
+
+class GammaBufferHeadsLast(nn.Module):
+    """a γ buffer [H, 1, 1], heads kept [B, T, H, Dh], einsum scores, torch.where of an arange comparison."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.register_buffer("gamma", torch.tensor([0.9, 0.6]).view(heads, 1, 1))
+
+    def forward(self, q, k, v):
+        b, n, _ = q.shape
+        q, k, v = (z.reshape(b, n, self.heads, -1) for z in (q, k, v))
+        i = torch.arange(n)
+        gap = (i.view(-1, 1) - i.view(1, -1)).to(q.dtype)
+        decay = torch.where(i.view(-1, 1) >= i.view(1, -1), torch.pow(self.gamma, gap), torch.zeros_like(gap))
+        s = torch.einsum("bthd,bshd->bhts", q, k) * decay
+        return torch.einsum("bhts,bshd->bthd", s, v).reshape(b, n, -1)
+
+
+class LearnedDecay(nn.Module):
+    """a learned γ per head (nn.Parameter [H], its gradient checked), the future masked by triu."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.heads, self.gamma = heads, nn.Parameter(torch.tensor([0.95, 0.8]))
+
+    def forward(self, q, k, v):
+        b, n, _ = q.shape
+        q, k, v = (z.view(b, n, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        t = torch.arange(n, dtype=q.dtype)
+        d = self.gamma.view(-1, 1, 1) ** (t[:, None] - t[None, :]).clamp(min=0)
+        d = d.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), 0.0)
+        return (((phi(q) @ phi(k).mT) * d) @ v).transpose(1, 2).flatten(2)
+
+
+class ScalarGammaBuffer(nn.Module):
+    """one γ for every head, a 0-d buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("gamma", torch.tensor(0.85))
+
+    def forward(self, q, k, v):
+        t = torch.arange(q.shape[1])
+        gap = t[:, None] - t[None, :]
+        return ((phi(q) @ phi(k).mT) * torch.where(gap >= 0, self.gamma ** gap, 0.0)) @ v
+
+
+DECAY_READ = [RetNetLogDecayBuffer, GammaBufferHeadsLast, LearnedDecay, ScalarGammaBuffer,
+              lambda: MultiScaleRetention(decay_in_a_buffer=True)]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("make", DECAY_READ, ids=[m.__name__ if isinstance(m, type) else "MultiScaleRetentionBuffer"
+                                                  for m in DECAY_READ])
+def test_decay_read_from_a_buffer_or_parameter_fuses_and_equals_eager(make, dynamic, fresh_dynamo):
+    """γ is read from the tensor at run time: a buffer changed between calls, or a learned γ, is honoured."""
     torch.manual_seed(0)
-    model = MultiScaleRetention(decay_in_a_buffer=True)
-    report = _check(model, [torch.randn(B, T, D)], False, list(model.parameters()))
+    model = make()
+    args = [torch.randn(B, T, D) for _ in range(1 if isinstance(model, (RetNetLogDecayBuffer, MultiScaleRetention))
+                                             else 3)]
+    report = _check(model, args, dynamic, list(model.parameters()))
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    assert "read from" in report.fusions[0].detail and "at run time" in report.fusions[0].detail, report.fusions[0]
+
+
+def test_decay_buffer_changed_after_compiling_is_honoured(fresh_dynamo):
+    model = GammaBufferHeadsLast()
+    compiled = torch.compile(model, backend="hecate", options={"strict": True})
+    args = [torch.randn(B, T, D) for _ in range(3)]
+    compiled(*args)
+    model.gamma.copy_(torch.tensor([0.5, 0.99]).view(2, 1, 1))
+    assert_close("output after the buffer changed", compiled(*args), model(*args), TOL)
+
+
+class CausalMaskBuffer(nn.Module):
+    """GPT style: tril(ones(max_len, max_len)) registered once and sliced to the length."""
+
+    def __init__(self, max_len=16):
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(max_len, max_len)).view(1, max_len, max_len))
+
+    def forward(self, q, k, v):
+        n = q.shape[1]
+        return (phi(q) @ phi(k).transpose(1, 2)).masked_fill(self.mask[:, :n, :n] == 0, 0.0) @ v
+
+
+def test_mask_read_from_a_buffer_is_reported_not_assumed(fresh_dynamo):
+    """A buffer's values may change between calls: a whole mask held in one is not a constant the op can
+    take, and is not a decay per head."""
+    model = CausalMaskBuffer()
+    report = _check(model, [torch.randn(B, T, D) for _ in range(3)], False)
     assert report.count("linear_attention") == 0, str(report)
     [miss] = report.misses
-    assert "buffer, parameter or argument" in miss.reason and "decay" in miss.source, miss
+    assert "buffer, parameter or argument" in miss.reason and "of shape [1, 16, 16]" in miss.reason, miss
+    assert "γ (or log γ) per head read from one tensor" in miss.reason, miss
+    assert miss.source.startswith("test_linear_attention_parallel_spellings.py:"), miss.source
