@@ -60,7 +60,7 @@ from torch import fx, nn
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, _is_noop, evaluate, gaussian_kl, independent, proportion, shape_of,
                                     short, strip_noops)
-from hecate.passes.matching import NotFused, replace_with_function, size_hint
+from hecate.passes.matching import NotFused, replace_with_function, size_hint, tensors_read
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -151,16 +151,7 @@ def _constant_tensor(node) -> torch.Tensor | None:
 
 
 def _depends_on_sizes_only(node: fx.Node) -> bool:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op in ("placeholder", "get_attr") and isinstance(n.meta.get("val"), torch.Tensor):
-            return False
-        stack.extend(n.all_input_nodes)
-    return True
+    return not tensors_read([node])
 
 
 def _broadcast_side(node: fx.Node, rank: int, n) -> tuple[fx.Node, str] | None:

@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from hecate.passes.gaussian import evaluate
-from hecate.passes.matching import NotFused, replace_with_function, size_hint
+from hecate.passes.matching import NotFused, replace_with_function, size_hint, tensors_read
 from hecate.passes.report import FusionReport
 
 aten = torch.ops.aten
@@ -224,20 +224,6 @@ class _Decay:
     drawn: torch.Tensor | None = None
 
 
-def _mask_inputs(form: _Form) -> list[fx.Node]:
-    """The graph's input tensors (buffers, parameters, arguments) the mask reads, beside the score."""
-    stack, seen, found = [form.a], {form.score, form.q, form.k, form.v}, []
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op in ("placeholder", "get_attr") and isinstance(node.meta.get("val"), torch.Tensor):
-            found.append(node)
-        stack += node.all_input_nodes
-    return found
-
-
 def _decays(form: _Form) -> _Decay:
     """D [*L, T, T] and γ per head for the mask A applies to the scores: A at q = k = e₁ (every
     q_t · k_s = 1), checked to be γ^{t−s} below the diagonal, one γ per head ([B, H, T, T])
@@ -251,7 +237,7 @@ def _decays(form: _Form) -> _Decay:
         form.canonical(name, ones)[..., 0] = 1.0  # a view: the feature dim in the node's own layout
         values[node] = ones
     values[form.v] = torch.zeros(_sizes(form.v), dtype=torch.float64)
-    inputs = _mask_inputs(form)
+    inputs = tensors_read([form.a], stop=[form.score, form.q, form.k, form.v])  # beside the score
     if not inputs:
         d = _decay_values(form, dict(values))
         return _Decay(d, _gammas(d, None))

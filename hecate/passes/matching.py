@@ -134,6 +134,21 @@ def size_hint(size: Any) -> int:
     return optimization_hint(size) if isinstance(size, torch.SymInt) else int(size)
 
 
+def tensors_read(roots: Sequence[fx.Node], stop: Sequence[fx.Node] = ()) -> list[fx.Node]:
+    """The graph's input tensors (placeholders and get_attr: arguments, parameters, buffers) that ``roots``
+    compute from, not looking past ``stop``: what a value reads beside sizes and constants."""
+    stack, seen, found = list(roots), set(stop), []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op in ("placeholder", "get_attr") and isinstance(node.meta.get("val"), torch.Tensor):
+            found.append(node)
+        stack += node.all_input_nodes
+    return found
+
+
 def flat_args(node: fx.Node) -> list[Any]:
     """A node's positional arguments, then its keyword arguments by name."""
     return list(node.args) + [node.kwargs[k] for k in sorted(node.kwargs)]

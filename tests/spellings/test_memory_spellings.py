@@ -692,25 +692,32 @@ class HebbianBufferDecay(_HebbianConstantDecay):
         self.register_buffer("decay", torch.tensor(0.9))
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("module", [HebbianFloatDecay, HebbianBufferDecay], ids=lambda m: m.__name__)
-def test_hebbian_constant_decay_held_by_the_module_fuses(module, dynamic, fresh_dynamo):
-    model = module()
+def _compare_module(model, dynamic, parameters=()):
+    """Run a module on k, v, q [B, T, H, D] eagerly and compiled by Hecate; assert equal outputs and
+    gradients (of k, v, q and the named parameters); return the report."""
     compiled = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})
     k, q, v = torch.randn(B, T, H, DK), torch.randn(B, T, H, DK), torch.randn(B, T, H, DV)
     inputs = [x.requires_grad_() for x in (k, v, q)]
+    wrt = inputs + [getattr(model, name) for name in parameters]
     results = []
     for fn in (model, compiled):
         y, M = fn(*inputs)
         loss = y.square().sum() + (M * torch.linspace(-1, 1, M.numel()).view_as(M)).sum()
-        results.append((y, M, torch.autograd.grad(loss, inputs)))
+        results.append((y, M, torch.autograd.grad(loss, wrt)))
     report = hecate.last_report()
-    assert report.count("linear_attention") == 1 and not report.misses, str(report)
     (y_ref, m_ref, g_ref), (y, m, g) = results
     assert_close("y", y, y_ref, TOL)
     assert_close("M", m, m_ref, TOL)
-    for i, (a, b) in enumerate(zip(g, g_ref)):
-        assert_close(f"gradient {i}", a, b, TOL)
+    for what, a, b in zip(("k", "v", "q", *parameters), g, g_ref):
+        assert_close(f"gradient {what}", a, b, TOL)
+    return report
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("module", [HebbianFloatDecay, HebbianBufferDecay], ids=lambda m: m.__name__)
+def test_hebbian_constant_decay_held_by_the_module_fuses(module, dynamic, fresh_dynamo):
+    report = _compare_module(module(), dynamic)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
 
 
 class _PerHeadParameters(torch.nn.Module):
@@ -746,22 +753,8 @@ class HebbianPerHeadParameters(_PerHeadParameters):
                                         (HebbianPerHeadParameters, "linear_attention")], ids=["lp", "hebbian"])
 def test_per_head_parameters_fuse_and_get_their_gradients(module, op, dynamic, fresh_dynamo):
     """λ, η [H] broadcast to the op's one gate per batch and head: the broadcast's backward sums their gradients."""
-    model = module()
-    compiled = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})
-    k, q, v = torch.randn(B, T, H, DK), torch.randn(B, T, H, DK), torch.randn(B, T, H, DV)
-    inputs = [x.requires_grad_() for x in (k, v, q)]
-    results = []
-    for fn in (model, compiled):
-        y, M = fn(*inputs)
-        loss = y.square().sum() + (M * torch.linspace(-1, 1, M.numel()).view_as(M)).sum()
-        results.append((y, M, torch.autograd.grad(loss, inputs + [model.lam, model.eta])))
-    report = hecate.last_report()
+    report = _compare_module(module(), dynamic, ("lam", "eta"))
     assert report.count(op) == 1 and not report.misses, str(report)
-    (y_ref, m_ref, g_ref), (y, m, g) = results
-    assert_close("y", y, y_ref, TOL)
-    assert_close("M", m, m_ref, TOL)
-    for what, a, b in zip(("k", "v", "q", "lam", "eta"), g, g_ref):
-        assert_close(f"gradient {what}", a, b, TOL)
 
 
 # ---------------------------------------------------------------- what stays unfused, and says why
