@@ -117,7 +117,20 @@ def _retrace(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> fx.G
         with fx_traceback.preserve_node_meta():
             traced = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
     _check_traced_through(traced)
+    _keep_input_names(gm, traced)
     return normalize(traced)
+
+
+def _keep_input_names(gm: fx.GraphModule, traced: fx.GraphModule) -> None:
+    """The re-trace names its inputs ``arg0_1``, ...: they take back Dynamo's names, which say what each
+    input is (``l_self_buffers_gamma_``, ``l_k_``), so reasons that name an input name it in the user's terms."""
+    given, inputs = gm.graph.find_nodes(op="placeholder"), traced.graph.find_nodes(op="placeholder")
+    if len(given) != len(inputs):
+        return
+    for old, new in zip(given, inputs):
+        new._rename(old.name)
+        new.target = new.name
+    traced.recompile()
 
 
 class UntraceableGraph(Exception):
