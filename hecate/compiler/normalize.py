@@ -32,7 +32,7 @@ graph and the body of every ``scan`` in it in this form:
 * a ``conv2d`` over one row with a (1, K) kernel (``F.conv2d(h.unsqueeze(2), w.unsqueeze(2))``)
   is the ``conv1d`` (unsqueezed); ``x.unsqueeze(d).squeeze(d)`` and ``x.unsqueeze(d).select(d, 0)`` → ``x``;
 * ``x * x`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``);
-* a negated reshape is a reshape of the negation (``-kl.flatten(0, 1)`` → ``(-kl).flatten(0, 1)``);
+* a negated reshape or transpose is that of the negation (``-kl.flatten(0, 1)`` → ``(-kl).flatten(0, 1)``);
 * common subexpressions: the same pure op on the same inputs is computed once (so
   ``k[:, t]`` written at every use becomes one node; in Dynamo's graph the slices themselves stay
   apart, each step reading its own, and what is computed from equal slices is computed once).
@@ -552,8 +552,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         with graph.inserting_before(node):
             return _emit(graph, aten.pow.Tensor_Scalar, args[0], 2)
     if target is aten.neg.default and isinstance(args[0], fx.Node) and args[0].op == "call_function" \
-            and args[0].target in _RESHAPES and len(args[0].users) == 1 and args[0] not in outputs:
-        view = args[0]  # −x.flatten(0, 1) → (−x).flatten(0, 1): a score's sign stays with the score
+            and args[0].target in _RESHAPES + _PERMUTES and len(args[0].users) == 1 and args[0] not in outputs:
+        view = args[0]  # −x.flatten(0, 1) → (−x).flatten(0, 1), −x.mT → (−x).mT: a score's sign stays with the score
         with graph.inserting_before(node):
             return _emit(graph, view.target, _emit(graph, aten.neg.default, view.args[0]), *view.args[1:],
                          **view.kwargs)
@@ -606,6 +606,7 @@ def _add_product(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.No
 
 
 _RESHAPES = (aten.view.default, aten.reshape.default, aten.flatten.using_ints, aten._unsafe_view.default)
+_PERMUTES = (aten.transpose.int, aten.permute.default)
 
 
 # the end torch.export writes for a slice to the end of a dim of symbolic size (``x[:, t]`` → slice(x, 0, 0, END))

@@ -3,7 +3,8 @@
 What a model computes (spec §2.2, §3.3; ``TokenPriorBank.decode`` is one spelling)::
 
     logits_iv = −KL(N(μ_i, v_i) ‖ N(π_v, s_v)) / τ        # [B, N, V], from the [B, N, V, K] broadcast
-    loss = F.cross_entropy(logits.view(-1, V), targets.view(-1))          # optional
+    loss = F.cross_entropy(logits.view(-1, V), targets.view(-1))          # optional (or over dim 1 of
+                                                                          # logits.transpose(1, 2))
 
 What replaces it:
 
@@ -231,7 +232,7 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
     ce_node, targets, reduction, ignore_index = ce
 
     def loss_fn(*values):
-        targets = values[-1]
+        targets = values[-1].reshape(-1)  # one id per position: [M], or [B, N] for [B, V, N] logits
         mu2, var2, prior_mu, prior_var = beliefs(*values[:-1])
         loss, _ = torch.ops.hecate.kl_decode_ce(mu2, var2, prior_mu, prior_var, targets, tau, ignore_index)
         loss = loss.to(ce_node.meta["val"].dtype)  # the graph's dtype (under autocast, not the op's)
@@ -239,7 +240,7 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
             return loss.sum()
         if reduction == "mean":  # as F.cross_entropy: the mean over the targets not ignored
             return loss.sum() / (targets != ignore_index).sum().to(loss.dtype)
-        return loss
+        return loss.reshape(values[-1].shape)
 
     replace_with_function(gm, [ce_node.args[0], ce_node], loss_fn, inputs + [targets], outputs=[ce_node])
     report.add_fusion(PATTERN, "hecate.kl_decode_ce", 3,
@@ -252,12 +253,15 @@ def _cross_entropy_user(logits: fx.Node, shape: tuple):
     if len(users) != 1:
         names = ", ".join(f"{u.name} ({short(u.target) if u.op == 'call_function' else u.op})" for u in users)
         return f"logits are also used by {names}"
-    # [N, V] logits go to cross-entropy as they are; [..., N, V] ones through a view(-1, V)
+    # [N, V] logits go to cross-entropy as they are; [..., N, V] ones through a view(-1, V), or [B, N, V]
+    # ones transposed to [B, V, N] (cross-entropy over dim 1, targets [B, N])
     view = logits if len(shape) == 2 else users[0]
     rows = math.prod(shape[:-1])
-    if view is not logits and (view.target not in (aten.view.default, aten.reshape.default, aten.flatten.using_ints)
-                               or shape_of(view) != (rows, shape[-1])):
-        return f"logits feed {view.name} ({short(view.target)}), not a view(-1, V) into cross-entropy"
+    if view is not logits and not _classes_at_dim_one(view, shape) \
+            and (view.target not in (aten.view.default, aten.reshape.default, aten.flatten.using_ints)
+                 or shape_of(view) != (rows, shape[-1])):
+        return (f"logits feed {view.name} ({short(view.target)}), not a view(-1, V) or a transpose to [B, V, N] "
+                "into cross-entropy")
     ce_users = list(view.users)
     if len(ce_users) != 1 or ce_users[0].target != aten.cross_entropy_loss.default or ce_users[0].args[0] is not view:
         return f"the flattened logits {view.name} are used by something other than one cross-entropy"
@@ -272,6 +276,15 @@ def _cross_entropy_user(logits: fx.Node, shape: tuple):
         return (f"cross-entropy {ce.name} has weight={weight}, label_smoothing={smoothing}, reduction={reduction}; "
                 "the fused op supports no class weights and no smoothing")
     targets = args[1]
-    if shape_of(targets) != (shape_of(view)[0],):
-        return f"cross-entropy targets {targets.name} of shape {shape_of(targets)} are not one id per row"
+    if shape_of(targets) != tuple(shape[:-1] if view is not logits and _classes_at_dim_one(view, shape) else (rows,)):
+        return f"cross-entropy targets {targets.name} of shape {shape_of(targets)} are not one id per position"
     return ce, targets, _REDUCTIONS[reduction], int(ignore_index)
+
+
+def _classes_at_dim_one(node: fx.Node, shape: tuple) -> bool:
+    """Whether ``node`` is [B, N, V] logits transposed to [B, V, N], as cross-entropy over a sequence takes them."""
+    if len(shape) != 3:
+        return False
+    if node.target is aten.transpose.int:
+        return {d % 3 for d in node.args[1:3]} == {1, 2}
+    return node.target is aten.permute.default and [d % 3 for d in node.args[1]] == [0, 2, 1]

@@ -387,9 +387,19 @@ def d_probabilities(mu, var, prior_mu, prior_var, targets):  # the token distrib
     return torch.softmax(-_kl_to(mu[..., None, :], var[..., None, :], prior_mu[None, None], prior_var[None, None]), -1)
 
 
+def d_class_dim_one(mu, var, prior_mu, prior_var, targets):  # cross-entropy over dim 1 of [B, V, N] logits
+    return F.cross_entropy(-_kl_to(mu[:, :, None], var[:, :, None], prior_mu, prior_var).transpose(1, 2), targets,
+                           reduction="none")
+
+
+def d_class_dim_one_permuted(mu, var, prior_mu, prior_var, targets):  # permuted to [B, V, N], a token ignored
+    logits = -_kl_to(mu.unsqueeze(2), var.unsqueeze(2), prior_mu, prior_var) / 0.7
+    return F.cross_entropy(logits.permute(0, 2, 1), targets.masked_fill(targets == 0, -1), ignore_index=-1)
+
+
 DECODE = [d_spec_ce, d_logvar_priors_ce_sum, d_distributions_ignore_index, d_logits_returned, d_std_textbook,
           d_log_softmax_nll, d_softplus_helper_flatten, d_gather_nll, d_logsumexp_minus_target, d_label_smoothing,
-          d_probabilities]
+          d_probabilities, d_class_dim_one, d_class_dim_one_permuted]
 _PRIOR_DRAW = {d_logvar_priors_ce_sum: _logvar, d_logits_returned: _var}
 
 
@@ -403,6 +413,14 @@ def test_decode_spelling_fuses_and_equals_eager(fn, fresh_dynamo):
     report = _compare(lambda *a: fn(*a, targets), args, "kl_decode")
     assert report.count("kl_decode") == 1, str(report)
     assert not [m for m in report.misses if m.pattern == "kl_decode"], str(report)
+
+
+@pytest.mark.parametrize("fn", [d_class_dim_one, d_class_dim_one_permuted], ids=lambda f: f.__name__)
+def test_cross_entropy_over_dim_one_fuses_the_loss(fn, fresh_dynamo):
+    """[B, N, V] logits transposed to [B, V, N] for cross-entropy over a sequence: the loss is fused too."""
+    args = (torch.randn(B, N, K), _var((B, N, K)), torch.randn(V, K), _var((V, K)), torch.randint(0, V, (B, N)))
+    report = hecate.explain(fn, *args)
+    assert [f.op for f in report.fusions] == ["hecate.kl_decode_ce"], str(report)
 
 
 def d_any_leading_dims(mu, var, prior_mu, prior_var, targets):  # [N, K] or [B, H, N, K] beliefs
@@ -431,21 +449,6 @@ def test_decode_over_other_leading_dims_fuses(fn, lead, dynamic, fresh_dynamo):
     report = hecate.last_report()
     assert report.count("kl_decode") == 1 and not report.misses, str(report)
     assert_outputs_and_gradients_close(got, fn(*ref_args, targets), args, ref_args, 1e-5)
-
-
-def d_class_dim_one(mu, var, prior_mu, prior_var, targets):  # cross-entropy over dim 1 of [B, V, N] logits
-    return F.cross_entropy(-_kl_to(mu[:, :, None], var[:, :, None], prior_mu, prior_var).transpose(1, 2), targets,
-                           reduction="none")
-
-
-def test_decode_read_through_a_transpose_is_reported(fresh_dynamo):
-    args = (torch.randn(B, N, K), _var((B, N, K)), torch.randn(V, K), _var((V, K)), torch.randint(0, V, (B, N)))
-    report = hecate.explain(d_class_dim_one, *args)
-    misses = [m for m in report.misses if m.pattern == "kl_decode"]
-    assert report.count("kl_decode") == 0 and misses, str(report)
-    assert "laid out [..., N, V]" in misses[0].reason and "test_kl_spellings.py" in misses[0].source, misses[0]
-    compiled = torch.compile(d_class_dim_one, backend="hecate", options={"fallback": "eager"})
-    assert_close("output", compiled(*args), d_class_dim_one(*args), 1e-6)
 
 
 def m_decode_expanded_into_products(mu, var, prior_mu, prior_logvar):  # −½Σ[(μ−m)²/s + log s + v/s] multiplied out
