@@ -148,7 +148,7 @@ def run(args):
         lengths, dims, unrolled_lengths, repeat = [64], [32], [4], 3  # T = 64: the chunked form's first length
         general_p_max_T = 64
     else:
-        lengths, dims, unrolled_lengths, repeat = [256, 1024, 4096], args.dims, [16, 32], 5
+        lengths, dims, unrolled_lengths, repeat = args.lengths, args.dims, args.unrolled_lengths, 5
         general_p_max_T = 1024
     rows, labels = [], []
     fwd_series = {"eager loop": [], "inductor scan form": [], "hecate": []}
@@ -262,4 +262,8 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--dims", type=lambda s: [int(d) for d in s.split(",")], default=[64, 128],
                         help="d_k = d_v values, comma-separated (default 64,128)")
+    parser.add_argument("--lengths", type=lambda s: [int(t) for t in s.split(",")], default=[256, 1024, 4096],
+                        help="T values of the scan form, comma-separated (default 256,1024,4096)")
+    parser.add_argument("--unrolled-lengths", type=lambda s: [int(t) for t in s.split(",") if t], default=[16, 32],
+                        help="T values where Inductor also compiles the unrolled loop (default 16,32; '' for none)")
     run(parser.parse_args())

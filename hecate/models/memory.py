@@ -297,9 +297,14 @@ class HebbianMemory(_GatedMemory):
 
 
 def lp_memory_example() -> tuple[nn.Module, tuple]:
-    """``hecate explain lp_memory``: p = 3, data-dependent gates, φ = elu+1, T = 16."""
+    """``hecate explain lp_memory``: p = 3, data-dependent gates, φ = elu+1, T = 16.
+
+    η's gate starts near σ(−5) ≈ 0.007: the p = 3 step grows with e², so with keys that are not normalised
+    (‖φ(k)‖ ≈ 3 here) an η near 0.5, what a default bias gives, makes the memory diverge within a few tokens."""
     torch.manual_seed(0)
     model = LpMemory(32, n_heads=2, d_k=8, d_v=8, p=3.0, alpha=None, eta=None, phi="elu1")
+    with torch.no_grad():
+        model.gate_proj["eta"].bias.fill_(-5.0)
     return model, (torch.randn(2, 16, 32),)
 
 

@@ -25,7 +25,6 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 from torch.utils import _pytree as pytree
 
@@ -131,7 +130,13 @@ def val(node: Any) -> Any:
 
 def size_hint(size: Any) -> int:
     """A size as a number: a symbolic size's hint (the value it has now), without adding a guard."""
-    return optimization_hint(size) if isinstance(size, torch.SymInt) else int(size)
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # torch < 2.12: the same hint, read the older way
+        return size.node.shape_env.size_hint(size.node.expr)
+    return optimization_hint(size)
 
 
 def tensors_read(roots: Sequence[fx.Node], stop: Sequence[fx.Node] = ()) -> list[fx.Node]:

@@ -44,9 +44,9 @@ of (x, proj_weight, proj_bias, conv_weight, conv_bias, W_phi, b_phi, conv_state)
 
 from __future__ import annotations
 
-from typing import Sequence
-
+import functools
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -383,6 +383,24 @@ register_autocast(qk_preprocess, cast=("x", "proj_weight", "proj_bias", "conv_we
 # model); CUDA tensors (and the interpreter's triton_on_cpu) decline, keeping the Triton kernels.
 # --------------------------------------------------------------------------------------------------
 
+@functools.cache
+def _inductor_fallbacks() -> None:
+    """Where a decomposition declines (CUDA), Inductor lowers the op itself, but it gives an op that has a
+    decomposition no implicit fallback ("both a fallback and a decomp for same op"). Register the fallback
+    (a call of the op, strides as in the graph) once, on the first decline: importing Inductor's lowering
+    costs seconds that eager users need not pay."""
+    from torch._inductor import lowering
+
+    for op in (torch.ops.hecate.qk_preprocess.default, torch.ops.hecate.qk_preprocess_backward.default):
+        lowering.make_fallback(op, layout_constraint=getattr(lowering, "constrain_to_fx_strides", None), warn=False,
+                               override_decomp=True)
+
+
+def _declined():
+    _inductor_fallbacks()
+    return NotImplemented
+
+
 def _register_inductor_decompositions() -> None:
     from torch._inductor import decomposition as inductor_decomposition
     from torch._inductor.decomposition import register_decomposition
@@ -391,7 +409,7 @@ def _register_inductor_decompositions() -> None:
     def _forward_on_cpu(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
                         phi_scalar, conv_state=None):
         if use_triton_kernels(x):
-            return NotImplemented
+            return _declined()
         check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, conv_state)
         return forward_aten(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params,
                             phi_scalar, conv_state)
@@ -400,7 +418,7 @@ def _register_inductor_decompositions() -> None:
     def _backward_on_cpu(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,
                          phi_params, phi_scalar, output_mask, conv_state=None):
         if use_triton_kernels(x):
-            return NotImplemented
+            return _declined()
         check_inputs(x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, conv_state)
         mask = effective_mask(output_mask, proj_weight, proj_bias, conv_bias, phi, conv_state)
         return backward_aten(grad_out, x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi,

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one call: the environment, the CUDA tests, the GPU benchmarks.
+#
+#     STAGES=tests,qk,memory,fep OUT=/tmp/gpu benchmarks/gpu_check.sh
+#
+# Runs from the repository root with the machine's own python3 (its torch and triton; nothing is installed).
+# Each stage has its own time limit (seconds, env TESTS_S, QK_S, MEMORY_S, FEP_S), so one slow stage cannot
+# eat the others. Logs, the tests' JUnit XML and the benchmark JSON/PNG files end up in $OUT (a tarball of
+# benchmarks/results/*-cuda.* as gpu_results.tar.gz).
+set -u
+OUT=${OUT:-gpu_out}
+STAGES=${STAGES:-tests,qk,memory,fep}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export MPLBACKEND=Agg
+log="$OUT/gpu_check.log"
+
+stage() {  # stage NAME SECONDS COMMAND...: run unless NAME is not in $STAGES; record its time and status
+    local name=$1 limit=$2
+    shift 2
+    [[ ",$STAGES," == *",$name,"* ]] || return 0
+    local start=$SECONDS
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log" | tail -n 40
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: rc=$rc in $((SECONDS - start))s" | tee -a "$log"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+    python3 -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    python3 -c "import hecate, hecate.lowering; print('hecate imports')"
+} 2>&1 | tee -a "$log"
+
+stage tests "${TESTS_S:-240}" python3 -m pytest -m cuda -q -n 8 -p no:cacheprovider --durations=15 \
+    --junitxml="$OUT/cuda_tests.xml" tests/test_cuda.py tests/lowering/memory_scan/test_memory_scan_kernels.py \
+    tests/lowering/memory_scan/test_chunk_kernels.py tests/lowering/qk_preprocess/test_qk_preprocess_numerics.py \
+    tests/lowering/qk_preprocess/test_qk_preprocess_triton.py
+stage qk "${QK_S:-120}" python3 benchmarks/qk_preprocess.py --device cuda --no-progress
+stage memory "${MEMORY_S:-150}" python3 benchmarks/memory_scan.py --device cuda --dims 64 --lengths 256,1024,4096 \
+    --unrolled-lengths 16
+stage fep "${FEP_S:-120}" python3 benchmarks/fep.py --device cuda --sizes 1024x16,1024x64,4096x64 \
+    --compiled-train-sizes 1024x16 --no-progress
+
+tar czf "$OUT/gpu_results.tar.gz" benchmarks/results/*-cuda.* 2>/dev/null || echo "no benchmark results written"

@@ -1,0 +1,230 @@
+"""On a CUDA GPU: every fused op's Triton path, compiled models, and faithful numerics, on real hardware.
+
+Without a GPU these tests are skipped (CI has none; the same kernels run there under the interpreter).
+``benchmarks/gpu_check.sh`` runs them, with the other ``cuda``-marked tests, on a lent GPU.
+
+* each op on CUDA against its float64 reference on the CPU, forward and every gradient, with every buffer
+  the launchers allocate poisoned (NaN) so an unwritten element shows;
+* ``torch.library.opcheck`` on CUDA tensors;
+* NaN in an input gives NaN where the ATen path gives NaN (the kernels' max/min must not drop it);
+* every model of ``hecate.models.EXAMPLES`` compiled with ``backend="hecate"`` on CUDA fuses what it fuses
+  on the CPU and equals eager, output and parameter gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hecate
+import hecate.lowering  # noqa: F401
+from hecate.lowering.kl_attention.naive import kl_attention_naive
+from hecate.lowering.kl_attention.op import OUTPUT_NAMES
+from hecate.lowering.kl_decode.naive import kl_decode_logits_naive
+from hecate.lowering.linear_attention.naive import linear_attention_naive
+from hecate.lowering.memory_scan.naive import memory_scan_naive
+from hecate.lowering.qk_preprocess.naive import qk_preprocess_reference
+from hecate.models import EXAMPLES
+from hecate.testing import assert_close
+
+pytestmark = pytest.mark.cuda
+
+TOL = 1e-4  # fp32 kernels (IEEE dots, fp32 accumulation) against float64
+
+
+@pytest.fixture
+def poison_allocations(monkeypatch):
+    """Every float buffer allocated with empty/empty_like/new_empty starts as NaN."""
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(new_empty(self, *a, **kw)))
+
+
+def _leaves(tensors, device, dtype=torch.float32):
+    """float64 CPU leaves and their copies on ``device`` in ``dtype``, all requiring grad (None stays None)."""
+    ref = [t.detach().double().requires_grad_() if t is not None else None for t in tensors]
+    dev = [t.detach().to(device, dtype).requires_grad_() if t is not None else None for t in tensors]
+    return ref, dev
+
+
+def _compare(names, got, ref, grad_names, got_inputs, ref_inputs, tol):
+    """Outputs (±inf where the reference has them) and the gradients of Σ w·out, w random, vs the reference."""
+    got, ref = [got] if torch.is_tensor(got) else list(got), [ref] if torch.is_tensor(ref) else list(ref)
+    weights = [torch.randn(r.shape, dtype=torch.float64) for r in ref]
+    for name, g, r in zip(names, got, ref):
+        g = g.detach().cpu().double()
+        assert torch.equal(torch.isinf(g), torch.isinf(r.detach())), name
+        assert_close(name, torch.where(torch.isinf(g), 0.0, g), torch.where(torch.isinf(r), 0.0, r.detach()), tol)
+
+    def loss(outs, device):
+        return sum(torch.where(torch.isinf(o), 0.0, o * w.to(device, o.dtype)).sum() for o, w in zip(outs, weights))
+
+    wrt_got = [t for t in got_inputs if t is not None]
+    wrt_ref = [t for t in ref_inputs if t is not None]
+    grads = torch.autograd.grad(loss(got, "cuda"), wrt_got, allow_unused=True)
+    ref_grads = torch.autograd.grad(loss(ref, "cpu"), wrt_ref, allow_unused=True)
+    for name, g, r in zip(grad_names, grads, ref_grads):
+        if r is None or r.norm() == 0:
+            continue
+        assert g is not None, name
+        assert_close(name, g.cpu().double(), r, tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# ops against their references
+
+
+@pytest.mark.parametrize("b,n,k,dv,dw", [(2, 19, 5, 3, 4), (2, 300, 64, 64, 0), (1, 257, 16, 0, 32)])
+@pytest.mark.parametrize("causal,mask_diagonal", [(False, False), (True, False), (True, True)])
+def test_kl_attention(b, n, k, dv, dw, causal, mask_diagonal, poison_allocations):
+    # spread so that KL/κ is O(1) at every K: β is neither one-hot nor uniform
+    mu, var = torch.randn(b, n, k) * k ** -0.5, 0.5 + torch.rand(b, n, k)
+    ref_in, dev_in = _leaves((mu, var, torch.randn(b, n, dv), torch.randn(b, n, dw)), "cuda")
+    got = torch.ops.hecate.kl_attention(*dev_in, 0.7, causal, mask_diagonal)
+    ref = kl_attention_naive(*ref_in, 0.7, causal, mask_diagonal)
+    _compare(OUTPUT_NAMES, got, ref, ("d mu", "d var", "d row_values", "d col_values"), dev_in, ref_in, TOL)
+
+
+@pytest.mark.parametrize("m,v,k", [(37, 23, 5), (1000, 3001, 64)])
+def test_kl_decode(m, v, k, poison_allocations):
+    params = (torch.randn(m, k), 0.3 + torch.rand(m, k), torch.randn(v, k), 0.3 + torch.rand(v, k))
+    targets = torch.randint(0, v, (m,))
+    targets[m // 2] = -100
+    ref_in, dev_in = _leaves(params, "cuda")
+    grad_names = ("d mu", "d var", "d prior_mu", "d prior_var")
+    loss, lse = torch.ops.hecate.kl_decode_ce(*dev_in, targets.cuda(), 0.8, -100)
+    logits = kl_decode_logits_naive(*ref_in, 0.8)
+    assert_close("lse", lse.cpu().double(), torch.logsumexp(logits, -1).detach(), TOL)  # auxiliary: no gradient
+    _compare(("loss",), loss, F.cross_entropy(logits, targets, reduction="none"), grad_names, dev_in, ref_in, TOL)
+    got = torch.ops.hecate.kl_decode_logits(*dev_in, 1.3)
+    _compare(("logits",), got, kl_decode_logits_naive(*ref_in, 1.3), grad_names, dev_in, ref_in, TOL)
+
+
+def test_kl_decode_targets_out_of_range():
+    params = [t.cuda() for t in (torch.randn(4, 3), torch.rand(4, 3) + 0.5, torch.randn(5, 3), torch.rand(5, 3) + 0.5)]
+    for bad in (5, -1):
+        with pytest.raises(IndexError, match="targets"):
+            torch.ops.hecate.kl_decode_ce(*params, torch.tensor([0, 1, bad, 2], device="cuda"), 1.0, -100)
+
+
+@pytest.mark.parametrize("causal,normalize,gated,init", [(True, False, True, True), (True, True, True, True),
+                                                         (False, True, False, False), (False, False, False, False)])
+@pytest.mark.parametrize("T", [7, 300])
+def test_linear_attention(causal, normalize, gated, init, T, poison_allocations):
+    B, H, Dk, Dv = 2, 3, 32, 48
+    k, q = F.elu(torch.randn(B, T, H, Dk)) + 1, F.elu(torch.randn(B, T, H, Dk)) + 1
+    alpha = torch.sigmoid(torch.randn(B, T, H) + 2) if gated else None
+    m0 = torch.randn(B, H, Dv, Dk) if init else None
+    z0 = torch.rand(B, H, Dk) + 1 if init and normalize else None
+    ref_in, dev_in = _leaves((k, torch.randn(B, T, H, Dv), q, alpha, m0, z0), "cuda")
+    got = torch.ops.hecate.linear_attention(*dev_in, normalize, 1e-6, causal)
+    ref = linear_attention_naive(*ref_in, normalize, 1e-6, causal)
+    names = ("y", "m_final", "z_final")[:len(ref)]
+    _compare(names, got[:len(ref)], ref, ("dk", "dv", "dq", "dalpha", "dm0", "dz0"), dev_in, ref_in, TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# opcheck on CUDA tensors
+
+
+def _qk_args(phi="elu1", B=2, T=9, D_in=5, D=6, K=4):
+    return (torch.randn(B, T, D_in, device="cuda"), torch.randn(D, D_in, device="cuda"), torch.randn(D, device="cuda"),
+            torch.randn(D, 1, K, device="cuda"), torch.randn(D, device="cuda"), "silu", phi, [], 0.5)
+
+
+def _memory_args(B=2, T=5, H=2, Dk=4, Dv=3):
+    c = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
+    return (c(B, T, H, Dk) * 0.5, c(B, T, H, Dv), c(B, T, H, Dk), torch.sigmoid(c(B, T, H) - 2),
+            0.3 * torch.sigmoid(c(B, T, H)), c(B, H, Dv, Dk) * 0.3, None, 2.5, 10.0, 1e-6, 0.5, 2.0)
+
+
+@pytest.mark.parametrize("name", ["qk_preprocess", "memory_scan", "kl_attention", "kl_decode_ce", "linear_attention"])
+def test_opcheck(name):
+    c = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
+    u = lambda *s: torch.rand(*s, device="cuda") + 0.5  # noqa: E731
+    args = {
+        "qk_preprocess": _qk_args(),
+        "memory_scan": _memory_args(),
+        "kl_attention": (c(2, 9, 3), u(2, 9, 3), c(2, 9, 2), c(2, 9, 4), 0.8, True, False),
+        "kl_decode_ce": (c(6, 3), u(6, 3), c(7, 3), u(7, 3), torch.randint(0, 7, (6,), device="cuda"), 0.8, -100),
+        "linear_attention": (u(2, 5, 2, 4), c(2, 5, 2, 3), u(2, 5, 2, 4), torch.sigmoid(c(2, 5, 2)), None, None,
+                             True, 1e-6, True),
+    }[name]
+    args = tuple(a.requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+    torch.library.opcheck(getattr(torch.ops.hecate, name).default, args)
+
+
+# ---------------------------------------------------------------------------------------------
+# NaN propagates as in ATen
+
+
+def _nan_pattern_matches(run, args, index):
+    """run(*args) with one NaN input element on CUDA and on the CPU (ATen path): same NaN positions."""
+    cpu = [a.clone() if torch.is_tensor(a) else a for a in args]
+    cpu[0].view(-1)[index] = float("nan")
+    gpu = [a.cuda() if torch.is_tensor(a) else a for a in cpu]
+    ref, got = run(*cpu), run(*gpu)
+    ref, got = [ref] if torch.is_tensor(ref) else ref, [got] if torch.is_tensor(got) else got
+    for r, g in zip(ref, got):
+        assert torch.isnan(r).any()
+        assert torch.equal(torch.isnan(g.cpu()), torch.isnan(r))
+
+
+@pytest.mark.parametrize("phi", ["elu1", "relu", "relu2", "exp"])
+def test_qk_preprocess_propagates_nan(phi):
+    args = [a.cpu() if torch.is_tensor(a) else a for a in _qk_args(phi)]
+    args[1] = torch.eye(6, 5)  # the projection carries the NaN to one channel only
+    _nan_pattern_matches(torch.ops.hecate.qk_preprocess, args, 7)
+
+
+def test_memory_scan_and_kl_attention_propagate_nan():
+    args = [a.cpu() if torch.is_tensor(a) else a for a in _memory_args()]
+    _nan_pattern_matches(lambda *a: torch.ops.hecate.memory_scan(*a)[:2], args, 11)
+    kl = (torch.randn(2, 9, 3), torch.rand(2, 9, 3) + 0.5, torch.randn(2, 9, 2), torch.randn(2, 9, 4))
+    _nan_pattern_matches(lambda *a: torch.ops.hecate.kl_attention(*a, 0.8, True, False)[:3], kl, 40)
+
+
+# ---------------------------------------------------------------------------------------------
+# the models, compiled
+
+
+def _run(model, args):
+    """The model's floating outputs and the gradients of Σ (out·w) for every parameter (w fixed per shape)."""
+    out = model(*args)
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if torch.is_tensor(o) and o.is_floating_point()]
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = sum((o * torch.linspace(-1, 1, o.numel(), device=o.device).view_as(o)).sum() for o in outs)
+    return outs, torch.autograd.grad(total, params, allow_unused=True) if total.requires_grad else []
+
+
+def _fusions(model, args) -> list[str]:
+    torch._dynamo.reset()
+    torch.compile(model, backend="hecate")(*args)
+    return sorted(f.op for f in hecate.last_report().fusions)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_model_compiled_on_cuda(name):
+    model, args = EXAMPLES[name]()
+    cpu_fusions = _fusions(copy.deepcopy(model), args)
+    model = model.cuda()
+    args = tuple(a.cuda() if torch.is_tensor(a) else a for a in args)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    outs, grads = _run(torch.compile(model, backend="hecate"), args)
+    assert sorted(f.op for f in hecate.last_report().fusions) == cpu_fusions, str(hecate.last_report())
+    ref_outs, ref_grads = _run(eager, args)
+    assert all(torch.isfinite(r).all() for r in ref_outs), f"{name}: the example itself is not finite in eager"
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        assert_close(f"output {i}", o, r, TOL)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for pname, g, r in zip(names, grads, ref_grads):
+        if r is not None and r.norm() > 0:
+            assert_close(f"d {pname}", g, r, TOL)
