@@ -25,8 +25,6 @@ from hecate.lowering.kl_attention.naive import kl_attention_naive
 from hecate.lowering.kl_attention.op import OUTPUT_NAMES
 from hecate.lowering.kl_decode.naive import kl_decode_logits_naive
 from hecate.lowering.linear_attention.naive import linear_attention_naive
-from hecate.lowering.memory_scan.naive import memory_scan_naive
-from hecate.lowering.qk_preprocess.naive import qk_preprocess_reference
 from hecate.models import EXAMPLES
 from hecate.testing import assert_close
 
