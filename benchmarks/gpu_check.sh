@@ -21,7 +21,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run unless NAME is not in $STAGES; r
     [[ ",$STAGES," == *",$name,"* ]] || return 0
     local start=$SECONDS
     echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
-    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log" | tail -n 40
+    # SIGINT first: pytest and the benchmarks stop as after Ctrl-C, printing what they have
+    timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee -a "$log" | tail -n 40
     local rc=${PIPESTATUS[0]}
     echo "=== $name: rc=$rc in $((SECONDS - start))s" | tee -a "$log"
 }
@@ -32,7 +33,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run unless NAME is not in $STAGES; r
     python3 -c "import hecate, hecate.lowering; print('hecate imports')"
 } 2>&1 | tee -a "$log"
 
-stage tests "${TESTS_S:-240}" python3 -m pytest -m cuda -q -n 8 -p no:cacheprovider --durations=15 \
+stage tests "${TESTS_S:-240}" python3 -m pytest -m cuda -v -n 8 -p no:cacheprovider --timeout=150 --durations=30 -rfE --tb=short \
     --junitxml="$OUT/cuda_tests.xml" tests/test_cuda.py tests/lowering/memory_scan/test_memory_scan_kernels.py \
     tests/lowering/memory_scan/test_chunk_kernels.py tests/lowering/qk_preprocess/test_qk_preprocess_numerics.py \
     tests/lowering/qk_preprocess/test_qk_preprocess_triton.py

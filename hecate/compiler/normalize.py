@@ -279,7 +279,7 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
         if any(order[r] < last for r in readers) or _written_after(graph, list(slots.values()), order, order[out]) \
                 or any(n.target in _MODE_CHANGES for n in graph.nodes if order[out] < order[n] < last):
             continue
-        first_reader = min(readers, key=order.__getitem__, default=next(reversed(graph.nodes)))
+        first_reader = min(readers, key=order.__getitem__, default=next(iter(reversed(graph.nodes))))
         with graph.inserting_before(first_reader):
             stack = graph.call_function(torch.stack, ([slots[(dim, t)] for t in range(int(size))], dim))
         stack.meta.update(out.meta)
@@ -332,7 +332,7 @@ def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
 
 
 def _output_nodes(graph: fx.Graph) -> set[fx.Node]:
-    out = next(reversed(graph.nodes))
+    out = next(iter(reversed(graph.nodes)))
     found: set[fx.Node] = set()
     fx.node.map_arg(out.args, found.add)
     return found

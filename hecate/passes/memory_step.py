@@ -298,7 +298,7 @@ class _Body:
     def __init__(self, body: fx.GraphModule, n_carries: int):
         self.graph = body.graph
         self.placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        self.outputs = list(next(reversed(body.graph.nodes)).args[0])
+        self.outputs = list(next(iter(reversed(body.graph.nodes))).args[0])
         self.carries = self.placeholders[:n_carries]
         self.carry_out = self.outputs[:n_carries]
         self.ys = self.outputs[n_carries:]
