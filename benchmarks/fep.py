@@ -196,32 +196,44 @@ def main():
     impls = args.impls.split(",")
     compiled_train = {tuple(int(x) for x in s.split("x")) for s in args.compiled_train_sizes.split(",") if s}
     cells = []
+    name = "fep"
+    json_path = result_path(name, args.device, "json", args.quick)
+    earlier = []
+    if args.merge and os.path.exists(json_path):
+        with open(json_path) as f:
+            earlier = json.load(f)["cells"]
+
+    def save(measured: list, complete: bool) -> tuple[str, list]:
+        """The JSON with the cells measured so far (after every cell: a run stopped early keeps them)."""
+        cells = _merge(earlier, measured) if earlier else list(measured)
+        for cell in cells:
+            base = cell.get("eager", {}).get("ms")
+            for impl in ("inductor", "hecate", "hecate_eager", "sdpa"):
+                if base and impl in cell and "ms" in cell[impl]:
+                    cell[impl]["speedup_vs_eager"] = base / cell[impl]["ms"]
+            if "sdpa" in cell and "ms" in cell.get("hecate", {}):
+                cell["hecate"]["ratio_to_sdpa"] = cell["hecate"]["ms"] / cell["sdpa"]["ms"]
+        path = write_json(name, args.device, {
+            "workloads": {"attention": bench_attention.__doc__ or "one Q-flow step's attention + alignment gradient",
+                          "train_step": "forward + backward, 1 layer, 2 Q-flow steps, V = 64, B = 1"},
+            "notes": "CPU: hecate's kl_attention runs its matmul-form CPU path ([B,N,N] scores, no [B,N,N,K]); "
+                     "the rest of the graph goes to Inductor. Memory only measured on CUDA. A cell's date is "
+                     "when it was measured (--merge keeps the cells not measured again; older cells have none).",
+            "complete": complete,
+            "cells": cells}, quick=args.quick)
+        return path, cells
+
+    measured = []
     for n, k in tqdm(sizes, desc="N, K", disable=args.no_progress, dynamic_ncols=True):
         if "attention" in workloads:
-            cells.append(bench_attention(n, k, args.device, impls, args.max_gib, args.repeat))
+            measured.append(bench_attention(n, k, args.device, impls, args.max_gib, args.repeat))
+            save(measured, complete=False)
         if "train_step" in workloads:
             train_impls = [i if i == "eager" or (n, k) in compiled_train or args.device == "cuda"
                            else (i, COMPILE_SKIP) for i in impls] + ["hecate_eager"]
-            cells.append(bench_train_step(n, k, args.device, train_impls, args.max_gib, args.repeat))
-    name = "fep"
-    json_path = result_path(name, args.device, "json", args.quick)
-    if args.merge and os.path.exists(json_path):
-        with open(json_path) as f:
-            cells = _merge(json.load(f)["cells"], cells)
-    for cell in cells:
-        base = cell.get("eager", {}).get("ms")
-        for impl in ("inductor", "hecate", "hecate_eager", "sdpa"):
-            if base and impl in cell and "ms" in cell[impl]:
-                cell[impl]["speedup_vs_eager"] = base / cell[impl]["ms"]
-        if "sdpa" in cell and "ms" in cell.get("hecate", {}):
-            cell["hecate"]["ratio_to_sdpa"] = cell["hecate"]["ms"] / cell["sdpa"]["ms"]
-    path = write_json(name, args.device, {
-        "workloads": {"attention": bench_attention.__doc__ or "one Q-flow step's attention + alignment gradient",
-                      "train_step": "forward + backward, 1 layer, 2 Q-flow steps, V = 64, B = 1"},
-        "notes": "CPU: hecate's kl_attention runs its matmul-form CPU path ([B,N,N] scores, no [B,N,N,K]); "
-                 "the rest of the graph goes to Inductor. Memory only measured on CUDA. A cell's date is "
-                 "when it was measured (--merge keeps the cells not measured again; older cells have none).",
-        "cells": cells}, quick=args.quick)
+            measured.append(bench_train_step(n, k, args.device, train_impls, args.max_gib, args.repeat))
+            save(measured, complete=False)
+    path, cells = save(measured, complete=True)
     series = {impl: [] for impl in ("eager", "inductor", "hecate", "hecate_eager", "sdpa")
               if any(impl in cell for cell in cells)}
     labels = []

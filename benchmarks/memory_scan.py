@@ -150,7 +150,33 @@ def run(args):
     else:
         lengths, dims, unrolled_lengths, repeat = args.lengths, args.dims, args.unrolled_lengths, 5
         general_p_max_T = 1024
-    rows, labels = [], []
+    rows, labels, unrolled = [], [], []
+
+    def save(complete: bool) -> str:
+        """The JSON as measured so far (after every row: a run stopped early keeps what it measured)."""
+        payload = {
+            "what": "l_p memory recurrence (LpMemory step on projected inputs), B*H = 32",
+            "quick": args.quick,
+            "notes": [
+                "T=4096 rows: 1 timed run, no warm-up, to keep the CPU run to a few minutes; "
+                f"general p (p=3) only up to T={general_p_max_T}",
+                *([f"CPU runs use torch.set_num_threads({args.threads}) (2-core machine shared with other jobs: "
+                   "more threads oversubscribe it)",
+                   "the machine is shared (2 cores, other jobs running): CPU timings are noisy"]
+                  if device == "cpu" else []),
+                "eager forward+backward is skipped where autograd would hold more than "
+                f"{EAGER_BACKWARD_MAX_BYTES / 2**30:.0f} GiB of per-step states",
+                "hecate forward+backward = memory_scan forward + memory_scan_backward (re-runs the forward "
+                "keeping a checkpoint every CHUNK steps, then recomputes each segment)",
+                "compile_s = first call (compile + one run) minus one steady-state run, Inductor caches disabled",
+                "Inductor could not compile the scan form on this torch (InductorError DataDependentOutputException "
+                "in decompose_scan_to_while_loop, even for a trivial scan body): its timings are null, error recorded",
+            ],
+            "rows": rows,
+            "inductor_unrolled": unrolled,
+        }
+        return write_json("memory_scan", device, {**payload, "complete": complete}, quick=args.quick)
+
     fwd_series = {"eager loop": [], "inductor scan form": [], "hecate": []}
     bwd_series = {"eager loop": [], "inductor scan form": [], "hecate": []}
     for d in dims:
@@ -206,9 +232,9 @@ def run(args):
                     print(f"  {mode}: {res}", flush=True)
                 labels.append(f"p={p:g} T={T} d={d}")
                 rows.append(row)
+                save(complete=False)
 
     # Inductor on the unrolled loop: only where it compiles in reasonable time
-    unrolled = []
     for T in unrolled_lengths:
         d, p = dims[0], 2.0
         loop = make_loop(p)
@@ -226,28 +252,9 @@ def run(args):
             entry[mode] = res
             print(f"unrolled T={T} {mode}: {res}", flush=True)
         unrolled.append(entry)
+        save(complete=False)
 
-    payload = {
-        "what": "l_p memory recurrence (LpMemory step on projected inputs), B*H = 32",
-        "quick": args.quick,
-        "notes": [
-            "T=4096 rows: 1 timed run, no warm-up, to keep the CPU run to a few minutes; "
-            f"general p (p=3) only up to T={general_p_max_T}",
-            f"CPU runs use torch.set_num_threads({args.threads}) (2-core machine shared with other jobs: "
-            "more threads oversubscribe it)",
-            "eager forward+backward is skipped where autograd would hold more than "
-            f"{EAGER_BACKWARD_MAX_BYTES / 2**30:.0f} GiB of per-step states",
-            "the machine is shared (2 cores, other jobs running): CPU timings are noisy",
-            "hecate forward+backward = memory_scan forward + memory_scan_backward (re-runs the forward "
-            "keeping a checkpoint every CHUNK steps, then recomputes each segment)",
-            "compile_s = first call (compile + one run) minus one steady-state run, Inductor caches disabled",
-            "Inductor could not compile the scan form on this torch (InductorError DataDependentOutputException "
-            "in decompose_scan_to_while_loop, even for a trivial scan body): its timings are null, error recorded",
-        ],
-        "rows": rows,
-        "inductor_unrolled": unrolled,
-    }
-    path = write_json("memory_scan", device, payload, quick=args.quick)
+    path = save(complete=True)
     png = result_path("memory_scan", device, "png", args.quick)
     plot_bars(png, f"memory_scan forward ({device}); B·H=32", labels, fwd_series)
     plot_bars(png.replace(".png", "-fwd-bwd.png"), f"memory_scan forward+backward ({device}); B·H=32",

@@ -35,14 +35,17 @@ CASES = [
 ]
 
 
-def make_inputs(case: Case, dtype=torch.float64, B=2, H=2, Dk=5, Dv=3):
-    """(k, v, q, alpha, eta, m0, cu_seqlens) with grads on the float tensors."""
+def make_inputs(case: Case, dtype=torch.float64, B=2, H=2, Dk=5, Dv=3, unit_keys=False):
+    """(k, v, q, alpha, eta, m0, cu_seqlens) with grads on the float tensors. ``unit_keys``: ‖k_t‖ = 1, as
+    wide heads need (with ‖k‖ ≈ √Dk / 2 the p = 3 update diverges: Dk = 64, T = 300 overflows float64)."""
     T = case.T
     if case.cu_seqlens is not None:
         B = 1
         T = case.cu_seqlens[-1]
     n_states = B if case.cu_seqlens is None else len(case.cu_seqlens) - 1
     k = torch.randn(B, T, H, Dk, dtype=dtype) * 0.5
+    if unit_keys:
+        k = k / k.norm(dim=-1, keepdim=True)
     v = torch.randn(B, T, H, Dv, dtype=dtype)
     q = torch.randn(B, T, H, Dk, dtype=dtype)
     if case.fixed_gates:

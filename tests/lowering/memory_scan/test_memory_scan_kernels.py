@@ -113,7 +113,7 @@ def test_opcheck_triton():
                                   Case("varlen", p=2.5, momentum=0.3, cu_seqlens=(0, 100, 100, 300))],
                          ids=lambda c: c.name)
 def test_cuda_matches_reference(case, dtype):
-    inputs64 = make_inputs(case, B=2, H=2, Dk=64, Dv=48)
+    inputs64 = make_inputs(case, B=2, H=2, Dk=64, Dv=48, unit_keys=True)
     inputs = [x.detach().to("cuda", dtype if i < 3 else torch.float32).requires_grad_()
               if isinstance(x, torch.Tensor) and x.is_floating_point() else (x.cuda() if x is not None else None)
               for i, x in enumerate(inputs64)]
