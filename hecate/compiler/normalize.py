@@ -58,6 +58,8 @@ from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from hecate.passes.matching import zero_pad_amounts
+
 aten = torch.ops.aten
 
 # Dynamo's spelling of ``x op= y`` on a tensor and its out-of-place twin
@@ -539,7 +541,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return _einsum(graph, node, outputs)
     if target is aten.slice.Tensor and len(args) > 1 and _permutation(args[0]) is not None:
         return _slice_before_permute(graph, node, outputs)
-    if _permutation(node) is not None and isinstance(args[0], fx.Node) and _zero_pad(args[0]) is not None \
+    if _permutation(node) is not None and isinstance(args[0], fx.Node) and zero_pad_amounts(args[0]) is not None \
             and len(args[0].users) == 1 and args[0] not in outputs:
         return _pad_after_permute(graph, node, outputs)
     if target is aten.conv2d.default:
@@ -734,23 +736,12 @@ def _slice_before_permute(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node])
         return _emit(graph, permute.target, cut, *permute.args[1:])
 
 
-def _zero_pad(node: fx.Node) -> list[int] | None:
-    """The amounts of ``F.pad(x, amounts)`` with zeros (mode constant, value 0 or unset), else None."""
-    if node.op != "call_function" or node.target is not aten.pad.default:
-        return None
-    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
-    value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
-    if mode != "constant" or value not in (None, 0) or not all(isinstance(a, int) for a in node.args[1]):
-        return None
-    return list(node.args[1])
-
-
 def _pad_after_permute(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node:
     """``F.pad(h, (0, 0, K-1, 0)).transpose(1, 2)`` → ``F.pad(h.transpose(1, 2), (K-1, 0))``: each dim keeps its
     zeros, now on the dim it moved to. Exact: the same elements, the same zeros. So a causal conv's left padding
     reads as one F.pad right before the conv, padded before or after transposing to [B, D, T]."""
     pad, order = node.args[0], _permutation(node)
-    rank, amounts = len(order), _zero_pad(node.args[0])
+    rank, amounts = len(order), zero_pad_amounts(node.args[0])
     per_dim = {rank - 1 - i // 2: amounts[i - i % 2:i - i % 2 + 2] for i in range(0, len(amounts), 2)}
     moved = [per_dim.get(order[d], [0, 0]) for d in reversed(range(rank))]  # F.pad's order: the last dim first
     while moved and moved[-1] == [0, 0]:

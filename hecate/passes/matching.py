@@ -128,6 +128,24 @@ def val(node: Any) -> Any:
     return node.meta["val"] if isinstance(node, fx.Node) else node
 
 
+def pad_fill(pad: fx.Node) -> tuple[str, Any]:
+    """What ``F.pad`` fills with: its (mode, value), schema defaults where omitted."""
+    mode = pad.args[2] if len(pad.args) > 2 else pad.kwargs.get("mode", "constant")
+    value = pad.args[3] if len(pad.args) > 3 else pad.kwargs.get("value")
+    return mode, value
+
+
+def zero_pad_amounts(node: Any) -> list[int] | None:
+    """The amounts of ``F.pad(x, amounts)`` when it pads with zeros (mode constant, value 0 or unset) by fixed
+    amounts, else None (not a pad, another fill, or symbolic amounts)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target is not torch.ops.aten.pad.default:
+        return None
+    mode, value = pad_fill(node)
+    if mode != "constant" or value not in (None, 0) or not all(isinstance(a, int) for a in node.args[1]):
+        return None
+    return list(node.args[1])
+
+
 def size_hint(size: Any) -> int:
     """A size as a number: a symbolic size's hint (the value it has now), without adding a guard."""
     if not isinstance(size, torch.SymInt):

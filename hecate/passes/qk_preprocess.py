@@ -61,7 +61,7 @@ from torch.fx.passes.utils.matcher_utils import InternalMatch
 
 from hecate.passes.report import FusionReport
 from hecate.lowering import pointwise
-from hecate.passes.matching import Match, find_matches, pattern_graph, replace_with_op, val
+from hecate.passes.matching import Match, find_matches, pad_fill, pattern_graph, replace_with_op, val
 
 PATTERN = "qk_preprocess"
 OP_NAME = "hecate.qk_preprocess"
@@ -241,7 +241,7 @@ def _padded_with_other_than_zeros(conv: fx.Node) -> str | None:
     pad = conv.args[0]
     if not (isinstance(pad, fx.Node) and pad.target == aten.pad.default):
         return None
-    mode, value = _arg(pad, 2, "mode", "constant"), _arg(pad, 3, "value")
+    mode, value = pad_fill(pad)
     if mode == "constant" and value in (None, 0):
         return None
     if mode == "constant":

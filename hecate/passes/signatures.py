@@ -33,6 +33,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from hecate.passes.matching import zero_pad_amounts
 from hecate.passes.report import FusionReport, source_line
 
 aten = torch.ops.aten
@@ -370,11 +371,9 @@ def _hand_written_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
     """A causal conv written by hand (Σ_k w[:, k] · F.pad(x, (K-1, 0))[..., k:k+T], or over ``unfold``): a tensor
     zero-padded (P, 0) on its last dim, read through all its P + 1 windows of the unpadded length."""
     for pad in graph.find_nodes(op="call_function", target=aten.pad.default):
-        shape, amounts = _shape(pad), list(pad.args[1])
-        mode = pad.args[2] if len(pad.args) > 2 else pad.kwargs.get("mode", "constant")
-        value = pad.args[3] if len(pad.args) > 3 else pad.kwargs.get("value")
-        if shape is None or mode != "constant" or value not in (None, 0) or len(amounts) < 2 \
-                or not isinstance(amounts[0], int) or amounts[0] < 1 or amounts[1] != 0 or any(amounts[2:]):
+        shape, amounts = _shape(pad), zero_pad_amounts(pad)
+        if shape is None or amounts is None or len(amounts) < 2 or amounts[0] < 1 or amounts[1] != 0 \
+                or any(amounts[2:]):
             continue
         p, last = amounts[0], len(shape) - 1
         starts, unfolded = set(), False

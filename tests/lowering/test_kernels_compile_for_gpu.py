@@ -135,10 +135,11 @@ CASES["kl_decode_ce_bwd_cols"] = (KD._ce_bwd_cols, _decode_types(KD._ce_bwd_cols
 
 # --- memory_scan chunk kernels (chunk_kernels.py): k, v, q, y and the backward's dy, dv in the input dtype; u, w_hat,
 # the gates, the states and the gradient partials fp32; chunks of chunked.CHUNK = 64, Dk = Dv = 64 (BK = 64,
-# BV = MAX_BLOCK_V = 32). Their fp32 dots compile slowly, so each flag is taken on and off across few cases.
+# BV = MAX_BLOCK_V = 32), the products as three TF32 ones (DOT = "tf32x3", what sm_80 and newer take). They
+# still compile slowly (the backward ~20 s on one core), so each flag is taken on and off across few cases.
 CHUNK_INPUT_DTYPE = {"k", "v", "q", "y", "dy", "dv"}
 CHUNK_SCALARS = dict(T="i32", ROWS="i32", cu_seqlens="*i32")
-CHUNK_BLOCKS = dict(H=4, DK=64, DV=64, BK=64, BV=32, CHUNK=64)
+CHUNK_BLOCKS = dict(H=4, DK=64, DV=64, BK=64, BV=32, CHUNK=64, DOT="tf32x3")
 
 
 def _chunk_types(kernel, constexprs: dict, dtype: str) -> dict[str, str]:

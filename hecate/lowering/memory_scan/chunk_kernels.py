@@ -15,7 +15,8 @@ keep a_t = 1 − α_t; for a chunk of C tokens starting from A_0, with
 Every P is a cumulative product down the columns of a masked matrix of keep factors, never a ratio of
 γ's, so a keep factor of 0 is exact.
 
-Kernels (fp32 arithmetic and fp32 ``tl.dot`` in "ieee" precision whatever the input dtype; fp16/bf16
+Kernels (fp32 arithmetic and fp32 ``tl.dot`` whatever the input dtype, as three TF32 products ("tf32x3",
+fp32's accuracy on tensor cores) where the GPU has them, else "ieee" (:func:`dot_precision`); fp16/bf16
 k, v, q are read and widened, y is written in the dtype of v):
 
 1. :func:`delta_prepare_kernel` (delta rule only), one program per (chunk, sequence·head), all in parallel:
@@ -125,10 +126,10 @@ def _unit_lower_inverse(L, o_c, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _delta_system(K, keep_prev, b, o_c, CHUNK: tl.constexpr):
+def _delta_system(K, keep_prev, b, o_c, CHUNK: tl.constexpr, DOT: tl.constexpr):
     # (P⁻, K Kᵀ, (I + L)⁻¹) [C, C] of the delta rule's chunk, L = diag(b) (P⁻ ⊙ K Kᵀ) strictly lower
     P_prev = _decays(keep_prev, o_c, 1)
-    KK = tl.dot(K, tl.trans(K), input_precision="ieee")
+    KK = tl.dot(K, tl.trans(K), input_precision=DOT)
     L = tl.where(o_c[:, None] > o_c[None, :], b[:, None] * P_prev * KK, 0.0)
     return P_prev, KK, _unit_lower_inverse(L, o_c, CHUNK)
 
@@ -151,7 +152,7 @@ def _state_tile(i_v, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: t
 def delta_prepare_kernel(
     k, v, alpha, eta, u, w_hat, cu_seqlens, T,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHUNK: tl.constexpr, VARLEN: tl.constexpr,
+    CHUNK: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
 ):
     # grid (max chunks per sequence, N·H); writes u [rows, DV] and w_hat [rows, DK] fp32 of its chunk
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
@@ -165,15 +166,15 @@ def delta_prepare_kernel(
     K = _load_rows(k, rows, o_k, mask_c, mask_k, DK)  # [C, BK]
     keep, keep_prev, step = _chunk_gates(alpha, eta, rows, mask_c, o_c, H)
     b = 2.0 * step
-    _, _, inverse = _delta_system(K, keep_prev, b, o_c, CHUNK)
+    _, _, inverse = _delta_system(K, keep_prev, b, o_c, CHUNK, DOT)
     gamma_prev = tl.cumprod(keep_prev, 0)
-    W_hat = tl.dot(inverse, (b * gamma_prev)[:, None] * K, input_precision="ieee")  # [C, BK]
+    W_hat = tl.dot(inverse, (b * gamma_prev)[:, None] * K, input_precision=DOT)  # [C, BK]
     tl.store(w_hat + rows[:, None] * DK + o_k[None, :], W_hat, mask=mask_c[:, None] & mask_k[None, :])
     for i_v in range(0, tl.cdiv(DV, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         mask_v = o_v < DV
         V = _load_rows(v, rows, o_v, mask_c, mask_v, DV)  # [C, BV]
-        U = tl.dot(inverse, b[:, None] * V, input_precision="ieee")
+        U = tl.dot(inverse, b[:, None] * V, input_precision=DOT)
         tl.store(u + rows[:, None] * DV + o_v[None, :], U, mask=mask_c[:, None] & mask_v[None, :])
 
 
@@ -182,7 +183,7 @@ def chunk_forward_kernel(
     k, v, q, alpha, eta, u, w_hat, m0, y, m_final, states, cu_seqlens, T,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, HAS_M0: tl.constexpr, STORE_STATES: tl.constexpr, VARLEN: tl.constexpr,
-    HEBBIAN: tl.constexpr,
+    HEBBIAN: tl.constexpr, DOT: tl.constexpr,
 ):
     # grid (cdiv(DV, BV), N·H); rows BV of the state A [BV, BK] fp32 on chip across the chunks
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -207,13 +208,13 @@ def chunk_forward_kernel(
             W = step[:, None] * _load_rows(v, rows, o_v, mask_c, mask_v, DV)  # [C, BV]
         else:
             W = _load_rows(u, rows, o_v, mask_c, mask_v, DV) - tl.dot(
-                _load_rows(w_hat, rows, o_k, mask_c, mask_k, DK), tl.trans(A), input_precision="ieee")
-        QK = tl.where(causal, P * tl.dot(Q, tl.trans(K), input_precision="ieee"), 0.0)  # P ⊙ QKᵀ  [C, C]
-        Y = gamma[:, None] * tl.dot(Q, tl.trans(A), input_precision="ieee") + tl.dot(QK, W, input_precision="ieee")
+                _load_rows(w_hat, rows, o_k, mask_c, mask_k, DK), tl.trans(A), input_precision=DOT)
+        QK = tl.where(causal, P * tl.dot(Q, tl.trans(K), input_precision=DOT), 0.0)  # P ⊙ QKᵀ  [C, C]
+        Y = gamma[:, None] * tl.dot(Q, tl.trans(A), input_precision=DOT) + tl.dot(QK, W, input_precision=DOT)
         tl.store(y + rows[:, None] * DV + o_v[None, :], Y.to(y.dtype.element_ty),
                  mask=mask_c[:, None] & mask_v[None, :])
         rho = _last_row(P, o_c, CHUNK)  # [C]
-        A = _last_entry(gamma, o_c, CHUNK) * A + tl.dot(tl.trans(W * rho[:, None]), K, input_precision="ieee")
+        A = _last_entry(gamma, o_c, CHUNK) * A + tl.dot(tl.trans(W * rho[:, None]), K, input_precision=DOT)
     tl.store(m_final + i_nh * DV * DK + tile, A, mask=mask_kv)
 
 
@@ -222,7 +223,7 @@ def chunk_backward_kernel(
     k, v, q, alpha, eta, dy, dm_final, states, dk_part, dv, dq_part, dalpha_part, deta_part, dm0, cu_seqlens,
     T, ROWS,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHUNK: tl.constexpr, VARLEN: tl.constexpr, HEBBIAN: tl.constexpr,
+    CHUNK: tl.constexpr, VARLEN: tl.constexpr, HEBBIAN: tl.constexpr, DOT: tl.constexpr,
 ):
     # grid (NV = cdiv(DV, BV), N·H), in reverse over the chunks carrying D [BV, BK] = ∂loss/∂A at the chunk's
     # end. Partials over value tiles (every term is a sum over value rows): dk_part, dq_part [NV, ROWS, DK];
@@ -253,44 +254,44 @@ def chunk_backward_kernel(
             W = step[:, None] * V  # [C, BV]
         else:
             b = 2.0 * step
-            P_prev, KK, inverse = _delta_system(K, keep_prev, b, o_c, CHUNK)
-            KA0 = tl.dot(K, tl.trans(A0), input_precision="ieee")  # row t: (A_0 k_t)ᵀ  [C, BV]
+            P_prev, KK, inverse = _delta_system(K, keep_prev, b, o_c, CHUNK, DOT)
+            KA0 = tl.dot(K, tl.trans(A0), input_precision=DOT)  # row t: (A_0 k_t)ᵀ  [C, BV]
             rhs = b[:, None] * V - (b * gamma_prev)[:, None] * KA0  # (I + L) W = rhs
-            W = tl.dot(inverse, rhs, input_precision="ieee")  # [C, BV]
+            W = tl.dot(inverse, rhs, input_precision=DOT)  # [C, BV]
 
         # through Y = diag(γ) Q A_0ᵀ + (P ⊙ Q Kᵀ) W and A_C = γ_{C−1} A_0 + Wᵀ diag(ρ) K
-        QK = tl.dot(Q, tl.trans(K), input_precision="ieee")  # [C, C]
-        KD = tl.dot(K, tl.trans(D), input_precision="ieee")  # K Dᵀ  [C, BV]
-        dW = rho[:, None] * KD + tl.dot(tl.trans(tl.where(causal, P * QK, 0.0)), dY, input_precision="ieee")
-        dYW = tl.dot(dY, tl.trans(W), input_precision="ieee")  # [C, C]
+        QK = tl.dot(Q, tl.trans(K), input_precision=DOT)  # [C, C]
+        KD = tl.dot(K, tl.trans(D), input_precision=DOT)  # K Dᵀ  [C, BV]
+        dW = rho[:, None] * KD + tl.dot(tl.trans(tl.where(causal, P * QK, 0.0)), dY, input_precision=DOT)
+        dYW = tl.dot(dY, tl.trans(W), input_precision=DOT)  # [C, C]
         dYW_decayed = tl.where(causal, P * dYW, 0.0)
-        dK = rho[:, None] * tl.dot(W, D, input_precision="ieee") + tl.dot(tl.trans(dYW_decayed), Q,
-                                                                          input_precision="ieee")
-        dQ = gamma[:, None] * tl.dot(dY, A0, input_precision="ieee") + tl.dot(dYW_decayed, K, input_precision="ieee")
-        x = tl.sum(dY * tl.dot(Q, tl.trans(A0), input_precision="ieee"), 1)  # dy_t · A_0 q_t  [C]
+        dK = rho[:, None] * tl.dot(W, D, input_precision=DOT) + tl.dot(tl.trans(dYW_decayed), Q,
+                                                                          input_precision=DOT)
+        dQ = gamma[:, None] * tl.dot(dY, A0, input_precision=DOT) + tl.dot(dYW_decayed, K, input_precision=DOT)
+        x = tl.sum(dY * tl.dot(Q, tl.trans(A0), input_precision=DOT), 1)  # dy_t · A_0 q_t  [C]
         z = tl.sum(W * KD, 1)  # w_s · D k_s  [C]
         R = tl.where(causal, dYW * QK, 0.0)
         d_keep = (gamma_prev * rho * tl.sum(tl.sum(D * A0, 1), 0) + gamma_prev * tl.sum(P * x[:, None], 0)
                   + rho * tl.sum(P_prev * z[None, :], 1)
-                  + tl.sum(P * tl.dot(R, tl.trans(P_prev), input_precision="ieee"), 0))
-        D_next = _last_entry(gamma, o_c, CHUNK) * D + tl.dot(tl.trans(dY * gamma[:, None]), Q, input_precision="ieee")
+                  + tl.sum(P * tl.dot(R, tl.trans(P_prev), input_precision=DOT), 0))
+        D_next = _last_entry(gamma, o_c, CHUNK) * D + tl.dot(tl.trans(dY * gamma[:, None]), Q, input_precision=DOT)
 
         if HEBBIAN:  # W = diag(η) V
             dV = step[:, None] * dW
             d_step = tl.sum(V * dW, 1)
         else:  # W = (I + L)⁻¹ rhs: d rhs = (I + L)⁻ᵀ dW, dL = −d rhs Wᵀ (strictly lower); on to b, P⁻, γ⁻, K, A_0
-            d_rhs = tl.dot(tl.trans(inverse), dW, input_precision="ieee")  # [C, BV]
+            d_rhs = tl.dot(tl.trans(inverse), dW, input_precision=DOT)  # [C, BV]
             dV = b[:, None] * d_rhs
-            dL = tl.where(o_c[:, None] > o_c[None, :], -tl.dot(d_rhs, tl.trans(W), input_precision="ieee"), 0.0)
+            dL = tl.where(o_c[:, None] > o_c[None, :], -tl.dot(d_rhs, tl.trans(W), input_precision=DOT), 0.0)
             d_step = 2.0 * (tl.sum(d_rhs * (V - gamma_prev[:, None] * KA0), 1) + tl.sum(dL * P_prev * KK, 1))
             d_gamma_prev = -b * tl.sum(d_rhs * KA0, 1)  # [C]
             dKK = dL * b[:, None] * P_prev  # [C, C]
-            dK += (tl.dot(dKK, K, input_precision="ieee") + tl.dot(tl.trans(dKK), K, input_precision="ieee")
-                   - (b * gamma_prev)[:, None] * tl.dot(d_rhs, A0, input_precision="ieee"))
+            dK += (tl.dot(dKK, K, input_precision=DOT) + tl.dot(tl.trans(dKK), K, input_precision=DOT)
+                   - (b * gamma_prev)[:, None] * tl.dot(d_rhs, A0, input_precision=DOT))
             dP_prev = dL * b[:, None] * KK
             d_keep += (gamma_prev * tl.sum(P_prev * d_gamma_prev[:, None], 0)
-                       + tl.sum(P_prev * tl.dot(dP_prev, tl.trans(P_prev), input_precision="ieee"), 0))
-            D_next -= tl.dot(tl.trans(d_rhs * (b * gamma_prev)[:, None]), K, input_precision="ieee")
+                       + tl.sum(P_prev * tl.dot(dP_prev, tl.trans(P_prev), input_precision=DOT), 0))
+            D_next -= tl.dot(tl.trans(d_rhs * (b * gamma_prev)[:, None]), K, input_precision=DOT)
 
         tl.store(dv + rows[:, None] * DV + o_v[None, :], dV.to(dv.dtype.element_ty),
                  mask=mask_c[:, None] & mask_v[None, :])
@@ -301,6 +302,16 @@ def chunk_backward_kernel(
         tl.store(dq_part + (i_v * ROWS + rows[:, None]) * DK + o_k[None, :], dQ, mask=mask_ck)
         D = D_next
     tl.store(dm0 + i_nh * DV * DK + tile, D, mask=mask_kv)
+
+
+def dot_precision(x: torch.Tensor) -> str:
+    """The products' precision: "tf32x3" on GPUs with TF32 tensor cores (sm_80 and newer), three TF32
+    products that together keep fp32's accuracy; "ieee" elsewhere. fp32 "ieee" dots have no tensor-core
+    form: they unroll into FMAs, which made the backward kernel take 45 s to compile for sm_90 (18 s as
+    tf32x3, on 2 cores) and keep the chunked form slow."""
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 0):
+        return "tf32x3"
+    return "ieee"
 
 
 def _chunk_size(chunk: Optional[int]) -> int:
@@ -326,6 +337,7 @@ def _state_slots(B: int, T: int, N: int, chunk: int, varlen: bool) -> int:
 def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian, chunk, y, m_final, states):
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     BK, BV = _blocks(DK, DV)
+    dot = dot_precision(k)
     f32 = dict(dtype=torch.float32, device=k.device)
     if hebbian:
         u = w_hat = k  # not read
@@ -333,12 +345,12 @@ def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian, chunk, y, m_fi
         u, w_hat = torch.empty(B, T, H, DV, **f32), torch.empty(B, T, H, DK, **f32)
         delta_prepare_kernel[(triton.cdiv(_longest(T, cu_seqlens), chunk), N * H)](
             k, v, alpha, eta, u, w_hat, cu_seqlens if cu_seqlens is not None else k, T,
-            H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=chunk, VARLEN=cu_seqlens is not None)
+            H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=chunk, VARLEN=cu_seqlens is not None, DOT=dot)
     chunk_forward_kernel[(triton.cdiv(DV, BV), N * H)](
         k, v, q, alpha, eta, u, w_hat, m0 if m0 is not None else k, y, m_final,
         states if states is not None else k, cu_seqlens if cu_seqlens is not None else k, T,
         H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=chunk, HAS_M0=m0 is not None, STORE_STATES=states is not None,
-        VARLEN=cu_seqlens is not None, HEBBIAN=hebbian)
+        VARLEN=cu_seqlens is not None, HEBBIAN=hebbian, DOT=dot)
 
 
 def forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian=False, chunk=None):
@@ -380,7 +392,8 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, hebbian=False, c
     chunk_backward_kernel[(NV, N * H)](
         k, v, q, alpha, eta, dy, dm_final.to(torch.float32), states, dk_part, dv, dq_part, dalpha_part,
         deta_part, dm0, cu_seqlens if cu_seqlens is not None else k, T, rows,
-        H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=chunk, VARLEN=cu_seqlens is not None, HEBBIAN=hebbian)
+        H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=chunk, VARLEN=cu_seqlens is not None, HEBBIAN=hebbian,
+        DOT=dot_precision(k))
     dk = dk_part.sum(0).view(B, T, H, DK).to(k.dtype)
     dq = dq_part.sum(0).view(B, T, H, DK).to(q.dtype)
     dalpha = dalpha_part.sum(0).view(B, T, H).to(alpha.dtype)
