@@ -27,6 +27,44 @@ def test_entry_point_works_without_importing_hecate():
     assert out.stdout.strip().endswith("ok")
 
 
+def test_importing_hecate_registers_the_backend_where_no_entry_point_does():
+    """Run from a checkout without installing (PYTHONPATH=., as on a lent GPU machine): no entry point, yet
+    backend="hecate" works once hecate is imported."""
+    code = textwrap.dedent("""
+        import importlib.metadata as md
+        real = md.entry_points
+        md.entry_points = lambda **kw: [] if kw.get("group") == "torch_dynamo_backends" else real(**kw)
+        import torch
+        import hecate
+        md.entry_points = real
+        from torch._dynamo.backends.registry import _COMPILER_FNS
+        assert _COMPILER_FNS["hecate"] is hecate.hecate_backend
+        f = torch.compile(lambda x: torch.sin(x) * 2, backend="hecate", options={"fallback": "eager"})
+        x = torch.linspace(-1, 1, 7)
+        assert torch.allclose(f(x), torch.sin(x) * 2)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+def test_fused_op_kept_by_inductor_compiles(fresh_dynamo):
+    """Where qk_preprocess's Inductor decomposition declines (CUDA; here the interpreter's triton_on_cpu), Inductor
+    lowers the op itself: it must have a fallback to call (it failed 'both a fallback and a decomp for same op')."""
+    from hecate.lowering.dispatch import triton_on_cpu
+
+    torch.manual_seed(0)
+    model = KeyQueryPreprocess(d_model=12, d_key=8, n_heads=2, phi="elu1")
+    x = torch.randn(2, 9, 12)
+    with triton_on_cpu():
+        q, k = torch.compile(copy.deepcopy(model), backend="hecate")(x)
+    assert hecate.last_report().count("qk_preprocess") == 2, str(hecate.last_report())
+    q_ref, k_ref = model(x)
+    assert_close("q", q, q_ref, 1e-5)
+    assert_close("k", k, k_ref, 1e-5)
+
+
 def test_first_torch_distributions_kl_in_a_fresh_process_is_one_graph_and_fused():
     """kl_divergence's first dispatch of a pair graph-breaks in Dynamo; the backend resolves the
     Gaussian pairs when it is looked up, so a user's very first call compiles in one graph."""

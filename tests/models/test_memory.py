@@ -202,3 +202,14 @@ def test_chunks_carrying_the_state_equal_the_whole_sequence(kwargs):
     assert_close("out", torch.cat(outs, 1), out, 1e-12)
     assert_close("m_final", state[1], m, 1e-12)
     assert (state[2] is None) == (model.momentum == 0)
+
+
+@pytest.mark.parametrize("name", ["lp_memory", "hebbian_memory"])
+def test_examples_stay_finite_over_a_long_sequence(name):
+    """``hecate explain`` and the GPU check run these examples: their memory must not diverge (the p = 3 example
+    did, to NaN within 5 tokens, while η's gate started near 0.5)."""
+    from hecate.models import EXAMPLES
+
+    model, (x,) = EXAMPLES[name]()
+    out, m = model(torch.randn(2, 256, x.shape[-1]))
+    assert torch.isfinite(out).all() and torch.isfinite(m).all()
