@@ -24,6 +24,7 @@ replacement feeds the op's [B, T, H, D] and permutes the result back to y's layo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,9 +245,13 @@ def _decays(form: _Form) -> _Decay:
     named = ", ".join(f"{n.name} of shape {list(_sizes(n))}" for n in inputs)
     why = (f"its mask D reads {named}, taken by the graph as input (a buffer, parameter or argument), "
            "whose values are not known when compiling; the mask must be computed from sizes and constants, "
-           "or be γ^(t−s) with γ (or log γ) per head read from one tensor")
-    if len(inputs) == 1 and inputs[0].meta["val"].is_floating_point():
-        (tensor,) = inputs
+           "or be γ^(t−s) with γ (or log γ) per head read from one tensor, or computed from such tensors "
+           "(sigmoid(p), say)")
+    candidates = [inputs[0]] if len(inputs) == 1 else []
+    candidates += [n for n in [_per_head_value(form, inputs)] if n is not None and n not in candidates]
+    for tensor in candidates:
+        if not tensor.meta["val"].is_floating_point():
+            continue
         generator = torch.Generator().manual_seed(0)
         for gamma_form, draw in _GAMMA_DRAW.items():
             found = None
@@ -263,6 +268,30 @@ def _decays(form: _Form) -> _Decay:
             else:
                 return found
     raise NotFused(why)
+
+
+def _per_head_value(form: _Form, inputs: list[fx.Node]) -> fx.Node | None:
+    """The one value through which the mask's graph inputs reach it, computed from them (and constants) with no
+    more elements than they have: γ or log γ per head computed from a parameter (``sigmoid(p)``,
+    ``-softplus(p)``) before it is raised to the powers t − s. None where there is not exactly one."""
+    stop = {form.score, form.q, form.k, form.v}
+    ancestors, stack = set(), [form.a]
+    while stack:
+        node = stack.pop()
+        if node in ancestors or node in stop:
+            continue
+        ancestors.add(node)
+        stack += node.all_input_nodes
+    largest = max(math.prod(_sizes(n)) for n in inputs)
+
+    def small(node: fx.Node) -> bool:  # computed from the inputs and constants alone, at most their size
+        val = node.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.numel() <= largest and set(tensors_read([node])) <= set(inputs) \
+            and not any(isinstance(a, fx.Node) and not isinstance(a.meta.get("val"), torch.Tensor)
+                        for a in node.all_input_nodes)  # no size read: the same value at every length
+    frontier = [n for n in ancestors if n.op == "call_function" and small(n)
+                and any(u in ancestors and not small(u) for u in n.users)]
+    return frontier[0] if len(frontier) == 1 else None
 
 
 def _decay_values(form: _Form, values: dict) -> torch.Tensor:
@@ -359,9 +388,17 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     report.add_fusion("linear_attention", "hecate.linear_attention", len(replaced) + 1,
                       "causal (φ(Q)φ(K)ᵀ ⊙ D) V, parallel form"
                       + (f", decay γ={'/'.join(f'{g:g}' for g in gammas)}" if decay.tensor is None and gammas != [1.0]
-                         else f", decay {decay.form} per head read from {decay.tensor.name} at run time"
+                         else f", decay {decay.form} per head {_source(decay.tensor)} at run time"
                          if decay.tensor is not None else "")
                       + (", normalised" if normaliser is not None else ""))
+
+
+def _source(value: fx.Node) -> str:
+    """Where a decay read at run time comes from, in the user's terms: the tensor, or the tensors it is computed
+    from (never an inner node's name)."""
+    inputs = tensors_read([value])
+    names = ", ".join(n.name for n in inputs)
+    return f"read from {names}" if inputs == [value] else f"computed from {names}"
 
 
 def _linear_attention_of(perms: dict, gammas, normalise: bool, eps: float):

@@ -304,8 +304,39 @@ class ScalarGammaBuffer(nn.Module):
         return ((phi(q) @ phi(k).mT) * torch.where(gap >= 0, self.gamma ** gap, 0.0)) @ v
 
 
+class SigmoidGamma(nn.Module):
+    """γ = sigmoid(p), p learned per head: the decay is computed from the parameter, not held in it."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.heads, self.p = heads, nn.Parameter(torch.tensor([2.0, 0.5]))
+
+    def forward(self, q, k, v):
+        b, n, _ = q.shape
+        q, k, v = (z.view(b, n, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        t = torch.arange(n)
+        gap = (t[:, None] - t[None, :]).to(q.dtype)
+        d = torch.where(gap >= 0, torch.sigmoid(self.p)[:, None, None] ** gap, 0.0)
+        return (((phi(q) @ phi(k).mT) * d) @ v).transpose(1, 2).flatten(2)
+
+
+class LogSigmoidDecay(nn.Module):
+    """log γ = logsigmoid(p) per head, the decay exp((t − s) log γ), the future cut by tril."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.heads, self.p = heads, nn.Parameter(torch.tensor([3.0, 1.0]))
+
+    def forward(self, q, k, v):
+        b, n, _ = q.shape
+        q, k, v = (z.view(b, n, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        t = torch.arange(n, dtype=q.dtype)
+        d = torch.exp((t[:, None] - t[None, :]).clamp(min=0) * F.logsigmoid(self.p).view(-1, 1, 1)).tril()
+        return (((phi(q) @ phi(k).mT) * d) @ v).transpose(1, 2).flatten(2)
+
+
 DECAY_READ = [RetNetLogDecayBuffer, GammaBufferHeadsLast, LearnedDecay, ScalarGammaBuffer,
-              lambda: MultiScaleRetention(decay_in_a_buffer=True)]
+              lambda: MultiScaleRetention(decay_in_a_buffer=True), SigmoidGamma, LogSigmoidDecay]
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
@@ -319,7 +350,8 @@ def test_decay_read_from_a_buffer_or_parameter_fuses_and_equals_eager(make, dyna
                                              else 3)]
     report = _check(model, args, dynamic, list(model.parameters()))
     assert report.count("linear_attention") == 1 and not report.misses, str(report)
-    assert "read from" in report.fusions[0].detail and "at run time" in report.fusions[0].detail, report.fusions[0]
+    how = "computed from l_self_parameters_p_" if isinstance(model, (SigmoidGamma, LogSigmoidDecay)) else "read from"
+    assert how in report.fusions[0].detail and "at run time" in report.fusions[0].detail, report.fusions[0]
 
 
 def test_decay_buffer_changed_after_compiling_is_honoured(fresh_dynamo):
