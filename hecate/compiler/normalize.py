@@ -2,7 +2,8 @@
 
 Every rewrite here is exact: the rewritten graph computes bit-for-bit what the original
 computes (checked in ``tests/compiler/test_normalize.py``), except that an einsum made a
-matmul computes the same sums through another BLAS call, which may add them in another order. :func:`normalize` puts the whole
+matmul computes the same sums through another BLAS call, which may add them in another order, and a conv written by hand made
+a conv1d adds its products in the conv's order. :func:`normalize` puts the whole
 graph and the body of every ``scan`` in it in this form:
 
 * :func:`functionalize`: an in-place op on a tensor nothing else aliases (``M.mul_(a)``,
@@ -32,6 +33,9 @@ graph and the body of every ``scan`` in it in this form:
 * a ``conv2d`` over one row with a (1, K) kernel (``F.conv2d(h.unsqueeze(2), w.unsqueeze(2))``)
   is the ``conv1d`` (unsqueezed); ``x.unsqueeze(d).squeeze(d)`` and ``x.unsqueeze(d).select(d, 0)`` → ``x``;
 * ``x * x`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``);
+* a depthwise causal conv written by hand, ``Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T]`` or over
+  ``unfold(-1, K, 1)``, is ``F.conv1d(F.pad(h, (K−1, 0)), W, groups=D)`` (:func:`hand_written_convs`; the
+  same products, summed in the conv's order);
 * a negated reshape or transpose is that of the negation (``-kl.flatten(0, 1)`` → ``(-kl).flatten(0, 1)``);
 * common subexpressions: the same pure op on the same inputs is computed once (so
   ``k[:, t]`` written at every use becomes one node; in Dynamo's graph the slices themselves stay
@@ -90,10 +94,117 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
             node.replace_all_uses_with(replacement)
             graph.erase_node(node)
     eliminate_common_subexpressions(graph)
+    hand_written_convs(graph)  # after CSE: a pad written at each window is one pad
     graph.eliminate_dead_code()
     graph.lint()
     graph_module.recompile()
     return graph_module
+
+
+def hand_written_convs(graph: fx.Graph) -> None:
+    """A depthwise causal conv written by hand is that conv: for h [B, D, T] and P = ``F.pad(h, (K−1, 0))``,
+
+    * ``Σ_k w_k · P[..., k:k+T]`` (w_k per channel, [D, 1]; summed by ``+`` or Python's ``sum``), and
+    * ``(P.unfold(-1, K, 1) * w).sum(-1)`` (w [D, 1, K])
+
+    → ``F.conv1d(P, W, b, groups=D)`` with W [D, 1, K] stacked from the w_k, and b a per-channel ``+ b[:, None]``
+    right after the sum, if any: the same products (a conv is a cross-correlation, out_t = Σ_k W_k P_{t+k}),
+    summed in the conv's order."""
+    for pad in list(graph.find_nodes(op="call_function", target=aten.pad.default)):
+        amounts, shape = zero_pad_amounts(pad), getattr(_val(pad), "shape", ())
+        if amounts is None or len(amounts) != 2 or amounts[0] < 1 or amounts[1] != 0 or len(shape) != 3:
+            continue
+        found = _unfolded_conv(pad, amounts[0] + 1) or _windowed_conv(pad, amounts[0] + 1)
+        if found is None:
+            continue
+        out, weights = found
+        bias = None
+        (user,) = out.users if len(out.users) == 1 else (None,)
+        if user is not None and user.target is aten.add.Tensor and not user.kwargs:  # + b[:, None]: the conv's bias
+            other = user.args[1] if user.args[0] is out else user.args[0]
+            if isinstance(other, fx.Node) and _per_channel(other, shape[1], _val(pad).dtype, 0):
+                out, bias = user, other
+        with graph.inserting_before(out):
+            weight = weights[0] if len(weights) == 1 else _emit(
+                graph, aten.stack.default, [_emit(graph, aten.reshape.default, w, [shape[1]]) for w in weights], -1)
+            weight = _emit(graph, aten.reshape.default, weight, [shape[1], 1, amounts[0] + 1])
+            if bias is not None:
+                bias = _emit(graph, aten.reshape.default, bias, [shape[1]])
+            conv = _emit(graph, aten.conv1d.default, pad, weight, bias, [1], [0], [1], shape[1])
+        out.replace_all_uses_with(conv)
+
+
+def _per_channel(w: Any, d: int, dtype: torch.dtype, taps: int) -> bool:
+    """``w`` broadcasts over [B, D, T(, taps)] as one value per channel (and tap): shape [..1, D, 1(, taps)]."""
+    val = _val(w)
+    want = (d, 1) if taps == 0 else (d, 1, taps)
+    return isinstance(val, torch.Tensor) and val.dtype == dtype and tuple(val.shape[-len(want):]) == want \
+        and val.dim() <= len(want) + 1 and all(s == 1 for s in val.shape[:-len(want)])
+
+
+def _other_factor(mul: fx.Node, x: fx.Node) -> Any:
+    return mul.args[1] if mul.args[0] is x else mul.args[0]
+
+
+def _unfolded_conv(pad: fx.Node, taps: int) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(P.unfold(-1, K, 1) * w).sum(-1)``: (the sum, [w])."""
+    pad_val = _val(pad)
+    for unfold in pad.users:
+        if unfold.target is not aten.unfold.default or unfold.args[1] % 3 != 2 or tuple(unfold.args[2:4]) != (taps, 1) \
+                or len(unfold.users) != 1:
+            continue
+        (mul,) = unfold.users
+        if mul.target is not aten.mul.Tensor or len(mul.users) != 1:
+            continue
+        (total,) = mul.users
+        w = _other_factor(mul, unfold)
+        if total.target is aten.sum.dim_IntList and [d % 4 for d in total.args[1]] == [3] \
+                and not (total.args[2] if len(total.args) > 2 else False) and total.kwargs.get("dtype") is None \
+                and _per_channel(w, pad_val.shape[1], pad_val.dtype, taps):
+            return total, [w]
+    return None
+
+
+def _windowed_conv(pad: fx.Node, taps: int) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``Σ_k w_k · P[..., k:k+T]``: (the root of the sum, [w_0 .. w_{K−1}])."""
+    pad_val = _val(pad)
+    length = pad_val.shape[-1] - (taps - 1)
+    weights: dict[int, Any] = {}
+    if not all(type(size) is int for size in pad_val.shape):  # a symbolic length is not asked about (no guard)
+        return None
+    products = {}
+    for window in pad.users:
+        start = (window.args[2] if len(window.args) > 2 else None) or 0
+        if window.target is not aten.slice.Tensor or window.args[1] % 3 != 2 or len(window.users) != 1 \
+                or (window.args[4] if len(window.args) > 4 else 1) != 1 or _val(window).shape[-1] != length \
+                or start in weights:
+            return None
+        (mul,) = window.users
+        w = _other_factor(mul, window) if mul.target is aten.mul.Tensor else None
+        if w is None or len(mul.users) != 1 or not _per_channel(w, pad_val.shape[1], pad_val.dtype, 0):
+            return None
+        weights[start], products[mul] = w, start
+    if sorted(weights) != list(range(taps)):
+        return None
+    # the products summed by a tree of adds and nothing else (a literal 0: Python's sum starts there)
+    adds, roots = set(), set()
+    for node in products:
+        while len(node.users) == 1:
+            (user,) = node.users
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            if user.target is not aten.add.Tensor or user.kwargs or not (
+                    other in products or isinstance(other, fx.Node) and other.target is aten.add.Tensor
+                    or not isinstance(other, fx.Node) and other == 0):
+                break
+            adds.add(user)
+            node = user
+        roots.add(node)
+    if len(roots) != 1 or not adds or any(
+            not (arg in products or arg in adds or not isinstance(arg, fx.Node) and arg == 0)
+            for add in adds for arg in add.args):
+        return None
+    (root,) = roots
+    return root, [weights[k] for k in range(taps)]
 
 
 def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:

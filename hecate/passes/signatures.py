@@ -11,8 +11,9 @@ already report, with the first reason it can give and the user's source line:
   products of per-position tensors with the log of one, as the KL expanded into products is;
 * ``memory_scan`` / ``linear_attention``: a loop-carried matrix state updated by an outer
   product, in a rolled ``scan`` body or in a chain of unrolled steps, or cumulated by ``cumsum``;
-* ``qk_preprocess``: a depthwise conv1d (groups = channels); a causal conv written by hand: a
-  tensor zero-padded (P, 0) on its last dim read through its P + 1 shifted windows (slices at
+* ``qk_preprocess``: a depthwise conv1d (groups = channels); a causal conv written by hand that the
+  normal form could not read as a conv1d (weights not one per channel, windows combined by more than
+  a sum): a tensor zero-padded (P, 0) on its last dim read through its P + 1 shifted windows (slices at
   offsets 0..P, or ``unfold(-1, P + 1, 1)``);
 * ``kl_decode``: a softmax (or cross-entropy, logsumexp) over the vocabulary of logits made by
   broadcasting the beliefs against per-token tensors with a log of the features, or by matrix
@@ -386,9 +387,9 @@ def _hand_written_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
         if unfolded or starts == set(range(p + 1)):
             how = f"unfold(-1, {p + 1}, 1)" if unfolded else f"slices [..., k:k+T] for k = 0..{p}"
             yield (f"a causal conv of kernel {p + 1} written by hand (a tensor zero-padded ({p}, 0) on its last dim, "
-                   f"read through its {p + 1} shifted windows by {how}) not fused: qk_preprocess reads the conv as "
-                   "F.conv1d(F.pad(x, (K-1, 0)), w, groups=D) or nn.Conv1d(padding=K-1, groups=D)(x)[..., :T]; "
-                   "compiled as written", [pad])
+                   f"read through its {p + 1} shifted windows by {how}) not fused: it reads as a conv when the "
+                   "windows are weighted one value per channel (w_k [D, 1]; [D, 1, K] over unfold) and summed, "
+                   "else write F.conv1d(F.pad(x, (K-1, 0)), w, groups=D); compiled as written", [pad])
 
 
 def _first(value):

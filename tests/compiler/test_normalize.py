@@ -499,3 +499,43 @@ def test_a_pad_that_is_not_zeros_keeps_its_place():
     gm = normalize_graph(_traced(replicate, torch.randn(2, 5, 4)))
     pad = next(n for n in gm.graph.nodes if n.target is aten.pad.default)
     assert [u.target for u in pad.users] == [aten.transpose.int], gm.graph
+
+
+def conv_by_windows(h, w, b):  # h [B, D, T], w [D, K], b [D]
+    p = torch.nn.functional.pad(h, (w.shape[1] - 1, 0))
+    return sum(w[:, k, None] * p[..., k:k + h.shape[-1]] for k in range(w.shape[1])) + b[:, None]
+
+
+def conv_by_unfold(h, w, b):
+    windows = torch.nn.functional.pad(h, (w.shape[1] - 1, 0)).unfold(-1, w.shape[1], 1)
+    return (windows * w[:, None, :]).sum(-1)
+
+
+def windows_not_causal(h, w, b):  # a centred window: not the causal conv
+    p = torch.nn.functional.pad(h, (1, 1))
+    return sum(w[:, k, None] * p[..., k:k + h.shape[-1]] for k in range(3))
+
+
+def windows_weighted_per_sequence(h, w, b):  # weights [B, D, 1]: not one kernel for every sequence
+    p = torch.nn.functional.pad(h, (2, 0))
+    return sum(h[:, :, :1] * p[..., k:k + h.shape[-1]] for k in range(3))
+
+
+@pytest.mark.parametrize("fn", [conv_by_windows, conv_by_unfold], ids=lambda f: f.__name__)
+def test_causal_conv_written_by_hand_is_a_conv1d(fn):
+    """Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T] (a bias after it) and the unfold form read as F.conv1d with
+    groups=D: the same products, summed in the conv's order (1e-6 relative)."""
+    args = (torch.randn(2, 5, 9), torch.randn(5, 4), torch.randn(5))
+    gm = normalize(_traced(fn, *args))
+    targets = _targets(gm)
+    assert aten.conv1d.default in targets and aten.unfold.default not in targets, gm.graph
+    assert aten.slice.Tensor not in targets and aten.sum.dim_IntList not in targets, gm.graph
+    _check_exact(fn, args, gm, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [windows_not_causal, windows_weighted_per_sequence], ids=lambda f: f.__name__)
+def test_windowed_sums_that_are_not_the_causal_depthwise_conv_stay(fn):
+    args = (torch.randn(2, 5, 9), torch.randn(5, 3), torch.randn(5))
+    gm = normalize(_traced(fn, *args))
+    assert aten.conv1d.default not in _targets(gm), gm.graph
+    _check_exact(fn, args, gm)

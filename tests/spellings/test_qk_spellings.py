@@ -6,10 +6,11 @@ The spellings vary independently: projection (nn.Linear, F.linear, x @ W.T, torc
 (transpose, .mT, permute), the conv (nn.Conv1d + slice, F.pad + F.conv1d, narrow, a weight built from a
 [D, K] parameter by None-indexing), SiLU (F.silu, nn.SiLU, sigmoid products, by hand), heads, and φ (the
 built-in maps in other words, and functions nobody listed); the projection as an einsum in any index layout,
-the causal padding or slicing on either side of the transpose, a conv2d over one row.
+the causal padding or slicing on either side of the transpose, a conv2d over one row, a causal conv written by
+hand as shifted windows (slices or unfold) weighted per channel and summed.
 
-What is not a causal zero-padded conv (circular, replicate, reflect or non-zero padding), and a causal conv
-written by hand as shifted windows weighted and summed, must not fuse and must be reported with that reason.
+What is not a causal zero-padded conv (circular, replicate, reflect or non-zero padding) must not fuse and must
+be reported with that reason.
 """
 
 import pytest
@@ -170,7 +171,28 @@ SPELLINGS = {
             F.pad(x @ m.proj.weight.T + m.proj.bias, (0, 0, K - 1, 0)).transpose(1, 2)[:, :, None],
             m.kernel[:, None, None, :], groups=D)[:, :, 0]).transpose(1, 2)),
         "x @ W.T + b → conv(K=4) → silu → relu [B,T,D]"),
+    # a causal conv written by hand: the normal form reads it as F.conv1d(F.pad(h, (K-1, 0)), W, groups=D)
+    "by hand: sum(w[:, k] · F.pad(h, (K-1, 0))[..., k:k+T])": (
+        lambda m, x: F.silu(sum(m.kernel[:, k, None] * F.pad(m.proj(x).transpose(1, 2), (K - 1, 0))[..., k:k + x.shape[1]]
+                                for k in range(K)).transpose(1, 2)),
+        "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand: F.pad(h, (K-1, 0)).unfold(-1, K, 1), weighted and summed": (
+        lambda m, x: F.silu((F.pad(m.proj(x).transpose(1, 2), (K - 1, 0)).unfold(-1, K, 1) * m.kernel[:, None, :])
+                            .sum(-1).transpose(1, 2)),
+        "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand: the windows summed in pairs, nn.Conv1d's own weight, + bias after, exp(clamp)": (
+        lambda m, x: torch.exp(torch.clamp(F.silu(_hand_conv_in_pairs(m, m.proj(x).transpose(1, 2))).transpose(1, 2),
+                                           max=5.0)),
+        "linear → conv(K=4) → silu → exp(min(·, 5)) [B,T,D]"),
 }
+
+
+def _hand_conv_in_pairs(m, h):
+    """Σ_k W[:, 0, k] h_padded[..., k:k+T] with the terms added two by two, last window first, then the bias."""
+    p, t = F.pad(h, (K - 1, 0)), h.shape[-1]
+    terms = [p[:, :, k:k + t] * m.conv.weight[:, :, k] for k in reversed(range(K))]
+    return (terms[0] + terms[1]) + (terms[2] + terms[3]) + m.conv.bias[:, None]
+
 
 def _fuses_and_matches_eager(model, args, detail, input_names):
     """Compile ``model``: one qk_preprocess fusion described as ``detail``, no near-miss, and the output
@@ -206,7 +228,7 @@ def test_spelling_fuses_and_matches_eager(name):
     _fuses_and_matches_eager(Block(spelling), (torch.randn(B, T, D_IN),), detail, ("x",))
 
 def test_corpus_size():
-    assert len(SPELLINGS) >= 29
+    assert len(SPELLINGS) >= 32
 
 
 # ---------------------------------------------------------------- what is not a causal conv, or is not read as one
@@ -234,16 +256,12 @@ NOT_FUSED = {
         lambda m, x: F.silu(F.conv1d(F.pad(m.proj(x).transpose(1, 2), (K - 1, 0), value=1.0), m.conv.weight,
                                      m.conv.bias, groups=D).transpose(1, 2)),
         "conv1d input is padded with F.pad value=1.0, not zeros: not a causal zero-padded conv"),
-    "by hand: Σ_k w[:, k] · F.pad(h, (K-1, 0))[..., k:k+T]": (
-        lambda m, x: F.silu(sum(m.kernel[:, k, None] * F.pad(m.proj(x).transpose(1, 2), (K - 1, 0))[..., k:k + x.shape[1]]
-                                for k in range(K)).transpose(1, 2)),
+    "by hand, the windows weighted by the data (not one kernel)": (
+        lambda m, x: F.silu(sum(F.pad(h, (K - 1, 0))[..., k:k + x.shape[1]] * h[:, :, :1]
+                                for h in [m.proj(x).transpose(1, 2)] for k in range(K)).transpose(1, 2)),
         "a causal conv of kernel 4 written by hand (a tensor zero-padded (3, 0) on its last dim, read through its 4 "
-        "shifted windows by slices [..., k:k+T] for k = 0..3) not fused: qk_preprocess reads the conv as F.conv1d"),
-    "by hand: F.pad(h, (K-1, 0)).unfold(-1, K, 1), weighted and summed": (
-        lambda m, x: F.silu((F.pad(m.proj(x).transpose(1, 2), (K - 1, 0)).unfold(-1, K, 1) * m.kernel[:, None, :])
-                            .sum(-1).transpose(1, 2)),
-        "a causal conv of kernel 4 written by hand (a tensor zero-padded (3, 0) on its last dim, read through its 4 "
-        "shifted windows by unfold(-1, 4, 1)) not fused"),
+        "shifted windows by slices [..., k:k+T] for k = 0..3) not fused: it reads as a conv when the windows are "
+        "weighted one value per channel"),
 }
 
 
