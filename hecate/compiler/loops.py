@@ -30,7 +30,10 @@ subexpressions are merged) sits in block 0 only: it is first moved before the lo
 (:func:`_hoist_invariants`), where it is an invariant like any other.
 
 A run whose blocks differ from block t on (another literal, op or p) is rolled up to t and
-the rest is tried again as a loop of its own. A run that fails any check is left unrolled,
+the rest is tried again as a loop of its own. Nested loops are rolled from the inside: the runs with
+the shortest blocks are tried first, and a loop that carries nothing (a map, such as a loop over heads
+inside the loop over time) only where no loop that carries a state covers it. An index with two
+integers (``alpha[:, t, h]``) is read at whichever of them advances with the blocks. A run that fails any check is left unrolled,
 exactly as Dynamo produced it.
 
 A loop of one step (T = 1, e.g. a one-token forward) has no second block to compare with; it
@@ -110,28 +113,43 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     loops: list[_Loop] = []
-    end = 0
-    pending = _candidates(nodes, position)
+    maps: list[_Loop] = []
+
+    def free(start: int, steps: int, period: int) -> int:
+        """How many of ``steps`` blocks from ``start`` lie before any loop already rolled up."""
+        ends = [other.s for other in loops if other.end > start]
+        if any(other.s <= start < other.end for other in loops):
+            return 0
+        return min([steps] + [(e - start) // period for e in ends])
+
+    # the innermost loops first (the shortest period): in a loop over heads around a loop over time, each head's
+    # loop over time is the memory loop; the loop over heads, whose body would hold T unrolled steps, is not
+    pending = sorted(_candidates(nodes, position), key=lambda c: (c[1], c[0]))
     while pending:
         start_pos, period, count = pending.pop(0)
-        if start_pos < end:
-            continue
         shortest = count
-        for s in range(max(end, start_pos - period + 1), start_pos + 1):
-            loop = _Loop(nodes, position, s, period, count)
+        for s in range(max(0, start_pos - period + 1), start_pos + 1):
+            steps = free(s, count, period)
+            if steps < 2:
+                continue
+            loop = _Loop(nodes, position, s, period, steps)
             proven = loop.verify()
             while not proven and loop.bad is not None and 2 <= loop.bad < loop.T:
                 loop = _Loop(nodes, position, s, period, loop.bad)  # the steps before the first that differs
                 proven = loop.verify()
             if proven:
-                loops.append(loop)
-                end = loop.end
+                # a loop that carries nothing (a map, such as a loop over heads inside the loop over time) waits:
+                # a loop around it that carries a state is rolled up first
+                (loops if loop.carries else maps).append(loop)
                 shortest = loop.T
                 break
             shortest = 1
         if shortest < count and count - shortest >= 2:  # what follows a step that differs may be a loop again
             pending.append((start_pos + shortest * period, period, count - shortest))
-            pending.sort()
+            pending.sort(key=lambda c: (c[1], c[0]))
+    for loop in maps:
+        if free(loop.s, loop.T, loop.L) == loop.T:
+            loops.append(loop)
     for node in nodes:
         loop = _one_step(nodes, position, node)
         if loop is not None and all(loop.end <= other.s or other.end <= loop.s for other in loops):
@@ -189,39 +207,48 @@ _NARROWS = ("narrow", torch.narrow, torch.ops.aten.narrow.default)
 
 
 def _time_slice(node: fx.Node) -> tuple[fx.Node, int, int, Any] | None:
-    """``(x, dim, index, rest)`` if ``node`` reads one time index of a tensor x from before the loop.
+    """The first of :func:`_time_slices`, or None."""
+    readings = _time_slices(node)
+    return readings[0] if readings else None
+
+
+def _time_slices(node: fx.Node) -> list[tuple[fx.Node, int, int, Any]]:
+    """``(x, dim, index, rest)`` for each way ``node`` may read one time index of a tensor x from before the loop.
 
     ``node`` is ``x.select(dim, index)`` then ``rest`` applied to it: None (nothing),
     ``("index", i)`` (the other elements of ``x[..., t, None, :]``), or ``("keep",)``
     (``x.narrow(dim, t, 1)``, ``x[:, t:t + 1]``: the size-1 time dim stays).
     All spellings meet in these three: ``x[:, t]``, ``x[:, t, None, None]``, ``x[..., t]``,
     ``x.select(1, t)``, ``torch.select``, ``narrow``, and ATen's ``select``/``slice``/``narrow``.
+    An index with several integers (``alpha[:, t, h]`` in a loop over heads around the loop over time) is
+    one reading per integer: which one is the time is what the blocks of a loop tell (it advances by one).
     """
     target = node.target if node.op in _TENSOR_OPS else None
     if node.kwargs or not node.args or not isinstance(node.args[0], fx.Node) \
             or not isinstance(_value(node.args[0]), torch.Tensor):
-        return None
+        return []
     x, rank = node.args[0], _value(node.args[0]).dim()
+    found = None
     if target is operator.getitem:
-        return _getitem_slice(x, rank, node.args[1])
+        return [r for r in _getitem_slices(x, rank, node.args[1]) if r is not None]
     if target in _SELECTS and len(node.args) == 3 and _is_int(node.args[1]) and _is_int(node.args[2]):
-        return _normalise(x, node.args[1], node.args[2], None)
-    if target in _NARROWS and len(node.args) == 4 and all(_is_int(a) for a in node.args[1:]) \
+        found = _normalise(x, node.args[1], node.args[2], None)
+    elif target in _NARROWS and len(node.args) == 4 and all(_is_int(a) for a in node.args[1:]) \
             and node.args[3] == 1:
-        return _normalise(x, node.args[1], node.args[2], ("keep",))
-    if target is torch.ops.aten.slice.Tensor and len(node.args) == 4 and all(_is_int(a) for a in node.args[1:]):
+        found = _normalise(x, node.args[1], node.args[2], ("keep",))
+    elif target is torch.ops.aten.slice.Tensor and len(node.args) == 4 and all(_is_int(a) for a in node.args[1:]):
         _, dim, start, end = node.args
         if end == start + 1 and start >= 0:
-            return _normalise(x, dim, start, ("keep",))
-    return None
+            found = _normalise(x, dim, start, ("keep",))
+    return [found] if found is not None else []
 
 
-def _getitem_slice(x: fx.Node, rank: int, index: Any) -> tuple[fx.Node, int, int, Any] | None:
+def _getitem_slices(x: fx.Node, rank: int, index: Any) -> list[tuple[fx.Node, int, int, Any] | None]:
     index = index if isinstance(index, tuple) else (index,)
     if not all(e is None or e is Ellipsis or _is_int(e) or isinstance(e, slice) for e in index):
-        return None  # tensor (advanced) indexing
+        return []  # tensor (advanced) indexing
     if sum(e is Ellipsis for e in index) > 1:
-        return None
+        return []
     consumed = sum(1 for e in index if e is not None and e is not Ellipsis)
     ellipsis_span = rank - consumed
     ints = [i for i, e in enumerate(index) if _is_int(e)]
@@ -229,18 +256,18 @@ def _getitem_slice(x: fx.Node, rank: int, index: Any) -> tuple[fx.Node, int, int
     for e in index:
         dims.append(d if e is not None and e is not Ellipsis else None)
         d += ellipsis_span if e is Ellipsis else (0 if e is None else 1)
-    if len(ints) == 1:
-        (i,) = ints
+    readings = []
+    for i in ints:  # the other integers index the selected tensor, whose dims after the time dim move up one
         rest = index[:i] + index[i + 1:]
         plain = all(e == slice(None) or e is Ellipsis for e in rest)
-        return _normalise(x, dims[i], index[i], None if plain else ("index", rest))
+        readings.append(_normalise(x, dims[i], index[i], None if plain else ("index", rest)))
     steps = [i for i, e in enumerate(index) if isinstance(e, slice) and e != slice(None)]
     if not ints and len(steps) == 1 and all(e == slice(None) or e is Ellipsis for j, e in enumerate(index)
                                             if j != steps[0]):
         sl = index[steps[0]]
         if _is_int(sl.start) and sl.start >= 0 and sl.stop == sl.start + 1 and sl.step in (None, 1):
-            return _normalise(x, dims[steps[0]], sl.start, ("keep",))
-    return None
+            readings.append(_normalise(x, dims[steps[0]], sl.start, ("keep",)))
+    return readings
 
 
 def _normalise(x: fx.Node, dim: int, index: int, rest: Any) -> tuple[fx.Node, int, int, Any] | None:
@@ -272,9 +299,7 @@ def _candidates(nodes: list[fx.Node], position: dict[fx.Node, int]) -> list[tupl
     """
     index_at: dict[tuple, dict[int, int]] = {}  # (x, dim, rest) -> position -> time index
     for n in nodes:
-        sliced = _time_slice(n)
-        if sliced is not None:
-            x, dim, index, rest = sliced
+        for x, dim, index, rest in _time_slices(n):
             index_at.setdefault((x, dim, repr(rest)), {})[position[n]] = index
     runs = []
     for reads in index_at.values():  # the same slice may be read several times per step
@@ -352,7 +377,7 @@ class _Loop:
     def _same_as_block0(self, o: int, n0: fx.Node, t: int) -> bool:
         if o in self.slices:
             x, dim, start, rest = self.slices[o]
-            return _time_slice(self.at(t, o)) == (x, dim, start + t, rest)
+            return (x, dim, start + t, rest) in _time_slices(self.at(t, o))
         nt = self.at(t, o)
         if nt.op != n0.op or nt.target != n0.target:
             return False
@@ -368,12 +393,12 @@ class _Loop:
 
     def _find_time_slice(self, o: int) -> None:
         """Record node o as a per-step slice if its index advances by one per block (else it is ordinary)."""
-        s0, s1 = _time_slice(self.at(0, o)), _time_slice(self.at(1, o))
-        if s0 is None or s1 is None or self.block(s0[0]) is not None or s1[:2] != s0[:2] or s1[2] != s0[2] + 1 \
-                or s1[3] != s0[3]:
-            return
-        if statically_known_true(s0[2] + self.T <= _value(s0[0]).shape[s0[1]]):
-            self.slices[o] = s0
+        later = _time_slices(self.at(1, o))
+        for s0 in _time_slices(self.at(0, o)):
+            if self.block(s0[0]) is None and (s0[0], s0[1], s0[2] + 1, s0[3]) in later \
+                    and statically_known_true(s0[2] + self.T <= _value(s0[0]).shape[s0[1]]):
+                self.slices[o] = s0
+                return
 
     def _same_leaf(self, o: int, j: int, t: int, a0: Any, a: Any) -> bool:
         if not isinstance(a0, fx.Node):

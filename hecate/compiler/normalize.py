@@ -351,7 +351,7 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
     write, no y_t is written to afterwards, and grad mode and autocast stay as they are throughout. Then
     out holds the y_t, and stack makes the same values (and gradients); a loop's steps then no longer write
     into one tensor, and collect their outputs as a loop rolled up does."""
-    from hecate.compiler.loops import _getitem_slice, _time_slice
+    from hecate.compiler.loops import _getitem_slices, _time_slice
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -363,7 +363,8 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
         for user in out.users:
             if user.op == "call_function" and user.target is operator.setitem and user.args[0] is out \
                     and len(user.args) == 3 and not user.users:
-                where, y = _getitem_slice(out, value.dim(), user.args[1]), user.args[2]
+                readings = _getitem_slices(out, value.dim(), user.args[1])  # one slot: one integer index
+                where, y = readings[0] if len(readings) == 1 else None, user.args[2]
                 written = [user]
             elif _time_slice(user) is not None and len(user.users) == 1:
                 (copy,) = user.users

@@ -784,6 +784,21 @@ def recognise(gm: fx.GraphModule, node: fx.Node) -> Recurrence | NotFused:
     return node.meta["hecate_memory_step"]
 
 
+_HEADS_ADVICE = ("; the step reads its inputs or state at several fixed indices of one dim (x[:, h], M[:, h]), as "
+                 "a Python loop over heads inside the loop over time does: write the heads as a batch dim of one "
+                 "memory [B, H, Dv, Dk], or put the loop over heads around the loop over time (each head's loop "
+                 "then fuses)")
+
+
+def _reads_per_head(body: fx.GraphModule) -> bool:
+    """Whether the step reads one of its inputs at two or more fixed integer indices of one dim."""
+    indices: dict[tuple, set] = {}
+    for n in body.graph.find_nodes(op="call_function", target=aten.select.int):
+        if n.args[0].op == "placeholder":
+            indices.setdefault((n.args[0], n.args[1]), set()).add(n.args[2])
+    return any(len(found) > 1 for found in indices.values())
+
+
 def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
     """Replace every scan whose body is a step ``op`` computes; report (once) the scans that are no memory step."""
     kind = {"memory_scan": "lp", "linear_attention": "hebbian"}[op]
@@ -792,7 +807,8 @@ def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
         if isinstance(rec, NotFused):
             if not node.meta.get("hecate_memory_step_reported"):
                 node.meta["hecate_memory_step_reported"] = True
-                report.add_miss(op, f"{_form(node)} of {_over(node)} is not a memory step: {rec}", node.name,
+                heads = _HEADS_ADVICE if _reads_per_head(getattr(gm, node.args[0].target)) else ""
+                report.add_miss(op, f"{_form(node)} of {_over(node)} is not a memory step: {rec}{heads}", node.name,
                                 nodes=_body_nodes(gm, node))
             continue
         if rec.kind != kind:
