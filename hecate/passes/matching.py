@@ -313,6 +313,9 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
         raise ValueError(f"replace_with_function: no outputs to replace among {[n.name for n in nodes]}; "
                          "pass a Match or outputs=[the replaced nodes read afterwards]")
     check_gradients_flow(args, old_outputs)
+    if _computed_from([n for a in args for n in _nodes_in(a)], set(old_outputs)):
+        raise NotFused("the replacement would read values computed from what it replaces (a cycle); "
+                       "the graph is left as it was")
     values = [fx.node.map_aggregate(a, val) for a in args]
     fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     if fake_mode is None:
@@ -347,6 +350,25 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
     return new_outputs
 
 
+def _nodes_in(arg: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(arg, found.append)
+    return found
+
+
+def _computed_from(roots: Sequence[fx.Node], sources: set[fx.Node]) -> bool:
+    """Whether any of ``roots`` is one of ``sources`` or computed from one."""
+    stack, seen = list(roots), set()
+    while stack:
+        node = stack.pop()
+        if node in sources:
+            return True
+        if node not in seen:
+            seen.add(node)
+            stack += node.all_input_nodes
+    return False
+
+
 def _last(graph: fx.Graph, nodes: Sequence[fx.Node]) -> fx.Node:
     order = {n: i for i, n in enumerate(graph.nodes)}
     return max(nodes, key=order.__getitem__)
@@ -379,6 +401,7 @@ def restore_topological_order(graph: fx.Graph) -> None:
     if all(position[i] < position[n] for n in nodes for i in n.all_input_nodes):
         return
     placed: set[fx.Node] = set()
+    entered: set[fx.Node] = set()
     order: list[fx.Node] = []
     for root in nodes:  # depth-first, inputs before users, iterative (graphs can be deep)
         stack = [(root, False)]
@@ -390,6 +413,9 @@ def restore_topological_order(graph: fx.Graph) -> None:
                 placed.add(node)
                 order.append(node)
                 continue
+            if node in entered:  # reached again from its own inputs: no order exists
+                raise RuntimeError(f"restore_topological_order: the graph has a cycle through {node.name}")
+            entered.add(node)
             stack.append((node, True))
             for i in sorted(node.all_input_nodes, key=position.__getitem__, reverse=True):
                 if i not in placed:

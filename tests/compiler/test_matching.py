@@ -96,6 +96,33 @@ def test_wrong_number_of_outputs_is_named():
         replace_with_function(gm, [tanh], lambda x: (x, x), [tanh.args[0]], outputs=[tanh])
 
 
+def test_a_replacement_reading_what_it_replaces_is_refused_and_the_graph_kept():
+    """An input computed from a replaced output would make a cycle (the pass then looped without end and took
+    all memory): NotFused, the graph as it was."""
+    from hecate.passes.matching import NotFused
+
+    gm = hecate.compiler.pipeline.canonicalize(fx.symbolic_trace(_model), [torch.randn(2, 3)])
+    tanh = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.tanh.default)
+    downstream = next(iter(tanh.users))
+    before = [(n.name, n.target) for n in gm.graph.nodes]
+    with pytest.raises(NotFused, match="a cycle"):
+        replace_with_function(gm, [tanh], lambda x: x.sin(), [downstream], outputs=[tanh])
+    assert [(n.name, n.target) for n in gm.graph.nodes] == before
+
+
+def test_topological_order_of_a_cyclic_graph_is_an_error():
+    from hecate.passes.matching import restore_topological_order
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.sin, (x,))
+    b = graph.call_function(torch.cos, (a,))
+    graph.output(b)
+    a.args = (b,)  # a reads b, which reads a
+    with pytest.raises(RuntimeError, match="cycle"):
+        restore_topological_order(graph)
+
+
 def test_matches_share_a_view_of_their_inputs():
     """``w.T`` computed once for two products (the normal form's CSE): both products match, and
     replacing one keeps the transpose for the other."""
