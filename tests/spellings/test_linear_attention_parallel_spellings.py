@@ -275,20 +275,28 @@ class GammaBufferHeadsLast(nn.Module):
         return torch.einsum("bhts,bshd->bthd", s, v).reshape(b, n, -1)
 
 
-class LearnedDecay(nn.Module):
-    """a learned γ per head (nn.Parameter [H], its gradient checked), the future masked by triu."""
+class _PerHeadDecay(nn.Module):
+    """Heads split from [B, T, H·Dh], (φ(Q)φ(K)ᵀ ⊙ D) V per head with the decay D [H, T, T] of ``decay``, merged."""
 
-    def __init__(self, heads=2):
-        super().__init__()
-        self.heads, self.gamma = heads, nn.Parameter(torch.tensor([0.95, 0.8]))
+    heads = 2
 
     def forward(self, q, k, v):
         b, n, _ = q.shape
         q, k, v = (z.view(b, n, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        t = torch.arange(n, dtype=q.dtype)
+        return (((phi(q) @ phi(k).mT) * self.decay(n, q.dtype)) @ v).transpose(1, 2).flatten(2)
+
+
+class LearnedDecay(_PerHeadDecay):
+    """a learned γ per head (nn.Parameter [H], its gradient checked), the future masked by triu."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.tensor([0.95, 0.8]))
+
+    def decay(self, n, dtype):
+        t = torch.arange(n, dtype=dtype)
         d = self.gamma.view(-1, 1, 1) ** (t[:, None] - t[None, :]).clamp(min=0)
-        d = d.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), 0.0)
-        return (((phi(q) @ phi(k).mT) * d) @ v).transpose(1, 2).flatten(2)
+        return d.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), 0.0)
 
 
 class ScalarGammaBuffer(nn.Module):
@@ -304,35 +312,29 @@ class ScalarGammaBuffer(nn.Module):
         return ((phi(q) @ phi(k).mT) * torch.where(gap >= 0, self.gamma ** gap, 0.0)) @ v
 
 
-class SigmoidGamma(nn.Module):
+class SigmoidGamma(_PerHeadDecay):
     """γ = sigmoid(p), p learned per head: the decay is computed from the parameter, not held in it."""
 
-    def __init__(self, heads=2):
+    def __init__(self):
         super().__init__()
-        self.heads, self.p = heads, nn.Parameter(torch.tensor([2.0, 0.5]))
+        self.p = nn.Parameter(torch.tensor([2.0, 0.5]))
 
-    def forward(self, q, k, v):
-        b, n, _ = q.shape
-        q, k, v = (z.view(b, n, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+    def decay(self, n, dtype):
         t = torch.arange(n)
-        gap = (t[:, None] - t[None, :]).to(q.dtype)
-        d = torch.where(gap >= 0, torch.sigmoid(self.p)[:, None, None] ** gap, 0.0)
-        return (((phi(q) @ phi(k).mT) * d) @ v).transpose(1, 2).flatten(2)
+        gap = (t[:, None] - t[None, :]).to(dtype)
+        return torch.where(gap >= 0, torch.sigmoid(self.p)[:, None, None] ** gap, 0.0)
 
 
-class LogSigmoidDecay(nn.Module):
+class LogSigmoidDecay(_PerHeadDecay):
     """log γ = logsigmoid(p) per head, the decay exp((t − s) log γ), the future cut by tril."""
 
-    def __init__(self, heads=2):
+    def __init__(self):
         super().__init__()
-        self.heads, self.p = heads, nn.Parameter(torch.tensor([3.0, 1.0]))
+        self.p = nn.Parameter(torch.tensor([3.0, 1.0]))
 
-    def forward(self, q, k, v):
-        b, n, _ = q.shape
-        q, k, v = (z.view(b, n, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        t = torch.arange(n, dtype=q.dtype)
-        d = torch.exp((t[:, None] - t[None, :]).clamp(min=0) * F.logsigmoid(self.p).view(-1, 1, 1)).tril()
-        return (((phi(q) @ phi(k).mT) * d) @ v).transpose(1, 2).flatten(2)
+    def decay(self, n, dtype):
+        t = torch.arange(n, dtype=dtype)
+        return torch.exp((t[:, None] - t[None, :]).clamp(min=0) * F.logsigmoid(self.p).view(-1, 1, 1)).tril()
 
 
 DECAY_READ = [RetNetLogDecayBuffer, GammaBufferHeadsLast, LearnedDecay, ScalarGammaBuffer,
