@@ -13,7 +13,6 @@ from hecate.compiler.options import HecateOptionsError, Options
 from hecate.passes.report import Fusion, FusionReport, Miss
 
 
-
 def _register_backend() -> None:
     """``backend="hecate"`` comes from the package's entry point once it is installed. Run from a checkout
     without installing (``PYTHONPATH=.``), there is no entry point: importing hecate registers the backend."""

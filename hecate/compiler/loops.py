@@ -33,8 +33,8 @@ A run whose blocks differ from block t on (another literal, op or p) is rolled u
 the rest is tried again as a loop of its own. Nested loops are rolled from the inside: the runs with
 the shortest blocks are tried first, and a loop that carries nothing (a map, such as a loop over heads
 inside the loop over time) only where no loop that carries a state covers it. An index with two
-integers (``alpha[:, t, h]``) is read at whichever of them advances with the blocks. A run that fails any check is left unrolled,
-exactly as Dynamo produced it.
+integers (``alpha[:, t, h]``) is read at whichever of them advances with the blocks. A run that fails
+any check is left unrolled, exactly as Dynamo produced it.
 
 A loop of one step (T = 1, e.g. a one-token forward) has no second block to compare with; it
 is read from what a loop leaves around it instead (:func:`_one_step`) and rolled when that

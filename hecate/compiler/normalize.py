@@ -2,9 +2,9 @@
 
 Every rewrite here is exact: the rewritten graph computes bit-for-bit what the original
 computes (checked in ``tests/compiler/test_normalize.py``), except that an einsum made a
-matmul computes the same sums through another BLAS call, which may add them in another order, and a conv written by hand made
-a conv1d adds its products in the conv's order. :func:`normalize` puts the whole
-graph and the body of every ``scan`` in it in this form:
+matmul computes the same sums through another BLAS call, which may add them in another order, and a
+conv written by hand made a conv1d adds its products in the conv's order. :func:`normalize` puts the
+whole graph and the body of every ``scan`` in it in this form:
 
 * :func:`functionalize`: an in-place op on a tensor nothing else aliases (``M.mul_(a)``,
   ``M -= x``, ``M.add_(x, alpha=-1)``) becomes its out-of-place op, later reads of the
@@ -168,11 +168,11 @@ def _unfolded_conv(pad: fx.Node, taps: int) -> tuple[fx.Node, list[fx.Node]] | N
 def _windowed_conv(pad: fx.Node, taps: int) -> tuple[fx.Node, list[fx.Node]] | None:
     """``Σ_k w_k · P[..., k:k+T]``: (the root of the sum, [w_0 .. w_{K−1}])."""
     pad_val = _val(pad)
-    length = pad_val.shape[-1] - (taps - 1)
-    weights: dict[int, Any] = {}
     if not all(type(size) is int for size in pad_val.shape):  # a symbolic length is not asked about (no guard)
         return None
-    products = {}
+    length = pad_val.shape[-1] - (taps - 1)
+    weights: dict[int, Any] = {}  # window start -> its weight
+    products: dict[fx.Node, int] = {}  # w_k · window -> k
     for window in pad.users:
         start = (window.args[2] if len(window.args) > 2 else None) or 0
         if window.target is not aten.slice.Tensor or window.args[1] % 3 != 2 or len(window.users) != 1 \
