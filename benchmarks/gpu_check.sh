@@ -33,12 +33,15 @@ stage() {  # stage NAME SECONDS COMMAND...: run unless NAME is not in $STAGES; r
     python3 -c "import hecate, hecate.lowering; print('hecate imports')"
 } 2>&1 | tee -a "$log"
 
-stage tests "${TESTS_S:-240}" python3 -m pytest -m cuda -v -n 8 -p no:cacheprovider --timeout=150 --durations=30 -rfE --tb=short \
-    --junitxml="$OUT/cuda_tests.xml" tests/test_cuda.py tests/lowering/memory_scan/test_memory_scan_kernels.py \
+# TESTS (env) narrows the test stage to some files or node ids, e.g. the ones a previous run did not reach
+TESTS=${TESTS:-tests/test_cuda.py tests/lowering/memory_scan/test_memory_scan_kernels.py \
     tests/lowering/memory_scan/test_chunk_kernels.py tests/lowering/qk_preprocess/test_qk_preprocess_numerics.py \
-    tests/lowering/qk_preprocess/test_qk_preprocess_triton.py
+    tests/lowering/qk_preprocess/test_qk_preprocess_triton.py}
+# shellcheck disable=SC2086  # TESTS is a list of paths
+stage tests "${TESTS_S:-240}" python3 -m pytest -m cuda -v -n 8 -p no:cacheprovider --timeout=150 --durations=30 -rfE --tb=short \
+    --junitxml="$OUT/cuda_tests.xml" $TESTS
 stage qk "${QK_S:-120}" python3 benchmarks/qk_preprocess.py --device cuda --no-progress
-stage memory "${MEMORY_S:-150}" python3 benchmarks/memory_scan.py --device cuda --dims 64 --lengths 256,1024,4096 \
+stage memory "${MEMORY_S:-150}" python3 benchmarks/memory_scan.py --device cuda --dims 64 --lengths "${MEMORY_LENGTHS:-256,1024,4096}" \
     --unrolled-lengths 16
 stage fep "${FEP_S:-120}" python3 benchmarks/fep.py --device cuda --sizes 1024x16,1024x64,4096x64 \
     --compiled-train-sizes 1024x16 --no-progress
