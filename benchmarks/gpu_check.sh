@@ -4,12 +4,12 @@
 #     STAGES=tests,qk,memory,fep OUT=/tmp/gpu benchmarks/gpu_check.sh
 #
 # Runs from the repository root with the machine's own python3 (its torch and triton; nothing is installed).
-# Each stage has its own time limit (seconds, env TESTS_S, QK_S, MEMORY_S, FEP_S), so one slow stage cannot
+# Each stage has its own time limit (seconds, env TESTS_S, QK_S, MEMORY_S, FEP_S, PROFILE_S), so one slow stage cannot
 # eat the others. Logs, the tests' JUnit XML and the benchmark JSON/PNG files end up in $OUT (a tarball of
 # benchmarks/results/*-cuda.* as gpu_results.tar.gz).
 set -u
 OUT=${OUT:-gpu_out}
-STAGES=${STAGES:-tests,qk,memory,fep}
+STAGES=${STAGES:-tests,qk,memory,fep}  # and profile (a kernel table of the FEP training step)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export MPLBACKEND=Agg
@@ -38,12 +38,16 @@ TESTS=${TESTS:-tests/test_cuda.py tests/lowering/memory_scan/test_memory_scan_ke
     tests/lowering/memory_scan/test_chunk_kernels.py tests/lowering/qk_preprocess/test_qk_preprocess_numerics.py \
     tests/lowering/qk_preprocess/test_qk_preprocess_triton.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths
-stage tests "${TESTS_S:-240}" python3 -m pytest -m cuda -v -n 8 -p no:cacheprovider --timeout=150 --durations=30 -rfE --tb=short \
+# 8 workers share 16 cores: the float64 references on the CPU would otherwise each take all of them
+stage tests "${TESTS_S:-240}" env OMP_NUM_THREADS=2 python3 -m pytest -m cuda -v -n 8 -p no:cacheprovider --timeout=150 --durations=30 -rfE --tb=short \
     --junitxml="$OUT/cuda_tests.xml" $TESTS
 stage qk "${QK_S:-120}" python3 benchmarks/qk_preprocess.py --device cuda --no-progress
 stage memory "${MEMORY_S:-150}" python3 benchmarks/memory_scan.py --device cuda --dims 64 --lengths "${MEMORY_LENGTHS:-256,1024,4096}" \
     --unrolled-lengths 16
 stage fep "${FEP_S:-120}" python3 benchmarks/fep.py --device cuda --sizes 1024x16,1024x64,4096x64 \
     --compiled-train-sizes 1024x16 --no-progress
+
+stage profile "${PROFILE_S:-90}" python3 benchmarks/profile_fep.py --device cuda --n 1024 --k 16 \
+    --out "$OUT/profile_fep_hecate.txt"
 
 tar czf "$OUT/gpu_results.tar.gz" benchmarks/results/*-cuda.* 2>/dev/null || echo "no benchmark results written"
