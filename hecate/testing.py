@@ -114,6 +114,34 @@ def compile_for_gpu(kernel, signature: dict[str, str], constexprs: dict, arch: i
     Pointer arguments are taken as 16-byte aligned, as Triton's launcher marks fresh torch allocations.
     Raises when this process imported triton under ``TRITON_INTERPRET=1`` (see :func:`compile_for_gpu_in_subprocess`).
     """
+    return _compile_for_gpu(kernel, signature, constexprs, arch).asm["ptx"]
+
+
+def kernel_resources(kernel, signature: dict[str, str], constexprs: dict, num_warps: int = 4,
+                     arch: int = 90) -> dict[str, int]:
+    """``{"registers": per thread, "stack_bytes": per thread}`` of ``kernel`` compiled for sm_``arch`` (no GPU
+    needed), as ``cuobjdump -res-usage`` reads them from the cubin. A stack frame in a kernel that makes no
+    calls is spilled registers: local-memory traffic in every iteration that touches them."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cubin = _compile_for_gpu(kernel, signature, constexprs, arch, num_warps).asm["cubin"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"kernel_resources: no REG/STACK line in cuobjdump's output:\n{usage[-2000:]}")
+    return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2))}
+
+
+def _compile_for_gpu(kernel, signature: dict[str, str], constexprs: dict, arch: int, num_warps: int = 4):
     import os
 
     import triton
@@ -127,7 +155,7 @@ def compile_for_gpu(kernel, signature: dict[str, str], constexprs: dict, arch: i
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
     source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                        attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
 def compile_for_gpu_in_subprocess(jobs: dict[str, tuple[object, dict[str, str], dict]], arch: int = 90,

@@ -156,6 +156,18 @@ def _tiles(k: int, dv: int, dw: int) -> tuple[int, int]:
     return 32, 32
 
 
+def backward_launch() -> dict:
+    """Tiles and warps of the backward kernels, which hold more per tile than the forward ones (the value
+    products of dS run over 3K+1 and 2(3K+1) features, and IEEE fp32 dots replicate their operands across
+    threads). At 32×32 tiles and 4 warps, K = 16, the kernels compiled for sm_90 keep 8–10 KB per thread
+    on the stack (spilled registers; 7 ms per call on an H200 at N = 1024); at 16×16 and 8 warps the
+    row kernel spills nothing and the column kernel 0.6 KB (``benchmarks/kernel_resources.py``).
+    """
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16)
+    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=8)
+
+
 def _beliefs(mu, var):
     """(μ, v, log v) fp32 contiguous [B, N, K]: what the kernels form the per-pair KL from."""
     v = var.float().contiguous()
@@ -211,8 +223,9 @@ def _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energ
     g_row, g_row_kl, g_energy, g_col, g_col_kl, g_col_energy, g_lse = (g.float().contiguous() for g in grads)
     g_cols = torch.cat([g_col, g_col_energy], dim=-1).contiguous()
     g_cols_kl = torch.cat([g_col_kl, torch.zeros_like(g_col_kl)], dim=-1).contiguous()
-    bm, bn = _tiles(k, dv, 2 * dw)
-    config = dict(CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_block(k))
+    launch = backward_launch()
+    bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
+    config = dict(CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, BLOCK_D=_block(k), **launch)
     lse32 = lse.float().contiguous()
     energy32 = energy.float()
     rowdot = (g_row * row_sum.float()).sum(-1) + (g_row_kl * row_kl_sum.float()).sum(-1)
