@@ -36,6 +36,13 @@ inside the loop over time) only where no loop that carries a state covers it. An
 integers (``alpha[:, t, h]``) is read at whichever of them advances with the blocks. A run that fails
 any check is left unrolled, exactly as Dynamo produced it.
 
+A proven loop whose carries fall into groups that never read each other (one state per head, updated
+in a loop over heads inside the loop over time) is split into one scan per group (loop fission,
+:func:`_parts`), so each can be matched as a memory step alone. A value of the step that reads several
+groups is allowed only as a stack (or cat) of one value per group, stacked again after the loop (the
+per-step outputs of the heads): each group's scan stacks its own value and the pieces are stacked
+after the scans.
+
 A loop of one step (T = 1, e.g. a one-token forward) has no second block to compare with; it
 is read from what a loop leaves around it instead (:func:`_one_step`) and rolled when that
 reading is unambiguous.
@@ -157,7 +164,7 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
     if not loops:
         return None
     loops.sort(key=lambda loop: loop.s)
-    return RolledGraph(_rebuild(gm, loops), [loop.T for loop in loops])
+    return RolledGraph(*_rebuild(gm, loops))
 
 
 def _hoist_invariants(graph: fx.Graph) -> bool:
@@ -591,18 +598,31 @@ def _one_step_slice(node: fx.Node) -> tuple[fx.Node, int, int, Any] | None:
 
 # ---------------------------------------------------------------- rebuilding the graph
 
-def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> fx.GraphModule:
-    """Copy ``gm``'s graph, emitting one scan in place of each loop."""
+def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> tuple[fx.GraphModule, list[int]]:
+    """Copy ``gm``'s graph, emitting one scan in place of each loop (one per part of a split loop); also
+    the steps of each scan emitted, in graph order."""
     graph, env, attrs = fx.Graph(), {}, {}
     starts = {loop.s: loop for loop in loops}
     skip: set[fx.Node] = set()
     stacks: dict[fx.Node, fx.Node] = {}
+    steps = []
     for p, node in enumerate(gm.graph.nodes):
         if p in starts:
             loop = starts[p]
-            name = f"hecate_loop_body_{len(attrs)}"
-            attrs[name] = _body(loop)
-            outs = _emit_scan(graph, env, loop, name)
+            parts, mixed = _parts(loop)
+            outs = {}
+            for part in parts:
+                name = f"hecate_loop_body_{len(attrs)}"
+                attrs[name] = _body(loop, part)
+                outs.update(_emit_scan(graph, env, loop, name, part))
+                steps.append(loop.T)
+            for o, items in mixed.items():  # per step a stack over the parts: stack the parts' stacked pieces
+                combine = loop.at(0, o)
+                rank = _value(loop.at(0, items[0])).dim()
+                dim = _stack_dim(combine) % (rank + (combine.target in _STACKS))
+                outs[("y", o)] = graph.call_function(
+                    torch.stack if combine.target in _STACKS else torch.cat,
+                    ([outs[("y", item)] for item in items],), {"dim": dim + 1})
             skip.update(loop.nodes[loop.s:loop.end])
             stacks.update({stack: outs[("y", o)] for stack, o in loop.stacks.items()})
             env.update({node: outs[("carry", o)] for node, o in loop.finals.items()})
@@ -622,13 +642,85 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> fx.GraphModule:
             attrs[node.target] = operator.attrgetter(node.target)(gm)
     rolled = fx.GraphModule(attrs, graph, class_name=type(gm).__name__)
     rolled.meta.update(gm.meta)
-    return rolled
+    return rolled, steps
 
 
-def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str) -> dict[tuple[str, int], fx.Node]:
-    carries, ys, invariants = _io(loop)
+@dataclass
+class _Part:
+    """The offsets of a block one scan holds (in block order), its carries and its stacked outputs."""
+
+    offsets: list[int]
+    carries: list[int]
+    ys: list[int]
+
+
+def _parts(loop: _Loop) -> tuple[list[_Part], dict[int, list[int]]]:
+    """Loop fission: the block split into parts whose carries never read each other's, or the whole block.
+
+    Carries are grouped by what they read (transitively within the block); each group is a part, with the
+    values only it reads and those that read no carry (the step's inputs, copied into every part that needs
+    them). A value reading several groups must be a stack or cat, read only by a stack after the loop, of
+    values each reading one group; it is returned as ``{offset: its items' offsets}`` and each item becomes a
+    stacked output of its part. Anything else reading several groups keeps the loop whole.
+    """
+    carries, ys = _io(loop)
+    whole = [_Part(list(range(loop.L)), carries, ys)], {}
+    reads: dict[int, set[int]] = {}  # offset -> the carries it reads
+    for o in range(loop.L):
+        reads[o] = set()
+        for j, leaf in enumerate(loop._flat0(o, loop.at(0, o))[0] if o not in loop.slices else ()):
+            if isinstance(leaf, fx.Node):
+                what, ref = loop.args[(o, j)]
+                reads[o] |= reads[ref] if what == "internal" else {ref} if what == "carry" else set()
+    group = {c: c for c in carries}
+
+    def find(c: int) -> int:
+        while group[c] != c:
+            c = group[c]
+        return c
+
+    for c in carries:
+        for d in reads[c]:
+            group[find(d)] = find(c)
+    groups = list(dict.fromkeys(find(c) for c in carries))
+    if len(groups) < 2:
+        return whole
+    of = {o: {find(c) for c in reads[o]} for o in range(loop.L)}
+    mixed: dict[int, list[int]] = {}
+    for o in range(loop.L):
+        if len(of[o]) < 2:
+            continue
+        node = loop.at(0, o)
+        items = node.args[0] if node.target in _STACKS + _CATS and node.args else None
+        if (o not in ys or o in carries or not isinstance(items, (list, tuple))
+                or any(loop.block(u) is not None for u in node.users)):
+            return whole
+        offsets = [loop.block(item) for item in items]
+        if any(b is None or b[0] != 0 or len(of[b[1]]) != 1 for b in offsets):
+            return whole
+        mixed[o] = [b[1] for b in offsets]
+    parts = []
+    for g in groups:
+        roots = [c for c in carries if find(c) == g]
+        part_ys = [o for o in ys if o not in mixed and (of[o] == {g} or (not of[o] and g == groups[0]))]
+        part_ys += [item for items in mixed.values() for item in items if of[item] == {g} and item not in part_ys]
+        needed, todo = set(), roots + part_ys
+        while todo:
+            o = todo.pop()
+            if o in needed:
+                continue
+            needed.add(o)
+            if o not in loop.slices:
+                todo += [ref for j, leaf in enumerate(loop._flat0(o, loop.at(0, o))[0]) if isinstance(leaf, fx.Node)
+                         for what, ref in [loop.args[(o, j)]] if what == "internal"]
+        parts.append(_Part(sorted(needed), roots, sorted(part_ys)))
+    return parts, mixed
+
+
+def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str, part: _Part) -> dict[tuple[str, int], fx.Node]:
+    carries, ys, invariants = part.carries, part.ys, _invariants(loop, part)
     xs = []
-    for x, dim, start in _sources(loop):
+    for x, dim, start in _sources(loop, part):
         size = _value(x).shape[dim]
         x = env[x]
         if dim != 0:
@@ -649,27 +741,32 @@ def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str) -> dict[
     return outs
 
 
-def _sources(loop: _Loop) -> list[tuple[fx.Node, int, int]]:
-    """The distinct ``(x, dim, start)`` the loop slices, one scan input each (``k[:, t]`` read at
+def _sources(loop: _Loop, part: _Part) -> list[tuple[fx.Node, int, int]]:
+    """The distinct ``(x, dim, start)`` the part slices, one scan input each (``k[:, t]`` read at
     every use is one input)."""
-    return list(dict.fromkeys(loop.slices[o][:3] for o in sorted(loop.slices)))
+    return list(dict.fromkeys(loop.slices[o][:3] for o in part.offsets if o in loop.slices))
 
 
-def _io(loop: _Loop) -> tuple[list[int], list[int], list[fx.Node]]:
-    """Offsets of the carries and stacked outputs, and the invariants in order of first use."""
-    invariants = list(dict.fromkeys(ref for what, ref in loop.args.values() if what == "invariant"))
-    return sorted(loop.carries), sorted(set(loop.stacks.values())), invariants
+def _io(loop: _Loop) -> tuple[list[int], list[int]]:
+    """Offsets of the carries and of the stacked outputs."""
+    return sorted(loop.carries), sorted(set(loop.stacks.values()))
 
 
-def _body(loop: _Loop) -> fx.GraphModule:
-    """Block 0 as the scan body: ``(*carries, *x_t, *invariants) -> [*next carries, *y_t]``."""
-    carries, ys, invariants = _io(loop)
+def _invariants(loop: _Loop, part: _Part) -> list[fx.Node]:
+    """The invariants the part reads, in order of first use."""
+    offsets = set(part.offsets)
+    return list(dict.fromkeys(ref for (o, _), (what, ref) in loop.args.items() if what == "invariant" and o in offsets))
+
+
+def _body(loop: _Loop, part: _Part) -> fx.GraphModule:
+    """The part of block 0 as the scan body: ``(*carries, *x_t, *invariants) -> [*next carries, *y_t]``."""
+    carries, ys, invariants = part.carries, part.ys, _invariants(loop, part)
     body = fx.Graph()
     carry_in = {o: body.placeholder(f"carry_{i}") for i, o in enumerate(carries)}
-    xs_in = {source: body.placeholder(f"x_{i}") for i, source in enumerate(_sources(loop))}
+    xs_in = {source: body.placeholder(f"x_{i}") for i, source in enumerate(_sources(loop, part))}
     invariant_in = {a: body.placeholder(f"invariant_{i}") for i, a in enumerate(invariants)}
     env = {}
-    for o in sorted(loop.slices):  # x.select(dim, t) is the scan's x_t; then what the user's slice adds
+    for o in sorted(set(loop.slices) & set(part.offsets)):  # x.select(dim, t) is the scan's x_t; then the user's slice
         x, dim, _, rest = loop.slices[o]
         x_t = xs_in[loop.slices[o][:3]]
         if rest is not None and rest[0] == "index":
@@ -677,7 +774,7 @@ def _body(loop: _Loop) -> fx.GraphModule:
         elif rest is not None:  # ("keep",): the size-1 time dim stays
             x_t = body.call_function(torch.unsqueeze, (x_t, dim))
         env[loop.at(0, o)] = x_t
-    for o in range(loop.L):
+    for o in part.offsets:
         node = loop.at(0, o)
         if o in loop.slices:
             continue

@@ -786,8 +786,8 @@ def recognise(gm: fx.GraphModule, node: fx.Node) -> Recurrence | NotFused:
 
 _HEADS_ADVICE = ("; the step reads its inputs or state at several fixed indices of one dim (x[:, h], M[:, h]), as "
                  "a Python loop over heads inside the loop over time does: write the heads as a batch dim of one "
-                 "memory [B, H, Dv, Dk], or put the loop over heads around the loop over time (each head's loop "
-                 "then fuses)")
+                 "memory [B, H, Dv, Dk], keep one memory per head (a list: the loop is then split per head), or "
+                 "put the loop over heads around the loop over time (each head's loop then fuses)")
 
 
 def _reads_per_head(body: fx.GraphModule) -> bool:

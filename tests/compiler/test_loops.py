@@ -81,6 +81,54 @@ def test_two_carries_and_every_slice_spelling_are_rolled():
     _check_rolled(two_states_mixed_slices, torch.randn(9, 4), torch.randn(4, 9), torch.randn(4, 9), steps=[7])
 
 
+def states_per_head(x, W):
+    """One state per head in a list, the heads a loop inside the loop over time; a per-step input read by every
+    head (x_t.sin()), an invariant read by one; per step a stack over the heads (dim -1) and a cat (dim 0)."""
+    states, ys, zs = [x.new_zeros(x.shape[0], x.shape[-1]) for _ in range(x.shape[2])], [], []
+    for t in range(x.shape[1]):
+        shared, yt, zt = x[:, t].sin(), [], []
+        for h in range(x.shape[2]):
+            states[h] = 0.9 * states[h] + shared[:, h] * (W if h == 0 else 1.0)
+            yt.append(states[h].cos())
+            zt.append(states[h][None])
+        ys.append(torch.stack(yt, -1))
+        zs.append(torch.cat(zt, 0))
+    return torch.stack(ys, 1), torch.stack(zs, 0), *states
+
+
+def test_independent_states_are_split_into_one_loop_each():
+    rolled = _check_rolled(states_per_head, torch.randn(2, 6, 3, 4), torch.randn(4), steps=[6, 6, 6])
+    for scan in _scans(rolled.gm):
+        body, init, xs, invariants = scan.args
+        assert len(init) == 1  # its own head's state alone
+
+
+def two_states_stacked_apart(x):
+    """Two independent states, each with its own stacked output."""
+    s, u, ys, zs = x[:, 0] * 0, x[:, 0] * 0, [], []
+    for t in range(x.shape[1]):
+        s = s * 0.5 + x[:, t]
+        u = u + x[:, t].exp()
+        ys.append(s)
+        zs.append(u.sin())
+    return torch.stack(ys, 1), torch.stack(zs, 1)
+
+
+def two_states_summed(x):
+    """Two independent states whose per-step output reads both as a sum, not a stack: one loop."""
+    s, u, ys = x[:, 0] * 0, x[:, 0] * 0, []
+    for t in range(x.shape[1]):
+        s = s * 0.5 + x[:, t]
+        u = u + x[:, t].exp()
+        ys.append(s + u)
+    return torch.stack(ys, 1), s, u
+
+
+def test_states_split_only_where_nothing_but_a_stack_reads_both():
+    _check_rolled(two_states_stacked_apart, torch.randn(3, 5), steps=[5, 5])
+    _check_rolled(two_states_summed, torch.randn(3, 5), steps=[5])
+
+
 def two_loops(x):
     h, g = x[:, 0] * 0, x[:, 0] * 0
     for t in range(x.shape[1]):
