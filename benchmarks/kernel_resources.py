@@ -4,7 +4,9 @@ A stack frame in these kernels (they make no calls) is registers spilled to loca
 in every iteration that touches them: the first thing to look at when a kernel is far slower than
 its arithmetic. For each FEP width K (row values 3K+1, column values 2(3K+1)) this compiles every
 kernel at the tiles and warps ``hecate.lowering.kl_attention.op`` launches it with, and the backward
-kernels also at the forward's tiles with 4 warps (how they were launched before, for comparison).
+kernels also at the forward's tiles with 4 warps (how they were launched before 2026-11-26, for
+comparison; the column kernel then also summed over query-major tiles, which spilled 9.8 KB per
+thread at K = 16 and 14.2 KB at K = 64 at that launch).
 
     python3 benchmarks/kernel_resources.py [--ks 8,16,64]
 
@@ -45,7 +47,7 @@ def measure(k: int) -> list[dict]:
     backward = {"num_warps": 4} | op.backward_launch()
     launches = [("forward", forward, ("_fwd_rows", "_fwd_cols")),
                 ("backward", backward, ("_bwd_col_values", "_bwd_rows", "_bwd_cols")),
-                ("backward at the forward's tiles, 4 warps (before)", forward,
+                ("backward at the forward's tiles, 4 warps (the launch before)", forward,
                  ("_bwd_col_values", "_bwd_rows", "_bwd_cols"))]
     extra = {"_fwd_rows": dict(HAS_V=True, BLOCK_V=widths["BLOCK_V"]), "_fwd_cols": dict(BLOCK_W=widths["BLOCK_W"]),
              "_bwd_col_values": dict(BLOCK_W=widths["BLOCK_W"])}

@@ -16,7 +16,8 @@ Forward:  ``_fwd_rows``  (row blocks; online softmax over key blocks) → row_su
 Backward (recomputing P from lse):
           ``_bwd_col_values`` (row blocks) → dW = P dO3 + (P∘S) dO4   (only with column values)
           ``_bwd_rows`` (row blocks)   → dμ, dv through the query side of S
-          ``_bwd_cols`` (key blocks)   → dμ, dv through the key side of S, dV
+          ``_bwd_cols`` (key blocks, its tiles transposed: keys on the rows) → dμ, dv through the key
+                        side of S, dV
 The formulas are in :func:`hecate.lowering.kl_attention.matmul_form.backward`.
 """
 
@@ -64,27 +65,43 @@ def _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs, N, K, BLOCK_K: tl.constexpr)
 
 
 @triton.jit
-def _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j):
-    """S_ij [BLOCK_M, BLOCK_N], per pair: 0 exactly when q_i = q_j."""
-    d = mu_i[:, None, :] - mu_j[None, :, :]
-    t = (d * d + (v_i[:, None, :] - v_j[None, :, :])) / v_j[None, :, :] + (lv_j[None, :, :] - lv_i[:, None, :])
-    return 0.5 * tl.sum(t, 2)
+def _kl(mu_i, v_i, lv_i, mu_j, v_j, lv_j):
+    """S_ij per pair from query beliefs and key beliefs broadcast against each other ([.., .., BLOCK_D] each),
+    summed over the features: 0 exactly when q_i = q_j."""
+    d = mu_i - mu_j
+    return 0.5 * tl.sum((d * d + (v_i - v_j)) / v_j + (lv_j - lv_i), 2)
 
 
 @triton.jit
-def _allowed(offs_m, offs_n, N, CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr):
-    ok = (offs_m[:, None] < N) & (offs_n[None, :] < N)
+def _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j):
+    """S_ij [BLOCK_M, BLOCK_N], queries on the rows."""
+    return _kl(mu_i[:, None, :], v_i[:, None, :], lv_i[:, None, :], mu_j[None, :, :], v_j[None, :, :], lv_j[None, :, :])
+
+
+@triton.jit
+def _key_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j):
+    """S_ij transposed, [BLOCK_N, BLOCK_M]: the keys on the rows, for the backward's sums over queries per key.
+    (Summing a query-major tile over its rows, with its transpose in the value products, spilled up to 14 KB of
+    registers per thread on sm_90; benchmarks/kernel_resources.py.)"""
+    return _kl(mu_i[None, :, :], v_i[None, :, :], lv_i[None, :, :], mu_j[:, None, :], v_j[:, None, :], lv_j[:, None, :])
+
+
+@triton.jit
+def _allowed(query, key, N, CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr):
+    """Which pairs are attended, from query and key indices broadcast against each other."""
+    ok = (query < N) & (key < N)
     if CAUSAL:
-        ok = ok & (offs_n[None, :] <= offs_m[:, None])
+        ok = ok & (key <= query)
     if MASK_DIAGONAL:
-        ok = ok & (offs_n[None, :] != offs_m[:, None])
+        ok = ok & (key != query)
     return ok
 
 
 @triton.jit
-def _beta_tile(s, lse_i, ok, neg_inv_kappa):
-    """P_ij from the scores and the row log-sum-exp (0 on masked pairs and on rows with no key)."""
-    return tl.where(ok, tl.exp(s * neg_inv_kappa - lse_i[:, None]), 0.0)
+def _beta_tile(s, lse, ok, neg_inv_kappa):
+    """P_ij from the scores and the query's log-sum-exp, broadcast to the tile (0 on masked pairs and on
+    queries with no key)."""
+    return tl.where(ok, tl.exp(s * neg_inv_kappa - lse), 0.0)
 
 
 @triton.jit
@@ -109,7 +126,7 @@ def _fwd_rows(mu_ptr, var_ptr, lv_ptr, rv_ptr,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mu_j, v_j, lv_j = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_n, N, K, BLOCK_D)
         s = _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)  # [BM, BN]
-        ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
+        ok = _allowed(offs_m[:, None], offs_n[None, :], N, CAUSAL, MASK_DIAGONAL)
         logit = tl.where(ok, s * neg_inv_kappa, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logit, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet: keep exp(−inf) = 0
@@ -154,8 +171,8 @@ def _fwd_cols(mu_ptr, var_ptr, lv_ptr, lse_ptr, cv_ptr,
         lse_i = _load_vec(lse_ptr, b, offs_m, N)
         w_i = _load_rows(cv_ptr, b, offs_m, N, DW, BLOCK_W)  # [BM, BW]
         s = _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)
-        ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
-        p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
+        ok = _allowed(offs_m[:, None], offs_n[None, :], N, CAUSAL, MASK_DIAGONAL)
+        p = _beta_tile(s, lse_i[:, None], ok, neg_inv_kappa)
         acc += tl.dot(tl.trans(p), w_i, input_precision="ieee")
         acc_kl += tl.dot(tl.trans(p * tl.where(ok, s, 0.0)), w_i, input_precision="ieee")
     _store_rows(col_ptr, acc, b, offs_n, N, DW, BLOCK_W)
@@ -182,8 +199,8 @@ def _bwd_col_values(mu_ptr, var_ptr, lv_ptr, lse_ptr, g_col_ptr, g_col_kl_ptr,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mu_j, v_j, lv_j = _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs_n, N, K, BLOCK_D)
         s = _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)
-        ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
-        p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
+        ok = _allowed(offs_m[:, None], offs_n[None, :], N, CAUSAL, MASK_DIAGONAL)
+        p = _beta_tile(s, lse_i[:, None], ok, neg_inv_kappa)
         g3 = _load_rows(g_col_ptr, b, offs_n, N, DW, BLOCK_W)
         g4 = _load_rows(g_col_kl_ptr, b, offs_n, N, DW, BLOCK_W)
         acc += tl.dot(p, g3, input_precision="ieee") + tl.dot(p * tl.where(ok, s, 0.0), g4, input_precision="ieee")
@@ -191,20 +208,33 @@ def _bwd_col_values(mu_ptr, var_ptr, lv_ptr, lse_ptr, g_col_ptr, g_col_kl_ptr,
 
 
 @triton.jit
+def _pair_dot(i_x, j_y, KEYS_ON_ROWS: tl.constexpr):
+    """Σ_d x_id y_jd on a tile: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with the keys on the rows."""
+    if KEYS_ON_ROWS:
+        return tl.dot(j_y, tl.trans(i_x), input_precision="ieee")
+    return tl.dot(i_x, tl.trans(j_y), input_precision="ieee")
+
+
+@triton.jit
 def _grad_scores(s, ok, p, i_rv1, i_rv2, i_energy, i_lse, i_rowdot, i_cv, j_rv, j_g3, j_g4, inv_kappa,
-                 HAS_V: tl.constexpr, HAS_W: tl.constexpr):
-    """dS on one tile (see matmul_form.backward); i_* are per-query, j_* per-key operands."""
+                 HAS_V: tl.constexpr, HAS_W: tl.constexpr, KEYS_ON_ROWS: tl.constexpr):
+    """dS on one tile (see matmul_form.backward); i_* are per-query, j_* per-key operands. The tile has the
+    queries on its rows, or (KEYS_ON_ROWS) the keys: the per-query vectors then broadcast along the rows."""
+    if KEYS_ON_ROWS:
+        i_energy, i_lse, i_rowdot = i_energy[None, :], i_lse[None, :], i_rowdot[None, :]
+    else:
+        i_energy, i_lse, i_rowdot = i_energy[:, None], i_lse[:, None], i_rowdot[:, None]
     sv = tl.where(ok, s, 0.0)
-    direct = tl.zeros_like(s) + i_energy[:, None]
+    direct = tl.zeros_like(s) + i_energy
     grad_p = tl.zeros_like(s)
     if HAS_V:
-        direct += tl.dot(i_rv2, tl.trans(j_rv), input_precision="ieee")
-        grad_p += tl.dot(i_rv1, tl.trans(j_rv), input_precision="ieee")
+        direct += _pair_dot(i_rv2, j_rv, KEYS_ON_ROWS)
+        grad_p += _pair_dot(i_rv1, j_rv, KEYS_ON_ROWS)
     if HAS_W:
-        direct += tl.dot(i_cv, tl.trans(j_g4), input_precision="ieee")
-        grad_p += tl.dot(i_cv, tl.trans(j_g3), input_precision="ieee")
+        direct += _pair_dot(i_cv, j_g4, KEYS_ON_ROWS)
+        grad_p += _pair_dot(i_cv, j_g3, KEYS_ON_ROWS)
     grad_p += sv * direct
-    return p * (direct - i_lse[:, None] * inv_kappa - (grad_p - i_rowdot[:, None]) * inv_kappa)
+    return p * (direct - i_lse * inv_kappa - (grad_p - i_rowdot) * inv_kappa)
 
 
 @triton.jit
@@ -240,10 +270,10 @@ def _bwd_rows(mu_ptr, var_ptr, lv_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
         g3_j = _load_rows(g_col_ptr, b, offs_n, N, DW, BLOCK_W)
         g4_j = _load_rows(g_col_kl_ptr, b, offs_n, N, DW, BLOCK_W)
         s = _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)
-        ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
-        p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
+        ok = _allowed(offs_m[:, None], offs_n[None, :], N, CAUSAL, MASK_DIAGONAL)
+        p = _beta_tile(s, lse_i[:, None], ok, neg_inv_kappa)
         ds = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, rv_j, g3_j, g4_j, inv_kappa,
-                          HAS_V, HAS_W)
+                          HAS_V, HAS_W, False)
         dsk = ds[:, :, None]
         grad_mu += tl.sum(dsk * (mu_i[:, None, :] - mu_j[None, :, :]) / v_j[None, :, :], 1)
         grad_var += 0.5 * tl.sum(dsk * (v_i[:, None, :] - v_j[None, :, :]) / (v_i[:, None, :] * v_j[None, :, :]), 1)
@@ -285,18 +315,18 @@ def _bwd_cols(mu_ptr, var_ptr, lv_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
         g1_i = _load_rows(g_row_ptr, b, offs_m, N, DV, BLOCK_V)
         g2_i = _load_rows(g_row_kl_ptr, b, offs_m, N, DV, BLOCK_V)
         w_i = _load_rows(cv_ptr, b, offs_m, N, DW, BLOCK_W)
-        s = _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)
-        ok = _allowed(offs_m, offs_n, N, CAUSAL, MASK_DIAGONAL)
-        p = _beta_tile(s, lse_i, ok, neg_inv_kappa)
+        s = _key_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)  # [BN, BM]
+        ok = _allowed(offs_m[None, :], offs_n[:, None], N, CAUSAL, MASK_DIAGONAL)
+        p = _beta_tile(s, lse_i[None, :], ok, neg_inv_kappa)
         ds = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, rv_j, g3_j, g4_j, inv_kappa,
-                          HAS_V, HAS_W)
+                          HAS_V, HAS_W, True)
         dsk = ds[:, :, None]
-        d = mu_i[:, None, :] - mu_j[None, :, :]
-        grad_mu -= tl.sum(dsk * d / v_j[None, :, :], 0)
-        grad_var += 0.5 * tl.sum(dsk * ((v_j[None, :, :] - v_i[:, None, :]) - d * d) / (v_j * v_j)[None, :, :], 0)
+        d = mu_i[None, :, :] - mu_j[:, None, :]
+        grad_mu -= tl.sum(dsk * d / v_j[:, None, :], 1)
+        grad_var += 0.5 * tl.sum(dsk * ((v_j[:, None, :] - v_i[None, :, :]) - d * d) / (v_j * v_j)[:, None, :], 1)
         if HAS_V:
-            grad_v += tl.dot(tl.trans(p), g1_i, input_precision="ieee")
-            grad_v += tl.dot(tl.trans(p * tl.where(ok, s, 0.0)), g2_i, input_precision="ieee")
+            grad_v += tl.dot(p, g1_i, input_precision="ieee")
+            grad_v += tl.dot(p * tl.where(ok, s, 0.0), g2_i, input_precision="ieee")
     _store_rows(grad_mu_ptr, grad_mu, b, offs_n, N, K, BLOCK_D)
     _store_rows(grad_var_ptr, grad_var, b, offs_n, N, K, BLOCK_D)
     if HAS_V:

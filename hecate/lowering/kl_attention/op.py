@@ -160,8 +160,8 @@ def backward_launch() -> dict:
     """Tiles and warps of the backward kernels, which hold more per tile than the forward ones (the value
     products of dS run over 3K+1 and 2(3K+1) features, and IEEE fp32 dots replicate their operands across
     threads). At 32×32 tiles and 4 warps, K = 16, the kernels compiled for sm_90 keep 8–10 KB per thread
-    on the stack (spilled registers; 7 ms per call on an H200 at N = 1024); at 16×16 and 8 warps the
-    row kernel spills nothing and the column kernel 0.6 KB (``benchmarks/kernel_resources.py``).
+    on the stack (spilled registers; 7 ms per call on an H200 at N = 1024); at 16×16 and 8 warps, with
+    the column kernel's tiles transposed, neither spills (0.5 KB at K = 64; ``benchmarks/kernel_resources.py``).
     """
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16)
