@@ -32,7 +32,8 @@ whole graph and the body of every ``scan`` in it in this form:
   ``F.pad(h.transpose(1, 2), (K-1, 0))``), so a conv's padding and slicing sit next to it;
 * a ``conv2d`` over one row with a (1, K) kernel (``F.conv2d(h.unsqueeze(2), w.unsqueeze(2))``)
   is the ``conv1d`` (unsqueezed); ``x.unsqueeze(d).squeeze(d)`` and ``x.unsqueeze(d).select(d, 0)`` → ``x``;
-* ``x * x`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``);
+* ``x * x`` and ``x.square()`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``), so that CSE merges
+  a value written with each;
 * a depthwise causal conv written by hand, ``Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T]`` or over
   ``unfold(-1, K, 1)``, is ``F.conv1d(F.pad(h, (K−1, 0)), W, groups=D)`` (:func:`hand_written_convs`; the
   same products, summed in the conv's order);
@@ -662,7 +663,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             and isinstance(args[0], fx.Node) and args[0].target is aten.unsqueeze.default \
             and _squeezed_dim(node) == _squeezed_dim(args[0]):
         return args[0].args[0]  # x.unsqueeze(d).squeeze(d), x[:, :, None][:, :, 0]: x
-    if target is aten.mul.Tensor and len(args) == 2 and args[0] is args[1] and isinstance(args[0], fx.Node):
+    if (target is aten.mul.Tensor and len(args) == 2 and args[0] is args[1] and isinstance(args[0], fx.Node)
+            or target is aten.square.default):
         with graph.inserting_before(node):
             return _emit(graph, aten.pow.Tensor_Scalar, args[0], 2)
     if target is aten.neg.default and isinstance(args[0], fx.Node) and args[0].op == "call_function" \

@@ -572,6 +572,7 @@ class _PairAlgebra:
     visited: set = field(default_factory=set)  # pair-space nodes read
     memo: dict = field(default_factory=dict)
     pair_memo: dict = field(default_factory=dict)
+    root_memo: dict = field(default_factory=dict)
     escapes: list = field(default_factory=list)  # (β or KL, a user that reads it whole): formed for it
 
     def read(self, node) -> Poly:
@@ -608,6 +609,17 @@ class _PairAlgebra:
             return any(self.is_pair(a) for a in node.args)
         return False
 
+    def _arithmetic_of_roots(self, node: fx.Node) -> bool:
+        """Whether ``node`` is arithmetic (neg, a product, ...) on sums over j that the op replaces: it is read
+        term by term, as the op's outputs times the rest. (Taken whole, as a value the op reads, it would be
+        computed from the op's own outputs: ``kl + (−Σ_j β_ij KL_ij)``.)"""
+        if node in self.roots or node.op != "call_function":
+            return False
+        if node not in self.root_memo:
+            self.root_memo[node] = (node.target in _ELEMENTWISE or _is_noop(node)) and any(
+                isinstance(a, fx.Node) and (a in self.roots or self._arithmetic_of_roots(a)) for a in node.args)
+        return self.root_memo[node]
+
     def _leaf(self, node: fx.Node, role: str, normalize: str, per_k: bool) -> Poly:
         key = (node.name, normalize)
         self.leaves[key] = _Leaf(node, normalize, per_k)
@@ -617,7 +629,7 @@ class _PairAlgebra:
         if node is self.beta:
             self.visited.add(node)
             return {((("P", False), 1),): 1.0}
-        if not self.is_pair(node):  # (recognises another copy of the KL, too)
+        if not self.is_pair(node) and not self._arithmetic_of_roots(node):  # (recognises another copy of the KL)
             return self._outside_leaf(node)
         if node in self.kl_scales:
             self.visited.add(node)

@@ -371,10 +371,11 @@ def _check_elu_plus_one(match: Match) -> str | None:
     return None
 
 
-def _check_square(match: Match) -> str | None:
+def _check_square(match: Match, what: str = "relu(x)", meaning: str = "the squared ReLU") -> str | None:
+    """The pattern's ``x ** 2`` (the normal form of every square) matched a power of 2, not another."""
     for node in match.nodes:
         if node.target == aten.pow.Tensor_Scalar and node.args[1] != 2:
-            return f"relu(x) ** {node.args[1]} is not the squared ReLU"
+            return f"{what} ** {node.args[1]} is not {meaning}"
     return None
 
 
@@ -421,7 +422,7 @@ def _check_random_fourier(match: Match) -> str | None:
 
 
 def _check_performer(match: Match) -> str | None:
-    reason = _check_phi_weight(match)
+    reason = _check_phi_weight(match) or _check_square(match, "k", "‖k‖²'s square")
     if reason:
         return reason
     z, d_phi = val(match.inputs[0]), val(match.inputs[1]).shape[0]
@@ -458,7 +459,7 @@ def _random_fourier_linear(z, w, b):
 
 
 def _performer(z, w):
-    return torch.exp(z @ w.T - z.square().sum(dim=-1, keepdim=True) / 2) / math.sqrt(_D + 2)
+    return torch.exp(z @ w.T - (z ** 2).sum(dim=-1, keepdim=True) / 2) / math.sqrt(_D + 2)
 
 
 MATRIX_PHI = ("linear", "random_fourier", "performer")
@@ -477,11 +478,10 @@ def _tail_pieces() -> list[Piece]:
         # a decode step's [B, D]
         Piece("heads", lambda z: z.view(_B, 2, _D // 2), (_x_btd[:, 0],), _check_heads),
         Piece("heads", lambda z: z.reshape(_B, 2, _D // 2), (_x_btd[:, 0],), _check_heads),
-        # φ: longest spellings first, so relu² is tried before relu
+        # φ: longest spellings first, so relu² is tried before relu (r.square() and r * r are r ** 2 in the
+        # normal form)
         Piece("phi", lambda z: F.elu(z) + 1, x, _check_elu_plus_one, "elu1"),
         Piece("phi", lambda z: F.relu(z) ** 2, x, _check_square, "relu2"),
-        Piece("phi", lambda z: torch.square(F.relu(z)), x, _no_literals, "relu2"),
-        Piece("phi", lambda z: (lambda r: r * r)(F.relu(z)), x, _no_literals, "relu2"),
         Piece("phi", lambda z: torch.exp(torch.clamp(z, max=10.0)), x, _check_clamped_exp, "exp"),
         Piece("phi", lambda z: torch.exp(torch.clamp_max(z, 10.0)), x, _check_clamped_exp, "exp"),
         Piece("phi", lambda z: torch.exp(z), x, _no_literals, "exp"),

@@ -167,6 +167,21 @@ def test_narrow_square_copies_and_repeated_slices():
     _check_exact(spellings, args, gm)
 
 
+def three_squares(x, y):
+    d = x - y
+    return d * d + d.square() + d ** 2
+
+
+def test_every_square_spelling_is_one_pow():
+    """``d * d``, ``d.square()`` and ``d ** 2`` are one ``pow(d, 2)`` once CSE has run: a value written with
+    each in two places (the same KL in two gradient terms) is computed once."""
+    args = (torch.randn(3, 4), torch.randn(3, 4))
+    gm = normalize_graph(_traced(three_squares, *args))
+    targets = _targets(gm)
+    assert targets.count(aten.pow.Tensor_Scalar) == 1 and aten.square.default not in targets, gm.graph
+    _check_exact(three_squares, args, gm)
+
+
 def copies_views_need(x):
     heads = x.transpose(0, 1).contiguous().view(2, 12)  # a view of the transpose itself cannot exist
     flat = x.contiguous().view(-1)  # x is contiguous already: this copy goes

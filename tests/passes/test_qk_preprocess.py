@@ -319,7 +319,7 @@ def _with_phi(phi):
 
 POINTWISE_PHIS = {
     "invented": (lambda z: torch.sigmoid(z) * z + 0.5 * z.square(),
-                 "φ = mul(x,x);mul(0.5,%0);sigmoid(x);mul(x,%2);add(%1,%3)"),
+                 "φ = pow(x,2.0);mul(0.5,%0);sigmoid(x);mul(x,%2);add(%1,%3)"),
     "softplus": (F.softplus, "φ = gt(x,20.0);exp(x);log1p(%1);where(%0,x,%2)"),
     "relu squared": (lambda z: F.relu(z) ** 2, "relu²"),                      # the fast path
     "ELU + 2": (lambda z: F.elu(z) + 2, "φ = gt(x,0.0);expm1(x);where(%0,x,%1);add(2.0,%2)"),

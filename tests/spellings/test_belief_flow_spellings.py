@@ -84,6 +84,24 @@ class LayerPerStep(nn.Module):
         return mu
 
 
+class CentredAlignment(nn.Module):
+    """The means move along β_ij (KL_ij − Ā_i), Ā_i = Σ_j β_ij KL_ij (the softmax's own gradient form), the mean
+    taken off by adding its negation: a sum over the keys that feeds back into the terms summed again."""
+
+    def __init__(self, steps=2):
+        super().__init__()
+        self.steps, self.enc = steps, nn.Linear(D, 2 * D)
+
+    def forward(self, x):
+        mu, logvar = self.enc(x).chunk(2, -1)
+        for _ in range(self.steps):
+            kl = kl_logvar(mu, logvar)
+            beta = torch.softmax(-kl, -1)
+            mean_kl = (beta * kl).sum(-1, keepdim=True)
+            mu = mu - 0.1 * (beta * (kl + -mean_kl)) @ mu
+        return mu
+
+
 ENERGIES = {  # Σ β KL, summed over keys and more, or averaged
     "sum": lambda a, kl: (a * kl).sum(),
     "mean": lambda a, kl: (a * kl).mean(),
@@ -119,6 +137,7 @@ FLOWS = {
     "means_follow_attention": (MeansFollowAttention, 3),
     "means_and_variances_move": (MeansAndVariancesMove, 3),
     "layer_per_step": (LayerPerStep, 2),
+    "centred_alignment": (CentredAlignment, 2),
     **{f"free_energy_{name}": ((lambda e=e: FreeEnergyAlongTheFlow(e)), 3) for name, e in ENERGIES.items()},
 }
 

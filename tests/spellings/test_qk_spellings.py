@@ -83,7 +83,7 @@ SPELLINGS = {
     "heads by reshape(B, T, H, -1), an invented φ": (
         lambda m, x: (lambda z: torch.sigmoid(z) * z + 0.5 * z.square())(
             F.silu(_pad_conv(m, m.proj(x).transpose(1, 2)).transpose(1, 2)).reshape(*x.shape[:2], H, -1)),
-        "linear → conv(K=4) → silu → φ = mul(x,x);mul(0.5,%0);sigmoid(x);mul(x,%2);add(%1,%3) [B,T,H,Dh]"),
+        "linear → conv(K=4) → silu → φ = pow(x,2.0);mul(0.5,%0);sigmoid(x);mul(x,%2);add(%1,%3) [B,T,H,Dh]"),
     "heads by unflatten, z.relu().pow(2)": (
         lambda m, x: F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2))
         .unflatten(-1, (H, D // H)).relu().pow(2),
