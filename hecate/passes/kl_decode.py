@@ -91,6 +91,8 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
             queries.append(q) if q not in queries else None
         elif shape is not None and len(shape) in (1, 2) and not _in_score(shape, score):
             node = strip_noops(node)
+            while node.target is aten.neg.default and shape_of(node.args[0]) == shape:
+                node = strip_noops(node.args[0])  # μ_i + (−π_v): the sign is the score's, the prior is π_v
             priors.append(node) if node not in priors else None
         elif shape == ():
             node = strip_noops(node)

@@ -397,9 +397,15 @@ def d_class_dim_one_permuted(mu, var, prior_mu, prior_var, targets):  # permuted
     return F.cross_entropy(logits.permute(0, 2, 1), targets.masked_fill(targets == 0, -1), ignore_index=-1)
 
 
+def d_difference_as_a_sum(mu, var, prior_mu, prior_var, targets):  # μ_i + (−π_v): the negated prior added
+    diff = mu.unsqueeze(2) + prior_mu.neg()
+    kl = 0.5 * (diff * diff / prior_var + var.unsqueeze(2) / prior_var + prior_var.log() - var.unsqueeze(2).log() - 1)
+    return F.cross_entropy(-kl.sum(-1).flatten(0, 1), targets.flatten())
+
+
 DECODE = [d_spec_ce, d_logvar_priors_ce_sum, d_distributions_ignore_index, d_logits_returned, d_std_textbook,
           d_log_softmax_nll, d_softplus_helper_flatten, d_gather_nll, d_logsumexp_minus_target, d_label_smoothing,
-          d_probabilities, d_class_dim_one, d_class_dim_one_permuted]
+          d_probabilities, d_class_dim_one, d_class_dim_one_permuted, d_difference_as_a_sum]
 _PRIOR_DRAW = {d_logvar_priors_ce_sum: _logvar, d_logits_returned: _var}
 
 
