@@ -32,6 +32,7 @@ whole graph and the body of every ``scan`` in it in this form:
   ``F.pad(h.transpose(1, 2), (K-1, 0))``), so a conv's padding and slicing sit next to it;
 * a ``conv2d`` over one row with a (1, K) kernel (``F.conv2d(h.unsqueeze(2), w.unsqueeze(2))``)
   is the ``conv1d`` (unsqueezed); ``x.unsqueeze(d).squeeze(d)`` and ``x.unsqueeze(d).select(d, 0)`` → ``x``;
+* ``a + (−b)`` → ``a − b`` (a negation written first, ``−kl/κ + mask``, stays: the score's sign is the score's);
 * ``x * x`` and ``x.square()`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``), so that CSE merges
   a value written with each;
 * a depthwise causal conv written by hand, ``Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T]`` or over
@@ -652,6 +653,10 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return None
     if target is aten.einsum.default:
         return _einsum(graph, node, outputs)
+    if target is aten.add.Tensor and not node.kwargs and all(isinstance(a, fx.Node) for a in args) \
+            and args[1].target is aten.neg.default:
+        with graph.inserting_before(node):  # a + (−b) → a − b (exactly: negation is exact)
+            return _emit(graph, aten.sub.Tensor, args[0], args[1].args[0])
     if target is aten.slice.Tensor and len(args) > 1 and _permutation(args[0]) is not None:
         return _slice_before_permute(graph, node, outputs)
     if _permutation(node) is not None and isinstance(args[0], fx.Node) and zero_pad_amounts(args[0]) is not None \

@@ -182,6 +182,19 @@ def test_every_square_spelling_is_one_pow():
     _check_exact(three_squares, args, gm)
 
 
+def two_differences(x, y):
+    return (x + -y) * 2 + (x - y), -x + y
+
+
+def test_a_plus_a_negation_is_a_difference():
+    """``x + (−y)`` is ``x − y`` (computed once with it); ``−x + y`` keeps its negation first (a score's sign)."""
+    args = (torch.randn(3, 4), torch.randn(3, 4))
+    gm = normalize_graph(_traced(two_differences, *args))
+    targets = _targets(gm)
+    assert targets.count(aten.sub.Tensor) == 1 and targets.count(aten.neg.default) == 1, gm.graph
+    _check_exact(two_differences, args, gm)
+
+
 def copies_views_need(x):
     heads = x.transpose(0, 1).contiguous().view(2, 12)  # a view of the transpose itself cannot exist
     flat = x.contiguous().view(-1)  # x is contiguous already: this copy goes
