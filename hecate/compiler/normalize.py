@@ -39,7 +39,8 @@ whole graph and the body of every ``scan`` in it in this form:
   ``unfold(-1, K, 1)``, is ``F.conv1d(F.pad(h, (K−1, 0)), W, groups=D)`` (:func:`hand_written_convs`; the
   same products, summed in the conv's order);
 * a negated reshape or transpose is that of the negation (``-kl.flatten(0, 1)`` → ``(-kl).flatten(0, 1)``);
-* common subexpressions: the same pure op on the same inputs is computed once (so
+* common subexpressions: the same pure op on the same inputs (a sum's or a product's in either
+  order) is computed once (so
   ``k[:, t]`` written at every use becomes one node; in Dynamo's graph the slices themselves stay
   apart, each step reading its own, and what is computed from equal slices is computed once).
 
@@ -930,7 +931,8 @@ def common_subexpressions(graph: fx.Graph, apart: Callable[[fx.Node], bool] = la
     literals), mapped to that earlier call; ``graph`` is left as it is.
 
     One pass in program order, hashing each call by (op, target, inputs, literals), with the
-    inputs read through the merges already found. Works on ATen graphs and on Dynamo's
+    inputs read through the merges already found and the two operands of a sum or product in
+    either order. Works on ATen graphs and on Dynamo's
     (``call_method``, Python operators, torch functions). A call merges only with one made since
     the last in-place op (which may have changed its inputs) and the last change of grad mode or
     autocast (under which it computes something else), never when its result is later
@@ -952,7 +954,10 @@ def common_subexpressions(graph: fx.Graph, apart: Callable[[fx.Node], bool] = la
                 or mutated and _storage(node) in mutated:
             continue
         try:
-            node_key = (node.op, node.target, _key(node.args, same), _key(node.kwargs, same), epoch)
+            args = _key(node.args, same)
+            if _commutative(node):  # a + b and b + a: one key
+                args = ("commutative", tuple(sorted(args[1], key=repr)))
+            node_key = (node.op, node.target, args, _key(node.kwargs, same), epoch)
         except TypeError:
             continue
         earlier = seen.setdefault(node_key, node)
@@ -969,6 +974,14 @@ def common_subexpressions(graph: fx.Graph, apart: Callable[[fx.Node], bool] = la
                 outputs.add(earlier)
             merges[node] = earlier
     return merges
+
+
+_COMMUTATIVE = (aten.add.Tensor, aten.mul.Tensor, operator.add, operator.mul, torch.add, torch.mul, "add", "mul")
+
+
+def _commutative(node: fx.Node) -> bool:
+    """A sum or product of two operands, nothing else passed (``alpha`` scales one of them)."""
+    return node.target in _COMMUTATIVE and len(node.args) == 2 and not node.kwargs
 
 
 # calls after which the same op computes something else: with or without gradients, in another dtype

@@ -195,6 +195,20 @@ def test_a_plus_a_negation_is_a_difference():
     _check_exact(two_differences, args, gm)
 
 
+def commuted(a, b, c):
+    return (a + b) * c - c * (b + a), torch.add(a, b, alpha=2), torch.add(b, a, alpha=2)
+
+
+def test_sums_and_products_merge_in_either_order():
+    """``a + b`` and ``b + a`` (and the products of each with c, either way round) are computed once; an add with
+    ``alpha`` scales one operand, so its order counts."""
+    args = (torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4))
+    gm = normalize_graph(_traced(commuted, *args))
+    targets = _targets(gm)
+    assert targets.count(aten.mul.Tensor) == 1 and targets.count(aten.add.Tensor) == 3, gm.graph  # 2 with alpha
+    _check_exact(commuted, args, gm)
+
+
 def copies_views_need(x):
     heads = x.transpose(0, 1).contiguous().view(2, 12)  # a view of the transpose itself cannot exist
     flat = x.contiguous().view(-1)  # x is contiguous already: this copy goes
