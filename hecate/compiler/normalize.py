@@ -33,6 +33,7 @@ whole graph and the body of every ``scan`` in it in this form:
 * a ``conv2d`` over one row with a (1, K) kernel (``F.conv2d(h.unsqueeze(2), w.unsqueeze(2))``)
   is the ``conv1d`` (unsqueezed); ``x.unsqueeze(d).squeeze(d)`` and ``x.unsqueeze(d).select(d, 0)`` → ``x``;
 * ``a + (−b)`` → ``a − b`` (a negation written first, ``−kl/κ + mask``, stays: the score's sign is the score's);
+  ``x − c`` → ``x + (−c)`` for a number c; ``x + x`` → ``x * 2``;
 * ``x * x`` and ``x.square()`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``), so that CSE merges
   a value written with each;
 * a depthwise causal conv written by hand, ``Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T]`` or over
@@ -658,6 +659,14 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             and args[1].target is aten.neg.default:
         with graph.inserting_before(node):  # a + (−b) → a − b (exactly: negation is exact)
             return _emit(graph, aten.sub.Tensor, args[0], args[1].args[0])
+    if target is aten.sub.Tensor and not node.kwargs and isinstance(args[0], fx.Node) \
+            and isinstance(args[1], (int, float)) and not isinstance(args[1], bool):
+        with graph.inserting_before(node):  # x − c → x + (−c)
+            return _emit(graph, aten.add.Tensor, args[0], -args[1])
+    if target is aten.add.Tensor and not node.kwargs and args[0] is args[1] and isinstance(args[0], fx.Node) \
+            and isinstance(_val(args[0]), torch.Tensor) and _val(args[0]).dtype.is_floating_point:
+        with graph.inserting_before(node):  # x + x → x * 2 (exactly)
+            return _emit(graph, aten.mul.Tensor, args[0], 2)
     if target is aten.slice.Tensor and len(args) > 1 and _permutation(args[0]) is not None:
         return _slice_before_permute(graph, node, outputs)
     if _permutation(node) is not None and isinstance(args[0], fx.Node) and zero_pad_amounts(args[0]) is not None \

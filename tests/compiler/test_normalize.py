@@ -183,7 +183,11 @@ def test_every_square_spelling_is_one_pow():
 
 
 def two_differences(x, y):
-    return (x + -y) * 2 + (x - y), -x + y
+    return (x + -y) * 3 + (x - y), -x + y
+
+
+def constants_and_doubles(x):
+    return (x - 1.0) * (x + -1.0) - (x + x) * (2 * x)
 
 
 def test_a_plus_a_negation_is_a_difference():
@@ -193,6 +197,15 @@ def test_a_plus_a_negation_is_a_difference():
     targets = _targets(gm)
     assert targets.count(aten.sub.Tensor) == 1 and targets.count(aten.neg.default) == 1, gm.graph
     _check_exact(two_differences, args, gm)
+
+
+def test_a_number_subtracted_is_added_negated_and_a_double_is_times_two():
+    """``x − 1`` and ``x + (−1)`` are one add; ``x + x`` and ``2 * x`` one product."""
+    args = (torch.randn(3, 4),)
+    gm = normalize_graph(_traced(constants_and_doubles, *args))
+    targets = _targets(gm)
+    assert targets.count(aten.add.Tensor) == 1 and targets.count(aten.mul.Tensor) == 3, gm.graph
+    _check_exact(constants_and_doubles, args, gm)
 
 
 def commuted(a, b, c):

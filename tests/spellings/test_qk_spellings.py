@@ -120,7 +120,7 @@ SPELLINGS = {
         lambda m, x: (lambda a: torch.where(a.abs() < 1, 0.5 * a * a, a.abs() - 0.5))(F.silu(F.conv1d(
             torch.einsum("btd,ed->bte", x, m.proj.weight).transpose(1, 2), m.conv.weight, m.conv.bias,
             padding=(K - 1,), groups=D)[..., :x.shape[1]].transpose(1, 2))),
-        "x @ W.permute(1, 0) → conv(K=4) → silu → φ = abs(x);lt(%0,1.0);mul(0.5,x);mul(x,%2);sub(%0,0.5);where(%1,%3,%4) "
+        "x @ W.permute(1, 0) → conv(K=4) → silu → φ = abs(x);lt(%0,1.0);mul(0.5,x);mul(x,%2);add(-0.5,%0);where(%1,%3,%4) "
         "[B,T,D]"),
     "narrow for the causal slice": (
         lambda m, x: F.elu(F.silu(m.conv(m.proj(x).transpose(1, 2)).narrow(2, 0, x.shape[1]).transpose(1, 2))) + 1,
