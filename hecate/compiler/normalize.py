@@ -32,8 +32,8 @@ whole graph and the body of every ``scan`` in it in this form:
   ``F.pad(h.transpose(1, 2), (K-1, 0))``), so a conv's padding and slicing sit next to it;
 * a ``conv2d`` over one row with a (1, K) kernel (``F.conv2d(h.unsqueeze(2), w.unsqueeze(2))``)
   is the ``conv1d`` (unsqueezed); ``x.unsqueeze(d).squeeze(d)`` and ``x.unsqueeze(d).select(d, 0)`` → ``x``;
-* ``a + (−b)`` → ``a − b`` (a negation written first, ``−kl/κ + mask``, stays: the score's sign is the score's);
-  ``x − c`` → ``x + (−c)`` for a number c; ``x + x`` → ``x * 2``;
+* ``a + (−b)`` → ``a − b`` (a negation written first, ``−kl/κ + mask``, stays: the score's sign is the
+  score's); ``x − c`` → ``x + (−c)`` for a number c; ``x + x`` → ``x * 2``;
 * ``x * x`` and ``x.square()`` → ``x ** 2`` (ATen computes ``pow(x, 2)`` as ``x * x``), so that CSE merges
   a value written with each;
 * a depthwise causal conv written by hand, ``Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T]`` or over

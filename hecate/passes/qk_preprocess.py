@@ -422,7 +422,7 @@ def _check_random_fourier(match: Match) -> str | None:
 
 
 def _check_performer(match: Match) -> str | None:
-    reason = _check_phi_weight(match) or _check_square(match, "k", "‖k‖²'s square")
+    reason = _check_phi_weight(match) or _check_square(match, "k", "the square in ‖k‖²")
     if reason:
         return reason
     z, d_phi = val(match.inputs[0]), val(match.inputs[1]).shape[0]
