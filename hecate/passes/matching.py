@@ -82,7 +82,7 @@ def find_matches(gm: fx.GraphModule, pattern: fx.Graph) -> list[Match]:
     graph, as the normal form computes each subexpression once: the weight's transpose read by
     the keys' and the queries' feature maps is one node, in both matches."""
     matcher = _SharedViewMatcher(pattern, match_output=False, match_placeholder=False,
-                                 remove_overlapping_matches=True, ignore_literals=True)
+                                 remove_overlapping_matches=True)
     return [Match(pattern, m) for m in matcher.match(gm.graph)]
 
 
@@ -99,6 +99,14 @@ class _SharedViewMatcher(SubgraphMatcher):
         for pn in pattern.nodes:  # in order: a view's inputs are classified before it
             if _is_view(pn) and all(i.op == "placeholder" or i in self.input_views for i in pn.all_input_nodes):
                 self.input_views.add(pn)
+
+    def _match_literals(self, pn: Any, gn: Any, match: InternalMatch) -> bool:
+        """A literal of the pattern matches anything (its value is the pass's to check: a size may be a
+        symbolic node); an op of the pattern never matches a literal (``z * 2.0`` is not ``z * sigmoid(z)``,
+        which SubgraphMatcher's ``ignore_literals`` would let through)."""
+        if isinstance(pn, fx.Node):
+            return super()._match_literals(pn, gn, match)
+        return True
 
     def _owned(self, nodes_map: dict[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
         return {pn: gn for pn, gn in nodes_map.items() if pn not in self.input_views}

@@ -184,6 +184,19 @@ SPELLINGS = {
         lambda m, x: torch.exp(torch.clamp(F.silu(_hand_conv_in_pairs(m, m.proj(x).transpose(1, 2))).transpose(1, 2),
                                            max=5.0)),
         "linear → conv(K=4) → silu → exp(min(·, 5)) [B,T,D]"),
+    "a gain before SiLU (z * 2.0): SiLU of the scaled z, not SiLU, generated into φ": (
+        lambda m, x: F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2) * 2.0),
+        "linear → conv(K=4) → φ = mul(2.0,x);sigmoid(%0);mul(%0,%1) [B,T,D]"),
+    "F.silu(inplace=True) on the transposed conv output, relu": (
+        lambda m, x: F.relu(F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2), inplace=True)),
+        "linear → conv(K=4) → silu → relu [B,T,D]"),
+    "nn.SiLU(inplace=True) before the transpose back, ELU+1": (
+        lambda m, x: F.elu(nn.SiLU(inplace=True)(_conv_slice(m, m.proj(x).transpose(1, 2))).transpose(1, 2)) + 1,
+        "linear → conv(K=4) → silu → elu+1 [B,T,D]"),
+    "F.dropout(training=False) between every stage": (
+        lambda m, x: F.relu(F.silu(F.dropout(_conv_slice(m, F.dropout(m.proj(x), 0.1, training=False)
+                                                      .transpose(1, 2)).transpose(1, 2), 0.1, training=False))),
+        "linear → conv(K=4) → silu → relu [B,T,D]"),
 }
 
 
