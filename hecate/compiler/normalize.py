@@ -57,7 +57,9 @@ fresh tensor once (``out[:, t] = y``) are the stack of what was written (:func:`
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
 import operator
 from typing import Any, Callable
 
@@ -93,8 +95,10 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
+        before = node.prev
         replacement = _rewrite(graph, node, outputs)
         if replacement is not None and replacement is not node:
+            _keep_source(before, node)
             node.replace_all_uses_with(replacement)
             graph.erase_node(node)
     eliminate_common_subexpressions(graph)
@@ -222,8 +226,9 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
     is generated only if it is run: the pipeline reads its nodes, and code for tens of
     thousands of unrolled nodes takes longer than everything else done here."""
     graph = gm.graph
-    if _has_in_place_ops(graph) or _has_captured_spellings(graph):
+    if _has_in_place_ops(graph) or _has_captured_spellings(graph) or _slices_to_sink(graph):
         graph = graph.__deepcopy__()  # node metas (fake values) are shared, not copied
+        sink_per_step_slices(graph)
         float_inputs_as_tensors(graph)
         fold_scalar_constants(graph)
         unbind_as_selects(graph)
@@ -241,6 +246,34 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
     collapsed = _LazyGraphModule(gm, graph)
     collapsed.meta.update(gm.meta)
     return collapsed
+
+
+def _slices_to_sink(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """(slice, its first reader) for each per-step slice taken before another step of its loop has begun
+    reading: ``for k_t, v_t in zip(k, v)`` has Dynamo take every ``k[t]`` and ``v[t]`` before the first step.
+    Such a slice has, between it and its first reader, the first reader of another slice of the same tensor;
+    then every slice of that tensor is moved (the first and last step's too)."""
+    from hecate.compiler.loops import _time_slice
+
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    by_source = {}
+    for node in graph.nodes:
+        if node.users and node.op in ("call_function", "call_method") and (found := _time_slice(node)) is not None:
+            by_source.setdefault(found[0], []).append((node, min(node.users, key=order.__getitem__)))
+    moves = []
+    for slices in by_source.values():
+        firsts = sorted(order[first] for _, first in slices)
+        if any((i := bisect.bisect_right(firsts, order[node])) < len(firsts) and firsts[i] < order[first]
+               for node, first in slices):
+            moves += slices
+    return moves
+
+
+def sink_per_step_slices(graph: fx.Graph) -> None:
+    """Each per-step slice moved to just before its first reader, so that every step of an unrolled loop
+    takes its own slices (a view computes nothing and sees the same values wherever it is taken)."""
+    for node, first in _slices_to_sink(graph):
+        first.prepend(node)
 
 
 def _per_step_slice(node: fx.Node) -> bool:
@@ -512,7 +545,9 @@ def functionalize(graph: fx.Graph) -> bool:
         if root.op in ("placeholder", "get_attr") or _out_of_place(root) is not None or not mutations:
             continue
         if any(_out_of_place(n) is None or not n.args or n.args[0] not in members for n in mutations):
-            continue
+            mutations = _mutation_of_a_view(members, order)
+            if not mutations:
+                continue
         changed = True
         for node in mutations:  # in program order: each reads the previous one's result
             current = node.args[0]
@@ -522,6 +557,32 @@ def functionalize(graph: fx.Graph) -> bool:
             if isinstance(node.target, torch._ops.OpOverload):
                 _refake(node)  # a fresh tensor now
     return changed
+
+
+def _mutation_of_a_view(members: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
+    """[m] when the one in-place op m of a storage writes a view X of a fresh tensor (``F.silu(h.mT, inplace=True)``)
+    and nothing reads the tensor or its views after m but through X: then m's result wherever X is read later
+    is what the mutation did. Else []."""
+    mutations = [n for n in members[1:] if _out_of_place(n) is not None]
+    if len(mutations) != 1 or not mutations[0].args or mutations[0].args[0] not in members:
+        return []
+    (m,), x = mutations, mutations[0].args[0]
+    of_result = {m}  # m's result and views of it: what reads the mutated values as m's result
+    for n in members:
+        if n is not m and n is not members[0] and not (
+                n.op == "call_function" and _aliasing_view(n) and n.args and n.args[0] in members):
+            return []  # another writer, or an alias that is not a view
+        if n.args and n.args[0] in of_result:
+            of_result.add(n)
+        elif n is not x and n is not m and any(order[u] > order[m] for u in n.users):
+            return []  # read after the mutation other than through X
+    return [m]
+
+
+def _aliasing_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and not schema.is_mutable and len(schema.returns) == 1 \
+        and schema.returns[0].alias_info is not None
 
 
 def _refake(node: fx.Node) -> None:
@@ -563,14 +624,42 @@ def softmax_spellings(graph: fx.Graph) -> None:
     So is ``softmax(x − x.amax(d, keepdim=True), d)`` (the row max detached or not): a softmax does not
     change with a shift along its dim, nor does its gradient.
 
+    ``x − x.logsumexp(d, keepdim=True)`` → ``log_softmax(x, d)`` (so its exp is a softmax too).
+
     The softmax of ``exp(x) / Σ exp(x)`` without the max subtracted is left alone: it overflows where
     softmax does not, so it does not compute the same."""
     for node in list(graph.nodes):
-        x, dim = _softmax_of(node)
-        if x is not None:
-            with graph.inserting_before(node):
-                node.replace_all_uses_with(_emit(graph, aten.softmax.int, x, dim))
-            graph.erase_node(node)
+        for target, of in ((aten.log_softmax.int, _log_softmax_of), (aten.softmax.int, _softmax_of)):
+            x, dim = of(node)
+            if x is not None:
+                before = node.prev
+                with graph.inserting_before(node):
+                    node.replace_all_uses_with(_emit(graph, target, x, dim))
+                _keep_source(before, node)
+                graph.erase_node(node)
+                break
+
+
+def _keep_source(before: fx.Node, node: fx.Node) -> None:
+    """The nodes a rewrite inserted between ``before`` and ``node`` take ``node``'s source line (the user's
+    line a near-miss shows) where they have none."""
+    new = before.next
+    while new is not node:
+        if not new.meta.get("stack_trace") and node.meta.get("stack_trace"):
+            new.meta["stack_trace"] = node.meta["stack_trace"]
+        new = new.next
+
+
+def _log_softmax_of(node: fx.Node) -> tuple[Any, int | None]:
+    """(x, d) when ``node`` is ``x − x.logsumexp(d, keepdim=True)``."""
+    if node.op != "call_function" or node.target is not aten.sub.Tensor or node.kwargs \
+            or not all(isinstance(a, fx.Node) for a in node.args):
+        return None, None
+    x, lse = node.args
+    if lse.target is aten.logsumexp.default and lse.args[0] is x and len(lse.args) > 2 and lse.args[2] is True \
+            and len(lse.args[1]) == 1 and not lse.kwargs:
+        return x, lse.args[1][0]
+    return None, None
 
 
 def _softmax_of(node: fx.Node) -> tuple[Any, int | None]:
@@ -636,6 +725,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         if node not in outputs and isinstance(args[0], fx.Node) and _same_layout_free(node):
             return args[0]
         return None
+    if target in _DROPOUTS and len(args) == 3 and args[2] is False and not node.kwargs and node not in outputs:
+        return args[0]  # F.dropout(x, p, training=False), nn.Dropout in eval(): x itself
     if target is aten.expand_as.default and isinstance(_val(args[1]), torch.Tensor):
         return _expand_as(graph, node)
     if target is aten.slice.Tensor and _whole_slice(node):
@@ -655,6 +746,15 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return None
     if target is aten.einsum.default:
         return _einsum(graph, node, outputs)
+    if target in (aten.outer.default, aten.ger.default) and not node.kwargs:
+        with graph.inserting_before(node):  # torch.outer(a, b): a[:, None] * b, as the other spellings are
+            return _emit(graph, aten.mul.Tensor, _emit(graph, aten.unsqueeze.default, args[0], -1), args[1])
+    if target is aten.lerp.Scalar and not node.kwargs and isinstance(args[2], (int, float)) \
+            and not isinstance(args[2], bool):
+        a, b, w = args  # torch.lerp(a, b, w) for a number w: (1 − w)·a + w·b (the same up to rounding)
+        with graph.inserting_before(node):
+            return _emit(graph, aten.add.Tensor, _emit(graph, aten.mul.Tensor, a, 1 - w),
+                         _emit(graph, aten.mul.Tensor, b, w))
     if target is aten.add.Tensor and not node.kwargs and all(isinstance(a, fx.Node) for a in args) \
             and args[1].target is aten.neg.default:
         with graph.inserting_before(node):  # a + (−b) → a − b (exactly: negation is exact)
@@ -667,6 +767,19 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             and isinstance(_val(args[0]), torch.Tensor) and _val(args[0]).dtype.is_floating_point:
         with graph.inserting_before(node):  # x + x → x * 2 (exactly)
             return _emit(graph, aten.mul.Tensor, args[0], 2)
+    if target in (aten.neg.default, aten.mul.Tensor, aten.div.Tensor) and isinstance(args[0], fx.Node) \
+            and args[0].target is aten.masked_fill.Scalar and not node.kwargs:
+        return _through_masked_fill(graph, node)
+    if target is aten.where.self and len(args) == 3:
+        return _where_of_a_number(graph, node)
+    if target in (aten.softmax.int, aten.log_softmax.int) and len(args) == 2 and not node.kwargs \
+            and isinstance(_val(args[0]), torch.Tensor) and _val(args[0]).dim() >= 2 \
+            and args[1] % _val(args[0]).dim() == _val(args[0]).dim() - 2 \
+            and _val(args[0]).shape[-1] == _val(args[0]).shape[-2]:
+        # over dim −2 of a square [.., N, N] score (one laid out [j, i]): over the last dim of its transpose
+        with graph.inserting_before(node):
+            flipped = _emit(graph, target, _transposed(graph, args[0]), -1)
+            return _emit(graph, aten.transpose.int, flipped, -2, -1)
     if target is aten.slice.Tensor and len(args) > 1 and _permutation(args[0]) is not None:
         return _slice_before_permute(graph, node, outputs)
     if _permutation(node) is not None and isinstance(args[0], fx.Node) and zero_pad_amounts(args[0]) is not None \
@@ -691,6 +804,51 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
     return None
 
 
+def _transposed(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    """``x.transpose(-2, -1)``, a mask on x transposed with it (``s.masked_fill(m, v).mT`` →
+    ``s.mT.masked_fill(m.mT, v)``), so that the mask stays on the score a softmax reads."""
+    if x.target is aten.masked_fill.Scalar and isinstance(x.args[1], fx.Node) and _val(x.args[1]).dim() >= 2:
+        return _emit(graph, aten.masked_fill.Scalar, _transposed(graph, x.args[0]),
+                     _emit(graph, aten.transpose.int, x.args[1], -2, -1), x.args[2])
+    return _emit(graph, aten.transpose.int, x, -2, -1)
+
+
+def _through_masked_fill(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """``−x.masked_fill(m, ±inf)`` → ``(−x).masked_fill(m, ∓inf)``, and so for ``* c`` and ``/ c`` by a number
+    c ≠ 0: the mask ends up on the score a softmax reads (``F.softmax(-kl.masked_fill(future, inf))``).
+    Elementwise and exact, so the values and gradients are the same. A finite fill (β zero-filled) stays."""
+    fill = node.args[0]
+    x, mask, value = fill.args
+    if not isinstance(value, float) or math.isfinite(value):
+        return None
+    if node.target is aten.neg.default:
+        op, new_value = (aten.neg.default,), -value
+    else:
+        c = node.args[1]
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or c == 0:
+            return None
+        op, new_value = (node.target, c), (value * c if node.target is aten.mul.Tensor else value / c)
+    with graph.inserting_before(node):
+        return _emit(graph, aten.masked_fill.Scalar, _emit(graph, op[0], x, *op[1:]), mask, new_value)
+
+
+def _where_of_a_number(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """``torch.where(m, x, torch.full_like(x, c))`` → ``torch.where(m, x, c)`` (either branch), when the
+    filled tensor adds no dims or sizes to the result: a mask written with a tensor of one number."""
+    cond, a, b = node.args
+    for i, branch in ((2, b), (1, a)):
+        if isinstance(branch, fx.Node) and branch.target in (aten.full_like.default, aten.full.default) \
+                and isinstance(branch.args[1], (int, float)) and not isinstance(branch.args[1], bool):
+            other, out = (a if i == 2 else b), _val(node)
+            if not isinstance(_val(other), torch.Tensor) or {_val(branch).dtype, _val(other).dtype} != {out.dtype} \
+                    or torch.broadcast_shapes(_val(cond).shape, _val(other).shape) != out.shape:
+                return None
+            target = aten.where.ScalarOther if i == 2 else aten.where.ScalarSelf
+            with graph.inserting_before(node):
+                return _emit(graph, target, cond, *((other, branch.args[1]) if i == 2 else (branch.args[1], other)))
+    return None
+
+
 def _expand_as(graph: fx.Graph, node: fx.Node) -> fx.Node:
     """``x.expand_as(y)`` → ``x.expand(y.shape)``: a broadcast that reads y's sizes, not its values (a gate
     expanded as the memory does not depend on the memory); a symbolic size is read by ``sym_size`` as
@@ -706,6 +864,9 @@ def _expand_as(graph: fx.Graph, node: fx.Node) -> fx.Node:
             sizes.append(size)
         return _emit(graph, aten.expand.default, x, sizes)
 
+
+_DROPOUTS = (aten.dropout.default, aten.alpha_dropout.default, aten.feature_dropout.default,
+             aten.feature_alpha_dropout.default)
 
 # self·β + (product)·α in one call: torch.baddbmm (batched), torch.addmm (one matrix), torch.addr (an outer product)
 _ADD_PRODUCTS = (aten.baddbmm.default, aten.addmm.default, aten.addr.default)

@@ -594,3 +594,78 @@ def test_windowed_sums_that_are_not_the_causal_depthwise_conv_stay(fn):
     gm = normalize(_traced(fn, *args))
     assert aten.conv1d.default not in _targets(gm), gm.graph
     _check_exact(fn, args, gm)
+
+
+def softmax_spelled_with_logsumexp(s):
+    return torch.exp(s - s.logsumexp(-1, keepdim=True)), s - s.logsumexp(-1, keepdim=True)
+
+
+def test_a_logsumexp_shift_is_a_log_softmax_and_its_exp_a_softmax():
+    args = (torch.randn(2, 4, 4),)
+    gm = normalize_graph(_traced(softmax_spelled_with_logsumexp, *args))
+    targets = _targets(gm)
+    assert aten.softmax.int in targets and aten.log_softmax.int in targets, gm.graph
+    assert aten.logsumexp.default not in targets, gm.graph
+    _check_exact(softmax_spelled_with_logsumexp, args, gm, rel_tol=1e-6)
+
+
+def masks_spelled_otherwise(kl, keep):
+    return (torch.softmax(-kl.masked_fill(~keep, float("inf")) / 2, -1),
+            torch.softmax(torch.where(keep, -kl, torch.full_like(kl, float("-inf"))), -1))
+
+
+def test_masks_move_onto_the_score_a_softmax_reads():
+    """``−kl.masked_fill(m, inf) / 2`` is ``(−kl / 2).masked_fill(m, −inf)``; ``where(m, s, full_like(s, c))``
+    is ``where(m, s, c)``: the mask spellings a pass reads."""
+    keep = torch.ones(4, 4, dtype=torch.bool).tril()
+    args = (torch.rand(2, 4, 4), keep)
+    gm = normalize_graph(_traced(masks_spelled_otherwise, *args))
+    fills = [n for n in gm.graph.nodes if n.target is aten.masked_fill.Scalar]
+    assert [n.args[2] for n in fills] == [float("-inf")] and all(u.target is aten.softmax.int for u in fills[0].users)
+    assert aten.where.ScalarOther in _targets(gm) and aten.full_like.default not in _targets(gm), gm.graph
+    _check_exact(masks_spelled_otherwise, args, gm)
+
+
+def softmax_over_dim_minus_2(s, keep):
+    return torch.softmax(s.masked_fill(~keep, float("-inf")), dim=1), torch.log_softmax(s, dim=-2)
+
+
+def test_a_softmax_over_dim_minus_2_of_a_square_score_is_over_the_last_dim_of_its_transpose():
+    keep = torch.ones(4, 4, dtype=torch.bool).tril()
+    args = (torch.randn(2, 4, 4), keep)
+    gm = normalize_graph(_traced(softmax_over_dim_minus_2, *args))
+    softmaxes = [n for n in gm.graph.nodes if n.target in (aten.softmax.int, aten.log_softmax.int)]
+    assert [n.args[1] for n in softmaxes] == [-1, -1], gm.graph
+    assert softmaxes[0].args[0].target is aten.masked_fill.Scalar, gm.graph  # the mask transposed with the score
+    _check_exact(softmax_over_dim_minus_2, args, gm, rel_tol=1e-6)  # the same sums, over a transposed layout
+
+
+def outer_and_lerp(a, b, M, X):
+    return torch.outer(a, b), torch.lerp(M, X, 0.25)
+
+
+def test_outer_is_a_broadcast_product_and_lerp_a_weighted_sum():
+    args = (torch.randn(3), torch.randn(4), torch.randn(3, 4), torch.randn(3, 4))
+    gm = normalize_graph(_traced(outer_and_lerp, *args))
+    targets = _targets(gm)
+    assert aten.outer.default not in targets and aten.lerp.Scalar not in targets, gm.graph
+    _check_exact(outer_and_lerp, args, gm, rel_tol=1e-6)  # lerp rounds a + w(b − a), not (1 − w)a + wb
+
+
+def iterating_the_tensor(x):
+    s = x.new_zeros(x.shape[1])
+    outs = []
+    for x_t in x:  # Dynamo takes x[0], x[1], x[2] before the first step
+        s = 0.5 * s + x_t
+        outs.append(s * 2)
+    return torch.stack(outs)
+
+
+def test_dynamo_graph_takes_each_step_slice_where_the_step_reads_it():
+    args = (torch.randn(3, 2),)
+    gm = _dynamo_graph(iterating_the_tensor, *args)
+    collapsed = collapse_captured(gm)
+    nodes = [n for n in collapsed.graph.nodes if n.op == "call_function"]
+    slices = [i for i, n in enumerate(nodes) if n.target is operator.getitem]
+    assert len(slices) == 3 and all(nodes[i + 1] in nodes[i].users for i in slices), collapsed.graph
+    assert torch.equal(collapsed(*args)[0], gm(*args)[0])
