@@ -138,6 +138,14 @@ def _terms(node: Any, sign: float = 1.0, stop: frozenset = frozenset()) -> list[
                 return _terms(node.args[0], sign, stop) + _terms(node.args[1], sign * second, stop)
         if node.target is aten.neg.default:
             return _terms(node.args[0], -sign, stop)
+        if node.target in (aten.mul.Tensor, aten.div.Tensor) and len(node.args) == 2 and not node.kwargs:
+            # c·(a − b) and (a − b)/c for a number c: distributed, c·a − c·b (an EMA written M + λ(X − M))
+            x, c = node.args
+            if node.target is aten.mul.Tensor and not isinstance(x, fx.Node):
+                x, c = c, x
+            if isinstance(c, (int, float)) and not isinstance(c, bool) and c != 0 and isinstance(x, fx.Node) \
+                    and x.op == "call_function" and x.target in (aten.add.Tensor, aten.sub.Tensor, aten.neg.default):
+                return _terms(x, sign * (c if node.target is aten.mul.Tensor else 1 / c), stop)
         if node.target in (aten.clone.default, aten.alias.default):
             return _terms(node.args[0], sign, stop)
         if node.target in (aten.addcmul.default, aten.addcdiv.default) and len(node.args) == 3:
@@ -256,6 +264,7 @@ class Recurrence:
     dk: int
     state: int  # index of M among the carries
     momentum_state: int | None = None
+    momentum_scale: float = 1.0  # the model's buffer is the op's S divided by this (M ← a·M + c·S)
     normaliser_state: int | None = None
     per_step: dict[str, PerStep] = field(default_factory=dict)  # k, v, q [*lead, D]; alpha, eta [*lead]
     params: dict[str, float] = field(default_factory=dict)
@@ -403,13 +412,15 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
         read = _plain_read(b, b.env[M_in], lead, A, C)
         before = read is not None
     if read is None:
-        raise NotFused("the per-step output is not the memory read y = M·q (nor y / (z·q + eps)) of the new "
-                       "or the old state for any per-step input q")
+        raise NotFused("the per-step output is not the memory read y = M·q of the new or the old state, nor "
+                       "y / (z·q + eps) of the new state, for any per-step input q (a normalised read fuses "
+                       "after the write, not before it)")
     layout, qn, z_index, norm_eps = read
     dv, dk = (A, C) if layout == "vk" else (C, A)
     rec = Recurrence("lp", layout, lead, dv, dk, m, params={"q_norm": q_norm}, read_before_update=before)
     rec.per_step["q"] = PerStep(1.0, [qn])
-    # M_out = Σ terms: a·M (retention), the update, and with momentum the new buffer S
+    # M_out = Σ terms: a·M (retention), the update, and with momentum the new buffer c·S (any number c ≠ 0:
+    # M ← a·M − S with S ← β·S + η·g kᵀ, as torch.optim.SGD writes it, is the op's S' = c·S)
     retention, update, momentum = [], [], None
     for sign, term in _terms(M_out, stop=frozenset(b.carry_out) - {M_out}):
         prod = _product(term)
@@ -418,14 +429,14 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                                                  if f is not M_in):
             prod.factors.remove(M_in)
             retention.append(prod)
-        elif isinstance(term, fx.Node) and term in b.carry_out and term is not M_out and prod.coef == 1.0 \
-                and prod.factors == [term]:
-            momentum = b.carry_out.index(term)
+        elif isinstance(term, fx.Node) and term in b.carry_out and term is not M_out and prod.coef != 0 \
+                and prod.factors == [term] and not prod.divisors and momentum is None:
+            momentum, scale = b.carry_out.index(term), prod.coef
         else:
             update.append(prod)
     if momentum is not None:
         if update:
-            raise NotFused("with a momentum buffer, the memory's update is M ← a·M + S")
+            raise NotFused("with a momentum buffer, the memory's update is M ← a·M + c·S")
         S_in, S_out = b.carries[momentum], b.carry_out[momentum]
         beta = None
         for sign, term in _terms(S_out):
@@ -434,10 +445,12 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
             if prod.factors == [S_in] and not prod.divisors:
                 beta = prod.coef
             else:
+                prod.coef *= scale
                 update.append(prod)
         if beta is None:
-            raise NotFused("the momentum buffer S is not decayed by a number: S ← β·S − η·g kᵀ")
-        rec.momentum_state, rec.params["momentum"] = momentum, beta
+            raise NotFused("the momentum buffer S is not decayed by a number: S ← β·S − η·g kᵀ with β a Python "
+                           "number (torch.compile(dynamic=True) passes a float attribute in as a tensor)")
+        rec.momentum_state, rec.params["momentum"], rec.momentum_scale = momentum, beta, scale
     if len(update) != 1:
         raise NotFused(f"the new memory is not a·M plus one update term ({len(update)} update terms)")
     (update,) = update
@@ -475,17 +488,18 @@ def _plain_read(b: _Body, W: torch.Tensor, lead: tuple, A: int, C: int) -> tuple
 
 
 def _keep(retention: list) -> PerStep:
-    """What the new memory keeps of the old: none (0), one term a·M, or two (``M − α·M``: a number and a gate)."""
-    if not retention:
-        return PerStep(0.0, [])
-    if len(retention) == 1:
-        (r,) = retention
-        return PerStep(r.coef, r.factors, r.divisors)
+    """What the new memory keeps of the old: none (0), terms c·M with numbers c (summed: ``M − 0.1·M``), and
+    at most one gate a·M (``M − α·M``: a number and a gate)."""
     constant = [r for r in retention if not r.factors and not r.divisors]
     gated = [r for r in retention if r.factors or r.divisors]
-    if len(retention) == 2 and len(constant) == 1 and len(gated) == 1:
-        return PerStep(-gated[0].coef, gated[0].factors, gated[0].divisors, offset=constant[0].coef)
-    raise NotFused(f"the new memory keeps the old one through {len(retention)} terms")
+    kept = sum(r.coef for r in constant)
+    if not gated:
+        return PerStep(kept, [])
+    if len(gated) == 1:
+        (r,) = gated
+        return PerStep(-r.coef, r.factors, r.divisors, offset=kept) if constant else PerStep(r.coef, r.factors,
+                                                                                               r.divisors)
+    raise NotFused(f"the new memory keeps the old one through {len(gated)} gated terms")
 
 
 def _state_transform(b: _Body, m: int) -> tuple[float, float, fx.Node]:
@@ -750,10 +764,11 @@ def _verify(b: _Body, rec: Recurrence) -> None:
         g = _bias(e, p, a, eps) if "bias" not in rec.params else _evaluate_bias(rec.params["bias"], e)
         U = g.unsqueeze(-1) * k.unsqueeze(-2)
         if rec.momentum_state is not None:
-            S = env[b.carries[rec.momentum_state]]
+            S = env[b.carries[rec.momentum_state]] * rec.momentum_scale
             S = (S.transpose(-1, -2) if rec.layout == "kv" else S)
             S_new = rec.params["momentum"] * S - eta * U
             M_new = (1 - alpha) * M + S_new
+            S_new = S_new / rec.momentum_scale
             expect[b.carry_out[rec.momentum_state]] = S_new.transpose(-1, -2) if rec.layout == "kv" else S_new
         else:
             M_new = (1 - alpha) * M - eta * U

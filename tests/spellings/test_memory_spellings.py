@@ -349,6 +349,52 @@ def l2_momentum(k, v, q, alpha, eta):
     return torch.stack(ys, dim=1), M
 
 
+def l2_sgd_momentum(k, v, q, alpha, eta):
+    """Momentum as torch.optim.SGD writes it: S ← μ·S + η·∇, M ← (1 − α)·M − S (the op's S is −S)."""
+    M, ys = _m0(k, v), []
+    S = torch.zeros_like(M)
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, :, :, None]).squeeze(-1) - v[:, t]
+        S = 0.8 * S + eta[:, t, :, None, None] * 2 * e[..., None] * k[:, t, :, None, :]
+        M = (1 - alpha[:, t, :, None, None]) * M - S
+        ys.append((M @ q[:, t, :, :, None]).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def l2_momentum_step_size_outside(k, v, q, alpha, eta):
+    """The buffer accumulates the raw gradient; the step size multiplies it in the memory's update."""
+    M, ys = _m0(k, v), []
+    S = torch.zeros_like(M)
+    for t in range(k.shape[1]):
+        e = torch.einsum("bhvk,bhk->bhv", M, k[:, t]) - v[:, t]
+        S = 0.8 * S + 2 * torch.einsum("bhv,bhk->bhvk", e, k[:, t])
+        M = (1 - alpha[:, t, :, None, None]) * M - 0.1 * S
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, 1), M
+
+
+def l2_torch_outer_one_sequence(k, v, q, alpha, eta):
+    """One sequence, one head: reads by torch.mv, the update by torch.outer."""
+    k, v, q = k[0, :, 0], v[0, :, 0], q[0, :, 0]
+    M, ys = k.new_zeros(v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[0]):
+        e = torch.mv(M, k[t]) - v[t]
+        M = 0.97 * M - 0.15 * torch.outer(2 * e, k[t])
+        ys.append(torch.mv(M, q[t]))
+    return torch.stack(ys), M
+
+
+def l2_iterating_the_tensors(k, v, q, alpha, eta):
+    """Time first, the loop iterating the tensors themselves: Dynamo takes every step's slice up front."""
+    k, v, q, alpha, eta = (x.transpose(0, 1) for x in (k, v, q, alpha, eta))
+    M, ys = _m0(k.transpose(0, 1), v.transpose(0, 1)), []
+    for k_t, v_t, q_t, a_t, e_t in zip(k, v, q, alpha, eta):
+        e = (M @ k_t.unsqueeze(-1)).squeeze(-1) - v_t
+        M = (1 - a_t[..., None, None]) * M - e_t[..., None, None] * 2 * e.unsqueeze(-1) * k_t.unsqueeze(-2)
+        ys.append((M @ q_t.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def lp3_exact_abs_sign(k, v, q, alpha, eta):
     """p = 3 exactly: ∇ = 3 |e|² sign(e) (no tanh approximation)."""
     M, ys = _m0(k, v), []
@@ -521,6 +567,44 @@ def hebbian_heads_flattened_into_the_batch(k, v, q, alpha, eta):
 
 
 
+def hebbian_lerp(k, v, q, alpha, eta):
+    """An exponential moving average of the outer products by torch.lerp: M ← lerp(M, v kᵀ, 0.1)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = torch.lerp(M, v[:, t, :, :, None] * k[:, t, :, None, :], 0.1)
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_ema_written_out(k, v, q, alpha, eta):
+    """The same average written out: M ← M + 0.1 (v kᵀ − M)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = M + 0.1 * (v[:, t, :, :, None] * k[:, t, :, None, :] - M)
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_torch_outer_one_sequence(k, v, q, alpha, eta):
+    """One sequence, one head: M ← M + torch.outer(v_t, k_t), read M @ q_t."""
+    k, v, q = k[0, :, 0], v[0, :, 0], q[0, :, 0]
+    M, ys = k.new_zeros(v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[0]):
+        M = M + torch.outer(v[t], k[t])
+        ys.append(M @ q[t])
+    return torch.stack(ys), M
+
+
+def hebbian_iterating_the_tensors(k, v, q, alpha, eta):
+    """Time first, ``for k_t, v_t, q_t in zip(k, v, q)`` over the tensors themselves, bmm reads."""
+    k, v, q = (x.transpose(0, 1).flatten(1, 2) for x in (k, v, q))  # [T, B·H, D]
+    M, ys = k.new_zeros(k.shape[1], v.shape[-1], k.shape[-1]), []
+    for k_t, v_t, q_t in zip(k, v, q):
+        M = 0.95 * M + v_t.unsqueeze(2) * k_t.unsqueeze(1)
+        ys.append(torch.bmm(M, q_t.unsqueeze(2)).squeeze(2))
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
     "l2_reference": (l2_reference, "memory_scan"),
     "l2_none_indexing_each_use": (l2_none_indexing_each_use, "memory_scan"),
@@ -552,6 +636,10 @@ SPELLINGS = {
     "l2_momentum": (l2_momentum, "memory_scan"),
     "lp3_exact_abs_sign": (lp3_exact_abs_sign, "memory_scan"),
     "huber": (huber, "memory_scan"),
+    "l2_sgd_momentum": (l2_sgd_momentum, "memory_scan"),
+    "l2_momentum_step_size_outside": (l2_momentum_step_size_outside, "memory_scan"),
+    "l2_torch_outer_one_sequence": (l2_torch_outer_one_sequence, "memory_scan"),
+    "l2_iterating_the_tensors": (l2_iterating_the_tensors, "memory_scan"),
     "hebbian_reference": (hebbian_reference, "linear_attention"),
     "hebbian_einsum": (hebbian_einsum, "linear_attention"),
     "hebbian_read_before_write_kv": (hebbian_read_before_write_kv, "linear_attention"),
@@ -567,6 +655,10 @@ SPELLINGS = {
     "hebbian_outputs_copied_into_zeros": (hebbian_outputs_copied_into_zeros, "linear_attention"),
     "hebbian_per_head_decay_tensor": (hebbian_per_head_decay_tensor, "linear_attention"),
     "hebbian_heads_flattened_into_the_batch": (hebbian_heads_flattened_into_the_batch, "linear_attention"),
+    "hebbian_lerp": (hebbian_lerp, "linear_attention"),
+    "hebbian_ema_written_out": (hebbian_ema_written_out, "linear_attention"),
+    "hebbian_torch_outer_one_sequence": (hebbian_torch_outer_one_sequence, "linear_attention"),
+    "hebbian_iterating_the_tensors": (hebbian_iterating_the_tensors, "linear_attention"),
 }
 
 
