@@ -368,8 +368,8 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     if not torch.allclose(evaluate(y, dict(values), size_hint), form.as_y(scores @ v), rtol=1e-6, atol=1e-9):
         raise NotFused("A @ V differs from Σ_s D_ts (q_t·k_s) v_s at random points")
     dtypes = {n.meta["val"].dtype for n in (form.q, form.k, form.v)}
-    if len(dtypes) != 1:
-        raise NotFused(f"q, k, v have dtypes {sorted(map(str, dtypes))}; linear_attention needs one")
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise NotFused(f"q, k, v have dtypes {sorted(map(str, dtypes))}; linear_attention needs one floating dtype")
     normaliser = _normaliser(y, dict(values), form.as_y(scores.sum(-1, keepdim=True)))
     replaced, out = [y, form.a], y
     if normaliser is not None:
@@ -526,8 +526,9 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
             break
     else:
         raise NotFused("its read differs from y_t = M_t q_t at random points")
-    if len({n.meta["val"].dtype for n in (k, v, q)}) != 1:
-        raise NotFused("k, v, q differ in dtype; linear_attention needs one")
+    dtypes = {n.meta["val"].dtype for n in (k, v, q)}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise NotFused(f"k, v, q have dtypes {sorted(map(str, dtypes))}; linear_attention needs one floating dtype")
     replace_with_function(gm, [read], _cumulated_as_op, [k, v, q], outputs=[read])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sorted((n for n in inside | {cumsum.args[0], *cumsum.args[0].all_input_nodes} if not n._erased),

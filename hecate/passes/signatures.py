@@ -78,17 +78,23 @@ def report_unfused_signatures(gm: fx.GraphModule, enabled: Iterable[str], report
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_pairs(gm.graph)]
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_products(gm.graph)]
     for family, reason, nodes in found:
-        if not _already_reported(report, family, nodes):
+        if not _already_reported(gm.graph, report, family, nodes):
             report.add_miss(family, reason, nodes=nodes)
 
 
-def _already_reported(report: FusionReport, family: str, nodes: list[fx.Node]) -> bool:
+def _already_reported(graph: fx.Graph, report: FusionReport, family: str, nodes: list[fx.Node]) -> bool:
+    """Whether a miss of ``family`` names one of ``nodes`` or their source line, or (a second softmax or
+    loss over the same pairwise score, say) reads the same broadcast pair node ``nodes[-1]``."""
     names = {n.name for n in nodes}
     sources = {source_line([n]) for n in nodes} - {""}
+    by_name = {n.name: n for n in graph.nodes}
     for miss in report.misses:
         if miss.pattern not in _FAMILIES[family]:
             continue
-        if miss.source in sources or names & set(re.findall(r"[A-Za-z_]\w*", miss.where)):
+        named = set(re.findall(r"[A-Za-z_]\w*", miss.where))
+        if miss.source in sources or names & named:
+            return True
+        if _pair_dims(nodes[-1]) and any(nodes[-1] in _ancestors(by_name[name]) for name in named if name in by_name):
             return True
     return False
 
@@ -159,6 +165,15 @@ def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                        "dim)", [softmax, node])
                 break
         else:
+            distance = next((a for a in _ancestors(softmax) if a.target is aten.cdist.default
+                             and (_shape(a) or ())[-2:] == tuple(score[-2:])), None)
+            if distance is not None and _is(score[-1], score[-2]):
+                n = score[-1]
+                yield (f"a softmax over a pairwise [{n}, {n}] score made by torch.cdist: kl_attention reads the KL "
+                       "written per pair, μ and σ² broadcast as [..., N, 1, K] against [..., 1, N, K] (a squared "
+                       "distance is one: ((z[..., :, None, :] - z[..., None, :, :]) ** 2).sum(-1) for "
+                       "torch.cdist(z, z) ** 2); compiled as written", [softmax, distance])
+                continue
             product = _gaussian_score_by_products(softmax, score)
             if product is not None:
                 n = score[-1]
@@ -229,13 +244,15 @@ def _decode_scores_by_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.N
         ancestors = list(_ancestors(sink))
         products = [a for a in ancestors if a.target in _PRODUCTS + (aten.einsum.default,)
                     and _is((_shape(a) or (None,))[-1], vocab)
-                    and any(vocab in (_shape(x) or ()) for x in a.all_input_nodes)]
+                    and any(_is(s, vocab) for x in a.all_input_nodes for s in (_shape(x) or ()))]
         if len(products) < needed:
             continue
-        widths = {(_shape(x) or (None,))[-1] for p in products for x in p.all_input_nodes} - {vocab}
+        # (sizes may be symbolic: compared by _is, never hashed)
+        widths = [w for p in products for x in p.all_input_nodes if (w := (_shape(x) or (None,))[-1]) is not None
+                  and not _is(w, vocab)]
         # the variances: a log of them, or an exp of log-variances
         logs = [a for a in ancestors if a.target in (aten.log.default, aten.exp.default)
-                and (_shape(a.args[0]) or (None,))[-1] in widths and len(_shape(a.args[0]) or ()) >= 2]
+                and len(_shape(a.args[0]) or ()) >= 2 and any(_is(_shape(a.args[0])[-1], w) for w in widths)]
         if logs:
             yield (f"logits over {vocab} tokens made by matrix products of per-position beliefs with "
                    "per-token tensors, with the log or exp of one (as the KL to token priors expanded into "

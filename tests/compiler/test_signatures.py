@@ -52,7 +52,7 @@ def _only_miss(report, family):
 def test_pairwise_softmax_that_is_not_kl_is_reported():
     report = hecate.explain(pairwise_l1_attention, torch.randn(2, 5, 3), torch.randn(2, 5, 4))
     miss = _only_miss(report, "kl_attention")
-    assert "pairwise score" in miss.reason and "KL between Gaussians" in miss.reason  # the kl pass's own reason
+    assert "pairwise score" in miss.reason and "is not −KL(q_i ‖ q_j)/κ" in miss.reason  # the kl pass's own reason
     assert "torch.softmax(-d, -1)" in miss.source
     assert report.fusions == []
 
@@ -120,6 +120,18 @@ def test_kl_decode_by_matrix_products_is_reported_and_a_plain_lm_head_is_not():
     # logits from a linear head read no variance: not a Gaussian score
     head = lambda h, w, y: F.cross_entropy((h @ w.T).flatten(0, 1), y.flatten())  # noqa: E731
     assert hecate.explain(head, mu, prior_mu, targets).misses == []
+
+
+def test_symbolic_sizes_are_compared_not_hashed(fresh_dynamo):
+    """Under dynamic=True the sizes the search compares are symbolic: two products of a [B, T, D] input (the
+    decode search's candidates) compile, strict, and are reported as nothing."""
+    def two_heads(x, w1, w2):
+        return x @ w1 + x @ w2
+
+    args = (torch.randn(2, 5, 3), torch.randn(3, 6), torch.randn(3, 6))
+    got = torch.compile(two_heads, backend="hecate", dynamic=True, options={"fallback": "eager"})(*args)
+    assert torch.allclose(got, two_heads(*args))
+    assert hecate.last_report().misses == [], str(hecate.last_report())
 
 
 def test_enabled_families_only():

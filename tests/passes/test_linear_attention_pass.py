@@ -141,3 +141,17 @@ def single_head_cumsum_normalised_from_m0(k, v, q):
                          ids=["cumsum", "normalised-m0"])
 def test_single_head_cumsum_form_is_fused(fn, detail, fresh_dynamo):
     _check(_Fn(fn), _bthd(), detail=detail)
+
+
+def test_integer_parallel_form_is_left_to_the_fallback(fresh_dynamo):
+    """tril(q kᵀ) v over int64 tensors has the parallel form's shape, but the op computes in floating point:
+    reported, not fused, and compiled exactly as eager (the suite runs strict: no internal error)."""
+    def integer_attention(q, k, v):
+        return torch.tril(q @ k.mT) @ v
+
+    q, k, v = (torch.randint(-3, 4, (2, 5, 3)) for _ in range(3))
+    got = torch.compile(integer_attention, backend="hecate", options={"fallback": "eager"})(q, k, v)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 0
+    assert any("floating dtype" in m.reason for m in report.misses), str(report)
+    assert torch.equal(got, integer_attention(q, k, v))
