@@ -52,6 +52,7 @@ def measure(k: int) -> list[dict]:
     extra = {"_fwd_rows": dict(HAS_V=True, BLOCK_V=widths["BLOCK_V"]), "_fwd_cols": dict(BLOCK_W=widths["BLOCK_W"]),
              "_bwd_col_values": dict(BLOCK_W=widths["BLOCK_W"])}
     values = dict(HAS_V=True, HAS_W=True, BLOCK_V=widths["BLOCK_V"], BLOCK_W=widths["BLOCK_W"])
+    extra["_bwd_rows"] = values | dict(KAPPA_GRAD=False)  # a number κ: no per-row sums for its gradient
     rows = []
     for launch, config, names in launches:
         for name in names:

@@ -91,12 +91,16 @@ def strip_noops(node: Any) -> Any:
     return node
 
 
-def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None = None) -> Any:
+def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None = None,
+             expand: bool = False) -> Any:
     """The value of ``node`` computed from ``values`` (graph nodes → real values), recursively.
 
     ``values`` is extended in place with every node computed. Factory ops (``ones``,
-    ``arange``...) run on CPU; a node whose value is a size is replaced by ``size_hint(value)``
-    (when given); any other input not in ``values`` raises :class:`NotFused`.
+    ``arange``...) run on CPU, a floating one in float64 (the values evaluated are); a node whose
+    value is a size is replaced by ``size_hint(value)`` (when given); any other input not in ``values``
+    raises :class:`NotFused`. An expand is a no-op (values drawn at other sizes than the graph's
+    broadcast as they are) unless ``expand`` (values at the graph's own sizes: the expanded pairs may be
+    flattened, ``mu.unsqueeze(2).expand(b, n, n, k).reshape(-1, k)``).
     """
     memo = values
 
@@ -110,13 +114,20 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
             memo[n] = size_hint(val)
             return memo[n]
         if n.op != "call_function":
+            if isinstance(val, (torch.SymInt, torch.SymFloat, int, float)):
+                raise NotFused(f"it reads {n.name}, a number torch.compile passes in at run time (a size or a float "
+                               "attribute under dynamic=True), not known when compiling")
             raise NotFused(f"it reads {n.name}, an input of the graph whose value is not known when compiling")
-        if _is_noop(n):
+        if _is_noop(n) and not (expand and n.target == aten.expand.default):
             memo[n] = run(n.args[0])
             return memo[n]
         args = fx.node.map_aggregate(n.args, run)
         kwargs = {k: ("cpu" if k == "device" else fx.node.map_aggregate(v, run)) for k, v in n.kwargs.items()}
-        memo[n] = n.target(*args, **kwargs)
+        value = n.target(*args, **kwargs)
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.float32, torch.float16, torch.bfloat16) \
+                and not any(isinstance(memo.get(i), torch.Tensor) for i in n.all_input_nodes):
+            value = value.double()  # a factory (torch.zeros(n, k) in the score)
+        memo[n] = value
         return memo[n]
 
     return run(node)

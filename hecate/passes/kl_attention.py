@@ -31,7 +31,10 @@ How, by what the code computes rather than how it is spelled:
    is the same at every position (size 1 or absent at the position dim), as variance, log-variance,
    standard deviation, log-std or precision. So the log/ratio/square spelling,
    ``torch.distributions.kl_divergence`` of ``Normal``s, a KL computed per term and summed,
-   any temperature spelling all read the same. Nodes of the score equal to γ·KL are KL factors.
+   any temperature spelling all read the same. A κ that changes with a 0-d tensor t of the graph
+   (a learned temperature, a buffer, a float torch.compile(dynamic=True) passes in) is found by
+   giving t a value per draw: κ = c·t or c/t, passed to the op as its run-time ``temperature``.
+   Nodes of the score equal to γ·KL (γ a number) are KL factors.
 3. Everything computed from β and KL until a sum over the key axis j (``sum(dim=2)``, a matmul,
    bmm or einsum with per-key values) is read as a polynomial in the pair space (i, j, k)
    (:class:`_PairAlgebra`): each term is a coefficient times β_ij or β_ji, optionally times KL
@@ -73,6 +76,19 @@ _NEG_INF = float("-inf")
 
 
 @dataclass
+class _Temperature:
+    """κ = scale · t^power of a 0-d tensor t of the graph (a learned temperature, a buffer, a float attribute
+    torch.compile(dynamic=True) passes in as a tensor): power 1 divides the KL by t, −1 multiplies it."""
+
+    node: fx.Node
+    scale: float
+    power: int
+
+    def __str__(self) -> str:
+        return f"{self.scale:g}·{self.node.name}" if self.power == 1 else f"{self.scale:g}/{self.node.name}"
+
+
+@dataclass
 class _Score:
     """A softmax recognised as pairwise-KL attention."""
 
@@ -82,7 +98,7 @@ class _Score:
     # the variance through VARIANCE_FROM[parameterisation]: [*L, N, K], or the same at every position ([K], 0-d, ...)
     scale: fx.Node
     parameterisation: str
-    kappa: float
+    kappa: "float | _Temperature"
     causal: bool
     mask_diagonal: bool
     empty_rows_nan: bool  # a row with no allowed key is NaN (the softmax's), not 0
@@ -162,9 +178,13 @@ def _broadcast_side(node: fx.Node, rank: int, n) -> tuple[fx.Node, str] | None:
         return None
     x, out = node.args[0], shape_of(node)
     src = shape_of(x)
+    lead = rank - 2
+    if node.target == aten.unsqueeze.default and src is not None and len(src) == rank - 1 and out is not None \
+            and len(out) == rank and src[-1] == n and node.args[1] % rank in (lead, lead + 1):
+        # a per-position number [*L, N] (a log-determinant Σ_k log v) broadcast into the score [*L, N, N]
+        return strip_noops(x), ("i" if node.args[1] % rank == lead + 1 else "j")
     if src is None or out is None or len(src) != rank or len(out) != rank + 1 or _shared(src, rank, n):
         return None
-    lead = rank - 2
     if node.target == aten.unsqueeze.default:
         dim = node.args[1] % (rank + 1)
     elif (node.target in (aten.view.default, aten.reshape.default) and out[-1] == src[-1]
@@ -242,18 +262,27 @@ def _shared(shape, rank: int, n, frame: int | None = None) -> bool:
     return all(len(shape) < -p or (isinstance(shape[p], int) and shape[p] == 1) for p in positions)
 
 
+def _not_a_product(node: fx.Node) -> bool:
+    return not (node.op == "call_function" and node.target in (aten.matmul.default, aten.bmm.default,
+                                                                 aten.einsum.default))
+
+
 def _describe_other(node: fx.Node) -> str:
     """Why a score input that is not a belief stops the fusion, in the user's terms."""
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor) and value.dim() == 0:
-        return (f"a 0-d tensor {node.name} that is not the KL's variance (a temperature held as a tensor: a "
-                "parameter or buffer, or a float attribute torch.compile(dynamic=True) passes in as a tensor "
-                "unless torch._dynamo.config.specialize_float is set); the op takes κ as a number")
+        return (f"a 0-d tensor {node.name} that is neither the KL's variance nor a temperature it is divided or "
+                "multiplied by (κ = c·t or c/t)")
+    if isinstance(value, torch.Tensor) and not _not_a_product(node) and value.dim() >= 2 \
+            and value.shape[-1] == value.shape[-2]:
+        return (f"{node.name}, a matrix product of per-position tensors (a term of the KL expanded into products, "
+                "such as the trace Σ_k v_ik / v_jk): kl_attention reads the KL written per pair, μ and σ² broadcast "
+                "as [..., N, 1, K] against [..., 1, N, K]")
     if isinstance(value, torch.Tensor):
         return (f"{node.name}, a tensor of shape {list(value.shape)} that is neither laid out per position like "
                 "the means ([..., N, K]) nor the same at every position (size 1 or absent at the position dim, "
                 "as a shared variance is)")
-    return f"a value computed at run time ({node.name}); the op takes κ as a number"
+    return f"a value computed at run time ({node.name}) that is not a tensor"
 
 
 def _recognise(softmax: fx.Node) -> _Score | None:
@@ -268,17 +297,14 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     rank = len(shape)
     logits, masks, peeled = _peel_masks(x)
     bases, shared, nodes, others = _score_inputs(logits, rank)
-    if not any(sides == {"i", "j"} for sides in bases.values()):
-        return None  # not a score of broadcast pairs (e.g. q @ kᵀ): not this family
+    if not any(sides == {"i", "j"} and len(shape_of(b)) == rank for b, sides in bases.items()):
+        return None  # not a score of broadcast pairs of features (e.g. q @ kᵀ): not this family
     if dim % rank != rank - 1:
         raise NotFused(f"softmax over dim {dim} of the {_dims(rank)} pairwise score does not normalise over "
                        "the keys (dim -1)")
-    if others:
-        raise NotFused(f"the pairwise score also reads {_describe_other(others[0])}")
-    if len(bases) + len(shared) < 2:
-        raise NotFused("the pairwise score reads one per-position tensor and none shared across positions; a KL "
-                       "between Gaussians needs means and a variance")
-    k = {size_hint(shape_of(b)[-1]) for b in bases}
+    if others:  # a matrix product first: the KL expanded into products says most
+        raise NotFused(f"the pairwise score also reads {_describe_other(min(others, key=_not_a_product))}")
+    k = {size_hint(shape_of(b)[-1]) for b in bases if len(shape_of(b)) == rank}
     if len(k) != 1:
         raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
     kappa, mean, scale, param, memo = _match_kl(logits, list(bases), shared, rank - 2, k.pop())
@@ -288,8 +314,10 @@ def _recognise(softmax: fx.Node) -> _Score | None:
                        "float('-inf') fuses")
     _check_leading_dims(shape, mean, scale, param)
     kl_scales = {}
+    # γ·KL with γ a number: not a node the temperature reaches (its γ changes with the temperature)
+    tempered = _computed_from(kappa.node, nodes) if isinstance(kappa, _Temperature) else set()
     for n in nodes:
-        if shape_of(n) == shape and n in memo:
+        if shape_of(n) == shape and n in memo and n not in tempered:
             gamma = proportion(memo[n], memo[("kl",)])
             if gamma is not None:
                 kl_scales[n] = gamma
@@ -348,15 +376,16 @@ def _pairwise_kl(m, v):
 _MAX_OWN_SIZE_DRAW = 2 ** 24
 
 
-def _draws(logits, bases, shape, constants) -> list:
+def _draws(logits, bases, shape, constants, own_sizes: bool = False) -> list:
     """Two (draw, evaluated values, score) at random float64 beliefs of ``shape(base)``, a positive range each,
-    and the ``constants`` (node → value) the score reads."""
+    and the ``constants`` (node → value) the score reads; ``own_sizes``: at the graph's sizes, where its
+    expands are real (see :func:`evaluate`)."""
     gen = torch.Generator().manual_seed(20251123)
     draws = []
     for low, high in ((0.3, 2.0), (0.05, 4.0)):
         env = {b: low + (high - low) * torch.rand(shape(b), generator=gen, dtype=torch.float64) for b in bases}
         memo = {**constants, **env}
-        draws.append((env, memo, evaluate(logits, memo)))
+        draws.append((env, memo, evaluate(logits, memo, expand=own_sizes)))
     return draws
 
 
@@ -371,13 +400,19 @@ def _match_kl(logits, bases, shared, lead, k):
     where the score bakes its sizes in (``mu.view(n, 1, k)`` of a static graph)."""
     constants = {b: (v.double() if v.is_floating_point() else v) for b in shared
                  if (v := _constant_tensor(b)) is not None}  # read, not drawn
+    numbers = {b for b in bases if len(shape_of(b)) == lead + 1}  # per-position numbers [*L, N]
+    # a number computed from a tensor [*L, N, K] the score does not broadcast (Σ log v beside exp(log v)):
+    # that tensor is drawn, so the number and the broadcast tensors keep their relation
+    sources = [s for b in numbers if not _computed_from_any(b, bases) for s in _feature_sources(b, lead, k)]
+    bases = bases + [s for s in dict.fromkeys(sources) if s not in bases]
     drawn = [b for b in independent(bases + shared) if b not in constants]
-    means = [b for b in bases if b in drawn]
-    scales = [b for b in drawn if b not in shared] + [b for b in shared if len(shape_of(b)) <= lead + 2]
+    means = [b for b in bases if b in drawn and b not in numbers]
+    scales = [b for b in drawn if b not in shared and b not in numbers] + [b for b in shared
+                                                                          if len(shape_of(b)) <= lead + 2]
 
     def small(b):
         if b not in shared:
-            return (2,) * lead + (5, k)
+            return (2,) * lead + ((5,) if b in numbers else (5, k))
         own = [1 if isinstance(s, int) and s == 1 else None for s in shape_of(b)]  # None: a size the beliefs span
         return tuple(s or 2 for s in own[:-2]) + tuple(s or k for s in own[-2:])
 
@@ -394,7 +429,7 @@ def _match_kl(logits, bases, shared, lead, k):
                            f"{str(error).splitlines()[0] if str(error) else ''}), and its own sizes are too large "
                            "to evaluate it at") from None
         try:
-            draws = _draws(logits, drawn, own.__getitem__, constants)
+            draws = _draws(logits, drawn, own.__getitem__, constants, own_sizes=True)
         except NotFused:
             raise
         except Exception as e:
@@ -402,10 +437,11 @@ def _match_kl(logits, bases, shared, lead, k):
                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
     reversed_found, drawn_values = None, draws[0][1]
     for mean in means:
-        for scale in scales:
-            if scale is mean or not _broadcasts(drawn_values, mean, scale):
+        # the means alone: a squared distance ½‖μ_i − μ_j‖² is the KL of unit-variance Gaussians
+        for scale, params in [(s, VARIANCE_FROM) for s in scales if s is not mean] + [(mean, _UNIT)]:
+            if not _broadcasts(drawn_values, mean, scale):
                 continue
-            for param, to_var in VARIANCE_FROM.items():
+            for param, to_var in params.items():
                 alphas = []
                 for _, memo, value in draws:
                     m, v = torch.broadcast_tensors(memo[mean], to_var(memo[scale]))
@@ -413,13 +449,16 @@ def _match_kl(logits, bases, shared, lead, k):
                     alphas.append(proportion(value, kl))
                     if alphas[-1] is None and proportion(value, kl.transpose(-1, -2)) is not None:
                         reversed_found = (mean, scale, param)
-                if all(a is not None and a < 0 for a in alphas) and math.isclose(alphas[0], alphas[1], rel_tol=1e-9):
-                    memo = draws[0][1]
-                    memo[("kl",)] = _pairwise_kl(*torch.broadcast_tensors(memo[mean], to_var(memo[scale])))
-                    kappa = float(f"{-1.0 / alphas[0]:.12g}")
-                    return kappa, mean, scale, param, memo
+                if all(a is not None and a < 0 for a in alphas):
+                    kappa = float(f"{-1.0 / alphas[0]:.12g}") if math.isclose(alphas[0], alphas[1], rel_tol=1e-9) \
+                        else _temperature(draws, alphas, [b for b in shared if b is not scale])
+                    if kappa is not None:
+                        memo = draws[0][1]
+                        memo[("kl",)] = _pairwise_kl(*torch.broadcast_tensors(memo[mean], to_var(memo[scale])))
+                        return kappa, mean, scale, param, memo
     if reversed_found is not None:
-        raise NotFused(f"the score is KL(q_j ‖ q_i) (key to query) of {reversed_found[0].name} and the "
+        raise NotFused(f"the score is KL(q_j ‖ q_i) (key to query; so is a softmax over the queries, dim −2, of "
+                       f"KL(q_i ‖ q_j)) of {reversed_found[0].name} and the "
                        f"{reversed_found[2]} {reversed_found[1].name}; the fused op computes KL(q_i ‖ q_j)")
     scalars = [b for b in shared if len(shape_of(b)) == 0]
     if scalars:  # most likely κ held as a tensor
@@ -430,7 +469,63 @@ def _match_kl(logits, bases, shared, lead, k):
                   + " (the same at every position)")
         variances += ", or one the same at every position,"
     raise NotFused(f"the pairwise score over {names} is not −KL(q_i ‖ q_j)/κ of diagonal Gaussians (κ > 0) "
-                   f"for any per-position one as the means and {variances} as {', '.join(VARIANCE_FROM)}")
+                   f"for any per-position one as the means and {variances} as {', '.join(VARIANCE_FROM)} "
+                   "(nor of unit variance)")
+
+
+def _computed_from_any(node: fx.Node, bases: list) -> bool:
+    return node not in independent([node] + [b for b in bases if b is not node])
+
+
+def _feature_sources(node: fx.Node, lead: int, k: int, depth: int = 8) -> list[fx.Node]:
+    """The nearest tensors [*L, N, K] ``node`` is computed from (its log-variances, say), within ``depth`` ops."""
+    found, frontier, seen = [], [node], {node}
+    for _ in range(depth):
+        parents = []
+        for n in frontier:
+            for i in n.all_input_nodes:
+                shape = shape_of(i)
+                if i in seen or shape is None:
+                    continue
+                seen.add(i)
+                if len(shape) == lead + 2 and size_hint(shape[-1]) == k:
+                    found.append(i)
+                else:
+                    parents.append(i)
+        frontier = parents
+    return found
+
+
+def _kappa_text(kappa) -> str:
+    return f"{kappa:g}" if isinstance(kappa, float) else str(kappa)
+
+
+def _temperature(draws: list, alphas: list[float], candidates: list[fx.Node]) -> _Temperature | None:
+    """The 0-d tensor t κ is proportional to (κ = c·t) or inversely (κ = c/t), when the score is −KL/κ with
+    a κ that changes from draw to draw (the draws give t different values), else None."""
+    kappas = [-1.0 / a for a in alphas]
+    for node in candidates:
+        values = [memo.get(node) for _, memo, _ in draws]
+        if not all(isinstance(v, torch.Tensor) and v.dim() == 0 and v.item() > 0 for v in values):
+            continue
+        t = [v.item() for v in values]
+        for power in (1, -1):
+            scales = [k / x ** power for k, x in zip(kappas, t)]
+            if math.isclose(scales[0], scales[1], rel_tol=1e-9):
+                return _Temperature(node, float(f"{scales[0]:.12g}"), power)
+    return None
+
+
+def _computed_from(source: fx.Node, nodes: list[fx.Node]) -> set[fx.Node]:
+    """Those of ``nodes`` (in graph order) that read ``source``, directly or through others of them."""
+    reached = {source}
+    for n in nodes:
+        if any(i in reached for i in n.all_input_nodes):
+            reached.add(n)
+    return reached - {source}
+
+
+_UNIT = {"unit variance": torch.ones_like}  # the variance of a KL read off the means alone (scale = the means)
 
 
 def _broadcasts(values: dict, mean, scale) -> bool:
@@ -841,7 +936,7 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
     if algebra.escapes:
         mode += f", {_dims(score.rank)} formed for " + ", ".join(sorted({u.name for _, u in algebra.escapes}))
     report.add_fusion(PATTERN, OP_NAME, len(score.nodes) + len(algebra.visited | set(roots)) + 1,
-                      f"{mode}, {score.parameterisation}, κ={score.kappa:g}, {len(roots)} β-weighted sums "
+                      f"{mode}, {score.parameterisation}, κ={_kappa_text(score.kappa)}, {len(roots)} β-weighted sums "
                       f"(row values {plan.v_width}, column values {plan.w_width} wide)")
 
 
@@ -1004,22 +1099,27 @@ def _describe(factors) -> str:
 def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, score: _Score) -> None:
     """Replace the roots (and β/KL where read whole) by the op's outputs, via :func:`_replacement`."""
     leaf_keys = [key for key, leaf in algebra.leaves.items() if leaf.source not in algebra.roots]
-    inputs = [score.mean, score.scale] + [algebra.leaves[key].source for key in leaf_keys]
+    tempered = isinstance(score.kappa, _Temperature)
+    inputs = [score.mean, score.scale] + ([score.kappa.node] if tempered else []) \
+        + [algebra.leaves[key].source for key in leaf_keys]
     escaping = sorted({node for node, _ in algebra.escapes}, key=lambda n: n.name)
 
-    def fn(mean, scale, *leaf_values):
-        return _replacement(algebra, roots, plan, score, dict(zip(leaf_keys, leaf_values)), escaping, mean, scale)
+    def fn(mean, scale, *values):
+        temperature, leaf_values = (values[0], values[1:]) if tempered else (None, values)
+        return _replacement(algebra, roots, plan, score, dict(zip(leaf_keys, leaf_values)), escaping, mean, scale,
+                            temperature)
 
     replaced = list(roots) + escaping  # β / KL read whole: every reader gets the formed one
     replace_with_function(gm, replaced, fn, inputs, outputs=replaced)
 
 
-def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale):
-    """The roots' values (then β / γ·KL for the nodes read whole) from one ``hecate.kl_attention`` call."""
+def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale, temperature=None):
+    """The roots' values (then β / γ·KL for the nodes read whole) from one ``hecate.kl_attention`` call;
+    ``temperature`` the value of the 0-d tensor a run-time κ is read from."""
     from hecate.lowering.kl_attention.matmul_form import scores_and_beta
 
     # μ and σ² may share leading dims by broadcasting (one variance for every head): the op takes both whole
-    mean, var = torch.broadcast_tensors(mean, VARIANCE_FROM[score.parameterisation](scale))
+    mean, var = torch.broadcast_tensors(mean, {**VARIANCE_FROM, **_UNIT}[score.parameterisation](scale))
     *lead, n, k = mean.shape
     root_values: dict[fx.Node, torch.Tensor] = {}
 
@@ -1061,8 +1161,12 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
     v, v_spans = features(plan.v_features)
     w, w_spans = features(plan.w_features)
     plan.v_width, plan.w_width = v.shape[-1], w.shape[-1]
-    sums = torch.ops.hecate.kl_attention(fold(mean), fold(var), fold(v), fold(w), score.kappa, score.causal,
-                                         score.mask_diagonal)
+    if temperature is None:
+        kappa, run_time = score.kappa, None
+    else:  # κ = c · t^power: the op's kappa · temperature, the power taken here (autograd carries it to t)
+        kappa, run_time = score.kappa.scale, (temperature if score.kappa.power == 1 else 1.0 / temperature)
+    sums = torch.ops.hecate.kl_attention(fold(mean), fold(var), fold(v), fold(w), kappa, score.causal,
+                                         score.mask_diagonal, run_time)
     outputs = dict(zip(("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum"),
                        map(unfold, sums)))
     empty_rows = None
@@ -1100,8 +1204,9 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
         root_values[root] = total.expand(*lead, n, width).reshape(target).to(root.meta["val"].dtype)
     formed = []
     if escaping:
-        kl, beta, _ = map(unfold, scores_and_beta(fold(mean), fold(var), score.kappa, score.causal,
-                                                  score.mask_diagonal))
+        kl, beta, _ = map(unfold, scores_and_beta(fold(mean), fold(var),
+                                                  kappa if run_time is None else kappa * run_time,
+                                                  score.causal, score.mask_diagonal))
         if empty_rows is not None:
             beta = torch.where(empty_rows.unsqueeze(-1), float("nan"), beta)
         for node in escaping:

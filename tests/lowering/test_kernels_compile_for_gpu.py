@@ -115,8 +115,10 @@ for masks, tiles, widths, tag in [
               else dict(HAS_V=False, HAS_W=False, BLOCK_V=16, BLOCK_W=16))
     bf16 = KL_BACKWARD_BF16 if has_values else set()
     for kernel in (KA._bwd_rows, KA._bwd_cols):
+        # the row kernel also sums ∂L/∂κ per row for a run-time temperature (with values, here)
+        kappa = dict(KAPPA_GRAD=has_values) if kernel is KA._bwd_rows else {}
         CASES[f"kl_attention{kernel.fn.__name__}-{tag}"] = (kernel, _kl_types(kernel, bf16),
-                                                            masks | backward_blocks | values)
+                                                            masks | backward_blocks | values | kappa)
 
 # --- kl_decode (op.py): features fp32, targets int64, loss/lse/logits in mu's dtype (bf16), the backward's
 # lse and grads fp32; tiles 64×64, BLOCK_D = max(16, 2^⌈log2 2K⌉) (K = 16 here).
@@ -190,7 +192,8 @@ used = {}
 for kernel in (kernels._bwd_rows, kernels._bwd_cols):
     types = {n: "*fp32" for n in kernel.arg_names if n.endswith("_ptr")} | dict(N="i32", K="i32", DV="i32", DW="i32",
                                                                               neg_inv_kappa="fp32")
-    used[kernel.fn.__name__] = kernel_resources(kernel, kernel_signature(kernel, constexprs, types), constexprs,
+    own = constexprs | (dict(KAPPA_GRAD=True) if kernel is kernels._bwd_rows else {})  # a run-time κ: the most held
+    used[kernel.fn.__name__] = kernel_resources(kernel, kernel_signature(kernel, own, types), own,
                                                 launch["num_warps"])
 print(used)
 """

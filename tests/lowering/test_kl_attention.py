@@ -108,16 +108,17 @@ def test_triton_writes_every_output(monkeypatch):
     real_new_empty, real_empty_like = torch.Tensor.new_empty, torch.empty_like
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *s, **kw: _poison(real_new_empty(self, *s, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda t, **kw: _poison(real_empty_like(t, **kw)))
+    temperature = torch.tensor(1.1, requires_grad=True)  # its per-row sums are a buffer of their own
     for causal, mask_diagonal in [(True, False), (False, False)]:
         with triton_on_cpu():
-            out = OP(mu, var, rv, cv, 0.9, causal, mask_diagonal)
-            grads = torch.autograd.grad(sum(o.sum() for o in out), (mu, var, rv, cv))
+            out = OP(mu, var, rv, cv, 0.9, causal, mask_diagonal, temperature)
+            grads = torch.autograd.grad(sum(o.sum() for o in out), (mu, var, rv, cv, temperature))
         for name, o in zip(OUTPUT_NAMES, out):
             assert not torch.isnan(o).any(), name
         for g in grads:
             assert not torch.isnan(g).any()
     monkeypatch.undo()
-    ref = kl_attention_naive(mu.detach(), var.detach(), rv.detach(), cv.detach(), 0.9, False, False)
+    ref = kl_attention_naive(mu.detach(), var.detach(), rv.detach(), cv.detach(), 0.9 * 1.1, False, False)
     assert_close("row_sum", out[0], ref[0], 2e-5)
 
 
@@ -165,6 +166,8 @@ def test_bad_inputs_raise_clear_errors():
         OP(mu, var, rv, cv.double(), 1.0, True, False)
     with pytest.raises(ValueError, match=r"kappa must be a finite number > 0, got -1.0"):
         OP(mu, var, rv, cv, -1.0, True, False)
+    with pytest.raises(ValueError, match=r"temperature must be a 0-d floating tensor, got shape \(1,\)"):
+        OP(mu, var, rv, cv, 1.0, True, False, torch.ones(1))
 
 
 @pytest.mark.parametrize("path", ["cpu", "triton"])
@@ -173,21 +176,58 @@ def test_opcheck(path):
     with _path(path):
         torch.library.opcheck(OP, (mu, var, rv, cv, 0.8, True, False))
         torch.library.opcheck(OP, (mu, var, rv, cv, 1.3, False, True))
+        torch.library.opcheck(OP, (mu, var, rv, cv, 0.5, True, True, torch.tensor(1.7, requires_grad=True)))
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+@pytest.mark.parametrize("causal,mask_diagonal", MASKS)
+def test_temperature_known_at_run_time_and_its_gradient(path, causal, mask_diagonal):
+    """κ = kappa · temperature (a learned 0-d tensor): every output and every gradient, the temperature's
+    included, against the broadcast reference in float64 at κ = 0.6 · 1.4, on odd shapes."""
+    mu, var, rv, cv = _inputs(2, 19, 5, 3, 4)
+    temperature = torch.tensor(1.4, requires_grad=True)
+    with _path(path):
+        got = OP(mu, var, rv, cv, 0.6, causal, mask_diagonal, temperature)
+    args64 = [t.detach().double().requires_grad_() for t in (mu, var, rv, cv, temperature)]
+    ref = kl_attention_naive(*args64[:4], 0.6 * args64[4], causal, mask_diagonal)
+    weights = [torch.randn(r.shape, dtype=torch.float64) for r in ref]
+    for name, g, r in zip(OUTPUT_NAMES, got, ref):
+        assert_close(name, torch.where(torch.isinf(g), 0.0, g), torch.where(torch.isinf(r), 0.0, r).float(), 2e-5)
+    with _path(path):
+        grads = torch.autograd.grad(_weighted_sum(got, weights), (mu, var, rv, cv, temperature))
+    ref_grads = torch.autograd.grad(_weighted_sum(ref, weights), args64)
+    for name, g, r in zip(("d mu", "d var", "d row_values", "d col_values", "d temperature"), grads, ref_grads):
+        assert_close(name, g, r.float(), 2e-5)
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+@pytest.mark.parametrize("temperature", [-0.7, float("inf")], ids=["negative", "infinite"])
+def test_any_run_time_temperature_computes_what_eager_does(path, temperature):
+    """A run-time κ is not checked against a range: −KL/κ for a negative κ, and 0 (uniform β) for an
+    infinite one (an inverse temperature annealed from 0), as the model's own code computes them."""
+    mu, var, rv, cv = (t.detach() for t in _inputs(2, 7, 3, 2, 3))
+    with _path(path):
+        got = OP(mu, var, rv, cv, 1.0, True, False, torch.tensor(temperature))
+    ref = kl_attention_naive(mu.double(), var.double(), rv.double(), cv.double(), temperature, True, False)
+    for name, g, r in zip(OUTPUT_NAMES[:-1], got, ref):
+        assert_close(name, g, r.float(), 2e-5)
 
 
 class _Attention(torch.nn.Module):
-    def __init__(self, causal, mask_diagonal):
+    def __init__(self, causal, mask_diagonal, learned_temperature=False):
         super().__init__()
         self.causal, self.mask_diagonal = causal, mask_diagonal
+        self.temperature = torch.nn.Parameter(torch.tensor(1.3)) if learned_temperature else None
 
     def forward(self, mu, var, rv, cv):
-        return OP(mu, var, rv, cv, 0.7, self.causal, self.mask_diagonal)
+        return OP(mu, var, rv, cv, 0.7, self.causal, self.mask_diagonal, self.temperature)
 
 
-@pytest.mark.parametrize("causal,mask_diagonal", [(True, True), (False, False)])
-def test_onnx_translation_runs_in_onnxruntime(tmp_path, causal, mask_diagonal):
+@pytest.mark.parametrize("causal,mask_diagonal,learned_temperature", [(True, True, False), (False, False, False),
+                                                                      (True, False, True)])
+def test_onnx_translation_runs_in_onnxruntime(tmp_path, causal, mask_diagonal, learned_temperature):
     args = tuple(t.detach() for t in _inputs(2, 6, 3, 2, 3))
-    model = _Attention(causal, mask_diagonal)
+    model = _Attention(causal, mask_diagonal, learned_temperature)
     path = tmp_path / "kl_attention.onnx"
     hecate.export_onnx(model, args, path)
     session = ort.InferenceSession(str(path))
@@ -201,7 +241,7 @@ def test_onnx_translation_runs_in_onnxruntime(tmp_path, causal, mask_diagonal):
 @pytest.mark.parametrize("output_type", ["torch", "linalg-on-tensors"])
 def test_mlir_export(output_type):
     args = tuple(t.detach() for t in _inputs(1, 5, 3, 2, 2))
-    text = hecate.export_mlir(_Attention(True, False), args, output_type=output_type)
+    text = hecate.export_mlir(_Attention(True, False, learned_temperature=True), args, output_type=output_type)
     assert "hecate" not in text and "torch.operator" not in text
     assert ("linalg.generic" in text or "linalg.matmul" in text or "linalg.batch_matmul" in text) \
         if output_type == "linalg-on-tensors" else "torch.aten.bmm" in text or "torch.aten.matmul" in text

@@ -223,7 +223,61 @@ def a_in_place_terms(mu, std):  # the KL accumulated by add_ into one buffer, th
     return kl.sub(1).mul(0.5).sum(-1).neg().softmax(-1).bmm(mu)
 
 
+def a_logsumexp_beta(mu, var):  # β = exp(s − logsumexp(s)): a softmax written with logsumexp
+    s = -kl_spec(mu, var) / 0.9
+    return torch.exp(s - s.logsumexp(-1, keepdim=True)) @ mu
+
+
+def a_where_full_like_no_self(mu, var):  # the fill a full_like tensor, the mask an arange comparison
+    idx = torch.arange(mu.shape[1])
+    kl = kl_spec(mu, var)
+    return torch.where(idx[:, None] != idx[None, :], -kl / 1.3, torch.full_like(kl, float("-inf"))).softmax(-1) @ mu
+
+
+def a_kl_masked_with_inf(mu, var):  # the KL itself masked with +inf on the future, negated after
+    n = mu.shape[1]
+    kl = kl_spec(mu, var).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("inf"))
+    return F.softmax(-kl, -1) @ mu
+
+
+def a_keys_first_layout(mu, var):  # the score laid out [b, j, i], normalised over dim 1, read by einsum
+    mi, mj, vi, vj = mu[:, None], mu[:, :, None], var[:, None], var[:, :, None]
+    kl_t = 0.5 * (vi / vj + (mi - mj) ** 2 / vj - 1 + vj.log() - vi.log()).sum(-1)
+    return torch.einsum("bji,bjd->bid", torch.softmax(-kl_t, dim=1), mu)
+
+
+def a_log_determinants(mu, var):  # trace, Mahalanobis and the log-determinants per position [B, N]
+    logdet, prec = var.log().sum(-1), var.reciprocal()
+    trace = (var[:, :, None, :] * prec[:, None, :, :]).sum(-1)
+    maha = ((mu[:, None] - mu[:, :, None]).pow(2) * prec[:, None]).sum(-1)
+    kl = 0.5 * (trace + maha - mu.shape[-1] + logdet[:, None, :] - logdet[:, :, None])
+    return torch.softmax(-kl, dim=-1) @ mu
+
+
+def a_log_determinants_of_log_variances(mu, logvar):  # log det Σ = Σ log v read off the log-variances
+    ld, var = logvar.sum(-1), logvar.exp()
+    kl = 0.5 * ((var.unsqueeze(-2) + (mu.unsqueeze(-2) - mu.unsqueeze(-3)) ** 2) / var.unsqueeze(-3)).sum(-1) \
+        + 0.5 * (ld.unsqueeze(-2) - ld.unsqueeze(-1)) - 0.5 * mu.shape[-1]
+    return torch.softmax(-kl / 0.7, -1) @ mu
+
+
+def a_flattened_pairs(mu, var):  # every pair expanded and flattened to [B·N·N, K], viewed back
+    b, n, k = mu.shape
+    mi, mj = (mu.unsqueeze(d).expand(b, n, n, k).reshape(-1, k) for d in (2, 1))
+    vi, vj = (var.unsqueeze(d).expand(b, n, n, k).reshape(-1, k) for d in (2, 1))
+    kl = 0.5 * (vj.log() - vi.log() + (vi + (mi - mj) ** 2) / vj - 1).sum(-1)
+    return torch.softmax(-kl.view(b, n, n), -1) @ mu
+
+
+def a_squared_distance(mu, std):  # RBF attention: ½‖z_i − z_j‖², the KL of unit-variance Gaussians of z = μ/σ
+    z = mu / std
+    return torch.softmax(-0.5 * ((z[:, :, None] - z[:, None]) ** 2).sum(-1), dim=-1) @ mu
+
+
 ATTENTION = [
+    (a_logsumexp_beta, _var), (a_where_full_like_no_self, _var), (a_kl_masked_with_inf, _var),
+    (a_keys_first_layout, _var), (a_log_determinants, _var), (a_log_determinants_of_log_variances, _logvar),
+    (a_squared_distance, _var),
     (a_matmul_causal, _var), (a_einsum_where, _logvar), (a_bmm_full, _var), (a_broadcast_sum, _var),
     (a_returns_beta, _var), (a_distributions, _var), (a_distributions_summed_additive_mask, _var),
     (a_triu_additive, _var), (a_no_self, _var), (a_energy, _var), (a_logstd_transposed_read, _logvar),
@@ -258,10 +312,11 @@ def test_attention_spelling_fuses_and_equals_eager(fn, draw, fresh_dynamo):
     assert not [m for m in report.misses if m.pattern == "kl_attention"], str(report)
 
 
-def test_sizes_baked_into_views_fuse(fresh_dynamo):
+@pytest.mark.parametrize("fn", [a_view_baked_sizes, a_flattened_pairs])
+def test_sizes_baked_into_views_fuse(fn, fresh_dynamo):
     # sizes other than the recogniser's own draw ([2, 5, K]), so the views cannot run at the draw's
     shape = (3, 6, 4)
-    report = _compare(a_view_baked_sizes, (torch.randn(shape), _var(shape)), "kl_attention")
+    report = _compare(fn, (torch.randn(shape), _var(shape)), "kl_attention")
     assert report.count("kl_attention") == 1, str(report)
     assert not report.misses, str(report)
 
@@ -793,10 +848,6 @@ def m_symmetrised(mu, var):  # Jeffreys divergence, not the KL
     return F.softmax(-(kl + kl.transpose(1, 2)), dim=-1) @ mu
 
 
-def m_tensor_temperature(mu, var, kappa):
-    return F.softmax(-kl_spec(mu, var) / kappa, dim=-1) @ mu
-
-
 def m_score_bias(mu, var):  # a finite additive bias is not a mask
     n = mu.shape[1]
     return F.softmax(-kl_spec(mu, var) + torch.ones(n, n).triu(1), dim=-1) @ mu
@@ -814,11 +865,25 @@ def m_finite_fill_in_float64(mu, var):  # the KL in float64, the diagonal filled
     return torch.softmax(kl.neg().masked_fill(eye, -1e9), -1).float() @ mu
 
 
+def m_cdist(mu, var):  # a squared distance by torch.cdist: reported with the broadcast form to write
+    z = mu / var.sqrt()
+    return torch.softmax(-0.5 * torch.cdist(z, z).pow(2), dim=-1) @ mu
+
+
+def m_trace_by_einsum(mu, var):  # the Mahalanobis term per pair by einsum, the trace a matrix product
+    prec, diff = var.reciprocal(), mu.unsqueeze(2) - mu.unsqueeze(1)
+    maha = torch.einsum("bijk,bjk->bij", diff * diff, prec)
+    trace, logdet = torch.einsum("bik,bjk->bij", var, prec), var.log().sum(-1)
+    kl = 0.5 * (trace + maha - mu.shape[-1] + logdet.unsqueeze(1) - logdet.unsqueeze(2))
+    return F.softmax(-kl, dim=-1) @ mu
+
+
 @pytest.mark.parametrize("fn,extra,reason", [
+    (m_cdist, (), "made by torch.cdist"),
+    (m_trace_by_einsum, (), "a matrix product of per-position tensors"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
     (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
-    (m_tensor_temperature, (torch.tensor(0.7),), "a temperature held as a tensor"),
     (m_score_bias, (), "not a mask of 0 and −inf"),
     (m_window_mask, (), "none of: all keys, causal (j ≤ i), no self (j ≠ i)"),
 ], ids=lambda x: getattr(x, "__name__", None))
@@ -831,6 +896,19 @@ def test_near_miss_is_reported_with_the_users_line(fn, extra, reason, fresh_dyna
     assert "test_kl_spellings.py" in misses[0].source, misses[0]
     compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
     assert_close("output", compiled(mu, var, *extra), fn(mu, var, *extra), 1e-6)
+
+
+def test_a_second_softmax_of_the_same_score_is_not_a_second_miss(fresh_dynamo):
+    """Σβ·KL + κ Σβ·log β: the log_softmax beside β is the reason the pass gives, once, at the user's line."""
+    def free_energy(mu, var):
+        kl = kl_spec(mu, var)
+        logits = -kl / 0.8
+        beta, log_beta = logits.softmax(-1), logits.log_softmax(-1)
+        return ((beta * kl).sum(-1) + 0.8 * (beta * log_beta).sum(-1)).mean(), beta @ mu
+
+    report = hecate.explain(free_energy, torch.randn(B, N, K), _var((B, N, K)))
+    misses = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert len(misses) == 1 and "log_softmax" in misses[0].reason, str(report)
 
 
 @pytest.mark.parametrize("fn", [a_matmul_causal, a_energy, a_returns_beta, "decode"],
@@ -1071,12 +1149,49 @@ class SharedLogVarLearnedTemperature(nn.Module):  # a shared log-variance [K] an
         return torch.softmax(-kl / self.log_tau.exp(), dim=-1) @ mu
 
 
-def test_shared_variance_with_a_learned_temperature_is_reported(fresh_dynamo):
-    model, mu = SharedLogVarLearnedTemperature(K), torch.randn(B, N, K)
-    report = hecate.explain(model, mu)
-    misses = [m for m in report.misses if m.pattern == "kl_attention"]
-    assert report.count("kl_attention") == 0 and misses, str(report)
-    assert "a temperature held as a tensor" in misses[0].reason, misses[0]
-    assert "test_kl_spellings.py" in misses[0].source, misses[0]
-    report = _compare_module(model, mu)
-    assert report.count("kl_attention") == 0
+class InverseTemperature(nn.Module):  # a learned inverse temperature through softplus, multiplying the KL; β returned
+    def __init__(self):
+        super().__init__()
+        self.raw_beta = nn.Parameter(torch.tensor(0.4))
+
+    def forward(self, mu, var):
+        beta = F.softmax(-kl_spec(mu, var) * F.softplus(self.raw_beta), dim=-1)
+        return beta @ mu, beta
+
+
+class FloatTemperature(nn.Module):  # a float attribute: torch.compile(dynamic=True) passes it in as a 0-d tensor
+    def __init__(self):
+        super().__init__()
+        self.kappa = 0.7
+
+    def forward(self, mu, var):
+        beta = F.softmax(-kl_spec(mu, var) / self.kappa, dim=-1)
+        return beta @ mu, (beta * kl_spec(mu, var)).sum(-1)
+
+
+def a_temperature_input(mu, var, kappa):  # the temperature an input of the function
+    return F.softmax(-kl_spec(mu, var) / kappa, dim=-1) @ mu
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("make", [lambda: SharedLogVarLearnedTemperature(K), InverseTemperature, FloatTemperature,
+                                  lambda: a_temperature_input],
+                         ids=["learned_log_tau_shared_log_var", "learned_inverse_softplus", "float_attribute",
+                              "an_input"])
+def test_temperature_held_as_a_tensor_fuses_and_gets_its_gradient(make, dynamic, fresh_dynamo):
+    """κ read at run time (a parameter, a float torch.compile passes in as a tensor, an input): the op takes it
+    as a tensor, and a learned one gets its gradient through the fused op."""
+    model, mu, var = make(), torch.randn(B, N, K), _var((B, N, K))
+    if isinstance(model, nn.Module):
+        args = (mu,) if isinstance(model, SharedLogVarLearnedTemperature) else (mu, var)
+        ref_model = copy.deepcopy(model)
+        params, ref_params = list(model.parameters()), list(ref_model.parameters())
+    else:
+        args, ref_model, params, ref_params = (mu, var, torch.tensor(0.7)), model, [], []
+    inputs = [a.clone().requires_grad_() for a in args]
+    ref_inputs = [a.clone().requires_grad_() for a in args]
+    got = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})(*inputs)
+    report = hecate.last_report()
+    assert report.count("kl_attention") == 1 and not report.misses, str(report)
+    assert_outputs_and_gradients_close(got, ref_model(*ref_inputs), [*inputs, *params], [*ref_inputs, *ref_params],
+                                       1e-5)

@@ -218,8 +218,8 @@ def _pair_dot(i_x, j_y, KEYS_ON_ROWS: tl.constexpr):
 @triton.jit
 def _grad_scores(s, ok, p, i_rv1, i_rv2, i_energy, i_lse, i_rowdot, i_cv, j_rv, j_g3, j_g4, inv_kappa,
                  HAS_V: tl.constexpr, HAS_W: tl.constexpr, KEYS_ON_ROWS: tl.constexpr):
-    """dS on one tile (see matmul_form.backward); i_* are per-query, j_* per-key operands. The tile has the
-    queries on its rows, or (KEYS_ON_ROWS) the keys: the per-query vectors then broadcast along the rows."""
+    """(dS, ∂L/∂l) on one tile (see matmul_form.backward); i_* are per-query, j_* per-key operands. The tile
+    has the queries on its rows, or (KEYS_ON_ROWS) the keys: the per-query vectors then broadcast along the rows."""
     if KEYS_ON_ROWS:
         i_energy, i_lse, i_rowdot = i_energy[None, :], i_lse[None, :], i_rowdot[None, :]
     else:
@@ -234,18 +234,22 @@ def _grad_scores(s, ok, p, i_rv1, i_rv2, i_energy, i_lse, i_rowdot, i_cv, j_rv, 
         direct += _pair_dot(i_cv, j_g4, KEYS_ON_ROWS)
         grad_p += _pair_dot(i_cv, j_g3, KEYS_ON_ROWS)
     grad_p += sv * direct
-    return p * (direct - i_lse * inv_kappa - (grad_p - i_rowdot) * inv_kappa)
+    # q = ∂L/∂l on the logits l = −S/κ (the softmax's share); dS = P·direct − q/κ
+    q = p * (grad_p - i_rowdot + i_lse)
+    return p * direct - q * inv_kappa, q
 
 
 @triton.jit
 def _bwd_rows(mu_ptr, var_ptr, lv_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
               g_row_ptr, g_row_kl_ptr, g_energy_ptr, g_col_ptr, g_col_kl_ptr, g_lse_ptr,
-              grad_mu_ptr, grad_var_ptr,
+              grad_mu_ptr, grad_var_ptr, kappa_rows_ptr,
               N, K, DV, DW, neg_inv_kappa,
               CAUSAL: tl.constexpr, MASK_DIAGONAL: tl.constexpr, HAS_V: tl.constexpr, HAS_W: tl.constexpr,
+              KAPPA_GRAD: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr):
-    """dμ_i = Σ_j dS_ij (μ_i − μ_j)/v_j, dv_i = ½ Σ_j dS_ij (v_i − v_j)/(v_i v_j): the query side of S."""
+    """dμ_i = Σ_j dS_ij (μ_i − μ_j)/v_j, dv_i = ½ Σ_j dS_ij (v_i − v_j)/(v_i v_j): the query side of S;
+    with KAPPA_GRAD, Σ_j ∂L/∂l_ij S_ij per row [B, N] (∂L/∂κ is their sum over κ²)."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -260,6 +264,7 @@ def _bwd_rows(mu_ptr, var_ptr, lv_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
     inv_kappa = -neg_inv_kappa
     grad_mu = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     grad_var = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kappa_rows = tl.zeros([BLOCK_M], tl.float32)
     hi = N
     if CAUSAL:
         hi = tl.minimum(N, (pid_m + 1) * BLOCK_M)
@@ -272,13 +277,17 @@ def _bwd_rows(mu_ptr, var_ptr, lv_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
         s = _kl_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)
         ok = _allowed(offs_m[:, None], offs_n[None, :], N, CAUSAL, MASK_DIAGONAL)
         p = _beta_tile(s, lse_i[:, None], ok, neg_inv_kappa)
-        ds = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, rv_j, g3_j, g4_j, inv_kappa,
-                          HAS_V, HAS_W, False)
+        ds, q = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, rv_j, g3_j, g4_j, inv_kappa,
+                             HAS_V, HAS_W, False)
+        if KAPPA_GRAD:
+            kappa_rows += tl.sum(q * tl.where(ok, s, 0.0), 1)
         dsk = ds[:, :, None]
         grad_mu += tl.sum(dsk * (mu_i[:, None, :] - mu_j[None, :, :]) / v_j[None, :, :], 1)
         grad_var += 0.5 * tl.sum(dsk * (v_i[:, None, :] - v_j[None, :, :]) / (v_i[:, None, :] * v_j[None, :, :]), 1)
     _store_rows(grad_mu_ptr, grad_mu, b, offs_m, N, K, BLOCK_D)
     _store_rows(grad_var_ptr, grad_var, b, offs_m, N, K, BLOCK_D)
+    if KAPPA_GRAD:
+        _store_vec(kappa_rows_ptr, kappa_rows, b, offs_m, N)
 
 
 @triton.jit
@@ -318,8 +327,8 @@ def _bwd_cols(mu_ptr, var_ptr, lv_ptr, lse_ptr, rowdot_ptr, rv_ptr, cv_ptr,
         s = _key_tile(mu_i, v_i, lv_i, mu_j, v_j, lv_j)  # [BN, BM]
         ok = _allowed(offs_m[None, :], offs_n[:, None], N, CAUSAL, MASK_DIAGONAL)
         p = _beta_tile(s, lse_i[None, :], ok, neg_inv_kappa)
-        ds = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, rv_j, g3_j, g4_j, inv_kappa,
-                          HAS_V, HAS_W, True)
+        ds, _ = _grad_scores(s, ok, p, g1_i, g2_i, ge_i, gl_i, rowdot_i, w_i, rv_j, g3_j, g4_j, inv_kappa,
+                             HAS_V, HAS_W, True)
         dsk = ds[:, :, None]
         d = mu_i[None, :, :] - mu_j[:, None, :]
         grad_mu -= tl.sum(dsk * d / v_j[:, None, :], 1)

@@ -95,7 +95,7 @@ def _fill(x: torch.Tensor, r0: int, mask: torch.Tensor, value: float) -> torch.T
     return x
 
 
-def _scores(qa, kb, r0: int, kappa: float, causal: bool, mask_diagonal: bool, dtype):
+def _scores(qa, kb, r0: int, kappa, causal: bool, mask_diagonal: bool, dtype):
     """(KL, β, lse) of the query rows r0.. with features ``qa`` [B, R, F] against the keys ``kb`` [B, C, F].
 
     KL is formed in float64 with KL_ii = 0 exactly, then cast to ``dtype``; it is 0 at masked
@@ -125,7 +125,7 @@ def _scores(qa, kb, r0: int, kappa: float, causal: bool, mask_diagonal: bool, dt
     return kl, beta, lse
 
 
-def scores_and_beta(mu, var, kappa: float, causal: bool, mask_diagonal: bool):
+def scores_and_beta(mu, var, kappa, causal: bool, mask_diagonal: bool):
     """(KL [B,N,N], β [B,N,N] with 0 at masked pairs, lse [B,N]) in :func:`softmax_dtype`, all rows at once."""
     qa, kb = kl_features(mu, var)
     return _scores(qa, kb, 0, kappa, causal, mask_diagonal, softmax_dtype(mu.dtype))
@@ -142,9 +142,10 @@ def row_blocks(n: int, causal: bool, rows: int | None = None) -> list[tuple[int,
     return [(r0, min(n, r0 + rows), min(n, r0 + rows) if causal else n) for r0 in range(0, n, rows)]
 
 
-def forward(mu, var, row_values, col_values, kappa: float, causal: bool, mask_diagonal: bool,
+def forward(mu, var, row_values, col_values, kappa, causal: bool, mask_diagonal: bool,
             block_rows: int | None = None):
-    """The op's seven outputs in the matmul form (CPU path, and the ATen decomposition).
+    """The op's seven outputs in the matmul form (CPU path, and the ATen decomposition); κ a number or a 0-d
+    tensor (a temperature known at run time).
 
     The column sums are formed transposed, [B, D, N] = Σ over blocks of (values)ᵀ [B, D, rows] @ β [B, rows, keys]:
     the big matrix is never transposed, and each block's GEMM adds into the sums in place.
@@ -184,9 +185,10 @@ def forward(mu, var, row_values, col_values, kappa: float, causal: bool, mask_di
             col[..., dw:].to(dt, **dense), lse.to(dt))
 
 
-def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool, mask_diagonal: bool,
-             block_rows: int | None = None):
-    """(dμ, dv, d row_values, d col_values) given the gradients of the seven outputs.
+def backward(mu, var, row_values, col_values, grads, kappa, causal: bool, mask_diagonal: bool,
+             block_rows: int | None = None, kappa_grad: bool = False):
+    """(dμ, dv, d row_values, d col_values, dκ) given the gradients of the seven outputs; κ a number or a
+    0-d tensor, dκ a 0-d tensor (0 unless ``kappa_grad``).
 
     With P = β, S = KL, E = rowsum(P∘S), the outputs are O1 = P V, O2 = (P∘S) V, E,
     O3 = Pᵀ W, O4 = (P∘S)ᵀ W, O5 = Pᵀ (E⊙W), lse. O5 is O3 over the values E⊙W, so
@@ -196,6 +198,7 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
         dS_ij = P_ij (dO2_i·V_j + dE'_i + W_i·dO4_j − dlse_i/κ) − P_ij (dP_ij − D_i) / κ
         D_i   = Σ_j P_ij dP_ij
         dV    = Pᵀ dO1 + (P∘S)ᵀ dO2,      dW = X + E⊙Y,   X = P dO3 + (P∘S) dO4
+        dκ    = Σ_ij P_ij (dP_ij − D_i + dlse_i) S_ij / κ²     (P (dP − D + dlse) is ∂L/∂l, l = −S/κ)
 
     Every term is per query row but dV and the key side of dS's GEMM, which add up over the blocks.
     """
@@ -211,6 +214,7 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
     # the sums over query rows (dV, the keys' b') transposed, [B, D, N]: each block's GEMM adds in place
     grad_rv_t, grad_kb_t = rv.new_zeros(b, rv.shape[-1], n), kb.new_zeros(b, kb.shape[-1], n)
     grad_qa, grad_cv = torch.empty_like(qa), torch.empty_like(cv)
+    grad_kappa = torch.zeros((), dtype=torch.float64, device=mu.device)
     for r0, r1, keys in row_blocks(n, causal, block_rows):
         kl, beta, _ = _scores(qa[:, r0:r1], kb[:, :keys], r0, kappa, causal, mask_diagonal, dtype)
         beta_kl = beta * kl
@@ -225,14 +229,18 @@ def backward(mu, var, row_values, col_values, grads, kappa: float, causal: bool,
         grad_p = torch.cat([g_row[:, r0:r1], w, energy * w], -1) @ p_keys[..., :keys]
         grad_p.addcmul_(kl, direct)
         shift = (beta * grad_p).sum(-1, keepdim=True) - g_lse[:, r0:r1, None]
+        grad_p.sub_(shift)
+        if kappa_grad:
+            grad_kappa = grad_kappa + (grad_p * beta * kl).sum(dtype=torch.float64)
         # dS = P (direct − (dP − D + dlse) / κ); KL_ii ≡ 0 has no gradient
-        grad_s = _fill(grad_p.sub_(shift).mul_(-1.0 / kappa).add_(direct).mul_(beta), r0,
+        grad_s = _fill(grad_p.mul_(-1.0 / kappa).add_(direct).mul_(beta), r0,
                        masked_keys(r1 - r0, False, True, mu.device), 0.0).double()
         grad_qa[:, r0:r1] = grad_s @ kb[:, :keys]
         grad_kb_t[..., :keys].baddbmm_(qa[:, r0:r1].transpose(1, 2), grad_s)
         grad_cv[:, r0:r1] = x + energy * y
     return _features_backward(mu, var, grad_qa, grad_kb_t.transpose(1, 2)) + (
-        grad_rv_t.transpose(1, 2).to(row_values.dtype).contiguous(), grad_cv.to(col_values.dtype).contiguous())
+        grad_rv_t.transpose(1, 2).to(row_values.dtype).contiguous(), grad_cv.to(col_values.dtype).contiguous(),
+        (grad_kappa / kappa ** 2).to(dtype))
 
 
 def _features_backward(mu, var, grad_qa, grad_kb):

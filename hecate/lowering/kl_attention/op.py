@@ -3,13 +3,17 @@
 Schema::
 
     kl_attention(Tensor mu, Tensor var, Tensor row_values, Tensor col_values,
-                 float kappa, bool causal, bool mask_diagonal)
+                 float kappa, bool causal, bool mask_diagonal, Tensor? temperature=None)
         -> (row_sum, row_kl_sum, energy, col_sum, col_kl_sum, col_energy_sum, lse)
 
     mu, var        [B, N, K]   belief means and variances (var > 0; the caller adds any eps)
     row_values V   [B, N, Dv]  per-key features (Dv may be 0)
     col_values W   [B, N, Dw]  per-query features for the transposed sums (Dw may be 0)
-    kappa          > 0         attention temperature
+    kappa          > 0         attention temperature, times
+    temperature    0-d         a temperature known at run time (learned, or a float torch.compile passes in
+                               as a tensor): κ = kappa · temperature, and κ gets its gradient. Any value
+                               computes what −KL/κ gives in eager (0 and inf included: an annealed inverse
+                               temperature), without the stability bounds below for κ ≤ 0
     causal         key j allowed for query i only if j ≤ i
     mask_diagonal  key i never allowed for query i
 
@@ -29,9 +33,10 @@ masked; row 0 when causal and diagonal-masked) has β_i· = 0: its sums are 0, n
 (the pass adds the NaN of a softmax over no key where the model's code has it).
 float64 inputs run the ATen path in float64 (the kernels compute in fp32).
 
-Differentiable in mu, var, row_values and col_values for every output (the
-training step backprops through the unrolled Q-flow). The backward is its own op,
-``hecate.kl_attention_backward``, which recomputes β from lse.
+Differentiable in mu, var, row_values, col_values and temperature for every output
+(the training step backprops through the unrolled Q-flow). The backward is its own op,
+``hecate.kl_attention_backward``, which recomputes β from lse; with ∂L/∂l_ij the
+cotangent of the logits l = −KL/κ, ∂L/∂κ = Σ_ij ∂L/∂l_ij · KL_ij / κ².
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ from hecate.lowering.kl_attention import matmul_form
 OUTPUT_NAMES = ("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum", "lse")
 
 
-def check_inputs(mu, var, row_values, col_values, kappa) -> None:
-    """Raise a ValueError naming the argument, what it was and what was expected."""
+def check_inputs(mu, var, row_values, col_values, kappa, temperature=None) -> None:
+    """Raise a ValueError naming the argument, what it was and what was expected (a temperature's value is
+    checked where it is read: on the CPU here, on the GPU when the kernels are launched)."""
     if mu.dim() != 3:
         raise ValueError(f"kl_attention: mu must be [B, N, K], got shape {tuple(mu.shape)}")
     if not mu.dtype.is_floating_point:
@@ -67,22 +73,40 @@ def check_inputs(mu, var, row_values, col_values, kappa) -> None:
         raise ValueError(f"kl_attention: kappa must be a finite number > 0, got {kappa!r}")
     if mu.shape[1] == 0 or mu.shape[2] == 0:
         raise ValueError(f"kl_attention: mu must have N >= 1 and K >= 1, got shape {tuple(mu.shape)}")
+    if temperature is not None:
+        if temperature.dim() != 0 or not temperature.dtype.is_floating_point:
+            raise ValueError(f"kl_attention: temperature must be a 0-d floating tensor, got shape "
+                             f"{tuple(temperature.shape)} and dtype {temperature.dtype}")
+
+
+def effective_kappa(kappa: float, temperature: torch.Tensor | None) -> float | torch.Tensor:
+    """κ = kappa · temperature: a number, or a 0-d tensor (the ATen path reads it as one)."""
+    return kappa if temperature is None else kappa * temperature
+
+
+def _kappa_value(kappa: float, temperature: torch.Tensor | None) -> float:
+    """κ as the number the kernels take (reading a GPU temperature waits for the GPU)."""
+    if temperature is None:
+        return kappa
+    return kappa * temperature.item()
 
 
 @torch.library.custom_op("hecate::kl_attention", mutates_args=())
 def kl_attention(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, col_values: torch.Tensor,
-                 kappa: float, causal: bool, mask_diagonal: bool
+                 kappa: float, causal: bool, mask_diagonal: bool, temperature: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
-    check_inputs(mu, var, row_values, col_values, kappa)
+    check_inputs(mu, var, row_values, col_values, kappa, temperature)
     if use_triton(mu) and mu.dtype != torch.float64:  # the kernels compute in fp32
-        return dense(_triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal))
-    return dense(matmul_form.forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal))
+        return dense(_triton_forward(mu, var, row_values, col_values, _kappa_value(kappa, temperature), causal,
+                                     mask_diagonal))
+    return dense(matmul_form.forward(mu, var, row_values, col_values, effective_kappa(kappa, temperature), causal,
+                                     mask_diagonal))
 
 
 @kl_attention.register_fake
-def _(mu, var, row_values, col_values, kappa, causal, mask_diagonal):
-    check_inputs(mu, var, row_values, col_values, kappa)
+def _(mu, var, row_values, col_values, kappa, causal, mask_diagonal, temperature=None):
+    check_inputs(mu, var, row_values, col_values, kappa, temperature)
     b, n, _ = mu.shape
     row = mu.new_empty(b, n, row_values.shape[2])
     col = mu.new_empty(b, n, col_values.shape[2])
@@ -96,38 +120,49 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
                           grad_row_sum: torch.Tensor, grad_row_kl_sum: torch.Tensor, grad_energy: torch.Tensor,
                           grad_col_sum: torch.Tensor, grad_col_kl_sum: torch.Tensor, grad_col_energy_sum: torch.Tensor,
                           grad_lse: torch.Tensor,
-                          kappa: float, causal: bool, mask_diagonal: bool
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                          kappa: float, causal: bool, mask_diagonal: bool, temperature: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dμ, dv, d row_values, d col_values, d temperature): the last a 0-d tensor, 0 without a temperature."""
     grads = (grad_row_sum, grad_row_kl_sum, grad_energy, grad_col_sum, grad_col_kl_sum, grad_col_energy_sum, grad_lse)
+    with_kappa = temperature is not None
     if use_triton(mu) and mu.dtype != torch.float64:  # the kernels compute in fp32
-        return dense(_triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
-                                      kappa, causal, mask_diagonal))
-    return dense(matmul_form.backward(mu, var, row_values, col_values, grads, kappa, causal, mask_diagonal))
+        out = _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
+                               _kappa_value(kappa, temperature), causal, mask_diagonal, with_kappa)
+    else:
+        out = matmul_form.backward(mu, var, row_values, col_values, grads, effective_kappa(kappa, temperature),
+                                   causal, mask_diagonal, kappa_grad=with_kappa)
+    *grad_inputs, grad_kappa = out
+    # κ = kappa · temperature: ∂L/∂temperature = kappa · ∂L/∂κ
+    grad_temperature = (grad_kappa * kappa).to(temperature.dtype) if with_kappa else mu.new_zeros(())
+    return dense((*grad_inputs, grad_temperature))
 
 
 @kl_attention_backward.register_fake
 def _(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, g1, g2, g3, g4, g5, g6, g7,
-      kappa, causal, mask_diagonal):
-    return tuple(t.new_empty(t.shape) for t in (mu, var, row_values, col_values))
+      kappa, causal, mask_diagonal, temperature=None):
+    grad_temperature = temperature.new_empty(()) if temperature is not None else mu.new_empty(())
+    return tuple(t.new_empty(t.shape) for t in (mu, var, row_values, col_values)) + (grad_temperature,)
 
 
 def _setup_context(ctx, inputs, output):
-    mu, var, row_values, col_values, kappa, causal, mask_diagonal = inputs
+    mu, var, row_values, col_values, kappa, causal, mask_diagonal, *temperature = inputs
+    temperature = temperature[0] if temperature else None
     row_sum, row_kl_sum, energy, _, _, _, lse = output
-    ctx.save_for_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse)
+    ctx.save_for_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, temperature)
     ctx.config = (kappa, causal, mask_diagonal)
 
 
 def _backward(ctx, *grads):
-    mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse = ctx.saved_tensors
+    mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, temperature = ctx.saved_tensors
     col_shape = row_sum.new_empty(col_values.shape)
     outputs = (row_sum, row_kl_sum, energy, col_shape, col_shape, col_shape, lse)
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
     # a row with no allowed key has lse = −inf and no dependence on anything
     grads[6] = torch.where(torch.isinf(lse), 0.0, grads[6])
-    grad_mu, grad_var, grad_rv, grad_cv = torch.ops.hecate.kl_attention_backward(
-        mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, *grads, *ctx.config)
-    return grad_mu, grad_var, grad_rv, grad_cv, None, None, None
+    grad_mu, grad_var, grad_rv, grad_cv, grad_temperature = torch.ops.hecate.kl_attention_backward(
+        mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, *grads, *ctx.config, temperature)
+    wanted = temperature is not None and ctx.needs_input_grad[7]
+    return grad_mu, grad_var, grad_rv, grad_cv, None, None, None, (grad_temperature if wanted else None)
 
 
 kl_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -188,7 +223,7 @@ def _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagona
     bm, bn = _tiles(k, dv, 2 * dw)
     blocks = dict(BLOCK_D=_block(k))
     kernels._fwd_rows[(triton.cdiv(n, bm), bsz)](
-        *beliefs, rv if dv else beliefs[0], row, row_kl, energy, lse, n, k, dv, -1.0 / kappa,
+        *beliefs, rv if dv else beliefs[0], row, row_kl, energy, lse, n, k, dv, _neg_inv(kappa),
         CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, HAS_V=dv > 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_V=_block(dv), **blocks)
     # the column pass runs over [W, energy ⊙ W]: col_energy_sum is col_sum of the second half
@@ -197,10 +232,15 @@ def _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagona
     col_kl = torch.empty_like(col)
     if dw:
         kernels._fwd_cols[(triton.cdiv(n, bn), bsz)](
-            *beliefs, lse, cv, col, col_kl, n, k, 2 * dw, -1.0 / kappa,
+            *beliefs, lse, cv, col, col_kl, n, k, 2 * dw, _neg_inv(kappa),
             CAUSAL=causal, MASK_DIAGONAL=mask_diagonal,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=_block(2 * dw), **blocks)
     return row, row_kl, energy, col[..., :dw].clone(), col_kl[..., :dw].clone(), col[..., dw:].clone(), lse
+
+
+def _neg_inv(kappa: float) -> float:
+    """−1/κ for the kernels: −inf at κ = 0 (as −KL/0 is in eager), −0 at κ = inf."""
+    return -math.inf if kappa == 0 else -1.0 / kappa
 
 
 def _energy_scaled(col_values, energy):
@@ -210,8 +250,9 @@ def _energy_scaled(col_values, energy):
 
 
 def _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
-                     kappa, causal, mask_diagonal):
-    """The formulas of :func:`matmul_form.backward`, with the column values [W, E⊙W]."""
+                     kappa, causal, mask_diagonal, kappa_grad=False):
+    """The formulas of :func:`matmul_form.backward`, with the column values [W, E⊙W]; and ∂L/∂κ (a 0-d
+    tensor, 0 unless ``kappa_grad``) from the per-row sums Σ_j ∂L/∂l_ij · KL_ij of the row kernel."""
     from hecate.lowering.kl_attention import kernels
 
     bsz, n, k = mu.shape
@@ -233,7 +274,7 @@ def _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energ
     if dw:
         # [X, Y] = P [dO3, dO5] + (P∘S) [dO4, 0]
         kernels._bwd_col_values[(triton.cdiv(n, bm), bsz)](
-            *beliefs, lse32, g_cols, g_cols_kl, grad_cols, n, k, 2 * dw, -1.0 / kappa,
+            *beliefs, lse32, g_cols, g_cols_kl, grad_cols, n, k, 2 * dw, _neg_inv(kappa),
             BLOCK_W=_block(2 * dw), **config)
         g_energy = g_energy + (col_values.float() * grad_cols[..., dw:]).sum(-1)
         rowdot = rowdot + (cv * grad_cols).sum(-1)
@@ -245,11 +286,14 @@ def _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energ
                 g_row if dv else a, g_row_kl if dv else a, g_energy, g_cols if dw else a, g_cols_kl if dw else a,
                 g_lse)
     flags = dict(HAS_V=dv > 0, HAS_W=dw > 0, BLOCK_V=_block(dv), BLOCK_W=_block(2 * dw), **config)
+    kappa_rows = mu.new_empty(bsz, n, dtype=torch.float32) if kappa_grad else a
     kernels._bwd_rows[(triton.cdiv(n, bm), bsz)](
-        *operands, grad_mu_q, grad_var_q, n, k, dv, 2 * dw, -1.0 / kappa, **flags)
+        *operands, grad_mu_q, grad_var_q, kappa_rows, n, k, dv, 2 * dw, _neg_inv(kappa), KAPPA_GRAD=kappa_grad,
+        **flags)
     kernels._bwd_cols[(triton.cdiv(n, bn), bsz)](
-        *operands, grad_mu_k, grad_var_k, grad_rv if dv else a, n, k, dv, 2 * dw, -1.0 / kappa, **flags)
+        *operands, grad_mu_k, grad_var_k, grad_rv if dv else a, n, k, dv, 2 * dw, _neg_inv(kappa), **flags)
     gq_mu, gq_var, gk_mu, gk_var = grad_mu_q, grad_var_q, grad_mu_k, grad_var_k
     grad_cv = grad_cols[..., :dw] + energy32.unsqueeze(-1) * grad_cols[..., dw:]
+    grad_kappa = kappa_rows.sum() / (kappa * kappa) if kappa_grad else torch.zeros((), device=mu.device)
     return ((gq_mu + gk_mu).to(mu.dtype), (gq_var + gk_var).to(var.dtype), grad_rv,
-            grad_cv.to(col_values.dtype))
+            grad_cv.to(col_values.dtype), grad_kappa)
