@@ -8,10 +8,13 @@
 * :func:`gaussian_kl` the closed form ``KL(N(μ_i, v_i) ‖ N(μ_j, v_j))`` summed over the last dim.
 * :func:`independent` which of the per-position tensors a score reads are drawn at random
   (the others are computed from them).
+* :func:`run_time_temperature` a temperature read from a 0-d tensor at run time (:class:`Temperature`).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -28,6 +31,34 @@ VARIANCE_FROM: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "log standard deviation": lambda s: torch.exp(2.0 * s),
     "precision": torch.reciprocal,
 }
+
+
+@dataclass
+class Temperature:
+    """κ = scale · t^power of a 0-d tensor t of the graph (a learned temperature, a buffer, a float attribute
+    torch.compile(dynamic=True) passes in as a tensor): power 1 divides the KL by t, −1 multiplies it."""
+
+    node: fx.Node
+    scale: float
+    power: int
+
+    def __str__(self) -> str:
+        return f"{self.scale:g}·{self.node.name}" if self.power == 1 else f"{self.scale:g}/{self.node.name}"
+
+
+def run_time_temperature(kappas: list[float], values: list[dict], candidates: list[fx.Node]) -> Temperature | None:
+    """The 0-d tensor t the temperatures ``kappas`` found at two draws (``values``: each draw's node values) are
+    proportional to (κ = c·t) or inversely (κ = c/t), or None: a score −KL/κ whose κ changes with the draw."""
+    for node in candidates:
+        drawn = [v.get(node) for v in values]
+        if not all(isinstance(x, torch.Tensor) and x.dim() == 0 and x.item() > 0 for x in drawn):
+            continue
+        t = [x.item() for x in drawn]
+        for power in (1, -1):
+            scales = [k / x ** power for k, x in zip(kappas, t)]
+            if math.isclose(scales[0], scales[1], rel_tol=1e-9):
+                return Temperature(node, float(f"{scales[0]:.12g}"), power)
+    return None
 
 
 def gaussian_kl(mu_p, var_p, mu_q, var_q):

@@ -61,7 +61,8 @@ import torch
 from torch import fx, nn
 
 from hecate.passes.report import FusionReport
-from hecate.passes.gaussian import (VARIANCE_FROM, _is_noop, evaluate, gaussian_kl, independent, proportion, shape_of,
+from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, evaluate, gaussian_kl, independent, proportion,
+                                    run_time_temperature, shape_of,
                                     short, strip_noops)
 from hecate.passes.matching import NotFused, replace_with_function, size_hint, tensors_read
 
@@ -76,19 +77,6 @@ _NEG_INF = float("-inf")
 
 
 @dataclass
-class _Temperature:
-    """κ = scale · t^power of a 0-d tensor t of the graph (a learned temperature, a buffer, a float attribute
-    torch.compile(dynamic=True) passes in as a tensor): power 1 divides the KL by t, −1 multiplies it."""
-
-    node: fx.Node
-    scale: float
-    power: int
-
-    def __str__(self) -> str:
-        return f"{self.scale:g}·{self.node.name}" if self.power == 1 else f"{self.scale:g}/{self.node.name}"
-
-
-@dataclass
 class _Score:
     """A softmax recognised as pairwise-KL attention."""
 
@@ -98,7 +86,7 @@ class _Score:
     # the variance through VARIANCE_FROM[parameterisation]: [*L, N, K], or the same at every position ([K], 0-d, ...)
     scale: fx.Node
     parameterisation: str
-    kappa: "float | _Temperature"
+    kappa: "float | Temperature"
     causal: bool
     mask_diagonal: bool
     empty_rows_nan: bool  # a row with no allowed key is NaN (the softmax's), not 0
@@ -315,7 +303,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     _check_leading_dims(shape, mean, scale, param)
     kl_scales = {}
     # γ·KL with γ a number: not a node the temperature reaches (its γ changes with the temperature)
-    tempered = _computed_from(kappa.node, nodes) if isinstance(kappa, _Temperature) else set()
+    tempered = _computed_from(kappa.node, nodes) if isinstance(kappa, Temperature) else set()
     for n in nodes:
         if shape_of(n) == shape and n in memo and n not in tempered:
             gamma = proportion(memo[n], memo[("kl",)])
@@ -451,7 +439,8 @@ def _match_kl(logits, bases, shared, lead, k):
                         reversed_found = (mean, scale, param)
                 if all(a is not None and a < 0 for a in alphas):
                     kappa = float(f"{-1.0 / alphas[0]:.12g}") if math.isclose(alphas[0], alphas[1], rel_tol=1e-9) \
-                        else _temperature(draws, alphas, [b for b in shared if b is not scale])
+                        else run_time_temperature([-1.0 / a for a in alphas], [memo for _, memo, _ in draws],
+                                                  [b for b in shared if b is not scale])
                     if kappa is not None:
                         memo = draws[0][1]
                         memo[("kl",)] = _pairwise_kl(*torch.broadcast_tensors(memo[mean], to_var(memo[scale])))
@@ -498,22 +487,6 @@ def _feature_sources(node: fx.Node, lead: int, k: int, depth: int = 8) -> list[f
 
 def _kappa_text(kappa) -> str:
     return f"{kappa:g}" if isinstance(kappa, float) else str(kappa)
-
-
-def _temperature(draws: list, alphas: list[float], candidates: list[fx.Node]) -> _Temperature | None:
-    """The 0-d tensor t κ is proportional to (κ = c·t) or inversely (κ = c/t), when the score is −KL/κ with
-    a κ that changes from draw to draw (the draws give t different values), else None."""
-    kappas = [-1.0 / a for a in alphas]
-    for node in candidates:
-        values = [memo.get(node) for _, memo, _ in draws]
-        if not all(isinstance(v, torch.Tensor) and v.dim() == 0 and v.item() > 0 for v in values):
-            continue
-        t = [v.item() for v in values]
-        for power in (1, -1):
-            scales = [k / x ** power for k, x in zip(kappas, t)]
-            if math.isclose(scales[0], scales[1], rel_tol=1e-9):
-                return _Temperature(node, float(f"{scales[0]:.12g}"), power)
-    return None
 
 
 def _computed_from(source: fx.Node, nodes: list[fx.Node]) -> set[fx.Node]:
@@ -1099,7 +1072,7 @@ def _describe(factors) -> str:
 def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, score: _Score) -> None:
     """Replace the roots (and β/KL where read whole) by the op's outputs, via :func:`_replacement`."""
     leaf_keys = [key for key, leaf in algebra.leaves.items() if leaf.source not in algebra.roots]
-    tempered = isinstance(score.kappa, _Temperature)
+    tempered = isinstance(score.kappa, Temperature)
     inputs = [score.mean, score.scale] + ([score.kappa.node] if tempered else []) \
         + [algebra.leaves[key].source for key in leaf_keys]
     escaping = sorted({node for node, _ in algebra.escapes}, key=lambda n: n.name)

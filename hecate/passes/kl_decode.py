@@ -20,8 +20,10 @@ against [V, K] prior tensors is evaluated in float64 at
 random points and must equal −KL(q_i‖π_v)/τ (τ > 0) for some choice of means and of variance,
 log-variance, standard deviation, log-std or precision on each side (:mod:`hecate.passes.gaussian`).
 The priors' variance may be per token [V, K], shared by the tokens ([1, K], [K], 0-d: broadcast
-to [V, K] before the op, its gradient summed back) or absent (N(π_v, I): ones). A 0-d tensor that
-scales the KL (a temperature held in a buffer or parameter) is reported: the op takes τ as a number.
+to [V, K] before the op, its gradient summed back) or absent (N(π_v, I): ones). A τ read from a 0-d
+tensor at run time (a learned temperature, a buffer, a float attribute under dynamic=True; τ = c·t or c/t)
+divides the fused logits after the op (they are linear in 1/τ); the cross-entropy then stays as written,
+kl_decode_ce taking τ as a number.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.report import FusionReport
-from hecate.passes.gaussian import (VARIANCE_FROM, evaluate, gaussian_kl, independent, proportion, shape_of, short,
-                                    strip_noops)
+from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, evaluate, gaussian_kl, independent, proportion,
+                                    run_time_temperature, shape_of, short, strip_noops)
 from hecate.passes.matching import NotFused, replace_with_function, size_hint
 
 PATTERN = "kl_decode"
@@ -56,7 +58,7 @@ class _Decode:
     prior_mu: fx.Node
     prior_scale: fx.Node | None  # None: unit-variance priors N(π_v, I)
     prior_param: str
-    tau: float
+    tau: "float | Temperature"  # a number, or read from a 0-d tensor at run time
 
 
 def _query_side(node: fx.Node) -> fx.Node | None:
@@ -144,8 +146,7 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     if _match(logits, queries, priors, k, v, shape, {x: torch.ones((), dtype=torch.float64) for x in scalars}):
         names = ", ".join(x.name for x in scalars)
         raise NotFused(f"the logits read {names}, a 0-d tensor, besides the beliefs and priors, and are "
-                       "−KL(q_i‖π_v) where it is 1 (a temperature held as a tensor: a parameter or buffer, or a float "
-                       "attribute torch.compile(dynamic=True) passes in as a tensor); kl_decode takes τ as a number")
+                       "−KL(q_i‖π_v) where it is 1, but not −KL/τ for τ = c·t or c/t of it")
     return None
 
 
@@ -182,8 +183,12 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
                                 kl = gaussian_kl(env[mu].unsqueeze(-2), to_var(env[scale]).unsqueeze(-2),
                                                  env[prior_mu], prior_to_var(env.get(prior_scale, env[prior_mu])))
                                 alphas.append(proportion(value, kl))
-                            if all(a is not None and a < 0 for a in alphas) and math.isclose(*alphas, rel_tol=1e-9):
-                                tau = float(f"{-1.0 / alphas[0]:.12g}")
+                            if not all(a is not None and a < 0 for a in alphas):
+                                continue
+                            tau = float(f"{-1.0 / alphas[0]:.12g}") if math.isclose(*alphas, rel_tol=1e-9) else \
+                                run_time_temperature([-1.0 / a for a in alphas], [env for env, _ in draws],
+                                                     [x for x in priors if x not in (prior_mu, prior_scale)])
+                            if tau is not None:
                                 return _Decode(logits, mu, scale, param, prior_mu, prior_scale, prior_param, tau)
     return None
 
@@ -210,6 +215,9 @@ _UNIT = {"unit-variance": torch.ones_like}  # priors N(π_v, I): the variance 1,
 def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
     logits, tau = d.logits, d.tau
     inputs = [d.mu, d.scale, d.prior_mu] + ([d.prior_scale] if d.prior_scale is not None else [])
+    run_time = isinstance(tau, Temperature)
+    if run_time:  # logits = −KL/(c·t^p) = kl_decode_logits(τ = c) / t^p: t read when the model runs
+        inputs.append(tau.node)
 
     def beliefs(mu, scale, prior_mu, prior_scale=None):  # the op reads the positions flat: [M, K]
         k = mu.shape[-1]
@@ -218,12 +226,17 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
         # a prior variance shared by the tokens ([1, K], [K], 0-d) broadcast to [V, K]: its gradient sums back
         return mu.reshape(-1, k), var.reshape(-1, k), prior_mu, prior_var.to(prior_mu.dtype).expand_as(prior_mu)
 
-    what = f"{d.param} beliefs, {d.prior_param} priors, τ={tau:g}"
+    what = f"{d.param} beliefs, {d.prior_param} priors, τ={tau if run_time else format(tau, 'g')}"
     ce = _cross_entropy_user(logits, shape_of(logits))
+    if run_time and not isinstance(ce, str):
+        ce = "τ is read at run time (kl_decode_ce takes τ as a number)"
     if isinstance(ce, str):
         def logits_fn(*values):
+            values, t = (values[:-1], values[-1]) if run_time else (values, None)
             mu2, var2, prior_mu, prior_var = beliefs(*values)
-            flat = torch.ops.hecate.kl_decode_logits(mu2, var2, prior_mu, prior_var, tau)
+            flat = torch.ops.hecate.kl_decode_logits(mu2, var2, prior_mu, prior_var, tau.scale if run_time else tau)
+            if run_time:  # autograd carries the temperature's gradient through this product
+                flat = flat / t if tau.power == 1 else flat * t
             flat = flat.reshape(*values[0].shape[:-1], prior_mu.shape[0])
             return flat.to(logits.meta["val"].dtype)  # the graph's dtype (under autocast, not the op's)
 

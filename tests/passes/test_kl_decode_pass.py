@@ -53,12 +53,18 @@ def test_label_smoothing_keeps_the_cross_entropy_and_says_why(fresh_dynamo):
     assert_close("loss", compiled(*args), fn(*args), 1e-5)
 
 
-def test_a_temperature_that_is_a_tensor_is_left_unfused(fresh_dynamo):
+def test_a_temperature_that_is_a_tensor_divides_the_fused_logits(fresh_dynamo):
     def fn(mu, sigma, prior_mu, prior_sigma, tau):
         return -kl_to_token_priors(mu, sigma, prior_mu, prior_sigma) / tau
-    args = (*_inputs()[:4], torch.tensor(0.5))
-    report = hecate.explain(fn, *args)
-    assert report.fusions == []
+    args = [a.detach().requires_grad_() for a in (*_inputs()[:4], torch.tensor(0.5))]
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*args)
+    report = hecate.last_report()
+    assert [f.op for f in report.fusions] == ["hecate.kl_decode_logits"] and "τ=1·" in report.fusions[0].detail
+    ref = fn(*args)
+    assert_close("logits", got, ref, 1e-5)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((got * g).sum(), args), torch.autograd.grad((ref * g).sum(), args)):
+        assert_close("grad", a, b, 1e-5)  # the temperature's too
 
 
 def test_fep_training_step_never_forms_the_logits(fresh_dynamo):

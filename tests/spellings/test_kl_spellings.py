@@ -660,13 +660,27 @@ class BufferTemperature(nn.Module):  # the temperature a registered 0-d buffer
         return F.cross_entropy((-kl / self.tau).view(-1, V), targets.view(-1))
 
 
-def test_decode_temperature_in_a_buffer_is_reported(fresh_dynamo):
-    report = _compare_decode_module(BufferTemperature(), _var, False)
-    misses = [m for m in report.misses if m.pattern == "kl_decode"]
-    assert report.count("kl_decode") == 0 and len(misses) == 1, str(report)
-    assert "a 0-d tensor, besides the beliefs and priors" in misses[0].reason, misses[0]
-    assert "kl_decode takes τ as a number" in misses[0].reason, misses[0]
-    assert "test_kl_spellings.py" in misses[0].source, misses[0]
+class LearnedInverseTemperature(nn.Module):  # a learned log inverse temperature multiplying the KL, logits returned
+    def __init__(self):
+        super().__init__()
+        self.prior_mu, self.prior_log_var = nn.Parameter(torch.randn(V, K)), nn.Parameter(0.3 * torch.randn(V, K))
+        self.log_beta = nn.Parameter(torch.tensor(0.2))
+
+    def forward(self, mu, var, targets):
+        kl = kl_divergence(Normal(mu[:, :, None], var[:, :, None].sqrt()),
+                           Normal(self.prior_mu, (0.5 * self.prior_log_var).exp())).sum(-1)
+        return F.log_softmax(-kl * self.log_beta.exp(), dim=-1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("make", [BufferTemperature, LearnedInverseTemperature])
+def test_decode_temperature_held_as_a_tensor_fuses_the_logits(make, dynamic, fresh_dynamo):
+    """τ read at run time (a buffer; a learned inverse temperature): the logits fuse, divided by τ after the op
+    (they are linear in 1/τ), and the cross-entropy stays as written; a learned τ gets its gradient."""
+    report = _compare_decode_module(make(), _var, False, dynamic)
+    assert [f.op for f in report.fusions] == ["hecate.kl_decode_logits"], str(report)
+    assert "τ is read at run time" in report.fusions[0].detail or make is LearnedInverseTemperature, str(report)
+    assert not report.misses, str(report)
 
 
 # --- attention over other leading dims: none (one sequence), heads, heads of heads ------------------
