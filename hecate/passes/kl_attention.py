@@ -90,6 +90,7 @@ class _Score:
     causal: bool
     mask_diagonal: bool
     empty_rows_nan: bool  # a row with no allowed key is NaN (the softmax's), not 0
+    additive_mask: bool  # the mask is added to the score (its backward lets a NaN row reach the KL)
     kl_scales: dict  # node -> γ for the score's nodes whose value is γ · KL_ij
     draw: dict  # the per-position tensors' values the score was evaluated at, and ("kl",): KL there
     nodes: list  # the score's nodes and its masking, up to the softmax
@@ -317,7 +318,8 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     users = list(softmax.users)
     if len(users) == 1 and _zero_fill_of_masked(users[0], softmax, allowed):
         beta, empty_rows_nan = users[0], False
-    return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan,
+    additive = any(kind == "additive" for _, kind in masks)
+    return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan, additive,
                   kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank)
 
 
@@ -1146,14 +1148,31 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
     if score.empty_rows_nan:  # the softmax over no key is NaN: its row's sums, and every column sum
         empty_rows = torch.arange(n, device=mean.device) == 0 if score.causal else torch.ones(n, dtype=torch.bool,
                                                                                               device=mean.device)
+    def nan_of_empty_rows(term, feature):
+        """NaN, computed from what eager's NaN row of β reaches in the backward (softmax over no key): the
+        values f_j of Σ_j β_ij f_j at every key j, the column values at the empty rows, and the beliefs when
+        the term reads the KL or the mask is added to the score (its backward does not stop the NaN)."""
+        reached = []
+        if feature is not None:
+            # (where, not a product: its backward gives the other rows 0, not 0 · NaN)
+            reached.append(feature if term.output.startswith("row") else
+                           torch.where(empty_rows.unsqueeze(-1), feature, 0.0))
+        if "kl" in term.output or "energy" in term.output or score.additive_mask:
+            reached += [mean, var]
+        return sum(x.sum() for x in reached) * float("nan") if reached else mean.new_tensor(float("nan"))
+
     for root in roots:
-        total = None
+        total, nan = None, None
         for term in plan.terms[root]:
+            feature = None
             if term.output == "energy":
                 t = outputs["energy"].unsqueeze(-1)
             else:
                 start, end = (v_spans if term.output.startswith("row") else w_spans)[term.feature]
                 t = outputs[term.output][..., start:end]
+                feature = (v if term.output.startswith("row") else w)[..., start:end]
+            if empty_rows is not None:
+                nan = nan_of_empty_rows(term, feature) if nan is None else nan + nan_of_empty_rows(term, feature)
             i_part = product(term.i_leaves)
             if i_part is not None:
                 t = t * i_part
@@ -1162,11 +1181,11 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
             total = t if total is None else total + t
         if total is None:
             total = mean.new_zeros(*lead, n, 1)
-        if empty_rows is not None:
+        if empty_rows is not None and nan is not None:
             if any(term.output.startswith("col") for term in plan.terms[root]):
-                total = total + float("nan")
+                total = total + nan  # a column sum adds up every row, the empty one too
             else:
-                total = torch.where(empty_rows.unsqueeze(-1), float("nan"), total)
+                total = torch.where(empty_rows.unsqueeze(-1), nan.to(total.dtype), total)
         # the root is [*L, N] + tail, tail (), (1,), (W,) or (1, W); a symbolic W is the terms' width (sizes
         # are read off the traced tensors, never the graph's SymInts)
         tail = root.meta["val"].shape[len(lead) + 1:]

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributions import Independent, Normal, kl_divergence
 
 import hecate
-from hecate.testing import assert_close, assert_outputs_and_gradients_close
+from hecate.testing import assert_close, assert_close_nonfinite, assert_outputs_and_gradients_close
 
 B, N, K = 2, 5, 3
 
@@ -349,6 +349,49 @@ def test_masked_rows_give_nan_as_eager(fresh_dynamo):
     for g, r in zip(got, fn(mu, var)):
         assert torch.equal(torch.isnan(g), torch.isnan(r))
         assert_close("finite part", g.nan_to_num(0.0), r.nan_to_num(0.0), 1e-5)
+
+
+def _no_key_for_row_0(n):
+    return torch.tril(torch.ones(n, n, dtype=torch.bool), -1)  # causal without self: row 0 sees nothing
+
+
+EMPTY_ROW_MASKS = {
+    "masked_fill": lambda s: s.masked_fill(~_no_key_for_row_0(s.shape[-1]), float("-inf")),
+    "where": lambda s: torch.where(_no_key_for_row_0(s.shape[-1]), s, float("-inf")),
+    "additive": lambda s: s + torch.zeros(s.shape[-1], s.shape[-1]).masked_fill(~_no_key_for_row_0(s.shape[-1]),
+                                                                                float("-inf")),
+}
+EMPTY_ROW_READS = {
+    "values": lambda beta, mu, var, v: beta @ v,
+    "energy": lambda beta, mu, var, v: (beta * kl_spec(mu, var)).sum(-1),
+    "columns": lambda beta, mu, var, v: beta.transpose(1, 2) @ v,
+    "scaled_values": lambda beta, mu, var, v: var[..., :1] * (beta @ v),
+}
+
+
+@pytest.mark.parametrize("read", list(EMPTY_ROW_READS))
+@pytest.mark.parametrize("mask", list(EMPTY_ROW_MASKS))
+def test_a_row_with_no_key_is_nan_as_in_eager_forward_and_backward(mask, read, fresh_dynamo):
+    """Eager's softmax over no key is a NaN row of β; its backward takes that NaN to the values of every key,
+    to the column values of the row, and to the beliefs where the KL is read or the mask is added to the
+    score (masked_fill and where stop it). The fused op's result has the same NaN, forward and backward."""
+    def fn(mu, var, v):
+        return EMPTY_ROW_READS[read](F.softmax(EMPTY_ROW_MASKS[mask](-kl_spec(mu, var)), -1), mu, var, v)
+
+    args = [torch.randn(B, N, K), _var((B, N, K)), torch.randn(B, N, 4)]
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
+    assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
+    ref = fn(*ref_inputs)
+    assert_close_nonfinite("output", got, ref, 1e-5)
+    weight = torch.randn(ref.shape)
+    grads = torch.autograd.grad((got.nan_to_num(0.0) * weight).sum() + (got * 0).sum(), inputs, allow_unused=True)
+    ref_grads = torch.autograd.grad((ref.nan_to_num(0.0) * weight).sum() + (ref * 0).sum(), ref_inputs,
+                                    allow_unused=True)
+    for name, g, r in zip(("mu", "var", "values"), grads, ref_grads):
+        assert (g is None) == (r is None), name
+        if r is not None:
+            assert_close_nonfinite(f"d/d{name}", g, r, 1e-5)
 
 
 def test_masked_rows_give_nan_on_the_triton_kernels(fresh_dynamo):
