@@ -14,7 +14,7 @@ already report, with the first reason it can give and the user's source line:
 * ``qk_preprocess``: a depthwise conv1d (groups = channels); a causal conv written by hand that the
   normal form could not read as a conv1d (weights not one per channel, windows combined by more than
   a sum): a tensor zero-padded (P, 0) on its last dim read through its P + 1 shifted windows (slices at
-  offsets 0..P, or ``unfold(-1, P + 1, 1)``);
+  offsets 0..P, or ``unfold(-1, P + 1, 1)``), or through some of them only;
 * ``kl_decode``: a softmax (or cross-entropy, logsumexp) over the vocabulary of logits made by
   broadcasting the beliefs against per-token tensors with a log of the features, or by matrix
   products of the beliefs with per-token tensors and the log of one, as the KL to the priors
@@ -407,6 +407,10 @@ def _hand_written_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                    f"read through its {p + 1} shifted windows by {how}) not fused: it reads as a conv when the "
                    "windows are weighted one value per channel (w_k [D, 1]; [D, 1, K] over unfold) and summed, "
                    "else write F.conv1d(F.pad(x, (K-1, 0)), w, groups=D); compiled as written", [pad])
+        elif len(starts) >= 2 and starts < set(range(p + 1)):
+            yield (f"a conv written by hand over a tensor zero-padded ({p}, 0) on its last dim reads {len(starts)} of "
+                   f"its {p + 1} shifted windows (offsets {sorted(starts)}), not all of them as a causal conv of "
+                   f"kernel {p + 1} does (pad by one less than the windows it reads); compiled as written", [pad])
 
 
 def _first(value):

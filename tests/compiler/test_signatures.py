@@ -174,3 +174,17 @@ def test_cumulated_outer_products_are_reported():
     assert "cumulative sum of outer products" in miss.reason and "torch.cumsum(k.unsqueeze(-1)" in miss.source, miss
     # a cumulative sum of vectors (a running mean) is not a state
     assert hecate.explain(lambda x: torch.cumsum(x, 1) / 3, q).misses == []
+
+
+def test_hand_written_conv_missing_a_window_is_reported():
+    """Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T] over k = 1..K−1 only: not the causal conv of kernel K (its first
+    window is missing), and said so."""
+    def missing_first_window(h, w):
+        padded, t = F.pad(h, (3, 0)), h.shape[-1]
+        return F.silu(sum(w[:, k, None] * padded[..., k:k + t] for k in range(1, 4)))
+
+    h, w = torch.randn(2, 6, 7), torch.randn(6, 4)
+    miss = _only_miss(hecate.explain(missing_first_window, h, w), "qk_preprocess")
+    assert "reads 3 of its 4 shifted windows (offsets [1, 2, 3])" in miss.reason, miss
+    got = torch.compile(missing_first_window, backend="hecate", options={"fallback": "eager"})(h, w)
+    assert torch.equal(got, missing_first_window(h, w))
