@@ -144,6 +144,11 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
             while not proven and loop.bad is not None and 2 <= loop.bad < loop.T:
                 loop = _Loop(nodes, position, s, period, loop.bad)  # the steps before the first that differs
                 proven = loop.verify()
+            if proven and len(loop.slices) == loop.L:
+                # steps that only slice (a, e = gates[..., 0], gates[..., 1]) compute nothing to roll up: their
+                # slices are the inputs of the loop that reads them
+                proven, shortest = False, loop.T
+                break
             if proven:
                 # a loop that carries nothing (a map, such as a loop over heads inside the loop over time) waits:
                 # a loop around it that carries a state is rolled up first

@@ -251,21 +251,25 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
 def _slices_to_sink(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     """(slice, its first reader) for each per-step slice taken before another step of its loop has begun
     reading: ``for k_t, v_t in zip(k, v)`` has Dynamo take every ``k[t]`` and ``v[t]`` before the first step.
-    Such a slice has, between it and its first reader, the first reader of another slice of the same tensor;
-    then every slice of that tensor is moved (the first and last step's too)."""
+    Such a slice has, between it and its first reader, the first reader of another slice of the same tensor,
+    and each slice of that tensor is read only before the next one is (one step each: not gates split once,
+    ``a, e = g[..., 0], g[..., 1]``, and read at every step); then every slice of it is moved."""
     from hecate.compiler.loops import _time_slice
 
     order = {node: i for i, node in enumerate(graph.nodes)}
     by_source = {}
     for node in graph.nodes:
         if node.users and node.op in ("call_function", "call_method") and (found := _time_slice(node)) is not None:
-            by_source.setdefault(found[0], []).append((node, min(node.users, key=order.__getitem__)))
+            by_source.setdefault(found[0], []).append((found[2], node, min(node.users, key=order.__getitem__)))
     moves = []
     for slices in by_source.values():
-        firsts = sorted(order[first] for _, first in slices)
-        if any((i := bisect.bisect_right(firsts, order[node])) < len(firsts) and firsts[i] < order[first]
-               for node, first in slices):
-            moves += slices
+        slices.sort(key=lambda s: s[0])
+        firsts = sorted(order[first] for _, _, first in slices)
+        early = any((i := bisect.bisect_right(firsts, order[node])) < len(firsts) and firsts[i] < order[first]
+                    for _, node, first in slices)
+        one_step_each = all(max(order[u] for u in a[1].users) < order[b[2]] for a, b in zip(slices, slices[1:]))
+        if early and one_step_each:
+            moves += [(node, first) for _, node, first in slices]
     return moves
 
 
@@ -345,10 +349,12 @@ _UNBINDS = ("unbind", torch.unbind, aten.unbind.int)
 
 
 def unbind_as_selects(graph: fx.Graph) -> None:
-    """``x.unbind(d)[t]`` → ``x.select(d, t)``, made just before its first reader.
+    """``x.unbind(d)[t]`` → ``x.select(d, t)``, made just before its first reader when each piece is read
+    in one step of a loop (before the next piece is first read), else where the unbind was.
 
     ``for k_t in k.unbind(1)`` takes every step's slice before the loop starts; made where each
-    step reads it, the slice is inside its step as in ``k[:, t]``, and the steps read alike.
+    step reads it, the slice is inside its step as in ``k[:, t]``, and the steps read alike. Gates
+    split once, ``a, e = g.unbind(-1)``, and read at every step stay before the loop.
     Exact: unbind's pieces are those selects (views of x)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
@@ -358,10 +364,12 @@ def unbind_as_selects(graph: fx.Graph) -> None:
         if not isinstance(dim, int) or len(node.args) > 2 or set(node.kwargs) - {"dim"} \
                 or not all(u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users):
             continue
+        read = sorted((p for p in node.users if p.users), key=lambda p: p.args[1])
+        per_step = all(max(order[u] for u in a.users) < min(order[u] for u in b.users) for a, b in zip(read, read[1:]))
         for piece in list(node.users):
             if not piece.users:
                 continue
-            first_reader = min(piece.users, key=order.__getitem__)
+            first_reader = min(piece.users, key=order.__getitem__) if per_step else node.next
             with graph.inserting_before(first_reader):
                 select = (graph.call_function(aten.select.int, (node.args[0], dim, piece.args[1]))
                           if isinstance(node.target, torch._ops.OpOverload)

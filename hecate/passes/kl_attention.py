@@ -61,9 +61,8 @@ import torch
 from torch import fx, nn
 
 from hecate.passes.report import FusionReport
-from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, evaluate, gaussian_kl, independent, proportion,
-                                    run_time_temperature, shape_of,
-                                    short, strip_noops)
+from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, evaluate, gaussian_kl, independent,
+                                    proportion, run_time_temperature, shape_of, short, strip_noops)
 from hecate.passes.matching import NotFused, replace_with_function, size_hint, tensors_read
 
 PATTERN = "kl_attention"

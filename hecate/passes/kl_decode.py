@@ -135,7 +135,7 @@ def _recognise(logits: fx.Node) -> _Decode | None:
         return None
     queries, priors, scalars = found
     k = {size_hint(shape_of(x)[-1]) for x in queries + priors}
-    if len(k) != 1 or len(queries) < 2:
+    if len(k) != 1 or len(queries) + len(priors) < 3:  # means and a variance on each side
         return None
     k = k.pop()
     v = size_hint(shape[-1])
@@ -170,8 +170,9 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
             return None
         draws.append((env, value))
     per_token = [x for x in priors if own(x) == (v, k)]  # the means differ per token
+    shared = [x for x in priors if x not in per_token]  # [K], [1, K], 0-d: a variance of the beliefs' or the priors'
     for mu in queries:
-        for scale in queries:
+        for scale in queries + shared:  # the beliefs' variance per position, or the same at every position
             for prior_mu in per_token:
                 for prior_scale in priors + [None]:  # None: priors of unit variance, N(π_v, I)
                     if scale is mu or prior_scale is prior_mu:
@@ -180,7 +181,9 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
                         for prior_param, prior_to_var in (_UNIT if prior_scale is None else VARIANCE_FROM).items():
                             alphas = []
                             for env, value in draws:
-                                kl = gaussian_kl(env[mu].unsqueeze(-2), to_var(env[scale]).unsqueeze(-2),
+                                belief_var = to_var(env[scale])
+                                belief_var = belief_var.unsqueeze(-2) if scale in queries else belief_var
+                                kl = gaussian_kl(env[mu].unsqueeze(-2), belief_var,
                                                  env[prior_mu], prior_to_var(env.get(prior_scale, env[prior_mu])))
                                 alphas.append(proportion(value, kl))
                             if not all(a is not None and a < 0 for a in alphas):
@@ -221,7 +224,7 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
 
     def beliefs(mu, scale, prior_mu, prior_scale=None):  # the op reads the positions flat: [M, K]
         k = mu.shape[-1]
-        var = VARIANCE_FROM[d.param](scale)
+        var = VARIANCE_FROM[d.param](scale).expand_as(mu)  # a variance shared by the positions: its gradient sums
         prior_var = _UNIT[d.prior_param](prior_mu) if prior_scale is None else VARIANCE_FROM[d.prior_param](prior_scale)
         # a prior variance shared by the tokens ([1, K], [K], 0-d) broadcast to [V, K]: its gradient sums back
         return mu.reshape(-1, k), var.reshape(-1, k), prior_mu, prior_var.to(prior_mu.dtype).expand_as(prior_mu)

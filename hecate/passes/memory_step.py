@@ -448,8 +448,9 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                 prod.coef *= scale
                 update.append(prod)
         if beta is None:
-            raise NotFused("the momentum buffer S is not decayed by a number: S ← β·S − η·g kᵀ with β a Python "
-                           "number (torch.compile(dynamic=True) passes a float attribute in as a tensor)")
+            raise NotFused("the momentum buffer S is not decayed by a number: the op's S ← β·S − η·g kᵀ takes β "
+                           "as a Python number, not a per-step or data-dependent one (and torch.compile(dynamic=True) "
+                           "passes a float attribute in as a tensor)")
         rec.momentum_state, rec.params["momentum"], rec.momentum_scale = momentum, beta, scale
     if len(update) != 1:
         raise NotFused(f"the new memory is not a·M plus one update term ({len(update)} update terms)")

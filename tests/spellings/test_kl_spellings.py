@@ -607,6 +607,18 @@ class SharedPriorLogVar(nn.Module):  # one prior log-variance per feature [K] fo
         return F.cross_entropy(-kl.flatten(0, 1), targets.flatten())
 
 
+class SharedBeliefLogVar(nn.Module):  # the beliefs' log-variance one per feature [K] (the input's is unused)
+    def __init__(self):
+        super().__init__()
+        self.log_var = nn.Parameter(0.2 * torch.randn(K))
+        self.tok_mu, self.tok_logvar = nn.Parameter(torch.randn(V, K)), nn.Parameter(0.1 * torch.randn(V, K))
+
+    def forward(self, mu, unused, targets):
+        kl = 0.5 * ((self.log_var.exp() + (mu.unsqueeze(-2) - self.tok_mu) ** 2) / self.tok_logvar.exp()
+                    + self.tok_logvar - self.log_var - 1).sum(-1)
+        return F.cross_entropy((-kl).flatten(0, 1), targets.flatten()) + 0 * unused.sum()
+
+
 class ScalarPriorVariance(nn.Module):  # one learned 0-d prior variance by softplus, the tokens' means an Embedding
     def __init__(self):
         super().__init__()
@@ -657,7 +669,8 @@ class PaddedMeanLoss(nn.Module):  # per-token losses averaged over the tokens th
 #  every token, the variance terms of the KL are the same in every logit and cross-entropy does not see them)
 DECODE_MODULES = [(PriorTableLogVar, _logvar, False), (EmbeddingPriorsSoftplus, _var, False),
                   (SharedPriorLogVar, _logvar, True), (ScalarPriorVariance, _logvar, True),
-                  (UnitVariancePriors, _logvar, True), (LogSoftmaxNllSum, _var, False), (PaddedMeanLoss, _var, False)]
+                  (UnitVariancePriors, _logvar, True), (LogSoftmaxNllSum, _var, False), (PaddedMeanLoss, _var, False),
+                  (SharedBeliefLogVar, _logvar, False)]
 
 
 def _compare_decode_module(model, draw, zero_variance_grad, dynamic=False):

@@ -395,6 +395,18 @@ def l2_iterating_the_tensors(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_gates_split_by_unbind(k, v, q, alpha, eta):
+    """The two gates packed in one tensor [B, T, H, 2] and split once before the loop by unbind(-1)."""
+    decay, lr = torch.stack([alpha, eta], -1).unbind(-1)
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = torch.einsum("bhvk,bhk->bhv", M, k[:, t]) - v[:, t]
+        update = torch.einsum("bhv,bhk->bhvk", 2 * e, k[:, t])
+        M = (1 - decay[:, t, :, None, None]) * M - lr[:, t, :, None, None] * update
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, 1), M
+
+
 def lp3_exact_abs_sign(k, v, q, alpha, eta):
     """p = 3 exactly: ∇ = 3 |e|² sign(e) (no tanh approximation)."""
     M, ys = _m0(k, v), []
@@ -605,6 +617,17 @@ def hebbian_iterating_the_tensors(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_gates_split_by_indexing(k, v, q, alpha, eta):
+    """λ and a write strength packed in one tensor and split once by indexing its last dim."""
+    gates = torch.stack([1 - alpha, eta], -1)
+    lam, w = gates[..., 0], gates[..., 1]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = lam[:, t, :, None, None] * M + w[:, t, :, None, None] * (v[:, t, :, :, None] * k[:, t, :, None, :])
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
     "l2_reference": (l2_reference, "memory_scan"),
     "l2_none_indexing_each_use": (l2_none_indexing_each_use, "memory_scan"),
@@ -640,6 +663,7 @@ SPELLINGS = {
     "l2_momentum_step_size_outside": (l2_momentum_step_size_outside, "memory_scan"),
     "l2_torch_outer_one_sequence": (l2_torch_outer_one_sequence, "memory_scan"),
     "l2_iterating_the_tensors": (l2_iterating_the_tensors, "memory_scan"),
+    "l2_gates_split_by_unbind": (l2_gates_split_by_unbind, "memory_scan"),
     "hebbian_reference": (hebbian_reference, "linear_attention"),
     "hebbian_einsum": (hebbian_einsum, "linear_attention"),
     "hebbian_read_before_write_kv": (hebbian_read_before_write_kv, "linear_attention"),
@@ -659,6 +683,7 @@ SPELLINGS = {
     "hebbian_ema_written_out": (hebbian_ema_written_out, "linear_attention"),
     "hebbian_torch_outer_one_sequence": (hebbian_torch_outer_one_sequence, "linear_attention"),
     "hebbian_iterating_the_tensors": (hebbian_iterating_the_tensors, "linear_attention"),
+    "hebbian_gates_split_by_indexing": (hebbian_gates_split_by_indexing, "linear_attention"),
 }
 
 
