@@ -186,7 +186,9 @@ def _hoist_invariants(graph: fx.Graph) -> bool:
     impure: set[fx.Node] = set()
     for node in graph.nodes:
         sliced = _time_slice(node) if node.op in _TENSOR_OPS else None
-        step[node] = max([step[i] for i in node.all_input_nodes] + [sliced[2] if sliced else -1])
+        # a slice's step is its index (not that of the tensor it slices: a second loop reads x[:, t] of the
+        # stacked outputs of a first one, which every step of the first wrote)
+        step[node] = sliced[2] if sliced else max([step[i] for i in node.all_input_nodes] + [-1])
         if node.op in _TENSOR_OPS and not _pure(node) or any(i in impure for i in node.all_input_nodes):
             impure.add(node)
     read_at: dict[fx.Node, set[int]] = {}  # the time indices of the nodes that read a node, through invariants

@@ -234,7 +234,7 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
         unbind_as_selects(graph)
         slot_writes_as_stacks(graph)
         functionalize(graph)
-    merges = common_subexpressions(graph, apart=_per_step_slice)
+    merges = common_subexpressions(graph, apart=_step_slice)
     if graph is gm.graph:
         if not merges:
             return gm
@@ -281,14 +281,20 @@ def sink_per_step_slices(graph: fx.Graph) -> None:
 
 
 def _per_step_slice(node: fx.Node) -> bool:
-    """Whether ``node`` reads one index of a tensor (``k[:, t]``): each step of a loop reads its own.
+    """Whether ``node`` reads one index of a tensor (``k[:, t]``): each step of a loop reads its own."""
+    return _step_slice(node) is not None
+
+
+def _step_slice(node: fx.Node) -> tuple | None:
+    """(x, dim, index) when ``node`` reads one index of a tensor x (``k[:, t]``), else None.
 
     Kept apart by the common subexpressions of Dynamo's graph: merged into the same slice taken before the
     loop (``k[:, 0]`` read for its shape), step 0 would lose its slice and no longer read as the other
     steps. A view computes nothing, so nothing is recomputed."""
     from hecate.compiler.loops import _time_slice
 
-    return node.op in ("call_function", "call_method") and _time_slice(node) is not None
+    found = _time_slice(node) if node.op in ("call_function", "call_method") else None
+    return None if found is None else found[:3]
 
 
 def _has_captured_spellings(graph: fx.Graph) -> bool:
@@ -1103,7 +1109,7 @@ def eliminate_common_subexpressions(graph: fx.Graph) -> None:
     _merge(graph, common_subexpressions(graph))
 
 
-def common_subexpressions(graph: fx.Graph, apart: Callable[[fx.Node], bool] = lambda node: False
+def common_subexpressions(graph: fx.Graph, apart: Callable[[fx.Node], tuple | None] = lambda node: None
                           ) -> dict[fx.Node, fx.Node]:
     """Each pure call returning a tensor that repeats an earlier identical call (same op, inputs,
     literals), mapped to that earlier call; ``graph`` is left as it is.
@@ -1115,8 +1121,11 @@ def common_subexpressions(graph: fx.Graph, apart: Callable[[fx.Node], bool] = la
     the last in-place op (which may have changed its inputs) and the last change of grad mode or
     autocast (under which it computes something else), never when its result is later
     mutated (the two would share one buffer), and two graph outputs never merge into one
-    (outputs must not alias each other), nor does a call ``apart`` says to keep apart. Whether a call is pure is decided once per op and
-    literals, not per node (a Dynamo-level call is traced to ATen to decide it)."""
+    (outputs must not alias each other), nor does a per-step slice ``apart`` names as (x, dim, index). What reads
+    two equal slices reads the same, unless a slice of x at another index comes between them: a later step
+    began (two loops over the same input each read x[:, 0] in their first step, and each keeps its own first
+    step). Whether a call is pure is decided once per op and literals, not per node (a Dynamo-level call is
+    traced to ATen to decide it)."""
     outputs = _output_nodes(graph)
     mutated = {_storage(a) for n in graph.nodes if mutates(n) for a in (n, *n.args[:1])} - {None}
     merges: dict[fx.Node, fx.Node] = {}
@@ -1124,7 +1133,13 @@ def common_subexpressions(graph: fx.Graph, apart: Callable[[fx.Node], bool] = la
     seen: dict[Any, fx.Node] = {}
     purity: dict[Any, bool] = {}
     epoch = 0  # in-place ops so far
+    indices: dict[tuple, list[tuple[int, Any]]] = {}  # (x, dim) -> (position, index) of its per-step slices
+    position = {}
     for node in graph.nodes:
+        position[node] = len(position)
+        step = apart(node)
+        if step is not None:
+            indices.setdefault(step[:2], []).append((position[node], step[2]))
         if mutates(node) or node.target in _MODE_CHANGES:
             epoch += 1
             continue
@@ -1145,9 +1160,13 @@ def common_subexpressions(graph: fx.Graph, apart: Callable[[fx.Node], bool] = la
         if kind not in purity:
             purity[kind] = _pure(node)
         if purity[kind]:
-            same[node] = earlier
-            if apart(node):
+            if step is not None:
+                if any(position[earlier] < p and i != step[2] for p, i in indices[step[:2]]):
+                    seen[node_key] = node  # another step's slice since: this one starts afresh
+                else:
+                    same[node] = earlier
                 continue
+            same[node] = earlier
             if node in outputs:
                 outputs.add(earlier)
             merges[node] = earlier

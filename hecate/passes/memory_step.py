@@ -610,8 +610,12 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     inside = b.between(en, g_factors + g_divisors)
     outside = {p for g in g_factors + g_divisors for p in _ancestors(g) if p.op == "placeholder"} - set(_ancestors(en))
     if outside:
+        scalar = any(b.env[p].dim() == 0 for p in outside if isinstance(b.env.get(p), torch.Tensor))
         raise NotFused("the update's error factor g(e) also reads other inputs (" +
-                       ", ".join(sorted(p.name for p in outside)) + ")")
+                       ", ".join(sorted(p.name for p in outside)) + "): the op generates g from e alone" +
+                       ("; a 0-d one is a number held in a tensor (a buffer, a parameter, or a float attribute "
+                        "torch.compile(dynamic=True) passes in as a tensor), which it cannot read (a Python number "
+                        "fuses)" if scalar else ""))
     for g in g_factors + g_divisors:
         if b.env[g].numel() != b.env[en].numel():
             raise NotFused(f"the update's error factor g(e) is not elementwise in e: {g.name} has "

@@ -786,6 +786,36 @@ def test_scalar_hyperparameters_fuse_at_every_batch_size(module, dynamic, fresh_
             assert_close(f"gradient {i}", a, b, TOL)
 
 
+class TwoStackedLayers(torch.nn.Module):
+    """Two memory layers, the second reading the first's outputs as its values, each with its own float η and
+    decay: both loops start from the same zeros and read k[:, 0] in their first step."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = FloatAttributes(), FloatAttributes()
+
+    def forward(self, k, v, q):
+        y, _ = self.first(k, v, q)
+        return self.second(k, y, q)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_stacked_memory_layers_each_fuse(dynamic, fresh_dynamo):
+    model = TwoStackedLayers()
+    compiled = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})
+    k, v, q = torch.randn(B, T, H, DK), torch.randn(B, T, H, DV), torch.randn(B, T, H, DK)
+    inputs = [x.requires_grad_() for x in (k, v, q)]
+    results = []
+    for fn in (model, compiled):
+        y, M = fn(*inputs)
+        results.append((y, M, torch.autograd.grad(y.square().sum() + M.sum(), inputs)))
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 2 and not report.misses, str(report)
+    for what, a, b in zip(("y", "M", "grads"), results[1], results[0]):
+        for x, r in zip(a if what == "grads" else (a,), b if what == "grads" else (b,)):
+            assert_close(what, x, r, TOL)
+
+
 class _HebbianConstantDecay(torch.nn.Module):
     """Hebbian memory [B, H, Dv, Dk] with one decay λ for every head, held by the module."""
 
