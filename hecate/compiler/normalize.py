@@ -1133,13 +1133,17 @@ def common_subexpressions(graph: fx.Graph, apart: Callable[[fx.Node], tuple | No
     seen: dict[Any, fx.Node] = {}
     purity: dict[Any, bool] = {}
     epoch = 0  # in-place ops so far
-    indices: dict[tuple, list[tuple[int, Any]]] = {}  # (x, dim) -> (position, index) of its per-step slices
+    # (x, dim) -> [index of its latest slices, their latest position, the last position of a slice at another index]
+    runs: dict[tuple, list] = {}
     position = {}
     for node in graph.nodes:
         position[node] = len(position)
         step = apart(node)
         if step is not None:
-            indices.setdefault(step[:2], []).append((position[node], step[2]))
+            run = runs.setdefault(step[:2], [step[2], -1, -1])
+            if run[0] != step[2]:
+                run[0], run[2] = step[2], run[1]
+            run[1] = position[node]
         if mutates(node) or node.target in _MODE_CHANGES:
             epoch += 1
             continue
@@ -1161,7 +1165,7 @@ def common_subexpressions(graph: fx.Graph, apart: Callable[[fx.Node], tuple | No
             purity[kind] = _pure(node)
         if purity[kind]:
             if step is not None:
-                if any(position[earlier] < p and i != step[2] for p, i in indices[step[:2]]):
+                if runs[step[:2]][2] > position[earlier]:
                     seen[node_key] = node  # another step's slice since: this one starts afresh
                 else:
                     same[node] = earlier
