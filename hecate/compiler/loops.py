@@ -59,7 +59,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from hecate.compiler.normalize import functional_op, functionalize, mutates
+from hecate.compiler.normalize import _has_in_place_ops, functional_op, functionalize, mutates
 
 _TENSOR_OPS = ("call_function", "call_method")
 # words of the names of calls that draw random numbers (``F.normalize`` is none: a name matches by whole words)
@@ -182,6 +182,8 @@ def _hoist_invariants(graph: fx.Graph) -> bool:
     moves, with the invariants it reads, right after the graph's inputs; returns whether any moved. Exact: a
     pure call computes the same value earlier (in-place ops are functional by now).
     """
+    if _has_in_place_ops(graph):
+        return False  # an edge does not show what an in-place op writes: moving a read of it would read too early
     step: dict[fx.Node, int] = {}  # the latest time index a node reads (-1: none, an invariant)
     impure: set[fx.Node] = set()
     for node in graph.nodes:

@@ -92,8 +92,12 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     unbind_as_selects(graph)
     softmax_spellings(graph)
     outputs = _output_nodes(graph)
+    # storages an in-place op still writes (functionalize leaves those a view reads): their copies are copies
+    mutated = {_storage(a) for n in graph.nodes if mutates(n) for a in (n, *n.args[:1])} - {None}
     for node in list(graph.nodes):
         if node.op != "call_function":
+            continue
+        if node.target in _COPIES and mutated and (_storage(node) in mutated or _storage(node.args[0]) in mutated):
             continue
         before = node.prev
         replacement = _rewrite(graph, node, outputs)
@@ -559,7 +563,7 @@ def functionalize(graph: fx.Graph) -> bool:
         if root.op in ("placeholder", "get_attr") or _out_of_place(root) is not None or not mutations:
             continue
         if any(_out_of_place(n) is None or not n.args or n.args[0] not in members for n in mutations):
-            mutations = _mutation_of_a_view(members, order)
+            mutations = _mutation_of_a_view(members, order) or _views_after_the_writes(members, order)
             if not mutations:
                 continue
         changed = True
@@ -591,6 +595,20 @@ def _mutation_of_a_view(members: list[fx.Node], order: dict[fx.Node, int]) -> li
         elif n is not x and n is not m and any(order[u] > order[m] for u in n.users):
             return []  # read after the mutation other than through X
     return [m]
+
+
+def _views_after_the_writes(members: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
+    """The in-place ops of a fresh tensor's storage when every other node holding it is a view taken after the
+    last of them (``M = M.clone(); M.mul_(a); M.addcmul_(v, k); M.transpose(-1, -2)``): each view then reads
+    the last op's result, which it still does once the ops are out of place. Else []."""
+    writes = [n for n in members[1:] if _out_of_place(n) is not None]
+    if not writes or any(not n.args or n.args[0] not in members for n in writes):
+        return []
+    last = max(order[n] for n in writes)
+    for n in members[1:]:  # what else holds the storage is an alias of it: a view
+        if n not in writes and not (n.op in ("call_function", "call_method") and order[n] > last):
+            return []
+    return writes
 
 
 def _aliasing_view(node: fx.Node) -> bool:
@@ -735,7 +753,7 @@ def _emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
 def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
     """The node that computes what ``node`` computes in the normal form (None: keep ``node``)."""
     target, args = node.target, node.args
-    if target in (aten.clone.default, aten.contiguous.default, aten.alias.default, aten.lift_fresh.default):
+    if target in _COPIES:
         if node not in outputs and isinstance(args[0], fx.Node) and _same_layout_free(node):
             return args[0]
         return None
@@ -879,6 +897,7 @@ def _expand_as(graph: fx.Graph, node: fx.Node) -> fx.Node:
         return _emit(graph, aten.expand.default, x, sizes)
 
 
+_COPIES = (aten.clone.default, aten.contiguous.default, aten.alias.default, aten.lift_fresh.default)
 _DROPOUTS = (aten.dropout.default, aten.alpha_dropout.default, aten.feature_dropout.default,
              aten.feature_alpha_dropout.default)
 
