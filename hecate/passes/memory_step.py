@@ -978,10 +978,10 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
 
     Traced under the graph's fake mode (:func:`replace_with_function`): every size is read off a
     tensor, so a dynamic batch or length stays dynamic. Inputs: k, q [T, *lead, Dk], v [T, *lead, Dv],
-    the gates [T, *lead], M0 [*lead, A, C] and z0 [*lead, Dk], the initial states (the op starts from
-    zeros unless ``initial`` names them). The op takes [B, T, H, D] with B = lead[0] (1 when none), H the
+    the gates [T, *lead], M0 [*lead, A, C], z0 [*lead, Dk] and the momentum buffer S0 [*lead, A, C], the
+    initial states (the op starts from zeros unless ``initial`` names them). The op takes [B, T, H, D] with B = lead[0] (1 when none), H the
     product of the rest. Returns what ``reads`` names, in this order: "y" as the scan stacked it
-    (``y_ones``: where its static size-1 dims are), the final "M" and "z", each in the layout and shape
+    (``y_ones``: where its static size-1 dims are), the final "M", "z" and "S", each in the layout and shape
     the loop carried it.
     """
     p = rec.params
@@ -1004,9 +1004,13 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
         if rec.read_before_update:  # y_t = M_{t−1} q_t: the op's read after step t − 1 with the query of t
             q_first, q = q[:, :1], torch.cat([q[:, 1:], torch.zeros_like(q[:, :1])], 1)
         if rec.kind == "lp":
-            y, m, _ = torch.ops.hecate.memory_scan(k, v, q, bthd(x["alpha"]), bthd(x["eta"]), m0, None, p["p"],
+            s0 = None
+            if "S0" in initial:  # the op's buffer is the model's times its scale (M ← a·M + c·S)
+                s0 = x["S0"].transpose(-1, -2) if rec.layout == "kv" else x["S0"]
+                s0 = (s0 * rec.momentum_scale).reshape(B, H, *s0.shape[-2:])
+            y, m, s = torch.ops.hecate.memory_scan(k, v, q, bthd(x["alpha"]), bthd(x["eta"]), m0, None, p["p"],
                                                    p["a"], p["eps"], p.get("momentum", 0.0), p["q_norm"],
-                                                   p.get("bias", ""))
+                                                   p.get("bias", ""), s0)
             z = None
         else:
             z0 = x["z0"].reshape(B, H, -1) if "z0" in initial else None
@@ -1026,6 +1030,9 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
             results.append(m.reshape(M0.shape).to(M0.dtype))
         if "z" in reads:
             results.append(z.reshape(x["z0"].shape))
+        if "S" in reads:
+            s = (s / rec.momentum_scale).transpose(-1, -2) if rec.layout == "kv" else s / rec.momentum_scale
+            results.append(s.reshape(x["S0"].shape).to(x["S0"].dtype))
         return tuple(results)
 
     return fused
@@ -1041,12 +1048,6 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
     if len(results) != len(node.users):
         raise NotFused("the scan's results are read other than one by one")
     n_carries = len(init)
-    if rec.momentum_state is not None:
-        if not _is_zeros(init[rec.momentum_state]):
-            raise NotFused(f"the momentum buffer starts as {init[rec.momentum_state].name}, not zeros")
-        final = results.get(rec.momentum_state)
-        if final is not None and final.users:
-            raise NotFused("the final momentum buffer is used after the loop; memory_scan does not return it")
     M0 = init[rec.state]
     if M0.meta["val"].dtype not in (torch.float32, torch.float64):
         raise NotFused(f"the memory is {M0.meta['val'].dtype}; hecate.{op} keeps an fp32 or fp64 state")
@@ -1058,9 +1059,12 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
     inputs["M0"] = M0  # its shape is the final memory's, even when the op starts from zeros
     if rec.normaliser_state is not None:
         inputs["z0"] = init[rec.normaliser_state]
-    initial = {name for name in ("M0", "z0") if name in inputs and not _is_zeros(inputs[name])}
+    if rec.momentum_state is not None:  # a buffer carried in from a previous chunk, and out to the next
+        inputs["S0"] = init[rec.momentum_state]
+    initial = {name for name in ("M0", "z0", "S0") if name in inputs and not _is_zeros(inputs[name])}
     read = {"y": results.get(n_carries), "M": results.get(rec.state),
-            "z": results.get(rec.normaliser_state) if rec.normaliser_state is not None else None}
+            "z": results.get(rec.normaliser_state) if rec.normaliser_state is not None else None,
+            "S": results.get(rec.momentum_state) if rec.momentum_state is not None else None}
     read = {name: r for name, r in read.items() if r is not None and r.users}
     if not read:
         raise NotFused("no result of the scan is read")

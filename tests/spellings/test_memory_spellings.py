@@ -813,6 +813,36 @@ class TwoStackedLayers(torch.nn.Module):
         return self.second(k, y, q)
 
 
+def momentum_chunk(k, v, q, alpha, M, S):
+    """One chunk of a momentum memory: (M, S) carried in from the chunk before and returned for the next one,
+    the buffer added with SGD's sign (M ← (1 − α)M − S, S ← 0.8 S + σ(α_t)·e kᵀ)."""
+    ys = []
+    for t in range(k.shape[1]):
+        e = torch.einsum("bhvk,bhk->bhv", M, k[:, t]) - v[:, t]
+        S = 0.8 * S + torch.sigmoid(alpha[:, t])[..., None, None] * torch.einsum("bhv,bhk->bhvk", e, k[:, t])
+        M = 0.97 * M - S
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, 1), M, S
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_momentum_buffer_carried_between_chunks_fuses(dynamic, fresh_dynamo):
+    """The buffer's initial state is the op's s0 and its final state the op's s_final (scaled to the op's sign)."""
+    k, v, q, alpha = (t.detach() for t in _inputs()[:4])
+    M0, S0 = 0.1 * torch.randn(B, H, DV, DK), 0.1 * torch.randn(B, H, DV, DK)
+    inputs, ref_inputs = ([x.clone().requires_grad_() for x in (k, v, q, alpha, M0, S0)] for _ in range(2))
+    got = torch.compile(momentum_chunk, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})(*inputs)
+    assert hecate.last_report().count("memory_scan") == 1 and not hecate.last_report().misses
+    ref = momentum_chunk(*ref_inputs)
+    for what, a, b in zip(("y", "M", "S"), got, ref):
+        assert_close(what, a, b, TOL)
+    weights = [torch.randn(r.shape) for r in ref]
+    grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(got, weights)), inputs)
+    ref_grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(ref, weights)), ref_inputs)
+    for what, a, b in zip(("k", "v", "q", "alpha", "M0", "S0"), grads, ref_grads):
+        assert_close(f"grad {what}", a, b, TOL)
+
+
 def test_in_place_updates_read_through_a_view_under_dynamic_shapes(fresh_dynamo):
     """dynamic=True: the clone of each step stays after the in-place writes of the step before (moved before
     them, a step read the state before its update: 0.33 relative off eager, silently), and fuses."""
