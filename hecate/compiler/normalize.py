@@ -757,6 +757,9 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         if node not in outputs and isinstance(args[0], fx.Node) and _same_layout_free(node):
             return args[0]
         return None
+    if target is aten.to.dtype and len(args) == 2 and not node.kwargs and isinstance(_val(args[0]), torch.Tensor) \
+            and args[1] == _val(args[0]).dtype and node not in outputs:
+        return args[0]  # x.float() of a float32 x: x itself (to() returns its input when nothing changes)
     if target in _DROPOUTS and len(args) == 3 and args[2] is False and not node.kwargs and node not in outputs:
         return args[0]  # F.dropout(x, p, training=False), nn.Dropout in eval(): x itself
     if target is aten.expand_as.default and isinstance(_val(args[1]), torch.Tensor):

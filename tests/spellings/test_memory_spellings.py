@@ -407,6 +407,17 @@ def l2_gates_split_by_unbind(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_keys_cast_per_step(k, v, q, alpha, eta):
+    """Each step's key and query cast with .float() (written for half inputs; a float32 input is itself)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt, qt = k[:, t].float(), q[:, t].float()
+        e = (M @ kt.unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * 2 * e.unsqueeze(-1) * kt.unsqueeze(-2)
+        ys.append((M @ qt.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def lp3_exact_abs_sign(k, v, q, alpha, eta):
     """p = 3 exactly: ∇ = 3 |e|² sign(e) (no tanh approximation)."""
     M, ys = _m0(k, v), []
@@ -676,6 +687,7 @@ SPELLINGS = {
     "l2_torch_outer_one_sequence": (l2_torch_outer_one_sequence, "memory_scan"),
     "l2_iterating_the_tensors": (l2_iterating_the_tensors, "memory_scan"),
     "l2_gates_split_by_unbind": (l2_gates_split_by_unbind, "memory_scan"),
+    "l2_keys_cast_per_step": (l2_keys_cast_per_step, "memory_scan"),
     "hebbian_reference": (hebbian_reference, "linear_attention"),
     "hebbian_einsum": (hebbian_einsum, "linear_attention"),
     "hebbian_read_before_write_kv": (hebbian_read_before_write_kv, "linear_attention"),
