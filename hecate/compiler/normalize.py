@@ -233,6 +233,7 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
     if _has_in_place_ops(graph) or _has_captured_spellings(graph) or _slices_to_sink(graph):
         graph = graph.__deepcopy__()  # node metas (fake values) are shared, not copied
         sink_per_step_slices(graph)
+        alpha_as_products(graph)
         float_inputs_as_tensors(graph)
         fold_scalar_constants(graph)
         unbind_as_selects(graph)
@@ -311,6 +312,25 @@ def _has_captured_spellings(graph: fx.Graph) -> bool:
 
 # arithmetic a Python float and a 0-d float64 tensor enter alike (ATen wraps a Python float as one)
 _SCALAR_ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow)
+
+
+_ALPHA_SUMS = ("add", "add_", "sub", "sub_", torch.add, torch.sub)
+
+
+def alpha_as_products(graph: fx.Graph) -> None:
+    """``x.add_(y, alpha=a)`` with a number a computed in the graph (``-self.lr`` under dynamic=True) →
+    ``x.add_(y * a)``: the same sum, and a reaches a tensor product, as :func:`float_inputs_as_tensors` reads it."""
+    for node in list(graph.nodes):
+        alpha = node.kwargs.get("alpha")
+        if node.op not in ("call_method", "call_function") or node.target not in _ALPHA_SUMS \
+                or not isinstance(alpha, fx.Node) or len(node.args) != 2 or set(node.kwargs) != {"alpha"} \
+                or not isinstance(_val(node.args[1]), torch.Tensor):
+            continue
+        with graph.inserting_before(node):
+            scaled = graph.call_function(operator.mul, (node.args[1], alpha))
+        scaled.meta["stack_trace"] = node.meta.get("stack_trace")
+        scaled.meta["example_value"] = _val(node.args[1]) * _val(alpha)
+        node.args, node.kwargs = (node.args[0], scaled), {}
 
 
 def float_inputs_as_tensors(graph: fx.Graph) -> None:

@@ -761,6 +761,24 @@ class _ScalarGates(torch.nn.Module):
         return torch.stack(ys, 1), M
 
 
+class FloatStepSizeAsAlpha(torch.nn.Module):
+    """The update added in place with alpha=−η, η a float attribute (a number computed in the graph under
+    dynamic=True)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lr = 0.25
+
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        for t in range(k.shape[1]):
+            e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+            M = 0.9 * M
+            M.add_(e.unsqueeze(-1) * k[:, t].unsqueeze(-2), alpha=-self.lr)
+            ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+        return torch.stack(ys, 1), M
+
+
 class FloatAttributes(_ScalarGates):
     """Plain float attributes: under dynamic=True Dynamo passes them as 0-d inputs, read by .item()."""
 
@@ -790,7 +808,8 @@ class LearnedScalars(_ScalarGates):
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("module", [FloatAttributes, ScalarBuffers, LearnedScalars], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [FloatAttributes, ScalarBuffers, LearnedScalars, FloatStepSizeAsAlpha],
+                         ids=lambda m: m.__name__)
 def test_scalar_hyperparameters_fuse_at_every_batch_size(module, dynamic, fresh_dynamo):
     model = module()
     compiled = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})
