@@ -588,6 +588,16 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
         if found:
             break
     if found is None:
+        if keep.factors or keep.coef != 1.0 or keep.offset is not None:
+            decayed = keep.value(b.env, rec.lead)[..., None, None] * W
+            for en in b.compute:
+                e = _as(b.env[en], rec.lead + (rec.dv,)) if b.depends[en] == {m} else None
+                if e is not None and any(_close(e, sign * (_read(decayed, _as(b.env[kn], rec.lead + (rec.dk,)),
+                                                                   rec.layout) - _as(b.env[vn], rec.lead + (rec.dv,))))
+                                         for kn in ks for vn in vs for sign in (1.0, -1.0)):
+                    raise NotFused("the error e = (a·M)·k − v is formed from the decayed memory (the decay applied "
+                                   "before the error, as Gated DeltaNet writes it); the op forms it from M before the "
+                                   "decay (the same recurrence with v/a and η·a, not fused)")
         raise NotFused("no error e = M·k − v is formed from the memory (an l_p step reads the memory with its key "
                        "and compares with the value)")
     en, kn, vn, e_sign = found

@@ -1076,7 +1076,19 @@ def hebbian_loop_over_heads_inside_time(k, v, q, alpha, eta):
 HEADS_LOOP = ["is not a memory step", "as a Python loop over heads inside the loop over time does",
               "write the heads as a batch dim of one memory [B, H, Dv, Dk]",
               "put the loop over heads around the loop over time"]
+def gated_delta_decay_before_the_error(k, v, q, alpha, eta):
+    """Gated DeltaNet as its paper writes it: M ← a·M first, then the delta rule on the decayed memory."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = (1 - alpha[:, t, :, None, None]) * M
+        M = M - eta[:, t, :, None, None] * ((M @ k[:, t, :, :, None]) - v[:, t, :, :, None]) @ k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 REPORTED = {
+    "gated_delta_decay_before_the_error": (gated_delta_decay_before_the_error,
+                                           ["formed from the decayed memory", "as Gated DeltaNet writes it"]),
     "lp_memory_indexed_per_head": (lp_memory_indexed_per_head, HEADS_LOOP),
     "hebbian_output_slot_left_unwritten": (hebbian_output_slot_left_unwritten,
                                            ["could not be rolled up", "write into a tensor in place",
