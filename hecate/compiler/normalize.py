@@ -827,6 +827,9 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return _through_masked_fill(graph, node)
     if target is aten.where.self and len(args) == 3:
         return _where_of_a_number(graph, node)
+    if target is aten.transpose.int and isinstance(args[0], fx.Node) and args[0].target is aten.cat.default \
+            and isinstance(_val(args[0]), torch.Tensor) and not args[0].kwargs:
+        return _cat_transposed(graph, node)
     if target in (aten.softmax.int, aten.log_softmax.int) and len(args) == 2 and not node.kwargs \
             and isinstance(_val(args[0]), torch.Tensor) and _val(args[0]).dim() >= 2 \
             and args[1] % _val(args[0]).dim() == _val(args[0]).dim() - 2 \
@@ -857,6 +860,25 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             return _emit(graph, view.target, _emit(graph, aten.neg.default, view.args[0]), *view.args[1:],
                          **view.kwargs)
     return None
+
+
+def _cat_transposed(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """``cat([state, x], 1).transpose(1, 2)`` read by a conv → ``cat([state.transpose(1, 2), x.transpose(1, 2)], 2)``:
+    a conv state carried as [B, K−1, D] and joined to [B, T, D] on time is the conv's cat([state, x], -1) in
+    channels first. Exact: the same elements."""
+    cat, (_, d1, d2) = node.args[0], node.args
+    rank = _val(cat).dim()
+    parts, dim = cat.args[0], (cat.args[1] if len(cat.args) > 1 else 0) % rank
+    d1, d2 = d1 % rank, d2 % rank
+    # only into a conv, the time dim joined ([B, T, D] → [B, D, T]): the form a conv's carried state takes
+    if rank != 3 or {d1, d2} != {1, 2} or dim != 1 or len(parts) != 2 or not node.users \
+            or any(u.target not in (aten.conv1d.default, aten.convolution.default) for u in node.users) \
+            or not all(isinstance(p, fx.Node) and isinstance(_val(p), torch.Tensor) and _val(p).dim() == rank
+                       for p in parts):
+        return None
+    with graph.inserting_before(node):
+        pieces = [_emit(graph, aten.transpose.int, p, d1, d2) for p in parts]
+        return _emit(graph, aten.cat.default, pieces, d2 if dim == d1 else d1 if dim == d2 else dim)
 
 
 def _transposed(graph: fx.Graph, x: fx.Node) -> fx.Node:

@@ -323,6 +323,10 @@ STATEFUL_SPELLINGS = {
     "nn.Conv1d(padding=K-1) over cat([state.mT, u]), x's outputs [K-1:-(K-1)]": (
         lambda m, x, s: F.elu(F.silu(m.conv(torch.cat([s.mT, m.proj(x).mT], 2))[..., K - 1:-(K - 1)].mT)) + 1,
         False, "linear → conv(K=4, carried state) → silu → elu+1 [B,T,D]"),
+    "cat([state, u], 1) on [B, T, D], then the transpose and a conv without padding": (
+        lambda m, x, s: F.silu(F.conv1d(torch.cat([s, m.proj(x)], 1).transpose(1, 2), m.conv.weight, m.conv.bias,
+                                        groups=D).transpose(1, 2)),
+        False, "linear → conv(K=4, carried state) → silu [B,T,D]"),
     "step: einsum('bkd,dk->bd') with conv.weight[:, 0, :], + bias": (
         lambda m, x, s: F.silu(torch.einsum("bkd,dk->bd", _window(m, x, s), m.conv.weight[:, 0, :]) + m.conv.bias),
         True, "window step conv(K=4, carried state) → silu [B,D]"),
