@@ -285,11 +285,6 @@ def sink_per_step_slices(graph: fx.Graph) -> None:
         first.prepend(node)
 
 
-def _per_step_slice(node: fx.Node) -> bool:
-    """Whether ``node`` reads one index of a tensor (``k[:, t]``): each step of a loop reads its own."""
-    return _step_slice(node) is not None
-
-
 def _step_slice(node: fx.Node) -> tuple | None:
     """(x, dim, index) when ``node`` reads one index of a tensor x (``k[:, t]``), else None.
 
