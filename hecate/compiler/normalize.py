@@ -617,8 +617,8 @@ def _views_after_the_writes(members: list[fx.Node], order: dict[fx.Node, int]) -
     last of them (``M = M.clone(); M.mul_(a); M.addcmul_(v, k); M.transpose(-1, -2)``): each view then reads
     the last op's result, which it still does once the ops are out of place. Else []."""
     writes = [n for n in members[1:] if _out_of_place(n) is not None]
-    if not writes or any(not n.args or n.args[0] not in members for n in writes):
-        return []
+    if not writes or any(not n.args or n.args[0] not in members or n.target is aten.detach_.default for n in writes):
+        return []  # (torch.tensor(c)'s detach_ writes no value: it stays, as the constant it marks)
     last = max(order[n] for n in writes)
     for n in members[1:]:  # what else holds the storage is an alias of it: a view
         if n not in writes and not (n.op in ("call_function", "call_method") and order[n] > last):
