@@ -563,41 +563,34 @@ def _hebbian(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, z_index
         rec.normaliser_state, rec.params["eps"] = z_index, eps
 
 
-def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Node, lq_eps: float) -> None:
-    """update = −η·outer(G(e), k): find e = read(W, k) − v, k, the gates, and identify G."""
-    m = rec.state
-    W = b.env[W_in] if W_in is not b.carries[m] else b.env[b.carries[m]]
-    found = None
+def _error(b: _Body, rec: Recurrence, W: torch.Tensor) -> tuple | None:
+    """(e, k, v, sign) for a body node e = sign · (read(W, k) − v) with per-step k and v, else None."""
     ks = b.per_step_nodes(rec.lead + (rec.dk,))
     vs = b.per_step_nodes(rec.lead + (rec.dv,))
     reads = {kn: _read(W, _as(b.env[kn], rec.lead + (rec.dk,)), rec.layout) for kn in ks}
     for en in b.compute:
-        if not b.depends[en] == {m}:
-            continue
-        e = _as(b.env[en], rec.lead + (rec.dv,))
+        e = _as(b.env[en], rec.lead + (rec.dv,)) if b.depends[en] == {rec.state} else None
         if e is None:
             continue
         for (kn, r), vn in itertools.product(reads.items(), vs):
             v = _as(b.env[vn], rec.lead + (rec.dv,))
             for sign in (1.0, -1.0):
                 if _close(e, sign * (r - v)):
-                    found = (en, kn, vn, sign)
-                    break
-            if found:
-                break
-        if found:
-            break
+                    return en, kn, vn, sign
+    return None
+
+
+def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Node, lq_eps: float) -> None:
+    """update = −η·outer(G(e), k): find e = read(W, k) − v, k, the gates, and identify G."""
+    m = rec.state
+    W = b.env[W_in] if W_in is not b.carries[m] else b.env[b.carries[m]]
+    found = _error(b, rec, W)
     if found is None:
-        if keep.factors or keep.coef != 1.0 or keep.offset is not None:
-            decayed = keep.value(b.env, rec.lead)[..., None, None] * W
-            for en in b.compute:
-                e = _as(b.env[en], rec.lead + (rec.dv,)) if b.depends[en] == {m} else None
-                if e is not None and any(_close(e, sign * (_read(decayed, _as(b.env[kn], rec.lead + (rec.dk,)),
-                                                                   rec.layout) - _as(b.env[vn], rec.lead + (rec.dv,))))
-                                         for kn in ks for vn in vs for sign in (1.0, -1.0)):
-                    raise NotFused("the error e = (a·M)·k − v is formed from the decayed memory (the decay applied "
-                                   "before the error, as Gated DeltaNet writes it); the op forms it from M before the "
-                                   "decay (the same recurrence with v/a and η·a, not fused)")
+        if (keep.factors or keep.coef != 1.0 or keep.offset is not None) \
+                and _error(b, rec, keep.value(b.env, rec.lead)[..., None, None] * W) is not None:
+            raise NotFused("the error e = (a·M)·k − v is formed from the decayed memory (the decay applied "
+                           "before the error, as Gated DeltaNet writes it); the op forms it from M before the "
+                           "decay (the same recurrence with v/a and η·a, not fused)")
         raise NotFused("no error e = M·k − v is formed from the memory (an l_p step reads the memory with its key "
                        "and compares with the value)")
     en, kn, vn, e_sign = found

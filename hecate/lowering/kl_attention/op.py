@@ -54,7 +54,7 @@ OUTPUT_NAMES = ("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col
 
 def check_inputs(mu, var, row_values, col_values, kappa, temperature=None) -> None:
     """Raise a ValueError naming the argument, what it was and what was expected (a temperature's value is
-    checked where it is read: on the CPU here, on the GPU when the kernels are launched)."""
+    not checked: any value computes what −KL/κ gives in eager)."""
     if mu.dim() != 3:
         raise ValueError(f"kl_attention: mu must be [B, N, K], got shape {tuple(mu.shape)}")
     if not mu.dtype.is_floating_point:
