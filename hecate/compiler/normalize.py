@@ -11,6 +11,8 @@ whole graph and the body of every ``scan`` in it in this form:
   tensor read the result; an in-place op on an input or on a view stays as it is;
 * no-op copies dropped: ``clone`` / ``contiguous`` / ``alias`` whose result is not a graph
   output (outputs must not alias each other);
+* a reshape or view to the shape it already has (``h.view(B, T, D)`` of an h [B, T, D]) → h;
+  ``swapaxes`` / ``swapdims`` / ``movedim`` / ``moveaxis`` → the ``permute`` they are;
 * ``x.unbind(d)[t]`` → ``x.select(d, t)`` where it is read (:func:`unbind_as_selects`);
 * ``narrow(x, d, s, n)`` → ``slice(x, d, s, s + n)``; a slice of a whole dim (``x[:, t]`` under
   torch.export leaves ``slice(x, 0, 0, END)`` before the select) → ``x``;
@@ -38,7 +40,8 @@ whole graph and the body of every ``scan`` in it in this form:
   a value written with each;
 * a depthwise causal conv written by hand, ``Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T]`` or over
   ``unfold(-1, K, 1)``, is ``F.conv1d(F.pad(h, (K−1, 0)), W, groups=D)`` (:func:`hand_written_convs`; the
-  same products, summed in the conv's order);
+  same products, summed in the conv's order), and so, between transposes, is one written channels last
+  over ``F.pad(h, (0, 0, K−1, 0))``;
 * a negated reshape or transpose is that of the negation (``-kl.flatten(0, 1)`` → ``(-kl).flatten(0, 1)``);
 * common subexpressions: the same pure op on the same inputs (a sum's or a product's in either
   order) is computed once (so
@@ -66,9 +69,10 @@ from typing import Any, Callable
 import torch
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from hecate.passes.matching import zero_pad_amounts
+from hecate.passes.matching import zero_pad_amounts, zero_padded_dims
 
 aten = torch.ops.aten
 
@@ -121,35 +125,45 @@ def hand_written_convs(graph: fx.Graph) -> None:
 
     → ``F.conv1d(P, W, b, groups=D)`` with W [D, 1, K] stacked from the w_k, and b a per-channel ``+ b[:, None]``
     right after the sum, if any: the same products (a conv is a cross-correlation, out_t = Σ_k W_k P_{t+k}),
-    summed in the conv's order."""
+    summed in the conv's order. Channels last, h [B, T, D] padded on time (``F.pad(h, (0, 0, K−1, 0))``,
+    windows ``P[:, k:k+T]``, w_k [D]), it is that conv between transposes: ``conv1d(F.pad(hᵀ, (K−1, 0)))ᵀ``."""
     for pad in list(graph.find_nodes(op="call_function", target=aten.pad.default)):
-        amounts, shape = zero_pad_amounts(pad), getattr(_val(pad), "shape", ())
-        if amounts is None or len(amounts) != 2 or amounts[0] < 1 or amounts[1] != 0 or len(shape) != 3:
+        shape, padded = getattr(_val(pad), "shape", ()), zero_padded_dims(pad)
+        if len(shape) != 3 or padded is None or len(padded) != 1:
             continue
-        found = _unfolded_conv(pad, amounts[0] + 1) or _windowed_conv(pad, amounts[0] + 1)
+        ((time, (left, right)),) = padded.items()
+        if time not in (1, 2) or left < 1 or right != 0:
+            continue
+        found = _unfolded_conv(pad, left + 1, time) or _windowed_conv(pad, left + 1, time)
         if found is None:
             continue
         out, weights = found
+        channels = shape[3 - time]
         bias = None
         (user,) = out.users if len(out.users) == 1 else (None,)
         if user is not None and user.target is aten.add.Tensor and not user.kwargs:  # + b[:, None]: the conv's bias
             other = user.args[1] if user.args[0] is out else user.args[0]
-            if isinstance(other, fx.Node) and _per_channel(other, shape[1], _val(pad).dtype, 0):
+            if isinstance(other, fx.Node) and _per_channel(other, channels, _val(pad).dtype, 0, time):
                 out, bias = user, other
         with graph.inserting_before(out):
             weight = weights[0] if len(weights) == 1 else _emit(
-                graph, aten.stack.default, [_emit(graph, aten.reshape.default, w, [shape[1]]) for w in weights], -1)
-            weight = _emit(graph, aten.reshape.default, weight, [shape[1], 1, amounts[0] + 1])
+                graph, aten.stack.default, [_emit(graph, aten.reshape.default, w, [channels]) for w in weights], -1)
+            weight = _emit(graph, aten.reshape.default, weight, [channels, 1, left + 1])
             if bias is not None:
-                bias = _emit(graph, aten.reshape.default, bias, [shape[1]])
-            conv = _emit(graph, aten.conv1d.default, pad, weight, bias, [1], [0], [1], shape[1])
+                bias = _emit(graph, aten.reshape.default, bias, [channels])
+            padded_input = pad if time == 2 else _emit(
+                graph, aten.pad.default, _emit(graph, aten.transpose.int, pad.args[0], 1, 2), [left, 0])
+            conv = _emit(graph, aten.conv1d.default, padded_input, weight, bias, [1], [0], [1], channels)
+            if time == 1:
+                conv = _emit(graph, aten.transpose.int, conv, 1, 2)
         out.replace_all_uses_with(conv)
 
 
-def _per_channel(w: Any, d: int, dtype: torch.dtype, taps: int) -> bool:
-    """``w`` broadcasts over [B, D, T(, taps)] as one value per channel (and tap): shape [..1, D, 1(, taps)]."""
+def _per_channel(w: Any, d: int, dtype: torch.dtype, taps: int, time: int) -> bool:
+    """``w`` broadcasts over the windows ([B, D, T(, taps)] with time 2, [B, T, D(, taps)] with time 1) as one
+    value per channel (and tap): shape [..1, D, 1(, taps)], or [..1, D(, taps)] channels last."""
     val = _val(w)
-    want = (d, 1) if taps == 0 else (d, 1, taps)
+    want = ((d, 1) if time == 2 else (d,)) + ((taps,) if taps else ())
     return isinstance(val, torch.Tensor) and val.dtype == dtype and tuple(val.shape[-len(want):]) == want \
         and val.dim() <= len(want) + 1 and all(s == 1 for s in val.shape[:-len(want)])
 
@@ -158,12 +172,12 @@ def _other_factor(mul: fx.Node, x: fx.Node) -> Any:
     return mul.args[1] if mul.args[0] is x else mul.args[0]
 
 
-def _unfolded_conv(pad: fx.Node, taps: int) -> tuple[fx.Node, list[fx.Node]] | None:
-    """``(P.unfold(-1, K, 1) * w).sum(-1)``: (the sum, [w])."""
+def _unfolded_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(P.unfold(time, K, 1) * w).sum(-1)``: (the sum, [w])."""
     pad_val = _val(pad)
     for unfold in pad.users:
-        if unfold.target is not aten.unfold.default or unfold.args[1] % 3 != 2 or tuple(unfold.args[2:4]) != (taps, 1) \
-                or len(unfold.users) != 1:
+        if unfold.target is not aten.unfold.default or unfold.args[1] % 3 != time \
+                or tuple(unfold.args[2:4]) != (taps, 1) or len(unfold.users) != 1:
             continue
         (mul,) = unfold.users
         if mul.target is not aten.mul.Tensor or len(mul.users) != 1:
@@ -172,28 +186,28 @@ def _unfolded_conv(pad: fx.Node, taps: int) -> tuple[fx.Node, list[fx.Node]] | N
         w = _other_factor(mul, unfold)
         if total.target is aten.sum.dim_IntList and [d % 4 for d in total.args[1]] == [3] \
                 and not (total.args[2] if len(total.args) > 2 else False) and total.kwargs.get("dtype") is None \
-                and _per_channel(w, pad_val.shape[1], pad_val.dtype, taps):
+                and _per_channel(w, pad_val.shape[3 - time], pad_val.dtype, taps, time):
             return total, [w]
     return None
 
 
-def _windowed_conv(pad: fx.Node, taps: int) -> tuple[fx.Node, list[fx.Node]] | None:
-    """``Σ_k w_k · P[..., k:k+T]``: (the root of the sum, [w_0 .. w_{K−1}])."""
+def _windowed_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``Σ_k w_k · P[..., k:k+T]`` (``P[:, k:k+T]`` with time 1): (the root of the sum, [w_0 .. w_{K−1}])."""
     pad_val = _val(pad)
     if not all(type(size) is int for size in pad_val.shape):  # a symbolic length is not asked about (no guard)
         return None
-    length = pad_val.shape[-1] - (taps - 1)
+    length = pad_val.shape[time] - (taps - 1)
     weights: dict[int, Any] = {}  # window start -> its weight
     products: dict[fx.Node, int] = {}  # w_k · window -> k
     for window in pad.users:
         start = (window.args[2] if len(window.args) > 2 else None) or 0
-        if window.target is not aten.slice.Tensor or window.args[1] % 3 != 2 or len(window.users) != 1 \
-                or (window.args[4] if len(window.args) > 4 else 1) != 1 or _val(window).shape[-1] != length \
+        if window.target is not aten.slice.Tensor or window.args[1] % 3 != time or len(window.users) != 1 \
+                or (window.args[4] if len(window.args) > 4 else 1) != 1 or _val(window).shape[time] != length \
                 or start in weights:
             return None
         (mul,) = window.users
         w = _other_factor(mul, window) if mul.target is aten.mul.Tensor else None
-        if w is None or len(mul.users) != 1 or not _per_channel(w, pad_val.shape[1], pad_val.dtype, 0):
+        if w is None or len(mul.users) != 1 or not _per_channel(w, pad_val.shape[3 - time], pad_val.dtype, 0, time):
             return None
         weights[start], products[mul] = w, start
     if sorted(weights) != list(range(taps)):
@@ -203,9 +217,10 @@ def _windowed_conv(pad: fx.Node, taps: int) -> tuple[fx.Node, list[fx.Node]] | N
     for node in products:
         while len(node.users) == 1:
             (user,) = node.users
+            if user.target is not aten.add.Tensor or user.kwargs:
+                break
             other = user.args[1] if user.args[0] is node else user.args[0]
-            if user.target is not aten.add.Tensor or user.kwargs or not (
-                    other in products or isinstance(other, fx.Node) and other.target is aten.add.Tensor
+            if not (other in products or isinstance(other, fx.Node) and other.target is aten.add.Tensor
                     or not isinstance(other, fx.Node) and other == 0):
                 break
             adds.add(user)
@@ -777,6 +792,11 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return args[0]  # x.float() of a float32 x: x itself (to() returns its input when nothing changes)
     if target in _DROPOUTS and len(args) == 3 and args[2] is False and not node.kwargs and node not in outputs:
         return args[0]  # F.dropout(x, p, training=False), nn.Dropout in eval(): x itself
+    if target in _RESHAPES and node not in outputs and _same_shape(node, args[0]):
+        return args[0]  # h.view(B, T, D) of an h [B, T, D]: h itself
+    if target in _AXIS_MOVES and not node.kwargs and isinstance(_val(node), torch.Tensor):
+        with graph.inserting_before(node):  # swapaxes, movedim: the transpose or permute they are
+            return _emit(graph, aten.permute.default, args[0], _moved_axes(node))
     if target is aten.expand_as.default and isinstance(_val(args[1]), torch.Tensor):
         return _expand_as(graph, node)
     if target is aten.slice.Tensor and _whole_slice(node):
@@ -855,6 +875,29 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             return _emit(graph, view.target, _emit(graph, aten.neg.default, view.args[0]), *view.args[1:],
                          **view.kwargs)
     return None
+
+
+def _same_shape(node: fx.Node, x: Any) -> bool:
+    """``node``'s value has ``x``'s shape, provably (sizes compared without a guard)."""
+    a, b = _val(node), _val(x)
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() \
+        and all(statically_known_true(m == n) for m, n in zip(a.shape, b.shape))
+
+
+def _moved_axes(node: fx.Node) -> list[int]:
+    """The permutation ``swapaxes(x, a, b)`` or ``movedim(x, source, destination)`` applies."""
+    rank = _val(node).dim()
+    if node.target in (aten.swapaxes.default, aten.swapdims.default):
+        order = list(range(rank))
+        a, b = (d % rank for d in node.args[1:3])
+        order[a], order[b] = order[b], order[a]
+        return order
+    source, destination = ([d] if isinstance(d, int) else list(d) for d in node.args[1:3])
+    order: list[int | None] = [None] * rank
+    for s, d in zip(source, destination):
+        order[d % rank] = s % rank
+    rest = iter(d for d in range(rank) if d not in {s % rank for s in source})
+    return [next(rest) if o is None else o for o in order]
 
 
 def _cat_transposed(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
@@ -972,6 +1015,8 @@ def _add_product(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.No
 
 _RESHAPES = (aten.view.default, aten.reshape.default, aten.flatten.using_ints, aten._unsafe_view.default)
 _PERMUTES = (aten.transpose.int, aten.permute.default)
+_AXIS_MOVES = (aten.swapaxes.default, aten.swapdims.default, aten.movedim.int, aten.movedim.intlist,
+               aten.moveaxis.int, aten.moveaxis.intlist)
 
 
 # the end torch.export writes for a slice to the end of a dim of symbolic size (``x[:, t]`` → slice(x, 0, 0, END))

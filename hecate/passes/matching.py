@@ -154,6 +154,16 @@ def zero_pad_amounts(node: Any) -> list[int] | None:
     return list(node.args[1])
 
 
+def zero_padded_dims(node: Any) -> dict[int, tuple[int, int]] | None:
+    """{dim: (before, after)} for each dim a zero ``F.pad`` pads (see :func:`zero_pad_amounts`; its amounts run
+    from the last dim back), else None."""
+    amounts, val = zero_pad_amounts(node), node.meta.get("val") if isinstance(node, fx.Node) else None
+    if amounts is None or not isinstance(val, torch.Tensor):
+        return None
+    pairs = zip(amounts[::2], amounts[1::2])
+    return {val.dim() - 1 - i: pair for i, pair in enumerate(pairs) if any(pair)}
+
+
 def size_hint(size: Any) -> int:
     """A size as a number: a symbolic size's hint (the value it has now), without adding a guard."""
     if not isinstance(size, torch.SymInt):

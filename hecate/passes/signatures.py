@@ -34,7 +34,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hecate.passes.matching import zero_pad_amounts
+from hecate.passes.matching import zero_padded_dims
 from hecate.passes.report import FusionReport, source_line
 
 aten = torch.ops.aten
@@ -386,31 +386,41 @@ def _depthwise_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
 
 
 def _hand_written_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
-    """A causal conv written by hand (Σ_k w[:, k] · F.pad(x, (K-1, 0))[..., k:k+T], or over ``unfold``): a tensor
-    zero-padded (P, 0) on its last dim, read through all its P + 1 windows of the unpadded length."""
+    """A conv written by hand (Σ_k w[:, k] · F.pad(x, (K-1, 0))[..., k:k+T], or over ``unfold``): a tensor
+    zero-padded on one dim, its time, read through shifted windows of the unpadded length (slices of it at
+    two offsets or more, or ``unfold(time, P + 1, 1)``)."""
     for pad in graph.find_nodes(op="call_function", target=aten.pad.default):
-        shape, amounts = _shape(pad), zero_pad_amounts(pad)
-        if shape is None or amounts is None or len(amounts) < 2 or amounts[0] < 1 or amounts[1] != 0 \
-                or any(amounts[2:]):
+        shape, padded = _shape(pad), zero_padded_dims(pad)
+        if shape is None or padded is None or len(padded) != 1:
             continue
-        p, last = amounts[0], len(shape) - 1
+        ((time, (before, after)),) = padded.items()
+        p = before + after
         starts, unfolded = set(), False
         for user in pad.users:
-            if user.target is aten.slice.Tensor and user.args[1] % len(shape) == last \
-                    and (user.args[4] if len(user.args) > 4 else 1) == 1 and _is(_shape(user)[-1], shape[-1] - p):
+            if user.target is aten.slice.Tensor and user.args[1] % len(shape) == time \
+                    and (user.args[4] if len(user.args) > 4 else 1) == 1 and _is(_shape(user)[time], shape[time] - p):
                 starts.add(user.args[2] if len(user.args) > 2 else 0)
-            unfolded |= user.target is aten.unfold.default and user.args[1] % len(shape) == last \
+            unfolded |= user.target is aten.unfold.default and user.args[1] % len(shape) == time \
                 and tuple(user.args[2:4]) == (p + 1, 1)
-        if unfolded or starts == set(range(p + 1)):
-            how = f"unfold(-1, {p + 1}, 1)" if unfolded else f"slices [..., k:k+T] for k = 0..{p}"
-            yield (f"a causal conv of kernel {p + 1} written by hand (a tensor zero-padded ({p}, 0) on its last dim, "
-                   f"read through its {p + 1} shifted windows by {how}) not fused: it reads as a conv when the "
-                   "windows are weighted one value per channel (w_k [D, 1]; [D, 1, K] over unfold) and summed, "
+        if not unfolded and len(starts) < 2:
+            continue
+        index = "..., " if time == len(shape) - 1 else ":, " * time
+        how = f"unfold({time}, {p + 1}, 1)" if unfolded else f"slices [{index}k:k+T] for k in {sorted(starts)}"
+        padding = f"zero-padded ({before}, {after}) on " + ("its last dim" if time == len(shape) - 1 else f"dim {time}")
+        if after:
+            yield (f"a conv written by hand over a tensor {padding}, read through its shifted windows ({how}), "
+                   f"not fused: padded after, its output at t reads positions up to t + {after}, so it is not "
+                   f"causal (qk_preprocess fuses a causal conv: padded K-1 before and 0 after); compiled as written",
+                   [pad])
+        elif unfolded or starts == set(range(p + 1)):
+            yield (f"a causal conv of kernel {p + 1} written by hand (a tensor {padding}, read through its "
+                   f"{p + 1} shifted windows by {how}) not fused: it reads as a conv when the windows are weighted "
+                   "one value per channel (w_k [D, 1], or [D] channels last; [D, 1, K] over unfold) and summed, "
                    "else write F.conv1d(F.pad(x, (K-1, 0)), w, groups=D); compiled as written", [pad])
-        elif len(starts) >= 2 and starts < set(range(p + 1)):
-            yield (f"a conv written by hand over a tensor zero-padded ({p}, 0) on its last dim reads {len(starts)} of "
-                   f"its {p + 1} shifted windows (offsets {sorted(starts)}), not all of them as a causal conv of "
-                   f"kernel {p + 1} does (pad by one less than the windows it reads); compiled as written", [pad])
+        elif starts < set(range(p + 1)):
+            yield (f"a conv written by hand over a tensor {padding} reads {len(starts)} of its {p + 1} shifted "
+                   f"windows (offsets {sorted(starts)}), not all of them as a causal conv of kernel {p + 1} does "
+                   "(pad by one less than the windows it reads); compiled as written", [pad])
 
 
 def _first(value):

@@ -7,9 +7,10 @@ The spellings vary independently: projection (nn.Linear, F.linear, x @ W.T, torc
 [D, K] parameter by None-indexing), SiLU (F.silu, nn.SiLU, sigmoid products, by hand), heads, and φ (the
 built-in maps in other words, and functions nobody listed); the projection as an einsum in any index layout,
 the causal padding or slicing on either side of the transpose, a conv2d over one row, a causal conv written by
-hand as shifted windows (slices or unfold) weighted per channel and summed.
+hand as shifted windows (slices or unfold) weighted per channel and summed, in either layout.
 
-What is not a causal zero-padded conv (circular, replicate, reflect or non-zero padding) must not fuse and must
+What is not a causal zero-padded conv (circular, replicate, reflect or non-zero padding, windows padded
+after) must not fuse and must
 be reported with that reason.
 """
 
@@ -184,6 +185,20 @@ SPELLINGS = {
         lambda m, x: torch.exp(torch.clamp(F.silu(_hand_conv_in_pairs(m, m.proj(x).transpose(1, 2))).transpose(1, 2),
                                            max=5.0)),
         "linear → conv(K=4) → silu → exp(min(·, 5)) [B,T,D]"),
+    "by hand channels last: sum(F.pad(h, (0, 0, K-1, 0))[:, k:k+T] * w[:, k]) on [B, T, D], relu": (
+        lambda m, x: F.relu(F.silu(sum(F.pad(m.proj(x), (0, 0, K - 1, 0))[:, k:k + x.shape[1]] * m.kernel[:, k]
+                                       for k in range(K)))),
+        "linear → conv(K=4) → silu → relu [B,T,D]"),
+    "by hand channels last: F.pad(h, (0, 0, K-1, 0)).unfold(1, K, 1) * w [D, K], summed, + bias": (
+        lambda m, x: F.silu((F.pad(m.proj(x), (0, 0, K - 1, 0)).unfold(1, K, 1) * m.kernel).sum(-1) + m.conv.bias),
+        "linear → conv(K=4) → silu [B,T,D]"),
+    "h.view(B, T, D) (nothing reshaped), swapaxes(1, 2), movedim(1, -1) back": (
+        lambda m, x: F.silu(_conv_slice(m, m.proj(x).view(x.shape[0], x.shape[1], D).swapaxes(1, 2)).movedim(1, -1)),
+        "linear → conv(K=4) → silu [B,T,D]"),
+    "permute then reshape to the same [B, D, T], movedim(-1, 1) in, swapdims back": (
+        lambda m, x: F.silu(_pad_conv(m, m.proj(x).movedim(-1, 1).reshape(x.shape[0], D, x.shape[1]))
+                            .swapdims(-1, -2)),
+        "linear → conv(K=4) → silu [B,T,D]"),
     "a gain before SiLU (z * 2.0): SiLU of the scaled z, not SiLU, generated into φ": (
         lambda m, x: F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2) * 2.0),
         "linear → conv(K=4) → φ = mul(2.0,x);sigmoid(%0);mul(%0,%1) [B,T,D]"),
@@ -269,11 +284,22 @@ NOT_FUSED = {
         lambda m, x: F.silu(F.conv1d(F.pad(m.proj(x).transpose(1, 2), (K - 1, 0), value=1.0), m.conv.weight,
                                      m.conv.bias, groups=D).transpose(1, 2)),
         "conv1d input is padded with F.pad value=1.0, not zeros: not a causal zero-padded conv"),
+    "by hand, centred: F.pad(h, (1, K-2)) read through its K windows": (
+        lambda m, x: F.silu(sum(m.kernel[:, k, None] * F.pad(m.proj(x).transpose(1, 2), (1, K - 2))[..., k:k + x.shape[1]]
+                                for k in range(K)).transpose(1, 2)),
+        "a conv written by hand over a tensor zero-padded (1, 2) on its last dim, read through its shifted windows "
+        "(slices [..., k:k+T] for k in [0, 1, 2, 3]), not fused: padded after, its output at t reads positions up "
+        "to t + 2, so it is not causal"),
+    "by hand channels last, padded after: F.pad(h, (0, 0, 0, K-1)).unfold(1, K, 1)": (
+        lambda m, x: F.silu((F.pad(m.proj(x), (0, 0, 0, K - 1)).unfold(1, K, 1) * m.kernel).sum(-1)),
+        "a conv written by hand over a tensor zero-padded (0, 3) on dim 1, read through its shifted windows "
+        "(unfold(1, 4, 1)), not fused: padded after, its output at t reads positions up to t + 3, so it is not "
+        "causal"),
     "by hand, the windows weighted by the data (not one kernel)": (
         lambda m, x: F.silu(sum(F.pad(h, (K - 1, 0))[..., k:k + x.shape[1]] * h[:, :, :1]
                                 for h in [m.proj(x).transpose(1, 2)] for k in range(K)).transpose(1, 2)),
         "a causal conv of kernel 4 written by hand (a tensor zero-padded (3, 0) on its last dim, read through its 4 "
-        "shifted windows by slices [..., k:k+T] for k = 0..3) not fused: it reads as a conv when the windows are "
+        "shifted windows by slices [..., k:k+T] for k in [0, 1, 2, 3]) not fused: it reads as a conv when the windows are "
         "weighted one value per channel"),
 }
 
