@@ -5,6 +5,7 @@
   mask against the causal/no-self masks) whatever ops spell it.
 * :data:`VARIANCE_FROM` the parameterisations of a diagonal Gaussian's spread a model may carry
   (variance, log-variance, standard deviation, log-std, precision) and how each gives the variance.
+* :func:`far_draw` and :func:`equals_scaled`: a match found at values near 1 confirmed far from them.
 * :func:`gaussian_kl` the closed form ``KL(N(μ_i, v_i) ‖ N(μ_j, v_j))`` summed over the last dim.
 * :func:`independent` which of the per-position tensors a score reads are drawn at random
   (the others are computed from them).
@@ -16,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+import operator
 
 import torch
 from torch import fx
@@ -59,6 +62,43 @@ def run_time_temperature(kappas: list[float], values: list[dict], candidates: li
             if math.isclose(scales[0], scales[1], rel_tol=1e-9):
                 return Temperature(node, float(f"{scales[0]:.12g}"), power)
     return None
+
+
+# Each parameterisation of VARIANCE_FROM given a log-variance: how a confirming draw spreads the variances.
+FROM_LOG_VARIANCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "variance": torch.exp,
+    "log-variance": lambda log_v: log_v,
+    "standard deviation": lambda log_v: torch.exp(0.5 * log_v),
+    "log standard deviation": lambda log_v: 0.5 * log_v,
+    "precision": lambda log_v: torch.exp(-log_v),
+}
+
+# The confirming draw: means of either sign, variances from e^-8 to e^8. The first draws (positive values
+# near 1) find the roles; this one shows what is the KL only there: relu(μ), |μ|, a clamp or floor of v.
+_FAR_MEANS, _FAR_LOG_VARIANCES = 6.0, 8.0
+
+
+def far_draw(env: dict, means: Sequence, scales: dict, seed: int) -> dict:
+    """``env`` (node → drawn value) with ``means`` redrawn in (−6, 6) and each of ``scales`` (node →
+    parameterisation) redrawn as variances e^(−8..8) in that parameterisation; the rest as drawn."""
+    gen = torch.Generator().manual_seed(seed)
+    far = dict(env)
+    for node in means:
+        far[node] = _FAR_MEANS * (2 * torch.rand(env[node].shape, generator=gen, dtype=torch.float64) - 1)
+    for node, param in scales.items():
+        log_v = _FAR_LOG_VARIANCES * (2 * torch.rand(env[node].shape, generator=gen, dtype=torch.float64) - 1)
+        far[node] = FROM_LOG_VARIANCE[param](log_v)
+    return far
+
+
+def equals_scaled(value: Any, reference: torch.Tensor, gamma: float, tol: float = 1e-8) -> bool:
+    """``value = γ · reference`` element by element, to ``tol`` of the largest |γ · reference| in its row
+    (a row's largest KL sets the rounding of a KL expanded into sums, not the norm of the whole score)."""
+    if not isinstance(value, torch.Tensor) or value.shape != reference.shape or not torch.isfinite(value).all():
+        return False
+    expected = gamma * reference
+    row = expected.abs().amax(-1, keepdim=True) if expected.dim() else expected.abs()
+    return bool(((value - expected).abs() <= tol * (row + expected.abs())).all())
 
 
 def gaussian_kl(mu_p, var_p, mu_q, var_q):
@@ -171,6 +211,14 @@ def independent(bases: Sequence[fx.Node], depth: int = 16) -> list[fx.Node]:
     return [node for node in bases if not _computed_from(node, set(bases) - {node}, depth)]
 
 
+def _fused(node: fx.Node) -> bool:
+    """An output of a fused op (``torch.ops.hecate.*``, or an item of its outputs): drawn like a graph input,
+    not evaluated through the op (the beliefs of a second Q-flow step, computed by the first one's fusion)."""
+    if node.target is operator.getitem:
+        node = node.args[0]
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "hecate"
+
+
 def _computed_from(node: fx.Node, others: set, depth: int) -> bool:
     """Whether ``node`` is a function of ``others`` (and constants) only, within ``depth`` ops."""
     found, seen, frontier = False, {node}, [node]
@@ -180,7 +228,8 @@ def _computed_from(node: fx.Node, others: set, depth: int) -> bool:
             for i in n.all_input_nodes:
                 if i in others:
                     found = True
-                elif i.op in ("placeholder", "get_attr") and isinstance(i.meta.get("val"), torch.Tensor):
+                elif i.op in ("placeholder", "get_attr") and isinstance(i.meta.get("val"), torch.Tensor) \
+                        or _fused(i):
                     return False
                 elif i not in seen:
                     seen.add(i)

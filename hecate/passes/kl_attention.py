@@ -61,8 +61,8 @@ import torch
 from torch import fx, nn
 
 from hecate.passes.report import FusionReport
-from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, evaluate, gaussian_kl, independent,
-                                    proportion, run_time_temperature, shape_of, short, strip_noops)
+from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals_scaled, evaluate, far_draw,
+                                    gaussian_kl, independent, proportion, run_time_temperature, shape_of, short, strip_noops)
 from hecate.passes.matching import NotFused, replace_with_function, size_hint, tensors_read
 
 PATTERN = "kl_attention"
@@ -405,11 +405,13 @@ def _match_kl(logits, bases, shared, lead, k):
         own = [1 if isinstance(s, int) and s == 1 else None for s in shape_of(b)]  # None: a size the beliefs span
         return tuple(s or 2 for s in own[:-2]) + tuple(s or k for s in own[-2:])
 
+    own_sizes = False
     try:
         draws = _draws(logits, drawn, small, constants)
     except NotFused:
         raise
     except Exception as error:  # a spelling that cannot run at other sizes: try its own
+        own_sizes = True
         own = {b: tuple(size_hint(s) for s in shape_of(b)) for b in drawn}
         n = max(s[-2] for b, s in own.items() if b not in shared)
         if math.prod(max(s[d] for b, s in own.items() if b not in shared) for d in range(lead)) * n * n * k \
@@ -424,7 +426,7 @@ def _match_kl(logits, bases, shared, lead, k):
         except Exception as e:
             raise NotFused(f"the pairwise score could not be evaluated to check it is a KL ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    reversed_found, drawn_values = None, draws[0][1]
+    reversed_found, near_one_only, drawn_values = None, None, draws[0][1]
     for mean in means:
         # the means alone: a squared distance ½‖μ_i − μ_j‖² is the KL of unit-variance Gaussians
         for scale, params in [(s, VARIANCE_FROM) for s in scales if s is not mean] + [(mean, _UNIT)]:
@@ -442,10 +444,19 @@ def _match_kl(logits, bases, shared, lead, k):
                     kappa = float(f"{-1.0 / alphas[0]:.12g}") if math.isclose(alphas[0], alphas[1], rel_tol=1e-9) \
                         else run_time_temperature([-1.0 / a for a in alphas], [memo for _, memo, _ in draws],
                                                   [b for b in shared if b is not scale])
-                    if kappa is not None:
+                    if kappa is not None and not _far_from_one(logits, draws[0][0], constants, mean, scale, param,
+                                                               alphas[0], own_sizes):
+                        near_one_only = (mean, scale, param)
+                    elif kappa is not None:
                         memo = draws[0][1]
                         memo[("kl",)] = _pairwise_kl(*torch.broadcast_tensors(memo[mean], to_var(memo[scale])))
                         return kappa, mean, scale, param, memo
+    if near_one_only is not None:
+        mean, scale, param = near_one_only
+        raise NotFused(f"the pairwise score is −KL(q_i ‖ q_j)/κ of {mean.name} and the {param} {scale.name} where "
+                       "they are near 1, but not at means of either sign and variances far from 1 (e^-8..e^8): it "
+                       "computes something the KL does not there (a relu, abs, clamp or floor of a mean or a "
+                       "variance inside the pairwise score?)")
     if reversed_found is not None:
         raise NotFused(f"the score is KL(q_j ‖ q_i) (key to query; so is a softmax over the queries, dim −2, of "
                        f"KL(q_i ‖ q_j)) of {reversed_found[0].name} and the "
@@ -461,6 +472,18 @@ def _match_kl(logits, bases, shared, lead, k):
     raise NotFused(f"the pairwise score over {names} is not −KL(q_i ‖ q_j)/κ of diagonal Gaussians (κ > 0) "
                    f"for any per-position one as the means and {variances} as {', '.join(VARIANCE_FROM)} "
                    "(nor of unit variance)")
+
+
+def _far_from_one(logits, env, constants, mean, scale, param, gamma, own_sizes) -> bool:
+    """Whether the score is still γ · KL at means of either sign and variances far from 1 (:func:`far_draw`):
+    found at positive values near 1, relu(μ_j) or v.clamp(min=0.02) would pass for μ and v."""
+    far = far_draw(env, [mean], {} if scale is mean else {scale: param}, seed=20251126)
+    try:
+        value = evaluate(logits, {**constants, **far}, expand=own_sizes)
+    except Exception:  # noqa: BLE001  (an op undefined there: not the KL, which is)
+        return False
+    to_var = _UNIT.get(param) or VARIANCE_FROM[param]
+    return equals_scaled(value, _pairwise_kl(*torch.broadcast_tensors(far[mean], to_var(far[scale]))), gamma)
 
 
 def _computed_from_any(node: fx.Node, bases: list) -> bool:

@@ -36,8 +36,8 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.report import FusionReport
-from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, evaluate, gaussian_kl, independent, proportion,
-                                    run_time_temperature, shape_of, short, strip_noops)
+from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, equals_scaled, evaluate, far_draw, gaussian_kl,
+                                    independent, proportion, run_time_temperature, shape_of, short, strip_noops)
 from hecate.passes.matching import NotFused, replace_with_function, size_hint
 
 PATTERN = "kl_decode"
@@ -169,6 +169,7 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
         except Exception:  # not evaluable at other sizes: not recognisable
             return None
         draws.append((env, value))
+    near_one_only = None
     per_token = [x for x in priors if own(x) == (v, k)]  # the means differ per token
     shared = [x for x in priors if x not in per_token]  # [K], [1, K], 0-d: a variance of the beliefs' or the priors'
     for mu in queries:
@@ -177,14 +178,11 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
                 for prior_scale in priors + [None]:  # None: priors of unit variance, N(π_v, I)
                     if scale is mu or prior_scale is prior_mu:
                         continue
-                    for param, to_var in VARIANCE_FROM.items():
-                        for prior_param, prior_to_var in (_UNIT if prior_scale is None else VARIANCE_FROM).items():
+                    for param in VARIANCE_FROM:
+                        for prior_param in (_UNIT if prior_scale is None else VARIANCE_FROM):
                             alphas = []
                             for env, value in draws:
-                                belief_var = to_var(env[scale])
-                                belief_var = belief_var.unsqueeze(-2) if scale in queries else belief_var
-                                kl = gaussian_kl(env[mu].unsqueeze(-2), belief_var,
-                                                 env[prior_mu], prior_to_var(env.get(prior_scale, env[prior_mu])))
+                                kl = _decode_kl(env, mu, scale, param, prior_mu, prior_scale, prior_param, queries)
                                 alphas.append(proportion(value, kl))
                             if not all(a is not None and a < 0 for a in alphas):
                                 continue
@@ -192,8 +190,37 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
                                 run_time_temperature([-1.0 / a for a in alphas], [env for env, _ in draws],
                                                      [x for x in priors if x not in (prior_mu, prior_scale)])
                             if tau is not None:
+                                if not _far_from_one(logits, draws[0][0], fixed, alphas[0], queries, mu, scale,
+                                                     param, prior_mu, prior_scale, prior_param):
+                                    near_one_only = (mu, prior_mu)
+                                    continue
                                 return _Decode(logits, mu, scale, param, prior_mu, prior_scale, prior_param, tau)
+    if near_one_only is not None:
+        raise NotFused(f"the logits are −KL(q_i ‖ π_v)/τ of {near_one_only[0].name} and {near_one_only[1].name} where "
+                       "the means and variances are near 1, but not at means of either sign and variances far from "
+                       "1 (e^-8..e^8): they compute something the KL does not there (a relu, abs, clamp or floor of a "
+                       "mean or a variance?)")
     return None
+
+
+def _far_from_one(logits, env, fixed, gamma, queries, mu, scale, param, prior_mu, prior_scale, prior_param) -> bool:
+    """Whether the logits are still γ · KL at means of either sign and variances far from 1 (:func:`far_draw`)."""
+    far = far_draw(env, [mu, prior_mu], {x: p for x, p in ((scale, param), (prior_scale, prior_param))
+                                         if x is not None}, seed=20251126)
+    try:
+        value = evaluate(logits, {**(fixed or {}), **far})
+    except Exception:  # noqa: BLE001  (an op undefined there: not the KL, which is)
+        return False
+    return equals_scaled(value, _decode_kl(far, mu, scale, param, prior_mu, prior_scale, prior_param, queries), gamma)
+
+
+def _decode_kl(env, mu, scale, param, prior_mu, prior_scale, prior_param, queries) -> torch.Tensor:
+    """KL(q_i ‖ π_v) [..., N, V] of the drawn beliefs and priors in these roles."""
+    belief_var = VARIANCE_FROM[param](env[scale])
+    belief_var = belief_var.unsqueeze(-2) if scale in queries else belief_var
+    prior_to_var = (_UNIT if prior_scale is None else VARIANCE_FROM)[prior_param]
+    return gaussian_kl(env[mu].unsqueeze(-2), belief_var, env[prior_mu],
+                       prior_to_var(env.get(prior_scale, env[prior_mu])))
 
 
 def run(gm: fx.GraphModule, report: FusionReport) -> None:

@@ -86,8 +86,10 @@ def _concrete(size: int | torch.SymInt) -> int:
     return int(hint)
 
 
-def _random_inputs(placeholders: list[fx.Node], seed: int, states: set[fx.Node]) -> dict[fx.Node, Any]:
-    """Sample points for the body's inputs, at the example's sizes where the loop's shapes are symbolic."""
+def _random_inputs(placeholders: list[fx.Node], seed: int, states: set[fx.Node], signed: bool) -> dict[fx.Node, Any]:
+    """Sample points for the body's inputs, at the example's sizes where the loop's shapes are symbolic:
+    ``signed``, every input of either sign (relu(k), |v| or a clamp of q then differ from k, v, q); else the
+    inputs in (0.1, 0.9), for a body that takes roots or logs of them."""
     gen = torch.Generator().manual_seed(seed)
     values = {}
     for ph in placeholders:
@@ -100,7 +102,7 @@ def _random_inputs(placeholders: list[fx.Node], seed: int, states: set[fx.Node])
             continue
         shape = tuple(_concrete(s) for s in v.shape)
         if v.is_floating_point():
-            if ph in states:  # states of either sign
+            if ph in states or signed:  # states of either sign
                 values[ph] = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:  # inputs in (0.1, 0.9): gates stay gates, roots and logs stay real
                 values[ph] = 0.1 + 0.8 * torch.rand(shape, generator=gen, dtype=torch.float64)
@@ -318,7 +320,12 @@ class _Body:
                 self.depends[n] = {self.carries.index(n)}
             else:
                 self.depends[n] = set().union(*(self.depends.get(i, set()) for i in n.all_input_nodes))
-        self.env = _evaluate(self.graph, _random_inputs(self.placeholders, 0, set(self.carries)))
+        # signed inputs where the body is finite at them, else positive ones (gates, roots and logs stay real)
+        for self.signed in (True, False):
+            self.env = _evaluate(self.graph, _random_inputs(self.placeholders, 0, set(self.carries), self.signed))
+            if all(torch.isfinite(self.env[n]).all() for n in self.outputs if isinstance(self.env.get(n), torch.Tensor)
+                   and self.env[n].is_floating_point()):
+                break
 
     def per_step_nodes(self, shape: tuple[int, ...]) -> list[fx.Node]:
         """Nodes that depend on no state and hold a value of ``shape`` (up to size-1 dims)."""
@@ -746,7 +753,7 @@ def _evaluate_bias(expr: str, e: torch.Tensor) -> torch.Tensor:
 
 def _verify(b: _Body, rec: Recurrence) -> None:
     """The whole step, at fresh random points, against the op's own equations with the recovered roles."""
-    env = _evaluate(b.graph, _random_inputs(b.placeholders, 1, set(b.carries)))
+    env = _evaluate(b.graph, _random_inputs(b.placeholders, 1, set(b.carries), b.signed))
     lead = rec.lead
     k = rec.per_step["k"].value(env, lead, rec.dk)
     v = rec.per_step["v"].value(env, lead, rec.dv)
