@@ -90,12 +90,15 @@ class RolledGraph:
                 node.meta["hecate_rolled_loop"] = next(steps)
 
     @staticmethod
-    def unfused(aten_gm: fx.GraphModule) -> list[tuple[int, list[str]]]:
-        """The rolled loops still scans after the passes: (steps, the ATen ops their body calls)."""
+    def unfused(aten_gm: fx.GraphModule, body_test=None) -> list[tuple[int, list[str]]]:
+        """The rolled loops still scans after the passes: (steps, the ATen ops their body calls); only those
+        whose body graph passes ``body_test``, when given."""
         loops = []
         for node in _scans(aten_gm.graph):
             if "hecate_rolled_loop" in node.meta:
                 body = getattr(aten_gm, node.args[0].target)
+                if body_test is not None and not body_test(body.graph):
+                    continue
                 ops = dict.fromkeys(str(n.target).removeprefix("aten.").removesuffix(".default")
                                     for n in body.graph.nodes if n.op == "call_function")
                 loops.append((node.meta["hecate_rolled_loop"], list(ops)))
@@ -263,6 +266,8 @@ def _getitem_slices(x: fx.Node, rank: int, index: Any) -> list[tuple[fx.Node, in
     index = index if isinstance(index, tuple) else (index,)
     if not all(e is None or e is Ellipsis or _is_int(e) or isinstance(e, slice) for e in index):
         return []  # tensor (advanced) indexing
+    if any(isinstance(b, fx.Node) for e in index if isinstance(e, slice) for b in (e.start, e.stop, e.step)):
+        return []  # a bound read at run time (pos[l, :N] under dynamic=True): a graph value the step would reach into
     if sum(e is Ellipsis for e in index) > 1:
         return []
     consumed = sum(1 for e in index if e is not None and e is not Ellipsis)

@@ -51,6 +51,7 @@ from hecate.compiler.logs import log, stage
 from hecate.compiler.loops import RolledGraph, roll_loops
 from hecate.compiler.normalize import collapse_captured, normalize
 from hecate.compiler.options import Options
+from hecate.passes.memory_step import forms_outer_product
 from hecate.passes.report import FusionReport, source_line
 
 # the passes that fuse a scan; rolling loops up serves no other
@@ -267,7 +268,7 @@ def fuse_rolled_loops(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
     report.misses.extend(dataclasses.replace(m, reason=f"{m.reason}; the loop is compiled unrolled")
                          for m in scan_misses)
     if not scan_misses:
-        for steps, ops in unfused:
+        for steps, ops in RolledGraph.unfused(aten_gm, forms_outer_product):
             report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or "
                             f"linear_attention fuses (its body calls {', '.join(ops)}); compiled unrolled")
     return None

@@ -51,7 +51,16 @@ def triton_on_cpu() -> Iterator[None]:
 
 def dense(outputs: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """A fused op's outputs, contiguous: every op's fake says so, and Inductor asserts the strides of what
-    runs against the fake's (inputs laid out transposed would otherwise give transposed gradients)."""
+    runs against the fake's (inputs laid out transposed would otherwise give transposed gradients). Each
+    owns its storage: a custom op's outputs may not alias each other (the memory and the normaliser cut
+    from one state are views of it, contiguous ones at batch 1)."""
     if isinstance(outputs, torch.Tensor):
         return outputs.contiguous()
-    return tuple(t.contiguous() for t in outputs)
+    owned, storages = [], set()
+    for t in outputs:
+        t = t.contiguous()
+        if t.untyped_storage().data_ptr() in storages and t.numel():
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        owned.append(t)
+    return tuple(owned)

@@ -80,12 +80,14 @@ _FAR_MEANS, _FAR_LOG_VARIANCES = 6.0, 8.0
 
 def far_draw(env: dict, means: Sequence, scales: dict, seed: int) -> dict:
     """``env`` (node → drawn value) with ``means`` redrawn in (−6, 6) and each of ``scales`` (node →
-    parameterisation) redrawn as variances e^(−8..8) in that parameterisation; the rest as drawn."""
+    parameterisation) drawn itself redrawn as variances e^(−8..8) in that parameterisation; the rest as drawn."""
     gen = torch.Generator().manual_seed(seed)
     far = dict(env)
     for node in means:
         far[node] = _FAR_MEANS * (2 * torch.rand(env[node].shape, generator=gen, dtype=torch.float64) - 1)
     for node, param in scales.items():
+        if node not in env:  # computed from what was drawn (softplus(raw) + eps): it stays so
+            continue
         log_v = _FAR_LOG_VARIANCES * (2 * torch.rand(env[node].shape, generator=gen, dtype=torch.float64) - 1)
         far[node] = FROM_LOG_VARIANCE[param](log_v)
     return far
@@ -185,9 +187,12 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
             memo[n] = size_hint(val)
             return memo[n]
         if n.op != "call_function":
-            if isinstance(val, (torch.SymInt, torch.SymFloat, int, float)):
-                raise NotFused(f"it reads {n.name}, a number torch.compile passes in at run time (a size or a float "
-                               "attribute under dynamic=True), not known when compiling")
+            if isinstance(val, (torch.SymFloat, float)):
+                raise NotFused(f"it reads {n.name}, a Python float (an attribute such as self.kappa) that "
+                               "torch.compile passes in at run time under dynamic=True, not known when compiling")
+            if isinstance(val, (torch.SymInt, int)):
+                raise NotFused(f"it reads {n.name}, a size torch.compile passes in at run time (dynamic shapes), "
+                               "not known when compiling")
             raise NotFused(f"it reads {n.name}, an input of the graph whose value is not known when compiling")
         if _is_noop(n) and not (expand and n.target == aten.expand.default):
             memo[n] = run(n.args[0])

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals_scaled, evaluate, far_draw,
@@ -262,7 +263,7 @@ def _describe_other(node: fx.Node) -> str:
         return (f"a 0-d tensor {node.name} that is neither the KL's variance nor a temperature it is divided or "
                 "multiplied by (κ = c·t or c/t)")
     if isinstance(value, torch.Tensor) and not _not_a_product(node) and value.dim() >= 2 \
-            and value.shape[-1] == value.shape[-2]:
+            and statically_known_true(value.shape[-1] == value.shape[-2]):
         return (f"{node.name}, a matrix product of per-position tensors (a term of the KL expanded into products, "
                 "such as the trace Σ_k v_ik / v_jk): kl_attention reads the KL written per pair, μ and σ² broadcast "
                 "as [..., N, 1, K] against [..., 1, N, K]")
@@ -344,7 +345,7 @@ def _dims(rank: int) -> str:
 def _kl_scale(node: fx.Node, draw: dict, rank: int) -> float | None:
     """γ when ``node`` computes γ · KL_ij from the same beliefs (a second copy of the KL, say); else None."""
     shape = shape_of(node)
-    if shape is None or len(shape) != rank or shape[-1] != shape[-2]:
+    if shape is None or len(shape) != rank or not statically_known_true(shape[-1] == shape[-2]):
         return None
     bases, shared, _, others = _score_inputs(node, rank)
     if others or not bases or any(b not in draw for b in [*bases, *shared]):
@@ -477,13 +478,14 @@ def _match_kl(logits, bases, shared, lead, k):
 def _far_from_one(logits, env, constants, mean, scale, param, gamma, own_sizes) -> bool:
     """Whether the score is still γ · KL at means of either sign and variances far from 1 (:func:`far_draw`):
     found at positive values near 1, relu(μ_j) or v.clamp(min=0.02) would pass for μ and v."""
-    far = far_draw(env, [mean], {} if scale is mean else {scale: param}, seed=20251126)
+    memo = {**constants, **far_draw(env, [mean], {} if scale is mean else {scale: param}, seed=20251126)}
     try:
-        value = evaluate(logits, {**constants, **far}, expand=own_sizes)
+        value = evaluate(logits, memo, expand=own_sizes)  # memo: a scale computed from what was drawn, too
+        to_var = _UNIT.get(param) or VARIANCE_FROM[param]
+        kl = _pairwise_kl(*torch.broadcast_tensors(memo[mean], to_var(memo[scale])))
     except Exception:  # noqa: BLE001  (an op undefined there: not the KL, which is)
         return False
-    to_var = _UNIT.get(param) or VARIANCE_FROM[param]
-    return equals_scaled(value, _pairwise_kl(*torch.broadcast_tensors(far[mean], to_var(far[scale]))), gamma)
+    return equals_scaled(value, kl, gamma)
 
 
 def _computed_from_any(node: fx.Node, bases: list) -> bool:

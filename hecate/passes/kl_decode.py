@@ -205,13 +205,14 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
 
 def _far_from_one(logits, env, fixed, gamma, queries, mu, scale, param, prior_mu, prior_scale, prior_param) -> bool:
     """Whether the logits are still γ · KL at means of either sign and variances far from 1 (:func:`far_draw`)."""
-    far = far_draw(env, [mu, prior_mu], {x: p for x, p in ((scale, param), (prior_scale, prior_param))
-                                         if x is not None}, seed=20251126)
+    memo = {**(fixed or {}), **far_draw(env, [mu, prior_mu], {x: p for x, p in ((scale, param), (prior_scale, prior_param))
+                                                              if x is not None}, seed=20251126)}
     try:
-        value = evaluate(logits, {**(fixed or {}), **far})
+        value = evaluate(logits, memo)  # memo: a variance computed from what was drawn, too
+        kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries)
     except Exception:  # noqa: BLE001  (an op undefined there: not the KL, which is)
         return False
-    return equals_scaled(value, _decode_kl(far, mu, scale, param, prior_mu, prior_scale, prior_param, queries), gamma)
+    return equals_scaled(value, kl, gamma)
 
 
 def _decode_kl(env, mu, scale, param, prior_mu, prior_scale, prior_param, queries) -> torch.Tensor:

@@ -44,10 +44,10 @@ def fuse_parallel_forms(gm: fx.GraphModule, report: FusionReport) -> None:
     for y in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _PRODUCTS + (aten.einsum.default,)]:
         if y._erased or not y.users:
             continue  # erased by an earlier fusion
-        form = _parallel_form(y)
-        if form is None:
-            continue
         try:
+            form = _parallel_form(y)
+            if form is None:
+                continue
             _fuse(gm, y, form, report)
         except NotFused as why:
             report.add_miss("linear_attention", f"linear attention in its parallel form (φ(Q)φ(K)ᵀ ⊙ D) V: {why}",
@@ -89,7 +89,7 @@ def _parallel_form(y: fx.Node) -> _Form | None:
         return None
     a, v, pa, pv, py = outer
     sa, sv = _permuted(_shape(a), pa), _permuted(_shape(v), pv)
-    if sa is None or sv is None or len(sa) < 2 or len(sa) != len(sv) or sa[-1] != sa[-2]:
+    if sa is None or sv is None or len(sa) < 2 or len(sa) != len(sv):
         return None
     score, _ = _score_product(a, _shape(a))
     inner = _matrix_product(score, key_major=True) if score is not None else None
@@ -97,9 +97,22 @@ def _parallel_form(y: fx.Node) -> _Form | None:
         return None
     q, k, pq, pk, ps = inner
     sq, sk = _permuted(_shape(q), pq), _permuted(_shape(k), pk)
-    if sq is None or sq != sk or sq[:-1] != sv[:-1] or len(sv) > 4 or pa != _inverse(ps):
+    if sq is None or sq[-1] != sk[-1] or sk[:-1] != sv[:-1] or len(sv) > 4 or pa != _inverse(ps):
         return None  # (A is the masked score: the same layout)
+    if sa[-1] != sa[-2]:
+        if score is a or not all(_symbolic(d) for d in (sa[-1], sa[-2])) or sq[:-2] != sk[:-2]:
+            return None  # no mask, or a cross-attention of other lengths
+        raise NotFused(f"its score is [..., {sa[-2]}, {sa[-1]}]: torch.compile gave the queries' length and the keys' "
+                       "two symbols (it saw no reason they are equal), so the mask on it cannot be proved causal "
+                       "for every length; compile with dynamic=True, or give q and k one length by slicing both "
+                       "from one tensor")
+    if sq != sk:
+        return None
     return _Form(a, score, q, k, v, {"a": pa, "q": pq, "k": pk, "v": pv, "y": py})
+
+
+def _symbolic(size: str) -> bool:
+    return not size.isdigit()
 
 
 def _inverse(perm: list[int] | None) -> list[int] | None:

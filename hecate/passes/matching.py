@@ -340,7 +340,7 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
         raise ValueError("replace_with_function: no argument has a fake value (node.meta['val']); "
                          "the graph must come from the pipeline's re-trace")
     with fake_mode:
-        traced = make_fx(fn, pre_dispatch=True)(*values)
+        traced = make_fx(_in_dtypes_of(fn, old_outputs), pre_dispatch=True)(*values)
     graph = gm.graph
     source = next((n.meta["stack_trace"] for n in reversed(nodes) if n.meta.get("stack_trace")), None)
     env: dict[fx.Node, Any] = {}
@@ -366,6 +366,20 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
                          f"tensor(s) for {len(old_outputs)} output(s) of the replaced subgraph")
     _substitute(graph, nodes, old_outputs, new_outputs)
     return new_outputs
+
+
+def _in_dtypes_of(fn: Callable, outputs: Sequence[fx.Node]) -> Callable:
+    """``fn`` with each output cast to the dtype of the node it replaces where they differ: under autocast a
+    read rounded to bf16 and divided by a float32 normaliser is float32, and so must the fused result be."""
+    dtypes = [getattr(val(o), "dtype", None) for o in outputs]
+
+    def in_dtypes(*args):
+        leaves, spec = pytree.tree_flatten(fn(*args))
+        leaves = [x.to(d) if isinstance(x, torch.Tensor) and d is not None and x.dtype != d else x
+                  for x, d in itertools.zip_longest(leaves, dtypes[:len(leaves)])]
+        return pytree.tree_unflatten(leaves, spec)
+
+    return in_dtypes
 
 
 def _nodes_in(arg: Any) -> list[fx.Node]:

@@ -829,13 +829,36 @@ def _reads_per_head(body: fx.GraphModule) -> bool:
     return any(len(found) > 1 for found in indices.values())
 
 
+def forms_outer_product(body: fx.Graph) -> bool:
+    """Whether a loop body forms an outer product ([.., D, 1] times [.., 1, K], however written: the normal form
+    makes einsum, ``torch.outer`` and size-1 matmuls that product), as a memory update does. A loop without one
+    (a Q-flow's belief updates) is no memory loop, and its report says nothing of it."""
+    for node in body.find_nodes(op="call_function", target=aten.mul.Tensor) + \
+            body.find_nodes(op="call_function", target=aten.matmul.default) + \
+            body.find_nodes(op="call_function", target=aten.bmm.default):
+        shapes = [getattr(a.meta.get("val"), "shape", None) if isinstance(a, fx.Node) else None for a in node.args[:2]]
+        if any(s is None or len(s) < 2 for s in shapes):
+            continue
+        a, b = shapes
+        if node.target is aten.mul.Tensor and (_one(a[-1]) and _one(b[-2]) or _one(a[-2]) and _one(b[-1])):
+            return True
+        if node.target is not aten.mul.Tensor and _one(a[-1]):  # a product that sums over one element
+            return True
+    return False
+
+
+def _one(size) -> bool:
+    return isinstance(size, int) and size == 1
+
+
 def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
     """Replace every scan whose body is a step ``op`` computes; report (once) the scans that are no memory step."""
     kind = {"memory_scan": "lp", "linear_attention": "hebbian"}[op]
     for node in scans(gm):
         rec = recognise(gm, node)
         if isinstance(rec, NotFused):
-            if not node.meta.get("hecate_memory_step_reported"):
+            if not node.meta.get("hecate_memory_step_reported") \
+                    and forms_outer_product(getattr(gm, node.args[0].target).graph):
                 node.meta["hecate_memory_step_reported"] = True
                 heads = _HEADS_ADVICE if _reads_per_head(getattr(gm, node.args[0].target)) else ""
                 report.add_miss(op, f"{_form(node)} of {_over(node)} is not a memory step: {rec}{heads}", node.name,

@@ -61,7 +61,7 @@ from torch.fx.passes.utils.matcher_utils import InternalMatch
 
 from hecate.passes.report import FusionReport
 from hecate.lowering import pointwise
-from hecate.passes.matching import Match, find_matches, pad_fill, pattern_graph, replace_with_op, val
+from hecate.passes.matching import Match, NotFused, find_matches, pad_fill, pattern_graph, replace_with_op, val
 
 PATTERN = "qk_preprocess"
 OP_NAME = "hecate.qk_preprocess"
@@ -914,7 +914,10 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
                 else:
                     chains.append(chain)
     for chain in chains:
-        _replace(gm, chain, op, report)
+        try:
+            _replace(gm, chain, op, report)
+        except NotFused as why:  # found only when replacing: gradients that stop inside the chain
+            report.add_miss(PATTERN, str(why), nodes=[n for part in chain.parts for n in part.match.nodes])
 
 
 def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> None:

@@ -202,13 +202,16 @@ _LOGIT_READERS = _SOFTMAX + (aten.cross_entropy_loss.default, aten.logsumexp.def
 
 
 def _decode_scores_by_pairs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
-    """A (log-)softmax, cross-entropy or logsumexp over logits built by broadcasting per-position
+    """A (log-)softmax, cross-entropy or logsumexp over (or a return of) logits built by broadcasting per-position
     beliefs [..., N, 1, K] against per-token tensors [V, K] and reducing K, with a log or exp of the
     features on the way (the variances of a Gaussian KL), that kl_decode left: a layout or a
     consumer it does not take."""
-    for reader in (n for t in _LOGIT_READERS for n in graph.find_nodes(op="call_function", target=t)):
-        logits = _shape(reader.args[0])
-        if logits is None:
+    readers = [n for t in _LOGIT_READERS for n in graph.find_nodes(op="call_function", target=t)]
+    returned = [n for out in graph.find_nodes(op="output") for n in out.all_input_nodes
+                if n.op == "call_function" and n.target not in _LOGIT_READERS]  # the logits returned
+    for reader in readers + returned:
+        logits = _shape(reader.args[0] if reader in readers else reader)
+        if logits is None or reader in returned and len(logits) < 2:
             continue
         ancestors = list(_ancestors(reader))
         for node in ancestors:
@@ -220,9 +223,12 @@ def _decode_scores_by_pairs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node
                    for a in ancestors):
                 yield (f"logits over {out[dims[1]]} tokens built by broadcasting per-position beliefs "
                        f"[..., 1, {width}] against per-token [{out[dims[1]]}, {width}] tensors were not fused: "
-                       "kl_decode takes the logits −KL(q_i‖π_v)/τ laid out [..., N, V], read as they are, by a "
-                       "softmax, or by cross-entropy over their last dim after a view(-1, V); compiled as "
-                       "written", [reader, node])
+                       "kl_decode fuses logits that are −KL(q_i‖π_v)/τ of diagonal Gaussians (the beliefs and "
+                       "the token priors each a mean and a variance, log-variance, standard deviation or "
+                       "precision), laid out [..., N, V] and returned or read as they are by a softmax, or by "
+                       "cross-entropy over their last dim after a view(-1, V); these are not both; compiled as "
+                       "written",
+                       [reader, node])
                 break
 
 

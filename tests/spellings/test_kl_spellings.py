@@ -335,6 +335,34 @@ def test_q_flow_with_a_fixed_variance_fuses_every_step(fresh_dynamo):
     assert not report.misses, str(report)
 
 
+def q_flow_distributions_causal(mu, std, steps=2):  # each step's KL by torch.distributions, a causal mask
+    mask = ~torch.tril(torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool))
+    for _ in range(steps):
+        kl = kl_divergence(Normal(mu[:, :, None], std[:, :, None]), Normal(mu[:, None], std[:, None])).sum(-1)
+        beta = (-kl).masked_fill(mask, float("-inf")).softmax(-1)
+        mu = mu + 0.3 * (beta @ mu - mu)
+    return mu
+
+
+def test_q_flow_by_distributions_fuses_every_step(fresh_dynamo):
+    """A later step's means are the fused op's output: drawn as beliefs, not evaluated through the op."""
+    report = _compare(q_flow_distributions_causal, (torch.randn(B, N, K), _var((B, N, K))), "kl_attention")
+    assert report.count("kl_attention") == 2 and not report.misses, str(report)
+
+
+def d_reversed_kl_logits_returned(mu, var, prior_mu, prior_var):  # KL(π_v ‖ q_i): not kl_decode's, returned
+    mi, vi = mu.unsqueeze(2), var.unsqueeze(2)
+    return -0.5 * (torch.log(vi / prior_var) + (prior_var + (mi - prior_mu) ** 2) / vi - 1).sum(-1)
+
+
+def test_returned_logits_that_are_not_the_kl_are_reported(fresh_dynamo):
+    args = (torch.randn(B, N, K), _var((B, N, K)), torch.randn(V, K), _var((V, K)))
+    report = hecate.explain(d_reversed_kl_logits_returned, *args)
+    misses = [m for m in report.misses if m.pattern == "kl_decode"]
+    assert report.count("kl_decode") == 0 and misses, str(report)
+    assert "returned or read as they are" in misses[0].reason, misses[0]
+
+
 def test_masked_rows_give_nan_as_eager(fresh_dynamo):
     """Causal without self: row 0 has no key; softmax of all −inf is NaN in eager, and compiled."""
     def fn(mu, var):
@@ -569,6 +597,31 @@ def test_decode_expanded_into_products_is_reported(fresh_dynamo):
     assert "expanded into products" in misses[0].reason and "test_kl_spellings.py" in misses[0].source, misses[0]
     compiled = torch.compile(m_decode_expanded_into_products, backend="hecate", options={"fallback": "eager"})
     assert_close("output", compiled(*args), m_decode_expanded_into_products(*args), 1e-6)
+
+
+def d_prior_variance_floored(mu, var, prior_mu, prior_var, targets):  # floored in the Mahalanobis term only
+    mi, vi = mu.unsqueeze(2), var.unsqueeze(2)
+    kl = 0.5 * (torch.log(prior_var / vi) + vi / prior_var + (mi - prior_mu) ** 2 / prior_var.clamp(min=0.05) - 1)
+    return F.cross_entropy(-kl.sum(-1).view(-1, V), targets.view(-1))
+
+
+def d_abs_beliefs(mu, var, prior_mu, prior_var, targets):  # |μ| taken per pair: the KL where the means are positive
+    mi, vi = mu.unsqueeze(2).abs(), var.unsqueeze(2)
+    kl = 0.5 * (torch.log(prior_var / vi) + (vi + (mi - prior_mu) ** 2) / prior_var - 1)
+    return F.cross_entropy(-kl.sum(-1).view(-1, V), targets.view(-1))
+
+
+@pytest.mark.parametrize("fn", [d_prior_variance_floored, d_abs_beliefs], ids=lambda f: f.__name__)
+def test_decode_that_is_the_kl_only_near_one_is_reported(fn, fresh_dynamo):
+    """Values near 1 alone would take these for the KL: the check far from 1 finds they are not."""
+    args = (torch.randn(B, N, K), _var((B, N, K)), torch.randn(V, K), _var((V, K)) * 0.1,
+            torch.randint(0, V, (B, N)))
+    report = hecate.explain(fn, *args)
+    misses = [m for m in report.misses if m.pattern == "kl_decode"]
+    assert report.count("kl_decode") == 0 and misses, str(report)
+    assert "but not at means of either sign and variances far from 1" in misses[0].reason, misses[0]
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(*args), fn(*args), 1e-6)
 
 
 # --- KL decode as new users write it: modules with prior tables, shared or unit prior variances ------
@@ -948,7 +1001,28 @@ def m_trace_by_einsum(mu, var):  # the Mahalanobis term per pair by einsum, the 
     return F.softmax(-kl, dim=-1) @ mu
 
 
+def m_relu_key_means(mu, var):  # relu(μ_j): the KL of the means where they are positive, not elsewhere
+    mi, mj, vi, vj = mu.unsqueeze(2), F.relu(mu).unsqueeze(1), var.unsqueeze(2), var.unsqueeze(1)
+    kl = 0.5 * (torch.log(vj / vi) + (vi + (mi - mj) ** 2) / vj - 1).sum(-1)
+    return torch.softmax(-kl, -1) @ mu
+
+
+def m_variance_floor_in_one_term(mu, var):  # v_j floored at 0.02 in the Mahalanobis term only
+    mi, mj, vi, vj = mu.unsqueeze(2), mu.unsqueeze(1), var.unsqueeze(2), var.unsqueeze(1)
+    kl = 0.5 * (torch.log(vj / vi) + vi / vj + (mi - mj) ** 2 / vj.clamp(min=0.02) - 1).sum(-1)
+    return torch.softmax(-kl, -1) @ mu
+
+
+def m_difference_clipped(mu, var):  # (μ_i − μ_j).clamp(−5, 5): the KL while the means are close
+    mi, mj, vi, vj = mu.unsqueeze(2), mu.unsqueeze(1), var.unsqueeze(2), var.unsqueeze(1)
+    kl = 0.5 * (torch.log(vj / vi) + (vi + (mi - mj).clamp(-5, 5) ** 2) / vj - 1).sum(-1)
+    return torch.softmax(-kl, -1) @ mu
+
+
 @pytest.mark.parametrize("fn,extra,reason", [
+    (m_relu_key_means, (), "but not at means of either sign and variances far from 1"),
+    (m_variance_floor_in_one_term, (), "but not at means of either sign and variances far from 1"),
+    (m_difference_clipped, (), "but not at means of either sign and variances far from 1"),
     (m_cdist, (), "made by torch.cdist"),
     (m_trace_by_einsum, (), "a matrix product of per-position tensors"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),

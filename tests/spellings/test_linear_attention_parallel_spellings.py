@@ -229,6 +229,22 @@ def test_anticausal_mask_is_reported_with_its_reason(fresh_dynamo):
     assert miss.source.startswith("test_linear_attention_parallel_spellings.py:"), miss.source
 
 
+def test_lengths_given_two_symbols_are_reported(fresh_dynamo):
+    """mark_dynamic on each input gives q's and k's lengths their own symbols: the mask on a score
+    [.., s_q, s_k] cannot be proved causal; reported, not silent."""
+    def masked(k, v, q):
+        return (q @ k.mT).tril() @ v
+    k, v, q = (torch.randn(B, T, D) for _ in range(3))
+    for x in (k, v, q):
+        torch._dynamo.mark_dynamic(x, 1)
+    got = torch.compile(masked, backend="hecate", options={"fallback": "eager"})(k, v, q)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 0, str(report)
+    [miss] = report.misses
+    assert "two symbols" in miss.reason and "dynamic=True" in miss.reason, miss
+    assert_close("y", got, masked(k, v, q), TOL)
+
+
 def test_normaliser_is_fused_with_its_eps(fresh_dynamo):
     report = _check(normalised_by_reciprocal, [torch.randn(B, T, D) for _ in range(3)], False)
     assert report.fusions[0].detail.endswith("normalised"), report.fusions[0].detail

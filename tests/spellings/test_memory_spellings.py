@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hecate
 from hecate.testing import assert_close
@@ -651,7 +652,30 @@ def hebbian_in_place_on_a_clone_read_through_a_transpose(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_relu_key_abs_query_inside_the_loop(k, v, q, alpha, eta):
+    """φ = relu on the key and |·| on the query, taken per step inside the loop: the fused step reads φ(k_t),
+    |q_t| (they equal k_t, q_t wherever those are positive, so the roles are read at inputs of either sign)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        k_t, q_t = F.relu(k[:, t]), q[:, t].abs()
+        e = (M @ k_t.unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * (2 * e).unsqueeze(-1) * k_t.unsqueeze(-2)
+        ys.append((M @ q_t.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def hebbian_clamped_value_relu_query(k, v, q, alpha, eta):
+    """v_t clamped to [0, 1] and relu(q_t), per step: kept in the fused step, not read as v_t and q_t."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = (1 - alpha[:, t, :, None, None]) * M + v[:, t].clamp(0, 1).unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ F.relu(q[:, t]).unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
+    "l2_relu_key_abs_query_inside_the_loop": (l2_relu_key_abs_query_inside_the_loop, "memory_scan"),
+    "hebbian_clamped_value_relu_query": (hebbian_clamped_value_relu_query, "linear_attention"),
     "l2_reference": (l2_reference, "memory_scan"),
     "l2_none_indexing_each_use": (l2_none_indexing_each_use, "memory_scan"),
     "l2_einsum": (l2_einsum, "memory_scan"),
@@ -1133,3 +1157,45 @@ def test_unfused_spelling_says_why_and_matches_eager(name, fresh_dynamo):
     assert not report.fusions, str(report)
     reason = report.misses[0].reason if report.misses else ""
     assert all(r in reason for r in reasons), str(report)
+
+
+class NormalisedLinearAttention(torch.nn.Module):
+    """A normalised linear-attention loop, elu+1 features, one projection for q, k, v."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        M, z, ys = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), x.new_zeros(x.shape[0], x.shape[-1]), []
+        for t in range(x.shape[1]):
+            M = M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+            z = z + k[:, t]
+            ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1) / ((z * q[:, t]).sum(-1, keepdim=True) + 1e-6))
+        return torch.stack(ys, 1)
+
+
+def test_autocast_keeps_the_dtype_eager_gives(fresh_dynamo):
+    """Under bf16 autocast the read is bf16 and the normaliser float32: eager's y is float32, and so is the fused."""
+    torch.manual_seed(0)
+    model, x = NormalisedLinearAttention(), torch.randn(2, 6, 4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+        got = torch.compile(model, backend="hecate", options={"fallback": "eager"})(x)
+    assert hecate.last_report().count("linear_attention") == 1, str(hecate.last_report())
+    assert got.dtype == ref.dtype == torch.float32
+    assert_close("y", got, ref, 2e-2)  # bf16 rounding: eager rounds the read, the op its inputs
+
+
+def test_batch_of_one_fuses_and_equals_eager(fresh_dynamo):
+    """At batch 1 the op's memory and normaliser are views of one state: returned as their own tensors."""
+    torch.manual_seed(0)
+    model, x = NormalisedLinearAttention(), torch.randn(1, 5, 4, requires_grad=True)
+    got = torch.compile(model, backend="hecate")(x)
+    assert hecate.last_report().count("linear_attention") == 1, str(hecate.last_report())
+    ref = model(x)
+    assert_close("y", got, ref, TOL)
+    (g,), (r,) = torch.autograd.grad(got.sum(), x), torch.autograd.grad(ref.sum(), x)
+    assert_close("dx", g, r, TOL)

@@ -295,6 +295,10 @@ NOT_FUSED = {
         "a conv written by hand over a tensor zero-padded (0, 3) on dim 1, read through its shifted windows "
         "(unfold(1, 4, 1)), not fused: padded after, its output at t reads positions up to t + 3, so it is not "
         "causal"),
+    "SiLU's gate detached, sigmoid(z).detach() * z (a straight-through SiLU)": (
+        lambda m, x: (lambda z: F.elu(torch.sigmoid(z).detach() * z) + 1)(
+            _conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2)),
+        "gradients stop inside it"),
     "by hand, the windows weighted by the data (not one kernel)": (
         lambda m, x: F.silu(sum(F.pad(h, (K - 1, 0))[..., k:k + x.shape[1]] * h[:, :, :1]
                                 for h in [m.proj(x).transpose(1, 2)] for k in range(K)).transpose(1, 2)),

@@ -88,6 +88,18 @@ def test_opcheck():
         torch.library.opcheck(op.default, (k, v, q, alpha, m0, z0, normalize, 1e-6, causal))
 
 
+@pytest.mark.parametrize("causal,normalize", [(True, True), (True, False), (False, True)])
+def test_one_sequence_one_head_outputs_own_their_storage(causal, normalize):
+    """At B = H = 1 the memory and the normaliser cut from one state are contiguous views of it; a custom op's
+    outputs may alias neither its inputs nor each other (opcheck and torch.compile check both)."""
+    k, v, q, alpha, m0, z0 = [x.detach().float() if x is not None else None
+                              for x in make_inputs(causal, normalize, causal, causal, B=1, H=1)]
+    y, m, z = op(k, v, q, alpha, m0, z0, normalize, 1e-6, causal)
+    tensors = [t for t in (y, m, z, k, v, q, alpha, m0, z0) if t is not None]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+    torch.library.opcheck(op.default, (k, v, q, alpha, m0, z0, normalize, 1e-6, causal))
+
+
 def test_bad_inputs():
     k, v, q, alpha, m0, z0 = [x.detach() if x is not None else None for x in make_inputs(True, True, True, True)]
     with pytest.raises(ValueError, match=r"alpha must be None for the non-causal form"):
