@@ -20,9 +20,10 @@ G is a pointwise function of e. The proof is by meaning, not by matching one spe
 
 1. the body's additive/multiplicative structure is read off the graph (sums of products,
    seen through views): which term keeps M, which updates it, which factors are gates;
-2. the roles are found by evaluating the body at random float64 points (its own generator,
-   the user's RNG is not touched; symbolic sizes, under dynamic=True or a dynamic export, at
-   the example's): y equals read(M_new, q) for one per-step value q; one node
+2. the roles are found by evaluating the body at random float64 points of either sign (its own
+   generator, the user's RNG is not touched; positive points where the body is not finite at signed
+   ones, a root or log of an input; so relu(k_t) or |q_t| is never taken for k_t or q_t; symbolic
+   sizes, under dynamic=True or a dynamic export, at the example's): y equals read(M_new, q) for one per-step value q; one node
    equals read(M, k) − v; G is evaluated on its own over a grid of e and identified as one of
    memory_scan's bias gradients (2e, tanh(a·e), p·tanh(a·e)·(e²+eps)^((p−1)/2)), its
    parameters taken from the body's literals;
