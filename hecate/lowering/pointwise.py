@@ -32,6 +32,7 @@ and or not where. NaN propagates as in torch (maximum/minimum/clamp/relu of NaN 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import importlib.util
@@ -655,7 +656,15 @@ def _backward_decompositions() -> dict:
 
 @functools.lru_cache(maxsize=1024)
 def derivative(expr: str) -> str:
-    """f'(x) as an expression: make_fx of the vjp of :func:`evaluate` with a cotangent of ones."""
+    """f'(x) as an expression: make_fx of the vjp of :func:`evaluate` with a cotangent of ones.
+
+    Traced in a thread of its own: the caller may be inside a trace (Inductor lowering the op's backward
+    runs under fake mode and functorch's transforms), and those modes are per thread."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_derivative, expr).result()
+
+
+def _derivative(expr: str) -> str:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     e = parse(expr)

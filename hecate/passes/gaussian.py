@@ -84,6 +84,8 @@ def far_draw(env: dict, means: Sequence, scales: dict, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     far = dict(env)
     for node in means:
+        if node not in env:  # computed from what was drawn: it stays so
+            continue
         far[node] = _FAR_MEANS * (2 * torch.rand(env[node].shape, generator=gen, dtype=torch.float64) - 1)
     for node, param in scales.items():
         if node not in env:  # computed from what was drawn (softplus(raw) + eps): it stays so

@@ -81,7 +81,7 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
     one per feature); a 0-d tensor may be a prior variance shared by everything, or a temperature
     held as a tensor."""
     score = shape_of(logits)
-    queries, priors, scalars, seen, stack = [], [], [], set(), [logits]
+    queries, priors, scalars, numbers, seen, stack = [], [], [], [], set(), [logits]
     while stack:
         node = stack.pop()
         if node in seen:
@@ -99,6 +99,9 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
         elif shape == ():
             node = strip_noops(node)
             scalars.append(node) if node not in scalars else None
+        elif shape is not None and len(shape) == len(score) and all(_is(a, b) for a, b in zip(shape, score[:-1])) \
+                and _is(shape[-1], 1) and not _is(score[-1], 1):
+            numbers.append(node)  # [..., N, 1]: a number per position (−Σ_k log v_k summed apart)
         elif shape is not None and not _in_score(shape, score):
             return None  # the walk stays inside the [B, N, V(, K)] score
         elif node.op != "call_function":
@@ -106,7 +109,32 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
                 return None
         else:
             stack.extend(node.all_input_nodes)
+    for number in numbers:  # drawn through what it is computed from, as the beliefs are
+        sources = _per_position_sources(number, score[:-1])
+        if not sources:
+            return None
+        queries += [x for x in sources if x not in queries]
     return independent(queries), independent(priors), independent(scalars)
+
+
+def _per_position_sources(node: fx.Node, lead: tuple, depth: int = 8) -> list[fx.Node]:
+    """The nearest per-position tensors [..., N, K] (``lead`` = [..., N]) ``node`` is computed from."""
+    found, frontier, seen = [], [node], {node}
+    for _ in range(depth):
+        parents = []
+        for n in frontier:
+            for x in n.all_input_nodes:
+                shape = shape_of(x)
+                if x in seen or shape is None:
+                    continue
+                seen.add(x)
+                if len(shape) == len(lead) + 1 and all(_is(a, b) for a, b in zip(shape, lead)) \
+                        and not _is(shape[-1], 1):
+                    found.append(x)
+                else:
+                    parents.append(x)
+        frontier = parents
+    return found
 
 
 def _is(size, other) -> bool:
@@ -134,11 +162,23 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     if found is None or not found[0] or not found[1]:
         return None
     queries, priors, scalars = found
-    k = {size_hint(shape_of(x)[-1]) for x in queries + priors}
-    if len(k) != 1 or len(queries) + len(priors) < 3:  # means and a variance on each side
+    v = size_hint(shape[-1])
+    k = {size_hint(shape_of(x)[-1]) for x in queries} - {1}  # a variance [..., N, 1] is isotropic
+    if len(k) != 1:
         return None
     k = k.pop()
-    v = size_hint(shape[-1])
+    # a number per token [V] (Σ_k log s_vk summed apart) is drawn through the [V, K] tensors it is computed from
+    numbers = [x for x in priors if len(shape_of(x)) == 1 and _is(shape_of(x)[0], v) and k != v]
+    priors = _with_sources([x for x in priors if x not in numbers], k, v)
+    for number in numbers:
+        sources = _with_sources([number], k, v)[1:]
+        if not sources:
+            return None
+        priors += [x for x in sources if x not in priors]
+    priors = [x for x in priors if x not in numbers]
+    if any(not _is(shape_of(x)[-1], k) and not _is(shape_of(x)[-1], 1) for x in priors) \
+            or len(queries) + len(priors) < 3:  # means and a variance on each side
+        return None
     decode = _match(logits, queries, priors + scalars, k, v, shape)
     if decode is not None or not scalars:
         return decode
@@ -148,6 +188,24 @@ def _recognise(logits: fx.Node) -> _Decode | None:
         raise NotFused(f"the logits read {names}, a 0-d tensor, besides the beliefs and priors, and are "
                        "−KL(q_i‖π_v) where it is 1, but not −KL/τ for τ = c·t or c/t of it")
     return None
+
+
+def _with_sources(priors: list, k: int, v: int) -> list:
+    """``priors`` and the per-token or shared tensors ([V, K], [1, K], [K]) they are computed from: ``2 * vp``
+    and ``vp.log()`` read apart are both computed from vp, which is drawn; they are evaluated from it."""
+    found, stack = list(priors), list(priors)
+    while stack:
+        node = stack.pop()
+        if node.op != "call_function":
+            continue
+        for x in node.all_input_nodes:
+            shape, value = shape_of(x), x.meta.get("val")
+            if x in found or shape is None or len(shape) not in (1, 2) or not value.is_floating_point() \
+                    or not _is(shape[-1], k) or len(shape) == 2 and not (_is(shape[0], v) or _is(shape[0], 1)):
+                continue
+            found.append(x)
+            stack.append(x)
+    return found
 
 
 def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
@@ -163,12 +221,15 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
     for low, high in ((0.3, 2.0), (0.05, 4.0)):
         env = {x: low + (high - low) * torch.rand(*positions, k, generator=gen, dtype=torch.float64)
                for x in queries}
-        env.update({x: low + (high - low) * torch.rand(own(x), generator=gen, dtype=torch.float64) for x in priors})
+        env.update({x: low + (high - low) * torch.rand(own(x), generator=gen, dtype=torch.float64)
+                    for x in independent(priors)})
+        memo = {**(fixed or {}), **env}
         try:
-            value = evaluate(logits, {**(fixed or {}), **env})
+            value = evaluate(logits, memo)  # memo: the priors computed from those drawn, too
         except Exception:  # not evaluable at other sizes: not recognisable
             return None
-        draws.append((env, value))
+        draws.append((env, memo, value))
+    priors = [x for x in priors if isinstance(draws[0][1].get(x), torch.Tensor)]
     near_one_only = None
     per_token = [x for x in priors if own(x) == (v, k)]  # the means differ per token
     shared = [x for x in priors if x not in per_token]  # [K], [1, K], 0-d: a variance of the beliefs' or the priors'
@@ -181,13 +242,13 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
                     for param in VARIANCE_FROM:
                         for prior_param in (_UNIT if prior_scale is None else VARIANCE_FROM):
                             alphas = []
-                            for env, value in draws:
-                                kl = _decode_kl(env, mu, scale, param, prior_mu, prior_scale, prior_param, queries)
-                                alphas.append(proportion(value, kl))
+                            for _, memo, value in draws:
+                                kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries)
+                                alphas.append(proportion(value, kl) if kl is not None else None)
                             if not all(a is not None and a < 0 for a in alphas):
                                 continue
                             tau = float(f"{-1.0 / alphas[0]:.12g}") if math.isclose(*alphas, rel_tol=1e-9) else \
-                                run_time_temperature([-1.0 / a for a in alphas], [env for env, _ in draws],
+                                run_time_temperature([-1.0 / a for a in alphas], [memo for _, memo, _ in draws],
                                                      [x for x in priors if x not in (prior_mu, prior_scale)])
                             if tau is not None:
                                 if not _far_from_one(logits, draws[0][0], fixed, alphas[0], queries, mu, scale,
@@ -212,16 +273,20 @@ def _far_from_one(logits, env, fixed, gamma, queries, mu, scale, param, prior_mu
         kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries)
     except Exception:  # noqa: BLE001  (an op undefined there: not the KL, which is)
         return False
-    return equals_scaled(value, kl, gamma)
+    return kl is not None and equals_scaled(value, kl, gamma)
 
 
-def _decode_kl(env, mu, scale, param, prior_mu, prior_scale, prior_param, queries) -> torch.Tensor:
-    """KL(q_i ‖ π_v) [..., N, V] of the drawn beliefs and priors in these roles."""
-    belief_var = VARIANCE_FROM[param](env[scale])
+def _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries) -> torch.Tensor | None:
+    """KL(q_i ‖ π_v) [..., N, V] of the beliefs and priors drawn or evaluated (``memo``) in these roles; None
+    where their values do not broadcast so."""
+    belief_var = VARIANCE_FROM[param](memo[scale])
     belief_var = belief_var.unsqueeze(-2) if scale in queries else belief_var
     prior_to_var = (_UNIT if prior_scale is None else VARIANCE_FROM)[prior_param]
-    return gaussian_kl(env[mu].unsqueeze(-2), belief_var, env[prior_mu],
-                       prior_to_var(env.get(prior_scale, env[prior_mu])))
+    try:
+        return gaussian_kl(memo[mu].unsqueeze(-2), belief_var, memo[prior_mu],
+                           prior_to_var(memo.get(prior_scale, memo[prior_mu])))
+    except RuntimeError:  # shapes that do not broadcast: not these roles
+        return None
 
 
 def run(gm: fx.GraphModule, report: FusionReport) -> None:

@@ -1199,3 +1199,16 @@ def test_batch_of_one_fuses_and_equals_eager(fresh_dynamo):
     assert_close("y", got, ref, TOL)
     (g,), (r,) = torch.autograd.grad(got.sum(), x), torch.autograd.grad(ref.sum(), x)
     assert_close("dx", g, r, TOL)
+
+
+def test_generated_bias_gradient_compiles_with_inductor(fresh_dynamo):
+    """The default fallback: Inductor lowers the op's backward under fake mode; the derivative of a generated
+    g(e) (Huber) is traced outside it (it failed there, and the graph was compiled without fusions)."""
+    inputs = _inputs()
+    y_ref, m_ref, g_ref = _run(huber, inputs)
+    y, m, g = _run(torch.compile(huber, backend="hecate"), inputs)
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 1 and not report.misses, str(report)
+    assert_close("y", y, y_ref, TOL)
+    for i, (a, b) in enumerate(zip(g, g_ref)):
+        assert_close(f"grad {i}", a, b, TOL)

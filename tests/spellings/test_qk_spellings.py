@@ -378,3 +378,18 @@ def test_stateful_spelling_fuses_with_its_state_and_matches_eager(name):
     spelling, step, detail = STATEFUL_SPELLINGS[name]
     args = (torch.randn(B, D_IN) if step else torch.randn(B, T, D_IN), torch.randn(B, K - 1, D))
     _fuses_and_matches_eager(StatefulBlock(spelling), args, detail, ("x", "state"))
+
+
+def test_generated_phi_compiles_with_inductor(fresh_dynamo):
+    """The default fallback: Inductor lowers the op's backward under fake mode; the derivative of a generated
+    φ (softplus) is traced outside it (it failed there, and the graph was compiled without fusions)."""
+    model = Block(lambda m, x: F.softplus(F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2))))
+    x = torch.randn(B, T, D_IN, requires_grad=True)
+    got = torch.compile(model, backend="hecate")(x)
+    report = hecate.last_report()
+    assert report.count("qk_preprocess") == 1 and not report.misses, str(report)
+    ref_x = x.detach().clone().requires_grad_()
+    ref = model(ref_x)
+    assert_close("output", got, ref, TOL)
+    (g,), (r,) = torch.autograd.grad(got.sum(), x), torch.autograd.grad(ref.sum(), ref_x)
+    assert_close("dx", g, r, TOL)
