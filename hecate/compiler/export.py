@@ -283,6 +283,32 @@ def _quiet_onnx_exporter():
             logger.setLevel(level)
 
 
+def _opset_every_node_has(model) -> None:
+    """Raise the model's default-domain opset to the first that defines each of its operators. torch.onnx
+    builds the graph at opset 18 and converts it to the one asked for; its own translations may use a newer
+    operator (``Gelu``, opset 20), the conversion then fails, and the model stays at 18 with a node
+    onnxruntime rejects there. Opsets 19 and 20 extend the operators of 18 without changing them, except
+    GridSample and DFT (which the models here do not use)."""
+    import onnx
+    from onnxscript import ir
+
+    version = model.opset_imports.get("", None)
+    if version is None:
+        return
+    needed = version
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain != "":
+            continue
+        for v in range(needed, onnx.defs.onnx_opset_version() + 1):
+            try:
+                onnx.defs.get_schema(node.op_type, v, "")
+            except onnx.defs.SchemaError:
+                continue
+            needed = v
+            break
+    model.opset_imports[""] = needed
+
+
 def _name_dynamic_dims(model) -> None:
     """Name the dynamic dims of the ONNX graph after what they are ("batch", "sequence"), not s77, s27.
 
@@ -349,6 +375,7 @@ def export_onnx(model: torch.nn.Module, args: Sequence[Any], path: str | os.Path
                                          opset_version=opset_version, external_data=False)
     report.onnx_forms = forms
     finish_model(onnx_program, fused_domain)
+    _opset_every_node_has(onnx_program.model)
     _name_dynamic_dims(onnx_program.model)
     onnx_program.save(os.fspath(path))
     return report

@@ -42,7 +42,8 @@ whole graph and the body of every ``scan`` in it in this form:
   ``unfold(-1, K, 1)``, is ``F.conv1d(F.pad(h, (K−1, 0)), W, groups=D)`` (:func:`hand_written_convs`; the
   same products, summed in the conv's order), and so, between transposes, is one written channels last
   over ``F.pad(h, (0, 0, K−1, 0))``;
-* a negated reshape or transpose is that of the negation (``-kl.flatten(0, 1)`` → ``(-kl).flatten(0, 1)``);
+* a negated or scaled reshape or transpose is that of the negation or product (``-kl.flatten(0, 1)`` →
+  ``(-kl).flatten(0, 1)``, ``kl.view(-1, V) * -0.5`` → ``(kl * -0.5).view(-1, V)``);
 * common subexpressions: the same pure op on the same inputs (a sum's or a product's in either
   order) is computed once (so
   ``k[:, t]`` written at every use becomes one node; in Dynamo's graph the slices themselves stay
@@ -868,11 +869,15 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             or target is aten.square.default):
         with graph.inserting_before(node):
             return _emit(graph, aten.pow.Tensor_Scalar, args[0], 2)
-    if target is aten.neg.default and isinstance(args[0], fx.Node) and args[0].op == "call_function" \
+    if (target is aten.neg.default or target in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2
+            and isinstance(args[1], (int, float)) and not isinstance(args[1], bool) and not node.kwargs) \
+            and isinstance(args[0], fx.Node) and args[0].op == "call_function" \
             and args[0].target in _RESHAPES + _PERMUTES and len(args[0].users) == 1 and args[0] not in outputs:
-        view = args[0]  # −x.flatten(0, 1) → (−x).flatten(0, 1), −x.mT → (−x).mT: a score's sign stays with the score
+        # −x.flatten(0, 1) → (−x).flatten(0, 1), −x.mT → (−x).mT, x.view(-1, V) * c → (x * c).view(-1, V):
+        # a score's sign and scale stay with the score
+        view = args[0]
         with graph.inserting_before(node):
-            return _emit(graph, view.target, _emit(graph, aten.neg.default, view.args[0]), *view.args[1:],
+            return _emit(graph, view.target, _emit(graph, target, view.args[0], *args[1:]), *view.args[1:],
                          **view.kwargs)
     return None
 

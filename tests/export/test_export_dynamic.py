@@ -286,3 +286,17 @@ def test_export_prints_nothing_but_hecate(tmp_path, capfd, caplog):
     logged = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
     out, err = capfd.readouterr()
     assert not logged and out == "" and err == "", (logged, out, err)
+
+
+def test_an_operator_newer_than_opset_18_loads_in_onnxruntime(tmp_path):
+    """nn.GELU is written as ONNX Gelu (opset 20): torch.onnx builds at 18 and its conversion fails on it; the
+    model's opset is raised to 20, where onnxruntime loads it."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).eval()
+    x = torch.randn(2, 5, 8)
+    path = tmp_path / "gelu.onnx"
+    hecate.export_onnx(model, (x,), path)
+    proto = onnx.load(path)
+    assert "Gelu" in {n.op_type for n in proto.graph.node}
+    assert {o.domain: o.version for o in proto.opset_import}[""] >= 20
+    (got,) = ort.InferenceSession(str(path)).run(None, {proto.graph.input[0].name: x.numpy()})
+    assert_close("y", torch.from_numpy(got), model(x), 1e-5)

@@ -529,9 +529,29 @@ def d_difference_as_a_sum(mu, var, prior_mu, prior_var, targets):  # μ_i + (−
     return F.cross_entropy(-kl.sum(-1).flatten(0, 1), targets.flatten())
 
 
+def d_divided_by_twice_the_variance(mu, var, prior_mu, prior_var, targets):  # (…) / (2·v_p), log v_p apart
+    q = var[:, :, None] + (mu[:, :, None] - prior_mu) ** 2
+    kl = (0.5 * prior_var.log() - 0.5 * var.log()[:, :, None] + q / (2 * prior_var) - 0.5).sum(-1)
+    return F.cross_entropy(-kl.view(-1, V), targets.view(-1))
+
+
+def d_difference_of_log_stds(mu, var, prior_mu, prior_var, targets):  # log σ_p − log σ_q from σ = √v
+    s, sp = var.sqrt(), prior_var.sqrt()
+    kl = (sp.log() - s.log()[:, :, None] + (s[:, :, None] ** 2 + (mu[:, :, None] - prior_mu) ** 2)
+          / (2 * sp ** 2) - 0.5).sum(-1)
+    return F.cross_entropy(-kl.view(-1, V), targets.view(-1))
+
+
+def d_log_determinants_apart(mu, var, prior_mu, prior_var, targets):  # Σ log v per position and per token
+    logdet_q, logdet_p = var.log().sum(-1)[:, :, None], torch.einsum("vk->v", prior_var.log())
+    quad = torch.einsum("bnvk,vk->bnv", var[:, :, None] + (mu[:, :, None] - prior_mu) ** 2, 1 / prior_var)
+    return F.cross_entropy(-0.5 * (quad + logdet_p - logdet_q - K).view(-1, V), targets.view(-1))
+
+
 DECODE = [d_spec_ce, d_logvar_priors_ce_sum, d_distributions_ignore_index, d_logits_returned, d_std_textbook,
           d_log_softmax_nll, d_softplus_helper_flatten, d_gather_nll, d_logsumexp_minus_target, d_label_smoothing,
-          d_probabilities, d_class_dim_one, d_class_dim_one_permuted, d_difference_as_a_sum]
+          d_probabilities, d_class_dim_one, d_class_dim_one_permuted, d_difference_as_a_sum,
+          d_divided_by_twice_the_variance, d_difference_of_log_stds, d_log_determinants_apart]
 _PRIOR_DRAW = {d_logvar_priors_ce_sum: _logvar, d_logits_returned: _var}
 
 

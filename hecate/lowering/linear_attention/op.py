@@ -45,8 +45,8 @@ def check_inputs(k, v, q, alpha, m0, z0, normalize, eps, causal) -> None:
     if v.dtype != k.dtype or q.dtype != k.dtype or not k.is_floating_point():
         raise TypeError(f"linear_attention: k, v and q must share one floating dtype, got k {k.dtype}, "
                         f"v {v.dtype}, q {q.dtype}")
-    if not (eps > 0.0 and math.isfinite(eps)):
-        raise ValueError(f"linear_attention: eps must be finite and > 0, got {eps!r}")
+    if not (eps >= 0.0 and math.isfinite(eps)):  # 0: y = M q / (z·q), as the normaliser is often written
+        raise ValueError(f"linear_attention: eps must be finite and ≥ 0, got {eps!r}")
     Dv = v.shape[-1]
     if not causal:
         for name, x in (("alpha", alpha), ("m0", m0), ("z0", z0)):
