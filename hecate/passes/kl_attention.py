@@ -66,7 +66,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals_scaled, evaluate, far_draw,
                                     gaussian_kl, independent, proportion, run_time_temperature, shape_of, short, strip_noops)
-from hecate.passes.matching import NotFused, replace_with_function, size_hint, tensors_read
+from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, replace_with_function,
+                                    size_hint, tensors_read)
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -299,6 +300,10 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if len(k) != 1:
         raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
     kappa, mean, scale, param, memo = _match_kl(logits, list(bases), shared, rank - 2, k.pop())
+    bound = first_threshold(nodes_between([mean, scale] + ([kappa.node] if isinstance(kappa, Temperature) else []),
+                                          [logits]))
+    if bound is not None:  # (a clamp the far draw does not reach: v_j.clamp(min=1e-4), μ_j.clamp(-10, 10))
+        raise NotFused(bound_reason(bound, "the pairwise score (the KL at the points checked)"))
     if any(kind == "finite" for _, kind in masks):
         raise NotFused("the KL score is masked by masked_fill with a finite number (-1e9, say): the op masks "
                        "with −inf, which differs from it in a row with no allowed key; masked_fill with "

@@ -38,7 +38,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, equals_scaled, evaluate, far_draw, gaussian_kl,
                                     independent, proportion, run_time_temperature, shape_of, short, strip_noops)
-from hecate.passes.matching import NotFused, replace_with_function, size_hint
+from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, replace_with_function,
+                                    size_hint)
 
 PATTERN = "kl_decode"
 aten = torch.ops.aten
@@ -180,6 +181,12 @@ def _recognise(logits: fx.Node) -> _Decode | None:
             or len(queries) + len(priors) < 3:  # means and a variance on each side
         return None
     decode = _match(logits, queries, priors + scalars, k, v, shape)
+    if decode is not None:
+        inputs = [decode.mu, decode.scale, decode.prior_mu, decode.prior_scale] + (
+            [decode.tau.node] if isinstance(decode.tau, Temperature) else [])
+        bound = first_threshold(nodes_between([x for x in inputs if x is not None], [logits]))
+        if bound is not None:
+            raise NotFused(bound_reason(bound, "the logits (the KL at the points checked)"))
     if decode is not None or not scalars:
         return decode
     # the KL when the 0-d tensors are 1: it is read besides the beliefs and priors, as a temperature

@@ -32,7 +32,8 @@ import torch
 from torch import fx
 
 from hecate.passes.gaussian import evaluate
-from hecate.passes.matching import NotFused, replace_with_function, size_hint, tensors_read
+from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, replace_with_function,
+                                    size_hint, tensors_read)
 from hecate.passes.report import FusionReport
 
 aten = torch.ops.aten
@@ -388,6 +389,10 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     if normaliser is not None:
         out = normaliser[0]
         replaced.append(out)
+    inputs = [form.q, form.k, form.v] + ([decay.tensor] if decay.tensor is not None else [])
+    bound = first_threshold(nodes_between(inputs, [out]))
+    if bound is not None:
+        raise NotFused(bound_reason(bound, "it"))
     eps = normaliser[1] if normaliser is not None else 1e-6
     _, between = _score_product(form.a, _shape(form.a))
     gammas = decay.gammas if decay.tensor is None else _GAMMA_FROM[decay.form]
@@ -542,6 +547,9 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
     dtypes = {n.meta["val"].dtype for n in (k, v, q)}
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
         raise NotFused(f"k, v, q have dtypes {sorted(map(str, dtypes))}; linear_attention needs one floating dtype")
+    bound = first_threshold(nodes_between([k, v, q], [read]))
+    if bound is not None:
+        raise NotFused(bound_reason(bound, "it"))
     replace_with_function(gm, [read], _cumulated_as_op, [k, v, q], outputs=[read])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sorted((n for n in inside | {cumsum.args[0], *cumsum.args[0].all_input_nodes} if not n._erased),

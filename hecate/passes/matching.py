@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import fx
@@ -141,6 +141,84 @@ def pad_fill(pad: fx.Node) -> tuple[str, Any]:
     mode = pad.args[2] if len(pad.args) > 2 else pad.kwargs.get("mode", "constant")
     value = pad.args[3] if len(pad.args) > 3 else pad.kwargs.get("value")
     return mode, value
+
+
+aten = torch.ops.aten
+
+# Ops whose value turns on a bound or a sign: evaluated at sample points, clamp(x, -10, 10) is x and
+# where(|s| > 20, 0, s) is s. A pass that recognises a subgraph by evaluating it may not drop one of
+# these unseen; what it fuses must compute each exactly (kept as an input, or generated into the kernel).
+THRESHOLD_OPS = frozenset({
+    aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_min.Tensor, aten.clamp_max.default,
+    aten.clamp_max.Tensor, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
+    aten.relu.default, aten.hardtanh.default, aten.threshold.default, aten.leaky_relu.default, aten.abs.default,
+    aten.sign.default, aten.maximum.default, aten.minimum.default, aten.fmax.default, aten.fmin.default,
+    aten.round.default, aten.floor.default, aten.ceil.default, aten.trunc.default, aten.nan_to_num.default,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.heaviside.default,
+    aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar, aten.lt.Tensor, aten.lt.Scalar,
+    aten.le.Tensor, aten.le.Scalar, aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar,
+})
+
+
+_MASK_ARGUMENT = {aten.masked_fill.Scalar: 1, aten.masked_fill.Tensor: 1, aten.where.self: 0,
+                  aten.where.ScalarSelf: 0, aten.where.ScalarOther: 0, aten.where.Scalar: 0}
+
+
+def first_threshold(nodes: Iterable[fx.Node]) -> fx.Node | None:
+    """The first of ``nodes`` that applies a bound or branch on data (:data:`THRESHOLD_OPS`). A mask made of
+    sizes alone (``tril(ones(T, T))``, an ``arange`` comparison) and applied by ``masked_fill`` or ``where``
+    is no threshold on data."""
+    for node in nodes:
+        if node.op != "call_function" or node.target not in THRESHOLD_OPS or depends_on_sizes_only(node):
+            continue
+        mask = _MASK_ARGUMENT.get(node.target)
+        if mask is not None and isinstance(node.args[mask], fx.Node) and depends_on_sizes_only(node.args[mask]):
+            continue
+        return node
+    return None
+
+
+def nodes_between(sources: Iterable[fx.Node], sinks: Iterable[fx.Node]) -> list[fx.Node]:
+    """The nodes computed from one of ``sources`` that one of ``sinks`` is computed from (sinks included), in
+    graph order: what a fusion from those inputs to those outputs replaces."""
+    sinks = list(sinks)
+    up, stack = set(sinks), list(sinks)
+    while stack:
+        for i in stack.pop().all_input_nodes:
+            if i not in up:
+                up.add(i)
+                stack.append(i)
+    down, stack = set(), [s for s in sources if isinstance(s, fx.Node)]
+    while stack:
+        for u in stack.pop().users:
+            if u not in down and u in up:
+                down.add(u)
+                stack.append(u)
+    graph = sinks[0].graph
+    return [n for n in graph.nodes if n in down]
+
+
+def bound_reason(node: fx.Node, what: str) -> str:
+    """Why a fusion found by evaluation stops at a bound or branch on data in its region."""
+    name = str(node.target).removeprefix("aten.").split(".")[0]
+    return (f"{what} applies {name} ({source_line([node]) or node.name}), a bound or branch on data: the check at "
+            "random points cannot see past it (where it is not reached it passes for the value it bounds), and "
+            "the fused op would drop it")
+
+
+def depends_on_sizes_only(node: fx.Node) -> bool:
+    """Whether ``node`` reads no tensor input of the graph (placeholders and get_attr tensors): its value is made
+    of sizes and constants (a causal mask)."""
+    stack, seen = [node], {node}
+    while stack:
+        n = stack.pop()
+        if n.op in ("placeholder", "get_attr") and isinstance(n.meta.get("val"), torch.Tensor):
+            return False
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return True
 
 
 def zero_pad_amounts(node: Any) -> list[int] | None:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused, replace_with_function
+from hecate.passes.matching import NotFused, bound_reason, first_threshold, replace_with_function
 
 aten = torch.ops.aten
 
@@ -113,7 +113,7 @@ def _random_inputs(placeholders: list[fx.Node], seed: int, states: set[fx.Node],
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape:
+    if a.shape != b.shape or not a.is_floating_point() or not b.is_floating_point():  # (a mask is no value here)
         return False
     scale = float(b.abs().max()) if b.numel() else 0.0
     diff = float((a - b).abs().max()) if a.numel() else 0.0
@@ -272,6 +272,7 @@ class Recurrence:
     per_step: dict[str, PerStep] = field(default_factory=dict)  # k, v, q [*lead, D]; alpha, eta [*lead]
     params: dict[str, float] = field(default_factory=dict)
     read_before_update: bool = False  # y_t reads M_{t−1} (retrieve, then write) instead of M_t
+    generated: set = field(default_factory=set)  # the nodes of g(e) where the op generates it from them
 
     @property
     def name(self) -> str:
@@ -329,9 +330,10 @@ class _Body:
                 break
 
     def per_step_nodes(self, shape: tuple[int, ...]) -> list[fx.Node]:
-        """Nodes that depend on no state and hold a value of ``shape`` (up to size-1 dims)."""
-        return [n for n in self.graph.nodes if n.op in ("placeholder", "call_function") and not self.depends[n]
-                and _as(self.env.get(n), shape) is not None]
+        """Nodes that depend on no state and hold a value of ``shape`` (up to size-1 dims), the last computed
+        first: of values equal at the sample points (q and clamp(q, −10, 10)), the one the step reads."""
+        return [n for n in reversed(self.graph.nodes) if n.op in ("placeholder", "call_function")
+                and not self.depends[n] and _as(self.env.get(n), shape) is not None]
 
     def literals(self, nodes: set[fx.Node]) -> set[float]:
         found = set()
@@ -648,10 +650,12 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     gx = G(grid)
     if not _close(G(grid.flip(0)), gx.flip(0)):
         raise NotFused("the update's error factor g(e) is not elementwise in e")
-    params = _identify_bias(gx, grid, b.literals(inside))
+    # a g with a bound in it (2·clamp(e, −12, 12)) is generated as written: on a grid it may pass for 2e
+    params = None if first_threshold(inside) is not None else _identify_bias(gx, grid, b.literals(inside))
     if params is None:  # any other pointwise g: the op generates it into its kernels
         p, a, eps, scale = 2.0, 10.0, lq_eps or 1e-6, 1.0
         rec.params["bias"] = _bias_expression(en, g_factors, g_divisors, e_sign)
+        rec.generated = set(inside)
     else:
         p, a, eps, scale = params
         if rec.params["q_norm"] != 2.0 and p not in (1.0, 2.0) and not math.isclose(eps, lq_eps):
@@ -752,8 +756,22 @@ def _evaluate_bias(expr: str, e: torch.Tensor) -> torch.Tensor:
     return pointwise.evaluate(expr, e)
 
 
+def _no_bound_dropped(b: _Body, rec: Recurrence) -> None:
+    """Raise NotFused where the body bounds or branches on data (a clamp, where, relu...) in a node the op
+    neither reads (the per-step k, v, q and gates are computed as the body computes them) nor generates (g):
+    the points the roles were checked at may never reach the bound (clamp(q, −10, 10))."""
+    kept = set(rec.generated)
+    for value in rec.per_step.values():
+        for node in value.factors + value.divisors:
+            kept |= _ancestors(node)
+    dropped = first_threshold(n for n in b.compute if n not in kept)
+    if dropped is not None:
+        raise NotFused(bound_reason(dropped, f"the step (a {rec.name} step at sample points)"))
+
+
 def _verify(b: _Body, rec: Recurrence) -> None:
     """The whole step, at fresh random points, against the op's own equations with the recovered roles."""
+    _no_bound_dropped(b, rec)
     env = _evaluate(b.graph, _random_inputs(b.placeholders, 1, set(b.carries), b.signed))
     lead = rec.lead
     k = rec.per_step["k"].value(env, lead, rec.dk)
