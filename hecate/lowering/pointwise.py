@@ -679,7 +679,23 @@ def _derivative(expr: str) -> str:
         torch.zeros(4))
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
     output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    return extract(placeholder, output)
+    return serialise(_branch_guarded(parse(extract(placeholder, output))))
+
+
+def _branch_guarded(e: Expr) -> Expr:
+    """``e`` with each product by a branch's indicator taken inside the branch: autograd of
+    ``where(x > 20, x, log1p(exp(x)))`` gives ``where(c, 0, 1) · exp(x) / (1 + exp(x))``, NaN at x = 100
+    (0 · inf) where the branch taken gives 1; ``where(c, 0, exp(x) / (1 + exp(x)))`` is 0 there, as
+    eager's gradient is. Equal wherever the other factors are finite."""
+    if not isinstance(e, tuple) or e == X:
+        return e
+    op, args = e[0], [_branch_guarded(a) for a in e[1:]]
+    for i, a in enumerate(args if op == "mul" else args[:1] if op == "div" else ()):
+        if isinstance(a, tuple) and a[0] == "where" and 0.0 in (a[2], a[3]) and a[2] != a[3]:
+            cond, taken = a[1], a[3] if a[2] == 0.0 else a[2]
+            inner = _branch_guarded(make(op, *args[:i], taken, *args[i + 1:]))
+            return make("where", cond, 0.0, inner) if a[2] == 0.0 else make("where", cond, inner, 0.0)
+    return make(op, *args)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -199,3 +199,15 @@ def test_generated_source_is_cached_as_a_file(tmp_path, monkeypatch):
     assert len(files) == 1 and "def " + fn.__name__ in files[0].read_text()
     pointwise.triton_function.cache_clear()
     assert math.isfinite(float(triton_apply(expr, torch.ones(3))[0][0]))
+
+
+@pytest.mark.parametrize("fn", [F.softplus, lambda x: F.softplus(x, beta=2.0, threshold=5.0),
+                                lambda x: F.elu(x, alpha=0.5) + 1], ids=["softplus", "softplus_beta2", "elu_half"])
+def test_derivative_of_a_branch_is_finite_where_the_other_branch_overflows(fn):
+    """Autograd of where(x > 20, x, log1p(exp(x))) multiplies the branch not taken by its indicator, 0 · inf
+    at x = 100; the derivative keeps that product inside the branch, and is torch's gradient there."""
+    x = torch.tensor([-200.0, -90.0, -3.0, 0.0, 2.5, 30.0, 90.0, 100.0, 400.0], requires_grad=True)
+    (expected,) = torch.autograd.grad(fn(x).sum(), x)
+    got = pointwise.evaluate(pointwise.derivative(pointwise.trace(fn)), x.detach())
+    assert torch.isfinite(got).all(), got
+    assert_close("f'(x)", got, expected, 1e-6)
