@@ -445,7 +445,7 @@ def _match_kl(logits, bases, shared, lead, k):
                 for _, memo, value in draws:
                     m, v = torch.broadcast_tensors(memo[mean], to_var(memo[scale]))
                     kl = _pairwise_kl(m, v)
-                    alphas.append(proportion(value, kl))
+                    alphas.append(proportion(_over_keys(value), _over_keys(kl)))
                     if alphas[-1] is None and proportion(value, kl.transpose(-1, -2)) is not None:
                         reversed_found = (mean, scale, param)
                 if all(a is not None and a < 0 for a in alphas):
@@ -492,7 +492,13 @@ def _far_from_one(logits, env, constants, mean, scale, param, gamma, own_sizes) 
         kl = _pairwise_kl(*torch.broadcast_tensors(memo[mean], to_var(memo[scale])))
     except Exception:  # noqa: BLE001  (an op undefined there: not the KL, which is)
         return False
-    return equals_scaled(value, kl, gamma)
+    return isinstance(value, torch.Tensor) and equals_scaled(_over_keys(value), _over_keys(kl), gamma)
+
+
+def _over_keys(score: torch.Tensor) -> torch.Tensor:
+    """``score`` less each row's mean: what a softmax over the keys reads of it. A term per query (the KL's
+    −d, or −log v_i, left out as constants of the softmax) is no difference."""
+    return score - score.mean(-1, keepdim=True) if isinstance(score, torch.Tensor) else score
 
 
 def _computed_from_any(node: fx.Node, bases: list) -> bool:

@@ -169,7 +169,7 @@ def _recognise(logits: fx.Node) -> _Decode | None:
         return None
     k = k.pop()
     # a number per token [V] (Σ_k log s_vk summed apart) is drawn through the [V, K] tensors it is computed from
-    numbers = [x for x in priors if len(shape_of(x)) == 1 and _is(shape_of(x)[0], v) and k != v]
+    numbers = [x for x in priors if len(shape_of(x)) == 1 and size_hint(shape_of(x)[0]) == v and k != v]
     priors = _with_sources([x for x in priors if x not in numbers], k, v)
     for number in numbers:
         sources = _with_sources([number], k, v)[1:]
@@ -177,7 +177,7 @@ def _recognise(logits: fx.Node) -> _Decode | None:
             return None
         priors += [x for x in sources if x not in priors]
     priors = [x for x in priors if x not in numbers]
-    if any(not _is(shape_of(x)[-1], k) and not _is(shape_of(x)[-1], 1) for x in priors) \
+    if any(size_hint(shape_of(x)[-1]) not in (k, 1) for x in priors) \
             or len(queries) + len(priors) < 3:  # means and a variance on each side
         return None
     decode = _match(logits, queries, priors + scalars, k, v, shape)
@@ -208,7 +208,7 @@ def _with_sources(priors: list, k: int, v: int) -> list:
         for x in node.all_input_nodes:
             shape, value = shape_of(x), x.meta.get("val")
             if x in found or shape is None or len(shape) not in (1, 2) or not value.is_floating_point() \
-                    or not _is(shape[-1], k) or len(shape) == 2 and not (_is(shape[0], v) or _is(shape[0], 1)):
+                    or size_hint(shape[-1]) != k or len(shape) == 2 and size_hint(shape[0]) not in (v, 1):
                 continue
             found.append(x)
             stack.append(x)

@@ -274,7 +274,14 @@ def a_squared_distance(mu, std):  # RBF attention: ½‖z_i − z_j‖², the KL
     return torch.softmax(-0.5 * ((z[:, :, None] - z[:, None]) ** 2).sum(-1), dim=-1) @ mu
 
 
+def a_constants_of_the_softmax_dropped(mu, var):  # −d and −log v_i left out: terms per query, as the softmax is
+    mi, mj, vi, vj = mu.unsqueeze(2), mu.unsqueeze(1), var.unsqueeze(2), var.unsqueeze(1)
+    kl = 0.5 * (torch.log(vj) + (vi + (mi - mj) ** 2) / vj).sum(-1)
+    return torch.softmax(-kl / 2.0, -1) @ mu
+
+
 ATTENTION = [
+    (a_constants_of_the_softmax_dropped, _var),
     (a_logsumexp_beta, _var), (a_where_full_like_no_self, _var), (a_kl_masked_with_inf, _var),
     (a_keys_first_layout, _var), (a_log_determinants, _var), (a_log_determinants_of_log_variances, _logvar),
     (a_squared_distance, _var),
