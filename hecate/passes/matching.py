@@ -212,6 +212,8 @@ def depends_on_sizes_only(node: fx.Node) -> bool:
     stack, seen = [node], {node}
     while stack:
         n = stack.pop()
+        if _is_size(n):
+            continue  # a size (x.shape[1]), not x's values
         if n.op in ("placeholder", "get_attr") and isinstance(n.meta.get("val"), torch.Tensor):
             return False
         for i in n.all_input_nodes:
@@ -262,10 +264,17 @@ def tensors_read(roots: Sequence[fx.Node], stop: Sequence[fx.Node] = ()) -> list
         if node in seen:
             continue
         seen.add(node)
+        if _is_size(node):
+            continue  # x.shape[1] (sym_size under torch.export) reads x's size, not its values
         if node.op in ("placeholder", "get_attr") and isinstance(node.meta.get("val"), torch.Tensor):
             found.append(node)
         stack += node.all_input_nodes
     return found
+
+
+def _is_size(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val", node.meta.get("example_value")), (int, torch.SymInt)) \
+        and not isinstance(node.meta.get("val"), bool)
 
 
 def flat_args(node: fx.Node) -> list[Any]:

@@ -300,3 +300,35 @@ def test_an_operator_newer_than_opset_18_loads_in_onnxruntime(tmp_path):
     assert {o.domain: o.version for o in proto.opset_import}[""] >= 20
     (got,) = ort.InferenceSession(str(path)).run(None, {proto.graph.input[0].name: x.numpy()})
     assert_close("y", torch.from_numpy(got), model(x), 1e-5)
+
+
+class _RetentionLM(torch.nn.Module):
+    """Token ids → embedding → RetNet's parallel retention, its decay built from T = x.shape[1]: under
+    torch.export that size is read off the int input (sym_size), which is no read of its values."""
+
+    def __init__(self, vocab=11, d=8, heads=2):
+        super().__init__()
+        self.emb, self.heads = torch.nn.Embedding(vocab, d), heads
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.register_buffer("log_gamma", torch.log(1 - 2.0 ** (-5 - torch.arange(heads, dtype=torch.float32))))
+
+    def forward(self, x):
+        b, t = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.emb(x)).chunk(3, -1))
+        idx = torch.arange(t)
+        diff = (idx[:, None] - idx[None, :]).float()
+        decay = torch.exp(diff * self.log_gamma[:, None, None]).masked_fill(diff < 0, 0.0)
+        return ((q @ k.transpose(-1, -2)) * decay @ v).transpose(1, 2).reshape(b, t, -1)
+
+
+def test_retention_over_token_ids_is_fused_on_export(tmp_path):
+    torch.manual_seed(0)
+    model, x = _RetentionLM().eval(), torch.randint(0, 11, (3, 6))
+    path = tmp_path / "retention.onnx"
+    report = hecate.export_onnx(model, (x,), path)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    session = ort.InferenceSession(str(path))
+    for shape in [(3, 6), (2, 9)]:
+        tokens = torch.randint(0, 11, shape)
+        (got,) = session.run(None, {session.get_inputs()[0].name: tokens.numpy()})
+        assert_close(f"y {shape}", torch.from_numpy(got), model(tokens), 1e-5)
