@@ -869,10 +869,11 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             or target is aten.square.default):
         with graph.inserting_before(node):
             return _emit(graph, aten.pow.Tensor_Scalar, args[0], 2)
-    if (target is aten.neg.default or target in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2
-            and isinstance(args[1], (int, float)) and not isinstance(args[1], bool) and not node.kwargs) \
-            and isinstance(args[0], fx.Node) and args[0].op == "call_function" \
-            and args[0].target in _RESHAPES + _PERMUTES and len(args[0].users) == 1 and args[0] not in outputs:
+    scaled = target in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2 and not node.kwargs \
+        and isinstance(args[1], (int, float)) and not isinstance(args[1], bool)
+    if (target is aten.neg.default or scaled) and isinstance(args[0], fx.Node) and args[0].op == "call_function" \
+            and args[0].target in (_RESHAPES if scaled else _RESHAPES + _PERMUTES) and len(args[0].users) == 1 \
+            and args[0] not in outputs:
         # −x.flatten(0, 1) → (−x).flatten(0, 1), −x.mT → (−x).mT, x.view(-1, V) * c → (x * c).view(-1, V):
         # a score's sign and scale stay with the score
         view = args[0]

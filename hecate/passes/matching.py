@@ -153,7 +153,7 @@ THRESHOLD_OPS = frozenset({
     aten.clamp_max.Tensor, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar,
     aten.relu.default, aten.hardtanh.default, aten.threshold.default, aten.leaky_relu.default, aten.abs.default,
     aten.sign.default, aten.maximum.default, aten.minimum.default, aten.fmax.default, aten.fmin.default,
-    aten.round.default, aten.floor.default, aten.ceil.default, aten.trunc.default, aten.nan_to_num.default,
+    aten.round.default, aten.floor.default, aten.ceil.default, aten.trunc.default,
     aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.heaviside.default,
     aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar, aten.lt.Tensor, aten.lt.Scalar,
     aten.le.Tensor, aten.le.Scalar, aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar,
@@ -164,31 +164,53 @@ _MASK_ARGUMENT = {aten.masked_fill.Scalar: 1, aten.masked_fill.Tensor: 1, aten.w
                   aten.where.ScalarSelf: 0, aten.where.ScalarOther: 0, aten.where.Scalar: 0}
 
 
-def first_threshold(nodes: Iterable[fx.Node]) -> fx.Node | None:
+def first_threshold(nodes: Iterable[fx.Node], signed: bool = True) -> fx.Node | None:
     """The first of ``nodes`` that applies a bound or branch on data (:data:`THRESHOLD_OPS`). A mask made of
     sizes alone (``tril(ones(T, T))``, an ``arange`` comparison) and applied by ``masked_fill`` or ``where``
-    is no threshold on data."""
+    is no threshold on data; nor, where the points checked have either sign (``signed``), is a branch at 0
+    (relu, abs, sign, ``x > 0``): those points take both sides of it."""
     for node in nodes:
         if node.op != "call_function" or node.target not in THRESHOLD_OPS or depends_on_sizes_only(node):
             continue
         mask = _MASK_ARGUMENT.get(node.target)
-        if mask is not None and isinstance(node.args[mask], fx.Node) and depends_on_sizes_only(node.args[mask]):
+        if mask is not None and isinstance(node.args[mask], fx.Node) and (
+                depends_on_sizes_only(node.args[mask]) or signed and _branch_at_zero(node.args[mask])):
+            continue
+        if signed and _branch_at_zero(node):
             continue
         return node
     return None
 
 
+_AT_ZERO = {aten.relu.default, aten.abs.default, aten.sign.default, aten.heaviside.default}
+_COMPARISONS = {aten.gt.Scalar, aten.ge.Scalar, aten.lt.Scalar, aten.le.Scalar}
+
+
+def _branch_at_zero(node: fx.Node) -> bool:
+    """relu, abs, sign, ``clamp(x, min=0)``, ``x > 0``: a branch at 0 and no other bound."""
+    if node.target in _AT_ZERO:
+        return True
+    if node.target in _COMPARISONS:
+        return node.args[1] == 0
+    if node.target in (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default):
+        bounds = [b for b in node.args[1:] if b is not None] + [b for b in node.kwargs.values() if b is not None]
+        return all(isinstance(b, (int, float)) and b == 0 for b in bounds)
+    return False
+
+
 def nodes_between(sources: Iterable[fx.Node], sinks: Iterable[fx.Node]) -> list[fx.Node]:
-    """The nodes computed from one of ``sources`` that one of ``sinks`` is computed from (sinks included), in
-    graph order: what a fusion from those inputs to those outputs replaces."""
-    sinks = list(sinks)
-    up, stack = set(sinks), list(sinks)
+    """The nodes computed from one of ``sources`` that one of ``sinks`` is computed from (sinks included), not
+    through another source, in graph order: what a fusion from those inputs to those outputs replaces (what
+    an input is computed from stays)."""
+    sinks, sources = list(sinks), [s for s in sources if isinstance(s, fx.Node)]
+    up, stack = set(sinks), [s for s in sinks if s not in sources]
     while stack:
         for i in stack.pop().all_input_nodes:
             if i not in up:
                 up.add(i)
-                stack.append(i)
-    down, stack = set(), [s for s in sources if isinstance(s, fx.Node)]
+                if i not in sources:
+                    stack.append(i)
+    down, stack = set(), list(sources)
     while stack:
         for u in stack.pop().users:
             if u not in down and u in up:

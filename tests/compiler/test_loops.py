@@ -280,16 +280,14 @@ def test_graph_traced_to_aten_does_not_grow_with_T():
 
 
 def test_rolled_loop_that_no_pass_fuses_is_compiled_unrolled(fresh_dynamo):
-    """A scan would reach the fallback unfused (Inductor cannot compile it on CPU): compile it unrolled."""
+    """A scan would reach the fallback unfused (Inductor cannot compile it on CPU): compile it unrolled. An RNN
+    forms no outer product, so it is no memory loop and the report says nothing of it (a Q-flow's belief
+    updates neither)."""
     x, h, W = torch.randn(2, 5, 4), torch.randn(2, 4), torch.randn(4, 4)
     gm, inputs = _dynamo_graph(rnn, x, h, W)
     aten_gm, report = fuse(gm, inputs, parse_options({"fallback": "eager"}))
     assert not _scans(aten_gm)
-    assert report.fusions == [] and report.graphs == 1
-    (miss,) = report.misses  # not silent, and said once: a loop was found, not fused, and why
-    assert miss.pattern == "memory_scan" and "loop of 5 steps is not a memory step" in miss.reason
-    assert "no matrix state" in miss.reason and "compiled unrolled" in miss.reason
-    assert miss.source.startswith("test_loops.py:")
+    assert report.fusions == [] and report.misses == [] and report.graphs == 1, str(report)
     expected = rnn(x, h, W)
     got = torch.compile(rnn, backend="hecate")(x, h, W)  # Inductor compiles the unrolled graph
     for a, b in zip(got, expected):

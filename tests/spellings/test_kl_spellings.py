@@ -1046,7 +1046,14 @@ def m_difference_clipped(mu, var):  # (μ_i − μ_j).clamp(−5, 5): the KL whi
     return torch.softmax(-kl, -1) @ mu
 
 
+def m_key_means_clamped(mu, var):  # μ_j.clamp(−10, 10): the KL wherever the means stay inside the bound
+    mi, mj, vi, vj = mu.unsqueeze(2), mu.unsqueeze(1).clamp(-10, 10), var.unsqueeze(2), var.unsqueeze(1)
+    kl = 0.5 * (torch.log(vj / vi) + (vi + (mi - mj) ** 2) / vj - 1).sum(-1)
+    return torch.softmax(-kl, -1) @ mu
+
+
 @pytest.mark.parametrize("fn,extra,reason", [
+    (m_key_means_clamped, (), "applies clamp"),
     (m_relu_key_means, (), "but not at means of either sign and variances far from 1"),
     (m_variance_floor_in_one_term, (), "but not at means of either sign and variances far from 1"),
     (m_difference_clipped, (), "but not at means of either sign and variances far from 1"),

@@ -245,6 +245,19 @@ def test_lengths_given_two_symbols_are_reported(fresh_dynamo):
     assert_close("y", got, masked(k, v, q), TOL)
 
 
+def test_a_bound_on_the_score_is_reported_not_dropped(fresh_dynamo):
+    """(q kᵀ).clamp(−10, 10): the same as q kᵀ at the random points checked, not at large scores; reported."""
+    def clamped(k, v, q):
+        return (q @ k.mT).clamp(-10, 10).tril() @ v
+    args = [torch.randn(B, T, D) * 3 for _ in range(3)]
+    got = torch.compile(clamped, backend="hecate", options={"fallback": "eager"})(*args)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 0, str(report)
+    [miss] = report.misses
+    assert "applies clamp" in miss.reason and "a bound or branch on data" in miss.reason, miss
+    assert_close("y", got, clamped(*args), TOL)
+
+
 def test_normaliser_is_fused_with_its_eps(fresh_dynamo):
     report = _check(normalised_by_reciprocal, [torch.randn(B, T, D) for _ in range(3)], False)
     assert report.fusions[0].detail.endswith("normalised"), report.fusions[0].detail

@@ -1110,7 +1110,31 @@ def gated_delta_decay_before_the_error(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_key_clamped_in_the_error_only(k, v, q, alpha, eta):
+    """k clamped to ±1.5 where the error reads it, not in the update: the same at most points, not at all."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].clamp(-1.5, 1.5).unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * (2 * e).unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def hebbian_normaliser_capped(k, v, q, alpha, eta):
+    """A normalised read whose normaliser is floored by clamp(min=0.5), not + eps."""
+    M, z, ys = _m0(k, v), k.new_zeros(k.shape[0], k.shape[2], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        kt, qt = F.elu(k[:, t]) + 1, F.elu(q[:, t]) + 1
+        M = M + v[:, t].unsqueeze(-1) * kt.unsqueeze(-2)
+        z = z + kt
+        ys.append((M @ qt.unsqueeze(-1)).squeeze(-1) / (z * qt).sum(-1, keepdim=True).clamp(min=0.5))
+    return torch.stack(ys, 1), M
+
+
 REPORTED = {
+    "l2_key_clamped_in_the_error_only": (l2_key_clamped_in_the_error_only,
+                                         ["applies clamp", "a bound or branch on data"]),
+    "hebbian_normaliser_capped": (hebbian_normaliser_capped, ["applies clamp", "a bound or branch on data"]),
     "gated_delta_decay_before_the_error": (gated_delta_decay_before_the_error,
                                            ["formed from the decayed memory", "as Gated DeltaNet writes it"]),
     "lp_memory_indexed_per_head": (lp_memory_indexed_per_head, HEADS_LOOP),
@@ -1210,5 +1234,30 @@ def test_generated_bias_gradient_compiles_with_inductor(fresh_dynamo):
     report = hecate.last_report()
     assert report.count("memory_scan") == 1 and not report.misses, str(report)
     assert_close("y", y, y_ref, TOL)
+    for i, (a, b) in enumerate(zip(g, g_ref)):
+        assert_close(f"grad {i}", a, b, TOL)
+
+
+def l2_error_clipped(k, v, q, alpha, eta):
+    """g(e) = 2·clamp(e, −1, 1): 2e on most of a grid around 0; generated as written, never taken for 2e."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * (2 * e.clamp(-1, 1)).unsqueeze(-1) \
+            * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def test_bias_gradient_with_a_bound_is_generated_and_equals_eager_past_it(fresh_dynamo):
+    inputs = _inputs()
+    with torch.no_grad():
+        inputs[1].mul_(5.0)  # errors well past the bound
+    y_ref, m_ref, g_ref = _run(l2_error_clipped, inputs)
+    y, m, g = _run(torch.compile(l2_error_clipped, backend="hecate", options={"fallback": "eager"}), inputs)
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 1 and "bias" in str(report) or "general" in str(report), str(report)
+    assert_close("y", y, y_ref, TOL)
+    assert_close("M", m, m_ref, TOL)
     for i, (a, b) in enumerate(zip(g, g_ref)):
         assert_close(f"grad {i}", a, b, TOL)
