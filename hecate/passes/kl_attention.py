@@ -294,6 +294,16 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if dim % rank != rank - 1:
         raise NotFused(f"softmax over dim {dim} of the {_dims(rank)} pairwise score does not normalise over "
                        "the keys (dim -1)")
+    for node in nodes:  # t · kl.masked_fill(m, ±inf), t a 0-d tensor: t's sign decides 0 or NaN weights
+        fill = node.args[2] if node.target is aten.masked_fill.Scalar else None
+        if isinstance(fill, float) and math.isinf(fill) and any(
+                u.target in (aten.mul.Tensor, aten.div.Tensor) and any(
+                    isinstance(a, fx.Node) and a is not node and shape_of(a) == () for a in u.args)
+                for u in node.users):
+            raise NotFused("the mask is applied before a temperature held as a tensor (masked_fill(±inf), then "
+                           "× or / a 0-d tensor t): whether masked pairs get weight 0 or NaN turns on t's sign, "
+                           "not known when compiling; apply the mask after the temperature, "
+                           "(t · kl).masked_fill(mask, -inf), which fuses")
     if others:  # a matrix product first: the KL expanded into products says most
         raise NotFused(f"the pairwise score also reads {_describe_other(min(others, key=_not_a_product))}")
     k = {size_hint(shape_of(b)[-1]) for b in bases if len(shape_of(b)) == rank}

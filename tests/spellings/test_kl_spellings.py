@@ -1052,7 +1052,13 @@ def m_key_means_clamped(mu, var):  # μ_j.clamp(−10, 10): the KL wherever the 
     return torch.softmax(-kl, -1) @ mu
 
 
+def m_mask_before_a_tensor_temperature(mu, var, log_kappa):  # +inf filled, then × −exp(log κ): 0 or NaN by sign
+    kl = kl_spec(mu, var).masked_fill(~_causal(mu.shape[1]), float("inf"))
+    return torch.softmax(-log_kappa.exp() * kl, -1) @ mu
+
+
 @pytest.mark.parametrize("fn,extra,reason", [
+    (m_mask_before_a_tensor_temperature, (torch.tensor(0.1),), "the mask is applied before a temperature"),
     (m_key_means_clamped, (), "applies clamp"),
     (m_relu_key_means, (), "but not at means of either sign and variances far from 1"),
     (m_variance_floor_in_one_term, (), "but not at means of either sign and variances far from 1"),
