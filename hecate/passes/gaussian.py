@@ -51,7 +51,10 @@ class Temperature:
 
 def run_time_temperature(kappas: list[float], values: list[dict], candidates: list[fx.Node]) -> Temperature | None:
     """The 0-d tensor t the temperatures ``kappas`` found at two draws (``values``: each draw's node values) are
-    proportional to (κ = c·t) or inversely (κ = c/t), or None: a score −KL/κ whose κ changes with the draw."""
+    proportional to (κ = c·t) or inversely (κ = c/t), or None: a score −KL/κ whose κ changes with the draw.
+    Of several (``exp(log κ)`` and ``exp(log κ).clamp(min=0.05)``, equal where the draws stay above the
+    bound), the last computed: the one the score reads, so that what the op replaces holds no bound."""
+    found = []
     for node in candidates:
         drawn = [v.get(node) for v in values]
         if not all(isinstance(x, torch.Tensor) and x.dim() == 0 and x.item() > 0 for x in drawn):
@@ -60,8 +63,12 @@ def run_time_temperature(kappas: list[float], values: list[dict], candidates: li
         for power in (1, -1):
             scales = [k / x ** power for k, x in zip(kappas, t)]
             if math.isclose(scales[0], scales[1], rel_tol=1e-9):
-                return Temperature(node, float(f"{scales[0]:.12g}"), power)
-    return None
+                found.append(Temperature(node, float(f"{scales[0]:.12g}"), power))
+                break
+    if len(found) > 1:
+        order = {n: i for i, n in enumerate(found[0].node.graph.nodes)}
+        return max(found, key=lambda temperature: order[temperature.node])
+    return found[0] if found else None
 
 
 # Each parameterisation of VARIANCE_FROM given a log-variance: how a confirming draw spreads the variances.

@@ -311,7 +311,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
         raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
     kappa, mean, scale, param, memo = _match_kl(logits, list(bases), shared, rank - 2, k.pop())
     bound = first_threshold(nodes_between([mean, scale] + ([kappa.node] if isinstance(kappa, Temperature) else []),
-                                          [logits]))
+                                          [logits]), memo)
     if bound is not None:  # (a clamp the far draw does not reach: v_j.clamp(min=1e-4), μ_j.clamp(-10, 10))
         raise NotFused(bound_reason(bound, "the pairwise score (the KL at the points checked)"))
     if any(kind == "finite" for _, kind in masks):

@@ -60,6 +60,7 @@ class _Decode:
     prior_scale: fx.Node | None  # None: unit-variance priors N(π_v, I)
     prior_param: str
     tau: "float | Temperature"  # a number, or read from a 0-d tensor at run time
+    values: dict | None = None  # every node's value at the first draw (the bounds check reads them)
 
 
 def _query_side(node: fx.Node) -> fx.Node | None:
@@ -184,7 +185,7 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     if decode is not None:
         inputs = [decode.mu, decode.scale, decode.prior_mu, decode.prior_scale] + (
             [decode.tau.node] if isinstance(decode.tau, Temperature) else [])
-        bound = first_threshold(nodes_between([x for x in inputs if x is not None], [logits]))
+        bound = first_threshold(nodes_between([x for x in inputs if x is not None], [logits]), decode.values)
         if bound is not None:
             raise NotFused(bound_reason(bound, "the logits (the KL at the points checked)"))
     if decode is not None or not scalars:
@@ -262,7 +263,8 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
                                                      param, prior_mu, prior_scale, prior_param):
                                     near_one_only = (mu, prior_mu)
                                     continue
-                                return _Decode(logits, mu, scale, param, prior_mu, prior_scale, prior_param, tau)
+                                return _Decode(logits, mu, scale, param, prior_mu, prior_scale, prior_param, tau,
+                                               draws[0][1])
     if near_one_only is not None:
         raise NotFused(f"the logits are −KL(q_i ‖ π_v)/τ of {near_one_only[0].name} and {near_one_only[1].name} where "
                        "the means and variances are near 1, but not at means of either sign and variances far from "

@@ -379,7 +379,8 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
         values[decay.tensor] = decay.drawn
     q, k, v = (form.canonical(name, values[getattr(form, name)]) for name in ("q", "k", "v"))
     scores = (q @ k.mT) * decay.d
-    if not torch.allclose(evaluate(y, dict(values), size_hint), form.as_y(scores @ v), rtol=1e-6, atol=1e-9):
+    memo = dict(values)  # every node's value at the points (the bounds check reads them)
+    if not torch.allclose(evaluate(y, memo, size_hint), form.as_y(scores @ v), rtol=1e-6, atol=1e-9):
         raise NotFused("A @ V differs from Σ_s D_ts (q_t·k_s) v_s at random points")
     dtypes = {n.meta["val"].dtype for n in (form.q, form.k, form.v)}
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
@@ -390,7 +391,7 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
         out = normaliser[0]
         replaced.append(out)
     inputs = [form.q, form.k, form.v] + ([decay.tensor] if decay.tensor is not None else [])
-    bound = first_threshold(nodes_between(inputs, [out]))
+    bound = first_threshold(nodes_between(inputs, [out]), memo)
     if bound is not None:
         raise NotFused(bound_reason(bound, "it"))
     eps = normaliser[1] if normaliser is not None else 1e-6
@@ -532,7 +533,8 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
     inside = set(region) | {cumsum}
     generator = torch.Generator().manual_seed(0)
     values = {n: _draw(n, generator) for n in {x, y, q}}
-    got = evaluate(read, dict(values), size_hint)
+    memo = dict(values)
+    got = evaluate(read, memo, size_hint)
     for k, v in ((x, y), (y, x)):
         if _shape(k) != _shape(q) or got.shape != values[v].shape:
             continue
@@ -547,7 +549,7 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
     dtypes = {n.meta["val"].dtype for n in (k, v, q)}
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
         raise NotFused(f"k, v, q have dtypes {sorted(map(str, dtypes))}; linear_attention needs one floating dtype")
-    bound = first_threshold(nodes_between([k, v, q], [read]))
+    bound = first_threshold(nodes_between([k, v, q], [read]), memo)
     if bound is not None:
         raise NotFused(bound_reason(bound, "it"))
     replace_with_function(gm, [read], _cumulated_as_op, [k, v, q], outputs=[read])

@@ -164,22 +164,33 @@ _MASK_ARGUMENT = {aten.masked_fill.Scalar: 1, aten.masked_fill.Tensor: 1, aten.w
                   aten.where.ScalarSelf: 0, aten.where.ScalarOther: 0, aten.where.Scalar: 0}
 
 
-def first_threshold(nodes: Iterable[fx.Node], signed: bool = True) -> fx.Node | None:
+def first_threshold(nodes: Iterable[fx.Node], values: dict | None = None) -> fx.Node | None:
     """The first of ``nodes`` that applies a bound or branch on data (:data:`THRESHOLD_OPS`). A mask made of
     sizes alone (``tril(ones(T, T))``, an ``arange`` comparison) and applied by ``masked_fill`` or ``where``
-    is no threshold on data; nor, where the points checked have either sign (``signed``), is a branch at 0
-    (relu, abs, sign, ``x > 0``): those points take both sides of it."""
+    is no threshold on data; nor is a branch at 0 (relu, abs, sign, ``x > 0``) whose input took both signs,
+    each at a fifth of the points checked at least (``values``: node → value there), so that the check
+    saw both sides of it (``relu(x − 2) + 2`` is a bound those points may never reach)."""
     for node in nodes:
         if node.op != "call_function" or node.target not in THRESHOLD_OPS or depends_on_sizes_only(node):
             continue
         mask = _MASK_ARGUMENT.get(node.target)
         if mask is not None and isinstance(node.args[mask], fx.Node) and (
-                depends_on_sizes_only(node.args[mask]) or signed and _branch_at_zero(node.args[mask])):
+                depends_on_sizes_only(node.args[mask]) or _both_sides_seen(node.args[mask], values)):
             continue
-        if signed and _branch_at_zero(node):
+        if _both_sides_seen(node, values):
             continue
         return node
     return None
+
+
+def _both_sides_seen(node: fx.Node, values: dict | None) -> bool:
+    """A branch at 0 whose input took both signs at the points checked, each at a fifth of them at least."""
+    if values is None or not _branch_at_zero(node) or not isinstance(node.args[0], fx.Node):
+        return False
+    x = values.get(node.args[0])
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() < 10:
+        return False
+    return bool((x > 0).double().mean() >= 0.2) and bool((x < 0).double().mean() >= 0.2)
 
 
 _AT_ZERO = {aten.relu.default, aten.abs.default, aten.sign.default, aten.heaviside.default}
@@ -364,8 +375,9 @@ def check_gradients_flow(args: Sequence[Any], outputs: Sequence[fx.Node]) -> Non
 
 def _gradient_stop(node: fx.Node, inputs: set[fx.Node]) -> fx.Node | None:
     """``node`` if it is a detach of something computed from ``inputs``."""
-    if node.target is torch.ops.aten.detach.default and inputs & _differentiable_ancestors(node.args, inputs):
-        return node
+    if node.target is torch.ops.aten.detach.default and inputs & _differentiable_ancestors(node.args, inputs) \
+            and any(n.op == "placeholder" for n in tensors_read(node.args[:1])):
+        return node  # (torch.tensor(0.9) in forward is a get_attr constant, detached: no gradient to stop)
     return None
 
 

@@ -69,6 +69,10 @@ def _evaluate(graph: fx.Graph, inputs: dict[fx.Node, Any], overrides: dict[fx.No
         if node in overrides:
             env[node] = overrides[node]
             continue
+        if node.op == "get_attr" and node not in env:  # a constant the body holds (torch.tensor(1e-6))
+            value = fx.graph_module._get_attr(graph.owning_module, node.target)
+            env[node] = value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+            continue
         if node.op != "call_function" or (upto is not None and node not in upto):
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env.get(n))
@@ -651,7 +655,7 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     if not _close(G(grid.flip(0)), gx.flip(0)):
         raise NotFused("the update's error factor g(e) is not elementwise in e")
     # a g with a bound in it (2·clamp(e, −12, 12)) is generated as written: on a grid it may pass for 2e
-    params = None if first_threshold(inside, signed=False) is not None else _identify_bias(gx, grid, b.literals(inside))
+    params = None if first_threshold(inside) is not None else _identify_bias(gx, grid, b.literals(inside))
     if params is None:  # any other pointwise g: the op generates it into its kernels
         p, a, eps, scale = 2.0, 10.0, lq_eps or 1e-6, 1.0
         rec.params["bias"] = _bias_expression(en, g_factors, g_divisors, e_sign)
@@ -764,7 +768,7 @@ def _no_bound_dropped(b: _Body, rec: Recurrence) -> None:
     for value in rec.per_step.values():
         for node in value.factors + value.divisors:
             kept |= _ancestors(node)
-    dropped = first_threshold((n for n in b.compute if n not in kept), signed=b.signed)
+    dropped = first_threshold((n for n in b.compute if n not in kept), b.env)
     if dropped is not None:
         raise NotFused(bound_reason(dropped, f"the step (a {rec.name} step at sample points)"))
 
