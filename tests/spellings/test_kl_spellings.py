@@ -1057,7 +1057,23 @@ def m_mask_before_a_tensor_temperature(mu, var, log_kappa):  # +inf filled, then
     return torch.softmax(-log_kappa.exp() * kl, -1) @ mu
 
 
+def m_variance_floored_by_relu(mu, var):  # relu(v − c) + c: a floor the points checked never reach
+    floor = lambda v: F.relu(v - 1e-4) + 1e-4  # noqa: E731
+    mi, mj, vi, vj = mu.unsqueeze(2), mu.unsqueeze(1), floor(var.unsqueeze(2)), floor(var.unsqueeze(1))
+    kl = 0.5 * (torch.log(vj / vi) + (vi + (mi - mj) ** 2) / vj - 1).sum(-1)
+    return torch.softmax(-kl, -1) @ mu
+
+
+def test_a_floored_learned_temperature_fuses(fresh_dynamo):
+    """κ = exp(log κ).clamp(min=0.05): the clamp is κ's own, read at run time, not a bound inside the score."""
+    def fn(mu, var, log_kappa):
+        return torch.softmax(-kl_spec(mu, var) / log_kappa.exp().clamp(min=0.05), -1) @ mu
+    report = _compare(fn, (torch.randn(B, N, K), _var((B, N, K)), torch.tensor(0.3)), "kl_attention")
+    assert report.count("kl_attention") == 1 and not report.misses, str(report)
+
+
 @pytest.mark.parametrize("fn,extra,reason", [
+    (m_variance_floored_by_relu, (), "applies relu"),
     (m_mask_before_a_tensor_temperature, (torch.tensor(0.1),), "the mask is applied before a temperature"),
     (m_key_means_clamped, (), "applies clamp"),
     (m_relu_key_means, (), "but not at means of either sign and variances far from 1"),

@@ -258,6 +258,17 @@ def test_a_bound_on_the_score_is_reported_not_dropped(fresh_dynamo):
     assert_close("y", got, clamped(*args), TOL)
 
 
+def test_decay_of_a_tensor_constant_fuses(fresh_dynamo):
+    """γ^(t−s) with γ = torch.tensor(0.9) built in forward: a constant (detached, it stops no gradient)."""
+    def retention(k, v, q):
+        idx = torch.arange(q.shape[1])
+        diff = idx[:, None] - idx[None, :]
+        decay = (torch.tensor(0.9) ** diff.clamp(min=0).float()) * (diff >= 0)
+        return ((q @ k.mT) * decay) @ v
+    report = _check(retention, [torch.randn(B, T, D) for _ in range(3)], False)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+
+
 def test_normaliser_is_fused_with_its_eps(fresh_dynamo):
     report = _check(normalised_by_reciprocal, [torch.randn(B, T, D) for _ in range(3)], False)
     assert report.fusions[0].detail.endswith("normalised"), report.fusions[0].detail

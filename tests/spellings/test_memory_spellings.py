@@ -1131,7 +1131,19 @@ def hebbian_normaliser_capped(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_key_floored_by_relu_in_the_error(k, v, q, alpha, eta):
+    """relu(k + 2) − 2, a floor at −2 written by a branch at 0, where the error reads the key only."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ (F.relu(k[:, t] + 2) - 2).unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * (2 * e).unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 REPORTED = {
+    "l2_key_floored_by_relu_in_the_error": (l2_key_floored_by_relu_in_the_error,
+                                            ["applies relu", "a bound or branch on data"]),
     "l2_key_clamped_in_the_error_only": (l2_key_clamped_in_the_error_only,
                                          ["applies clamp", "a bound or branch on data"]),
     "hebbian_normaliser_capped": (hebbian_normaliser_capped, ["applies clamp", "a bound or branch on data"]),
