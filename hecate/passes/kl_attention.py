@@ -473,8 +473,8 @@ def _match_kl(logits, bases, shared, lead, k):
         mean, scale, param = near_one_only
         raise NotFused(f"the pairwise score is −KL(q_i ‖ q_j)/κ of {mean.name} and the {param} {scale.name} where "
                        "they are near 1, but not at means of either sign and variances far from 1 (e^-8..e^8): it "
-                       "computes something the KL does not there (a relu, abs, clamp or floor of a mean or a "
-                       "variance inside the pairwise score?)")
+                       "computes something the KL does not there (a relu, abs, clamp or floor of a mean, a "
+                       "variance or the KL itself?)")
     if reversed_found is not None:
         raise NotFused(f"the score is KL(q_j ‖ q_i) (key to query; so is a softmax over the queries, dim −2, of "
                        f"KL(q_i ‖ q_j)) of {reversed_found[0].name} and the "

@@ -269,7 +269,7 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
         raise NotFused(f"the logits are −KL(q_i ‖ π_v)/τ of {near_one_only[0].name} and {near_one_only[1].name} where "
                        "the means and variances are near 1, but not at means of either sign and variances far from "
                        "1 (e^-8..e^8): they compute something the KL does not there (a relu, abs, clamp or floor of a "
-                       "mean or a variance?)")
+                       "mean, a variance or the logits themselves?)")
     return None
 
 
