@@ -472,7 +472,7 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
             if node.op == "placeholder":
                 env[node] = next(placeholders)
             elif node.op == "get_attr":  # a tensor fn created (torch.tensor(...)) becomes a constant of gm
-                name = _free_attribute(gm, node.target)
+                name = free_attribute(gm, node.target)
                 gm.register_buffer(name, getattr(traced, node.target), persistent=False)
                 env[node] = graph.get_attr(name)
                 env[node].meta = dict(node.meta)
@@ -527,7 +527,7 @@ def _last(graph: fx.Graph, nodes: Sequence[fx.Node]) -> fx.Node:
     return max(nodes, key=order.__getitem__)
 
 
-def _free_attribute(gm: fx.GraphModule, prefix: str) -> str:
+def free_attribute(gm: fx.GraphModule, prefix: str) -> str:
     return next(name for i in itertools.count() if not hasattr(gm, name := f"_hecate_{prefix}_{i}"))
 
 

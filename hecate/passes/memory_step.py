@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused, bound_reason, first_threshold, replace_with_function
+from hecate.passes.matching import NotFused, bound_reason, first_threshold, free_attribute, replace_with_function
 
 aten = torch.ops.aten
 
@@ -71,7 +71,7 @@ def _evaluate(graph: fx.Graph, inputs: dict[fx.Node, Any], overrides: dict[fx.No
             continue
         if node.op == "get_attr" and node not in env:  # a constant the body holds (torch.tensor(1e-6))
             value = fx.graph_module._get_attr(graph.owning_module, node.target)
-            env[node] = value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+            env[node] = value  # (float32 beside float64 sample points: the points' dtype wins)
             continue
         if node.op != "call_function" or (upto is not None and node not in upto):
             continue
@@ -1015,8 +1015,11 @@ def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> 
         for n in traced.graph.nodes:
             if n.op == "call_function":
                 env[n] = graph.node_copy(n, lambda a: env[a])
-            elif n.op == "get_attr":
-                raise NotFused(f"a per-step value needs the constant {n.target}")
+            elif n.op == "get_attr":  # a constant the step holds (torch.tensor(1e-6)): one of gm's too
+                name = free_attribute(gm, n.target)
+                gm.register_buffer(name, getattr(traced, n.target), persistent=False)
+                env[n] = graph.get_attr(name)
+                env[n].meta = dict(n.meta)
             elif n.op == "output":
                 result = fx.node.map_arg(n.args[0], lambda a: env[a])
     if isinstance(result, (list, tuple)):

@@ -673,7 +673,19 @@ def hebbian_clamped_value_relu_query(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_key_normalised_with_a_tensor_eps(k, v, q, alpha, eta):
+    """k / max(‖k‖, torch.tensor(1e-6)) per step: a tensor constant held by the loop body."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        k_t = k[:, t] / torch.maximum(k[:, t].norm(dim=-1, keepdim=True), torch.tensor(1e-6))
+        e = (M @ k_t.unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * (2 * e).unsqueeze(-1) * k_t.unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
+    "l2_key_normalised_with_a_tensor_eps": (l2_key_normalised_with_a_tensor_eps, "memory_scan"),
     "l2_relu_key_abs_query_inside_the_loop": (l2_relu_key_abs_query_inside_the_loop, "memory_scan"),
     "hebbian_clamped_value_relu_query": (hebbian_clamped_value_relu_query, "linear_attention"),
     "l2_reference": (l2_reference, "memory_scan"),
