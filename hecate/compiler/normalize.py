@@ -141,11 +141,10 @@ def hand_written_convs(graph: fx.Graph) -> None:
         found = _unfolded_conv(pad, left + 1, time) or _windowed_conv(pad, left + 1, time)
         if found is None:
             continue
-        out, weights = found
+        out, weights, bias = found
         channels = shape[3 - time]
-        bias = None
         (user,) = out.users if len(out.users) == 1 else (None,)
-        if user is not None and user.target is aten.add.Tensor and not user.kwargs:  # + b[:, None]: the conv's bias
+        if bias is None and user is not None and user.target is aten.add.Tensor and not user.kwargs:  # + b[:, None]
             other = user.args[1] if user.args[0] is out else user.args[0]
             if isinstance(other, fx.Node) and _per_channel(other, channels, _val(pad).dtype, 0, time):
                 out, bias = user, other
@@ -176,8 +175,8 @@ def _other_factor(mul: fx.Node, x: fx.Node) -> Any:
     return mul.args[1] if mul.args[0] is x else mul.args[0]
 
 
-def _unfolded_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx.Node]] | None:
-    """``(P.unfold(time, K, 1) * w).sum(-1)``: (the sum, [w])."""
+def _unfolded_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx.Node], None] | None:
+    """``(P.unfold(time, K, 1) * w).sum(-1)``: (the sum, [w], no bias)."""
     pad_val = _val(pad)
     for unfold in pad.users:
         if unfold.target is not aten.unfold.default or unfold.args[1] % 3 != time \
@@ -191,23 +190,22 @@ def _unfolded_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx
         if total.target is aten.sum.dim_IntList and [d % 4 for d in total.args[1]] == [3] \
                 and not (total.args[2] if len(total.args) > 2 else False) and total.kwargs.get("dtype") is None \
                 and _per_channel(w, pad_val.shape[3 - time], pad_val.dtype, taps, time):
-            return total, [w]
+            return total, [w], None
     return None
 
 
-def _windowed_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx.Node]] | None:
-    """``Σ_k w_k · P[..., k:k+T]`` (``P[:, k:k+T]`` with time 1): (the root of the sum, [w_0 .. w_{K−1}])."""
+def _windowed_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx.Node], fx.Node | None] | None:
+    """``Σ_k w_k · P[..., k:k+T]`` (``P[:, k:k+T]`` with time 1), a per-channel bias it may start from: (the root
+    of the sum, [w_0 .. w_{K−1}], the bias or None)."""
     pad_val = _val(pad)
-    if not all(type(size) is int for size in pad_val.shape):  # a symbolic length is not asked about (no guard)
-        return None
-    length = pad_val.shape[time] - (taps - 1)
+    length = pad_val.shape[time] - (taps - 1)  # symbolic under dynamic shapes: compared without a guard
     weights: dict[int, Any] = {}  # window start -> its weight
     products: dict[fx.Node, int] = {}  # w_k · window -> k
     for window in pad.users:
         start = (window.args[2] if len(window.args) > 2 else None) or 0
         if window.target is not aten.slice.Tensor or window.args[1] % 3 != time or len(window.users) != 1 \
-                or (window.args[4] if len(window.args) > 4 else 1) != 1 or _val(window).shape[time] != length \
-                or start in weights:
+                or (window.args[4] if len(window.args) > 4 else 1) != 1 or not isinstance(start, int) \
+                or not statically_known_true(_val(window).shape[time] == length) or start in weights:
             return None
         (mul,) = window.users
         w = _other_factor(mul, window) if mul.target is aten.mul.Tensor else None
@@ -216,26 +214,39 @@ def _windowed_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx
         weights[start], products[mul] = w, start
     if sorted(weights) != list(range(taps)):
         return None
-    # the products summed by a tree of adds and nothing else (a literal 0: Python's sum starts there)
-    adds, roots = set(), set()
+    channels = pad_val.shape[3 - time]
+
+    def bias_leaf(x):  # a per-channel tensor the sum starts from (z = b[:, None].expand(-1, T), then z + …)
+        x = x.args[0] if isinstance(x, fx.Node) and x.target is aten.expand.default else x
+        return isinstance(x, fx.Node) and _per_channel(x, channels, pad_val.dtype, 0, time)
+
+    # the products summed by a tree of adds and nothing else (a literal 0: Python's sum starts there; or a bias)
+    adds, roots, biases = set(), set(), set()
     for node in products:
         while len(node.users) == 1:
             (user,) = node.users
             if user.target is not aten.add.Tensor or user.kwargs:
                 break
             other = user.args[1] if user.args[0] is node else user.args[0]
-            if not (other in products or isinstance(other, fx.Node) and other.target is aten.add.Tensor
-                    or not isinstance(other, fx.Node) and other == 0):
+            if bias_leaf(other):
+                biases.add(other)
+            elif not (other in products or isinstance(other, fx.Node) and other.target is aten.add.Tensor
+                      or not isinstance(other, fx.Node) and other == 0):
                 break
             adds.add(user)
             node = user
         roots.add(node)
-    if len(roots) != 1 or not adds or any(
-            not (arg in products or arg in adds or not isinstance(arg, fx.Node) and arg == 0)
+    if len(roots) != 1 or not adds or len(biases) > 1 or any(
+            not (arg in products or arg in adds or arg in biases or not isinstance(arg, fx.Node) and arg == 0)
             for add in adds for arg in add.args):
         return None
     (root,) = roots
-    return root, [weights[k] for k in range(taps)]
+    bias = next(iter(biases), None)
+    if bias is not None and sum(arg is bias for add in adds for arg in add.args) != 1:
+        return None  # the bias added more than once
+    if bias is not None and bias.target is aten.expand.default:
+        bias = bias.args[0]
+    return root, [weights[k] for k in range(taps)], bias
 
 
 def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
@@ -874,6 +885,14 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             and isinstance(args[0], fx.Node) and args[0].target is aten.unsqueeze.default \
             and _squeezed_dim(node) == _squeezed_dim(args[0]):
         return args[0].args[0]  # x.unsqueeze(d).squeeze(d), x[:, :, None][:, :, 0]: x
+    if target is aten.squeeze.dim and isinstance(args[0], fx.Node) and zero_pad_amounts(args[0]) is not None \
+            and isinstance(args[0].args[0], fx.Node) \
+            and args[0].args[0].target is aten.unsqueeze.default \
+            and _squeezed_dim(node) == _squeezed_dim(args[0].args[0]) is not None \
+            and len(zero_pad_amounts(args[0])) // 2 < _val(node).dim() + 1 - _squeezed_dim(node):
+        pad = args[0]  # F.pad(x.unsqueeze(2), (K-1, 0)).squeeze(2) → F.pad(x, (K-1, 0)): the row is not padded
+        with graph.inserting_before(node):
+            return _emit(graph, aten.pad.default, pad.args[0].args[0], *pad.args[1:], **pad.kwargs)
     if (target is aten.mul.Tensor and len(args) == 2 and args[0] is args[1] and isinstance(args[0], fx.Node)
             or target is aten.square.default):
         with graph.inserting_before(node):

@@ -615,6 +615,7 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     key = _key_factors(b, rec, [f for f in update.factors if f not in g_factors], update.divisors, kn)
     if key is None:
         raise NotFused("the update is not an outer product with the key that forms the error (g kᵀ)")
+    update.coef *= key[2]  # the product's factors are s · k
     gates = [f for f in update.factors if f not in g_factors]
     for f in key[0]:
         gates.remove(f)
@@ -678,10 +679,11 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
 
 
 def _key_factors(b: _Body, rec: Recurrence, factors: list[fx.Node], divisors: list[fx.Node],
-                 kn: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
-    """The factors and divisors of the update (not g's) whose product is the key ``kn``: one vector, with
-    the numbers per head it is scaled by where the product reads the key apart (``F.normalize(k)`` is
-    k / ‖k‖); None if none is."""
+                 kn: fx.Node) -> tuple[list[fx.Node], list[fx.Node], float] | None:
+    """The factors and divisors of the update (not g's) whose product is the key ``kn`` up to a number s
+    (the update read ``kt = k_t · 0.5`` as 0.5 · k_t: the 0.5 went to its coefficient, which s takes back):
+    one vector, with the numbers per head it is scaled by where the product reads the key apart
+    (``F.normalize(k)`` is k / ‖k‖), and s; None if none is."""
     shape = rec.lead + (rec.dk,)
     k = _as(b.env[kn], shape)
     heads = [(f, False) for f in factors] + [(d, True) for d in divisors]
@@ -693,8 +695,12 @@ def _key_factors(b: _Body, rec: Recurrence, factors: list[fx.Node], divisors: li
             for scales in itertools.combinations(heads, n):
                 over = [x for x, div in scales if not div and x is not vector]
                 under = [x for x, div in scales if div]
-                if len(over) + len(under) == n and _close(PerStep(1.0, [vector] + over, under).value(b.env, rec.lead, rec.dk), k):
-                    return [vector] + over, under
+                if len(over) + len(under) != n:
+                    continue
+                value = PerStep(1.0, [vector] + over, under).value(b.env, rec.lead, rec.dk)
+                scale = float((value * k).sum() / (k * k).sum()) if float((k * k).sum()) > 0 else 0.0
+                if scale != 0.0 and _close(value, scale * k):
+                    return [vector] + over, under, scale
     return None
 
 
