@@ -684,7 +684,19 @@ def l2_key_normalised_with_a_tensor_eps(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_key_scaled_inside_the_loop(k, v, q, alpha, eta):
+    """k_t · 0.5 per step (a 1/√d scale), read by the error and the update alike."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        k_t = k[:, t] * 0.5
+        e = (M @ k_t.unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * (2 * e).unsqueeze(-1) * k_t.unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
+    "l2_key_scaled_inside_the_loop": (l2_key_scaled_inside_the_loop, "memory_scan"),
     "l2_key_normalised_with_a_tensor_eps": (l2_key_normalised_with_a_tensor_eps, "memory_scan"),
     "l2_relu_key_abs_query_inside_the_loop": (l2_relu_key_abs_query_inside_the_loop, "memory_scan"),
     "hebbian_clamped_value_relu_query": (hebbian_clamped_value_relu_query, "linear_attention"),

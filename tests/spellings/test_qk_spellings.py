@@ -54,6 +54,13 @@ def _pad_conv(m, u):
     return F.conv1d(F.pad(u, (K - 1, 0)), m.conv.weight, m.conv.bias, groups=D)
 
 
+def _windows_from_the_bias(m, u):   # [B, D, T]: the sum starts from the bias, one window added per tap
+    padded, z = F.pad(u, (K - 1, 0)), m.conv.bias[:, None].expand(-1, u.shape[-1])
+    for k in range(K):
+        z = z + m.kernel[:, k:k + 1] * padded[..., k:k + u.shape[-1]]
+    return z
+
+
 # name: (forward, the fusion's detail)
 SPELLINGS = {
     "nn.Linear, nn.Conv1d + [..., :T], F.silu, ELU+1": (
@@ -198,6 +205,13 @@ SPELLINGS = {
     "permute then reshape to the same [B, D, T], movedim(-1, 1) in, swapdims back": (
         lambda m, x: F.silu(_pad_conv(m, m.proj(x).movedim(-1, 1).reshape(x.shape[0], D, x.shape[1]))
                             .swapdims(-1, -2)),
+        "linear → conv(K=4) → silu [B,T,D]"),
+    "conv2d over one row padded before it: F.conv2d(F.pad(u[:, :, None], (K-1, 0)), w[D, 1, 1, K])": (
+        lambda m, x: F.silu(F.conv2d(F.pad(m.proj(x).transpose(1, 2).unsqueeze(2), (K - 1, 0)),
+                                     m.kernel[:, None, None, :], groups=D).squeeze(2).transpose(1, 2)),
+        "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand from the bias: z = b[:, None].expand(-1, T), then z + w[:, k:k+1] · window in a loop": (
+        lambda m, x: F.silu(_windows_from_the_bias(m, m.proj(x).transpose(1, 2)).transpose(1, 2)),
         "linear → conv(K=4) → silu [B,T,D]"),
     "a gain before SiLU (z * 2.0): SiLU of the scaled z, not SiLU, generated into φ": (
         lambda m, x: F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2) * 2.0),
