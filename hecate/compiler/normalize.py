@@ -14,6 +14,8 @@ whole graph and the body of every ``scan`` in it in this form:
 * an elementwise op of one tensor taken after an ``unsqueeze`` is taken before it
   (``v.unsqueeze(2).clamp(min=ε)`` → ``v.clamp(min=ε).unsqueeze(2)``): the pairs of a score then read
   per-position values;
+* a slice of an ``unsqueeze`` on another dim is the unsqueeze of the slice (``y.unsqueeze(2)[..., :T]`` →
+  ``y[..., :T].unsqueeze(2)``), so a conv's causal slice sits by the conv;
 * a reshape or view to the shape it already has (``h.view(B, T, D)`` of an h [B, T, D]) → h;
   ``swapaxes`` / ``swapdims`` / ``movedim`` / ``moveaxis`` → the ``permute`` they are;
 * ``x.unbind(d)[t]`` → ``x.select(d, t)`` where it is read (:func:`unbind_as_selects`);
@@ -874,6 +876,13 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         with graph.inserting_before(node):
             flipped = _emit(graph, target, _transposed(graph, args[0]), -1)
             return _emit(graph, aten.transpose.int, flipped, -2, -1)
+    if target is aten.slice.Tensor and len(args) > 1 and isinstance(args[0], fx.Node) and not node.kwargs \
+            and args[0].target is aten.unsqueeze.default and isinstance(_val(node), torch.Tensor) \
+            and (u := _squeezed_dim(args[0])) is not None and args[1] % _val(node).dim() != u:
+        d = args[1] % _val(node).dim()  # y.unsqueeze(2)[..., :T] → y[..., :T].unsqueeze(2): the slice by the conv
+        with graph.inserting_before(node):
+            cut = _emit(graph, aten.slice.Tensor, args[0].args[0], d if d < u else d - 1, *args[2:])
+            return _emit(graph, aten.unsqueeze.default, cut, u)
     if target is aten.slice.Tensor and len(args) > 1 and _permutation(args[0]) is not None:
         return _slice_before_permute(graph, node, outputs)
     if _permutation(node) is not None and isinstance(args[0], fx.Node) and zero_pad_amounts(args[0]) is not None \

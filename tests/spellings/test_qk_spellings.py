@@ -210,6 +210,10 @@ SPELLINGS = {
         lambda m, x: F.silu(F.conv2d(F.pad(m.proj(x).transpose(1, 2).unsqueeze(2), (K - 1, 0)),
                                      m.kernel[:, None, None, :], groups=D).squeeze(2).transpose(1, 2)),
         "linear → conv(K=4) → silu [B,T,D]"),
+    "conv2d over one row with padding (0, K-1), the row's first T outputs kept": (
+        lambda m, x: F.silu(F.conv2d(m.proj(x).transpose(1, 2).unsqueeze(2), m.kernel[:, None, None, :],
+                                     padding=(0, K - 1), groups=D)[..., :x.shape[1]].squeeze(2).transpose(1, 2)),
+        "linear → conv(K=4) → silu [B,T,D]"),
     "by hand from the bias: z = b[:, None].expand(-1, T), then z + w[:, k:k+1] · window in a loop": (
         lambda m, x: F.silu(_windows_from_the_bias(m, m.proj(x).transpose(1, 2)).transpose(1, 2)),
         "linear → conv(K=4) → silu [B,T,D]"),
