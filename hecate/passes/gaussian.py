@@ -218,6 +218,23 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
     return run(node)
 
 
+def nearest_sources(node: fx.Node, is_source: Callable[[tuple], bool], depth: int = 8) -> list[fx.Node]:
+    """The nearest tensors ``node`` is computed from whose shape ``is_source`` takes (a per-position number's
+    [..., N, K] log-variances, say), within ``depth`` ops."""
+    found, frontier, seen = [], [node], {node}
+    for _ in range(depth):
+        parents = []
+        for n in frontier:
+            for x in n.all_input_nodes:
+                shape = shape_of(x)
+                if x in seen or shape is None:
+                    continue
+                seen.add(x)
+                (found if is_source(shape) else parents).append(x)
+        frontier = parents
+    return found
+
+
 def independent(bases: Sequence[fx.Node], depth: int = 16) -> list[fx.Node]:
     """``bases`` without those computed from others of them alone (``log(v)`` beside ``v``): those are
     evaluated from them rather than drawn independently. A base that also reads a graph input (the

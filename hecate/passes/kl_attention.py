@@ -65,7 +65,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals_scaled, evaluate, far_draw,
-                                    gaussian_kl, independent, proportion, run_time_temperature, shape_of, short, strip_noops)
+                                    gaussian_kl, independent, nearest_sources, proportion, run_time_temperature, shape_of, short, strip_noops)
 from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, replace_with_function,
                                     size_hint, tensors_read)
 
@@ -515,23 +515,9 @@ def _computed_from_any(node: fx.Node, bases: list) -> bool:
     return node not in independent([node] + [b for b in bases if b is not node])
 
 
-def _feature_sources(node: fx.Node, lead: int, k: int, depth: int = 8) -> list[fx.Node]:
-    """The nearest tensors [*L, N, K] ``node`` is computed from (its log-variances, say), within ``depth`` ops."""
-    found, frontier, seen = [], [node], {node}
-    for _ in range(depth):
-        parents = []
-        for n in frontier:
-            for i in n.all_input_nodes:
-                shape = shape_of(i)
-                if i in seen or shape is None:
-                    continue
-                seen.add(i)
-                if len(shape) == lead + 2 and size_hint(shape[-1]) == k:
-                    found.append(i)
-                else:
-                    parents.append(i)
-        frontier = parents
-    return found
+def _feature_sources(node: fx.Node, lead: int, k: int) -> list[fx.Node]:
+    """The nearest tensors [*L, N, K] ``node`` is computed from (its log-variances, say)."""
+    return nearest_sources(node, lambda shape: len(shape) == lead + 2 and size_hint(shape[-1]) == k)
 
 
 def _kappa_text(kappa) -> str:

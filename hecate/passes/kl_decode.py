@@ -37,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, equals_scaled, evaluate, far_draw, gaussian_kl,
-                                    independent, proportion, run_time_temperature, shape_of, short, strip_noops)
+                                    independent, nearest_sources, proportion, run_time_temperature, shape_of, short, strip_noops)
 from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, replace_with_function,
                                     size_hint)
 
@@ -116,27 +116,32 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
         if not sources:
             return None
         queries += [x for x in sources if x not in queries]
-    return independent(queries), independent(priors), independent(scalars)
+    # and the per-position tensors they are computed from: s² and log s read apart are both computed from s
+    queries += [x for q in list(queries) for x in _per_position_ancestors(q, score[:-1]) if x not in queries]
+    return queries, independent(priors), independent(scalars)
 
 
-def _per_position_sources(node: fx.Node, lead: tuple, depth: int = 8) -> list[fx.Node]:
-    """The nearest per-position tensors [..., N, K] (``lead`` = [..., N]) ``node`` is computed from."""
-    found, frontier, seen = [], [node], {node}
-    for _ in range(depth):
-        parents = []
-        for n in frontier:
-            for x in n.all_input_nodes:
-                shape = shape_of(x)
-                if x in seen or shape is None:
-                    continue
-                seen.add(x)
-                if len(shape) == len(lead) + 1 and all(_is(a, b) for a, b in zip(shape, lead)) \
-                        and not _is(shape[-1], 1):
-                    found.append(x)
-                else:
-                    parents.append(x)
-        frontier = parents
+def _per_position_ancestors(node: fx.Node, lead: tuple) -> list[fx.Node]:
+    """The tensors ``node`` is computed from through per-position tensors [..., N, K] of its own K."""
+    found, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if n.op != "call_function":
+            continue
+        for x in n.all_input_nodes:
+            shape = shape_of(x)
+            if x in found or shape is None or len(shape) != len(lead) + 1 or not x.meta["val"].is_floating_point() \
+                    or not all(_is(a, b) for a, b in zip(shape, lead)) or not _is(shape[-1], shape_of(node)[-1]):
+                continue
+            found.append(x)
+            stack.append(x)
     return found
+
+
+def _per_position_sources(node: fx.Node, lead: tuple) -> list[fx.Node]:
+    """The nearest per-position tensors [..., N, K] (``lead`` = [..., N]) ``node`` is computed from."""
+    return nearest_sources(node, lambda shape: len(shape) == len(lead) + 1 and not _is(shape[-1], 1)
+                           and all(_is(a, b) for a, b in zip(shape, lead)))
 
 
 def _is(size, other) -> bool:
@@ -228,7 +233,7 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
     draws = []
     for low, high in ((0.3, 2.0), (0.05, 4.0)):
         env = {x: low + (high - low) * torch.rand(*positions, k, generator=gen, dtype=torch.float64)
-               for x in queries}
+               for x in independent(queries)}
         env.update({x: low + (high - low) * torch.rand(own(x), generator=gen, dtype=torch.float64)
                     for x in independent(priors)})
         memo = {**(fixed or {}), **env}
@@ -238,6 +243,7 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
             return None
         draws.append((env, memo, value))
     priors = [x for x in priors if isinstance(draws[0][1].get(x), torch.Tensor)]
+    queries = [x for x in queries if isinstance(draws[0][1].get(x), torch.Tensor)]  # drawn, or computed from those
     near_one_only = None
     per_token = [x for x in priors if own(x) == (v, k)]  # the means differ per token
     shared = [x for x in priors if x not in per_token]  # [K], [1, K], 0-d: a variance of the beliefs' or the priors'
