@@ -11,9 +11,6 @@ whole graph and the body of every ``scan`` in it in this form:
   tensor read the result; an in-place op on an input or on a view stays as it is;
 * no-op copies dropped: ``clone`` / ``contiguous`` / ``alias`` whose result is not a graph
   output (outputs must not alias each other);
-* an elementwise op of one tensor taken after an ``unsqueeze`` is taken before it
-  (``v.unsqueeze(2).clamp(min=ε)`` → ``v.clamp(min=ε).unsqueeze(2)``): the pairs of a score then read
-  per-position values;
 * a slice of an ``unsqueeze`` on another dim is the unsqueeze of the slice (``y.unsqueeze(2)[..., :T]`` →
   ``y[..., :T].unsqueeze(2)``), so a conv's causal slice sits by the conv;
 * a reshape or view to the shape it already has (``h.view(B, T, D)`` of an h [B, T, D]) → h;
@@ -809,12 +806,6 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return args[0]  # x.float() of a float32 x: x itself (to() returns its input when nothing changes)
     if target in _DROPOUTS and len(args) == 3 and args[2] is False and not node.kwargs and node not in outputs:
         return args[0]  # F.dropout(x, p, training=False), nn.Dropout in eval(): x itself
-    if target in _POINTWISE_UNARY and isinstance(args[0], fx.Node) and args[0].op == "call_function" \
-            and args[0].target is aten.unsqueeze.default and not node.kwargs and node not in outputs \
-            and all(isinstance(a, (int, float)) and not isinstance(a, bool) or a is None for a in args[1:]):
-        view = args[0]  # v.unsqueeze(2).clamp(min=ε) → v.clamp(min=ε).unsqueeze(2): per position before the pairs
-        with graph.inserting_before(node):
-            return _emit(graph, aten.unsqueeze.default, _emit(graph, target, view.args[0], *args[1:]), view.args[1])
     if target in _RESHAPES and node not in outputs and _same_shape(node, args[0]):
         return args[0]  # h.view(B, T, D) of an h [B, T, D]: h itself
     if target in _AXIS_MOVES and not node.kwargs and isinstance(_val(node), torch.Tensor):
@@ -1058,13 +1049,6 @@ def _add_product(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.No
 
 _RESHAPES = (aten.view.default, aten.reshape.default, aten.flatten.using_ints, aten._unsafe_view.default)
 _PERMUTES = (aten.transpose.int, aten.permute.default)
-# elementwise ops of one tensor (and numbers): the same values before or after a view
-_POINTWISE_UNARY = frozenset({
-    aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.exp.default, aten.log.default,
-    aten.sqrt.default, aten.rsqrt.default, aten.reciprocal.default, aten.abs.default, aten.relu.default,
-    aten.sigmoid.default, aten.softplus.default, aten.tanh.default, aten.log1p.default, aten.expm1.default,
-    aten.pow.Tensor_Scalar, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,  # (by a number)
-})
 _AXIS_MOVES = (aten.swapaxes.default, aten.swapdims.default, aten.movedim.int, aten.movedim.intlist,
                aten.moveaxis.int, aten.moveaxis.intlist)
 

@@ -280,14 +280,7 @@ def a_constants_of_the_softmax_dropped(mu, var):  # −d and −log v_i left out
     return torch.softmax(-kl / 2.0, -1) @ mu
 
 
-def a_variance_floored_after_the_broadcast(mu, var):  # the floor and eps on each side, after unsqueeze
-    vi, vj = var.unsqueeze(2).clamp(min=1e-4) + 1e-6, var.unsqueeze(1).clamp(min=1e-4) + 1e-6
-    kl = 0.5 * (torch.log(vj / vi) + vi / vj + (mu.unsqueeze(2) - mu.unsqueeze(1)).square() / vj - 1).sum(-1)
-    return torch.softmax(-kl, -1) @ mu
-
-
 ATTENTION = [
-    (a_variance_floored_after_the_broadcast, _var),
     (a_constants_of_the_softmax_dropped, _var),
     (a_logsumexp_beta, _var), (a_where_full_like_no_self, _var), (a_kl_masked_with_inf, _var),
     (a_keys_first_layout, _var), (a_log_determinants, _var), (a_log_determinants_of_log_variances, _logvar),
