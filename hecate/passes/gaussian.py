@@ -15,10 +15,9 @@
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
-
-import operator
 
 import torch
 from torch import fx
@@ -232,6 +231,22 @@ def nearest_sources(node: fx.Node, is_source: Callable[[tuple], bool], depth: in
                 seen.add(x)
                 (found if is_source(shape) else parents).append(x)
         frontier = parents
+    return found
+
+
+def sources_shaped(node: fx.Node, keep: Callable[[tuple], bool]) -> list[fx.Node]:
+    """The floating tensors ``node`` is computed from through tensors whose shape ``keep`` takes (``2 * v`` and
+    ``log v`` read apart are both computed from v, which is then drawn, and they evaluated from it)."""
+    found, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if n.op != "call_function":
+            continue
+        for x in n.all_input_nodes:
+            shape = shape_of(x)
+            if x not in found and shape is not None and x.meta["val"].is_floating_point() and keep(shape):
+                found.append(x)
+                stack.append(x)
     return found
 
 

@@ -33,9 +33,10 @@ How, by what the code computes rather than how it is spelled:
    ``torch.distributions.kl_divergence`` of ``Normal``s, a KL computed per term and summed,
    any temperature spelling all read the same. The roles found (at positive values near 1) are
    confirmed at means of either sign and variances e^-8..e^8 (``gaussian.far_draw``): a relu or abs
-   of a mean, a clamp or floor of a variance inside the pair space is not the KL there. A κ that changes with a 0-d tensor t of the graph
-   (a learned temperature, a buffer, a float torch.compile(dynamic=True) passes in) is found by
-   giving t a value per draw: κ = c·t or c/t, passed to the op as its run-time ``temperature``.
+   of a mean, a clamp or floor of a variance inside the pair space is not the KL there. A κ that
+   changes with a 0-d tensor t of the graph (a learned temperature, a buffer, a float
+   torch.compile(dynamic=True) passes in) is found by giving t a value per draw: κ = c·t or c/t,
+   passed to the op as its run-time ``temperature``.
    Nodes of the score equal to γ·KL (γ a number) are KL factors.
 3. Everything computed from β and KL until a sum over the key axis j (``sum(dim=2)``, a matmul,
    bmm or einsum with per-key values) is read as a polynomial in the pair space (i, j, k)
@@ -65,9 +66,10 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals_scaled, evaluate, far_draw,
-                                    gaussian_kl, independent, nearest_sources, proportion, run_time_temperature, shape_of, short, strip_noops)
-from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, replace_with_function,
-                                    size_hint, tensors_read)
+                                    gaussian_kl, independent, nearest_sources, proportion, run_time_temperature,
+                                    shape_of, short, strip_noops)
+from hecate.passes.matching import (NotFused, bound_reason, depends_on_sizes_only, first_threshold, nodes_between,
+                                    replace_with_function, size_hint)
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -126,7 +128,7 @@ def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx
             masks.append((args[0], "masked"))
             x = args[2]
         elif t == aten.add.Tensor and x.kwargs.get("alpha", 1) == 1 and all(isinstance(a, fx.Node) for a in args):
-            constant = [a for a in args if _depends_on_sizes_only(a)]
+            constant = [a for a in args if depends_on_sizes_only(a)]
             if len(constant) != 1:
                 break
             masks.append((constant[0], "additive"))
@@ -156,10 +158,6 @@ def _constant_tensor(node) -> torch.Tensor | None:
     for name in node.target.split("."):
         value = getattr(value, name, None)
     return value if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) else None
-
-
-def _depends_on_sizes_only(node: fx.Node) -> bool:
-    return not tensors_read([node])
 
 
 def _broadcast_side(node: fx.Node, rank: int, n) -> tuple[fx.Node, str] | None:
@@ -223,14 +221,14 @@ def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list
     for node in nodes:
         if node in paired:
             for x in node.all_input_nodes:
-                if x not in paired and not _depends_on_sizes_only(x):  # (a tuple of tensors: None)
+                if x not in paired and not depends_on_sizes_only(x):  # (a tuple of tensors: None)
                     frames[x].add(_rank(node) if shape_of(node) is not None else None)
     shared = {x for x, fs in frames.items() if all(_shared(shape_of(x), rank, n, frame) for frame in fs)}
     others = [x for x in frames if x not in shared]
     seen, stack = set(shared), [i for x in shared for i in x.all_input_nodes]
     while stack:  # what those are computed from, as long as it is the same at every position too
         x = stack.pop()
-        if x not in seen and x not in frames and not _depends_on_sizes_only(x) and _shared(shape_of(x), rank, n):
+        if x not in seen and x not in frames and not depends_on_sizes_only(x) and _shared(shape_of(x), rank, n):
             shared.add(x)
             stack.extend(x.all_input_nodes)
         seen.add(x)
@@ -508,7 +506,7 @@ def _far_from_one(logits, env, constants, mean, scale, param, gamma, own_sizes) 
 def _over_keys(score: torch.Tensor) -> torch.Tensor:
     """``score`` less each row's mean: what a softmax over the keys reads of it. A term per query (the KL's
     −d, or −log v_i, left out as constants of the softmax) is no difference."""
-    return score - score.mean(-1, keepdim=True) if isinstance(score, torch.Tensor) else score
+    return score - score.mean(-1, keepdim=True)
 
 
 def _computed_from_any(node: fx.Node, bases: list) -> bool:

@@ -37,7 +37,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, equals_scaled, evaluate, far_draw, gaussian_kl,
-                                    independent, nearest_sources, proportion, run_time_temperature, shape_of, short, strip_noops)
+                                    independent, nearest_sources, proportion, run_time_temperature, shape_of, short,
+                                    sources_shaped, strip_noops)
 from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, replace_with_function,
                                     size_hint)
 
@@ -116,26 +117,14 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
         if not sources:
             return None
         queries += [x for x in sources if x not in queries]
-    # and the per-position tensors they are computed from: s² and log s read apart are both computed from s
-    queries += [x for q in list(queries) for x in _per_position_ancestors(q, score[:-1]) if x not in queries]
+    # and the per-position tensors [..., N, K] of their own K they are computed from (s² and log s read apart)
+    lead = score[:-1]
+
+    def per_position(k):
+        return lambda shape: len(shape) == len(lead) + 1 and _is(shape[-1], k) and all(map(_is, shape, lead))
+    sources = [x for q in queries for x in sources_shaped(q, per_position(shape_of(q)[-1]))]
+    queries = list(dict.fromkeys(queries + sources))
     return queries, independent(priors), independent(scalars)
-
-
-def _per_position_ancestors(node: fx.Node, lead: tuple) -> list[fx.Node]:
-    """The tensors ``node`` is computed from through per-position tensors [..., N, K] of its own K."""
-    found, stack = [], [node]
-    while stack:
-        n = stack.pop()
-        if n.op != "call_function":
-            continue
-        for x in n.all_input_nodes:
-            shape = shape_of(x)
-            if x in found or shape is None or len(shape) != len(lead) + 1 or not x.meta["val"].is_floating_point() \
-                    or not all(_is(a, b) for a, b in zip(shape, lead)) or not _is(shape[-1], shape_of(node)[-1]):
-                continue
-            found.append(x)
-            stack.append(x)
-    return found
 
 
 def _per_position_sources(node: fx.Node, lead: tuple) -> list[fx.Node]:
@@ -204,21 +193,10 @@ def _recognise(logits: fx.Node) -> _Decode | None:
 
 
 def _with_sources(priors: list, k: int, v: int) -> list:
-    """``priors`` and the per-token or shared tensors ([V, K], [1, K], [K]) they are computed from: ``2 * vp``
-    and ``vp.log()`` read apart are both computed from vp, which is drawn; they are evaluated from it."""
-    found, stack = list(priors), list(priors)
-    while stack:
-        node = stack.pop()
-        if node.op != "call_function":
-            continue
-        for x in node.all_input_nodes:
-            shape, value = shape_of(x), x.meta.get("val")
-            if x in found or shape is None or len(shape) not in (1, 2) or not value.is_floating_point() \
-                    or size_hint(shape[-1]) != k or len(shape) == 2 and size_hint(shape[0]) not in (v, 1):
-                continue
-            found.append(x)
-            stack.append(x)
-    return found
+    """``priors`` and the per-token or shared tensors ([V, K], [1, K], [K]) they are computed from."""
+    def per_token(shape):
+        return len(shape) in (1, 2) and size_hint(shape[-1]) == k and (len(shape) == 1 or size_hint(shape[0]) in (v, 1))
+    return list(dict.fromkeys(priors + [x for p in priors for x in sources_shaped(p, per_token)]))
 
 
 def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
@@ -272,17 +250,18 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
                                 return _Decode(logits, mu, scale, param, prior_mu, prior_scale, prior_param, tau,
                                                draws[0][1])
     if near_one_only is not None:
-        raise NotFused(f"the logits are −KL(q_i ‖ π_v)/τ of {near_one_only[0].name} and {near_one_only[1].name} where "
-                       "the means and variances are near 1, but not at means of either sign and variances far from "
-                       "1 (e^-8..e^8): they compute something the KL does not there (a relu, abs, clamp or floor of a "
-                       "mean, a variance or the logits themselves?)")
+        mu, prior_mu = near_one_only
+        raise NotFused(f"the logits are −KL(q_i ‖ π_v)/τ of {mu.name} and {prior_mu.name} where the means and "
+                       "variances are near 1, but not at means of either sign and variances far from 1 (e^-8..e^8): "
+                       "they compute something the KL does not there (a relu, abs, clamp or floor of a mean, a "
+                       "variance or the logits themselves?)")
     return None
 
 
 def _far_from_one(logits, env, fixed, gamma, queries, mu, scale, param, prior_mu, prior_scale, prior_param) -> bool:
     """Whether the logits are still γ · KL at means of either sign and variances far from 1 (:func:`far_draw`)."""
-    memo = {**(fixed or {}), **far_draw(env, [mu, prior_mu], {x: p for x, p in ((scale, param), (prior_scale, prior_param))
-                                                              if x is not None}, seed=20251126)}
+    scales = {x: p for x, p in ((scale, param), (prior_scale, prior_param)) if x is not None}
+    memo = {**(fixed or {}), **far_draw(env, [mu, prior_mu], scales, seed=20251126)}
     try:
         value = evaluate(logits, memo)  # memo: a variance computed from what was drawn, too
         kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries)

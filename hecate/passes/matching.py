@@ -30,6 +30,8 @@ from torch.utils import _pytree as pytree
 
 from hecate.passes.report import source_line
 
+aten = torch.ops.aten
+
 
 class NotFused(Exception):
     """Raised while recognising a match that cannot be fused; the message is the report's reason."""
@@ -143,8 +145,6 @@ def pad_fill(pad: fx.Node) -> tuple[str, Any]:
     return mode, value
 
 
-aten = torch.ops.aten
-
 # Ops whose value turns on a bound or a sign: evaluated at sample points, clamp(x, -10, 10) is x and
 # where(|s| > 20, 0, s) is s. A pass that recognises a subgraph by evaluating it may not drop one of
 # these unseen; what it fuses must compute each exactly (kept as an input, or generated into the kernel).
@@ -240,20 +240,9 @@ def bound_reason(node: fx.Node, what: str) -> str:
 
 
 def depends_on_sizes_only(node: fx.Node) -> bool:
-    """Whether ``node`` reads no tensor input of the graph (placeholders and get_attr tensors): its value is made
-    of sizes and constants (a causal mask)."""
-    stack, seen = [node], {node}
-    while stack:
-        n = stack.pop()
-        if _is_size(n):
-            continue  # a size (x.shape[1]), not x's values
-        if n.op in ("placeholder", "get_attr") and isinstance(n.meta.get("val"), torch.Tensor):
-            return False
-        for i in n.all_input_nodes:
-            if i not in seen:
-                seen.add(i)
-                stack.append(i)
-    return True
+    """Whether ``node`` reads no tensor input of the graph: its value is made of sizes and constants (a causal
+    mask)."""
+    return not tensors_read([node])
 
 
 def zero_pad_amounts(node: Any) -> list[int] | None:

@@ -23,9 +23,9 @@ G is a pointwise function of e. The proof is by meaning, not by matching one spe
 2. the roles are found by evaluating the body at random float64 points of either sign (its own
    generator, the user's RNG is not touched; positive points where the body is not finite at signed
    ones, a root or log of an input; so relu(k_t) or |q_t| is never taken for k_t or q_t; symbolic
-   sizes, under dynamic=True or a dynamic export, at the example's): y equals read(M_new, q) for one per-step value q; one node
-   equals read(M, k) − v; G is evaluated on its own over a grid of e and identified as one of
-   memory_scan's bias gradients (2e, tanh(a·e), p·tanh(a·e)·(e²+eps)^((p−1)/2)), its
+   sizes, under dynamic=True or a dynamic export, at the example's): y equals read(M_new, q) for one
+   per-step value q; one node equals read(M, k) − v; G is evaluated on its own over a grid of e and
+   identified as one of memory_scan's bias gradients (2e, tanh(a·e), p·tanh(a·e)·(e²+eps)^((p−1)/2)), its
    parameters taken from the body's literals;
 3. the whole step is then evaluated again at fresh random points against the op's own
    equations with the recovered roles; anything that differs is :class:`NotFused`.
@@ -869,15 +869,12 @@ def forms_outer_product(body: fx.Graph) -> bool:
         if any(s is None or len(s) < 2 for s in shapes):
             continue
         a, b = shapes
-        if node.target is aten.mul.Tensor and (_one(a[-1]) and _one(b[-2]) or _one(a[-2]) and _one(b[-1])):
+        if node.target is aten.mul.Tensor and (_is_one(a[-1]) and _is_one(b[-2])
+                                               or _is_one(a[-2]) and _is_one(b[-1])):
             return True
-        if node.target is not aten.mul.Tensor and _one(a[-1]):  # a product that sums over one element
+        if node.target is not aten.mul.Tensor and _is_one(a[-1]):  # a product that sums over one element
             return True
     return False
-
-
-def _one(size) -> bool:
-    return isinstance(size, int) and size == 1
 
 
 def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
