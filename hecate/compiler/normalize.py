@@ -631,11 +631,10 @@ def _mutation_of_a_view(members: list[fx.Node], order: dict[fx.Node, int]) -> li
     (m,), x = mutations, mutations[0].args[0]
     of_result = {m}  # m's result and views of it: what reads the mutated values as m's result
     for n in members:
-        if n is not m and n is not members[0] and not (
-                n.op == "call_function" and _aliasing_view(n) and n.args and n.args[0] in members):
+        if n is not m and n is not members[0] and not _view_of(n, members):
             return []  # another writer, or an alias that is not a view
-        if n.args and n.args[0] in of_result:
-            of_result.add(n)
+        if n.args and (n.args[0] in of_result or n.args[0] is x and order[n] > order[m]):
+            of_result.add(n)  # (a view of X taken after m: it reads m's result once m is out of place)
         elif n is not x and n is not m and any(order[u] > order[m] for u in n.users):
             return []  # read after the mutation other than through X
     return [m]
@@ -655,10 +654,15 @@ def _views_after_the_writes(members: list[fx.Node], order: dict[fx.Node, int]) -
     return writes
 
 
-def _aliasing_view(node: fx.Node) -> bool:
+def _view_of(node: fx.Node, members: list[fx.Node]) -> bool:
+    """Whether ``node`` is a view of one of ``members``: an ATen op whose schema says its result aliases its
+    input, or a call of Dynamo's graph that writes nothing yet shares the input's storage (``squeeze``,
+    ``x[:, t]``, ``.mT``)."""
+    if node.op not in ("call_function", "call_method") or not node.args or node.args[0] not in members \
+            or mutates(node):
+        return False
     schema = getattr(node.target, "_schema", None)
-    return schema is not None and not schema.is_mutable and len(schema.returns) == 1 \
-        and schema.returns[0].alias_info is not None
+    return schema is None or len(schema.returns) == 1 and schema.returns[0].alias_info is not None
 
 
 def _refake(node: fx.Node) -> None:

@@ -415,7 +415,7 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
             if _close(y_val, r):
                 read = (layout, qn, None, None)
                 break
-            normalised = _normaliser(b, m, r, y_val, _as(b.env[qn], lead + (d_in,)))
+            normalised = _normaliser(b, m, r, y_val, _as(b.env[qn], lead + (d_in,)), b.env)
             if normalised is not None:
                 read = (layout, qn) + normalised
                 break
@@ -534,10 +534,11 @@ def _state_transform(b: _Body, m: int) -> tuple[float, float, fx.Node]:
     return 2.0, 0.0, M_in
 
 
-def _normaliser(b: _Body, m: int, r: torch.Tensor, y: torch.Tensor, q: torch.Tensor) -> tuple[int, float] | None:
-    """(index of z, eps) when y = r / (z_new·q + eps) for a carried z."""
+def _normaliser(b: _Body, m: int, r: torch.Tensor, y: torch.Tensor, q: torch.Tensor,
+                env: dict[fx.Node, Any]) -> tuple[int, float] | None:
+    """(index of z, eps) when y = r / (z_new·q + eps) for a carried z, at the point ``env``."""
     for i, z_out in enumerate(b.carry_out):
-        z = _as(b.env[z_out], q.shape)
+        z = _as(env[z_out], q.shape)
         if i == m or z is None:
             continue
         eps = r / y - (z * q).sum(-1, keepdim=True)
@@ -795,7 +796,7 @@ def _verify(b: _Body, rec: Recurrence) -> None:
     if rec.kind == "hebbian":
         M_new = alpha * M + v.unsqueeze(-1) * k.unsqueeze(-2)
         y = (M if rec.read_before_update else M_new) @ q.unsqueeze(-1)
-        y = y.squeeze(-1)
+        y = y_read = y.squeeze(-1)
         if rec.normaliser_state is not None:
             z_in = _as(env[b.carries[rec.normaliser_state]], lead + (rec.dk,))
             z = alpha[..., 0] * z_in + k
@@ -822,6 +823,11 @@ def _verify(b: _Body, rec: Recurrence) -> None:
     for node, value in expect.items():
         got = _as(env[node], tuple(value.shape))
         if got is None or not _close(got, value):
+            if node is b.ys[0] and rec.normaliser_state is not None and got is not None \
+                    and _normaliser(b, rec.state, y_read, got, q, env) is not None:
+                raise NotFused("the read is normalised as y / (z·q + eps) with an eps that is another number at "
+                               "each draw: memory_scan takes eps as a Python number, not a tensor read at run "
+                               "time (a buffer, parameter or input)")
             raise NotFused(f"the step differs from the {rec.name} equations at random points "
                            f"({node.name} does not match)")
 

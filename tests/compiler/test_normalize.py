@@ -507,6 +507,52 @@ def test_dynamo_graph_updated_in_place_is_made_functional_and_merged_on_a_copy()
     assert torch.equal(collapsed(x)[0], gm(x)[0])
 
 
+def error_formed_in_place_on_a_view(M, k, v):
+    e = (M @ k.unsqueeze(-1)).squeeze(-1)
+    e.sub_(v)
+    return e.unsqueeze(-1) * k.unsqueeze(-2)  # a view of e taken after the write reads it
+
+
+def view_taken_before_the_write(M, k, v):
+    r = M @ k.unsqueeze(-1)
+    e = r.squeeze(-1)
+    e.sub_(v)
+    return r.sin()  # r, taken before, sees the write
+
+
+def base_assigned_besides(M, k, v):
+    r = M @ k.unsqueeze(-1)
+    e = r.squeeze(-1)
+    e.sub_(v)
+    r[:, 0] = 0.0
+    return e * 2
+
+
+def test_dynamo_graph_write_into_a_view_of_a_fresh_tensor_becomes_out_of_place():
+    args = (torch.randn(2, 3, 4), torch.randn(2, 4), torch.randn(2, 3))
+    gm = _dynamo_graph(error_formed_in_place_on_a_view, *args)
+    assert functionalize(gm.graph)
+    gm.recompile()
+    assert "sub_" not in [n.target for n in gm.graph.nodes], gm.graph
+    assert torch.equal(gm(*_by_name(gm, args))[0], error_formed_in_place_on_a_view(*args))
+
+
+@pytest.mark.parametrize("fn", [view_taken_before_the_write, base_assigned_besides], ids=lambda f: f.__name__)
+def test_dynamo_graph_write_into_a_view_that_another_alias_sees_is_kept(fn):
+    args = (torch.randn(2, 3, 4), torch.randn(2, 4), torch.randn(2, 3))
+    gm = _dynamo_graph(fn, *args)
+    functionalize(gm.graph)
+    gm.recompile()
+    assert "sub_" in [n.target for n in gm.graph.nodes], gm.graph
+    assert torch.equal(gm(*_by_name(gm, args))[0], fn(*args))
+
+
+def _by_name(gm, args):
+    """``args`` (M, k, v) in the order of Dynamo's placeholders."""
+    named = dict(zip(("L_M_", "L_k_", "L_v_"), args))
+    return [named[n.target] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 def channels_first_projections(x, W):
     return torch.einsum("btd,ed->bet", x, W), torch.einsum("ed,btd->bet", W, x), torch.einsum("btd,ed->bte", x, W)
 

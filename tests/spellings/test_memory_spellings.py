@@ -102,6 +102,19 @@ def l2_inplace_methods(k, v, q, alpha, eta):
     return torch.stack(ys, dim=1), M
 
 
+def l2_in_place_on_step_temporaries(k, v, q, alpha, eta):
+    """The error formed in place on the read (a view: ``squeeze``), the update scaled in place."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, :, :, None]).squeeze(-1)
+        e.sub_(v[:, t])
+        upd = e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        upd.mul_(2 * eta[:, t, :, None, None])
+        M = (1 - alpha[:, t, :, None, None]) * M - upd
+        ys.append((M @ q[:, t, :, :, None]).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
 def l2_bmm_narrow_cat(k, v, q, alpha, eta):
     """Heads flattened for bmm, per-step inputs by narrow, outputs collected with cat."""
     Bn, Tn, Hn, Dk = k.shape
@@ -707,6 +720,7 @@ SPELLINGS = {
     "l2_float_gates_mul_sum": (l2_float_gates_mul_sum, "memory_scan"),
     "l2_inplace": (l2_inplace, "memory_scan"),
     "l2_inplace_methods": (l2_inplace_methods, "memory_scan"),
+    "l2_in_place_on_step_temporaries": (l2_in_place_on_step_temporaries, "memory_scan"),
     "l2_bmm_narrow_cat": (l2_bmm_narrow_cat, "memory_scan"),
     "l2_matmul_mT_contiguous": (l2_matmul_mT_contiguous, "memory_scan"),
     "l2_single_head": (l2_single_head, "memory_scan"),
@@ -1235,6 +1249,34 @@ class NormalisedLinearAttention(torch.nn.Module):
             z = z + k[:, t]
             ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1) / ((z * q[:, t]).sum(-1, keepdim=True) + 1e-6))
         return torch.stack(ys, 1)
+
+
+class NormaliserEpsInABuffer(NormalisedLinearAttention):
+    """The normaliser's eps held in a 0-d buffer: a value read at run time, which the op cannot take."""
+
+    def __init__(self, d=4):
+        super().__init__(d)
+        self.register_buffer("eps", torch.tensor(1e-6))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        M, z, ys = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), x.new_zeros(x.shape[0], x.shape[-1]), []
+        for t in range(x.shape[1]):
+            M = M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+            z = z + k[:, t]
+            ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1) / ((z * q[:, t]).sum(-1, keepdim=True) + self.eps))
+        return torch.stack(ys, 1)
+
+
+def test_normaliser_eps_read_at_run_time_is_reported(fresh_dynamo):
+    torch.manual_seed(0)
+    model, x = NormaliserEpsInABuffer(), torch.randn(2, 5, 4)
+    got = torch.compile(model, backend="hecate")(x)
+    report = hecate.last_report()
+    assert not report.fusions and report.misses, str(report)
+    assert "eps that is another number at each draw" in report.misses[0].reason, str(report)
+    assert_close("y", got, model(x), TOL)
 
 
 def test_autocast_keeps_the_dtype_eager_gives(fresh_dynamo):
