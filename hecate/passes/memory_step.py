@@ -76,6 +76,9 @@ def _evaluate(graph: fx.Graph, inputs: dict[fx.Node, Any], overrides: dict[fx.No
         if node.op != "call_function" or (upto is not None and node not in upto):
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env.get(n))
+        if node.target is aten.sym_size.int:  # through the tensor's size: under vmap that has no batching rule
+            env[node] = args[0].size(args[1])
+            continue
         env[node] = node.target(*args, **kwargs)
     return env
 
