@@ -55,6 +55,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def warm_compilers(device: str) -> None:
+    """Compile one small function with Inductor and with Hecate before any row: the first compile in a
+    process pays their start-up (imports, Inductor's first code generation), which is no row's compile time."""
+    x = torch.randn(8, 8, device=device)
+    for backend in ("inductor", "hecate"):
+        torch._dynamo.reset()
+        torch.compile(lambda t: (t @ t).sin().sum(-1), backend=backend)(x)
+    torch._dynamo.reset()
+
+
 def median_time(fn: Callable[[], Any], device: str, warmup: int = 2, repeat: int = 10,
                 max_seconds: float = 20.0) -> float:
     """Median wall time of ``fn()`` in milliseconds (after ``warmup`` calls)."""

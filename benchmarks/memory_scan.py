@@ -26,7 +26,7 @@ import torch
 from torch._higher_order_ops.scan import scan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (forward_backward, forward_only, median_time, plot_bars, result_path,  # noqa: E402
+from common import (forward_backward, forward_only, median_time, plot_bars, result_path, warm_compilers,  # noqa: E402
                     write_json)
 
 import hecate  # noqa: E402
@@ -151,6 +151,7 @@ def run(args):
         lengths, dims, unrolled_lengths, repeat = args.lengths, args.dims, args.unrolled_lengths, 5
         general_p_max_T = 1024
     rows, labels, unrolled = [], [], []
+    warm_compilers(device)
 
     def save(complete: bool) -> str:
         """The JSON as measured so far (after every row: a run stopped early keeps what it measured)."""
@@ -168,7 +169,8 @@ def run(args):
                 f"{EAGER_BACKWARD_MAX_BYTES / 2**30:.0f} GiB of per-step states",
                 "hecate forward+backward = memory_scan forward + memory_scan_backward (re-runs the forward "
                 "keeping a checkpoint every CHUNK steps, then recomputes each segment)",
-                "compile_s = first call (compile + one run) minus one steady-state run, Inductor caches disabled",
+                "compile_s = first call (compile + one run) minus one steady-state run, Inductor caches disabled, "
+                "after one warm-up compile per backend in the process",
                 "Inductor could not compile the scan form on this torch (InductorError DataDependentOutputException "
                 "in decompose_scan_to_while_loop, even for a trivial scan body): its timings are null, error recorded",
             ],

@@ -29,7 +29,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hecate  # noqa: E402
-from benchmarks.common import median_time, peak_memory_mb, plot_bars, result_path, write_json  # noqa: E402
+from benchmarks.common import (median_time, peak_memory_mb, plot_bars, result_path, warm_compilers,  # noqa: E402
+                               write_json)
 
 # phi "elu1": elementwise ELU+1 on [B, T, D]; "performer": FAVOR+ features per head of 64 channels, d_phi = 128
 CONFIGS = [dict(B=8, T=2048, D=1024, K=4, phi="elu1"), dict(B=4, T=512, D=256, K=4, phi="elu1"),
@@ -147,6 +148,7 @@ def main() -> None:
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     configs = QUICK_CONFIGS if args.quick else CONFIGS
+    warm_compilers(device)
     rows = []
     for shape in tqdm(configs, desc="qk_preprocess shapes", disable=args.no_progress, dynamic_ncols=True):
         # the big shape takes seconds per step on a CPU: fewer repeats there
@@ -160,7 +162,10 @@ def main() -> None:
     name = "qk_preprocess"
     path = write_json(name, device, {"model": "Linear(D, D) → Conv1d(D, D, K, groups=D, padding=K-1)[..., :T] → "
                                               "SiLU → φ (phi: elu1 = ELU+1; performer = FAVOR+ per head of "
-                                              f"{HEAD_DIM}, {PERFORMER_FEATURES} features)", "rows": rows}, quick=args.quick)
+                                              f"{HEAD_DIM}, {PERFORMER_FEATURES} features)",
+                                       "notes": ["compile_s: first forward and training step of a fresh compile, "
+                                                 "after one warm-up compile per backend in the process"],
+                                       "rows": rows}, quick=args.quick)
     labels, series = [], {"eager": [], "inductor": [], "hecate": []}
     for row in rows:
         s = row["shape"]
