@@ -229,10 +229,12 @@ _GAMMA_DRAW = {"γ": lambda u: u, "log γ": torch.log}
 
 @dataclass
 class _Decay:
-    """The mask D [*L, T, T] at the draw; γ per head (or one) when constant, else read at run time from
-    ``tensor`` (γ or log γ per head, ``form``); ``drawn`` the tensor's value at the draw."""
+    """The mask D [*L, T, T] at the draw, D_ts = c·γ^(t−s): the scale c of the score (``(q @ kᵀ) * d**-0.5 * m``);
+    γ per head (or one) when constant, else read at run time from ``tensor`` (γ or log γ per head, ``form``);
+    ``drawn`` the tensor's value at the draw."""
 
     d: torch.Tensor
+    scale: float
     gammas: list[float] | None = None
     tensor: fx.Node | None = None
     form: str = "γ"
@@ -255,7 +257,8 @@ def _decays(form: _Form) -> _Decay:
     inputs = tensors_read([form.a], stop=[form.score, form.q, form.k, form.v])  # beside the score
     if not inputs:
         d = _decay_values(form, dict(values))
-        return _Decay(d, _gammas(d, None))
+        scale = _scale(d)
+        return _Decay(d, scale, _gammas(d / scale, None))
     named = ", ".join(f"{n.name} of shape {list(_sizes(n))}" for n in inputs)
     why = (f"its mask D reads {named}, taken by the graph as input (a buffer, parameter or argument), "
            "whose values are not known when compiling; the mask must be computed from sizes and constants, "
@@ -274,11 +277,12 @@ def _decays(form: _Form) -> _Decay:
                 d = _decay_values(form, {**values, tensor: drawn})
                 gammas = _GAMMA_FROM[gamma_form](drawn).flatten()
                 try:
-                    if _gammas(d, gammas) is None:
+                    scale = _scale(d)
+                    if _gammas(d / scale, gammas) is None or found is not None and found.scale != scale:
                         break
                 except NotFused:
                     break
-                found = found or _Decay(d, None, tensor, gamma_form, drawn)
+                found = found or _Decay(d, scale, None, tensor, gamma_form, drawn)
             else:
                 return found
     raise NotFused(why)
@@ -317,6 +321,18 @@ def _decay_values(form: _Form, values: dict) -> torch.Tensor:
                        "constants") from None
 
 
+_NOT_CAUSAL = "its mask D is not causal with D_ts = c·γ^(t−s), 0 < γ ≤ 1 (a decay the recurrence keeps)"
+
+
+def _scale(d: torch.Tensor) -> float:
+    """c of a mask D_ts = c·γ^(t−s): its diagonal, one number (the score's scale: 1 for a bare mask)."""
+    diagonal = d.diagonal(dim1=-2, dim2=-1).flatten()
+    scale = float(diagonal[0])
+    if scale == 0.0 or not torch.allclose(diagonal, torch.full_like(diagonal, scale), rtol=1e-6, atol=0.0):
+        raise NotFused(_NOT_CAUSAL)
+    return scale
+
+
 def _gammas(d: torch.Tensor, read: torch.Tensor | None) -> list[float] | None:
     """γ per head (or one) of the mask D when causal with D_ts = γ^(t−s), else NotFused; with ``read``
     (γ per head or one, flat), None unless those are D's γ."""
@@ -337,7 +353,7 @@ def _gammas(d: torch.Tensor, read: torch.Tensor | None) -> list[float] | None:
         if not (0.0 < gamma <= 1.0 and torch.allclose(h, expected, rtol=1e-6, atol=0.0)):
             if read is not None:
                 return None
-            raise NotFused("its mask D is not causal with D_ts = γ^(t−s), 0 < γ ≤ 1 (a decay the recurrence keeps)")
+            raise NotFused(_NOT_CAUSAL)
     return gammas if len(set(gammas)) > 1 else gammas[:1]
 
 
@@ -397,7 +413,8 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     eps = normaliser[1] if normaliser is not None else 1e-6
     _, between = _score_product(form.a, _shape(form.a))
     gammas = decay.gammas if decay.tensor is None else _GAMMA_FROM[decay.form]
-    replace_with_function(gm, replaced, _linear_attention_of(form.perms, gammas, normaliser is not None, eps),
+    replace_with_function(gm, replaced, _linear_attention_of(form.perms, gammas, decay.scale, normaliser is not None,
+                                                             eps),
                           [form.k, form.v, form.q] + ([decay.tensor] if decay.tensor is not None else []),
                           outputs=[out])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -409,6 +426,7 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
                       + (f", decay γ={'/'.join(f'{g:g}' for g in gammas)}" if decay.tensor is None and gammas != [1.0]
                          else f", decay {decay.form} per head {_source(decay.tensor)} at run time"
                          if decay.tensor is not None else "")
+                      + (f", score scaled by {decay.scale:g}" if decay.scale != 1.0 else "")
                       + (", normalised" if normaliser is not None else ""))
 
 
@@ -420,10 +438,11 @@ def _source(value: fx.Node) -> str:
     return f"read from {names}" if inputs == [value] else f"computed from {names}"
 
 
-def _linear_attention_of(perms: dict, gammas, normalise: bool, eps: float):
+def _linear_attention_of(perms: dict, gammas, scale: float, normalise: bool, eps: float):
     """The replacement: the op over [B, T, H, D] views of the canonical [T, D] / [B, T, D] /
     [B, H, T, D] inputs, with the per-head (or one) decay γ as the keep factor of every step:
-    ``gammas`` the numbers, or the function giving them from the tensor the mask reads."""
+    ``gammas`` the numbers, or the function giving them from the tensor the mask reads. The score's
+    scale c multiplies the queries (the normaliser's too, as the mask's c does)."""
     def parallel_form_with_decay_read(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
                                       read: torch.Tensor) -> torch.Tensor:
         return parallel_form_as_recurrence(k, v, q, read)
@@ -436,7 +455,7 @@ def _linear_attention_of(perms: dict, gammas, normalise: bool, eps: float):
         def to_op(x):  # [T, D] / [B, T, D] / [B, H, T, D] → [B, T, H, D]
             return x[None, :, None] if rank == 2 else x[:, :, None] if rank == 3 else x.transpose(1, 2)
 
-        k_, v_, q_ = to_op(k), to_op(v), to_op(q)
+        k_, v_, q_ = to_op(k), to_op(v), to_op(q if scale == 1.0 else q * scale)
         if read is not None:  # γ per head (or one) from the tensor, its gradient summed back through the expand
             alpha: Any = gammas(read).reshape(-1).to(k_.dtype).expand(k_.shape[:3]).contiguous()
         else:

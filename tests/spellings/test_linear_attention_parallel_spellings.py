@@ -165,11 +165,29 @@ def retention_linspace_gammas(q, k, v):  # RetNet's γ_h = 1 − exp(linspace(lo
     return ((q @ k.transpose(-1, -2)) * decay[None] @ v).transpose(1, 2).reshape(b, n, -1)
 
 
+def scaled_scores_times_tril(q, k, v):  # the score scaled by d^-1/2 before the causal mask, as softmax attention is
+    m = torch.tril(torch.ones(q.shape[1], q.shape[1]))
+    return (phi(q) @ phi(k).mT * q.shape[-1] ** -0.5 * m) @ v
+
+
+def scaled_scores_masked_fill(q, k, v):  # divided by sqrt(d), the future filled with 0
+    s = (phi(q) @ phi(k).mT) / math.sqrt(q.shape[-1])
+    return s.masked_fill(torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).triu(1), 0.0) @ v
+
+
+def scaled_retention_normalised(q, k, v):  # γ = 0.9, the score scaled by 0.5 after the decay, normalised
+    t = torch.arange(q.shape[1], dtype=q.dtype)
+    decay = torch.tril(0.9 ** (t[:, None] - t[None, :]).clamp(min=0))
+    a = (phi(q) @ phi(k).mT) * decay * 0.5
+    return (a @ v) / (a.sum(-1, keepdim=True) + 1e-6)
+
+
 FUNCTIONS = [cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
              cumsum_heads_method_row_vector_read, tril_method, times_tril_of_ones, masked_fill_bmm, normalised, where_arange_relu_features, retention,
              one_sequence, einsum_scores_and_read, einsum_heads_in_place, einsum_time_major_scores,
              triu_bool_masked_fill_einsum, arange_comparison_float_mask, normalised_by_reciprocal, normalised_by_clamp,
-             retention_linspace_gammas]
+             retention_linspace_gammas, scaled_scores_times_tril, scaled_scores_masked_fill,
+             scaled_retention_normalised]
 
 
 def _check(fn, args, dynamic, params=()):
@@ -297,6 +315,18 @@ class RetNetLogDecayBuffer(nn.Module):
         return ((q @ k.transpose(-1, -2)) * mask) @ v
 
 
+class ScaledRetNetLogDecayBuffer(RetNetLogDecayBuffer):
+    """torchscale's retention with the score scaled by d^-1/2 (its queries' scaling written on the score)."""
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (f(x).view(b, n, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        index = torch.arange(n, dtype=x.dtype)
+        diff = index[:, None] - index[None, :]
+        mask = torch.exp(diff * self.log_decay[:, None, None]).masked_fill(diff < 0, 0.0)
+        return (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 * mask) @ v
+
+
 class GammaBufferHeadsLast(nn.Module):
     """a γ buffer [H, 1, 1], heads kept [B, T, H, Dh], einsum scores, torch.where of an arange comparison."""
 
@@ -377,7 +407,7 @@ class LogSigmoidDecay(_PerHeadDecay):
         return torch.exp((t[:, None] - t[None, :]).clamp(min=0) * F.logsigmoid(self.p).view(-1, 1, 1)).tril()
 
 
-DECAY_READ = [RetNetLogDecayBuffer, GammaBufferHeadsLast, LearnedDecay, ScalarGammaBuffer,
+DECAY_READ = [RetNetLogDecayBuffer, ScaledRetNetLogDecayBuffer, GammaBufferHeadsLast, LearnedDecay, ScalarGammaBuffer,
               lambda: MultiScaleRetention(decay_in_a_buffer=True), SigmoidGamma, LogSigmoidDecay]
 
 
