@@ -742,8 +742,12 @@ def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str, part: _P
         if start != 0 or size != loop.T:
             x = graph.call_function(torch.narrow, (x, 0, start, loop.T))
         xs.append(x)
+    inits = []
+    for o in carries:  # carries that start from one tensor (CSE merged two torch.zeros) start from copies of it:
+        init = env[loop.carries[o]]  # tracing the scan keys its inputs by tensor, and would read one carry for both
+        inits.append(graph.call_function(torch.clone, (init,)) if init in inits else init)
     scan = graph.call_function(torch.ops.higher_order.scan, (
-        graph.get_attr(body_name), [env[loop.carries[o]] for o in carries], xs, [env[a] for a in invariants]))
+        graph.get_attr(body_name), inits, xs, [env[a] for a in invariants]))
     # the user's line a report names for the loop: where the largest state is updated
     updates = sorted(carries, key=lambda o: -getattr(_value(loop.at(0, o)), "dim", lambda: 0)())
     traces = [loop.at(0, o).meta.get("stack_trace") for o in updates]

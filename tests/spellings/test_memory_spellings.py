@@ -375,6 +375,18 @@ def l2_sgd_momentum(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def titans_states_from_torch_zeros(k, v, q, alpha, eta):
+    """Memory and momentum both start from torch.zeros of one shape (one tensor once CSE merges the calls)."""
+    shape = (k.shape[0], k.shape[2], v.shape[-1], k.shape[-1])
+    M, S, ys = torch.zeros(shape), torch.zeros(shape), []
+    for t in range(k.shape[1]):
+        e = torch.einsum("bhvk,bhk->bhv", M, k[:, t]) - v[:, t]
+        S = 0.9 * S + eta[:, t, :, None, None] * 2 * torch.einsum("bhv,bhk->bhvk", e, k[:, t])
+        M = (1 - alpha[:, t, :, None, None]) * M - S
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, 1), M
+
+
 def l2_momentum_step_size_outside(k, v, q, alpha, eta):
     """The buffer accumulates the raw gradient; the step size multiplies it in the memory's update."""
     M, ys = _m0(k, v), []
@@ -720,6 +732,7 @@ SPELLINGS = {
     "l2_float_gates_mul_sum": (l2_float_gates_mul_sum, "memory_scan"),
     "l2_inplace": (l2_inplace, "memory_scan"),
     "l2_inplace_methods": (l2_inplace_methods, "memory_scan"),
+    "titans_states_from_torch_zeros": (titans_states_from_torch_zeros, "memory_scan"),
     "l2_in_place_on_step_temporaries": (l2_in_place_on_step_temporaries, "memory_scan"),
     "l2_bmm_narrow_cat": (l2_bmm_narrow_cat, "memory_scan"),
     "l2_matmul_mT_contiguous": (l2_matmul_mT_contiguous, "memory_scan"),
