@@ -707,8 +707,13 @@ def softmax_spellings(graph: fx.Graph) -> None:
     ``x − x.logsumexp(d, keepdim=True)`` → ``log_softmax(x, d)`` (so its exp is a softmax too).
 
     The softmax of ``exp(x) / Σ exp(x)`` without the max subtracted is left alone: it overflows where
-    softmax does not, so it does not compute the same."""
+    softmax does not, so it does not compute the same.
+
+    A (log-)softmax's ``dtype=`` that is its input's dtype converts nothing: dropped."""
     for node in list(graph.nodes):
+        if node.target in (aten.softmax.int, aten.log_softmax.int) and len(node.args) == 3 \
+                and isinstance(node.args[0], fx.Node) and node.args[2] == getattr(_val(node.args[0]), "dtype", None):
+            node.args = node.args[:2]
         for target, of in ((aten.log_softmax.int, _log_softmax_of), (aten.softmax.int, _softmax_of)):
             x, dim = of(node)
             if x is not None:

@@ -280,8 +280,14 @@ def a_constants_of_the_softmax_dropped(mu, var):  # −d and −log v_i left out
     return torch.softmax(-kl / 2.0, -1) @ mu
 
 
+def a_softmax_in_its_own_dtype(mu, logvar):  # dtype= given to log_softmax and softmax: the inputs' own
+    kl = kl_logvar_none_index(mu, logvar)
+    beta = F.log_softmax(-kl, dim=-1, dtype=mu.dtype).exp()
+    return beta @ mu + F.softmax(-kl, -1, dtype=mu.dtype) @ logvar
+
+
 ATTENTION = [
-    (a_constants_of_the_softmax_dropped, _var),
+    (a_constants_of_the_softmax_dropped, _var), (a_softmax_in_its_own_dtype, _logvar),
     (a_logsumexp_beta, _var), (a_where_full_like_no_self, _var), (a_kl_masked_with_inf, _var),
     (a_keys_first_layout, _var), (a_log_determinants, _var), (a_log_determinants_of_log_variances, _logvar),
     (a_squared_distance, _var),
