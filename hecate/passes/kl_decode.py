@@ -101,6 +101,8 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
             priors.append(node) if node not in priors else None
         elif shape == ():
             node = strip_noops(node)
+            while node.target is aten.neg.default and shape_of(node.args[0]) == ():
+                node = strip_noops(node.args[0])  # −t·KL: the sign is the score's, the temperature is t
             scalars.append(node) if node not in scalars else None
         elif shape is not None and len(shape) == len(score) and all(_is(a, b) for a, b in zip(shape, score[:-1])) \
                 and _is(shape[-1], 1) and not _is(score[-1], 1):

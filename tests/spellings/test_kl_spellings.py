@@ -808,8 +808,20 @@ class LearnedInverseTemperature(nn.Module):  # a learned log inverse temperature
         return F.log_softmax(-kl * self.log_beta.exp(), dim=-1)
 
 
+class NegatedInverseTemperature(nn.Module):  # −β·KL: the negation taken on the learned inverse temperature
+    def __init__(self):
+        super().__init__()
+        self.prior_mu, self.prior_var = nn.Parameter(torch.randn(V, K)), nn.Parameter(_var((V, K)))
+        self.beta = nn.Parameter(torch.tensor(0.8))
+
+    def forward(self, mu, var, targets):
+        kl = 0.5 * (torch.log(self.prior_var / var[:, :, None])
+                    + (var[:, :, None] + (mu[:, :, None] - self.prior_mu) ** 2) / self.prior_var - 1).sum(-1)
+        return F.cross_entropy((-self.beta * kl).view(-1, V), targets.view(-1))
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("make", [BufferTemperature, LearnedInverseTemperature])
+@pytest.mark.parametrize("make", [BufferTemperature, LearnedInverseTemperature, NegatedInverseTemperature])
 def test_decode_temperature_held_as_a_tensor_fuses_the_logits(make, dynamic, fresh_dynamo):
     """τ read at run time (a buffer; a learned inverse temperature): the logits fuse, divided by τ after the op
     (they are linear in 1/τ), and the cross-entropy stays as written; a learned τ gets its gradient."""
