@@ -177,6 +177,60 @@ def test_opcheck(path):
         torch.library.opcheck(OP, (mu, var, rv, cv, 0.8, True, False))
         torch.library.opcheck(OP, (mu, var, rv, cv, 1.3, False, True))
         torch.library.opcheck(OP, (mu, var, rv, cv, 0.5, True, True, torch.tensor(1.7, requires_grad=True)))
+        torch.library.opcheck(OP, (mu, var, rv, cv, 0.7, False, False, None, torch.ones(5, 5, dtype=torch.bool).tril()))
+        torch.library.opcheck(OP, (mu, var, rv, cv, 0.7, False, False, None, _random_mask(5, 1)))
+
+
+def _random_mask(n, seed):
+    allowed = torch.rand(n, n, generator=torch.Generator().manual_seed(seed)) < 0.6
+    allowed[3] = False  # a row with no allowed key
+    return allowed
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+@pytest.mark.parametrize("mask", ["causal", "causal_no_self", "random"])
+def test_mask_given_at_run_time(path, mask):
+    """``allowed`` [N, N]: a mask equal to one the kernels take runs them (as the flags would); any other runs the
+    matmul form. Every output and gradient against the broadcast reference with that mask, float64."""
+    from hecate.lowering.kl_attention.naive import allowed_keys
+
+    n = 19
+    allowed = {"causal": allowed_keys(n, True, False), "causal_no_self": allowed_keys(n, True, True),
+               "random": _random_mask(n, 3)}[mask]
+    mu, var, rv, cv = _inputs(2, n, 5, 3, 4)
+    with _path(path):
+        got = OP(mu, var, rv, cv, 0.7, False, False, None, allowed)
+    args64 = [t.detach().double().requires_grad_() for t in (mu, var, rv, cv)]
+    ref = kl_attention_naive(*args64, 0.7, False, False, allowed)
+    weights = [torch.randn(r.shape, dtype=torch.float64) for r in ref]
+    for name, g, r in zip(OUTPUT_NAMES, got, ref):
+        assert torch.equal(torch.isinf(g), torch.isinf(r)), name
+        assert_close(name, torch.where(torch.isinf(g), 0.0, g), torch.where(torch.isinf(r), 0.0, r).float(), 2e-5)
+    with _path(path):
+        grads = torch.autograd.grad(_weighted_sum(got, weights), (mu, var, rv, cv))
+    ref_grads = torch.autograd.grad(_weighted_sum(ref, weights), args64)
+    for name, g, r in zip(("d mu", "d var", "d row_values", "d col_values"), grads, ref_grads):
+        assert_close(name, g, r.float(), 2e-5)
+
+
+def test_mask_given_at_run_time_over_several_row_blocks():
+    """A mask of no kernel's pattern on the CPU path's blocks of query rows (the second one short)."""
+    from hecate.lowering.kl_attention.matmul_form import BLOCK_ROWS
+
+    n = BLOCK_ROWS + 21
+    allowed = _random_mask(n, 5)
+    mu, var, rv, cv = _inputs(1, n, 3, 2, 2)
+    got = OP(mu, var, rv, cv, 0.9, True, False, None, allowed)  # the flags' mask and the given one, together
+    keys = torch.ones(n, n, dtype=torch.bool).tril() & allowed
+    ref = kl_attention_naive(*(t.detach().double() for t in (mu, var, rv, cv)), 0.9, False, False, keys)
+    for name, g, r in zip(OUTPUT_NAMES, got, ref):
+        assert_close(name, torch.where(torch.isinf(g), 0.0, g), torch.where(torch.isinf(r), 0.0, r).float(), 2e-5)
+
+
+def test_mask_given_at_run_time_is_checked():
+    mu, var, rv, cv = _inputs(1, 5, 2, 2, 3)
+    with pytest.raises(ValueError, match=r"allowed must be a bool \[N, N\] tensor with N = 5, got shape \(5, 4\)"):
+        OP(mu, var, rv, cv, 1.0, False, False, None, torch.ones(5, 4, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("path", ["cpu", "triton"])
@@ -214,20 +268,22 @@ def test_any_run_time_temperature_computes_what_eager_does(path, temperature):
 
 
 class _Attention(torch.nn.Module):
-    def __init__(self, causal, mask_diagonal, learned_temperature=False):
+    def __init__(self, causal, mask_diagonal, learned_temperature=False, mask_buffer=False):
         super().__init__()
         self.causal, self.mask_diagonal = causal, mask_diagonal
         self.temperature = torch.nn.Parameter(torch.tensor(1.3)) if learned_temperature else None
+        self.register_buffer("allowed", _random_mask(6, 2) if mask_buffer else None)
 
     def forward(self, mu, var, rv, cv):
-        return OP(mu, var, rv, cv, 0.7, self.causal, self.mask_diagonal, self.temperature)
+        return OP(mu, var, rv, cv, 0.7, self.causal, self.mask_diagonal, self.temperature, self.allowed)
 
 
-@pytest.mark.parametrize("causal,mask_diagonal,learned_temperature", [(True, True, False), (False, False, False),
-                                                                      (True, False, True)])
-def test_onnx_translation_runs_in_onnxruntime(tmp_path, causal, mask_diagonal, learned_temperature):
+@pytest.mark.parametrize("causal,mask_diagonal,learned_temperature,mask_buffer",
+                         [(True, True, False, False), (False, False, False, False), (True, False, True, False),
+                          (False, False, False, True), (True, False, True, True)])
+def test_onnx_translation_runs_in_onnxruntime(tmp_path, causal, mask_diagonal, learned_temperature, mask_buffer):
     args = tuple(t.detach() for t in _inputs(2, 6, 3, 2, 3))
-    model = _Attention(causal, mask_diagonal, learned_temperature)
+    model = _Attention(causal, mask_diagonal, learned_temperature, mask_buffer)
     path = tmp_path / "kl_attention.onnx"
     hecate.export_onnx(model, args, path)
     session = ort.InferenceSession(str(path))
@@ -242,6 +298,9 @@ def test_onnx_translation_runs_in_onnxruntime(tmp_path, causal, mask_diagonal, l
 def test_mlir_export(output_type):
     args = tuple(t.detach() for t in _inputs(1, 5, 3, 2, 2))
     text = hecate.export_mlir(_Attention(True, False, learned_temperature=True), args, output_type=output_type)
+    assert "hecate" not in text and "torch.operator" not in text
+    args = tuple(t.detach() for t in _inputs(1, 6, 3, 2, 2))
+    text = hecate.export_mlir(_Attention(False, False, mask_buffer=True), args, output_type=output_type)
     assert "hecate" not in text and "torch.operator" not in text
     assert ("linalg.generic" in text or "linalg.matmul" in text or "linalg.batch_matmul" in text) \
         if output_type == "linalg-on-tensors" else "torch.aten.bmm" in text or "torch.aten.matmul" in text

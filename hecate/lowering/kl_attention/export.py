@@ -17,9 +17,11 @@ KL_ATTENTION = torch.ops.hecate.kl_attention.default
 
 
 @decomposition(KL_ATTENTION)
-def kl_attention_decomposition(mu, var, row_values, col_values, kappa, causal, mask_diagonal, temperature=None):
+def kl_attention_decomposition(mu, var, row_values, col_values, kappa, causal, mask_diagonal, temperature=None,
+                               allowed=None):
     kappa = kappa if temperature is None else kappa * temperature
-    return matmul_form.forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal)
+    return matmul_form.forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal,
+                               masked=None if allowed is None else ~allowed)
 
 
 def _axes(*axes):
@@ -32,7 +34,7 @@ def _scalar(value, like):
 
 @onnx_translation(KL_ATTENTION)
 def kl_attention_onnx(mu, var, row_values, col_values, kappa: float, causal: bool, mask_diagonal: bool,
-                      temperature=None):
+                      temperature=None, allowed=None):
     half = _scalar(0.5, mu)
     mu_c = op.Sub(mu, op.ReduceMean(mu, _axes(1), keepdims=1))
     mu_sq = op.Mul(mu_c, mu_c)
@@ -51,11 +53,13 @@ def kl_attention_onnx(mu, var, row_values, col_values, kappa: float, causal: boo
         pos = op.Range(op.Constant(value_int=0), n, op.Constant(value_int=1))
         i, j = op.Unsqueeze(pos, _axes(1)), op.Unsqueeze(pos, _axes(0))
         if causal and mask_diagonal:
-            allowed = op.Less(j, i)
+            keys = op.Less(j, i)
         elif causal:
-            allowed = op.LessOrEqual(j, i)
+            keys = op.LessOrEqual(j, i)
         else:
-            allowed = op.Not(op.Equal(j, i))
+            keys = op.Not(op.Equal(j, i))
+        allowed = keys if allowed is None else op.And(keys, allowed)
+    if allowed is not None:
         logits = op.Where(allowed, logits, _scalar(float("-inf"), mu))
         kl = op.Where(allowed, kl, _scalar(0.0, mu))
     m = op.ReduceMax(logits, _axes(-1), keepdims=1)

@@ -95,8 +95,9 @@ def _fill(x: torch.Tensor, r0: int, mask: torch.Tensor, value: float) -> torch.T
     return x
 
 
-def _scores(qa, kb, r0: int, kappa, causal: bool, mask_diagonal: bool, dtype):
-    """(KL, β, lse) of the query rows r0.. with features ``qa`` [B, R, F] against the keys ``kb`` [B, C, F].
+def _scores(qa, kb, r0: int, kappa, causal: bool, mask_diagonal: bool, dtype, masked=None):
+    """(KL, β, lse) of the query rows r0.. with features ``qa`` [B, R, F] against the keys ``kb`` [B, C, F];
+    ``masked`` [N, N] bool (True: key j not allowed for query i) a mask of any pattern, besides the flags'.
 
     KL is formed in float64 with KL_ii = 0 exactly, then cast to ``dtype``; it is 0 at masked
     pairs (every use multiplies it by β, which is 0 there, even for a NaN or infinite belief).
@@ -106,12 +107,15 @@ def _scores(qa, kb, r0: int, kappa, causal: bool, mask_diagonal: bool, dtype):
     rows = qa.shape[1]
     kl = _fill(torch.bmm(qa, kb.transpose(1, 2)), r0, masked_keys(rows, False, True, qa.device), 0.0).to(dtype)
     logits = kl * (-1.0 / kappa)
-    masked = masked_keys(rows, causal, mask_diagonal, qa.device)
-    if masked is not None:
-        logits = _fill(logits, r0, masked, float("-inf"))
-        kl = _fill(kl, r0, masked, 0.0)
+    square = masked_keys(rows, causal, mask_diagonal, qa.device)
+    if square is not None:
+        logits = _fill(logits, r0, square, float("-inf"))
+        kl = _fill(kl, r0, square, 0.0)
+    if masked is not None:  # anywhere in the tile: out of place
+        tile = masked[r0:r0 + rows, :kb.shape[1]]
+        logits, kl = logits.masked_fill(tile, float("-inf")), kl.masked_fill(tile, 0.0)
     m = logits.amax(-1, keepdim=True)
-    if masked is not None:
+    if square is not None or masked is not None:
         m = m.masked_fill(torch.isinf(m), 0.0)
     if _tracing():
         p = torch.exp(logits - m)
@@ -125,10 +129,10 @@ def _scores(qa, kb, r0: int, kappa, causal: bool, mask_diagonal: bool, dtype):
     return kl, beta, lse
 
 
-def scores_and_beta(mu, var, kappa, causal: bool, mask_diagonal: bool):
+def scores_and_beta(mu, var, kappa, causal: bool, mask_diagonal: bool, masked=None):
     """(KL [B,N,N], β [B,N,N] with 0 at masked pairs, lse [B,N]) in :func:`softmax_dtype`, all rows at once."""
     qa, kb = kl_features(mu, var)
-    return _scores(qa, kb, 0, kappa, causal, mask_diagonal, softmax_dtype(mu.dtype))
+    return _scores(qa, kb, 0, kappa, causal, mask_diagonal, softmax_dtype(mu.dtype), masked)
 
 
 def row_blocks(n: int, causal: bool, rows: int | None = None) -> list[tuple[int, int, int]]:
@@ -143,9 +147,9 @@ def row_blocks(n: int, causal: bool, rows: int | None = None) -> list[tuple[int,
 
 
 def forward(mu, var, row_values, col_values, kappa, causal: bool, mask_diagonal: bool,
-            block_rows: int | None = None):
+            block_rows: int | None = None, masked=None):
     """The op's seven outputs in the matmul form (CPU path, and the ATen decomposition); κ a number or a 0-d
-    tensor (a temperature known at run time).
+    tensor (a temperature known at run time); ``masked`` [N, N] a mask of any pattern besides the flags'.
 
     The column sums are formed transposed, [B, D, N] = Σ over blocks of (values)ᵀ [B, D, rows] @ β [B, rows, keys]:
     the big matrix is never transposed, and each block's GEMM adds into the sums in place.
@@ -158,7 +162,7 @@ def forward(mu, var, row_values, col_values, kappa, causal: bool, mask_diagonal:
     def block(r0, r1, keys):
         """Rows r0..r1: (row_sum, row_kl_sum, energy, lse) for them, and the (left, right) factors of their
         part of the transposed column sums over keys 0..keys, [col_sum, col_energy_sum] and col_kl_sum."""
-        kl, beta, lse = _scores(qa[:, r0:r1], kb[:, :keys], r0, kappa, causal, mask_diagonal, dtype)
+        kl, beta, lse = _scores(qa[:, r0:r1], kb[:, :keys], r0, kappa, causal, mask_diagonal, dtype, masked)
         beta_kl = beta * kl
         energy = beta_kl.sum(-1)
         w = cv[:, r0:r1]
@@ -186,9 +190,9 @@ def forward(mu, var, row_values, col_values, kappa, causal: bool, mask_diagonal:
 
 
 def backward(mu, var, row_values, col_values, grads, kappa, causal: bool, mask_diagonal: bool,
-             block_rows: int | None = None, kappa_grad: bool = False):
+             block_rows: int | None = None, kappa_grad: bool = False, masked=None):
     """(dμ, dv, d row_values, d col_values, dκ) given the gradients of the seven outputs; κ a number or a
-    0-d tensor, dκ a 0-d tensor (0 unless ``kappa_grad``).
+    0-d tensor, dκ a 0-d tensor (0 unless ``kappa_grad``); ``masked`` as in :func:`forward`.
 
     With P = β, S = KL, E = rowsum(P∘S), the outputs are O1 = P V, O2 = (P∘S) V, E,
     O3 = Pᵀ W, O4 = (P∘S)ᵀ W, O5 = Pᵀ (E⊙W), lse. O5 is O3 over the values E⊙W, so
@@ -216,7 +220,7 @@ def backward(mu, var, row_values, col_values, grads, kappa, causal: bool, mask_d
     grad_qa, grad_cv = torch.empty_like(qa), torch.empty_like(cv)
     grad_kappa = torch.zeros((), dtype=torch.float64, device=mu.device)
     for r0, r1, keys in row_blocks(n, causal, block_rows):
-        kl, beta, _ = _scores(qa[:, r0:r1], kb[:, :keys], r0, kappa, causal, mask_diagonal, dtype)
+        kl, beta, _ = _scores(qa[:, r0:r1], kb[:, :keys], r0, kappa, causal, mask_diagonal, dtype, masked)
         beta_kl = beta * kl
         energy = beta_kl.sum(-1, keepdim=True)
         w = cv[:, r0:r1]

@@ -3,7 +3,8 @@
 Schema::
 
     kl_attention(Tensor mu, Tensor var, Tensor row_values, Tensor col_values,
-                 float kappa, bool causal, bool mask_diagonal, Tensor? temperature=None)
+                 float kappa, bool causal, bool mask_diagonal, Tensor? temperature=None,
+                 Tensor? allowed=None)
         -> (row_sum, row_kl_sum, energy, col_sum, col_kl_sum, col_energy_sum, lse)
 
     mu, var        [B, N, K]   belief means and variances (var > 0; the caller adds any eps)
@@ -16,6 +17,10 @@ Schema::
                                temperature), without the stability bounds below for κ ≤ 0
     causal         key j allowed for query i only if j ≤ i
     mask_diagonal  key i never allowed for query i
+    allowed        [N, N] bool  a mask known at run time (a causal mask a model keeps in a buffer): key j
+                               allowed for query i only if allowed[i, j] too. Each call compares it with
+                               the kernels' masks (all keys, causal, no self, causal without self) and runs
+                               the kernels with the one it equals; any other mask runs the matmul form
 
     β_ij           = softmax_j(−KL(q_i‖q_j)/κ) over the allowed keys
     row_sum        [B, N, Dv]  Σ_j β_ij V_j
@@ -52,7 +57,7 @@ from hecate.lowering.kl_attention import matmul_form
 OUTPUT_NAMES = ("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum", "lse")
 
 
-def check_inputs(mu, var, row_values, col_values, kappa, temperature=None) -> None:
+def check_inputs(mu, var, row_values, col_values, kappa, temperature=None, allowed=None) -> None:
     """Raise a ValueError naming the argument, what it was and what was expected (a temperature's value is
     not checked: any value computes what −KL/κ gives in eager)."""
     if mu.dim() != 3:
@@ -77,6 +82,25 @@ def check_inputs(mu, var, row_values, col_values, kappa, temperature=None) -> No
         if temperature.dim() != 0 or not temperature.dtype.is_floating_point:
             raise ValueError(f"kl_attention: temperature must be a 0-d floating tensor, got shape "
                              f"{tuple(temperature.shape)} and dtype {temperature.dtype}")
+    if allowed is not None and (allowed.dtype != torch.bool or allowed.shape != (mu.shape[1], mu.shape[1])):
+        raise ValueError(f"kl_attention: allowed must be a bool [N, N] tensor with N = {mu.shape[1]}, got shape "
+                         f"{tuple(allowed.shape)} and dtype {allowed.dtype}")
+
+
+def resolve_mask(n: int, causal: bool, mask_diagonal: bool, allowed: torch.Tensor | None
+                 ) -> tuple[bool, bool, torch.Tensor | None]:
+    """(causal, mask_diagonal, masked): the flags of the kernels' mask that the flags and ``allowed`` together
+    equal, masked None; else masked, the [N, N] pairs not allowed (True), for the matmul form. Reads the
+    mask's values (on a GPU, waits for it)."""
+    if allowed is None:
+        return causal, mask_diagonal, None
+    from hecate.lowering.kl_attention.naive import allowed_keys
+
+    combined = allowed & allowed_keys(n, causal, mask_diagonal, allowed.device)
+    for kind in ((False, False), (True, False), (False, True), (True, True)):
+        if torch.equal(combined, allowed_keys(n, *kind, allowed.device)):
+            return (*kind, None)
+    return False, False, ~combined
 
 
 def effective_kappa(kappa: float, temperature: torch.Tensor | None) -> float | torch.Tensor:
@@ -93,20 +117,22 @@ def _kappa_value(kappa: float, temperature: torch.Tensor | None) -> float:
 
 @torch.library.custom_op("hecate::kl_attention", mutates_args=())
 def kl_attention(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, col_values: torch.Tensor,
-                 kappa: float, causal: bool, mask_diagonal: bool, temperature: torch.Tensor | None = None
+                 kappa: float, causal: bool, mask_diagonal: bool, temperature: torch.Tensor | None = None,
+                 allowed: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
-    check_inputs(mu, var, row_values, col_values, kappa, temperature)
-    if use_triton(mu) and mu.dtype != torch.float64:  # the kernels compute in fp32
+    check_inputs(mu, var, row_values, col_values, kappa, temperature, allowed)
+    causal, mask_diagonal, masked = resolve_mask(mu.shape[1], causal, mask_diagonal, allowed)
+    if use_triton(mu) and mu.dtype != torch.float64 and masked is None:  # the kernels compute in fp32
         return dense(_triton_forward(mu, var, row_values, col_values, _kappa_value(kappa, temperature), causal,
                                      mask_diagonal))
     return dense(matmul_form.forward(mu, var, row_values, col_values, effective_kappa(kappa, temperature), causal,
-                                     mask_diagonal))
+                                     mask_diagonal, masked=masked))
 
 
 @kl_attention.register_fake
-def _(mu, var, row_values, col_values, kappa, causal, mask_diagonal, temperature=None):
-    check_inputs(mu, var, row_values, col_values, kappa, temperature)
+def _(mu, var, row_values, col_values, kappa, causal, mask_diagonal, temperature=None, allowed=None):
+    check_inputs(mu, var, row_values, col_values, kappa, temperature, allowed)
     b, n, _ = mu.shape
     row = mu.new_empty(b, n, row_values.shape[2])
     col = mu.new_empty(b, n, col_values.shape[2])
@@ -120,17 +146,19 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
                           grad_row_sum: torch.Tensor, grad_row_kl_sum: torch.Tensor, grad_energy: torch.Tensor,
                           grad_col_sum: torch.Tensor, grad_col_kl_sum: torch.Tensor, grad_col_energy_sum: torch.Tensor,
                           grad_lse: torch.Tensor,
-                          kappa: float, causal: bool, mask_diagonal: bool, temperature: torch.Tensor | None = None
+                          kappa: float, causal: bool, mask_diagonal: bool, temperature: torch.Tensor | None = None,
+                          allowed: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dμ, dv, d row_values, d col_values, d temperature): the last a 0-d tensor, 0 without a temperature."""
     grads = (grad_row_sum, grad_row_kl_sum, grad_energy, grad_col_sum, grad_col_kl_sum, grad_col_energy_sum, grad_lse)
     with_kappa = temperature is not None
-    if use_triton(mu) and mu.dtype != torch.float64:  # the kernels compute in fp32
+    causal, mask_diagonal, masked = resolve_mask(mu.shape[1], causal, mask_diagonal, allowed)
+    if use_triton(mu) and mu.dtype != torch.float64 and masked is None:  # the kernels compute in fp32
         out = _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
                                _kappa_value(kappa, temperature), causal, mask_diagonal, with_kappa)
     else:
         out = matmul_form.backward(mu, var, row_values, col_values, grads, effective_kappa(kappa, temperature),
-                                   causal, mask_diagonal, kappa_grad=with_kappa)
+                                   causal, mask_diagonal, kappa_grad=with_kappa, masked=masked)
     *grad_inputs, grad_kappa = out
     # κ = kappa · temperature: ∂L/∂temperature = kappa · ∂L/∂κ
     grad_temperature = (grad_kappa * kappa).to(temperature.dtype) if with_kappa else mu.new_zeros(())
@@ -139,30 +167,30 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
 
 @kl_attention_backward.register_fake
 def _(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, g1, g2, g3, g4, g5, g6, g7,
-      kappa, causal, mask_diagonal, temperature=None):
+      kappa, causal, mask_diagonal, temperature=None, allowed=None):
     grad_temperature = temperature.new_empty(()) if temperature is not None else mu.new_empty(())
     return tuple(t.new_empty(t.shape) for t in (mu, var, row_values, col_values)) + (grad_temperature,)
 
 
 def _setup_context(ctx, inputs, output):
-    mu, var, row_values, col_values, kappa, causal, mask_diagonal, *temperature = inputs
-    temperature = temperature[0] if temperature else None
+    mu, var, row_values, col_values, kappa, causal, mask_diagonal, *optional = inputs
+    temperature, allowed = (list(optional) + [None, None])[:2]
     row_sum, row_kl_sum, energy, _, _, _, lse = output
-    ctx.save_for_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, temperature)
+    ctx.save_for_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, temperature, allowed)
     ctx.config = (kappa, causal, mask_diagonal)
 
 
 def _backward(ctx, *grads):
-    mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, temperature = ctx.saved_tensors
+    mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, temperature, allowed = ctx.saved_tensors
     col_shape = row_sum.new_empty(col_values.shape)
     outputs = (row_sum, row_kl_sum, energy, col_shape, col_shape, col_shape, lse)
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
     # a row with no allowed key has lse = −inf and no dependence on anything
     grads[6] = torch.where(torch.isinf(lse), 0.0, grads[6])
     grad_mu, grad_var, grad_rv, grad_cv, grad_temperature = torch.ops.hecate.kl_attention_backward(
-        mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, *grads, *ctx.config, temperature)
+        mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, *grads, *ctx.config, temperature, allowed)
     wanted = temperature is not None and ctx.needs_input_grad[7]
-    return grad_mu, grad_var, grad_rv, grad_cv, None, None, None, (grad_temperature if wanted else None)
+    return grad_mu, grad_var, grad_rv, grad_cv, None, None, None, (grad_temperature if wanted else None), None
 
 
 kl_attention.register_autograd(_backward, setup_context=_setup_context)
