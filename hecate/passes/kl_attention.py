@@ -69,7 +69,7 @@ from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals
                                     gaussian_kl, independent, nearest_sources, proportion, run_time_temperature,
                                     shape_of, short, strip_noops)
 from hecate.passes.matching import (NotFused, bound_reason, depends_on_sizes_only, first_threshold, nodes_between,
-                                    replace_with_function, size_hint)
+                                    replace_with_function, size_hint, tensors_read)
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -100,6 +100,8 @@ class _Score:
     draw: dict  # the per-position tensors' values the score was evaluated at, and ("kl",): KL there
     nodes: list  # the score's nodes and its masking, up to the softmax
     rank: int  # the score's dims: its leading dims (batch, heads, ...; maybe none), then [N, N]
+    # masks read at run time (a causal mask a model keeps in a buffer): (node, "masked" | "allowed")
+    run_time_masks: list = field(default_factory=list)
 
 
 def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx.Node]]:
@@ -326,16 +328,17 @@ def _recognise(softmax: fx.Node) -> _Score | None:
             if gamma is not None:
                 kl_scales[n] = gamma
     draw = {key: value for key, value in memo.items() if key in bases or key in shared or key == ("kl",)}
-    allowed = _allowed(masks, shape, softmax)
+    allowed, run_time_masks = _allowed(masks, shape, softmax)
     causal, mask_diagonal = _mask_kind(allowed)
-    has_empty_row = mask_diagonal and (causal or allowed.shape[0] == 1)
+    # with a mask read at run time, the rows with no allowed key are known at run time
+    has_empty_row = mask_diagonal and (causal or allowed.shape[0] == 1) or bool(run_time_masks)
     beta, empty_rows_nan = softmax, has_empty_row
     users = list(softmax.users)
     if len(users) == 1 and _zero_fill_of_masked(users[0], softmax, allowed):
         beta, empty_rows_nan = users[0], False
     additive = any(kind == "additive" for _, kind in masks)
     return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan, additive,
-                  kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank)
+                  kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank, run_time_masks)
 
 
 def _check_leading_dims(shape, mean: fx.Node, scale: fx.Node, param: str) -> None:
@@ -543,14 +546,19 @@ def _broadcasts(values: dict, mean, scale) -> bool:
     return True
 
 
-def _allowed(masks, shape, softmax) -> torch.Tensor:
-    """[N, N] bool: which keys the peeled masks allow (evaluated at the example's size)."""
+def _allowed(masks, shape, softmax) -> tuple[torch.Tensor, list]:
+    """([N, N] bool: which keys the peeled masks computed from sizes and constants allow, evaluated at the
+    example's size; the masks read from the graph's inputs, the same for every sequence and head: the op
+    takes those at run time)."""
     n = size_hint(shape[-1])
-    allowed = torch.ones(n, n, dtype=torch.bool)
+    allowed, run_time = torch.ones(n, n, dtype=torch.bool), []
     for node, kind in masks:
         try:
             value = evaluate(node, {}, size_hint=size_hint)
         except NotFused as e:
+            if _run_time_mask(node, kind, shape):
+                run_time.append((node, kind))
+                continue
             raise NotFused(f"attention mask {node.name}: {e}") from None
         if not isinstance(value, torch.Tensor) or value.dim() > len(shape) or any(d != 1 for d in value.shape[:-2]):
             raise NotFused(f"attention mask {node.name} differs along the leading dims of the {_dims(len(shape))} "
@@ -565,7 +573,23 @@ def _allowed(masks, shape, softmax) -> torch.Tensor:
         elif kind == "masked":
             value = ~value.bool()
         allowed = allowed & value.bool()
-    return allowed
+    return allowed, run_time
+
+
+def _run_time_mask(node: fx.Node, kind: str, shape) -> bool:
+    """Whether ``node`` is a bool mask read from the graph's inputs that the op can take at run time: the same
+    for every sequence and head (its leading dims 1), over the queries and keys (or the keys alone)."""
+    value = node.meta.get("val")
+    if kind not in ("masked", "allowed") or not isinstance(value, torch.Tensor) or value.dtype != torch.bool \
+            or not tensors_read([node]) or value.dim() > len(shape):
+        return False
+    lead, pairs = value.shape[:-2], value.shape[-2:]
+    n = shape[-1]
+    return all(_is_one(d) for d in lead) and all(_is_one(d) or statically_known_true(d == n) for d in pairs)
+
+
+def _is_one(size) -> bool:
+    return statically_known_true(size == 1)
 
 
 def _mask_kind(allowed: torch.Tensor) -> tuple[bool, bool]:
@@ -937,7 +961,10 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
         return  # β is not used
     _rewrite(gm, algebra, roots, plan, score)
     mode = ("causal" if score.causal else "full") + (", diagonal masked" if score.mask_diagonal else "")
-    if score.empty_rows_nan:
+    if score.run_time_masks:
+        mode += (", mask read at run time from " + ", ".join(_source_names(m) for m, _ in score.run_time_masks)
+                 + " (the kernels run where it is all keys, causal, no self or causal without self)")
+    if score.empty_rows_nan and not score.run_time_masks:  # (a run-time mask's empty rows are NaN, as in eager)
         mode += ", NaN on rows with no key"
     if algebra.escapes:
         mode += f", {_dims(score.rank)} formed for " + ", ".join(sorted({u.name for _, u in algebra.escapes}))
@@ -1102,27 +1129,35 @@ def _describe(factors) -> str:
 # rewriting the graph
 
 
+def _source_names(node: fx.Node) -> str:
+    return ", ".join(n.name for n in tensors_read([node]))
+
+
 def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, score: _Score) -> None:
     """Replace the roots (and β/KL where read whole) by the op's outputs, via :func:`_replacement`."""
     leaf_keys = [key for key, leaf in algebra.leaves.items() if leaf.source not in algebra.roots]
     tempered = isinstance(score.kappa, Temperature)
-    inputs = [score.mean, score.scale] + ([score.kappa.node] if tempered else []) \
+    masks = [node for node, _ in score.run_time_masks]
+    inputs = [score.mean, score.scale] + ([score.kappa.node] if tempered else []) + masks \
         + [algebra.leaves[key].source for key in leaf_keys]
     escaping = sorted({node for node, _ in algebra.escapes}, key=lambda n: n.name)
 
     def fn(mean, scale, *values):
-        temperature, leaf_values = (values[0], values[1:]) if tempered else (None, values)
+        temperature, values = (values[0], values[1:]) if tempered else (None, values)
+        mask_values, leaf_values = values[:len(masks)], values[len(masks):]
         return _replacement(algebra, roots, plan, score, dict(zip(leaf_keys, leaf_values)), escaping, mean, scale,
-                            temperature)
+                            temperature, mask_values)
 
     replaced = list(roots) + escaping  # β / KL read whole: every reader gets the formed one
     replace_with_function(gm, replaced, fn, inputs, outputs=replaced)
 
 
-def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale, temperature=None):
+def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale, temperature=None, mask_values=()):
     """The roots' values (then β / γ·KL for the nodes read whole) from one ``hecate.kl_attention`` call;
-    ``temperature`` the value of the 0-d tensor a run-time κ is read from."""
+    ``temperature`` the value of the 0-d tensor a run-time κ is read from, ``mask_values`` those of the masks
+    read at run time."""
     from hecate.lowering.kl_attention.matmul_form import scores_and_beta
+    from hecate.lowering.kl_attention.naive import allowed_keys
 
     # μ and σ² may share leading dims by broadcasting (one variance for every head): the op takes both whole
     mean, var = torch.broadcast_tensors(mean, {**VARIANCE_FROM, **_UNIT}[score.parameterisation](scale))
@@ -1171,12 +1206,21 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
         kappa, run_time = score.kappa, None
     else:  # κ = c · t^power: the op's kappa · temperature, the power taken here (autograd carries it to t)
         kappa, run_time = score.kappa.scale, (temperature if score.kappa.power == 1 else 1.0 / temperature)
+    allowed = None
+    for value, (_, kind) in zip(mask_values, score.run_time_masks):  # [.., N, N] or [N] (per key) → [N, N]
+        value = value if kind == "allowed" else ~value
+        value = (value.reshape(value.shape[-2:]) if value.dim() >= 2 else value).expand(n, n)
+        allowed = value if allowed is None else allowed & value
+    allowed = None if allowed is None else allowed.contiguous()
     sums = torch.ops.hecate.kl_attention(fold(mean), fold(var), fold(v), fold(w), kappa, score.causal,
-                                         score.mask_diagonal, run_time)
+                                         score.mask_diagonal, run_time, allowed)
     outputs = dict(zip(("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum"),
                        map(unfold, sums)))
-    empty_rows = None
-    if score.empty_rows_nan:  # the softmax over no key is NaN: its row's sums, and every column sum
+    empty_rows, nan_scale = None, float("nan")
+    if allowed is not None:  # the rows with no allowed key, and whether there are any, known at run time
+        empty_rows = ~(allowed & allowed_keys(n, score.causal, score.mask_diagonal, mean.device)).any(-1)
+        nan_scale = torch.where(empty_rows.any(), float("nan"), 0.0).to(mean.dtype)
+    elif score.empty_rows_nan:  # the softmax over no key is NaN: its row's sums, and every column sum
         empty_rows = torch.arange(n, device=mean.device) == 0 if score.causal else torch.ones(n, dtype=torch.bool,
                                                                                               device=mean.device)
     def nan_of_empty_rows(term, feature):
@@ -1190,7 +1234,8 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
                            torch.where(empty_rows.unsqueeze(-1), feature, 0.0))
         if "kl" in term.output or "energy" in term.output or score.additive_mask:
             reached += [mean, var]
-        return sum(x.sum() for x in reached) * float("nan") if reached else mean.new_tensor(float("nan"))
+        # (0, not NaN, where a mask read at run time leaves no row empty: nothing of NaN reaches a gradient)
+        return (sum(x.sum() for x in reached) if reached else mean.new_zeros(())) * nan_scale
 
     for root in roots:
         total, nan = None, None
@@ -1229,7 +1274,8 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
     if escaping:
         kl, beta, _ = map(unfold, scores_and_beta(fold(mean), fold(var),
                                                   kappa if run_time is None else kappa * run_time,
-                                                  score.causal, score.mask_diagonal))
+                                                  score.causal, score.mask_diagonal,
+                                                  None if allowed is None else ~allowed))
         if empty_rows is not None:
             beta = torch.where(empty_rows.unsqueeze(-1), float("nan"), beta)
         for node in escaping:

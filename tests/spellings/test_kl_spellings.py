@@ -1262,6 +1262,61 @@ def test_shared_variance_module_fuses_and_equals_eager(make, shape, fresh_dynamo
     assert not [m for m in report.misses if m.pattern == "kl_attention"], str(report)
 
 
+class CausalMaskBuffer(nn.Module):
+    """nanoGPT's causal mask: tril(ones) held in a buffer, sliced to the length, the future filled with −inf;
+    heads [B, H, N, N] read a [1, 1, L, L] buffer, one head [B, N, N] a [L, L] one."""
+
+    def __init__(self, heads=0, longest=16):
+        super().__init__()
+        self.heads = heads
+        self.proj = nn.Linear(K, 2 * K * max(heads, 1))
+        shape = (1, 1, longest, longest) if heads else (longest, longest)
+        self.register_buffer("bias", torch.tril(torch.ones(longest, longest)).view(shape))
+
+    def forward(self, x):
+        n = x.shape[1]
+        mu, log_var = self.proj(x).chunk(2, -1)
+        if self.heads:
+            mu, log_var = (t.view(x.shape[0], n, self.heads, -1).transpose(1, 2) for t in (mu, log_var))
+        var = log_var.exp()
+        kl = 0.5 * (log_var.unsqueeze(-3) - log_var.unsqueeze(-2) + (var.unsqueeze(-2)
+                    + (mu.unsqueeze(-2) - mu.unsqueeze(-3)) ** 2) / var.unsqueeze(-3) - 1).sum(-1)
+        mask = self.bias[:, :, :n, :n] if self.heads else self.bias[:n, :n]
+        beta = F.softmax((-kl / 0.7).masked_fill(mask == 0, float("-inf")), dim=-1)
+        return beta @ mu
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("heads", [0, 2], ids=["one_head", "heads"])
+def test_causal_mask_held_in_a_buffer_fuses(heads, dynamic, fresh_dynamo):
+    """The mask is read at run time: the op compares it with its kernels' masks each call (causal here)."""
+    torch.manual_seed(0)
+    report = _compare_module(CausalMaskBuffer(heads), torch.randn(B, N, K), dynamic)
+    assert report.count("kl_attention") == 1 and not report.misses, str(report)
+    assert "mask read at run time from l_self_buffers_bias_" in report.fusions[0].detail, str(report)
+
+
+def test_mask_buffer_changed_after_compiling_is_honoured(fresh_dynamo):
+    """A buffer changed after compiling (no guard sees a buffer's values) gives what eager gives: another mask
+    runs the op's matmul form; a row it leaves with no key is NaN, as eager's softmax over no key is."""
+    torch.manual_seed(0)
+    model = CausalMaskBuffer()
+    compiled = torch.compile(model, backend="hecate")
+    x = torch.randn(B, N, K)
+    compiled(x)
+    assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
+    with torch.no_grad():
+        model.bias.copy_((torch.rand(16, 16, generator=torch.Generator().manual_seed(1)) < 0.5).float())
+        model.bias[2] = 0.0  # no allowed key for query 2
+    got, ref = compiled(x), model(x)
+    assert torch.isnan(ref[:, 2]).all() and torch.isfinite(ref[:, :2]).all()
+    assert_close_nonfinite("output", got, ref, 1e-5)
+    with torch.no_grad():  # back to the causal mask: the kernels' path, every row finite
+        model.bias.copy_(torch.tril(torch.ones(16, 16)))
+    args, ref_args = [x.clone().requires_grad_()], [x.clone().requires_grad_()]
+    assert_outputs_and_gradients_close(compiled(*args), model(*ref_args), args, ref_args, 1e-5)
+
+
 def a_per_sequence_variance(mu, var):  # one variance per sequence [B, 1, K], the spec's pairwise form
     return F.softmax(-kl_spec(mu, var) / 0.6, dim=-1) @ mu
 
