@@ -270,6 +270,11 @@ def _describe_other(node: fx.Node) -> str:
         return (f"{node.name}, a matrix product of per-position tensors (a term of the KL expanded into products, "
                 "such as the trace Σ_k v_ik / v_jk): kl_attention reads the KL written per pair, μ and σ² broadcast "
                 "as [..., N, 1, K] against [..., 1, N, K]")
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and tensors_read([node]) \
+            and statically_known_true(value.shape[-1] == value.shape[-2]):
+        return (f"{node.name}, a pair-shaped tensor {list(value.shape)} read from {_source_names(node)} at run time "
+                "and added to the score (a score bias, or a 0/−inf mask kept in a buffer): the op takes no bias, "
+                "and a mask as bool, masked_fill(mask == 0, float('-inf')), which fuses")
     if isinstance(value, torch.Tensor):
         return (f"{node.name}, a tensor of shape {list(value.shape)} that is neither laid out per position like "
                 "the means ([..., N, K]) nor the same at every position (size 1 or absent at the position dim, "

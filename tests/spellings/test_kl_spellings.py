@@ -1075,6 +1075,10 @@ def m_variance_floored_by_relu(mu, var):  # relu(v − c) + c in one term: a flo
     return torch.softmax(-kl, -1) @ mu
 
 
+def m_additive_mask_read_at_run_time(mu, var, bias):  # a 0/−inf bias passed in: a score bias as far as is known
+    return torch.softmax(bias - kl_spec(mu, var), -1) @ mu
+
+
 def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     """κ = exp(log κ).clamp(min=0.05): the clamp is κ's own, read at run time, not a bound inside the score."""
     def fn(mu, var, log_kappa):
@@ -1097,6 +1101,8 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
     (m_score_bias, (), "not a mask of 0 and −inf"),
     (m_window_mask, (), "none of: all keys, causal (j ≤ i), no self (j ≠ i)"),
+    (m_additive_mask_read_at_run_time, (torch.full((N, N), float("-inf")).triu(1),),
+     "read from l_bias_ at run time and added to the score"),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_near_miss_is_reported_with_the_users_line(fn, extra, reason, fresh_dynamo):
     mu, var = torch.randn(B, N, K), _var((B, N, K))
