@@ -90,6 +90,18 @@ def test_kl_attention(b, n, k, dv, dw, causal, mask_diagonal, poison_allocations
     _compare(OUTPUT_NAMES, got, ref, ("d mu", "d var", "d row_values", "d col_values"), dev_in, ref_in, TOL)
 
 
+@pytest.mark.parametrize("pattern", ["causal", "random"])
+def test_kl_attention_mask_given_at_run_time(pattern, poison_allocations):
+    """A causal mask given as a tensor runs the kernels; a mask of no kernel's pattern the matmul form on the GPU."""
+    b, n, k = 2, 67, 8
+    allowed = torch.ones(n, n, dtype=torch.bool).tril() if pattern == "causal" else torch.rand(n, n) < 0.7
+    mu, var = torch.randn(b, n, k) * k ** -0.5, 0.5 + torch.rand(b, n, k)
+    ref_in, dev_in = _leaves((mu, var, torch.randn(b, n, 3), torch.randn(b, n, 5)), "cuda")
+    got = torch.ops.hecate.kl_attention(*dev_in, 0.7, False, False, None, allowed.cuda())
+    ref = kl_attention_naive(*ref_in, 0.7, False, False, allowed)
+    _compare(OUTPUT_NAMES, got, ref, ("d mu", "d var", "d row_values", "d col_values"), dev_in, ref_in, TOL)
+
+
 @pytest.mark.parametrize("m,v,k", [(37, 23, 5), (1000, 3001, 64)])
 def test_kl_decode(m, v, k, poison_allocations):
     params = (torch.randn(m, k), 0.3 + torch.rand(m, k), torch.randn(v, k), 0.3 + torch.rand(v, k))
