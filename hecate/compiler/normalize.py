@@ -803,6 +803,19 @@ def _emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
     return new
 
 
+_ZEROS = (aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default)
+
+
+def _plus_zeros(node: fx.Node) -> fx.Node | None:
+    """The other operand of ``zeros + x`` (either order) when x has the sum's shape and dtype: x itself (0 + x is x,
+    up to the sign of a zero)."""
+    for zeros, other in (node.args, node.args[::-1]):
+        if isinstance(zeros, fx.Node) and zeros.target in _ZEROS and isinstance(other, fx.Node) \
+                and _same_shape(node, other) and _val(other).dtype == _val(node).dtype:
+            return other
+    return None
+
+
 def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
     """The node that computes what ``node`` computes in the normal form (None: keep ``node``)."""
     target, args = node.target, node.args
@@ -824,6 +837,10 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return _expand_as(graph, node)
     if target is aten.slice.Tensor and _whole_slice(node):
         return args[0]
+    if target is aten.add.Tensor and not node.kwargs and node not in outputs:
+        kept = _plus_zeros(node)
+        if kept is not None:
+            return kept  # out = torch.zeros_like(h); out = out + w_k * window: the sum begins with its first term
     if target is aten.narrow.default and all(isinstance(a, int) for a in args[1:]):
         with graph.inserting_before(node):
             cut = _emit(graph, aten.slice.Tensor, args[0], args[1], args[2], args[2] + args[3])

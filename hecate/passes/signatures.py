@@ -74,6 +74,7 @@ def report_unfused_signatures(gm: fx.GraphModule, enabled: Iterable[str], report
     if "qk_preprocess" in enabled:
         found += [("qk_preprocess", reason, nodes) for reason, nodes in _depthwise_convs(gm.graph)]
         found += [("qk_preprocess", reason, nodes) for reason, nodes in _hand_written_convs(gm.graph)]
+        found += [("qk_preprocess", reason, nodes) for reason, nodes in _shifted_copies(gm.graph)]
     if "kl_decode" in enabled:
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_pairs(gm.graph)]
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_products(gm.graph)]
@@ -427,6 +428,34 @@ def _hand_written_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
             yield (f"a conv written by hand over a tensor {padding} reads {len(starts)} of its {p + 1} shifted "
                    f"windows (offsets {sorted(starts)}), not all of them as a causal conv of kernel {p + 1} does "
                    "(pad by one less than the windows it reads); compiled as written", [pad])
+
+
+def _shifted_copies(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
+    """A conv written by hand as shift-and-add: copies of one tensor shifted along one dim by two amounts or more,
+    each by its own zero pad cut back to the length (``F.pad(h, (0, 0, i, 0))[:, :T]``) or by ``torch.roll``."""
+    shifts: dict[tuple, dict[int, fx.Node]] = {}
+    for node in graph.nodes:
+        if node.target is aten.pad.default:
+            padded = zero_padded_dims(node)
+            if padded is None or len(padded) != 1:
+                continue
+            ((dim, (before, after)),) = padded.items()
+            if before > 0 and after == 0 and any(
+                    u.target is aten.slice.Tensor and u.args[1] % len(_shape(node)) == dim
+                    and (u.args[2] if len(u.args) > 2 else 0) == 0 for u in node.users):
+                shifts.setdefault(("F.pad", node.args[0], dim), {})[before] = node
+        elif node.target is aten.roll.default and len(node.args) > 2 and len(node.args[1]) == len(node.args[2]) == 1:
+            shape = _shape(node)
+            if shape is not None and node.args[1][0] > 0:
+                shifts.setdefault(("torch.roll", node.args[0], node.args[2][0] % len(shape)), {})[node.args[1][0]] \
+                    = node
+    for (how, source, dim), by in shifts.items():
+        if len(by) >= 2:
+            yield (f"a conv written by hand as shifted copies of one tensor {list(_shape(source) or ())} ({how} by "
+                   f"{sorted(by)} on dim {dim}, "
+                   "each its own shift) not fused: qk_preprocess reads a causal conv as the windows of one pad, "
+                   "Σ_k w_k · F.pad(h, (K-1, 0))[..., k:k+T] (on time, channels first or last), or F.conv1d; "
+                   "compiled as written", list(by.values()))
 
 
 def _first(value):

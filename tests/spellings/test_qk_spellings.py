@@ -54,6 +54,28 @@ def _pad_conv(m, u):
     return F.conv1d(F.pad(u, (K - 1, 0)), m.conv.weight, m.conv.bias, groups=D)
 
 
+def _windows_from_zeros(m, h):   # [B, T, D] channels last: the sum starts from zeros_like(h), one window per tap
+    padded, z = F.pad(h, (0, 0, K - 1, 0)), torch.zeros_like(h)
+    for k in range(K):
+        z = z + m.kernel[:, k] * padded[:, k:k + h.shape[1]]
+    return z
+
+
+def _shifted_copies(m, h):   # [B, T, D]: shift-and-add, each tap its own pad cut back to the length
+    z = m.kernel[:, K - 1] * h
+    for i in range(1, K):
+        z = z + m.kernel[:, K - 1 - i] * F.pad(h, (0, 0, i, 0))[:, :h.shape[1]]
+    return z
+
+
+def _rolled_copies(m, h):   # [B, T, D]: torch.roll, the wrapped tokens zeroed
+    t = torch.arange(h.shape[1])
+    z = m.kernel[:, K - 1] * h
+    for i in range(1, K):
+        z = z + torch.roll(h, i, 1) * (t >= i)[None, :, None] * m.kernel[:, K - 1 - i]
+    return z
+
+
 def _windows_from_the_bias(m, u):   # [B, D, T]: the sum starts from the bias, one window added per tap
     padded, z = F.pad(u, (K - 1, 0)), m.conv.bias[:, None].expand(-1, u.shape[-1])
     for k in range(K):
@@ -217,6 +239,9 @@ SPELLINGS = {
     "by hand from the bias: z = b[:, None].expand(-1, T), then z + w[:, k:k+1] · window in a loop": (
         lambda m, x: F.silu(_windows_from_the_bias(m, m.proj(x).transpose(1, 2)).transpose(1, 2)),
         "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand channels last from zeros: z = zeros_like(h), then z + w[:, k] · window in a loop": (
+        lambda m, x: F.silu(_windows_from_zeros(m, m.proj(x))),
+        "linear → conv(K=4) → silu [B,T,D]"),
     "a gain before SiLU (z * 2.0): SiLU of the scaled z, not SiLU, generated into φ": (
         lambda m, x: F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2) * 2.0),
         "linear → conv(K=4) → φ = mul(2.0,x);sigmoid(%0);mul(%0,%1) [B,T,D]"),
@@ -323,6 +348,12 @@ NOT_FUSED = {
         "a causal conv of kernel 4 written by hand (a tensor zero-padded (3, 0) on its last dim, read through its 4 "
         "shifted windows by slices [..., k:k+T] for k in [0, 1, 2, 3]) not fused: it reads as a conv when the windows are "
         "weighted one value per channel"),
+    "by hand, shift-and-add: each tap its own F.pad(h, (0, 0, i, 0))[:, :T]": (
+        lambda m, x: F.silu(_shifted_copies(m, m.proj(x))),
+        "a conv written by hand as shifted copies of one tensor [2, 7, 6] (F.pad by [1, 2, 3] on dim 1"),
+    "by hand, torch.roll(h, i, 1) with the wrapped tokens zeroed": (
+        lambda m, x: F.silu(_rolled_copies(m, m.proj(x))),
+        "a conv written by hand as shifted copies of one tensor [2, 7, 6] (torch.roll by [1, 2, 3] on dim 1"),
 }
 
 
