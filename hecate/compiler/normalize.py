@@ -1117,6 +1117,25 @@ def _views_need_copy(copy: fx.Node) -> bool:
     return False
 
 
+def _einsum_pairs(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
+    """``einsum("bhts,ts,bhsd->bhtd", A, M, V)`` → ``einsum("bhts,bhsd->bhtd", einsum("bhts,ts->bhts", A, M), V)``:
+    each step keeps the indices a later operand or the output reads, each step then in its normal form."""
+    equation, operands = node.args
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    if len(terms) != len(operands) or len({_val(x).dtype for x in operands if isinstance(x, fx.Node)}) != 1:
+        return None
+    left, left_term = operands[0], terms[0]
+    for i in range(1, len(terms)):
+        later = set(output).union(*terms[i + 1:])
+        kept = output if i == len(terms) - 1 else "".join(dict.fromkeys(c for c in left_term + terms[i] if c in later))
+        with graph.inserting_before(node):
+            pair = _emit(graph, aten.einsum.default, f"{left_term},{terms[i]}->{kept}", [left, operands[i]])
+            left = _einsum(graph, pair, outputs) or pair
+        left_term = kept
+    return left
+
+
 def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
     """``einsum(eq, [x, y])`` as the op it is, each operand permuted (and unsqueezed) into place:
 
@@ -1126,8 +1145,12 @@ def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | 
       ``x' @ y'``, with x' [..., d] and y' [d, e], then read as any matmul; an output that puts e
       elsewhere (``"btd,ed->bet"``, channels first) is that product, then one ``permute``.
 
-    Other contractions (batched ones, ``"bthk,bthv->bhvk"``) stay einsums: passes read them by meaning."""
+    Other contractions (batched ones, ``"bthk,bthv->bhvk"``) stay einsums: passes read them by meaning.
+    Three operands or more are contracted two at a time, left to right, as torch does without opt_einsum."""
     equation, operands = node.args[0], node.args[1]
+    if isinstance(equation, str) and "->" in equation and "." not in equation and len(operands) > 2 \
+            and not torch.backends.opt_einsum.enabled:
+        return _einsum_pairs(graph, node, outputs)
     if not isinstance(equation, str) or "->" not in equation or "." in equation or len(operands) != 2:
         return None
     inputs, output = equation.replace(" ", "").split("->")

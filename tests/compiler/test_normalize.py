@@ -553,6 +553,17 @@ def _by_name(gm, args):
     return [named[n.target] for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+def three_operands(a, m, v):
+    return torch.einsum("bts,ts,bsd->btd", a, m, v)
+
+
+def test_einsum_of_three_operands_is_contracted_two_at_a_time():
+    args = (torch.randn(2, 5, 5), torch.randn(5, 5), torch.randn(2, 5, 3))
+    gm = normalize_graph(_traced(three_operands, *args))
+    assert all(len(n.args[1]) == 2 for n in gm.graph.nodes if n.target is aten.einsum.default), gm.graph
+    _check_exact(three_operands, args, gm)
+
+
 def channels_first_projections(x, W):
     return torch.einsum("btd,ed->bet", x, W), torch.einsum("ed,btd->bet", W, x), torch.einsum("btd,ed->bte", x, W)
 

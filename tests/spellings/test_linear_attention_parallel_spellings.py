@@ -182,12 +182,17 @@ def scaled_retention_normalised(q, k, v):  # γ = 0.9, the score scaled by 0.5 a
     return (a @ v) / (a.sum(-1, keepdim=True) + 1e-6)
 
 
+def einsum_with_the_mask_as_an_operand(q, k, v):  # one einsum over the scores, the mask and the values
+    a = phi(q) @ phi(k).mT
+    return torch.einsum("bts,ts,bsd->btd", a, torch.tril(torch.ones(q.shape[1], q.shape[1])), v)
+
+
 FUNCTIONS = [cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
              cumsum_heads_method_row_vector_read, tril_method, times_tril_of_ones, masked_fill_bmm, normalised, where_arange_relu_features, retention,
              one_sequence, einsum_scores_and_read, einsum_heads_in_place, einsum_time_major_scores,
              triu_bool_masked_fill_einsum, arange_comparison_float_mask, normalised_by_reciprocal, normalised_by_clamp,
              retention_linspace_gammas, scaled_scores_times_tril, scaled_scores_masked_fill,
-             scaled_retention_normalised]
+             scaled_retention_normalised, einsum_with_the_mask_as_an_operand]
 
 
 def _check(fn, args, dynamic, params=()):
