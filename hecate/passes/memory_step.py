@@ -574,10 +574,18 @@ def _hebbian(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, z_index
         raise NotFused("the update adds a term that is not an outer product of two per-step vectors b·v kᵀ")
     if z_index is not None:
         z_in, z_out = b.carries[z_index], b.carry_out[z_index]
-        k = _as(b.env[rec.per_step["k"].factors[0]], rec.lead + (rec.dk,))
-        expected = keep.value(b.env, rec.lead)[..., None] * _as(b.env[z_in], rec.lead + (rec.dk,)) + k
-        if not _close(_as(b.env[z_out], rec.lead + (rec.dk,)), expected):
-            raise NotFused("the normaliser is not z ← a·z + k with the memory's decay a")
+        z = _as(b.env[z_out], rec.lead + (rec.dk,))
+        decayed = keep.value(b.env, rec.lead)[..., None] * _as(b.env[z_in], rec.lead + (rec.dk,))
+        # the write strength b on the key's side when z sums it too (mLSTM: C ← f·C + v (i·k)ᵀ, n ← f·n + i·k)
+        v_factors, k_factors = rec.per_step["v"], rec.per_step["k"]
+        strong_key = PerStep(v_factors.coef, k_factors.factors + v_factors.factors[1:], v_factors.divisors)
+        for key, value in ((k_factors, v_factors), (strong_key, PerStep(1.0, v_factors.factors[:1]))):
+            if _close(z, decayed + key.value(b.env, rec.lead, rec.dk)):
+                rec.per_step["k"], rec.per_step["v"] = key, value
+                break
+        else:
+            raise NotFused("the normaliser is not z ← a·z + k with the memory's decay a and the key k the memory "
+                           "writes (b·k, where the write v (b·k)ᵀ has a strength b)")
         rec.normaliser_state, rec.params["eps"] = z_index, eps
 
 

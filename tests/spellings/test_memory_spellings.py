@@ -115,6 +115,29 @@ def l2_in_place_on_step_temporaries(k, v, q, alpha, eta):
     return torch.stack(ys, dim=1), M
 
 
+def mlstm_input_gate_on_the_key(k, v, q, alpha, eta):
+    """mLSTM's C ← f·C + v (i·k)ᵀ, n ← f·n + i·k, y = C q / (n·q + eps): the input gate scales the key both sum."""
+    k, q = F.elu(k) + 1, F.elu(q) + 1
+    M, z, ys = _m0(k, v), k.new_zeros(k.shape[0], k.shape[2], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        f, ik = alpha[:, t, :, None], eta[:, t, :, None] * k[:, t]
+        M = f[..., None] * M + v[:, t].unsqueeze(-1) * ik.unsqueeze(-2)
+        z = f * z + ik
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1) / ((z * q[:, t]).sum(-1, keepdim=True) + 1e-3))
+    return torch.stack(ys, 1), M
+
+
+def normalised_half_strength_writes(k, v, q, alpha, eta):
+    """A constant write strength 0.5 on the key, which the normaliser sums too."""
+    k, q = F.elu(k) + 1, F.elu(q) + 1
+    M, z, ys = _m0(k, v), k.new_zeros(k.shape[0], k.shape[2], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        M = M + v[:, t].unsqueeze(-1) * (0.5 * k[:, t]).unsqueeze(-2)
+        z = z + 0.5 * k[:, t]
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1) / ((z * q[:, t]).sum(-1, keepdim=True) + 1e-3))
+    return torch.stack(ys, 1), M
+
+
 def l2_bmm_narrow_cat(k, v, q, alpha, eta):
     """Heads flattened for bmm, per-step inputs by narrow, outputs collected with cat."""
     Bn, Tn, Hn, Dk = k.shape
@@ -732,6 +755,8 @@ SPELLINGS = {
     "l2_float_gates_mul_sum": (l2_float_gates_mul_sum, "memory_scan"),
     "l2_inplace": (l2_inplace, "memory_scan"),
     "l2_inplace_methods": (l2_inplace_methods, "memory_scan"),
+    "mlstm_input_gate_on_the_key": (mlstm_input_gate_on_the_key, "linear_attention"),
+    "normalised_half_strength_writes": (normalised_half_strength_writes, "linear_attention"),
     "titans_states_from_torch_zeros": (titans_states_from_torch_zeros, "memory_scan"),
     "l2_in_place_on_step_temporaries": (l2_in_place_on_step_temporaries, "memory_scan"),
     "l2_bmm_narrow_cat": (l2_bmm_narrow_cat, "memory_scan"),
