@@ -1157,6 +1157,13 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, score: _Score) -> No
     replace_with_function(gm, replaced, fn, inputs, outputs=replaced)
 
 
+def _in_dtype_of(node: fx.Node, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in the dtype the graph gave ``node`` (under autocast, not the op's); no cast where it is (a pass
+    reading the values computed from it checks them at float64 points, which a cast would round)."""
+    dtype = node.meta["val"].dtype
+    return value if value.dtype == dtype else value.to(dtype)
+
+
 def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale, temperature=None, mask_values=()):
     """The roots' values (then β / γ·KL for the nodes read whole) from one ``hecate.kl_attention`` call;
     ``temperature`` the value of the 0-d tensor a run-time κ is read from, ``mask_values`` those of the masks
@@ -1274,7 +1281,7 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
         width = 1 if summed_pairs else tail[-1] if isinstance(tail[-1], int) else total.shape[-1]
         target = [*lead, n] + [1 if isinstance(s, int) and s == 1 else width for s in tail]
         # the dtype the graph gave the sum (under autocast, not the op's)
-        root_values[root] = total.expand(*lead, n, width).reshape(target).to(root.meta["val"].dtype)
+        root_values[root] = _in_dtype_of(root, total.expand(*lead, n, width).reshape(target))
     formed = []
     if escaping:
         kl, beta, _ = map(unfold, scores_and_beta(fold(mean), fold(var),
@@ -1285,6 +1292,6 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
             beta = torch.where(empty_rows.unsqueeze(-1), float("nan"), beta)
         for node in escaping:
             value = beta if node is algebra.beta else kl * algebra.kl_scales[node]
-            formed.append(value.to(node.meta["val"].dtype))
+            formed.append(_in_dtype_of(node, value))
     return [root_values[r] for r in roots] + formed
 

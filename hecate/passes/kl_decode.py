@@ -204,24 +204,28 @@ def _with_sources(priors: list, k: int, v: int) -> list:
 def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
     """The decode whose KL the logits are at two random draws of the beliefs [2, .., 3, K] and the
     priors (at their own sizes: [V, K], shared [1, K] / [K] / 0-d), the tensors ``fixed`` held."""
-    positions = (2,) * (len(shape) - 2) + (3,)  # the draw's own leading sizes
-
     def own(x):  # a prior's own size: per token [V, K], or shared by the tokens
         return tuple(1 if _is(s, 1) else v if i == len(shape_of(x)) - 2 else k for i, s in enumerate(shape_of(x)))
 
-    gen = torch.Generator().manual_seed(20251123)
-    draws = []
-    for low, high in ((0.3, 2.0), (0.05, 4.0)):
-        env = {x: low + (high - low) * torch.rand(*positions, k, generator=gen, dtype=torch.float64)
-               for x in independent(queries)}
-        env.update({x: low + (high - low) * torch.rand(own(x), generator=gen, dtype=torch.float64)
-                    for x in independent(priors)})
-        memo = {**(fixed or {}), **env}
+    def draw(positions, expand):
+        gen = torch.Generator().manual_seed(20251123)
+        draws = []
+        for low, high in ((0.3, 2.0), (0.05, 4.0)):
+            env = {x: low + (high - low) * torch.rand(*positions, k, generator=gen, dtype=torch.float64)
+                   for x in independent(queries)}
+            env.update({x: low + (high - low) * torch.rand(own(x), generator=gen, dtype=torch.float64)
+                        for x in independent(priors)})
+            memo = {**(fixed or {}), **env}
+            draws.append((env, memo, evaluate(logits, memo, expand=expand)))  # memo: what is computed from those
+        return draws
+
+    try:  # at small sizes of the draw's own, else (sizes baked into a reshape) at the graph's
+        draws = draw((2,) * (len(shape) - 2) + (3,), False)
+    except Exception:
         try:
-            value = evaluate(logits, memo)  # memo: the priors computed from those drawn, too
-        except Exception:  # not evaluable at other sizes: not recognisable
+            draws = draw(tuple(size_hint(s) for s in shape[:-1]), True)
+        except Exception:  # not evaluable: not recognisable
             return None
-        draws.append((env, memo, value))
     priors = [x for x in priors if isinstance(draws[0][1].get(x), torch.Tensor)]
     queries = [x for x in queries if isinstance(draws[0][1].get(x), torch.Tensor)]  # drawn, or computed from those
     near_one_only = None

@@ -133,6 +133,39 @@ class FreeEnergyAlongTheFlow(nn.Module):
         return mu, total
 
 
+class FlowThenDecode(nn.Module):
+    """A step moving means and log-variances by attention (β @ μ, β @ log v: one op, two spans of its sums),
+    then KL decoding against token priors, the cross-entropy returned."""
+
+    def __init__(self, vocab=7):
+        super().__init__()
+        self.enc = nn.Linear(D, 2 * D)
+        self.prior_mu, self.prior_logvar = nn.Parameter(torch.randn(vocab, D)), nn.Parameter(torch.zeros(vocab, D))
+
+    def forward(self, x):
+        mu, logvar = self.enc(x).chunk(2, -1)
+        beta = torch.softmax(-kl_logvar(mu, logvar), dim=-1)
+        mu, logvar = beta @ mu, beta @ logvar
+        kl = 0.5 * (self.prior_logvar - logvar.unsqueeze(2) + (logvar.exp().unsqueeze(2)
+                    + (mu.unsqueeze(2) - self.prior_mu) ** 2) / self.prior_logvar.exp() - 1).sum(-1)
+        targets = torch.arange(x.shape[1]).remainder(self.prior_mu.shape[0]).expand(x.shape[0], -1)
+        return F.cross_entropy(-kl.reshape(-1, kl.shape[-1]), targets.reshape(-1))
+
+
+def test_decode_after_a_step_moving_means_and_variances_fuses(fresh_dynamo):
+    """The decode reads the beliefs as the attention op's sums, kept in the graph's dtype without a cast (a cast
+    rounded the values the decode is recognised at)."""
+    torch.manual_seed(0)
+    model = FlowThenDecode()
+    x = torch.randn(B, N, D)
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = torch.compile(model, backend="hecate", options={"strict": True})(xc)
+    report = hecate.last_report()
+    assert [f.op for f in report.fusions] == ["hecate.kl_attention", "hecate.kl_decode_ce"], str(report)
+    params = list(model.parameters())
+    assert_outputs_and_gradients_close(got, model(xe), [xc, *params], [xe, *params], TOL)
+
+
 FLOWS = {
     "means_follow_attention": (MeansFollowAttention, 3),
     "means_and_variances_move": (MeansAndVariancesMove, 3),
