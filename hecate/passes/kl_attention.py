@@ -341,6 +341,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     users = list(softmax.users)
     if len(users) == 1 and _zero_fill_of_masked(users[0], softmax, allowed):
         beta, empty_rows_nan = users[0], False
+    _unfill_weighted_by_beta(beta, allowed)
     additive = any(kind == "additive" for _, kind in masks)
     return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan, additive,
                   kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank, run_time_masks)
@@ -607,6 +608,37 @@ def _mask_kind(allowed: torch.Tensor) -> tuple[bool, bool]:
                 return causal, mask_diagonal
     raise NotFused(f"the attention mask allows {int(allowed.sum())} of {n}×{n} pairs and is none of: all keys, "
                    "causal (j ≤ i), no self (j ≠ i), causal without self; the op supports those")
+
+
+def _unfill_weighted_by_beta(beta: fx.Node, allowed: torch.Tensor) -> None:
+    """β · x.masked_fill(m, 0) → β · x where m fills only pairs the attention masks (``kl.masked_fill(mask, 0)``,
+    written to keep 0 · inf out of Σ β·KL): β is 0 there, so the product is the same. In place (exact)."""
+    for product in list(beta.users):
+        if product.target is not aten.mul.Tensor or beta not in product.args[:2]:
+            continue
+        other = product.args[1] if product.args[0] is beta else product.args[0]
+        if not isinstance(other, fx.Node):
+            continue
+        if other.target is aten.masked_fill.Scalar and other.args[2] == 0:
+            x, cond, filled_where = other.args[0], other.args[1], True
+        elif other.target is aten.where.ScalarOther and other.args[2] == 0:
+            x, cond, filled_where = other.args[1], other.args[0], False
+        else:
+            continue
+        try:
+            value = evaluate(cond, {}, size_hint=size_hint)
+        except NotFused:
+            continue
+        if not isinstance(value, torch.Tensor) or any(d != 1 for d in value.shape[:-2]) \
+                or shape_of(x) != shape_of(other):
+            continue
+        value = value.reshape(value.shape[-2:]).expand(allowed.shape).bool() if value.dim() >= 2 else \
+            value.bool().expand(allowed.shape)
+        filled = value if filled_where else ~value
+        if not bool((filled & allowed).any()):
+            product.replace_input_with(other, x)
+            if not other.users:
+                other.graph.erase_node(other)
 
 
 def _zero_fill_of_masked(user: fx.Node, softmax: fx.Node, allowed: torch.Tensor) -> bool:

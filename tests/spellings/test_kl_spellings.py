@@ -280,6 +280,14 @@ def a_constants_of_the_softmax_dropped(mu, var):  # −d and −log v_i left out
     return torch.softmax(-kl / 2.0, -1) @ mu
 
 
+def a_energy_of_the_zeroed_kl(mu, var):  # Σ β·KL with the masked KL zeroed (no 0·inf), by masked_fill and where
+    future = torch.triu(torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool), 1)
+    kl = kl_spec(mu, var)
+    beta = torch.softmax((-kl).masked_fill(future, float("-inf")), -1)
+    energy = (beta * kl.masked_fill(future, 0.0)).sum(-1) + (torch.where(~future, kl, 0.0) * beta).sum(-1)
+    return beta @ mu, energy
+
+
 def a_softmax_in_its_own_dtype(mu, logvar):  # dtype= given to log_softmax and softmax: the inputs' own
     kl = kl_logvar_none_index(mu, logvar)
     beta = F.log_softmax(-kl, dim=-1, dtype=mu.dtype).exp()
@@ -287,7 +295,7 @@ def a_softmax_in_its_own_dtype(mu, logvar):  # dtype= given to log_softmax and s
 
 
 ATTENTION = [
-    (a_constants_of_the_softmax_dropped, _var), (a_softmax_in_its_own_dtype, _logvar),
+    (a_constants_of_the_softmax_dropped, _var), (a_softmax_in_its_own_dtype, _logvar), (a_energy_of_the_zeroed_kl, _var),
     (a_logsumexp_beta, _var), (a_where_full_like_no_self, _var), (a_kl_masked_with_inf, _var),
     (a_keys_first_layout, _var), (a_log_determinants, _var), (a_log_determinants_of_log_variances, _logvar),
     (a_squared_distance, _var),
