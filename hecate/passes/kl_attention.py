@@ -972,6 +972,10 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
             if score is not None:
                 _fuse(gm, score, report)
         except NotFused as e:
+            shape = shape_of(softmax)
+            if shape and _is_one(shape[-1]):  # torch.compile specialises a length of 1: a graph for N = 1 alone
+                e = NotFused(f"a softmax over one key (N = 1, in the graph torch.compile makes for length 1 "
+                             f"alone; every score there is KL_ii = 0): {e}; other lengths compile their own graph")
             report.add_miss(PATTERN, str(e), softmax.name, nodes=[softmax])
 
 
