@@ -1337,6 +1337,22 @@ def test_mask_buffer_changed_after_compiling_is_honoured(fresh_dynamo):
     assert_outputs_and_gradients_close(compiled(*args), model(*ref_args), args, ref_args, 1e-5)
 
 
+def test_a_softmax_over_one_key_says_so(fresh_dynamo):
+    """At length 1 (a graph of its own) the causal attention is not fused, and the near-miss says it is N = 1."""
+    def attend(x, proj):
+        mu, log_var = (x @ proj).chunk(2, -1)
+        i = torch.arange(x.shape[1])
+        kl = 0.5 * (log_var.unsqueeze(-3) - log_var.unsqueeze(-2) + (log_var.exp().unsqueeze(-2)
+                    + (mu.unsqueeze(-2) - mu.unsqueeze(-3)) ** 2) / log_var.exp().unsqueeze(-3) - 1).sum(-1)
+        return torch.softmax((-kl / 0.8).masked_fill(i[:, None] < i[None, :], float("-inf")), -1) @ mu
+    x, proj = torch.randn(B, 1, K), torch.randn(K, 2 * K)
+    report = hecate.explain(attend, x, proj)
+    misses = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert not report.fusions and misses, str(report)
+    assert misses[0].reason.startswith("a softmax over one key (N = 1"), str(report)
+    assert_close("output", torch.compile(attend, backend="hecate")(x, proj), attend(x, proj), 1e-6)
+
+
 def a_per_sequence_variance(mu, var):  # one variance per sequence [B, 1, K], the spec's pairwise form
     return F.softmax(-kl_spec(mu, var) / 0.6, dim=-1) @ mu
 
