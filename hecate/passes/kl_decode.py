@@ -201,6 +201,11 @@ def _with_sources(priors: list, k: int, v: int) -> list:
     return list(dict.fromkeys(priors + [x for p in priors for x in sources_shaped(p, per_token)]))
 
 
+# Largest [..., N, V, K] broadcast evaluated at the logits' own sizes (float64: 2 MiB): every node of a graph is a
+# candidate for the logits, and most that cannot run at other sizes are no decode.
+_MAX_OWN_SIZE_DRAW = 2 ** 18
+
+
 def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
     """The decode whose KL the logits are at two random draws of the beliefs [2, .., 3, K] and the
     priors (at their own sizes: [V, K], shared [1, K] / [K] / 0-d), the tensors ``fixed`` held."""
@@ -219,11 +224,14 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
             draws.append((env, memo, evaluate(logits, memo, expand=expand)))  # memo: what is computed from those
         return draws
 
-    try:  # at small sizes of the draw's own, else (sizes baked into a reshape) at the graph's
+    try:  # at small sizes of the draw's own, else (sizes baked into a reshape) at the graph's, if small
         draws = draw((2,) * (len(shape) - 2) + (3,), False)
     except Exception:
+        own_sizes = tuple(size_hint(s) for s in shape[:-1])
+        if math.prod(own_sizes) * v * k > _MAX_OWN_SIZE_DRAW:
+            return None
         try:
-            draws = draw(tuple(size_hint(s) for s in shape[:-1]), True)
+            draws = draw(own_sizes, True)
         except Exception:  # not evaluable: not recognisable
             return None
     priors = [x for x in priors if isinstance(draws[0][1].get(x), torch.Tensor)]
