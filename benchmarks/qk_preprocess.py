@@ -148,6 +148,7 @@ def main() -> None:
     device = args.device
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     configs = QUICK_CONFIGS if args.quick else CONFIGS
+    torch._inductor.config.force_disable_caches = True  # compile times must not come from an earlier run's cache
     warm_compilers(device)
     rows = []
     for shape in tqdm(configs, desc="qk_preprocess shapes", disable=args.no_progress, dynamic_ncols=True):
@@ -164,7 +165,8 @@ def main() -> None:
                                               "SiLU → φ (phi: elu1 = ELU+1; performer = FAVOR+ per head of "
                                               f"{HEAD_DIM}, {PERFORMER_FEATURES} features)",
                                        "notes": ["compile_s: first forward and training step of a fresh compile, "
-                                                 "after one warm-up compile per backend in the process"],
+                                                 "Inductor caches disabled, after one warm-up compile per backend "
+                                                 "in the process"],
                                        "rows": rows}, quick=args.quick)
     labels, series = [], {"eager": [], "inductor": [], "hecate": []}
     for row in rows:
