@@ -102,6 +102,8 @@ class _Score:
     rank: int  # the score's dims: its leading dims (batch, heads, ...; maybe none), then [N, N]
     # masks read at run time (a causal mask a model keeps in a buffer): (node, "masked" | "allowed")
     run_time_masks: list = field(default_factory=list)
+    # the zero-fills of β's factors that :func:`_unfill_weighted_by_beta` took out: put back unless fused
+    unfilled: list = field(default_factory=list)
 
 
 def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx.Node]]:
@@ -333,18 +335,26 @@ def _recognise(softmax: fx.Node) -> _Score | None:
             if gamma is not None:
                 kl_scales[n] = gamma
     draw = {key: value for key, value in memo.items() if key in bases or key in shared or key == ("kl",)}
-    allowed, run_time_masks = _allowed(masks, shape, softmax)
-    causal, mask_diagonal = _mask_kind(allowed)
+    # the masks built from sizes at the example's length and, where it is symbolic, at another: one kind at both
+    lengths = _lengths(shape)
+    alloweds, run_time_masks = zip(*(_allowed(masks, shape, size) for size in lengths))
+    kinds = [_mask_kind(alloweds[0])] + [_mask_kind_or_none(a) for a in alloweds[1:]]
+    if len(set(kinds)) > 1:
+        raise NotFused(f"the attention mask built from sizes allows {int(alloweds[0].sum())} of "
+                       f"{alloweds[0].shape[0]}×{alloweds[0].shape[0]} pairs at this length, {int(alloweds[1].sum())} "
+                       f"of {alloweds[1].shape[0]}×{alloweds[1].shape[0]} at another: it is not one of the op's "
+                       "masks at every length (it reads the length beyond the score's shape)")
+    (causal, mask_diagonal), allowed, run_time_masks = kinds[0], alloweds[0], run_time_masks[0]
     # with a mask read at run time, the rows with no allowed key are known at run time
     has_empty_row = mask_diagonal and (causal or allowed.shape[0] == 1) or bool(run_time_masks)
     beta, empty_rows_nan = softmax, has_empty_row
     users = list(softmax.users)
-    if len(users) == 1 and _zero_fill_of_masked(users[0], softmax, allowed):
+    if len(users) == 1 and all(_zero_fill_of_masked(users[0], softmax, a, size) for a, size in zip(alloweds, lengths)):
         beta, empty_rows_nan = users[0], False
-    _unfill_weighted_by_beta(beta, allowed)
+    unfilled = _unfill_weighted_by_beta(beta, alloweds, lengths)
     additive = any(kind == "additive" for _, kind in masks)
     return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan, additive,
-                  kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank, run_time_masks)
+                  kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank, run_time_masks, unfilled)
 
 
 def _check_leading_dims(shape, mean: fx.Node, scale: fx.Node, param: str) -> None:
@@ -552,15 +562,33 @@ def _broadcasts(values: dict, mean, scale) -> bool:
     return True
 
 
-def _allowed(masks, shape, softmax) -> tuple[torch.Tensor, list]:
-    """([N, N] bool: which keys the peeled masks computed from sizes and constants allow, evaluated at the
-    example's size; the masks read from the graph's inputs, the same for every sequence and head: the op
+def _lengths(shape) -> list:
+    """How to read sizes when evaluating a mask: at the example's, and where the length is symbolic (dynamic
+    shapes) also at another length, since a mask built from sizes may be causal at one length alone
+    (``j <= i + (n − 6)``)."""
+    return [size_hint] + ([_shifted] if isinstance(shape[-1], torch.SymInt) else [])
+
+
+def _shifted(size: Any) -> int:
+    """A size at other lengths: each symbol it is computed from 3 more than its hint."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr, env = size.node.expr, size.node.shape_env
+    hints = getattr(env, "backed_var_to_val", None) or env.var_to_val  # (renamed in torch 2.13)
+    if any(symbol not in hints for symbol in expr.free_symbols):
+        return size_hint(size)
+    return int(expr.xreplace({symbol: hints[symbol] + 3 for symbol in expr.free_symbols}))
+
+
+def _allowed(masks, shape, size=size_hint) -> tuple[torch.Tensor, list]:
+    """([N, N] bool: which keys the peeled masks computed from sizes and constants allow, evaluated with sizes
+    read by ``size``; the masks read from the graph's inputs, the same for every sequence and head: the op
     takes those at run time)."""
-    n = size_hint(shape[-1])
+    n = size(shape[-1])
     allowed, run_time = torch.ones(n, n, dtype=torch.bool), []
     for node, kind in masks:
         try:
-            value = evaluate(node, {}, size_hint=size_hint)
+            value = evaluate(node, {}, size_hint=size)
         except NotFused as e:
             if _run_time_mask(node, kind, shape):
                 run_time.append((node, kind))
@@ -610,9 +638,19 @@ def _mask_kind(allowed: torch.Tensor) -> tuple[bool, bool]:
                    "causal (j ≤ i), no self (j ≠ i), causal without self; the op supports those")
 
 
-def _unfill_weighted_by_beta(beta: fx.Node, allowed: torch.Tensor) -> None:
+def _mask_kind_or_none(allowed: torch.Tensor) -> tuple[bool, bool] | None:
+    try:
+        return _mask_kind(allowed)
+    except NotFused:
+        return None
+
+
+def _unfill_weighted_by_beta(beta: fx.Node, alloweds, lengths) -> list:
     """β · x.masked_fill(m, 0) → β · x where m fills only pairs the attention masks (``kl.masked_fill(mask, 0)``,
-    written to keep 0 · inf out of Σ β·KL): β is 0 there, so the product is the same. In place (exact)."""
+    written to keep 0 · inf out of Σ β·KL): the fused op's sums read x at the allowed pairs alone, as the fill
+    does. Only for the fusion: a product left unfused gets its fill back (:func:`_refill`), as 0 · inf is NaN
+    where x is infinite at a masked pair (a log-probability there). Returns what :func:`_refill` puts back."""
+    unfilled = []
     for product in list(beta.users):
         if product.target is not aten.mul.Tensor or beta not in product.args[:2]:
             continue
@@ -625,24 +663,42 @@ def _unfill_weighted_by_beta(beta: fx.Node, allowed: torch.Tensor) -> None:
             x, cond, filled_where = other.args[1], other.args[0], False
         else:
             continue
-        try:
-            value = evaluate(cond, {}, size_hint=size_hint)
-        except NotFused:
+        if shape_of(x) != shape_of(other) or len(other.users) != 1 \
+                or not all(_fills_masked_pairs_only(cond, filled_where, a, size) for a, size in zip(alloweds, lengths)):
             continue
-        if not isinstance(value, torch.Tensor) or any(d != 1 for d in value.shape[:-2]) \
-                or shape_of(x) != shape_of(other):
-            continue
-        value = value.reshape(value.shape[-2:]).expand(allowed.shape).bool() if value.dim() >= 2 else \
-            value.bool().expand(allowed.shape)
-        filled = value if filled_where else ~value
-        if not bool((filled & allowed).any()):
-            product.replace_input_with(other, x)
-            if not other.users:
-                other.graph.erase_node(other)
+        product.replace_input_with(other, x)
+        unfilled.append((product, x, other.target, other.args, other.kwargs, dict(other.meta)))
+        other.graph.erase_node(other)
+    return unfilled
 
 
-def _zero_fill_of_masked(user: fx.Node, softmax: fx.Node, allowed: torch.Tensor) -> bool:
-    """Whether ``user`` is β with 0 at the masked keys (``masked_fill(~mask, 0)``, ``where(mask, β, 0)``)."""
+def _fills_masked_pairs_only(cond: fx.Node, filled_where: bool, allowed: torch.Tensor, size) -> bool:
+    """Whether a fill where ``cond`` is (or is not, ``filled_where`` False) True reaches only pairs ``allowed``
+    masks, ``cond`` evaluated with sizes read by ``size``."""
+    try:
+        value = evaluate(cond, {}, size_hint=size)
+    except NotFused:
+        return False
+    if not isinstance(value, torch.Tensor) or any(d != 1 for d in value.shape[:-2]):
+        return False
+    value = value.reshape(value.shape[-2:]).expand(allowed.shape).bool() if value.dim() >= 2 else \
+        value.bool().expand(allowed.shape)
+    filled = value if filled_where else ~value
+    return not bool((filled & allowed).any())
+
+
+def _refill(unfilled: list) -> None:
+    """Put back the zero-fills :func:`_unfill_weighted_by_beta` took out of products that were not fused."""
+    for product, x, target, args, kwargs, meta in unfilled:
+        with product.graph.inserting_before(product):
+            fill = product.graph.call_function(target, args, kwargs)
+        fill.meta = meta
+        product.replace_input_with(x, fill)
+
+
+def _zero_fill_of_masked(user: fx.Node, softmax: fx.Node, allowed: torch.Tensor, size=size_hint) -> bool:
+    """Whether ``user`` is β with 0 at the masked keys (``masked_fill(~mask, 0)``, ``where(mask, β, 0)``), the
+    fill's mask evaluated with sizes read by ``size``."""
     if user.target == aten.masked_fill.Scalar and user.args[0] is softmax and user.args[2] == 0:
         cond, masked = user.args[1], True
     elif user.target == aten.where.ScalarOther and user.args[1] is softmax and user.args[2] == 0:
@@ -650,7 +706,7 @@ def _zero_fill_of_masked(user: fx.Node, softmax: fx.Node, allowed: torch.Tensor)
     else:
         return False
     try:
-        value = evaluate(cond, {}, size_hint=size_hint)
+        value = evaluate(cond, {}, size_hint=size)
     except NotFused:
         return False
     if not isinstance(value, torch.Tensor) or any(d != 1 for d in value.shape[:-2]):
@@ -967,11 +1023,14 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
     import hecate.lowering.kl_attention  # noqa: F401  the op must exist before we insert it
 
     for softmax in [n for n in gm.graph.nodes if n.target == aten.softmax.int]:
+        score = None
         try:
             score = _recognise(softmax)
-            if score is not None:
-                _fuse(gm, score, report)
+            if score is not None and not _fuse(gm, score, report):
+                _refill(score.unfilled)
         except NotFused as e:
+            if score is not None:
+                _refill(score.unfilled)
             shape = shape_of(softmax)
             if shape and _is_one(shape[-1]):  # torch.compile specialises a length of 1: a graph for N = 1 alone
                 e = NotFused(f"a softmax over one key (N = 1, in the graph torch.compile makes for length 1 "
@@ -979,7 +1038,8 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
             report.add_miss(PATTERN, str(e), softmax.name, nodes=[softmax])
 
 
-def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
+def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> bool:
+    """Replace the attention by the op (True), or leave it when nothing reads β (False); NotFused otherwise."""
     algebra = _PairAlgebra(beta=score.beta, kl_scales=score.kl_scales, rank=score.rank,
                            kl_of=lambda node: _kl_scale(node, score.draw, score.rank))
     core = {score.softmax, *score.nodes}
@@ -999,7 +1059,7 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
                            f"{list(shape_of(score.softmax))} over more leading dims (sequences or heads) than the "
                            "beliefs have; the op gives one sum per row of β")
     if not roots and not algebra.escapes:
-        return  # β is not used
+        return False  # β is not used
     _rewrite(gm, algebra, roots, plan, score)
     mode = ("causal" if score.causal else "full") + (", diagonal masked" if score.mask_diagonal else "")
     if score.run_time_masks:
@@ -1012,6 +1072,7 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> None:
     report.add_fusion(PATTERN, OP_NAME, len(score.nodes) + len(algebra.visited | set(roots)) + 1,
                       f"{mode}, {score.parameterisation}, κ={_kappa_text(score.kappa)}, {len(roots)} β-weighted sums "
                       f"(row values {plan.v_width}, column values {plan.w_width} wide)")
+    return True
 
 
 def _find_roots(algebra: _PairAlgebra, core: set, positions: fx.Node) -> list[fx.Node]:
@@ -1266,7 +1327,10 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
                        map(unfold, sums)))
     empty_rows, nan_scale = None, float("nan")
     if allowed is not None:  # the rows with no allowed key, and whether there are any, known at run time
-        empty_rows = ~(allowed & allowed_keys(n, score.causal, score.mask_diagonal, mean.device)).any(-1)
+        keys = allowed_keys(n, score.causal, score.mask_diagonal, mean.device)
+        empty_rows = ~(allowed & keys).any(-1)
+        if score.beta is not score.softmax:  # β zero-filled where the masks built from sizes mask: a row's NaN
+            empty_rows = empty_rows & keys.any(-1)  # stays where they allow a key (the fill zeroes the rest)
         nan_scale = torch.where(empty_rows.any(), float("nan"), 0.0).to(mean.dtype)
     elif score.empty_rows_nan:  # the softmax over no key is NaN: its row's sums, and every column sum
         empty_rows = torch.arange(n, device=mean.device) == 0 if score.causal else torch.ones(n, dtype=torch.bool,

@@ -1353,6 +1353,42 @@ def test_a_softmax_over_one_key_says_so(fresh_dynamo):
     assert_close("output", torch.compile(attend, backend="hecate")(x, proj), attend(x, proj), 1e-6)
 
 
+def entropy_of_the_masked_log_softmax(mu, var):  # −Σ β log β, log β zeroed where masked (−inf there)
+    c = torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool).tril()
+    s = (-kl_spec(mu, var)).masked_fill(~c, float("-inf"))
+    beta = s.softmax(-1)
+    return beta @ mu, -(beta * s.log_softmax(-1).masked_fill(~c, 0)).sum(-1)
+
+
+def zero_filled_beta_under_a_run_time_mask(mu, var, keep):  # no self, a per-key mask passed in, β zero-filled
+    c = torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool).tril(-1)
+    s = (-kl_spec(mu, var)).masked_fill(~c, float("-inf")).masked_fill(~keep, float("-inf"))
+    return s.softmax(-1).masked_fill(~c, 0) @ mu
+
+
+def mask_offset_by_the_length(mu, var):  # causal at N = 6 alone: j ≤ i + (N − 6)
+    i = torch.arange(mu.shape[1])
+    allowed = i[None, :] <= i[:, None] + (mu.shape[1] - 6)
+    return (-kl_spec(mu, var)).masked_fill(~allowed, float("-inf")).softmax(-1) @ mu
+
+
+@pytest.mark.parametrize("fn, extra, dynamic", [
+    (entropy_of_the_masked_log_softmax, (), False),
+    (zero_filled_beta_under_a_run_time_mask, (torch.tensor([True, False, True, True, True]),), False),
+    (mask_offset_by_the_length, (), True)], ids=lambda x: getattr(x, "__name__", None))
+def test_masks_and_fills_that_are_not_what_they_are_at_one_point_stay_exact(fn, extra, dynamic, fresh_dynamo):
+    """Outside probes: β times log β zeroed where masked (its fill must stay where the fusion misses: 0 · −inf);
+    a row left with no key by the masks and zero-filled by the size mask (0, not NaN); a mask built from sizes that
+    is causal at one length only (checked at two under dynamic shapes). Compiled == eager, NaN where eager's."""
+    compiled = torch.compile(fn, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})
+    for n in ((6, 8) if dynamic else (N,)):
+        torch.manual_seed(0)
+        mu, var = torch.randn(B, n, K), _var((B, n, K))
+        got, ref = compiled(mu, var, *extra), fn(mu, var, *extra)
+        for i, (g, r) in enumerate(zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref))):
+            assert_close_nonfinite(f"output {i} at N = {n}", g, r, 1e-5)
+
+
 def a_per_sequence_variance(mu, var):  # one variance per sequence [B, 1, K], the spec's pairwise form
     return F.softmax(-kl_spec(mu, var) / 0.6, dim=-1) @ mu
 
