@@ -193,9 +193,13 @@ def _unfolded_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx
     return None
 
 
+_ZEROS = (aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default)
+
+
 def _windowed_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx.Node], fx.Node | None] | None:
-    """``Σ_k w_k · P[..., k:k+T]`` (``P[:, k:k+T]`` with time 1), a per-channel bias it may start from: (the root
-    of the sum, [w_0 .. w_{K−1}], the bias or None)."""
+    """``Σ_k w_k · P[..., k:k+T]`` (``P[:, k:k+T]`` with time 1), a per-channel bias it may start from, or zeros
+    of its shape nothing else reads (``out = torch.zeros_like(h)``, then ``out = out + …``): (the root of the
+    sum, [w_0 .. w_{K−1}], the bias or None)."""
     pad_val = _val(pad)
     length = pad_val.shape[time] - (taps - 1)  # symbolic under dynamic shapes: compared without a guard
     weights: dict[int, Any] = {}  # window start -> its weight
@@ -219,15 +223,22 @@ def _windowed_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx
         x = x.args[0] if isinstance(x, fx.Node) and x.target is aten.expand.default else x
         return isinstance(x, fx.Node) and _per_channel(x, channels, pad_val.dtype, 0, time)
 
-    # the products summed by a tree of adds and nothing else (a literal 0: Python's sum starts there; or a bias)
-    adds, roots, biases = set(), set(), set()
+    def zeros_leaf(x, total):  # zeros the sum starts from: its shape and dtype, read by the sum alone
+        return isinstance(x, fx.Node) and x.target in _ZEROS and len(x.users) == 1 and _same_shape(total, x) \
+            and _val(x).dtype == _val(total).dtype
+
+    # the products summed by a tree of adds and nothing else (a literal 0: Python's sum starts there; zeros;
+    # or a bias)
+    adds, roots, biases, zeros = set(), set(), set(), set()
     for node in products:
         while len(node.users) == 1:
             (user,) = node.users
             if user.target is not aten.add.Tensor or user.kwargs:
                 break
             other = user.args[1] if user.args[0] is node else user.args[0]
-            if bias_leaf(other):
+            if zeros_leaf(other, user):
+                zeros.add(other)
+            elif bias_leaf(other):
                 biases.add(other)
             elif not (other in products or isinstance(other, fx.Node) and other.target is aten.add.Tensor
                       or not isinstance(other, fx.Node) and other == 0):
@@ -235,8 +246,9 @@ def _windowed_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx
             adds.add(user)
             node = user
         roots.add(node)
-    if len(roots) != 1 or not adds or len(biases) > 1 or any(
-            not (arg in products or arg in adds or arg in biases or not isinstance(arg, fx.Node) and arg == 0)
+    if len(roots) != 1 or not adds or len(biases) > 1 or len(zeros) > 1 or any(
+            not (arg in products or arg in adds or arg in biases or arg in zeros
+                 or not isinstance(arg, fx.Node) and arg == 0)
             for add in adds for arg in add.args):
         return None
     (root,) = roots
@@ -570,6 +582,30 @@ def _out_of_place(node: fx.Node) -> tuple[str, Any] | None:
     return None
 
 
+# in-place ops whose out-of-place twin is missing (x.fill, x.copy) or has no derivative (aten.copy)
+_NO_TWIN = {"fill", "copy", "zero", "set", "resize", "resize_as", "fill_diagonal"}
+
+
+def _same_as_out_of_place(node: fx.Node) -> bool:
+    """Whether ``node``'s out-of-place twin exists, is differentiable and computes what the write stores: an
+    in-place op keeps its tensor's dtype, the out-of-place one promotes it (``y.add_(w64)`` of a float32 y)."""
+    op, target = _out_of_place(node)
+    name = target if isinstance(target, str) else getattr(target, "__name__", "").split(".")[0]
+    if name in _NO_TWIN or op == "call_method" and not hasattr(torch.Tensor, target):
+        return False
+    kept = _val(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+    if not isinstance(kept, torch.Tensor):
+        return False
+    for arg in list(node.args[1:]) + list(node.kwargs.values()):
+        value = _val(arg) if isinstance(arg, fx.Node) else arg
+        if isinstance(value, torch.Tensor) and value.dtype != kept.dtype and (
+                value.dim() > 0 or value.dtype.is_floating_point != kept.dtype.is_floating_point):
+            return False  # a tensor with dims, or a 0-d one of another kind, promotes the result
+        if isinstance(value, float) and not kept.dtype.is_floating_point:
+            return False
+    return True
+
+
 def _storage(node: Any) -> StorageWeakRef | None:
     value = _val(node) if isinstance(node, fx.Node) else None
     if not isinstance(value, torch.Tensor):
@@ -610,6 +646,8 @@ def functionalize(graph: fx.Graph) -> bool:
             mutations = _mutation_of_a_view(members, order) or _views_after_the_writes(members, order)
             if not mutations:
                 continue
+        if not all(_same_as_out_of_place(n) for n in mutations):
+            continue
         changed = True
         for node in mutations:  # in program order: each reads the previous one's result
             current = node.args[0]
@@ -803,19 +841,6 @@ def _emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
     return new
 
 
-_ZEROS = (aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default)
-
-
-def _plus_zeros(node: fx.Node) -> fx.Node | None:
-    """The other operand of ``zeros + x`` (either order) when x has the sum's shape and dtype: x itself (0 + x is x,
-    up to the sign of a zero)."""
-    for zeros, other in (node.args, node.args[::-1]):
-        if isinstance(zeros, fx.Node) and zeros.target in _ZEROS and isinstance(other, fx.Node) \
-                and _same_shape(node, other) and _val(other).dtype == _val(node).dtype:
-            return other
-    return None
-
-
 def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
     """The node that computes what ``node`` computes in the normal form (None: keep ``node``)."""
     target, args = node.target, node.args
@@ -837,10 +862,6 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return _expand_as(graph, node)
     if target is aten.slice.Tensor and _whole_slice(node):
         return args[0]
-    if target is aten.add.Tensor and not node.kwargs and node not in outputs:
-        kept = _plus_zeros(node)
-        if kept is not None:
-            return kept  # out = torch.zeros_like(h); out = out + w_k * window: the sum begins with its first term
     if target is aten.narrow.default and all(isinstance(a, int) for a in args[1:]):
         with graph.inserting_before(node):
             cut = _emit(graph, aten.slice.Tensor, args[0], args[1], args[2], args[2] + args[3])

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused
+from hecate.passes.matching import NotFused, written_in_place
 
 aten = torch.ops.aten
 
@@ -202,6 +202,10 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
                 raise NotFused(f"it reads {n.name}, a size torch.compile passes in at run time (dynamic shapes), "
                                "not known when compiling")
             raise NotFused(f"it reads {n.name}, an input of the graph whose value is not known when compiling")
+        writer = written_in_place(n)
+        if writer is not None:
+            raise NotFused(f"it reads {n.name}, written in place after it is made (by {writer.name}): its value "
+                           "is not the one what computes it gives")
         if _is_noop(n) and not (expand and n.target == aten.expand.default):
             memo[n] = run(n.args[0])
             return memo[n]

@@ -69,7 +69,7 @@ from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals
                                     gaussian_kl, independent, nearest_sources, proportion, run_time_temperature,
                                     shape_of, short, strip_noops)
 from hecate.passes.matching import (NotFused, bound_reason, depends_on_sizes_only, first_threshold, nodes_between,
-                                    replace_with_function, size_hint, tensors_read)
+                                    replace_with_function, shifted_size, size_hint, tensors_read)
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -566,18 +566,7 @@ def _lengths(shape) -> list:
     """How to read sizes when evaluating a mask: at the example's, and where the length is symbolic (dynamic
     shapes) also at another length, since a mask built from sizes may be causal at one length alone
     (``j <= i + (n − 6)``)."""
-    return [size_hint] + ([_shifted] if isinstance(shape[-1], torch.SymInt) else [])
-
-
-def _shifted(size: Any) -> int:
-    """A size at other lengths: each symbol it is computed from 3 more than its hint."""
-    if not isinstance(size, torch.SymInt):
-        return int(size)
-    expr, env = size.node.expr, size.node.shape_env
-    hints = getattr(env, "backed_var_to_val", None) or env.var_to_val  # (renamed in torch 2.13)
-    if any(symbol not in hints for symbol in expr.free_symbols):
-        return size_hint(size)
-    return int(expr.xreplace({symbol: hints[symbol] + 3 for symbol in expr.free_symbols}))
+    return [size_hint] + ([shifted_size] if isinstance(shape[-1], torch.SymInt) else [])
 
 
 def _allowed(masks, shape, size=size_hint) -> tuple[torch.Tensor, list]:

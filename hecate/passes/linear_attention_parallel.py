@@ -33,7 +33,7 @@ from torch import fx
 
 from hecate.passes.gaussian import evaluate
 from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, replace_with_function,
-                                    size_hint, tensors_read)
+                                    shifted_size, size_hint, tensors_read)
 from hecate.passes.report import FusionReport
 
 aten = torch.ops.aten
@@ -214,8 +214,8 @@ def _untransposed(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _sizes(node: fx.Node) -> list[int]:
-    return [size_hint(s) for s in node.meta["val"].shape]
+def _sizes(node: fx.Node, size=size_hint) -> list[int]:
+    return [size(s) for s in node.meta["val"].shape]
 
 
 def _draw(node: fx.Node, generator: torch.Generator) -> torch.Tensor:
@@ -241,22 +241,22 @@ class _Decay:
     drawn: torch.Tensor | None = None
 
 
-def _decays(form: _Form) -> _Decay:
+def _decays(form: _Form, size=size_hint) -> _Decay:
     """D [*L, T, T] and γ per head for the mask A applies to the scores: A at q = k = e₁ (every
     q_t · k_s = 1), checked to be γ^{t−s} below the diagonal, one γ per head ([B, H, T, T])
     or one for all, the same in every sequence. A mask that reads one tensor of the graph (a
     buffer or parameter of per-head γ or log γ) is checked at two random draws of it, γ in (0.5, 1),
-    and its γ read from that tensor at run time."""
+    and its γ read from that tensor at run time. Sizes are read by ``size``."""
     values = {}
     for name in ("q", "k"):
         node = getattr(form, name)
-        ones = torch.zeros(_sizes(node), dtype=torch.float64)
+        ones = torch.zeros(_sizes(node, size), dtype=torch.float64)
         form.canonical(name, ones)[..., 0] = 1.0  # a view: the feature dim in the node's own layout
         values[node] = ones
-    values[form.v] = torch.zeros(_sizes(form.v), dtype=torch.float64)
+    values[form.v] = torch.zeros(_sizes(form.v, size), dtype=torch.float64)
     inputs = tensors_read([form.a], stop=[form.score, form.q, form.k, form.v])  # beside the score
     if not inputs:
-        d = _decay_values(form, dict(values))
+        d = _decay_values(form, dict(values), size)
         scale = _scale(d)
         return _Decay(d, scale, _gammas(d / scale, None))
     named = ", ".join(f"{n.name} of shape {list(_sizes(n))}" for n in inputs)
@@ -273,8 +273,8 @@ def _decays(form: _Form) -> _Decay:
         for gamma_form, draw in _GAMMA_DRAW.items():
             found = None
             for _ in range(2):
-                drawn = draw(0.5 + 0.5 * torch.rand(_sizes(tensor), dtype=torch.float64, generator=generator))
-                d = _decay_values(form, {**values, tensor: drawn})
+                drawn = draw(0.5 + 0.5 * torch.rand(_sizes(tensor, size), dtype=torch.float64, generator=generator))
+                d = _decay_values(form, {**values, tensor: drawn}, size)
                 gammas = _GAMMA_FROM[gamma_form](drawn).flatten()
                 try:
                     scale = _scale(d)
@@ -312,12 +312,11 @@ def _per_head_value(form: _Form, inputs: list[fx.Node]) -> fx.Node | None:
     return frontier[0] if len(frontier) == 1 else None
 
 
-def _decay_values(form: _Form, values: dict) -> torch.Tensor:
+def _decay_values(form: _Form, values: dict, size=size_hint) -> torch.Tensor:
     try:
-        return form.canonical("a", evaluate(form.a, values, size_hint))
-    except NotFused:
-        raise NotFused("its mask D reads a tensor the graph takes as input (a buffer, parameter or argument), "
-                       "whose values are not known when compiling; the mask must be computed from sizes and "
+        return form.canonical("a", evaluate(form.a, values, size))
+    except NotFused as e:
+        raise NotFused(f"its mask D is not known when compiling ({e}); the mask must be computed from sizes and "
                        "constants") from None
 
 
@@ -357,6 +356,20 @@ def _gammas(d: torch.Tensor, read: torch.Tensor | None) -> list[float] | None:
     return gammas if len(set(gammas)) > 1 else gammas[:1]
 
 
+def _same_at_other_sizes(decay: _Decay, other: _Decay | None) -> None:
+    """NotFused unless the scale and decay found at the example's sizes are those at others (``other``, None where
+    the mask is none of the op's there; dynamic shapes): a scale 1/√D or a decay 1 − 1/T read from sizes is
+    another number at every size, and the op takes numbers."""
+    same = other is not None and math.isclose(decay.scale, other.scale, rel_tol=1e-9) and decay.tensor is other.tensor \
+        and decay.form == other.form and (decay.gammas is None) == (other.gammas is None) \
+        and (decay.gammas is None or len(decay.gammas) == len(other.gammas)
+             and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(decay.gammas, other.gammas)))
+    if not same:
+        raise NotFused("its mask, score scale or decay is computed from sizes (1/√D, γ = 1 − 1/T, "
+                       "j ≤ i + (T − 6), say) and is another at other sizes, which torch.compile's dynamic shapes run this graph at; "
+                       "the op takes one causal mask and numbers")
+
+
 def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor) -> tuple[fx.Node, float] | None:
     """(the division node, eps) when y's only reader divides it by Σ_s A_ts + eps (or multiplies it by
     the reciprocal of that)."""
@@ -389,6 +402,12 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     if not hasattr(torch.ops.hecate, "linear_attention"):
         raise NotFused("the op hecate.linear_attention is not registered (import hecate.lowering)")
     decay = _decays(form)
+    if any(isinstance(s, torch.SymInt) for n in (form.q, form.k, form.v) for s in n.meta["val"].shape):
+        try:
+            other = _decays(form, shifted_size)
+        except NotFused:
+            other = None
+        _same_at_other_sizes(decay, other)
     generator = torch.Generator().manual_seed(0)
     values = {n: _draw(n, generator) for n in (form.q, form.k, form.v)}
     if decay.tensor is not None:

@@ -277,6 +277,18 @@ def size_hint(size: Any) -> int:
     return optimization_hint(size)
 
 
+def shifted_size(size: Any) -> int:
+    """A size at other lengths: each symbol it is computed from 3 more than its hint (a value read from sizes
+    under dynamic shapes, checked at a second point: ``j <= i + (n − 6)`` is causal at n = 6 alone)."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr, env = size.node.expr, size.node.shape_env
+    hints = getattr(env, "backed_var_to_val", None) or env.var_to_val  # (renamed in torch 2.13)
+    if any(symbol not in hints for symbol in expr.free_symbols):
+        return size_hint(size)
+    return int(expr.xreplace({symbol: hints[symbol] + 3 for symbol in expr.free_symbols}))
+
+
 def tensors_read(roots: Sequence[fx.Node], stop: Sequence[fx.Node] = ()) -> list[fx.Node]:
     """The graph's input tensors (placeholders and get_attr: arguments, parameters, buffers) that ``roots``
     compute from, not looking past ``stop``: what a value reads beside sizes and constants."""
@@ -292,6 +304,45 @@ def tensors_read(roots: Sequence[fx.Node], stop: Sequence[fx.Node] = ()) -> list
             found.append(node)
         stack += node.all_input_nodes
     return found
+
+
+def written_in_place(node: fx.Node) -> fx.Node | None:
+    """The first op that writes into ``node``'s values after it is made (in place, or by item assignment, into
+    it or into a view of it), or None: a value evaluated from what computes it would miss the write."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user.args and user.args[0] is n and _writes(user):
+                return user
+            if user.args and user.args[0] is n and _aliases(user):
+                stack.append(user)
+    return None
+
+
+def _writes(node: fx.Node) -> bool:
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    return node.op == "call_function" and node.target in (operator.setitem, operator.iadd, operator.isub,
+                                                           operator.imul, operator.itruediv)
+
+
+def _aliases(node: fx.Node) -> bool:
+    """Whether ``node`` is a view of its first argument (so a write into it writes there)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return len(schema.returns) == 1 and schema.returns[0].alias_info is not None and not schema.is_mutable
+    value, base = node.meta.get("val"), node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    try:
+        return isinstance(value, torch.Tensor) and isinstance(base, torch.Tensor) \
+            and value.untyped_storage()._cdata == base.untyped_storage()._cdata
+    except Exception:  # a tensor without storage
+        return False
 
 
 def _is_size(node: fx.Node) -> bool:

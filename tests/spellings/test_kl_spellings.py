@@ -1372,12 +1372,20 @@ def mask_offset_by_the_length(mu, var):  # causal at N = 6 alone: j ≤ i + (N �
     return (-kl_spec(mu, var)).masked_fill(~allowed, float("-inf")).softmax(-1) @ mu
 
 
+def mask_edited_after_it_is_made(mu, var):  # a causal mask, one pair taken out by item assignment
+    m = torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool).tril()
+    m[3, 0] = False
+    return (-kl_spec(mu, var)).masked_fill(~m, float("-inf")).softmax(-1) @ mu
+
+
 @pytest.mark.parametrize("fn, extra, dynamic", [
+    (mask_edited_after_it_is_made, (), False),
     (entropy_of_the_masked_log_softmax, (), False),
     (zero_filled_beta_under_a_run_time_mask, (torch.tensor([True, False, True, True, True]),), False),
     (mask_offset_by_the_length, (), True)], ids=lambda x: getattr(x, "__name__", None))
 def test_masks_and_fills_that_are_not_what_they_are_at_one_point_stay_exact(fn, extra, dynamic, fresh_dynamo):
-    """Outside probes: β times log β zeroed where masked (its fill must stay where the fusion misses: 0 · −inf);
+    """Outside probes: a mask written after it is made (not the causal one it was); β times log β zeroed where
+    masked (its fill must stay where the fusion misses: 0 · −inf);
     a row left with no key by the masks and zero-filled by the size mask (0, not NaN); a mask built from sizes that
     is causal at one length only (checked at two under dynamic shapes). Compiled == eager, NaN where eager's."""
     compiled = torch.compile(fn, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})
