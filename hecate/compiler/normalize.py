@@ -1149,7 +1149,8 @@ def _einsum_pairs(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.N
     left, left_term = operands[0], terms[0]
     for i in range(1, len(terms)):
         later = set(output).union(*terms[i + 1:])
-        kept = output if i == len(terms) - 1 else "".join(dict.fromkeys(c for c in left_term + terms[i] if c in later))
+        wider, narrower = sorted((left_term, terms[i]), key=len, reverse=True)  # the wider operand's layout
+        kept = output if i == len(terms) - 1 else "".join(dict.fromkeys(c for c in wider + narrower if c in later))
         with graph.inserting_before(node):
             pair = _emit(graph, aten.einsum.default, f"{left_term},{terms[i]}->{kept}", [left, operands[i]])
             left = _einsum(graph, pair, outputs) or pair

@@ -187,12 +187,17 @@ def einsum_with_the_mask_as_an_operand(q, k, v):  # one einsum over the scores, 
     return torch.einsum("bts,ts,bsd->btd", a, torch.tril(torch.ones(q.shape[1], q.shape[1])), v)
 
 
+def einsum_with_the_mask_first(q, k, v):  # the mask the first operand: the pair kept in the scores' layout
+    a = phi(q) @ phi(k).mT
+    return torch.einsum("ts,bts,bsd->btd", torch.tril(torch.ones(q.shape[1], q.shape[1])), a, v)
+
+
 FUNCTIONS = [cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
              cumsum_heads_method_row_vector_read, tril_method, times_tril_of_ones, masked_fill_bmm, normalised, where_arange_relu_features, retention,
              one_sequence, einsum_scores_and_read, einsum_heads_in_place, einsum_time_major_scores,
              triu_bool_masked_fill_einsum, arange_comparison_float_mask, normalised_by_reciprocal, normalised_by_clamp,
              retention_linspace_gammas, scaled_scores_times_tril, scaled_scores_masked_fill,
-             scaled_retention_normalised, einsum_with_the_mask_as_an_operand]
+             scaled_retention_normalised, einsum_with_the_mask_as_an_operand, einsum_with_the_mask_first]
 
 
 def _check(fn, args, dynamic, params=()):
