@@ -130,7 +130,10 @@ def hand_written_convs(graph: fx.Graph) -> None:
     right after the sum, if any: the same products (a conv is a cross-correlation, out_t = Σ_k W_k P_{t+k}),
     summed in the conv's order. Channels last, h [B, T, D] padded on time (``F.pad(h, (0, 0, K−1, 0))``,
     windows ``P[:, k:k+T]``, w_k [D]), it is that conv between transposes: ``conv1d(F.pad(hᵀ, (K−1, 0)))ᵀ``."""
+    written = {_storage(n.args[0]) for n in graph.nodes if mutates(n) and n.args} - {None}
     for pad in list(graph.find_nodes(op="call_function", target=aten.pad.default)):
+        if _storage(pad.args[0]) in written:
+            continue  # the conv would pad the tensor where the sum is, after the write (the windows are before)
         shape, padded = getattr(_val(pad), "shape", ()), zero_padded_dims(pad)
         if len(shape) != 3 or padded is None or len(padded) != 1:
             continue
@@ -223,9 +226,9 @@ def _windowed_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx
         x = x.args[0] if isinstance(x, fx.Node) and x.target is aten.expand.default else x
         return isinstance(x, fx.Node) and _per_channel(x, channels, pad_val.dtype, 0, time)
 
-    def zeros_leaf(x, total):  # zeros the sum starts from: its shape and dtype, read by the sum alone
+    def zeros_leaf(x, total):  # zeros the sum starts from: its shape and the windows' dtype, read by the sum alone
         return isinstance(x, fx.Node) and x.target in _ZEROS and len(x.users) == 1 and _same_shape(total, x) \
-            and _val(x).dtype == _val(total).dtype
+            and _val(x).dtype == _val(total).dtype == pad_val.dtype
 
     # the products summed by a tree of adds and nothing else (a literal 0: Python's sum starts there; zeros;
     # or a bias)
@@ -632,6 +635,7 @@ def functionalize(graph: fx.Graph) -> bool:
     if not _has_in_place_ops(graph):  # most graphs: no need to group every node by its storage
         return False
     order = {n: i for i, n in enumerate(graph.nodes)}
+    grad_enabled = _grad_modes(graph)
     changed = False
     groups: dict[StorageWeakRef, list[fx.Node]] = {}
     for node in graph.nodes:
@@ -646,8 +650,8 @@ def functionalize(graph: fx.Graph) -> bool:
             mutations = _mutation_of_a_view(members, order) or _views_after_the_writes(members, order)
             if not mutations:
                 continue
-        if not all(_same_as_out_of_place(n) for n in mutations):
-            continue
+        if not all(_same_as_out_of_place(n) and grad_enabled[n] for n in mutations):
+            continue  # (a write under no_grad keeps the tensor's gradient, which its out-of-place twin would not)
         changed = True
         for node in mutations:  # in program order: each reads the previous one's result
             current = node.args[0]
@@ -716,19 +720,25 @@ def _refake(node: fx.Node) -> None:
 
 # ---------------------------------------------------------------- local rewrites
 
-def detach_no_grad_results(graph: fx.Graph) -> None:
-    """A value computed under ``torch.no_grad()`` and read where gradients are enabled again is read
-    through ``detach``: no gradient flows back through it, and a pass now sees that (a fused op
-    spanning the region's end would let gradients through what the user computed without them)."""
+def _grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
+    """Whether gradients are enabled where each node runs (``torch.no_grad()`` regions disable them)."""
     enabled, grad_enabled = True, {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             enabled = bool(node.args[0])
         grad_enabled[node] = enabled
+    return grad_enabled
+
+
+def detach_no_grad_results(graph: fx.Graph) -> None:
+    """A value computed under ``torch.no_grad()`` and read where gradients are enabled again is read
+    through ``detach``: no gradient flows back through it, and a pass now sees that (a fused op
+    spanning the region's end would let gradients through what the user computed without them)."""
+    grad_enabled = _grad_modes(graph)
     for node in list(grad_enabled):
         later = [u for u in node.users if grad_enabled.get(u, True)]
-        if grad_enabled[node] or not later or not isinstance(_val(node), torch.Tensor):
-            continue
+        if grad_enabled[node] or not later or not isinstance(_val(node), torch.Tensor) or mutates(node):
+            continue  # (a write under no_grad returns the tensor it wrote into, which keeps its gradient)
         with graph.inserting_after(node):
             detached = _emit(graph, aten.detach.default, node)
         detached.meta["stack_trace"] = node.meta.get("stack_trace")  # the user's line inside the region

@@ -69,7 +69,8 @@ from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals
                                     gaussian_kl, independent, nearest_sources, proportion, run_time_temperature,
                                     shape_of, short, strip_noops)
 from hecate.passes.matching import (NotFused, bound_reason, depends_on_sizes_only, first_threshold, nodes_between,
-                                    replace_with_function, shifted_size, size_hint, tensors_read)
+                                    replace_with_function, shifted_size, size_hint, tensors_read,
+                                    written_in_place)
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -301,6 +302,10 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if dim % rank != rank - 1:
         raise NotFused(f"softmax over dim {dim} of the {_dims(rank)} pairwise score does not normalise over "
                        "the keys (dim -1)")
+    writer = written_in_place(softmax)
+    if writer is not None:
+        raise NotFused(f"β is written in place after the softmax ({writer.name}): the fused op's sums are those "
+                       "of the softmax as computed")
     for node in nodes:  # t · kl.masked_fill(m, ±inf), t a 0-d tensor: t's sign decides 0 or NaN weights
         fill = node.args[2] if node.target is aten.masked_fill.Scalar else None
         if isinstance(fill, float) and math.isinf(fill) and any(

@@ -308,7 +308,10 @@ def tensors_read(roots: Sequence[fx.Node], stop: Sequence[fx.Node] = ()) -> list
 
 def written_in_place(node: fx.Node) -> fx.Node | None:
     """The first op that writes into ``node``'s values after it is made (in place, or by item assignment, into
-    it or into a view of it), or None: a value evaluated from what computes it would miss the write."""
+    it, into what it is a view of, or into a view of either), or None: a value evaluated from what computes it
+    would miss the write."""
+    while node.args and isinstance(node.args[0], fx.Node) and _aliases(node):
+        node = node.args[0]  # a view sees what is written into its base
     stack, seen = [node], set()
     while stack:
         n = stack.pop()
@@ -324,10 +327,13 @@ def written_in_place(node: fx.Node) -> fx.Node | None:
 
 
 def _writes(node: fx.Node) -> bool:
+    """Whether ``node`` writes values into its first argument (``detach_`` and ``requires_grad_`` write none:
+    ``torch.tensor(c)`` is a constant with a ``detach_``)."""
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable
+        return node.target._schema.is_mutable and node.target is not torch.ops.aten.detach_.default
     if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
+        return node.target.endswith("_") and not node.target.endswith("__") \
+            and node.target not in ("detach_", "requires_grad_")
     return node.op == "call_function" and node.target in (operator.setitem, operator.iadd, operator.isub,
                                                            operator.imul, operator.itruediv)
 
@@ -444,6 +450,16 @@ def _differentiable_ancestors(nodes: Sequence[Any], stop: set[fx.Node]) -> set[f
     return seen
 
 
+def check_nothing_written_in_place(args: Sequence[Any], replaced: Sequence[fx.Node]) -> None:
+    """NotFused where a tensor the fused op reads, or one it replaces, is written in place: the op runs where the
+    replaced outputs were, after any write in between, and would see the tensor at another point than the code."""
+    for node in [n for a in args for n in _nodes_in(a)] + list(replaced):
+        writer = written_in_place(node)
+        if writer is not None:
+            raise NotFused(f"{node.name}, read or replaced by it, is written in place ({writer.name}): the fused "
+                           "op would see it at another point than the code does")
+
+
 def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
                     args: Sequence[Any], outputs: Sequence[int | None] | None = None) -> fx.Node:
     """Replace the matched subgraph by one call ``op(*args)``.
@@ -454,6 +470,7 @@ def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
     its shape. Returns the new call node.
     """
     check_gradients_flow(args, match.outputs)
+    check_nothing_written_in_place(args, match.nodes)
     graph = gm.graph
     with graph.inserting_before(_last(graph, match.nodes)):
         call = graph.call_function(op, tuple(args))
@@ -492,6 +509,7 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
         raise ValueError(f"replace_with_function: no outputs to replace among {[n.name for n in nodes]}; "
                          "pass a Match or outputs=[the replaced nodes read afterwards]")
     check_gradients_flow(args, old_outputs)
+    check_nothing_written_in_place(args, nodes)
     if _computed_from([n for a in args for n in _nodes_in(a)], set(old_outputs)):
         raise NotFused("the replacement would read values computed from what it replaces (a cycle); "
                        "the graph is left as it was")

@@ -1378,13 +1378,29 @@ def mask_edited_after_it_is_made(mu, var):  # a causal mask, one pair taken out 
     return (-kl_spec(mu, var)).masked_fill(~m, float("-inf")).softmax(-1) @ mu
 
 
+def means_written_between_the_score_and_the_read(mu, var):  # β from μ, then μ scaled in place, then β @ μ
+    mu = mu * 1.0
+    beta = (-kl_spec(mu, var)).softmax(-1)
+    mu.mul_(3.0)
+    return beta @ mu
+
+
+def beta_written_through_a_view(mu, var):  # one key's weight set to 0 after the softmax
+    beta = (-kl_spec(mu, var)).softmax(-1)
+    beta[:, :, 0] = 0.0
+    return beta @ mu
+
+
 @pytest.mark.parametrize("fn, extra, dynamic", [
+    (means_written_between_the_score_and_the_read, (), False),
+    (beta_written_through_a_view, (), False),
     (mask_edited_after_it_is_made, (), False),
     (entropy_of_the_masked_log_softmax, (), False),
     (zero_filled_beta_under_a_run_time_mask, (torch.tensor([True, False, True, True, True]),), False),
     (mask_offset_by_the_length, (), True)], ids=lambda x: getattr(x, "__name__", None))
 def test_masks_and_fills_that_are_not_what_they_are_at_one_point_stay_exact(fn, extra, dynamic, fresh_dynamo):
-    """Outside probes: a mask written after it is made (not the causal one it was); β times log β zeroed where
+    """Outside probes: means or β written in place between the softmax and the sums (the op ran where the sums
+    were, after the write); a mask written after it is made (not the causal one it was); β times log β zeroed where
     masked (its fill must stay where the fusion misses: 0 · −inf);
     a row left with no key by the masks and zero-filled by the size mask (0, not NaN); a mask built from sizes that
     is causal at one length only (checked at two under dynamic shapes). Compiled == eager, NaN where eager's."""

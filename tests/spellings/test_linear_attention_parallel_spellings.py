@@ -514,13 +514,20 @@ def decay_set_by_item_assignment(q, k, v):  # a per-head γ tensor built in forw
     return ((q @ k.mT) * decay) @ v
 
 
-@pytest.mark.parametrize("fn", [mask_written_after_it_is_made, decay_set_by_item_assignment], ids=lambda f: f.__name__)
+def queries_written_after_the_scores(q, k, v):  # the scores from q, then the input q zeroed in place, then A @ V
+    a = (q @ k.mT) * torch.tril(torch.ones(q.shape[1], q.shape[1]))
+    q.mul_(0.0)
+    return a @ v
+
+
+@pytest.mark.parametrize("fn", [mask_written_after_it_is_made, decay_set_by_item_assignment,
+                                queries_written_after_the_scores], ids=lambda f: f.__name__)
 def test_a_mask_written_in_place_is_not_read_as_made(fn, fresh_dynamo):
     """Evaluated from what computes it, a mask or decay written in place afterwards would miss the write (it
     was fused as the plain causal mask / γ = 0.9); it is reported, and compiled == eager."""
     torch.manual_seed(0)
     args = [torch.randn(B, T, D) for _ in range(3)]
-    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*args)
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*[a.clone() for a in args])
     assert_close("output", got, fn(*args), TOL)
     report = hecate.last_report()
     assert not report.fusions and "written in place" in report.misses[0].reason, str(report)

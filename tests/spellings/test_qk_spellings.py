@@ -302,6 +302,30 @@ def test_corpus_size():
     assert len(SPELLINGS) >= 32
 
 
+def test_hand_written_conv_keeps_the_dtype_of_its_zeros_and_reads_its_input_before_a_write():
+    """Summed from float64 zeros the sum is float64 (the conv was float32); the input zeroed in place after the
+    windows are taken is not padded again where the sum is (the conv read the zeros)."""
+    def from_float64_zeros(h, w):
+        p, out = F.pad(h, (0, 0, K - 1, 0)), torch.zeros_like(h, dtype=torch.float64)
+        for k in range(K):
+            out = out + w[:, k] * p[:, k:k + h.shape[1]]
+        return out
+
+    def input_zeroed_after_the_windows(x, w):
+        h = x * 2
+        p = F.pad(h, (0, 0, K - 1, 0))
+        h.zero_()
+        return sum(w[:, k] * p[:, k:k + x.shape[1]] for k in range(K)) + h
+
+    for fn in (from_float64_zeros, input_zeroed_after_the_windows):
+        torch._dynamo.reset()
+        x, w = torch.randn(B, T, D), torch.randn(D, K)
+        got, ref = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(x, w), fn(x, w)
+        assert got.dtype == ref.dtype
+        assert_close(fn.__name__, got, ref, TOL)
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------- what is not a causal conv, or is not read as one
 
 # name: (forward, the reason reported)
