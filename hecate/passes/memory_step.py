@@ -664,7 +664,11 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
             out = out / env[d].reshape(-1)
         return out
 
-    gx = G(grid)
+    try:
+        gx = G(grid)
+    except (RuntimeError, TypeError):  # it reads a value not computed from e (e read before it is written in place)
+        raise NotFused("the update's error factor g(e) reads values not computed from e: the op generates g from "
+                       "e alone") from None
     if not _close(G(grid.flip(0)), gx.flip(0)):
         raise NotFused("the update's error factor g(e) is not elementwise in e")
     # a g with a bound in it (2·clamp(e, −12, 12)) is generated as written: on a grid it may pass for 2e

@@ -1220,7 +1220,22 @@ def l2_key_floored_by_relu_in_the_error(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_error_read_before_its_in_place_write(k, v, q, alpha, eta):
+    """A copy of the read taken before the error is formed in place on it: g reads more than e."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1)
+        c = e.clone()
+        e.sub_(v[:, t])
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * (e - 0.1 * c).unsqueeze(-1) \
+            * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 REPORTED = {
+    "l2_error_read_before_its_in_place_write": (l2_error_read_before_its_in_place_write,
+                                                ["g(e) reads values not computed from e"]),
     "l2_key_floored_by_relu_in_the_error": (l2_key_floored_by_relu_in_the_error,
                                             ["applies relu", "a bound or branch on data"]),
     "l2_key_clamped_in_the_error_only": (l2_key_clamped_in_the_error_only,
