@@ -403,10 +403,19 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
         raise NotFused("the op hecate.linear_attention is not registered (import hecate.lowering)")
     decay = _decays(form)
     if any(isinstance(s, torch.SymInt) for n in (form.q, form.k, form.v) for s in n.meta["val"].shape):
-        try:
-            other = _decays(form, shifted_size)
-        except NotFused:
-            other = None
+        # every size shifted; where that breaks the graph's own shapes (a dynamic head count against a buffer
+        # of one γ per head), the length alone
+        length = form.a.meta["val"].shape[-1]
+        time = length.node.expr.free_symbols if isinstance(length, torch.SymInt) else set()
+        other = None
+        for size in (shifted_size, lambda s: shifted_size(s, only=time)):
+            try:
+                other = _decays(form, size)
+            except NotFused:
+                break
+            except RuntimeError:
+                continue
+            break
         _same_at_other_sizes(decay, other)
     generator = torch.Generator().manual_seed(0)
     values = {n: _draw(n, generator) for n in (form.q, form.k, form.v)}

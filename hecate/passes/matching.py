@@ -277,16 +277,18 @@ def size_hint(size: Any) -> int:
     return optimization_hint(size)
 
 
-def shifted_size(size: Any) -> int:
-    """A size at other lengths: each symbol it is computed from 3 more than its hint (a value read from sizes
-    under dynamic shapes, checked at a second point: ``j <= i + (n − 6)`` is causal at n = 6 alone)."""
+def shifted_size(size: Any, only: Any = None) -> int:
+    """A size at other lengths: each symbol it is computed from (of ``only``, when given) 3 more than its hint (a
+    value read from sizes under dynamic shapes, checked at a second point: ``j <= i + (n − 6)`` is causal at
+    n = 6 alone)."""
     if not isinstance(size, torch.SymInt):
         return int(size)
     expr, env = size.node.expr, size.node.shape_env
     hints = getattr(env, "backed_var_to_val", None) or env.var_to_val  # (renamed in torch 2.13)
     if any(symbol not in hints for symbol in expr.free_symbols):
         return size_hint(size)
-    return int(expr.xreplace({symbol: hints[symbol] + 3 for symbol in expr.free_symbols}))
+    return int(expr.xreplace({symbol: hints[symbol] + (3 if only is None or symbol in only else 0)
+                              for symbol in expr.free_symbols}))
 
 
 def tensors_read(roots: Sequence[fx.Node], stop: Sequence[fx.Node] = ()) -> list[fx.Node]:

@@ -531,3 +531,28 @@ def test_a_mask_written_in_place_is_not_read_as_made(fn, fresh_dynamo):
     assert_close("output", got, fn(*args), TOL)
     report = hecate.last_report()
     assert not report.fusions and "written in place" in report.misses[0].reason, str(report)
+
+
+class RetentionOverHeadInputs(nn.Module):
+    """[B, H, T, D] inputs (every dim dynamic under dynamic=True) against a log γ buffer of the H heads."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.register_buffer("log_gamma", torch.log(1 - 2.0 ** (-5 - torch.arange(heads, dtype=torch.float))))
+
+    def forward(self, q, k, v):
+        i = torch.arange(q.shape[2])
+        diff = i[:, None] - i[None, :]
+        mask = torch.exp(diff[None] * self.log_gamma[:, None, None]).masked_fill(diff[None] < 0, 0.0)
+        return (q @ k.transpose(-1, -2) * 0.5 * mask) @ v
+
+
+def test_decay_buffer_per_head_against_dynamic_head_inputs_fuses(fresh_dynamo):
+    """Read at a second size, the head count of the inputs moved against the buffer's (a shape error): the
+    length alone is moved then, and the decay, the same at both lengths, fuses."""
+    model = RetentionOverHeadInputs()
+    compiled = torch.compile(model, backend="hecate", dynamic=True, options={"strict": True})
+    for length in (6, 5):
+        args = [torch.randn(2, 2, length, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        assert_close(f"output at T = {length}", compiled(*args), model(*args), TOL)
+        assert hecate.last_report().count("linear_attention") == 1, str(hecate.last_report())
