@@ -75,7 +75,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from hecate.passes.matching import zero_pad_amounts, zero_padded_dims
+from hecate.passes.matching import aliases, mutates, zero_pad_amounts, zero_padded_dims
 
 aten = torch.ops.aten
 
@@ -697,14 +697,9 @@ def _views_after_the_writes(members: list[fx.Node], order: dict[fx.Node, int]) -
 
 
 def _view_of(node: fx.Node, members: list[fx.Node]) -> bool:
-    """Whether ``node`` is a view of one of ``members``: an ATen op whose schema says its result aliases its
-    input, or a call of Dynamo's graph that writes nothing yet shares the input's storage (``squeeze``,
-    ``x[:, t]``, ``.mT``)."""
-    if node.op not in ("call_function", "call_method") or not node.args or node.args[0] not in members \
-            or mutates(node):
-        return False
-    schema = getattr(node.target, "_schema", None)
-    return schema is None or len(schema.returns) == 1 and schema.returns[0].alias_info is not None
+    """Whether ``node`` is a view of one of ``members`` that writes nothing (:func:`aliases`)."""
+    return node.op in ("call_function", "call_method") and bool(node.args) and node.args[0] in members \
+        and not mutates(node) and aliases(node)
 
 
 def _refake(node: fx.Node) -> None:
@@ -1439,17 +1434,6 @@ def _key(value: Any, merges: dict[fx.Node, fx.Node]) -> Any:
                           torch.memory_format)):
         return (type(value).__name__, value)
     raise TypeError  # an argument this CSE does not compare: keep the node
-
-
-def mutates(node: fx.Node) -> bool:
-    """Whether ``node`` may write into a tensor (in place, through ``out=`` or by item assignment)."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    if isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or node.target in _INPLACE_OPERATORS \
-        or node.target is operator.setitem or node.kwargs.get("inplace") is True or "out" in node.kwargs
 
 
 def _pure(node: fx.Node) -> bool:

@@ -649,16 +649,12 @@ def _unfill_weighted_by_beta(beta: fx.Node, alloweds, lengths) -> list:
         if product.target is not aten.mul.Tensor or beta not in product.args[:2]:
             continue
         other = product.args[1] if product.args[0] is beta else product.args[0]
-        if not isinstance(other, fx.Node):
+        fill = _zero_fill(other)
+        if fill is None or shape_of(fill[0]) != shape_of(other) or len(other.users) != 1:
             continue
-        if other.target is aten.masked_fill.Scalar and other.args[2] == 0:
-            x, cond, filled_where = other.args[0], other.args[1], True
-        elif other.target is aten.where.ScalarOther and other.args[2] == 0:
-            x, cond, filled_where = other.args[1], other.args[0], False
-        else:
-            continue
-        if shape_of(x) != shape_of(other) or len(other.users) != 1 \
-                or not all(_fills_masked_pairs_only(cond, filled_where, a, size) for a, size in zip(alloweds, lengths)):
+        x, cond, filled_where = fill
+        filled = [_filled_pairs(cond, filled_where, a.shape, size) for a, size in zip(alloweds, lengths)]
+        if any(f is None or bool((f & a).any()) for f, a in zip(filled, alloweds)):
             continue
         product.replace_input_with(other, x)
         unfilled.append((product, x, other.target, other.args, other.kwargs, dict(other.meta)))
@@ -666,19 +662,26 @@ def _unfill_weighted_by_beta(beta: fx.Node, alloweds, lengths) -> list:
     return unfilled
 
 
-def _fills_masked_pairs_only(cond: fx.Node, filled_where: bool, allowed: torch.Tensor, size) -> bool:
-    """Whether a fill where ``cond`` is (or is not, ``filled_where`` False) True reaches only pairs ``allowed``
-    masks, ``cond`` evaluated with sizes read by ``size``."""
+def _zero_fill(node: Any) -> tuple[fx.Node, fx.Node, bool] | None:
+    """(x, cond, whether the fill is where cond is True) of ``x.masked_fill(cond, 0)`` or ``where(cond, x, 0)``."""
+    if isinstance(node, fx.Node) and node.target is aten.masked_fill.Scalar and node.args[2] == 0:
+        return node.args[0], node.args[1], True
+    if isinstance(node, fx.Node) and node.target is aten.where.ScalarOther and node.args[2] == 0:
+        return node.args[1], node.args[0], False
+    return None
+
+
+def _filled_pairs(cond: fx.Node, filled_where: bool, shape, size) -> torch.Tensor | None:
+    """The [N, N] pairs (``shape``) a zero-fill reaches, ``cond`` evaluated with sizes read by ``size``; None where
+    it cannot be evaluated or differs between sequences or heads (no mask of the op's)."""
     try:
         value = evaluate(cond, {}, size_hint=size)
     except NotFused:
-        return False
+        return None
     if not isinstance(value, torch.Tensor) or any(d != 1 for d in value.shape[:-2]):
-        return False
-    value = value.reshape(value.shape[-2:]).expand(allowed.shape).bool() if value.dim() >= 2 else \
-        value.bool().expand(allowed.shape)
-    filled = value if filled_where else ~value
-    return not bool((filled & allowed).any())
+        return None
+    value = (value.reshape(value.shape[-2:]) if value.dim() >= 2 else value).bool().expand(shape)
+    return value if filled_where else ~value
 
 
 def _refill(unfilled: list) -> None:
@@ -693,20 +696,11 @@ def _refill(unfilled: list) -> None:
 def _zero_fill_of_masked(user: fx.Node, softmax: fx.Node, allowed: torch.Tensor, size=size_hint) -> bool:
     """Whether ``user`` is β with 0 at the masked keys (``masked_fill(~mask, 0)``, ``where(mask, β, 0)``), the
     fill's mask evaluated with sizes read by ``size``."""
-    if user.target == aten.masked_fill.Scalar and user.args[0] is softmax and user.args[2] == 0:
-        cond, masked = user.args[1], True
-    elif user.target == aten.where.ScalarOther and user.args[1] is softmax and user.args[2] == 0:
-        cond, masked = user.args[0], False
-    else:
+    fill = _zero_fill(user)
+    if fill is None or fill[0] is not softmax:
         return False
-    try:
-        value = evaluate(cond, {}, size_hint=size)
-    except NotFused:
-        return False
-    if not isinstance(value, torch.Tensor) or any(d != 1 for d in value.shape[:-2]):
-        return False  # a fill that differs between sequences or heads is not the op's mask
-    value = value.reshape(value.shape[-2:]).expand(allowed.shape).bool()
-    return torch.equal(~value if masked else value, allowed)
+    filled = _filled_pairs(fill[1], fill[2], allowed.shape, size)
+    return filled is not None and torch.equal(~filled, allowed)
 
 
 # ---------------------------------------------------------------------------------------------

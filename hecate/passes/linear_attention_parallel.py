@@ -360,13 +360,15 @@ def _same_at_other_sizes(decay: _Decay, other: _Decay | None) -> None:
     """NotFused unless the scale and decay found at the example's sizes are those at others (``other``, None where
     the mask is none of the op's there; dynamic shapes): a scale 1/√D or a decay 1 − 1/T read from sizes is
     another number at every size, and the op takes numbers."""
-    same = other is not None and math.isclose(decay.scale, other.scale, rel_tol=1e-9) and decay.tensor is other.tensor \
-        and decay.form == other.form and (decay.gammas is None) == (other.gammas is None) \
+    same = other is not None and math.isclose(decay.scale, other.scale, rel_tol=1e-9) \
+        and decay.tensor is other.tensor and decay.form == other.form \
+        and (decay.gammas is None) == (other.gammas is None) \
         and (decay.gammas is None or len(decay.gammas) == len(other.gammas)
              and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(decay.gammas, other.gammas)))
     if not same:
         raise NotFused("its mask, score scale or decay is computed from sizes (1/√D, γ = 1 − 1/T, "
-                       "j ≤ i + (T − 6), say) and is another at other sizes, which torch.compile's dynamic shapes run this graph at; "
+                       "j ≤ i + (T − 6), say) and is another at other sizes, which torch.compile's dynamic "
+                       "shapes run this graph at; "
                        "the op takes one causal mask and numbers")
 
 

@@ -312,7 +312,7 @@ def written_in_place(node: fx.Node) -> fx.Node | None:
     """The first op that writes into ``node``'s values after it is made (in place, or by item assignment, into
     it, into what it is a view of, or into a view of either), or None: a value evaluated from what computes it
     would miss the write."""
-    while node.args and isinstance(node.args[0], fx.Node) and _aliases(node):
+    while node.args and isinstance(node.args[0], fx.Node) and aliases(node):
         node = node.args[0]  # a view sees what is written into its base
     stack, seen = [node], set()
     while stack:
@@ -321,31 +321,40 @@ def written_in_place(node: fx.Node) -> fx.Node | None:
             continue
         seen.add(n)
         for user in n.users:
-            if user.args and user.args[0] is n and _writes(user):
+            if user.args and user.args[0] is n and mutates(user) and user.target not in _WRITE_NO_VALUES:
                 return user
-            if user.args and user.args[0] is n and _aliases(user):
+            if user.args and user.args[0] is n and aliases(user):
                 stack.append(user)
     return None
 
 
-def _writes(node: fx.Node) -> bool:
-    """Whether ``node`` writes values into its first argument (``detach_`` and ``requires_grad_`` write none:
-    ``torch.tensor(c)`` is a constant with a ``detach_``)."""
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable and node.target is not torch.ops.aten.detach_.default
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__") \
-            and node.target not in ("detach_", "requires_grad_")
-    return node.op == "call_function" and node.target in (operator.setitem, operator.iadd, operator.isub,
-                                                           operator.imul, operator.itruediv)
+# in-place ops that write no values: ``torch.tensor(c)`` is a constant with a ``detach_``
+_WRITE_NO_VALUES = {"detach_", "requires_grad_", aten.detach_.default}
 
 
-def _aliases(node: fx.Node) -> bool:
-    """Whether ``node`` is a view of its first argument (so a write into it writes there)."""
+def mutates(node: fx.Node) -> bool:
+    """Whether ``node`` may write into a tensor (in place, through ``out=`` or by item assignment)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) \
+        or node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem) \
+        or node.kwargs.get("inplace") is True or "out" in node.kwargs
+
+
+def aliases(node: fx.Node) -> bool:
+    """Whether ``node`` is a view of its first argument (so a write into it writes there): an ATen op whose
+    schema says its result aliases its input, or a call of Dynamo's graph whose result shares the input's
+    storage (``squeeze``, ``x[:, t]``, ``.mT``)."""
     schema = getattr(node.target, "_schema", None)
     if schema is not None:
         return len(schema.returns) == 1 and schema.returns[0].alias_info is not None and not schema.is_mutable
-    value, base = node.meta.get("val"), node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    def fake(n):  # ``val`` in ATen graphs, ``example_value`` in Dynamo's
+        return n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
+
+    value, base = fake(node), fake(node.args[0])
     try:
         return isinstance(value, torch.Tensor) and isinstance(base, torch.Tensor) \
             and value.untyped_storage()._cdata == base.untyped_storage()._cdata

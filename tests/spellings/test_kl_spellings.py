@@ -295,7 +295,8 @@ def a_softmax_in_its_own_dtype(mu, logvar):  # dtype= given to log_softmax and s
 
 
 ATTENTION = [
-    (a_constants_of_the_softmax_dropped, _var), (a_softmax_in_its_own_dtype, _logvar), (a_energy_of_the_zeroed_kl, _var),
+    (a_constants_of_the_softmax_dropped, _var), (a_softmax_in_its_own_dtype, _logvar),
+    (a_energy_of_the_zeroed_kl, _var),
     (a_logsumexp_beta, _var), (a_where_full_like_no_self, _var), (a_kl_masked_with_inf, _var),
     (a_keys_first_layout, _var), (a_log_determinants, _var), (a_log_determinants_of_log_variances, _logvar),
     (a_squared_distance, _var),
@@ -575,10 +576,10 @@ def d_sizes_baked_into_views(mu, var, prior_mu, prior_var, targets):  # per quer
     return F.cross_entropy(-kl.view(10, -1), targets.view(10))
 
 
-DECODE = [d_spec_ce, d_sizes_baked_into_views, d_logvar_priors_ce_sum, d_distributions_ignore_index, d_logits_returned, d_std_textbook,
-          d_log_softmax_nll, d_softplus_helper_flatten, d_gather_nll, d_logsumexp_minus_target, d_label_smoothing,
-          d_probabilities, d_class_dim_one, d_class_dim_one_permuted, d_difference_as_a_sum,
-          d_divided_by_twice_the_variance, d_difference_of_log_stds, d_log_determinants_apart]
+DECODE = [d_spec_ce, d_sizes_baked_into_views, d_logvar_priors_ce_sum, d_distributions_ignore_index,
+          d_logits_returned, d_std_textbook, d_log_softmax_nll, d_softplus_helper_flatten, d_gather_nll,
+          d_logsumexp_minus_target, d_label_smoothing, d_probabilities, d_class_dim_one, d_class_dim_one_permuted,
+          d_difference_as_a_sum, d_divided_by_twice_the_variance, d_difference_of_log_stds, d_log_determinants_apart]
 _PRIOR_DRAW = {d_logvar_priors_ce_sum: _logvar, d_logits_returned: _var}
 
 

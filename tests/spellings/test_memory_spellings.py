@@ -116,7 +116,7 @@ def l2_in_place_on_step_temporaries(k, v, q, alpha, eta):
 
 
 def mlstm_input_gate_on_the_key(k, v, q, alpha, eta):
-    """mLSTM's C ← f·C + v (i·k)ᵀ, n ← f·n + i·k, y = C q / (n·q + eps): the input gate scales the key both sum."""
+    """mLSTM's C ← f·C + v (i·k)ᵀ, n ← f·n + i·k, y = C q / (n·q + eps): the gate scales the key both sums read."""
     k, q = F.elu(k) + 1, F.elu(q) + 1
     M, z, ys = _m0(k, v), k.new_zeros(k.shape[0], k.shape[2], k.shape[-1]), []
     for t in range(k.shape[1]):
