@@ -4,12 +4,13 @@
 #     STAGES=tests,qk,memory,fep OUT=/tmp/gpu benchmarks/gpu_check.sh
 #
 # Runs from the repository root with the machine's own python3 (its torch and triton; nothing is installed).
-# Each stage has its own time limit (seconds, env TESTS_S, QK_S, MEMORY_S, FEP_S, PROFILE_S), so one slow stage cannot
-# eat the others. Logs, the tests' JUnit XML and the benchmark JSON/PNG files end up in $OUT (a tarball of
-# benchmarks/results/*-cuda.* as gpu_results.tar.gz).
+# Each stage has its own time limit (seconds, env TESTS_S, QK_S, MEMORY_S, FEP_S, PROFILE_S, TILES_S), so one slow
+# stage cannot eat the others. Logs, the tests' JUnit XML and the benchmark JSON/PNG files end up in $OUT (a tarball
+# of benchmarks/results/*-cuda.* as gpu_results.tar.gz, remade after every stage: a call stopped at its limit keeps
+# what the finished stages wrote).
 set -u
 OUT=${OUT:-gpu_out}
-STAGES=${STAGES:-tests,qk,memory,fep}  # and profile (a kernel table of the FEP training step)
+STAGES=${STAGES:-tests,qk,memory,fep}  # and profile (a kernel table of the FEP training step), tiles (KL launches)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export MPLBACKEND=Agg
@@ -25,6 +26,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run unless NAME is not in $STAGES; r
     timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee -a "$log" | tail -n 40
     local rc=${PIPESTATUS[0]}
     echo "=== $name: rc=$rc in $((SECONDS - start))s" | tee -a "$log"
+    tar czf "$OUT/gpu_results.tar.gz" benchmarks/results/*-cuda.* 2>/dev/null || echo "no benchmark results written"
 }
 
 {
@@ -41,13 +43,12 @@ TESTS=${TESTS:-tests/test_cuda.py tests/lowering/memory_scan/test_memory_scan_ke
 # 8 workers share 16 cores: the float64 references on the CPU would otherwise each take all of them
 stage tests "${TESTS_S:-240}" env OMP_NUM_THREADS=2 python3 -m pytest -m cuda -v -n 8 -p no:cacheprovider --timeout=150 --durations=30 -rfE --tb=short \
     --junitxml="$OUT/cuda_tests.xml" $TESTS
-stage qk "${QK_S:-120}" python3 benchmarks/qk_preprocess.py --device cuda --no-progress
-stage memory "${MEMORY_S:-150}" python3 benchmarks/memory_scan.py --device cuda --dims 64 --lengths "${MEMORY_LENGTHS:-256,1024,4096}" \
-    --unrolled-lengths 16
-stage fep "${FEP_S:-120}" python3 benchmarks/fep.py --device cuda --sizes 1024x16,1024x64,4096x64 \
+stage fep "${FEP_S:-120}" python3 benchmarks/fep.py --device cuda --sizes "${FEP_SIZES:-1024x16,1024x64,4096x64}" \
     --compiled-train-sizes 1024x16 --no-progress
 
 stage profile "${PROFILE_S:-90}" python3 benchmarks/profile_fep.py --device cuda --n 1024 --k 16 \
     --out "$OUT/profile_fep_hecate.txt"
-
-tar czf "$OUT/gpu_results.tar.gz" benchmarks/results/*-cuda.* 2>/dev/null || echo "no benchmark results written"
+stage tiles "${TILES_S:-90}" python3 benchmarks/kl_attention_tiles.py --n 1024 --ks 16,64
+stage qk "${QK_S:-120}" python3 benchmarks/qk_preprocess.py --device cuda --no-progress
+stage memory "${MEMORY_S:-150}" python3 benchmarks/memory_scan.py --device cuda --dims 64 --lengths "${MEMORY_LENGTHS:-256,1024,4096}" \
+    --unrolled-lengths 16

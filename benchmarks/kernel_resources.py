@@ -42,8 +42,7 @@ def measure(k: int) -> list[dict]:
     dv, dw = 3 * k + 1, 2 * (3 * k + 1)
     widths = dict(BLOCK_D=op._block(k), BLOCK_V=op._block(dv), BLOCK_W=op._block(dw))
     masks = dict(CAUSAL=True, MASK_DIAGONAL=False)
-    bm, bn = op._tiles(k, dv, dw)
-    forward = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    forward = {"num_warps": 4} | op.forward_launch(k, dv, dw)
     backward = {"num_warps": 4} | op.backward_launch()
     launches = [("forward", forward, ("_fwd_rows", "_fwd_cols")),
                 ("backward", backward, ("_bwd_col_values", "_bwd_rows", "_bwd_cols")),

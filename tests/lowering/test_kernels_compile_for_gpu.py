@@ -81,7 +81,7 @@ for i, (name, flags, blocks, x_dtype) in enumerate(QK_SETTINGS):
 
 # --- kl_attention (op.py): μ, v, log v and everything the backward allocates are fp32; row values
 # and the forward's outputs have mu's dtype (bf16 here). BLOCK_* = max(16, 2^⌈log2 width⌉); forward tiles
-# (_tiles) 32×32 when K <= 16, 16×16 from K = 17 or a value width of 256 (the score tile is [BM, BN, BLOCK_D]);
+# (forward_launch) 32×32 when K <= 16, 16×16 from K = 17 or a value width of 256 (the score tile is [BM, BN, BLOCK_D]);
 # backward tiles those of backward_launch().
 # FEP widths for K: DV = 3K+1, column pass 2(3K+1).
 KL_SCALARS = dict(N="i32", K="i32", DV="i32", DW="i32", neg_inv_kappa="fp32")

@@ -205,18 +205,15 @@ def _block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _tiles(k: int, dv: int, dw: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): smaller tiles when the widths are wide (registers, shared memory).
-
-    The score tile is [BLOCK_M, BLOCK_N, K] (the KL per pair over K). Untuned: no GPU was
-    available when this was written; the widths the FEP model produces are K (scores),
-    3K+1 (row values) and 2(3K+1) (column values and their energy-weighted copy).
+def forward_launch(k: int, dv: int, dw: int) -> dict:
+    """Tiles (and warps) of the forward kernels: smaller tiles when the widths are wide (registers, shared
+    memory). The score tile is [BLOCK_M, BLOCK_N, K] (the KL per pair over K); the widths the FEP model
+    produces are K (scores), 3K+1 (row values) and 2(3K+1) (column values and their energy-weighted copy).
+    ``benchmarks/kl_attention_tiles.py`` times the alternatives on a GPU.
     """
-    if interpreting():
-        return 16, 16
-    if _block(k) >= 32 or max(_block(dv), _block(dw)) >= 256:
-        return 16, 16
-    return 32, 32
+    if interpreting() or _block(k) >= 32 or max(_block(dv), _block(dw)) >= 256:
+        return dict(BLOCK_M=16, BLOCK_N=16)
+    return dict(BLOCK_M=32, BLOCK_N=32)
 
 
 def backward_launch() -> dict:
@@ -248,21 +245,19 @@ def _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagona
     row_kl = torch.empty_like(row)
     energy = mu.new_empty(bsz, n)
     lse = mu.new_empty(bsz, n)
-    bm, bn = _tiles(k, dv, 2 * dw)
-    blocks = dict(BLOCK_D=_block(k))
+    launch = forward_launch(k, dv, 2 * dw)
+    bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
+    config = dict(CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, BLOCK_D=_block(k), **launch)
     kernels._fwd_rows[(triton.cdiv(n, bm), bsz)](
         *beliefs, rv if dv else beliefs[0], row, row_kl, energy, lse, n, k, dv, _neg_inv(kappa),
-        CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, HAS_V=dv > 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_V=_block(dv), **blocks)
+        HAS_V=dv > 0, BLOCK_V=_block(dv), **config)
     # the column pass runs over [W, energy ⊙ W]: col_energy_sum is col_sum of the second half
     cv = _energy_scaled(col_values, energy)
     col = mu.new_empty(bsz, n, 2 * dw)
     col_kl = torch.empty_like(col)
     if dw:
         kernels._fwd_cols[(triton.cdiv(n, bn), bsz)](
-            *beliefs, lse, cv, col, col_kl, n, k, 2 * dw, _neg_inv(kappa),
-            CAUSAL=causal, MASK_DIAGONAL=mask_diagonal,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=_block(2 * dw), **blocks)
+            *beliefs, lse, cv, col, col_kl, n, k, 2 * dw, _neg_inv(kappa), BLOCK_W=_block(2 * dw), **config)
     return row, row_kl, energy, col[..., :dw].clone(), col_kl[..., :dw].clone(), col[..., dw:].clone(), lse
 
 
