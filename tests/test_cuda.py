@@ -79,8 +79,12 @@ def _compare(names, got, ref, grad_names, got_inputs, ref_inputs, tol):
 # ops against their references
 
 
-@pytest.mark.parametrize("b,n,k,dv,dw", [(2, 19, 5, 3, 4), (2, 300, 64, 64, 0), (1, 257, 16, 0, 32)])
+# the last: the FEP model's widths at K = 64 (values 3K+1), whose backward needs fewer pipelining stages than
+# Triton's default to fit an H100's shared memory; the op must run its kernels there, not the matmul form
+@pytest.mark.parametrize("b,n,k,dv,dw", [(2, 19, 5, 3, 4), (2, 300, 64, 64, 0), (1, 257, 16, 0, 32),
+                                         (1, 150, 64, 193, 193)])
 @pytest.mark.parametrize("causal,mask_diagonal", [(False, False), (True, False), (True, True)])
+@pytest.mark.filterwarnings("error:hecate.kl_attention:RuntimeWarning")
 def test_kl_attention(b, n, k, dv, dw, causal, mask_diagonal, poison_allocations):
     # spread so that KL/κ is O(1) at every K: β is neither one-hot nor uniform
     mu, var = torch.randn(b, n, k) * k ** -0.5, 0.5 + torch.rand(b, n, k)

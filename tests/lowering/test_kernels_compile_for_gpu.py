@@ -199,10 +199,15 @@ print(used)
 """
 
 
+# Spilled bytes per thread the backward may keep at its launch. At 32×32 tiles the kernels spilled 8–10 KB and
+# took 7 ms per call on an H200 (N = 1024, K = 16). At 16×16 the column kernel keeps 48 B with 4 warps and none
+# with 8, yet 4 warps ran faster on an H100 (2.1 against 2.9 ms, benchmarks/kl_attention_tiles.py).
+SMALL_SPILL_BYTES = 256
+
+
 def test_kl_attention_backward_launch_does_not_spill():
-    """At 32×32 tiles the backward kernels spilled 8–10 KB of registers per thread and took 7 ms per call on an
-    H200 (N = 1024, K = 16); at the launch they have now, the row kernel and the (transposed) column kernel
-    stay in registers."""
+    """The backward kernels at their launch spill no more than a few registers (not the KBs of the 32×32
+    launch)."""
     import ast
     import os
     import subprocess
@@ -220,4 +225,4 @@ def test_kl_attention_backward_launch_does_not_spill():
     used = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     for name, resources in used.items():
         assert resources["registers"] > 0, name
-        assert resources["stack_bytes"] == 0, f"{name} spills at its launch: {resources}"
+        assert resources["stack_bytes"] <= SMALL_SPILL_BYTES, f"{name} spills at its launch: {resources}"

@@ -102,6 +102,58 @@ def test_without_row_or_column_values(path, dv, dw):
     _check_against_reference(mu, var, rv, cv, 0.5, True, False, path, 2e-5)
 
 
+@pytest.mark.parametrize("bm,bn", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("causal,mask_diagonal", MASKS)
+def test_kernels_with_unequal_tiles(monkeypatch, bm, bn, causal, mask_diagonal):
+    """Row and key tiles of different sizes (the forward launches 32×16 on a GPU; the interpreter runs 16×16
+    otherwise): the causal bounds of the row and column loops hold for either."""
+    from hecate.lowering.kl_attention import op
+
+    launch = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    monkeypatch.setattr(op, "forward_launch", lambda *_: launch)
+    monkeypatch.setattr(op, "backward_launch", lambda: launch)
+    mu, var, rv, cv = _inputs(2, 45, 5, 3, 4)  # row blocks and key blocks both end short
+    _check_against_reference(mu, var, rv, cv, 0.7, causal, mask_diagonal, "triton", 2e-5)
+
+
+class _SharedMemoryLimited:
+    """A kernel that launches only when pipelined at most ``fits`` stages deep (as on a GPU whose shared
+    memory holds fewer), recording the depths asked for."""
+
+    def __init__(self, kernel, fits):
+        from triton.runtime.errors import OutOfResources
+
+        self.kernel, self.fn, self.fits, self.asked, self._error = kernel, kernel.fn, fits, [], OutOfResources
+
+    def __getitem__(self, grid):
+        def launch(*args, num_stages, **config):
+            self.asked.append(num_stages)
+            if num_stages > self.fits:
+                raise self._error(245760, 232448, "shared memory")
+            return self.kernel[grid](*args, num_stages=num_stages, **config)
+        return launch
+
+
+@pytest.mark.parametrize("fits", [2, 0], ids=["fewer stages", "never"])
+def test_kernel_that_does_not_fit_shared_memory(monkeypatch, fits):
+    """A kernel too big for the GPU's shared memory at Triton's default pipelining is launched with fewer
+    stages (once found, the depth is reused); one that fits at none runs the matmul form, with a warning.
+    Either way the op computes the reference."""
+    from hecate.lowering.kl_attention import kernels, op
+
+    monkeypatch.setattr(op, "_stages_that_fit", {})
+    limited = _SharedMemoryLimited(kernels._bwd_cols, fits)
+    monkeypatch.setattr(kernels, "_bwd_cols", limited)
+    mu, var, rv, cv = _inputs(2, 19, 5, 3, 4)
+    with (pytest.warns(RuntimeWarning, match="_bwd_cols") if not fits else contextlib.nullcontext()):
+        _check_against_reference(mu, var, rv, cv, 0.7, True, False, "triton", 2e-5)
+    assert limited.asked == [3, 2, 1] if not fits else limited.asked == [3, 2]
+    if fits:
+        with triton_on_cpu():
+            torch.autograd.grad(sum(o.sum() for o in OP(mu, var, rv, cv, 0.7, True, False)[:-1]), mu)
+        assert limited.asked == [3, 2, 2]
+
+
 def test_triton_writes_every_output(monkeypatch):
     """Every buffer the Triton path allocates starts as NaN: an unwritten element would stay NaN."""
     mu, var, rv, cv = _inputs(2, 21, 3, 2, 3)

@@ -210,9 +210,12 @@ def _bwd_col_values(mu_ptr, var_ptr, lv_ptr, lse_ptr, g_col_ptr, g_col_kl_ptr,
 @triton.jit
 def _pair_dot(i_x, j_y, KEYS_ON_ROWS: tl.constexpr):
     """Σ_d x_id y_jd on a tile: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with the keys on the rows."""
+    # one return: Triton requires every return of a function to have one type, taken branch or not
     if KEYS_ON_ROWS:
-        return tl.dot(j_y, tl.trans(i_x), input_precision="ieee")
-    return tl.dot(i_x, tl.trans(j_y), input_precision="ieee")
+        dot = tl.dot(j_y, tl.trans(i_x), input_precision="ieee")
+    else:
+        dot = tl.dot(i_x, tl.trans(j_y), input_precision="ieee")
+    return dot
 
 
 @triton.jit

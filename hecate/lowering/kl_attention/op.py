@@ -47,9 +47,11 @@ cotangent of the logits l = −KL/κ, ∂L/∂κ = Σ_ij ∂L/∂l_ij · KL_ij /
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from hecate.lowering.dispatch import dense, interpreting, use_triton
 from hecate.lowering.kl_attention import matmul_form
@@ -124,8 +126,11 @@ def kl_attention(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, 
     check_inputs(mu, var, row_values, col_values, kappa, temperature, allowed)
     causal, mask_diagonal, masked = resolve_mask(mu.shape[1], causal, mask_diagonal, allowed)
     if use_triton(mu) and mu.dtype != torch.float64 and masked is None:  # the kernels compute in fp32
-        return dense(_triton_forward(mu, var, row_values, col_values, _kappa_value(kappa, temperature), causal,
-                                     mask_diagonal))
+        try:
+            return dense(_triton_forward(mu, var, row_values, col_values, _kappa_value(kappa, temperature), causal,
+                                         mask_diagonal))
+        except KernelDoesNotFit as error:
+            _warn_matmul_form(error)
     return dense(matmul_form.forward(mu, var, row_values, col_values, effective_kappa(kappa, temperature), causal,
                                      mask_diagonal, masked=masked))
 
@@ -153,10 +158,14 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
     grads = (grad_row_sum, grad_row_kl_sum, grad_energy, grad_col_sum, grad_col_kl_sum, grad_col_energy_sum, grad_lse)
     with_kappa = temperature is not None
     causal, mask_diagonal, masked = resolve_mask(mu.shape[1], causal, mask_diagonal, allowed)
+    out = None
     if use_triton(mu) and mu.dtype != torch.float64 and masked is None:  # the kernels compute in fp32
-        out = _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
-                               _kappa_value(kappa, temperature), causal, mask_diagonal, with_kappa)
-    else:
+        try:
+            out = _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
+                                   _kappa_value(kappa, temperature), causal, mask_diagonal, with_kappa)
+        except KernelDoesNotFit as error:
+            _warn_matmul_form(error)
+    if out is None:
         out = matmul_form.backward(mu, var, row_values, col_values, grads, effective_kappa(kappa, temperature),
                                    causal, mask_diagonal, kappa_grad=with_kappa, masked=masked)
     *grad_inputs, grad_kappa = out
@@ -206,26 +215,56 @@ def _block(d: int) -> int:
 
 
 def forward_launch(k: int, dv: int, dw: int) -> dict:
-    """Tiles (and warps) of the forward kernels: smaller tiles when the widths are wide (registers, shared
-    memory). The score tile is [BLOCK_M, BLOCK_N, K] (the KL per pair over K); the widths the FEP model
-    produces are K (scores), 3K+1 (row values) and 2(3K+1) (column values and their energy-weighted copy).
-    ``benchmarks/kl_attention_tiles.py`` times the alternatives on a GPU.
+    """Tiles and warps of the forward kernels. The score tile is [BLOCK_M, BLOCK_N, K] (the KL per pair over
+    K); the widths the FEP model produces are K (scores), 3K+1 (row values) and 2(3K+1) (column values and
+    their energy-weighted copy). Timed on an H100 (``benchmarks/kl_attention_tiles.py``, N = 1024, causal,
+    K = 16): 32×16 and 4 warps 0.37 ms; 16×16 0.44; 32×32 0.79 (the launch before); 64×16 2.0. Wider
+    features keep 16×16.
     """
     if interpreting() or _block(k) >= 32 or max(_block(dv), _block(dw)) >= 256:
-        return dict(BLOCK_M=16, BLOCK_N=16)
-    return dict(BLOCK_M=32, BLOCK_N=32)
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4)
+    return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4)
 
 
 def backward_launch() -> dict:
     """Tiles and warps of the backward kernels, which hold more per tile than the forward ones (the value
-    products of dS run over 3K+1 and 2(3K+1) features, and IEEE fp32 dots replicate their operands across
-    threads). At 32×32 tiles and 4 warps, K = 16, the kernels compiled for sm_90 keep 8–10 KB per thread
-    on the stack (spilled registers; 7 ms per call on an H200 at N = 1024); at 16×16 and 8 warps, with
-    the column kernel's tiles transposed, neither spills (0.5 KB at K = 64; ``benchmarks/kernel_resources.py``).
+    products of dS run over 3K+1 and 2(3K+1) features). At 32×32 tiles, K = 16, the kernels compiled for
+    sm_90 keep 8–10 KB per thread on the stack (spilled registers; 7 ms per call on an H200 at N = 1024);
+    the column kernel works on transposed tiles so that neither spills at 16×16
+    (``benchmarks/kernel_resources.py``). Timed on an H100 (``benchmarks/kl_attention_tiles.py``, N = 1024,
+    K = 16): 16×16 with 4 warps 2.1 ms, with 8 warps 2.9, 32×32 with 8 warps 3.8.
     """
-    if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=16)
-    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=8)
+    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4)
+
+
+class KernelDoesNotFit(RuntimeError):
+    """A kernel's tiles need more shared memory than the GPU has, at every pipelining depth tried."""
+
+
+# (kernel, device, launch) -> the pipelining depth that fits: tried once per process
+_stages_that_fit: dict[tuple, int] = {}
+
+
+def _launch(kernel, grid, *args, **config):
+    """Launch ``kernel``, pipelined as deep as the GPU's shared memory allows: Triton's default of 3 stages
+    first, then 2, then 1. (The backward at the FEP model's widths for K = 64, value tiles of 256 and 512,
+    needs 240 KB at 3 stages; an H100 has 227 KB.) Raises :class:`KernelDoesNotFit` when none fits."""
+    key = (kernel.fn.__name__, args[0].device, tuple(sorted(config.items())))
+    depths = (_stages_that_fit[key],) if key in _stages_that_fit else (3, 2, 1)
+    for stages in depths:
+        try:
+            kernel[grid](*args, num_stages=stages, **config)
+        except OutOfResources as error:
+            last = error
+            continue
+        _stages_that_fit[key] = stages
+        return
+    raise KernelDoesNotFit(f"{kernel.fn.__name__} at {config}: {last}")
+
+
+def _warn_matmul_form(error: KernelDoesNotFit) -> None:
+    warnings.warn(f"hecate.kl_attention: {error}; this call runs the matmul form (ATen, [B, N, N] scores)",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _beliefs(mu, var):
@@ -248,16 +287,16 @@ def _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagona
     launch = forward_launch(k, dv, 2 * dw)
     bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
     config = dict(CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, BLOCK_D=_block(k), **launch)
-    kernels._fwd_rows[(triton.cdiv(n, bm), bsz)](
-        *beliefs, rv if dv else beliefs[0], row, row_kl, energy, lse, n, k, dv, _neg_inv(kappa),
-        HAS_V=dv > 0, BLOCK_V=_block(dv), **config)
+    _launch(kernels._fwd_rows, (triton.cdiv(n, bm), bsz),
+            *beliefs, rv if dv else beliefs[0], row, row_kl, energy, lse, n, k, dv, _neg_inv(kappa),
+            HAS_V=dv > 0, BLOCK_V=_block(dv), **config)
     # the column pass runs over [W, energy ⊙ W]: col_energy_sum is col_sum of the second half
     cv = _energy_scaled(col_values, energy)
     col = mu.new_empty(bsz, n, 2 * dw)
     col_kl = torch.empty_like(col)
     if dw:
-        kernels._fwd_cols[(triton.cdiv(n, bn), bsz)](
-            *beliefs, lse, cv, col, col_kl, n, k, 2 * dw, _neg_inv(kappa), BLOCK_W=_block(2 * dw), **config)
+        _launch(kernels._fwd_cols, (triton.cdiv(n, bn), bsz),
+                *beliefs, lse, cv, col, col_kl, n, k, 2 * dw, _neg_inv(kappa), BLOCK_W=_block(2 * dw), **config)
     return row, row_kl, energy, col[..., :dw].clone(), col_kl[..., :dw].clone(), col[..., dw:].clone(), lse
 
 
@@ -296,9 +335,9 @@ def _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energ
     grad_cols = torch.zeros(bsz, n, 2 * dw, device=mu.device)
     if dw:
         # [X, Y] = P [dO3, dO5] + (P∘S) [dO4, 0]
-        kernels._bwd_col_values[(triton.cdiv(n, bm), bsz)](
-            *beliefs, lse32, g_cols, g_cols_kl, grad_cols, n, k, 2 * dw, _neg_inv(kappa),
-            BLOCK_W=_block(2 * dw), **config)
+        _launch(kernels._bwd_col_values, (triton.cdiv(n, bm), bsz),
+                *beliefs, lse32, g_cols, g_cols_kl, grad_cols, n, k, 2 * dw, _neg_inv(kappa),
+                BLOCK_W=_block(2 * dw), **config)
         g_energy = g_energy + (col_values.float() * grad_cols[..., dw:]).sum(-1)
         rowdot = rowdot + (cv * grad_cols).sum(-1)
     rowdot = (rowdot + g_energy * energy32).contiguous()
@@ -310,11 +349,11 @@ def _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energ
                 g_lse)
     flags = dict(HAS_V=dv > 0, HAS_W=dw > 0, BLOCK_V=_block(dv), BLOCK_W=_block(2 * dw), **config)
     kappa_rows = mu.new_empty(bsz, n, dtype=torch.float32) if kappa_grad else a
-    kernels._bwd_rows[(triton.cdiv(n, bm), bsz)](
-        *operands, grad_mu_q, grad_var_q, kappa_rows, n, k, dv, 2 * dw, _neg_inv(kappa), KAPPA_GRAD=kappa_grad,
-        **flags)
-    kernels._bwd_cols[(triton.cdiv(n, bn), bsz)](
-        *operands, grad_mu_k, grad_var_k, grad_rv if dv else a, n, k, dv, 2 * dw, _neg_inv(kappa), **flags)
+    _launch(kernels._bwd_rows, (triton.cdiv(n, bm), bsz),
+            *operands, grad_mu_q, grad_var_q, kappa_rows, n, k, dv, 2 * dw, _neg_inv(kappa), KAPPA_GRAD=kappa_grad,
+            **flags)
+    _launch(kernels._bwd_cols, (triton.cdiv(n, bn), bsz),
+            *operands, grad_mu_k, grad_var_k, grad_rv if dv else a, n, k, dv, 2 * dw, _neg_inv(kappa), **flags)
     gq_mu, gq_var, gk_mu, gk_var = grad_mu_q, grad_var_q, grad_mu_k, grad_var_k
     grad_cv = grad_cols[..., :dw] + energy32.unsqueeze(-1) * grad_cols[..., dw:]
     grad_kappa = kappa_rows.sum() / (kappa * kappa) if kappa_grad else torch.zeros((), device=mu.device)
