@@ -80,9 +80,8 @@ for i, (name, flags, blocks, x_dtype) in enumerate(QK_SETTINGS):
         flags | _qk_writes(phi, i, flags["HAS_STATE"]) | blocks | {"PHI_DERIVATIVE": None})
 
 # --- kl_attention (op.py): μ, v, log v and everything the backward allocates are fp32; row values
-# and the forward's outputs have mu's dtype (bf16 here). BLOCK_* = max(16, 2^⌈log2 width⌉); forward tiles
-# (forward_launch) 32×32 when K <= 16, 16×16 from K = 17 or a value width of 256 (the score tile is [BM, BN, BLOCK_D]);
-# backward tiles those of backward_launch().
+# and the forward's outputs have mu's dtype (bf16 here). BLOCK_* = max(16, 2^⌈log2 width⌉); the tiles are those
+# of forward_launch() and backward_launch().
 # FEP widths for K: DV = 3K+1, column pass 2(3K+1).
 KL_SCALARS = dict(N="i32", K="i32", DV="i32", DW="i32", neg_inv_kappa="fp32")
 # the forward writes its outputs (lse included) in mu's dtype; the backward gets lse back as fp32
@@ -96,10 +95,11 @@ def _kl_types(kernel, bf16: set[str]) -> dict[str, str]:
 
 
 KA = kl_attention_kernels
-for masks, tiles, widths, tag in [
-        (dict(CAUSAL=True, MASK_DIAGONAL=True), (32, 32), dict(BLOCK_D=16, BLOCK_V=32, BLOCK_W=64), "causal_K8"),
-        (dict(CAUSAL=False, MASK_DIAGONAL=False), (32, 32), dict(BLOCK_D=16, BLOCK_V=64, BLOCK_W=128), "full_K16")]:
-    blocks = dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1], BLOCK_D=widths["BLOCK_D"])
+for masks, widths, tag in [
+        (dict(CAUSAL=True, MASK_DIAGONAL=True), dict(BLOCK_D=16, BLOCK_V=32, BLOCK_W=64), "causal_K8"),
+        (dict(CAUSAL=False, MASK_DIAGONAL=False), dict(BLOCK_D=16, BLOCK_V=64, BLOCK_W=128), "full_K16")]:
+    blocks = {k: v for k, v in kl_attention_op.forward_launch().items() if k.startswith("BLOCK")} | \
+        dict(BLOCK_D=widths["BLOCK_D"])
     has_values = tag.startswith("causal")  # the full case runs without row values (HAS_V = False, BLOCK_V = 16)
     CASES[f"kl_attention_fwd_rows-{tag}"] = (
         KA._fwd_rows, _kl_types(KA._fwd_rows, KL_FORWARD_BF16 if has_values else KL_FORWARD_BF16 - {"rv_ptr"}),

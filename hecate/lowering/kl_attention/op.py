@@ -36,7 +36,8 @@ for how its gradient terms map onto them), and neither [B, N, N, K] nor [B, N, N
 ever formed on the Triton path. A row with no allowed key (N = 1 with the diagonal
 masked; row 0 when causal and diagonal-masked) has β_i· = 0: its sums are 0, not NaN
 (the pass adds the NaN of a softmax over no key where the model's code has it).
-float64 inputs run the ATen path in float64 (the kernels compute in fp32).
+float64 inputs run the ATen path in float64 (the kernels compute in fp32). So does a call on a GPU
+whose shared memory holds a kernel's tiles at no pipelining depth, with a RuntimeWarning.
 
 Differentiable in mu, var, row_values, col_values and temperature for every output
 (the training step backprops through the unrolled Q-flow). The backward is its own op,
@@ -53,7 +54,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from hecate.lowering.dispatch import dense, interpreting, use_triton
+from hecate.lowering.dispatch import dense, use_triton
 from hecate.lowering.kl_attention import matmul_form
 
 OUTPUT_NAMES = ("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum", "lse")
@@ -214,25 +215,22 @@ def _block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def forward_launch(k: int, dv: int, dw: int) -> dict:
+def forward_launch() -> dict:
     """Tiles and warps of the forward kernels. The score tile is [BLOCK_M, BLOCK_N, K] (the KL per pair over
-    K); the widths the FEP model produces are K (scores), 3K+1 (row values) and 2(3K+1) (column values and
-    their energy-weighted copy). Timed on an H100 (``benchmarks/kl_attention_tiles.py``, N = 1024, causal,
-    K = 16): 32×16 and 4 warps 0.37 ms; 16×16 0.44; 32×32 0.79 (the launch before); 64×16 2.0. Wider
-    features keep 16×16.
+    K). Timed on an H100 (``benchmarks/kl_attention_tiles.py``, N = 1024, causal, K = 16, the FEP model's
+    widths): 16×16 and 32×16 tiles within noise of each other in two calls (0.33 and 0.38 ms in one, 0.44
+    and 0.37 in the other), 32×32 twice as slow (0.74 and 0.79 ms).
     """
-    if interpreting() or _block(k) >= 32 or max(_block(dv), _block(dw)) >= 256:
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4)
-    return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4)
+    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4)
 
 
 def backward_launch() -> dict:
     """Tiles and warps of the backward kernels, which hold more per tile than the forward ones (the value
     products of dS run over 3K+1 and 2(3K+1) features). At 32×32 tiles, K = 16, the kernels compiled for
     sm_90 keep 8–10 KB per thread on the stack (spilled registers; 7 ms per call on an H200 at N = 1024);
-    the column kernel works on transposed tiles so that neither spills at 16×16
-    (``benchmarks/kernel_resources.py``). Timed on an H100 (``benchmarks/kl_attention_tiles.py``, N = 1024,
-    K = 16): 16×16 with 4 warps 2.1 ms, with 8 warps 2.9, 32×32 with 8 warps 3.8.
+    the column kernel works on transposed tiles, and at 16×16 neither spills with 8 warps; with 4 the column
+    kernel keeps 48 B, and runs faster (``benchmarks/kernel_resources.py``). Timed on an H100 (``benchmarks/kl_attention_tiles.py``, N = 1024,
+    K = 16, two calls): 16×16 with 4 warps 1.9–2.1 ms, with 8 warps 2.7–2.9, 32×32 with 8 warps 3.8.
     """
     return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4)
 
@@ -284,7 +282,7 @@ def _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagona
     row_kl = torch.empty_like(row)
     energy = mu.new_empty(bsz, n)
     lse = mu.new_empty(bsz, n)
-    launch = forward_launch(k, dv, 2 * dw)
+    launch = forward_launch()
     bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
     config = dict(CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, BLOCK_D=_block(k), **launch)
     _launch(kernels._fwd_rows, (triton.cdiv(n, bm), bsz),
