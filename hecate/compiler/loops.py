@@ -59,7 +59,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from hecate.compiler.normalize import _has_in_place_ops, functional_op, functionalize, mutates
+from hecate.compiler.normalize import functional_op, functionalize, mutates
 
 _TENSOR_OPS = ("call_function", "call_method")
 # words of the names of calls that draw random numbers (``F.normalize`` is none: a name matches by whole words)
@@ -183,10 +183,13 @@ def _hoist_invariants(graph: fx.Graph) -> bool:
     no per-step slice (nor on anything impure) and nodes of at least two time indices read it, directly
     or through other invariants (``self.eta[:, None, None]`` merged, each step's ``· 2`` of it not); it
     moves, with the invariants it reads, right after the graph's inputs; returns whether any moved. Exact: a
-    pure call computes the same value earlier (in-place ops are functional by now).
+    pure call computes the same value earlier when nothing is written in between, so only nodes before the
+    graph's first write (an in-place op left, an item assignment) move.
     """
-    if _has_in_place_ops(graph):
-        return False  # an edge does not show what an in-place op writes: moving a read of it would read too early
+    # an edge does not show what a write into a tensor (in place, item assignment) changes: a node after the
+    # first write stays where it is, since moved before the write it could read the value before it
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    first_write = min((position[n] for n in graph.nodes if mutates(n)), default=len(position))
     step: dict[fx.Node, int] = {}  # the latest time index a node reads (-1: none, an invariant)
     impure: set[fx.Node] = set()
     for node in graph.nodes:
@@ -201,7 +204,7 @@ def _hoist_invariants(graph: fx.Graph) -> bool:
         read_at[node] = set().union(*({step[u]} if step[u] >= 0 else read_at[u] for u in node.users))
     shared = [n for n in graph.nodes
               if n.op in _TENSOR_OPS and step[n] < 0 and n not in impure and isinstance(_value(n), torch.Tensor)
-              and len(read_at[n]) >= 2]  # a scan's invariants are tensors
+              and len(read_at[n]) >= 2 and position[n] < first_write]  # a scan's invariants are tensors
     hoist: set[fx.Node] = set()
     pending = list(shared)
     while pending:

@@ -75,7 +75,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from hecate.passes.matching import aliases, mutates, zero_pad_amounts, zero_padded_dims
+from hecate.passes.matching import aliases, mutates, written_in_place, zero_pad_amounts, zero_padded_dims
 
 aten = torch.ops.aten
 
@@ -908,6 +908,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return _through_masked_fill(graph, node)
     if target is aten.where.self and len(args) == 3:
         return _where_of_a_number(graph, node)
+    if target is aten.cat.default and not node.kwargs and (padded := _cat_of_zeros(graph, node)) is not None:
+        return padded
     if target is aten.transpose.int and isinstance(args[0], fx.Node) and args[0].target is aten.cat.default \
             and isinstance(_val(args[0]), torch.Tensor) and not args[0].kwargs:
         return _cat_transposed(graph, node)
@@ -968,6 +970,41 @@ def _same_shape(node: fx.Node, x: Any) -> bool:
     a, b = _val(node), _val(x)
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() \
         and all(statically_known_true(m == n) for m, n in zip(a.shape, b.shape))
+
+
+_ZEROS = (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default)
+
+
+def _cat_of_zeros(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """``torch.cat([zeros(B, K-1, D), h], 1)`` → ``F.pad(h, (0, 0, K-1, 0))``: one tensor joined to zeros before
+    or after it on one dim is that tensor padded with zeros there (a causal conv's left padding, written as a
+    cat). Exact: the same elements. Only for zeros of h's dtype made by ``zeros``/``new_zeros``/``zeros_like``,
+    of fixed size on the joined dim, that nothing writes into."""
+    parts, out = node.args[0], _val(node)
+    if not isinstance(out, torch.Tensor) or not isinstance(parts, (list, tuple)) or len(parts) < 2:
+        return None
+    rank = out.dim()
+    dim = (node.args[1] if len(node.args) > 1 else 0) % rank
+
+    def zeros(part) -> bool:
+        value = _val(part)
+        return isinstance(part, fx.Node) and part.target in _ZEROS and isinstance(value, torch.Tensor) \
+            and value.dtype == out.dtype and value.dim() == rank and isinstance(value.shape[dim], int) \
+            and written_in_place(part) is None
+    kept = [i for i, part in enumerate(parts) if not zeros(part)]
+    if len(kept) != 1 or not isinstance(_val(parts[kept[0]]), torch.Tensor):
+        return None
+    x = parts[kept[0]]
+    if _val(x).dtype != out.dtype or _val(x).dim() != rank or any(
+            not statically_known_true(_val(p).shape[d] == out.shape[d])
+            for p in parts for d in range(rank) if d != dim):
+        return None
+    before = sum(_val(p).shape[dim] for p in parts[:kept[0]])
+    after = sum(_val(p).shape[dim] for p in parts[kept[0] + 1:])
+    amounts = [0] * (2 * (rank - dim))
+    amounts[-2:] = [before, after]  # F.pad's amounts run from the last dim back: dim's pair comes last
+    with graph.inserting_before(node):
+        return _emit(graph, aten.pad.default, x, amounts)
 
 
 def _moved_axes(node: fx.Node) -> list[int]:

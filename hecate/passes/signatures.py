@@ -34,7 +34,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hecate.passes.matching import zero_padded_dims
+from hecate.passes.matching import pad_fill, zero_padded_dims
 from hecate.passes.report import FusionReport, source_line
 
 aten = torch.ops.aten
@@ -396,10 +396,7 @@ def _hand_written_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
     """A conv written by hand (Σ_k w[:, k] · F.pad(x, (K-1, 0))[..., k:k+T], or over ``unfold``): a tensor
     zero-padded on one dim, its time, read through shifted windows of the unpadded length (slices of it at
     two offsets or more, or ``unfold(time, P + 1, 1)``)."""
-    for pad in graph.find_nodes(op="call_function", target=aten.pad.default):
-        shape, padded = _shape(pad), zero_padded_dims(pad)
-        if shape is None or padded is None or len(padded) != 1:
-            continue
+    for pad, shape, padded, fill in _padded_tensors(graph):
         ((time, (before, after)),) = padded.items()
         p = before + after
         starts, unfolded = set(), False
@@ -414,7 +411,14 @@ def _hand_written_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
         index = "..., " if time == len(shape) - 1 else ":, " * time
         how = f"unfold({time}, {p + 1}, 1)" if unfolded else f"slices [{index}k:k+T] for k in {sorted(starts)}"
         padding = f"zero-padded ({before}, {after}) on " + ("its last dim" if time == len(shape) - 1 else f"dim {time}")
-        if after:
+        if fill is not None:
+            yield (f"a conv written by hand over a tensor padded ({before}, {after}) with {fill}, read through "
+                   f"its shifted windows ({how}), not fused: "
+                   + ("only zeros of the tensor's dtype that nothing writes into read as a causal conv's padding"
+                      if "zeros" in fill else "a causal conv pads with zeros, so its first outputs would differ")
+                   + " (qk_preprocess fuses Σ_k w_k · F.pad(h, (K-1, 0))[..., k:k+T]); compiled as written",
+                   [pad])
+        elif after:
             yield (f"a conv written by hand over a tensor {padding}, read through its shifted windows ({how}), "
                    f"not fused: padded after, its output at t reads positions up to t + {after}, so it is not "
                    f"causal (qk_preprocess fuses a causal conv: padded K-1 before and 0 after); compiled as written",
@@ -428,6 +432,41 @@ def _hand_written_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
             yield (f"a conv written by hand over a tensor {padding} reads {len(starts)} of its {p + 1} shifted "
                    f"windows (offsets {sorted(starts)}), not all of them as a causal conv of kernel {p + 1} does "
                    "(pad by one less than the windows it reads); compiled as written", [pad])
+
+
+# ops that make a tensor of one value: joined to a tensor by torch.cat, they pad it with that value
+_FILLED = {aten.ones.default: "ones", aten.new_ones.default: "ones", aten.ones_like.default: "ones",
+           aten.full.default: "full", aten.new_full.default: "full", aten.full_like.default: "full",
+           aten.zeros.default: "zeros", aten.new_zeros.default: "zeros", aten.zeros_like.default: "zeros"}
+
+
+def _padded_tensors(graph: fx.Graph) -> Iterator[tuple[fx.Node, tuple, dict[int, tuple[int, int]], str | None]]:
+    """(node, its shape, {dim: (before, after)}, fill) for each tensor padded on one dim by fixed amounts: by
+    ``F.pad`` (fill None when with zeros, else its value or mode) or by ``torch.cat`` with a tensor of one value
+    (the zero ones the normal form made an F.pad; those left are another dtype, or written into)."""
+    for node in graph.nodes:
+        shape = _shape(node)
+        if shape is None or node.op != "call_function":
+            continue
+        if node.target is aten.pad.default and all(isinstance(a, int) for a in node.args[1]):
+            amounts, (mode, value) = list(node.args[1]), pad_fill(node)
+            padded = {len(shape) - 1 - i: pair for i, pair in enumerate(zip(amounts[::2], amounts[1::2])) if any(pair)}
+            fill = None if zero_padded_dims(node) is not None else \
+                f"F.pad value={value}" if mode == "constant" else f"F.pad mode={mode!r}"
+        elif node.target is aten.cat.default and len(node.args[0]) == 2:
+            dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape)
+            made = [_FILLED.get(getattr(p, "target", None)) for p in node.args[0]]
+            sizes = [(_shape(p) or (None,) * len(shape))[dim] for p in node.args[0]]
+            if (made[0] is None) == (made[1] is None) or not all(isinstance(n, int) for n in sizes):
+                continue
+            padded = {dim: (sizes[0], 0) if made[0] else (0, sizes[1])}
+            fill = f"torch.cat with torch.{made[0] or made[1]}"
+            if "zeros" in made:  # what the normal form leaves: the zeros are another dtype or written into
+                fill += " (of another dtype than the tensor, or written into after)"
+        else:
+            continue
+        if len(padded) == 1:
+            yield node, shape, padded, fill
 
 
 def _shifted_copies(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:

@@ -294,6 +294,22 @@ def test_rolled_loop_that_no_pass_fuses_is_compiled_unrolled(fresh_dynamo):
         assert_close("rnn output", a, b, 1e-5)
 
 
+def _written_then_read_by_every_step(h, w):
+    """A tensor written by item assignment, then read by every step: ``z`` is set before ``cat`` reads it."""
+    z = torch.zeros(h.shape[0], 2, h.shape[2])
+    z[:, 0] = 1.0
+    padded = torch.cat([z, h], 1)
+    return sum(w[:, k] * padded[:, k:k + h.shape[1]] for k in range(3))
+
+
+def test_what_steps_share_is_not_moved_before_a_write_it_reads(fresh_dynamo):
+    """The steps' shared ``cat`` is computed after the item assignment into what it joins, as written (moved
+    before the loop it read the zeros before the write: 0.4 to 4.9 off)."""
+    h, w = torch.randn(2, 6, 4), torch.randn(4, 3)
+    got = torch.compile(_written_then_read_by_every_step, backend="hecate", options={"fallback": "eager"})(h, w)
+    assert_close("output", got, _written_then_read_by_every_step(h, w), 1e-6)
+
+
 def test_memory_loop_is_fused_through_the_rolled_scan(fresh_dynamo):
     model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=2.0, momentum=0.5)
     gm, inputs = _dynamo_graph(model, torch.randn(2, 9, 8))

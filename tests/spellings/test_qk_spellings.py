@@ -76,6 +76,11 @@ def _rolled_copies(m, h):   # [B, T, D]: torch.roll, the wrapped tokens zeroed
     return z
 
 
+def _windows_of_cat_zeros(m, h):   # [B, T, D]: padded by joining K-1 zero tokens in front, one window per tap
+    padded = torch.cat([torch.zeros(h.shape[0], K - 1, h.shape[2]), h], dim=1)
+    return sum(m.kernel[:, k] * padded[:, k:k + h.shape[1]] for k in range(K))
+
+
 def _windows_from_the_bias(m, u):   # [B, D, T]: the sum starts from the bias, one window added per tap
     padded, z = F.pad(u, (K - 1, 0)), m.conv.bias[:, None].expand(-1, u.shape[-1])
     for k in range(K):
@@ -255,6 +260,13 @@ SPELLINGS = {
         lambda m, x: F.relu(F.silu(F.dropout(_conv_slice(m, F.dropout(m.proj(x), 0.1, training=False)
                                                       .transpose(1, 2)).transpose(1, 2), 0.1, training=False))),
         "linear → conv(K=4) → silu → relu [B,T,D]"),
+    "by hand channels last, padded by torch.cat with zeros before": (
+        lambda m, x: F.elu(F.silu(_windows_of_cat_zeros(m, m.proj(x)))) + 1,
+        "linear → conv(K=4) → silu → elu+1 [B,T,D]"),
+    "F.conv1d over torch.cat([h.new_zeros(B, D, K-1), h], -1) (a zero state joined in front)": (
+        lambda m, x: F.silu(F.conv1d(torch.cat([(u := m.proj(x).transpose(1, 2)).new_zeros(x.shape[0], D, K - 1), u],
+                                               -1), m.conv.weight, m.conv.bias, groups=D).transpose(1, 2)),
+        "linear → conv(K=4) → silu [B,T,D]"),
 }
 
 
@@ -372,6 +384,16 @@ NOT_FUSED = {
         "a causal conv of kernel 4 written by hand (a tensor zero-padded (3, 0) on its last dim, read through its 4 "
         "shifted windows by slices [..., k:k+T] for k in [0, 1, 2, 3]) not fused: it reads as a conv when the windows are "
         "weighted one value per channel"),
+    "by hand channels last over F.pad(h, (0, 0, K-1, 0), value=1.0)": (
+        lambda m, x: F.silu(sum(m.kernel[:, k] * F.pad(m.proj(x), (0, 0, K - 1, 0), value=1.0)[:, k:k + x.shape[1]]
+                                for k in range(K))),
+        "a conv written by hand over a tensor padded (3, 0) with F.pad value=1.0, read through its shifted windows "
+        "(slices [:, k:k+T] for k in [0, 1, 2, 3]), not fused: a causal conv pads with zeros"),
+    "by hand, padded by torch.cat with ones (not zeros)": (
+        lambda m, x: F.silu(sum(m.kernel[:, k] * torch.cat([torch.ones(x.shape[0], K - 1, D), m.proj(x)], 1)
+                                [:, k:k + x.shape[1]] for k in range(K))),
+        "a conv written by hand over a tensor padded (3, 0) with torch.cat with torch.ones, read through its shifted "
+        "windows (slices [:, k:k+T] for k in [0, 1, 2, 3]), not fused: a causal conv pads with zeros"),
     "by hand, shift-and-add: each tap its own F.pad(h, (0, 0, i, 0))[:, :T]": (
         lambda m, x: F.silu(_shifted_copies(m, m.proj(x))),
         "a conv written by hand as shifted copies of one tensor [2, 7, 6] (F.pad by [1, 2, 3] on dim 1"),
