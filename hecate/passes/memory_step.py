@@ -699,11 +699,18 @@ def _key_factors(b: _Body, rec: Recurrence, factors: list[fx.Node], divisors: li
     """The factors and divisors of the update (not g's) whose product is the key ``kn`` up to a number s
     (the update read ``kt = k_t · 0.5`` as 0.5 · k_t: the 0.5 went to its coefficient, which s takes back):
     one vector, with the numbers per head it is scaled by where the product reads the key apart
-    (``F.normalize(k)`` is k / ‖k‖), and s; None if none is."""
+    (``F.normalize(k)`` is k / ‖k‖), and s; None if none is. s must be one number at two draws of the body's
+    inputs: at batch 1 the norm ‖k‖ is a single number too, and taken as s it is not the same at the next draw."""
     shape = rec.lead + (rec.dk,)
-    k = _as(b.env[kn], shape)
     heads = [(f, False) for f in factors] + [(d, True) for d in divisors]
     heads = [(x, div) for x, div in heads if _as(b.env[x], rec.lead) is not None or b.env[x].numel() == 1]
+    draws = [b.env, _evaluate(b.graph, _random_inputs(b.placeholders, 2, set(b.carries), b.signed))]
+
+    def scale_of(product: PerStep, env: dict) -> float | None:
+        value, k = product.value(env, rec.lead, rec.dk), _as(env[kn], shape)
+        scale = float((value * k).sum() / (k * k).sum()) if float((k * k).sum()) > 0 else 0.0
+        return scale if scale != 0.0 and _close(value, scale * k) else None
+
     for vector in factors:
         if _as(b.env[vector], shape) is None:
             continue
@@ -713,10 +720,9 @@ def _key_factors(b: _Body, rec: Recurrence, factors: list[fx.Node], divisors: li
                 under = [x for x, div in scales if div]
                 if len(over) + len(under) != n:
                     continue
-                value = PerStep(1.0, [vector] + over, under).value(b.env, rec.lead, rec.dk)
-                scale = float((value * k).sum() / (k * k).sum()) if float((k * k).sum()) > 0 else 0.0
-                if scale != 0.0 and _close(value, scale * k):
-                    return [vector] + over, under, scale
+                found = [scale_of(PerStep(1.0, [vector] + over, under), env) for env in draws]
+                if None not in found and math.isclose(found[0], found[1], rel_tol=1e-6):
+                    return [vector] + over, under, found[0]
     return None
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hecate.passes.matching import pad_fill, zero_padded_dims
+from hecate.passes.matching import aliases, mutates, pad_fill, zero_padded_dims
 from hecate.passes.report import FusionReport, source_line
 
 aten = torch.ops.aten
@@ -329,6 +329,16 @@ def _unrolled_states(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                           if _is_outer_product(n) and _shape(n) == _shape(node)), None)
             if outer is not None:
                 updates[node] = outer
+    for node in graph.nodes:  # a part of the state updated in place through a view: M2[:, :2].sub_(η e kᵀ)
+        if not (mutates(node) and len(node.args) > 1 and isinstance(node.args[0], fx.Node)
+                and isinstance(node.args[1], fx.Node)):
+            continue
+        outer = next((n for n in [node.args[1], *_ancestors(node.args[1], limit=4)] if _is_outer_product(n)), None)
+        state = node.args[0]
+        while aliases(state) and isinstance(state.args[0], fx.Node):
+            state = state.args[0]
+        if outer is not None and state is not node.args[0] and _is_matrix(_shape(state)):
+            updates[state] = outer
     previous = {}
     for node in updates:
         earlier = _previous_state(node, updates)

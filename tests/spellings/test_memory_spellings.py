@@ -1233,7 +1233,21 @@ def l2_error_read_before_its_in_place_write(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_update_of_some_rows_in_place(k, v, q, alpha, eta):
+    """Only the first two rows of the memory take the delta-rule update, written in place into a copy: no
+    memory_scan step (each updates the whole memory)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = M.clone()
+        M[..., :2, :].sub_(eta[:, t, :, None, None] * e[..., :2, None] * k[:, t].unsqueeze(-2))
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 REPORTED = {
+    "l2_update_of_some_rows_in_place": (l2_update_of_some_rows_in_place,
+                                        ["state is updated by an outer product", "not one memory_scan"]),
     "l2_error_read_before_its_in_place_write": (l2_error_read_before_its_in_place_write,
                                                 ["g(e) reads values not computed from e"]),
     "l2_key_floored_by_relu_in_the_error": (l2_key_floored_by_relu_in_the_error,
@@ -1349,6 +1363,31 @@ def test_batch_of_one_fuses_and_equals_eager(fresh_dynamo):
     assert_close("y", got, ref, TOL)
     (g,), (r,) = torch.autograd.grad(got.sum(), x), torch.autograd.grad(ref.sum(), x)
     assert_close("dx", g, r, TOL)
+
+
+def _delta_rule_on_unit_keys(k, v, q):
+    M, ys = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        kt = F.normalize(k[:, t], dim=-1)
+        e = (M @ kt[..., None]).squeeze(-1) - v[:, t]
+        M = M - 0.5 * e[..., None] * kt[:, None, :]
+        ys.append((M @ q[:, t, :, None]).squeeze(-1))
+    return torch.stack(ys, 1)
+
+
+def test_delta_rule_on_unit_keys_fuses_at_batch_one(fresh_dynamo):
+    """At batch 1 the key's norm ‖k‖ is one number per step: it was taken for the constant that scales the
+    key (then differed at the next draw: "the step differs at random points"). It is the key's own scale."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, 6, 4, requires_grad=True) for _ in range(3)]
+    got = torch.compile(_delta_rule_on_unit_keys, backend="hecate", options={"fallback": "eager"})(*inputs)
+    assert hecate.last_report().count("memory_scan") == 1, str(hecate.last_report())
+    ref = _delta_rule_on_unit_keys(*inputs)
+    assert_close("y", got, ref, TOL)
+    weight = torch.randn_like(ref)
+    for name, g, r in zip("kvq", torch.autograd.grad((got * weight).sum(), inputs),
+                          torch.autograd.grad((ref * weight).sum(), inputs)):
+        assert_close(f"d{name}", g, r, TOL)
 
 
 def test_generated_bias_gradient_compiles_with_inductor(fresh_dynamo):
