@@ -60,6 +60,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from hecate.compiler.normalize import functional_op, functionalize, mutates
+from hecate.passes.matching import aliases
 
 _TENSOR_OPS = ("call_function", "call_method")
 # words of the names of calls that draw random numbers (``F.normalize`` is none: a name matches by whole words)
@@ -183,13 +184,16 @@ def _hoist_invariants(graph: fx.Graph) -> bool:
     no per-step slice (nor on anything impure) and nodes of at least two time indices read it, directly
     or through other invariants (``self.eta[:, None, None]`` merged, each step's ``· 2`` of it not); it
     moves, with the invariants it reads, right after the graph's inputs; returns whether any moved. Exact: a
-    pure call computes the same value earlier when nothing is written in between, so only nodes before the
-    graph's first write (an in-place op left, an item assignment) move.
+    pure call computes the same value earlier when nothing is written in between and in the same modes, so only
+    nodes before the graph's first write (an in-place op left, an item assignment) or mode switch (no_grad,
+    enable_grad, autocast) move.
     """
-    # an edge does not show what a write into a tensor (in place, item assignment) changes: a node after the
-    # first write stays where it is, since moved before the write it could read the value before it
+    # an edge shows neither what a write into a tensor (in place, item assignment) changes nor the grad mode or
+    # autocast a node runs under: a node after the first write or mode switch stays where it is (moved before
+    # it, it could read the value before the write, or get a gradient no_grad denied it)
     position = {node: i for i, node in enumerate(graph.nodes)}
-    first_write = min((position[n] for n in graph.nodes if mutates(n)), default=len(position))
+    first_write = min((position[n] for n in graph.nodes
+                       if mutates(n) or n.op in _TENSOR_OPS and n.is_impure()), default=len(position))
     step: dict[fx.Node, int] = {}  # the latest time index a node reads (-1: none, an invariant)
     impure: set[fx.Node] = set()
     for node in graph.nodes:
@@ -774,9 +778,36 @@ def _io(loop: _Loop) -> tuple[list[int], list[int]]:
 
 
 def _invariants(loop: _Loop, part: _Part) -> list[fx.Node]:
-    """The invariants the part reads, in order of first use."""
+    """The tensors the part reads from before the loop, in order of first use: each invariant, or the tensor
+    that several of them view (``f[None, :, None]`` and ``f[None, :, None, None]``), which the body then
+    views itself. One input, not two: what analyses the body at sample points sees one tensor, as the loop
+    did (two inputs would be drawn apart, and one decay read two ways would differ from itself)."""
+    return list(dict.fromkeys(_viewed(a, loop, part)[0] for a in _read_invariants(loop, part)))
+
+
+def _read_invariants(loop: _Loop, part: _Part) -> list[fx.Node]:
     offsets = set(part.offsets)
     return list(dict.fromkeys(ref for (o, _), (what, ref) in loop.args.items() if what == "invariant" and o in offsets))
+
+
+def _view_chain(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """(the tensor ``node`` is a view of through views alone, those views in order)."""
+    chain = []
+    while node.op in _TENSOR_OPS and node.args and isinstance(node.args[0], fx.Node) and aliases(node) \
+            and not any(isinstance(a, fx.Node) for a in [*node.args[1:], *node.kwargs.values()]) and not mutates(node):
+        chain.append(node)
+        node = node.args[0]
+    return node, chain[::-1]
+
+
+def _viewed(invariant: fx.Node, loop: _Loop, part: _Part) -> tuple[fx.Node, list[fx.Node]]:
+    """(the loop's input for ``invariant``, the views the body applies to it): the tensor it views when another
+    invariant of the part views that tensor too, else itself and none."""
+    root, chain = _view_chain(invariant)
+    if chain and sum(_view_chain(a)[0] is root for a in _read_invariants(loop, part)) + \
+            (root in _read_invariants(loop, part)) >= 2:
+        return root, chain
+    return invariant, []
 
 
 def _body(loop: _Loop, part: _Part) -> fx.GraphModule:
@@ -786,6 +817,11 @@ def _body(loop: _Loop, part: _Part) -> fx.GraphModule:
     carry_in = {o: body.placeholder(f"carry_{i}") for i, o in enumerate(carries)}
     xs_in = {source: body.placeholder(f"x_{i}") for i, source in enumerate(_sources(loop, part))}
     invariant_in = {a: body.placeholder(f"invariant_{i}") for i, a in enumerate(invariants)}
+    for a in _read_invariants(loop, part):  # an invariant that views one of them: that view, in the body
+        root, chain = _viewed(a, loop, part)
+        for view in chain:
+            invariant_in[view] = body.create_node(view.op, view.target, (invariant_in[view.args[0]], *view.args[1:]),
+                                                  dict(view.kwargs))
     env = {}
     for o in sorted(set(loop.slices) & set(part.offsets)):  # x.select(dim, t) is the scan's x_t; then the user's slice
         x, dim, _, rest = loop.slices[o]

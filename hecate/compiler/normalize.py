@@ -854,7 +854,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             return args[0]
         return None
     if target is aten.to.dtype and len(args) == 2 and not node.kwargs and isinstance(_val(args[0]), torch.Tensor) \
-            and args[1] == _val(args[0]).dtype and node not in outputs:
+            and args[1] == _val(args[0]).dtype and node not in outputs and not _switches_autocast(graph):
         return args[0]  # x.float() of a float32 x: x itself (to() returns its input when nothing changes)
     if target in _DROPOUTS and len(args) == 3 and args[2] is False and not node.kwargs and node not in outputs:
         return args[0]  # F.dropout(x, p, training=False), nn.Dropout in eval(): x itself
@@ -963,6 +963,12 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             return _emit(graph, view.target, _emit(graph, target, view.args[0], *args[1:]), *view.args[1:],
                          **view.kwargs)
     return None
+
+
+def _switches_autocast(graph: fx.Graph) -> bool:
+    """Whether ``graph`` enters autocast itself (``with torch.autocast(...)`` in the compiled code): the re-trace
+    records the region but not its casts, so a dtype in the graph's values may not be the one at run time."""
+    return bool(graph.find_nodes(op="call_function", target=torch.amp.autocast_mode._enter_autocast))
 
 
 def _same_shape(node: fx.Node, x: Any) -> bool:

@@ -110,3 +110,71 @@ def test_a_memory_loop_whose_gradient_the_user_stops_is_reported_not_fused(fresh
     assert ref_grads[1] is None and grads[1] is None  # v reaches the output only through the no_grad error
     for name, g, r in zip(("k", "q"), grads[::2], ref_grads[::2]):
         assert_close(f"grad {name}", g, r, 1e-5)
+
+
+# ---------------------------------------------------------------- what a loop's steps share, read in its own mode
+
+def shared_under_no_grad(h, w):
+    with torch.no_grad():
+        s = torch.tanh(w) * 3.0
+    return torch.stack([h[:, t] * s for t in range(h.shape[1])], 1)
+
+
+def shared_under_autocast(h, w):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s = w @ w.t()
+    return torch.stack([h[:, t] @ s.float() for t in range(h.shape[1])], 1)
+
+
+def test_what_every_step_reads_stays_in_its_no_grad_region(fresh_dynamo):
+    """Loop rolling moves what the steps share before the loop; moved out of ``no_grad`` it got a gradient."""
+    h, w = torch.randn(2, 5, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    out = torch.compile(shared_under_no_grad, backend="hecate", options={"fallback": "eager"})(h, w)
+    assert_close("output", out, shared_under_no_grad(h, w), 1e-6)
+    assert torch.autograd.grad(out.sum(), [h, w], allow_unused=True)[1] is None
+
+
+def test_what_every_step_reads_stays_in_its_autocast_region(fresh_dynamo):
+    """Moved out of autocast, the product ran in float32 (2e-3 off); kept there, its ``.float()`` must stay (the
+    re-trace records the region but not its casts: the product's value in the graph says float32)."""
+    h, w = torch.randn(2, 5, 4), torch.randn(4, 4)
+    for fallback in ("eager", "inductor"):
+        torch._dynamo.reset()
+        got = torch.compile(shared_under_autocast, backend="hecate", options={"fallback": fallback})(h, w)
+        assert_close(f"output ({fallback})", got, shared_under_autocast(h, w), 1e-6)
+
+
+def test_what_every_step_reads_keeps_enable_grad_under_no_grad(fresh_dynamo):
+    def f(h, w):
+        with torch.enable_grad():
+            s = torch.tanh(w) * 3.0
+        return torch.stack([h[:, t] * s for t in range(h.shape[1])], 1), s
+
+    h, w = torch.randn(2, 5, 4), torch.randn(4, requires_grad=True)
+    with torch.no_grad():
+        _, s = torch.compile(f, backend="hecate", options={"fallback": "eager"})(h, w)
+    assert s.requires_grad
+
+
+def test_a_fused_memory_loop_keeps_its_step_size_out_of_autograd(fresh_dynamo):
+    """η computed under no_grad before a delta-rule loop that fuses: η gets no gradient, as in eager."""
+    def delta(x, wk, eta_logit):
+        k = F.normalize(x @ wk, dim=-1)
+        with torch.no_grad():
+            eta = torch.sigmoid(eta_logit)
+        M, ys = x.new_zeros(x.shape[0], 4, 4), []
+        for t in range(x.shape[1]):
+            e = torch.einsum("bij,bj->bi", M, k[:, t]) - x[:, t]
+            M = M - eta * torch.einsum("bi,bj->bij", e, k[:, t])
+            ys.append(torch.einsum("bij,bj->bi", M, k[:, t]))
+        return torch.stack(ys, 1)
+
+    x, wk, eta_logit = torch.randn(2, 5, 4), torch.randn(4, 4, requires_grad=True), torch.tensor(0.3, requires_grad=True)
+    got = torch.compile(delta, backend="hecate", options={"fallback": "eager"})(x, wk, eta_logit)
+    assert hecate.last_report().count("memory_scan") == 1, str(hecate.last_report())
+    ref = delta(x, wk, eta_logit)
+    assert_close("output", got, ref, 1e-5)
+    grads = torch.autograd.grad(got.sum(), [wk, eta_logit], allow_unused=True)
+    ref_grads = torch.autograd.grad(ref.sum(), [wk, eta_logit], allow_unused=True)
+    assert grads[1] is None and ref_grads[1] is None
+    assert_close("d wk", grads[0], ref_grads[0], 1e-5)

@@ -1390,6 +1390,44 @@ def test_delta_rule_on_unit_keys_fuses_at_batch_one(fresh_dynamo):
         assert_close(f"d{name}", g, r, TOL)
 
 
+class MLSTMConstantForgetGate(torch.nn.Module):
+    """mLSTM with a learned forget gate per head, one number each, read as f[..., None] by the memory and as f
+    by the normaliser: two views of one tensor from before the loop."""
+
+    def __init__(self, heads=2):
+        super().__init__()
+        self.forget_logit = torch.nn.Parameter(torch.linspace(0.0, 2.0, heads))
+
+    def forward(self, k, v, q, i):
+        f = torch.sigmoid(self.forget_logit)[None, :, None]  # [1, H, 1]
+        C = k.new_zeros(k.shape[0], k.shape[1], v.shape[-1], k.shape[-1])
+        n, ys = k.new_zeros(k.shape[0], k.shape[1], k.shape[-1]), []
+        for t in range(k.shape[2]):
+            it = i[:, :, t, None]
+            C = f[..., None] * C + v[:, :, t, :, None] * (it * k[:, :, t])[..., None, :]
+            n = f * n + it * k[:, :, t]
+            ys.append((C @ q[:, :, t, :, None]).squeeze(-1) / ((n * q[:, :, t]).sum(-1, keepdim=True) + 1e-6))
+        return torch.stack(ys, 2)
+
+
+def test_mlstm_with_a_constant_forget_gate_per_head_fuses(fresh_dynamo):
+    """The two views of the gate reach the loop as one input the body views twice (as two inputs they were
+    drawn apart at the sample points, and the normaliser's decay differed from the memory's: a false reason)."""
+    torch.manual_seed(0)
+    model = MLSTMConstantForgetGate()
+    inputs = [torch.randn(2, 2, 6, 4) for _ in range(3)] + [torch.rand(2, 2, 6)]
+    got_in, ref_in = ([x.clone().requires_grad_() for x in inputs] for _ in range(2))
+    got = torch.compile(model, backend="hecate", options={"fallback": "eager"})(*got_in)
+    assert hecate.last_report().count("linear_attention") == 1, str(hecate.last_report())
+    ref = model(*ref_in)
+    assert_close("y", got, ref, TOL)
+    weight = torch.randn_like(ref)
+    names = ("dk", "dv", "dq", "di", "d forget_logit")
+    for name, g, r in zip(names, torch.autograd.grad((got * weight).sum(), got_in + [model.forget_logit]),
+                          torch.autograd.grad((ref * weight).sum(), ref_in + [model.forget_logit])):
+        assert_close(name, g, r, TOL)
+
+
 def test_generated_bias_gradient_compiles_with_inductor(fresh_dynamo):
     """The default fallback: Inductor lowers the op's backward under fake mode; the derivative of a generated
     g(e) (Huber) is traced outside it (it failed there, and the graph was compiled without fusions)."""
