@@ -226,9 +226,9 @@ def _windowed_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx
         x = x.args[0] if isinstance(x, fx.Node) and x.target is aten.expand.default else x
         return isinstance(x, fx.Node) and _per_channel(x, channels, pad_val.dtype, 0, time)
 
-    def zeros_leaf(x, total):  # zeros the sum starts from: its shape and the windows' dtype, read by the sum alone
+    def zeros_leaf(x, total):  # zeros the sum starts from: the windows' shape and dtype, read by the sum alone
         return isinstance(x, fx.Node) and x.target in _ZEROS and len(x.users) == 1 and _same_shape(total, x) \
-            and _val(x).dtype == _val(total).dtype == pad_val.dtype
+            and _same_shape(next(iter(products)), x) and _val(x).dtype == _val(total).dtype == pad_val.dtype
 
     # the products summed by a tree of adds and nothing else (a literal 0: Python's sum starts there; zeros;
     # or a bias)
@@ -579,9 +579,15 @@ def _out_of_place(node: fx.Node) -> tuple[str, Any] | None:
             and node.target._schema.is_mutable:
         name = node.target._schema.name.split("::")[-1]
         packet = getattr(aten, name[:-1], None) if name.endswith("_") else None
-        twin = getattr(packet, node.target._overloadname, None) if packet is not None else None
-        if twin is not None and not twin._schema.is_mutable:
-            return "call_function", twin
+        # the overload that takes the same arguments: not always of the same name (pow_.Scalar raises a tensor
+        # to a number, pow.Scalar a number to a tensor: its twin is pow.Tensor_Scalar)
+        arguments = [str(a.type) for a in node.target._schema.arguments]
+        names = [node.target._overloadname] + (packet.overloads() if packet is not None else [])
+        for overload in names:
+            twin = getattr(packet, overload, None) if packet is not None else None
+            if twin is not None and not twin._schema.is_mutable \
+                    and [str(a.type) for a in twin._schema.arguments] == arguments:
+                return "call_function", twin
     return None
 
 

@@ -348,6 +348,8 @@ def aliases(node: fx.Node) -> bool:
     """Whether ``node`` is a view of its first argument (so a write into it writes there): an ATen op whose
     schema says its result aliases its input, or a call of Dynamo's graph whose result shares the input's
     storage (``squeeze``, ``x[:, t]``, ``.mT``)."""
+    if node.op not in ("call_function", "call_method") or not node.args:
+        return False
     schema = getattr(node.target, "_schema", None)
     if schema is not None:
         return len(schema.returns) == 1 and schema.returns[0].alias_info is not None and not schema.is_mutable

@@ -756,3 +756,23 @@ def test_a_write_under_no_grad_keeps_the_gradient_eager_gives(fn):
     for a, b in zip(grads, torch.autograd.grad(ref.sum(), ref_args, allow_unused=True)):
         assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-6, atol=0.0))
     torch._dynamo.reset()
+
+
+def raised_in_place(h):
+    y = h * 1.0 + 1.5
+    a = y.sum(1)
+    y **= 2  # aten.pow_.Scalar: its out-of-place twin is pow.Tensor_Scalar, not pow.Scalar (a number's power)
+    y.add_(h, alpha=2.0)
+    return h * (a - y.sum(1))[:, None]
+
+
+def test_an_in_place_op_is_made_out_of_place_with_the_overload_of_its_arguments():
+    """``y **= 2`` was an internal error (the overload of the same name takes a number and a tensor)."""
+    torch._dynamo.reset()
+    h, h_ref = (torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0)).requires_grad_() for _ in range(2))
+    got = torch.compile(raised_in_place, backend="hecate", options={"strict": True})(h)
+    ref = raised_in_place(h_ref)
+    assert torch.allclose(got, ref, rtol=1e-6, atol=0.0)
+    (g,), (r,) = torch.autograd.grad(got.sum(), [h]), torch.autograd.grad(ref.sum(), [h_ref])
+    assert torch.allclose(g, r, rtol=1e-6, atol=1e-7)
+    torch._dynamo.reset()

@@ -188,3 +188,26 @@ def test_hand_written_conv_missing_a_window_is_reported():
     assert "reads 3 of its 4 shifted windows (offsets [1, 2, 3])" in miss.reason, miss
     got = torch.compile(missing_first_window, backend="hecate", options={"fallback": "eager"})(h, w)
     assert torch.equal(got, missing_first_window(h, w))
+
+
+class BufferWrittenBeforeALoop(torch.nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(d, d))
+        self.register_buffer("scale", torch.ones(d))
+
+    def forward(self, h):
+        self.scale[0] = 3.0  # an item assignment into a buffer: a write whose tensor is a graph input
+        return torch.stack([h[:, t] @ ((self.w * self.scale) @ self.w.t()) for t in range(h.shape[1])], 1)
+
+
+def test_a_write_into_a_graph_input_is_no_internal_error():
+    """The search for states written in place through views walked up from a graph input (no arguments)."""
+    torch._dynamo.reset()
+    model, h = BufferWrittenBeforeALoop(), torch.randn(2, 5, 4)
+    expected = BufferWrittenBeforeALoop()
+    expected.load_state_dict(model.state_dict())
+    got = torch.compile(model, backend="hecate", options={"strict": True, "fallback": "eager"})(h)
+    assert torch.allclose(got, expected(h), rtol=1e-6, atol=1e-6)
+    assert not hecate.last_report().misses, str(hecate.last_report())
+    torch._dynamo.reset()

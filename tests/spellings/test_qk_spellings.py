@@ -316,7 +316,8 @@ def test_corpus_size():
 
 def test_hand_written_conv_keeps_the_dtype_of_its_zeros_and_reads_its_input_before_a_write():
     """Summed from float64 zeros the sum is float64 (the conv was float32); the input zeroed in place after the
-    windows are taken is not padded again where the sum is (the conv read the zeros)."""
+    windows are taken is not padded again where the sum is (the conv read the zeros); summed into zeros of a
+    larger shape it keeps that shape (the conv returned the windows' shape)."""
     def from_float64_zeros(h, w):
         p, out = F.pad(h, (0, 0, K - 1, 0)), torch.zeros_like(h, dtype=torch.float64)
         for k in range(K):
@@ -329,11 +330,17 @@ def test_hand_written_conv_keeps_the_dtype_of_its_zeros_and_reads_its_input_befo
         h.zero_()
         return sum(w[:, k] * p[:, k:k + x.shape[1]] for k in range(K)) + h
 
-    for fn in (from_float64_zeros, input_zeroed_after_the_windows):
+    def into_bigger_zeros(h, w):  # the sum broadcast into zeros of a larger shape: no conv's output
+        p, out = F.pad(h, (0, 0, K - 1, 0)), torch.zeros(2, *h.shape)
+        for k in range(K):
+            out = out + w[:, k] * p[:, k:k + h.shape[1]]
+        return out
+
+    for fn in (from_float64_zeros, input_zeroed_after_the_windows, into_bigger_zeros):
         torch._dynamo.reset()
         x, w = torch.randn(B, T, D), torch.randn(D, K)
         got, ref = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(x, w), fn(x, w)
-        assert got.dtype == ref.dtype
+        assert got.dtype == ref.dtype and got.shape == ref.shape
         assert_close(fn.__name__, got, ref, TOL)
     torch._dynamo.reset()
 
