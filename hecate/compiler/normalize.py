@@ -608,8 +608,10 @@ def _same_as_out_of_place(node: fx.Node) -> bool:
     for arg in list(node.args[1:]) + list(node.kwargs.values()):
         value = _val(arg) if isinstance(arg, fx.Node) else arg
         if isinstance(value, torch.Tensor) and value.dtype != kept.dtype and (
-                value.dim() > 0 or value.dtype.is_floating_point != kept.dtype.is_floating_point):
-            return False  # a tensor with dims, or a 0-d one of another kind, promotes the result
+                torch.promote_types(kept.dtype, value.dtype) != kept.dtype if value.dim() > 0
+                else value.dtype.is_floating_point != kept.dtype.is_floating_point):
+            return False  # a wider tensor with dims, or a 0-d one of another kind, promotes the result (a bool
+            # mask does not)
         if isinstance(value, float) and not kept.dtype.is_floating_point:
             return False
     return True

@@ -192,12 +192,20 @@ def einsum_with_the_mask_first(q, k, v):  # the mask the first operand: the pair
     return torch.einsum("ts,bts,bsd->btd", torch.tril(torch.ones(q.shape[1], q.shape[1])), a, v)
 
 
+def scaled_and_masked_in_place(q, k, v):  # the score scaled, then its future zeroed, both in place
+    s = phi(q) @ phi(k).mT
+    s.mul_(0.5)
+    s.masked_fill_(torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).triu(1), 0.0)
+    return s @ v
+
+
 FUNCTIONS = [cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
              cumsum_heads_method_row_vector_read, tril_method, times_tril_of_ones, masked_fill_bmm, normalised, where_arange_relu_features, retention,
              one_sequence, einsum_scores_and_read, einsum_heads_in_place, einsum_time_major_scores,
              triu_bool_masked_fill_einsum, arange_comparison_float_mask, normalised_by_reciprocal, normalised_by_clamp,
              retention_linspace_gammas, scaled_scores_times_tril, scaled_scores_masked_fill,
-             scaled_retention_normalised, einsum_with_the_mask_as_an_operand, einsum_with_the_mask_first]
+             scaled_retention_normalised, einsum_with_the_mask_as_an_operand, einsum_with_the_mask_first,
+             scaled_and_masked_in_place]
 
 
 def _check(fn, args, dynamic, params=()):
