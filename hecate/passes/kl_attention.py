@@ -1022,7 +1022,9 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
             shape = shape_of(softmax)
             if shape and _is_one(shape[-1]):  # torch.compile specialises a length of 1: a graph for N = 1 alone
                 e = NotFused(f"a softmax over one key (N = 1, in the graph torch.compile makes for length 1 "
-                             f"alone; every score there is KL_ii = 0): {e}; other lengths compile their own graph")
+                             f"alone; every score there is KL_ii = 0, and a pair tensor [B, N, N] has no size that "
+                             f"tells it from a per-query one, so what follows may name the wrong one): {e}; other "
+                             f"lengths compile their own graph")
             report.add_miss(PATTERN, str(e), softmax.name, nodes=[softmax])
 
 
