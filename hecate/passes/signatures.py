@@ -424,7 +424,9 @@ def _hand_written_convs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
         if fill is not None:
             yield (f"a conv written by hand over a tensor padded ({before}, {after}) with {fill}, read through "
                    f"its shifted windows ({how}), not fused: "
-                   + ("only zeros of the tensor's dtype that nothing writes into read as a causal conv's padding"
+                   + ("qk_preprocess takes a carried state as F.conv1d(torch.cat([state, x], -1), w, groups=D), not "
+                      "as a conv written by hand over it" if "state" in fill else
+                      "only zeros of the tensor's dtype that nothing writes into read as a causal conv's padding"
                       if "zeros" in fill else "a causal conv pads with zeros, so its first outputs would differ")
                    + " (qk_preprocess fuses Σ_k w_k · F.pad(h, (K-1, 0))[..., k:k+T]); compiled as written",
                    [pad])
@@ -463,16 +465,23 @@ def _padded_tensors(graph: fx.Graph) -> Iterator[tuple[fx.Node, tuple, dict[int,
             padded = {len(shape) - 1 - i: pair for i, pair in enumerate(zip(amounts[::2], amounts[1::2])) if any(pair)}
             fill = None if zero_padded_dims(node) is not None else \
                 f"F.pad value={value}" if mode == "constant" else f"F.pad mode={mode!r}"
-        elif node.target is aten.cat.default and len(node.args[0]) == 2:
-            dim = (node.args[1] if len(node.args) > 1 else 0) % len(shape)
-            made = [_FILLED.get(getattr(p, "target", None)) for p in node.args[0]]
-            sizes = [(_shape(p) or (None,) * len(shape))[dim] for p in node.args[0]]
-            if (made[0] is None) == (made[1] is None) or not all(isinstance(n, int) for n in sizes):
+        elif node.target is aten.cat.default and len(node.args[0]) >= 2:
+            parts, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0) % len(shape)
+            made = [_FILLED.get(getattr(p, "target", None)) for p in parts]
+            unfilled = [i for i, m in enumerate(made) if m is None]
+            if len(unfilled) == 1:
+                main = unfilled[0]
+                fill = "torch.cat with " + ", ".join(f"torch.{m}" for m in made if m)
+                if "zeros" in made:  # what the normal form leaves: the zeros are another dtype or written into
+                    fill += " (zeros of another dtype than the tensor, or written into)"
+            elif len(parts) == 2 and not any(made):
+                main, fill = 1, "torch.cat with a tensor joined in front (a carried state)"
+            else:
                 continue
-            padded = {dim: (sizes[0], 0) if made[0] else (0, sizes[1])}
-            fill = f"torch.cat with torch.{made[0] or made[1]}"
-            if "zeros" in made:  # what the normal form leaves: the zeros are another dtype or written into
-                fill += " (of another dtype than the tensor, or written into after)"
+            sizes = [(_shape(p) or (None,) * len(shape))[dim] for i, p in enumerate(parts) if i != main]
+            if not all(isinstance(n, int) for n in sizes):
+                continue
+            padded = {dim: (sum(sizes[:main]), sum(sizes[main:]))}
         else:
             continue
         if len(padded) == 1:

@@ -401,6 +401,14 @@ NOT_FUSED = {
                                 [:, k:k + x.shape[1]] for k in range(K))),
         "a conv written by hand over a tensor padded (3, 0) with torch.cat with torch.ones, read through its shifted "
         "windows (slices [:, k:k+T] for k in [0, 1, 2, 3]), not fused: a causal conv pads with zeros"),
+    "by hand, padded by torch.cat with zeros and ones": (
+        lambda m, x: F.silu(sum(m.kernel[:, k] * torch.cat([torch.zeros(x.shape[0], 1, D), torch.ones(x.shape[0], K - 2, D),
+                                                            m.proj(x)], 1)[:, k:k + x.shape[1]] for k in range(K))),
+        "padded (3, 0) with torch.cat with torch.zeros, torch.ones"),
+    "by hand over torch.cat([state, h]) (a carried state in front)": (
+        lambda m, x: F.silu(sum(m.kernel[:, k] * torch.cat([m.proj(x[:, :K - 1]) * 0.5, m.proj(x)], 1)[:, k:k + x.shape[1]]
+                                for k in range(K))),
+        "qk_preprocess takes a carried state as F.conv1d(torch.cat([state, x], -1), w, groups=D)"),
     "by hand, shift-and-add: each tap its own F.pad(h, (0, 0, i, 0))[:, :T]": (
         lambda m, x: F.silu(_shifted_copies(m, m.proj(x))),
         "a conv written by hand as shifted copies of one tensor [2, 7, 6] (F.pad by [1, 2, 3] on dim 1"),
