@@ -1018,7 +1018,10 @@ def _cat_of_zeros(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     amounts = [0] * (2 * (rank - dim))
     amounts[-2:] = [before, after]  # F.pad's amounts run from the last dim back: dim's pair comes last
     with graph.inserting_before(node):
-        return _emit(graph, aten.pad.default, x, amounts)
+        padded = graph.call_function(aten.pad.default, (x, amounts))
+    # the cat's value is the pad's: evaluated again, pad's decomposition would fix every symbolic size
+    padded.meta["val"] = node.meta["val"]
+    return padded
 
 
 def _moved_axes(node: fx.Node) -> list[int]:
