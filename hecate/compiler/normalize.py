@@ -716,8 +716,17 @@ def _refake(node: fx.Node) -> None:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     tensors = [v for v in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
     fake_mode = detect_fake_mode(tensors)
-    if fake_mode is not None:
-        with fake_mode:
+    if fake_mode is None:
+        return
+    with fake_mode:
+        if node.target is aten.pad.default and isinstance(args[0], torch.Tensor):
+            # pad's decomposition would fix every symbolic size of its input (a guard per size); its value is
+            # the input's, each dim widened by its amounts (F.pad's pairs run from the last dim back)
+            shape = list(args[0].shape)
+            for i, (before, after) in enumerate(zip(args[1][::2], args[1][1::2])):
+                shape[-1 - i] = shape[-1 - i] + before + after
+            node.meta["val"] = args[0].new_empty(shape)
+        else:
             node.meta["val"] = node.target(*args, **kwargs)
 
 
@@ -1018,10 +1027,7 @@ def _cat_of_zeros(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     amounts = [0] * (2 * (rank - dim))
     amounts[-2:] = [before, after]  # F.pad's amounts run from the last dim back: dim's pair comes last
     with graph.inserting_before(node):
-        padded = graph.call_function(aten.pad.default, (x, amounts))
-    # the cat's value is the pad's: evaluated again, pad's decomposition would fix every symbolic size
-    padded.meta["val"] = node.meta["val"]
-    return padded
+        return _emit(graph, aten.pad.default, x, amounts)
 
 
 def _moved_axes(node: fx.Node) -> list[int]:

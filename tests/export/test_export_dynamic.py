@@ -73,6 +73,27 @@ def test_qk_preprocess_model(tmp_path):
     _export_and_check(tmp_path, model, _x(12), "hecate.qk_preprocess")
 
 
+class HandWrittenConv(torch.nn.Module):
+    """A causal conv written as windows of one pad, channels last: the normal form makes it a conv1d."""
+
+    def __init__(self, d=6, k=4, padded_by_cat=False):
+        super().__init__()
+        self.proj, self.kernel, self.padded_by_cat = torch.nn.Linear(d, d), torch.nn.Parameter(torch.randn(d, k)), padded_by_cat
+
+    def forward(self, x):
+        h, k = self.proj(x), self.kernel.shape[1]
+        p = torch.cat([h.new_zeros(h.shape[0], k - 1, h.shape[2]), h], 1) if self.padded_by_cat \
+            else torch.nn.functional.pad(h, (0, 0, k - 1, 0))
+        return torch.nn.functional.silu(sum(self.kernel[:, i] * p[:, i:i + x.shape[1]] for i in range(k)))
+
+
+@pytest.mark.parametrize("padded_by_cat", [False, True], ids=["F.pad", "torch.cat"])
+def test_hand_written_conv_exports_with_batch_and_length_dynamic(padded_by_cat, tmp_path):
+    """The pads the normal form writes keep their sizes symbolic (pad's decomposition fixed each one, and the file
+    came out static at the example's batch and length, with no warning)."""
+    _export_and_check(tmp_path, HandWrittenConv(padded_by_cat=padded_by_cat), _x(6), "hecate.qk_preprocess")
+
+
 def test_qk_preprocess_performer_model(tmp_path):
     model = KeyQueryPreprocess(12, n_heads=2, phi="performer")
     _export_and_check(tmp_path, model, _x(12), "hecate.qk_preprocess")
