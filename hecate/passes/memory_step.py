@@ -571,7 +571,12 @@ def _hebbian(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, z_index
             rec.per_step["alpha"] = keep
             break
     else:
-        raise NotFused("the update adds a term that is not an outer product of two per-step vectors b·v kᵀ")
+        others = [f for f in factors if _as(b.env[f], rec.lead + (rec.dk,)) is None
+                  and _as(b.env[f], rec.lead + (rec.dv,)) is None and not _is_gate(b.env[f], rec.lead)]
+        raise NotFused("the update adds a term that is not an outer product of two per-step vectors b·v kᵀ" + (
+            f" (its factor {others[0].name}, of shape {list(b.env[others[0]].shape)}, is neither a per-step vector "
+            "nor one number per head: a key or value scaled by a vector every step shares is not read as one)"
+            if others else ""))
     if z_index is not None:
         z_in, z_out = b.carries[z_index], b.carry_out[z_index]
         z = _as(b.env[z_out], rec.lead + (rec.dk,))

@@ -1199,6 +1199,15 @@ def l2_key_clamped_in_the_error_only(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_key_scaled_by_a_shared_vector(k, v, q, alpha, eta):
+    """Each key scaled by one vector [Dk] every step shares: v (k ⊙ s)ᵀ, not read as a per-step key."""
+    M, scale, ys = _m0(k, v), torch.linspace(0.5, 1.5, k.shape[-1]), []
+    for t in range(k.shape[1]):
+        M = (1 - alpha[:, t, :, None, None]) * M + v[:, t].unsqueeze(-1) * (k[:, t] * scale).unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def hebbian_normaliser_capped(k, v, q, alpha, eta):
     """A normalised read whose normaliser is floored by clamp(min=0.5), not + eps."""
     M, z, ys = _m0(k, v), k.new_zeros(k.shape[0], k.shape[2], k.shape[-1]), []
@@ -1246,6 +1255,9 @@ def l2_update_of_some_rows_in_place(k, v, q, alpha, eta):
 
 
 REPORTED = {
+    "hebbian_key_scaled_by_a_shared_vector": (hebbian_key_scaled_by_a_shared_vector,
+                                              ["not an outer product of two per-step vectors",
+                                               "a vector every step shares"]),
     "l2_update_of_some_rows_in_place": (l2_update_of_some_rows_in_place,
                                         ["state is updated by an outer product", "not one memory_scan"]),
     "l2_error_read_before_its_in_place_write": (l2_error_read_before_its_in_place_write,
