@@ -309,12 +309,17 @@ def tensors_read(roots: Sequence[fx.Node], stop: Sequence[fx.Node] = ()) -> list
 
 
 def written_in_place(node: fx.Node) -> fx.Node | None:
-    """The first op that writes into ``node``'s values after it is made (in place, or by item assignment, into
-    it, into what it is a view of, or into a view of either), or None: a value evaluated from what computes it
-    would miss the write."""
+    """An op that writes into ``node``'s values after it is made (in place, or by item assignment, into it, into
+    what it is a view of, or into a view of either), or None: a value evaluated from what computes it would miss
+    the write."""
+    return next(iter(writes_into(node)), None)
+
+
+def writes_into(node: fx.Node) -> list[fx.Node]:
+    """Every op that writes into ``node``'s values (see :func:`written_in_place`)."""
     while node.args and isinstance(node.args[0], fx.Node) and aliases(node):
         node = node.args[0]  # a view sees what is written into its base
-    stack, seen = [node], set()
+    stack, seen, writers = [node], set(), []
     while stack:
         n = stack.pop()
         if n in seen:
@@ -322,10 +327,10 @@ def written_in_place(node: fx.Node) -> fx.Node | None:
         seen.add(n)
         for user in n.users:
             if user.args and user.args[0] is n and mutates(user) and user.target not in _WRITE_NO_VALUES:
-                return user
+                writers.append(user)
             if user.args and user.args[0] is n and aliases(user):
                 stack.append(user)
-    return None
+    return writers
 
 
 # in-place ops that write no values: ``torch.tensor(c)`` is a constant with a ``detach_``
@@ -464,10 +469,13 @@ def _differentiable_ancestors(nodes: Sequence[Any], stop: set[fx.Node]) -> set[f
 
 
 def check_nothing_written_in_place(args: Sequence[Any], replaced: Sequence[fx.Node]) -> None:
-    """NotFused where a tensor the fused op reads, or one it replaces, is written in place: the op runs where the
-    replaced outputs were, after any write in between, and would see the tensor at another point than the code."""
-    for node in [n for a in args for n in _nodes_in(a)] + list(replaced):
-        writer = written_in_place(node)
+    """NotFused where a tensor the fused op reads is written in place among the nodes it replaces, or one it
+    replaces is written at all: the op runs where the replaced outputs were, after any write in between, and would
+    see the tensor at another point than the code. A write done before the first replaced node both see."""
+    order = {n: i for i, n in enumerate(replaced[0].graph.nodes)} if replaced else {}
+    first = min((order[n] for n in replaced), default=0)
+    for node, read in [(n, True) for a in args for n in _nodes_in(a)] + [(n, False) for n in replaced]:
+        writer = next((w for w in writes_into(node) if not read or order.get(w, first) >= first), None)
         if writer is not None:
             raise NotFused(f"{node.name}, read or replaced by it, is written in place ({writer.name}): the fused "
                            "op would see it at another point than the code does")

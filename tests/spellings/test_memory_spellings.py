@@ -743,7 +743,16 @@ def l2_key_scaled_inside_the_loop(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_query_edited_before_the_loop(k, v, q, alpha, eta):
+    """The query's first feature zeroed by item assignment before the loop: a write done before the fused region,
+    which both the loop and the op see (it was refused as a write the op would see at another point)."""
+    q = q.clone()
+    q[..., 0] = 0.0
+    return l2_reference(k, v, q, alpha, eta)
+
+
 SPELLINGS = {
+    "l2_query_edited_before_the_loop": (l2_query_edited_before_the_loop, "memory_scan"),
     "l2_key_scaled_inside_the_loop": (l2_key_scaled_inside_the_loop, "memory_scan"),
     "l2_key_normalised_with_a_tensor_eps": (l2_key_normalised_with_a_tensor_eps, "memory_scan"),
     "l2_relu_key_abs_query_inside_the_loop": (l2_relu_key_abs_query_inside_the_loop, "memory_scan"),
