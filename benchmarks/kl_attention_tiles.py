@@ -85,11 +85,11 @@ def _sweep(args, record, out, current_forward, current_backward):
         outputs = torch.ops.hecate.kl_attention(mu, var, rv, cv, **run)
         grads = [torch.randn_like(o) for o in outputs]
         calls = dict(forward=lambda: torch.ops.hecate.kl_attention(mu, var, rv, cv, **run),
-                        backward=lambda: torch.ops.hecate.kl_attention_backward(
-                            mu, var, rv, cv, outputs[0], outputs[1], outputs[2], outputs[6], *grads, **run))
+                     backward=lambda: torch.ops.hecate.kl_attention_backward(
+                         mu, var, rv, cv, outputs[0], outputs[1], outputs[2], outputs[6], *grads, **run))
         reference = {stage: call() for stage, call in calls.items()}
         for stage, candidates in (("forward", FORWARD), ("backward", BACKWARD)):
-            current = (current_forward() if stage == "forward" else current_backward())
+            current = current_forward() if stage == "forward" else current_backward()
             current = (current["BLOCK_M"], current["BLOCK_N"], current.get("num_warps", 4))
             for bm, bn, warps in [current] + [c for c in candidates if c != current]:
                 launch = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)

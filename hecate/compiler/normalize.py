@@ -995,9 +995,6 @@ def _same_shape(node: fx.Node, x: Any) -> bool:
         and all(statically_known_true(m == n) for m, n in zip(a.shape, b.shape))
 
 
-_ZEROS = (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default)
-
-
 def _cat_of_zeros(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     """``torch.cat([zeros(B, K-1, D), h], 1)`` → ``F.pad(h, (0, 0, K-1, 0))``: one tensor joined to zeros before
     or after it on one dim is that tensor padded with zeros there (a causal conv's left padding, written as a

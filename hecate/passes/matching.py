@@ -257,11 +257,18 @@ def zero_pad_amounts(node: Any) -> list[int] | None:
 
 
 def zero_padded_dims(node: Any) -> dict[int, tuple[int, int]] | None:
-    """{dim: (before, after)} for each dim a zero ``F.pad`` pads (see :func:`zero_pad_amounts`; its amounts run
-    from the last dim back), else None."""
-    amounts, val = zero_pad_amounts(node), node.meta.get("val") if isinstance(node, fx.Node) else None
-    if amounts is None or not isinstance(val, torch.Tensor):
+    """{dim: (before, after)} for each dim a zero ``F.pad`` pads (see :func:`zero_pad_amounts`), else None."""
+    return padded_dims(node) if zero_pad_amounts(node) is not None else None
+
+
+def padded_dims(node: Any) -> dict[int, tuple[int, int]] | None:
+    """{dim: (before, after)} for each dim ``F.pad`` pads by fixed amounts, whatever it fills with (its amounts
+    run from the last dim back), else None."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or node.target is not torch.ops.aten.pad.default \
+            or not all(isinstance(a, int) for a in node.args[1]):
         return None
+    amounts = list(node.args[1])
     pairs = zip(amounts[::2], amounts[1::2])
     return {val.dim() - 1 - i: pair for i, pair in enumerate(pairs) if any(pair)}
 

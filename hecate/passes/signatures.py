@@ -34,7 +34,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hecate.passes.matching import aliases, mutates, pad_fill, zero_padded_dims
+from hecate.passes.matching import aliases, mutates, pad_fill, padded_dims, zero_padded_dims
 from hecate.passes.report import FusionReport, source_line
 
 aten = torch.ops.aten
@@ -460,9 +460,8 @@ def _padded_tensors(graph: fx.Graph) -> Iterator[tuple[fx.Node, tuple, dict[int,
         shape = _shape(node)
         if shape is None or node.op != "call_function":
             continue
-        if node.target is aten.pad.default and all(isinstance(a, int) for a in node.args[1]):
-            amounts, (mode, value) = list(node.args[1]), pad_fill(node)
-            padded = {len(shape) - 1 - i: pair for i, pair in enumerate(zip(amounts[::2], amounts[1::2])) if any(pair)}
+        if (padded := padded_dims(node)) is not None:
+            mode, value = pad_fill(node)
             fill = None if zero_padded_dims(node) is not None else \
                 f"F.pad value={value}" if mode == "constant" else f"F.pad mode={mode!r}"
         elif node.target is aten.cat.default and len(node.args[0]) >= 2:

@@ -205,7 +205,7 @@ print(used)
 SMALL_SPILL_BYTES = 256
 
 
-def test_kl_attention_backward_launch_does_not_spill():
+def test_kl_attention_backward_launch_spills_no_more_than_a_few_registers():
     """The backward kernels at their launch spill no more than a few registers (not the KBs of the 32×32
     launch)."""
     import ast

@@ -229,8 +229,9 @@ def backward_launch() -> dict:
     products of dS run over 3K+1 and 2(3K+1) features). At 32×32 tiles, K = 16, the kernels compiled for
     sm_90 keep 8–10 KB per thread on the stack (spilled registers; 7 ms per call on an H200 at N = 1024);
     the column kernel works on transposed tiles, and at 16×16 neither spills with 8 warps; with 4 the column
-    kernel keeps 48 B, and runs faster (``benchmarks/kernel_resources.py``). Timed on an H100 (``benchmarks/kl_attention_tiles.py``, N = 1024,
-    K = 16, two calls): 16×16 with 4 warps 1.9–2.1 ms, with 8 warps 2.7–2.9, 32×32 with 8 warps 3.8.
+    kernel keeps 48 B, and runs faster (``benchmarks/kernel_resources.py``). Timed on an H100
+    (``benchmarks/kl_attention_tiles.py``, N = 1024, K = 16, two calls): 16×16 with 4 warps 1.9–2.1 ms, with
+    8 warps 2.7–2.9, 32×32 with 8 warps 3.8.
     """
     return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4)
 
