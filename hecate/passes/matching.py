@@ -245,6 +245,18 @@ def depends_on_sizes_only(node: fx.Node) -> bool:
     return not tensors_read([node])
 
 
+def is_zeros(node: Any) -> bool:
+    """Whether ``node`` makes a tensor of zeros (zeros, zeros_like, new_zeros, or a full of 0)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target in (aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default):
+        return True
+    if node.target in (aten.full.default, aten.new_full.default, aten.full_like.default):
+        fill = node.args[1] if node.target in (aten.full_like.default, aten.full.default) else node.args[-1]
+        return fill == 0
+    return False
+
+
 def zero_pad_amounts(node: Any) -> list[int] | None:
     """The amounts of ``F.pad(x, amounts)`` when it pads with zeros (mode constant, value 0 or unset) by fixed
     amounts, else None (not a pad, another fill, or symbolic amounts)."""

@@ -46,7 +46,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused, bound_reason, first_threshold, free_attribute, replace_with_function
+from hecate.passes.matching import NotFused, bound_reason, first_threshold, free_attribute, is_zeros, \
+    replace_with_function
 
 aten = torch.ops.aten
 
@@ -203,12 +204,19 @@ def _product(node: Any, out: _Product | None = None, invert: bool = False) -> _P
 
 @dataclass
 class PerStep:
-    """A per-step value [*lead, D] (or [*lead] for a gate): coef · Π factors / Π divisors of body nodes."""
+    """A per-step value [*lead, D] (or [*lead] for a gate): coef · Π factors / Π divisors · Π features of body
+    nodes. A feature is a tensor every step shares that scales a vector value as its own shape broadcasts against
+    [*lead, D] (``k_t ⊙ s`` with s [D] or [H, D]; ``k_t * w[:, None]``)."""
 
     coef: float
     factors: list[fx.Node]
     divisors: list[fx.Node] = field(default_factory=list)
     offset: float | None = None  # the value is offset − (coef · Π ...) (memory_scan's α = 1 − keep)
+    features: list[fx.Node] = field(default_factory=list)
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return self.factors + self.divisors + self.features
 
     def value(self, env: dict[fx.Node, Any], lead: tuple[int, ...], size: Any = None,
               like: torch.Tensor | None = None) -> torch.Tensor:
@@ -222,6 +230,8 @@ class PerStep:
         for d in self.divisors:
             x = _broadcastable(env[d], shape, lead)
             out = 1.0 / x if out is None else out / x
+        for f in self.features:
+            out = env[f] if out is None else out * env[f]
         if out is None:
             out = torch.full(shape, float(self.coef), dtype=torch.float64 if like is None else like.dtype,
                              device=None if like is None else like.device)
@@ -245,6 +255,18 @@ def _is_gate(value: Any, lead: tuple[int, ...]) -> bool:
         return True
     heads = _heads(value).shape
     return len(heads) <= len(lead) and all(s in (1, n) for s, n in zip(reversed(heads), reversed(lead)))
+
+
+def _is_feature(value: Any, shape: tuple[int, ...]) -> bool:
+    """A tensor every step shares that scales a [*lead, D] value: it broadcasts to ``shape`` as its own shape
+    does (s [D] or [H, D] by feature, w [H, 1] by head), and is not one number nor as large as a per-step vector."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() == 0:
+        return False
+    try:
+        return (tuple(torch.broadcast_shapes(value.shape, shape)) == tuple(shape)
+                and 1 < value.numel() < math.prod(shape))
+    except RuntimeError:
+        return False
 
 
 def _broadcastable(value: Any, shape: tuple[int, ...], lead: tuple[int, ...]) -> Any:
@@ -558,24 +580,22 @@ def _hebbian(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, z_index
     M_out = b.env[b.carry_out[rec.state]] - keep.value(b.env, rec.lead)[..., None, None] * b.env[b.carries[rec.state]]
     factors = update.factors
     for vn, kn in itertools.permutations(factors, 2):
-        v, k = _as(b.env[vn], rec.lead + (rec.dv,)), _as(b.env[kn], rec.lead + (rec.dk,))
-        if v is None or k is None:
+        if _as(b.env[vn], rec.lead + (rec.dv,)) is None or _as(b.env[kn], rec.lead + (rec.dk,)) is None:
             continue
-        rest = PerStep(update.coef, [f for f in factors if f is not vn and f is not kn], update.divisors)
-        if not all(_is_gate(b.env[f], rec.lead) for f in rest.factors + rest.divisors):
+        rest = [f for f in factors if f is not vn and f is not kn]
+        if not all(_is_gate(b.env[d], rec.lead) for d in update.divisors):
             continue
-        if _close(M_out, rest.value(b.env, rec.lead)[..., None, None] * _outer(v, k, rec.layout)):
-            # b folds into v: linear_attention adds v kᵀ
-            rec.per_step["v"] = PerStep(rest.coef, [vn] + rest.factors, rest.divisors)
-            rec.per_step["k"] = PerStep(1.0, [kn])
+        found = _outer_roles(b, rec, M_out, PerStep(update.coef, [vn], update.divisors), PerStep(1.0, [kn]), rest)
+        if found is not None:  # b folds into v: linear_attention adds v kᵀ
+            rec.per_step["v"], rec.per_step["k"] = found
             rec.per_step["alpha"] = keep
             break
     else:
         others = [f for f in factors if _as(b.env[f], rec.lead + (rec.dk,)) is None
                   and _as(b.env[f], rec.lead + (rec.dv,)) is None and not _is_gate(b.env[f], rec.lead)]
         raise NotFused("the update adds a term that is not an outer product of two per-step vectors b·v kᵀ" + (
-            f" (its factor {others[0].name}, of shape {list(b.env[others[0]].shape)}, is neither a per-step vector "
-            "nor one number per head: a key or value scaled by a vector every step shares is not read as one)"
+            f" (its factor {others[0].name}, of shape {list(b.env[others[0]].shape)}, is neither a per-step vector, "
+            "nor one number per head, nor a vector every step shares that scales the key or the value by feature)"
             if others else ""))
     if z_index is not None:
         z_in, z_out = b.carries[z_index], b.carry_out[z_index]
@@ -583,8 +603,10 @@ def _hebbian(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, z_index
         decayed = keep.value(b.env, rec.lead)[..., None] * _as(b.env[z_in], rec.lead + (rec.dk,))
         # the write strength b on the key's side when z sums it too (mLSTM: C ← f·C + v (i·k)ᵀ, n ← f·n + i·k)
         v_factors, k_factors = rec.per_step["v"], rec.per_step["k"]
-        strong_key = PerStep(v_factors.coef, k_factors.factors + v_factors.factors[1:], v_factors.divisors)
-        for key, value in ((k_factors, v_factors), (strong_key, PerStep(1.0, v_factors.factors[:1]))):
+        strong_key = PerStep(v_factors.coef, k_factors.factors + v_factors.factors[1:], v_factors.divisors,
+                             features=k_factors.features)
+        for key, value in ((k_factors, v_factors),
+                           (strong_key, PerStep(1.0, v_factors.factors[:1], features=v_factors.features))):
             if _close(z, decayed + key.value(b.env, rec.lead, rec.dk)):
                 rec.per_step["k"], rec.per_step["v"] = key, value
                 break
@@ -592,6 +614,33 @@ def _hebbian(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, z_index
             raise NotFused("the normaliser is not z ← a·z + k with the memory's decay a and the key k the memory "
                            "writes (b·k, where the write v (b·k)ᵀ has a strength b)")
         rec.normaliser_state, rec.params["eps"] = z_index, eps
+
+
+def _outer_roles(b: _Body, rec: Recurrence, M_out: torch.Tensor, v: PerStep, k: PerStep,
+                 rest: list[fx.Node]) -> tuple[PerStep, PerStep] | None:
+    """(v, k) with each of the update's ``rest`` factors taken as a gate (into v) or as a feature of v or of k,
+    such that M_out = outer(v, k); None if no reading is. A vector of as many numbers as there are heads may be
+    either, and only evaluation tells which (each factor's readings are few: at most 3 such factors)."""
+    readings = []
+    for f in rest:
+        value = b.env[f]
+        roles = ([("gate", v)] if _is_gate(value, rec.lead) else []) + \
+            ([("feature", v)] if _is_feature(value, rec.lead + (rec.dv,)) else []) + \
+            ([("feature", k)] if _is_feature(value, rec.lead + (rec.dk,)) else [])
+        if not roles:
+            return None
+        readings.append(roles)
+    if sum(len(r) > 1 for r in readings) > 3:
+        return None
+    for reading in itertools.product(*readings):
+        vv = PerStep(v.coef, list(v.factors), list(v.divisors), features=list(v.features))
+        kk = PerStep(k.coef, list(k.factors), list(k.divisors), features=list(k.features))
+        for f, (role, side) in zip(rest, reading):
+            target = vv if side is v else kk
+            (target.factors if role == "gate" else target.features).append(f)
+        if _close(M_out, _outer(vv.value(b.env, rec.lead, rec.dv), kk.value(b.env, rec.lead, rec.dk), rec.layout)):
+            return vv, kk
+    return None
 
 
 def _error(b: _Body, rec: Recurrence, W: torch.Tensor) -> tuple | None:
@@ -703,12 +752,14 @@ def _key_factors(b: _Body, rec: Recurrence, factors: list[fx.Node], divisors: li
                  kn: fx.Node) -> tuple[list[fx.Node], list[fx.Node], float] | None:
     """The factors and divisors of the update (not g's) whose product is the key ``kn`` up to a number s
     (the update read ``kt = k_t · 0.5`` as 0.5 · k_t: the 0.5 went to its coefficient, which s takes back):
-    one vector, with the numbers per head it is scaled by where the product reads the key apart
+    one vector, with the numbers per head and the vectors every step shares it is scaled by where the product
+    reads the key apart
     (``F.normalize(k)`` is k / ‖k‖), and s; None if none is. s must be one number at two draws of the body's
     inputs: at batch 1 the norm ‖k‖ is a single number too, and taken as s it is not the same at the next draw."""
     shape = rec.lead + (rec.dk,)
     heads = [(f, False) for f in factors] + [(d, True) for d in divisors]
     heads = [(x, div) for x, div in heads if _as(b.env[x], rec.lead) is not None or b.env[x].numel() == 1]
+    heads += [(f, None) for f in factors if _is_feature(b.env[f], shape)]  # k_t ⊙ s: s scales it by feature
     draws = [b.env, _evaluate(b.graph, _random_inputs(b.placeholders, 2, set(b.carries), b.signed))]
 
     def scale_of(product: PerStep, env: dict) -> float | None:
@@ -721,13 +772,14 @@ def _key_factors(b: _Body, rec: Recurrence, factors: list[fx.Node], divisors: li
             continue
         for n in range(len(heads) + 1):
             for scales in itertools.combinations(heads, n):
-                over = [x for x, div in scales if not div and x is not vector]
+                over = [x for x, div in scales if div is False and x is not vector]
                 under = [x for x, div in scales if div]
-                if len(over) + len(under) != n:
+                features = [x for x, div in scales if div is None and x is not vector]
+                if len(over) + len(under) + len(features) != n or len(set(over + features)) != len(over + features):
                     continue
-                found = [scale_of(PerStep(1.0, [vector] + over, under), env) for env in draws]
+                found = [scale_of(PerStep(1.0, [vector] + over, under, features=features), env) for env in draws]
                 if None not in found and math.isclose(found[0], found[1], rel_tol=1e-6):
-                    return [vector] + over, under, found[0]
+                    return [vector] + over + features, under, found[0]
     return None
 
 
@@ -799,7 +851,7 @@ def _no_bound_dropped(b: _Body, rec: Recurrence) -> None:
     the points the roles were checked at may never reach the bound (clamp(q, −10, 10))."""
     kept = set(rec.generated)
     for value in rec.per_step.values():
-        for node in value.factors + value.divisors:
+        for node in value.nodes:
             kept |= _ancestors(node)
     dropped = first_threshold((n for n in b.compute if n not in kept), b.env)
     if dropped is not None:
@@ -990,17 +1042,6 @@ def describe(rec: Recurrence) -> str:
             + (", read before the update" if rec.read_before_update else ""))
 
 
-def _is_zeros(node: Any) -> bool:
-    if not isinstance(node, fx.Node) or node.op != "call_function":
-        return False
-    if node.target in (aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default):
-        return True
-    if node.target in (aten.full.default, aten.new_full.default, aten.full_like.default):
-        fill = node.args[1] if node.target in (aten.full_like.default, aten.full.default) else node.args[-1]
-        return fill == 0
-    return False
-
-
 def _per_step_shape(rec: Recurrence, role: str, M: torch.Tensor) -> tuple:
     """The shape of ``role``'s per-step value as (lead, size), read off the memory M [*lead, A, C] (symbolic where
     M's is): [*lead, Dk] for k and q, [*lead, Dv] for v, [*lead] (size None) for the gates."""
@@ -1022,9 +1063,8 @@ def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> 
     _, init, xs, invariants = node.args[:4]
     inputs = [n for n in body.nodes if n.op == "placeholder"][len(init):]
     outer = list(xs) + list(invariants) + [init[rec.state]]  # the initial memory: its shape gives the value's
-    needed = set().union(*(_ancestors(f) for f in per_step.factors + per_step.divisors)) if (
-        per_step.factors or per_step.divisors) else set()
-    like_node = (per_step.factors + per_step.divisors + [xs[0]])[0]
+    needed = set().union(*(_ancestors(f) for f in per_step.nodes)) if per_step.nodes else set()
+    like_node = (per_step.nodes + [xs[0]])[0]
 
     def one_step(*values):
         *values, M = values
@@ -1155,7 +1195,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
         inputs["z0"] = init[rec.normaliser_state]
     if rec.momentum_state is not None:  # a buffer carried in from a previous chunk, and out to the next
         inputs["S0"] = init[rec.momentum_state]
-    initial = {name for name in ("M0", "z0", "S0") if name in inputs and not _is_zeros(inputs[name])}
+    initial = {name for name in ("M0", "z0", "S0") if name in inputs and not is_zeros(inputs[name])}
     read = {"y": results.get(n_carries), "M": results.get(rec.state),
             "z": results.get(rec.normaliser_state) if rec.normaliser_state is not None else None,
             "S": results.get(rec.momentum_state) if rec.momentum_state is not None else None}

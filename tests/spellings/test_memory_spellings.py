@@ -751,6 +751,15 @@ def l2_query_edited_before_the_loop(k, v, q, alpha, eta):
     return l2_reference(k, v, q, alpha, eta)
 
 
+def hebbian_key_scaled_by_a_shared_vector(k, v, q, alpha, eta):
+    """Each key scaled by one vector [Dk] every step shares: v (k ⊙ s)ᵀ."""
+    M, scale, ys = _m0(k, v), torch.linspace(0.5, 1.5, k.shape[-1]), []
+    for t in range(k.shape[1]):
+        M = (1 - alpha[:, t, :, None, None]) * M + v[:, t].unsqueeze(-1) * (k[:, t] * scale).unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
     "l2_query_edited_before_the_loop": (l2_query_edited_before_the_loop, "memory_scan"),
     "l2_key_scaled_inside_the_loop": (l2_key_scaled_inside_the_loop, "memory_scan"),
@@ -758,6 +767,7 @@ SPELLINGS = {
     "l2_relu_key_abs_query_inside_the_loop": (l2_relu_key_abs_query_inside_the_loop, "memory_scan"),
     "hebbian_clamped_value_relu_query": (hebbian_clamped_value_relu_query, "linear_attention"),
     "l2_reference": (l2_reference, "memory_scan"),
+    "hebbian_key_scaled_by_a_shared_vector": (hebbian_key_scaled_by_a_shared_vector, "linear_attention"),
     "l2_none_indexing_each_use": (l2_none_indexing_each_use, "memory_scan"),
     "l2_einsum": (l2_einsum, "memory_scan"),
     "l2_key_value_layout": (l2_key_value_layout, "memory_scan"),
@@ -1105,6 +1115,88 @@ def test_per_head_parameters_fuse_and_get_their_gradients(module, op, dynamic, f
     assert report.count(op) == 1 and not report.misses, str(report)
 
 
+class _FeatureScales(torch.nn.Module):
+    """A learned scale per key feature s [Dk] and per head and value feature u [H, Dv], shared by every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = torch.nn.Parameter(torch.linspace(0.5, 1.5, DK))
+        self.u = torch.nn.Parameter(torch.linspace(0.8, 1.2, H * DV).view(H, DV))
+
+
+class LpFeatureScaledKey(_FeatureScales):
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        for t in range(k.shape[1]):
+            kt = k[:, t] * F.softplus(self.s)
+            e = (M @ kt[..., None])[..., 0] - v[:, t]
+            M = M - 0.2 * e[..., None] * kt[..., None, :]
+            ys.append((M @ q[:, t, :, :, None])[..., 0])
+        return torch.stack(ys, 1), M
+
+
+class HebbianFeatureScaledKeyAndValue(_FeatureScales):
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        for t in range(k.shape[1]):
+            M = 0.9 * M + (v[:, t] * self.u)[..., None] * (k[:, t] * self.s)[..., None, :]
+            ys.append((M @ q[:, t, :, :, None])[..., 0])
+        return torch.stack(ys, 1), M
+
+
+class NormalisedFeatureScaledKey(_FeatureScales):
+    """The normaliser sums the scaled keys the memory writes: z ← 0.9 z + k ⊙ s."""
+
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        z = k.new_zeros(k.shape[0], k.shape[2], k.shape[-1])
+        for t in range(k.shape[1]):
+            kt = F.elu(k[:, t]) + 1
+            M = 0.9 * M + v[:, t, :, :, None] * (self.s * kt)[..., None, :]
+            z = 0.9 * z + kt * self.s
+            y = (M @ q[:, t, :, :, None])[..., 0]
+            ys.append(y / ((z * q[:, t]).sum(-1, keepdim=True) + 1e-6))
+        return torch.stack(ys, 1), M
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("module, op, scales", [(LpFeatureScaledKey, "memory_scan", ("s",)),
+                                                (HebbianFeatureScaledKeyAndValue, "linear_attention", ("s", "u")),
+                                                (NormalisedFeatureScaledKey, "linear_attention", ("s",))],
+                         ids=["lp", "hebbian", "normalised"])
+def test_key_and_value_scaled_by_shared_feature_vectors_fuse(module, op, scales, dynamic, fresh_dynamo):
+    """k ⊙ s and v ⊙ u with s, u learned vectors every step shares: the scales get their gradients."""
+    report = _compare_module(module(), dynamic, scales)
+    assert report.count(op) == 1 and not report.misses, str(report)
+
+
+@pytest.mark.parametrize("scale_per", ["head", "feature"])
+def test_vector_as_long_as_the_heads_is_read_by_what_it_scales(scale_per, fresh_dynamo):
+    """With as many heads as key features, a [3] vector may gate each head or scale each key feature: the step's
+    values tell which, and either fuses equal to eager."""
+    w = torch.tensor([0.5, 1.0, 1.5], requires_grad=True)
+
+    def hebbian(k, v, q):
+        M, ys = k.new_zeros(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1]), []
+        for t in range(k.shape[1]):
+            kt = k[:, t] * (w[:, None] if scale_per == "head" else w)
+            M = 0.9 * M + v[:, t, :, :, None] * kt[..., None, :]
+            ys.append((M @ q[:, t, :, :, None])[..., 0])
+        return torch.stack(ys, 1)
+
+    k, q, v = torch.randn(2, 4, 3, 3), torch.randn(2, 4, 3, 3), torch.randn(2, 4, 3, 5)
+    inputs = [x.requires_grad_() for x in (k, v, q)] + [w]
+    results = []
+    for fn in (hebbian, torch.compile(hebbian, backend="hecate", options={"fallback": "eager"})):
+        y = fn(*inputs[:3])
+        results.append((y, torch.autograd.grad(y.square().sum(), inputs)))
+    assert hecate.last_report().count("linear_attention") == 1, str(hecate.last_report())
+    (y_ref, g_ref), (y, g) = results
+    assert_close("y", y, y_ref, TOL)
+    for what, a, b in zip(("k", "v", "q", "w"), g, g_ref):
+        assert_close(f"gradient {what}", a, b, TOL)
+
+
 # ---------------------------------------------------------------- what stays unfused, and says why
 
 def hebbian_output_slot_left_unwritten(k, v, q, alpha, eta):
@@ -1208,15 +1300,6 @@ def l2_key_clamped_in_the_error_only(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
-def hebbian_key_scaled_by_a_shared_vector(k, v, q, alpha, eta):
-    """Each key scaled by one vector [Dk] every step shares: v (k ⊙ s)ᵀ, not read as a per-step key."""
-    M, scale, ys = _m0(k, v), torch.linspace(0.5, 1.5, k.shape[-1]), []
-    for t in range(k.shape[1]):
-        M = (1 - alpha[:, t, :, None, None]) * M + v[:, t].unsqueeze(-1) * (k[:, t] * scale).unsqueeze(-2)
-        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
-    return torch.stack(ys, 1), M
-
-
 def hebbian_normaliser_capped(k, v, q, alpha, eta):
     """A normalised read whose normaliser is floored by clamp(min=0.5), not + eps."""
     M, z, ys = _m0(k, v), k.new_zeros(k.shape[0], k.shape[2], k.shape[-1]), []
@@ -1264,9 +1347,6 @@ def l2_update_of_some_rows_in_place(k, v, q, alpha, eta):
 
 
 REPORTED = {
-    "hebbian_key_scaled_by_a_shared_vector": (hebbian_key_scaled_by_a_shared_vector,
-                                              ["not an outer product of two per-step vectors",
-                                               "a vector every step shares"]),
     "l2_update_of_some_rows_in_place": (l2_update_of_some_rows_in_place,
                                         ["state is updated by an outer product", "not one memory_scan"]),
     "l2_error_read_before_its_in_place_write": (l2_error_read_before_its_in_place_write,
