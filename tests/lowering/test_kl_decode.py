@@ -174,6 +174,22 @@ def test_nan_and_inf_propagate_as_in_aten(path):
 
 
 @pytest.mark.parametrize("path", ["cpu", "triton"])
+def test_an_ignored_row_gets_no_gradient_whatever_reaches_it(path):
+    """F.cross_entropy's mean over a batch with every target ignored is 0/0: each row's loss gets an infinite
+    gradient, and ATen's backward still gives the ignored rows 0 (not inf · 0 = NaN)."""
+    params = _inputs(6, 9, 3)
+    targets = torch.full((6,), -100)
+    with _path(path):
+        loss, _ = CE(*params, targets, 0.8, -100)
+        grads = torch.autograd.grad(loss.sum() / (targets != -100).sum(), params)
+    ref = F.cross_entropy(kl_decode_logits_naive(*params, 0.8), targets)
+    ref_grads = torch.autograd.grad(ref, params)
+    assert torch.isnan(ref)
+    for name, a, b in zip(("d mu", "d var", "d prior_mu", "d prior_var"), grads, ref_grads):
+        assert torch.equal(a, torch.zeros_like(a)) and torch.equal(b, torch.zeros_like(b)), (name, a, b)
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
 def test_float64_is_computed_in_float64(path):
     params = [p.detach().double().requires_grad_() for p in _inputs(11, 13, 4)]
     targets = torch.randint(0, 13, (11,))

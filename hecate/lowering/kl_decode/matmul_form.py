@@ -63,4 +63,5 @@ def ce_grad_logits(mu, var, prior_mu, prior_var, targets, lse, grad_loss, tau: f
     p = torch.exp(z - lse.to(z.dtype).unsqueeze(-1))
     valid = targets != ignore_index
     p = p - F.one_hot(torch.where(valid, targets, 0), z.shape[-1]).to(z.dtype)
-    return p * (grad_loss.to(z.dtype) * valid).unsqueeze(-1)
+    # where, not × valid: a mean over no target gives each row an infinite gradient, and ignored rows get 0
+    return p * torch.where(valid, grad_loss.to(z.dtype), 0.0).unsqueeze(-1)
