@@ -75,7 +75,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from hecate.passes.matching import aliases, mutates, written_in_place, zero_pad_amounts, zero_padded_dims
+from hecate.passes.matching import aliases, mutates, number_of, written_in_place, zero_pad_amounts, zero_padded_dims
 
 aten = torch.ops.aten
 
@@ -880,6 +880,13 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
     if target in _AXIS_MOVES and not node.kwargs and isinstance(_val(node), torch.Tensor):
         with graph.inserting_before(node):  # swapaxes, movedim: the transpose or permute they are
             return _emit(graph, aten.permute.default, args[0], _moved_axes(node))
+    if target in (aten.mT.default, aten.t.default) and isinstance(_val(node), torch.Tensor) and _val(node).dim() >= 2:
+        with graph.inserting_before(node):  # x.mT, x.t(): the transpose of the last two dims they are
+            return _emit(graph, aten.transpose.int, args[0], -2, -1)
+    if target is aten.ones_like.default and isinstance(_val(node), torch.Tensor) \
+            and set(node.kwargs) <= {"dtype", "layout", "device", "pin_memory", "memory_format"} \
+            and node.kwargs.get("layout") in (None, torch.strided):
+        return _ones_of_the_shape(graph, node)
     if target is aten.expand_as.default and isinstance(_val(args[1]), torch.Tensor):
         return _expand_as(graph, node)
     if target is aten.slice.Tensor and _whole_slice(node):
@@ -898,7 +905,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
                 return _emit(graph, aten.mul.Tensor, args[0], args[1])
         return None
     if target is aten.einsum.default:
-        return _einsum(graph, node, outputs)
+        explicit = _einsum_without_ellipsis(graph, node)
+        return (_einsum(graph, explicit, outputs) or explicit) if explicit is not None else _einsum(graph, node, outputs)
     if target in (aten.outer.default, aten.ger.default) and not node.kwargs:
         with graph.inserting_before(node):  # torch.outer(a, b): a[:, None] * b, as the other spellings are
             return _emit(graph, aten.mul.Tensor, _emit(graph, aten.unsqueeze.default, args[0], -1), args[1])
@@ -925,6 +933,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return _through_masked_fill(graph, node)
     if target is aten.where.self and len(args) == 3:
         return _where_of_a_number(graph, node)
+    if target in (aten.masked_fill.Tensor, aten.index_put.default):
+        return _masked_fill_of_a_number(graph, node)
     if target is aten.cat.default and not node.kwargs and (padded := _cat_of_zeros(graph, node)) is not None:
         return padded
     if target is aten.transpose.int and isinstance(args[0], fx.Node) and args[0].target is aten.cat.default \
@@ -1107,20 +1117,51 @@ def _where_of_a_number(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _masked_fill_of_a_number(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """``x.masked_fill(m, torch.tensor(c))`` and ``x[..., m] = c`` (an index_put of one number at a bool mask of
+    x's last dims) → ``x.masked_fill(m, c)``: the same values and gradient, one spelling of a mask."""
+    x, mask, value = node.args[:3]
+    number = number_of(value)
+    if number is None or not isinstance(_val(x), torch.Tensor) or not _val(x).dtype.is_floating_point \
+            or _val(value).numel() != 1:
+        return None
+    if node.target is aten.index_put.default:
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        *lead, mask = mask
+        if accumulate or any(i is not None for i in lead) or not isinstance(_val(mask), torch.Tensor) \
+                or _val(mask).dtype != torch.bool or len(lead) + _val(mask).dim() != _val(x).dim():
+            return None
+    with graph.inserting_before(node):
+        return _emit(graph, aten.masked_fill.Scalar, x, mask, number)
+
+
+def _sizes_of(graph: fx.Graph, like: fx.Node) -> list:
+    """``like.shape`` as arguments: a symbolic size read by ``sym_size``, as ``like.shape`` reads it."""
+    sizes = []
+    for d, size in enumerate(_val(like).shape):
+        if isinstance(size, torch.SymInt):
+            size_node = graph.call_function(aten.sym_size.int, (like, d))
+            size_node.meta["val"] = size
+            size = size_node
+        sizes.append(size)
+    return sizes
+
+
 def _expand_as(graph: fx.Graph, node: fx.Node) -> fx.Node:
     """``x.expand_as(y)`` → ``x.expand(y.shape)``: a broadcast that reads y's sizes, not its values (a gate
-    expanded as the memory does not depend on the memory); a symbolic size is read by ``sym_size`` as
-    ``x.expand(y.shape)`` reads it."""
+    expanded as the memory does not depend on the memory)."""
     x, like = node.args
     with graph.inserting_before(node):
-        sizes = []
-        for d, size in enumerate(_val(like).shape):
-            if isinstance(size, torch.SymInt):
-                size_node = graph.call_function(aten.sym_size.int, (like, d))
-                size_node.meta["val"] = size
-                size = size_node
-            sizes.append(size)
-        return _emit(graph, aten.expand.default, x, sizes)
+        return _emit(graph, aten.expand.default, x, _sizes_of(graph, like))
+
+
+def _ones_of_the_shape(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """``torch.ones_like(s, dtype=torch.bool)`` → ``torch.ones(s.shape, dtype=torch.bool)``: it reads s's sizes, not
+    its values (a causal mask ``ones_like(s).tril()`` is made of sizes, as ``ones(T, T).tril()`` is)."""
+    like, value = node.args[0], _val(node)
+    with graph.inserting_before(node):
+        return _emit(graph, aten.ones.default, _sizes_of(graph, like), dtype=value.dtype, device=value.device,
+                     pin_memory=False)
 
 
 _COPIES = (aten.clone.default, aten.contiguous.default, aten.alias.default, aten.lift_fresh.default)
@@ -1218,6 +1259,36 @@ def _einsum_pairs(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.N
             left = _einsum(graph, pair, outputs) or pair
         left_term = kept
     return left
+
+
+def _einsum_without_ellipsis(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """``einsum("...id,...jd->...ij", q, k)`` → ``einsum("abid,abjd->abij", q, k)``: the dims ``...`` stands for
+    named by letters the equation does not use, right-aligned across the operands as einsum aligns them
+    (only where they have equal sizes: one of size 1 broadcasts, which named letters do not)."""
+    equation, operands = node.args[0], node.args[1]
+    if not isinstance(equation, str) or "..." not in equation or "->" not in equation:
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    vals = [_val(x) for x in operands]
+    if len(terms) != len(vals) or any(not isinstance(v, torch.Tensor) for v in vals) \
+            or any(t.count("...") > 1 for t in terms + [output]):
+        return None
+    spans = [v.dim() - len(t.replace("...", "")) if "..." in t else 0 for t, v in zip(terms, vals)]
+    width = max(spans)
+    free = [c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in equation][:width]
+    if min(spans) < 0 or len(free) < width:
+        return None
+    sizes: dict[str, Any] = {}
+    for term, v, span in zip(terms, vals, spans):
+        start = term.find("...")
+        for letter, size in zip(free[width - span:], v.shape[start:start + span] if start >= 0 else ()):
+            if sizes.setdefault(letter, size) != size:
+                return None
+    named = [t.replace("...", "".join(free[width - span:])) for t, span in zip(terms, spans)]
+    out = output.replace("...", "".join(free))
+    with graph.inserting_before(node):
+        return _emit(graph, aten.einsum.default, ",".join(named) + "->" + out, operands)
 
 
 def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:

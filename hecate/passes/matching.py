@@ -257,6 +257,36 @@ def is_zeros(node: Any) -> bool:
     return False
 
 
+def constant_tensor(node: Any) -> torch.Tensor | None:
+    """The value of a constant tensor of the graph (a ``get_attr`` that is not a parameter: a tensor the
+    model makes in forward, such as the ``torch.tensor(0.5)`` of ``Normal(mu, 0.5)``), else None."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
+        return None
+    value = node.graph.owning_module
+    for name in node.target.split("."):
+        value = getattr(value, name, None)
+    return value if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) else None
+
+
+def number_of(arg: Any) -> float | None:
+    """The number ``arg`` holds: a Python number, a one-element constant tensor of the graph
+    (``torch.tensor(float("-inf"))`` written in the model, ``full([], v)``), or zeros; else None."""
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return float(arg)
+    if is_zeros(arg):
+        return 0.0
+    while isinstance(arg, fx.Node) and arg.target in (aten.detach.default, aten.lift_fresh_copy.default,
+                                                       aten.alias.default, aten.clone.default):
+        arg = arg.args[0]
+    if isinstance(arg, fx.Node) and arg.op == "call_function":
+        if arg.target is aten.scalar_tensor.default and isinstance(arg.args[0], (int, float)):
+            return float(arg.args[0])
+        if arg.target is aten.full.default and list(arg.args[0]) == [] and isinstance(arg.args[1], (int, float)):
+            return float(arg.args[1])
+    value = constant_tensor(arg)
+    return value.item() if value is not None and value.numel() == 1 and not value.dtype == torch.bool else None
+
+
 def zero_pad_amounts(node: Any) -> list[int] | None:
     """The amounts of ``F.pad(x, amounts)`` when it pads with zeros (mode constant, value 0 or unset) by fixed
     amounts, else None (not a pad, another fill, or symbolic amounts)."""

@@ -303,6 +303,29 @@ def test_batched_contractions_stay_einsums():
     _check_exact(batched_contractions, args, gm)
 
 
+def ellipsis_contractions(q, k):
+    return torch.einsum("...id,...jd->...ij", q, k), torch.einsum("...d,d->...", q, k[0, 0, 0])
+
+
+def test_an_ellipsis_is_named_by_letters_before_an_einsum_is_read():
+    args = (torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))
+    gm = normalize_graph(_traced(ellipsis_contractions, *args))
+    equations = [n.args[0] for n in gm.graph.nodes if n.target is aten.einsum.default]
+    assert equations and not any("..." in e for e in equations), gm.graph
+    _check_exact(ellipsis_contractions, args, gm, rel_tol=1e-6)
+
+
+def causal_mask_made_like_the_scores(s):
+    return s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), 0.0)
+
+
+def test_ones_like_reads_only_the_shape():
+    args = (torch.randn(2, 4, 4),)
+    gm = normalize_graph(_traced(causal_mask_made_like_the_scores, *args))
+    assert aten.ones_like.default not in _targets(gm) and aten.ones.default in _targets(gm), gm.graph
+    _check_exact(causal_mask_made_like_the_scores, args, gm)
+
+
 def reads_around_an_in_place_update(x):
     before = x + 1
     x.add_(1)  # x is an input: the update stays in place
@@ -681,6 +704,38 @@ def test_masks_move_onto_the_score_a_softmax_reads():
     assert [n.args[2] for n in fills] == [float("-inf")] and all(u.target is aten.softmax.int for u in fills[0].users)
     assert aten.where.ScalarOther in _targets(gm) and aten.full_like.default not in _targets(gm), gm.graph
     _check_exact(masks_spelled_otherwise, args, gm)
+
+
+def masks_filled_with_a_tensor_or_by_item_assignment(s, keep):
+    t = s.clone()
+    t[..., ~keep] = float("-inf")
+    return s.masked_fill(~keep, torch.tensor(float("-inf"))).softmax(-1), t.softmax(-1)
+
+
+def test_a_mask_filled_with_a_tensor_of_one_number_or_by_item_assignment_is_a_masked_fill():
+    """``s.masked_fill(m, torch.tensor(c))`` and ``s[..., m] = c`` (m a bool mask of s's last dims) are
+    ``s.masked_fill(m, c)``."""
+    keep = torch.ones(4, 4, dtype=torch.bool).tril()
+    args = (torch.rand(2, 4, 4), keep)
+    gm = normalize_graph(_traced(masks_filled_with_a_tensor_or_by_item_assignment, *args))
+    fills = [n.args[0] for n in gm.graph.nodes if n.target is aten.softmax.int]
+    assert len(fills) == 2 and all(n.target is aten.masked_fill.Scalar and n.args[2] == float("-inf")
+                                   for n in fills), gm.graph  # (one node: the same fill, merged)
+    assert aten.index_put.default not in _targets(gm) and aten.masked_fill.Tensor not in _targets(gm), gm.graph
+    _check_exact(masks_filled_with_a_tensor_or_by_item_assignment, args, gm)
+
+
+def integer_index_assignment(s, rows):
+    t = s.clone()
+    t[:, rows] = -1e4
+    return t.softmax(-1)
+
+
+def test_an_assignment_at_integer_indices_is_no_mask():
+    args = (torch.rand(2, 4, 4), torch.tensor([0, 2]))
+    gm = normalize_graph(_traced(integer_index_assignment, *args))
+    assert aten.masked_fill.Scalar not in _targets(gm), gm.graph
+    _check_exact(integer_index_assignment, args, gm)
 
 
 def softmax_over_dim_minus_2(s, keep):
