@@ -61,16 +61,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals_scaled, evaluate, far_draw,
                                     gaussian_kl, independent, nearest_sources, proportion, run_time_temperature,
-                                    shape_of, short, strip_noops)
-from hecate.passes.matching import (NotFused, bound_reason, depends_on_sizes_only, first_threshold, nodes_between,
-                                    replace_with_function, shifted_size, size_hint, tensors_read,
-                                    written_in_place)
+                                    shape_of, short, sources_shaped, strip_noops)
+from hecate.passes.matching import (NotFused, bound_reason, constant_tensor, depends_on_sizes_only, first_threshold,
+                                    is_zeros, nodes_between, number_of, replace_with_function, shifted_size,
+                                    size_hint, tensors_read, written_in_place)
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -107,9 +107,10 @@ class _Score:
     unfilled: list = field(default_factory=list)
 
 
-def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx.Node]]:
-    """(the unmasked logits, [(mask node, "masked" | "allowed" | "additive" | "finite"), ...], the nodes peeled)."""
-    masks, peeled = [], []
+def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx.Node], bool]:
+    """(the unmasked logits, [(mask node, "masked" | "allowed" | "additive" | "finite"), ...], the nodes peeled,
+    whether a mask is added to the score)."""
+    masks, peeled, added = [], [], False
     while True:
         peeled.append(x)
         x = strip_noops(x)
@@ -126,43 +127,44 @@ def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx
         elif t == aten.masked_fill.Scalar and isinstance(args[2], (int, float)) and math.isfinite(args[2]):
             masks.append((args[1], "finite"))  # not a mask the op takes: reported once the score is a KL's
             x = args[0]
-        elif t == aten.where.self and _constant_number(args[2]) == _NEG_INF:
+        elif t == aten.where.self and number_of(args[2]) == _NEG_INF:
             masks.append((args[0], "allowed"))
             x = args[1]
-        elif t == aten.where.self and _constant_number(args[1]) == _NEG_INF:
+        elif t == aten.where.self and number_of(args[1]) == _NEG_INF:
             masks.append((args[0], "masked"))
             x = args[2]
         elif t == aten.add.Tensor and x.kwargs.get("alpha", 1) == 1 and all(isinstance(a, fx.Node) for a in args):
             constant = [a for a in args if depends_on_sizes_only(a)]
-            if len(constant) != 1:
+            fills = [(a, fill) for a in args if (fill := _neg_inf_fill(a)) is not None]
+            if len(constant) == 1:
+                masks.append((constant[0], "additive"))
+                x = args[1] if constant[0] is args[0] else args[0]
+            elif len(fills) == 1:  # s + where(m, 0, -inf) read at run time: masked_fill(s, ~m, -inf) for s < +inf
+                (a, fill), added = fills[0], True
+                masks.append(fill)
+                x = args[1] if a is args[0] else args[0]
+            else:
                 break
-            masks.append((constant[0], "additive"))
-            x = args[1] if constant[0] is args[0] else args[0]
         else:
             break
         peeled.append(x)
-    return x, masks, peeled
+    return x, masks, peeled, added
 
 
-def _constant_number(node) -> float | None:
-    """The number a one-element constant tensor of the graph holds (``torch.tensor(float("-inf"))``
-    written in the model is a module constant), else None."""
-    while isinstance(node, fx.Node) and node.target in (aten.detach.default, aten.lift_fresh_copy.default,
-                                                         aten.alias.default, aten.clone.default):
-        node = node.args[0]
-    value = _constant_tensor(node)
-    return value.item() if value is not None and value.numel() == 1 else None
-
-
-def _constant_tensor(node) -> torch.Tensor | None:
-    """The value of a constant tensor of the graph (a ``get_attr`` that is not a parameter: a tensor the
-    model makes in forward, such as the ``torch.tensor(0.5)`` of ``Normal(mu, 0.5)``), else None."""
-    if not isinstance(node, fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
-        return None
-    value = node.graph.owning_module
-    for name in node.target.split("."):
-        value = getattr(value, name, None)
-    return value if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) else None
+def _neg_inf_fill(node: fx.Node) -> tuple[fx.Node, str] | None:
+    """(cond, "masked" | "allowed") when ``node`` holds −inf where cond is True (False) and 0 elsewhere:
+    ``zeros.masked_fill(cond, -inf)``, ``torch.where(cond, 0, -inf)`` and their kin."""
+    node = strip_noops(node)
+    t, args = node.target, node.args
+    if t == aten.masked_fill.Scalar and is_zeros(args[0]) and args[2] == _NEG_INF:
+        return args[1], "masked"
+    if t in (aten.where.self, aten.where.Scalar, aten.where.ScalarSelf, aten.where.ScalarOther):
+        when_true, when_false = number_of(args[1]), number_of(args[2])
+        if (when_true, when_false) == (0, _NEG_INF):
+            return args[0], "allowed"
+        if (when_true, when_false) == (_NEG_INF, 0):
+            return args[0], "masked"
+    return None
 
 
 def _broadcast_side(node: fx.Node, rank: int, n) -> tuple[fx.Node, str] | None:
@@ -193,6 +195,51 @@ def _broadcast_side(node: fx.Node, rank: int, n) -> tuple[fx.Node, str] | None:
     return strip_noops(x), ("i" if dim == lead + 1 else "j")
 
 
+_PRODUCTS = (aten.matmul.default, aten.bmm.default, aten.einsum.default)
+
+
+def _product_operands(node: fx.Node, rank: int) -> tuple[fx.Node, fx.Node] | None:
+    """(x, y) when ``node`` computes x @ yᵀ over their last dim: matmul or bmm with y transposed, or an
+    einsum such as ``"bik,bjk->bij"``."""
+    if node.target is aten.einsum.default:
+        equation, operands = node.args[0], node.args[1]
+        inputs, _, out = equation.replace(" ", "").partition("->")
+        terms = inputs.split(",")
+        if len(terms) != 2 or len(operands) != 2 or not all(len(t) == rank for t in terms + [out]):
+            return None
+        (a, b), lead = terms, out[:-2]
+        if not (a[:-2] == b[:-2] == lead and a[-1] == b[-1] and a[-2] == out[-2] and b[-2] == out[-1]
+                and len(set(out + a[-1])) == rank + 1):
+            return None
+        return strip_noops(operands[0]), strip_noops(operands[1])
+    if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    x, y = strip_noops(node.args[0]), strip_noops(node.args[1])
+    if not (y.target is aten.transpose.int and {d % rank for d in y.args[1:]} == {rank - 2, rank - 1}
+            or y.target is aten.permute.default and list(y.args[1])[-2:] in ([rank - 1, rank - 2], [-1, -2])):
+        return None
+    return x, strip_noops(y.args[0])
+
+
+def _product_sides(node: fx.Node, rank: int, n) -> list[tuple[fx.Node, str]] | None:
+    """[(x, "i"), ..., (y, "j"), ...] when ``node`` is a matrix product x @ yᵀ [*L, N, N] of per-position tensors
+    x, y [*L, N, K]: those, and the per-position tensors [*L, N, ·] they are computed from, on their side."""
+    out = shape_of(node)
+    if node.target not in _PRODUCTS or out is None or len(out) != rank \
+            or not (statically_known_true(out[-1] == n) and statically_known_true(out[-2] == n)):
+        return None
+    operands = _product_operands(node, rank)
+    if operands is None:
+        return None
+    x, y = operands
+    if any(shape_of(t) is None or len(shape_of(t)) != rank for t in (x, y)):
+        return None
+
+    def per_position(shape):
+        return len(shape) == rank and statically_known_true(shape[-2] == n)
+    return [(t, side) for t, side in ((x, "i"), (y, "j")) for t in [t] + sources_shaped(t, per_position)]
+
+
 def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list[fx.Node], list[fx.Node]]:
     """({broadcast per-position tensor: sides}, [tensors the same at every position], the score's nodes,
     [other tensors it reads]).
@@ -203,6 +250,7 @@ def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list
     variance is one of them; the others stop the fusion."""
     n = shape_of(logits)[-1]
     bases: dict[fx.Node, set] = {}
+    products: dict[fx.Node, set] = {}  # the per-position tensors of matrix products x_i · y_j, and their sources
     nodes, broadcasts, seen, stack = [], set(), set(), [logits]
     while stack:
         node = stack.pop()
@@ -210,12 +258,32 @@ def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list
             continue
         seen.add(node)
         side = _broadcast_side(node, rank, n)
+        product = _product_sides(node, rank, n)
         if side is not None:
             bases.setdefault(side[0], set()).add(side[1])
+            broadcasts.add(node)
+        elif product is not None:
+            for x, s in product:
+                products.setdefault(x, set()).add(s)
             broadcasts.add(node)
         elif node.op == "call_function":
             nodes.append(node)
             stack.extend(node.all_input_nodes)
+    if products and any(len(shape_of(b)) == rank - 1 for b in bases):
+        # the KL expanded into products: Σ_k a_ik b_jk plus numbers per query and per key (Σ_k log v_jk); a
+        # product alone (q·kᵀ) is dot-product attention, not this family
+        for x, sides in products.items():
+            bases.setdefault(x, set()).update(sides)
+    else:
+        nodes += [b for b in broadcasts if b.target in _PRODUCTS]
+        stack = [i for b in broadcasts if b.target in _PRODUCTS for i in b.all_input_nodes]
+        broadcasts = {b for b in broadcasts if b.target not in _PRODUCTS}
+        while stack:
+            node = stack.pop()
+            if node not in seen and node.op == "call_function":
+                seen.add(node)
+                nodes.append(node)
+                stack.extend(node.all_input_nodes)
     order = {node: i for i, node in enumerate(logits.graph.nodes)}
     nodes.sort(key=order.__getitem__)
     paired = set(broadcasts)  # the nodes a belief flows into
@@ -268,6 +336,12 @@ def _describe_other(node: fx.Node) -> str:
     if isinstance(value, torch.Tensor) and value.dim() == 0:
         return (f"a 0-d tensor {node.name} that is neither the KL's variance nor a temperature it is divided or "
                 "multiplied by (κ = c·t or c/t)")
+    contractions = sorted((u for u in node.users if u.target is aten.einsum.default),  # the pair space's first
+                          key=lambda u: -max(map(len, u.args[0].partition("->")[0].split(","))))
+    if isinstance(value, torch.Tensor) and contractions:
+        return (f"{node.name} of shape {list(value.shape)}, contracted with the pair space by einsum "
+                f"{contractions[0].args[0]!r}: kl_attention reads the KL written per pair, μ and σ² broadcast as "
+                "[..., N, 1, K] against [..., 1, N, K] and summed over K, or multiplied out into matrix products")
     if isinstance(value, torch.Tensor) and not _not_a_product(node) and value.dim() >= 2 \
             and statically_known_true(value.shape[-1] == value.shape[-2]):
         return (f"{node.name}, a matrix product of per-position tensors (a term of the KL expanded into products, "
@@ -295,7 +369,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if shape is None or len(shape) < 2:
         return None
     rank = len(shape)
-    logits, masks, peeled = _peel_masks(x)
+    logits, masks, peeled, added = _peel_masks(x)
     bases, shared, nodes, others = _score_inputs(logits, rank)
     if not any(sides == {"i", "j"} and len(shape_of(b)) == rank for b, sides in bases.items()):
         return None  # not a score of broadcast pairs of features (e.g. q @ kᵀ): not this family
@@ -357,7 +431,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if len(users) == 1 and all(_zero_fill_of_masked(users[0], softmax, a, size) for a, size in zip(alloweds, lengths)):
         beta, empty_rows_nan = users[0], False
     unfilled = _unfill_weighted_by_beta(beta, alloweds, lengths)
-    additive = any(kind == "additive" for _, kind in masks)
+    additive = added or any(kind == "additive" for _, kind in masks)
     return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan, additive,
                   kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank, run_time_masks, unfilled)
 
@@ -428,7 +502,7 @@ def _match_kl(logits, bases, shared, lead, k):
     shared ones at their own sizes but 2 for a leading dim the beliefs span; or all at their own sizes
     where the score bakes its sizes in (``mu.view(n, 1, k)`` of a static graph)."""
     constants = {b: (v.double() if v.is_floating_point() else v) for b in shared
-                 if (v := _constant_tensor(b)) is not None}  # read, not drawn
+                 if (v := constant_tensor(b)) is not None}  # read, not drawn
     numbers = {b for b in bases if len(shape_of(b)) == lead + 1}  # per-position numbers [*L, N]
     # a number computed from a tensor [*L, N, K] the score does not broadcast (Σ log v beside exp(log v)):
     # that tensor is drawn, so the number and the broadcast tensors keep their relation

@@ -240,6 +240,24 @@ def a_kl_masked_with_inf(mu, var):  # the KL itself masked with +inf on the futu
     return F.softmax(-kl, -1) @ mu
 
 
+def a_kl_set_to_inf_by_item_assignment(mu, var):  # the future's KL set to +inf through a bool index, negated after
+    kl = kl_spec(mu, var)
+    kl[:, ~torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool).tril()] = float("inf")
+    return torch.softmax(-kl, -1) @ mu
+
+
+def a_multiplied_out_into_matrix_products(mu, logvar):  # no pair tensor: Σ_k a_ik b_jk + per-query and per-key sums
+    var = logvar.exp()
+    kl = 0.5 * ((var + mu * mu) @ (1 / var).transpose(-1, -2) - 2 * mu @ (mu / var).mT
+                + (mu * mu / var + logvar).sum(-1)[:, None, :] - logvar.sum(-1)[:, :, None] - mu.shape[-1])
+    return torch.softmax(-kl, -1) @ mu
+
+
+def a_squared_distance_multiplied_out(mu, var):  # RBF ‖μ_i‖² + ‖μ_j‖² − 2 μ_i·μ_j, the cross term by einsum
+    sq = (mu * mu).sum(-1)
+    return torch.softmax(-0.5 * (sq[:, :, None] + sq[:, None, :] - 2 * torch.einsum("bik,bjk->bij", mu, mu)), -1) @ var
+
+
 def a_keys_first_layout(mu, var):  # the score laid out [b, j, i], normalised over dim 1, read by einsum
     mi, mj, vi, vj = mu[:, None], mu[:, :, None], var[:, None], var[:, :, None]
     kl_t = 0.5 * (vi / vj + (mi - mj) ** 2 / vj - 1 + vj.log() - vi.log()).sum(-1)
@@ -298,6 +316,8 @@ ATTENTION = [
     (a_constants_of_the_softmax_dropped, _var), (a_softmax_in_its_own_dtype, _logvar),
     (a_energy_of_the_zeroed_kl, _var),
     (a_logsumexp_beta, _var), (a_where_full_like_no_self, _var), (a_kl_masked_with_inf, _var),
+    (a_kl_set_to_inf_by_item_assignment, _var), (a_multiplied_out_into_matrix_products, _logvar),
+    (a_squared_distance_multiplied_out, _var),
     (a_keys_first_layout, _var), (a_log_determinants, _var), (a_log_determinants_of_log_variances, _logvar),
     (a_squared_distance, _var),
     (a_matmul_causal, _var), (a_einsum_where, _logvar), (a_bmm_full, _var), (a_broadcast_sum, _var),
@@ -444,6 +464,49 @@ def test_a_row_with_no_key_is_nan_as_in_eager_forward_and_backward(mask, read, f
             assert_close_nonfinite(f"d/d{name}", g, r, 1e-5)
 
 
+def _set_masked_to_minus_inf(s, allowed):
+    s = s.clone()
+    s[..., ~allowed] = float("-inf")
+    return s
+
+
+RUN_TIME_MASKS = {  # a bool mask [N, N] passed in, True where a key is allowed, applied as researchers write it
+    "masked_fill": lambda s, allowed: s.masked_fill(~allowed, float("-inf")),
+    "masked_fill_tensor_value": lambda s, allowed: s.masked_fill(allowed.logical_not(), torch.tensor(float("-inf"))),
+    "item_assignment": _set_masked_to_minus_inf,
+    "additive_masked_fill": lambda s, allowed: s + torch.zeros_like(allowed, dtype=s.dtype).masked_fill(
+        ~allowed, float("-inf")),
+    "additive_where": lambda s, allowed: torch.where(allowed, 0.0, float("-inf")) + s,
+    "where": lambda s, allowed: torch.where(allowed, s, torch.tensor(float("-inf"))),
+}
+
+
+@pytest.mark.parametrize("empty_row", [False, True], ids=["every_row_a_key", "a_row_with_no_key"])
+@pytest.mark.parametrize("mask", list(RUN_TIME_MASKS))
+def test_mask_passed_in_fuses_in_each_spelling_and_equals_eager(mask, empty_row, fresh_dynamo):
+    """A mask given at run time, applied by masked_fill, item assignment, an added 0/−inf tensor or where: the op
+    takes it; compiled == eager forward and backward, NaN where eager's (a row with no key; an added mask lets
+    that NaN reach the beliefs' gradients, masked_fill does not)."""
+    def fn(mu, var, allowed):
+        return F.softmax(RUN_TIME_MASKS[mask](-kl_spec(mu, var) / 0.9, allowed), -1) @ mu
+
+    allowed = (torch.rand(N, N, generator=torch.Generator().manual_seed(3)) < 0.6) | torch.eye(N, dtype=torch.bool)
+    if empty_row:
+        allowed[2] = False
+    args = [torch.randn(B, N, K), _var((B, N, K))]
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs, allowed)
+    report = hecate.last_report()
+    assert report.count("kl_attention") == 1 and "mask read at run time" in report.fusions[0].detail, str(report)
+    ref = fn(*ref_inputs, allowed)
+    assert_close_nonfinite("output", got, ref, 1e-5)
+    weight = torch.randn(ref.shape)
+    grads = torch.autograd.grad((got.nan_to_num(0.0) * weight).sum() + (got * 0).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref.nan_to_num(0.0) * weight).sum() + (ref * 0).sum(), ref_inputs)
+    for name, g, r in zip(("mu", "var"), grads, ref_grads):
+        assert_close_nonfinite(f"d/d{name}", g, r, 1e-5)
+
+
 def test_masked_rows_give_nan_on_the_triton_kernels(fresh_dynamo):
     """The same through the Triton kernels (interpreter on CPU): NaN rows, finite rows equal eager."""
     from hecate.lowering.dispatch import triton_on_cpu
@@ -576,7 +639,21 @@ def d_sizes_baked_into_views(mu, var, prior_mu, prior_var, targets):  # per quer
     return F.cross_entropy(-kl.view(10, -1), targets.view(10))
 
 
-DECODE = [d_spec_ce, d_sizes_baked_into_views, d_logvar_priors_ce_sum, d_distributions_ignore_index,
+def _kl_flat(mu, var, prior_mu, prior_var):  # beliefs with their positions flattened: [B·N, 1, K] against [1, V, K]
+    m, v = mu.reshape(-1, 1, mu.shape[-1]), var.reshape(-1, 1, var.shape[-1])
+    return 0.5 * (torch.log(prior_var[None] / v) + (v + (m - prior_mu[None]) ** 2) / prior_var[None] - 1.0).sum(-1)
+
+
+def d_positions_flattened_logits_viewed_back(mu, var, prior_mu, prior_var, targets):  # [B·N, V] → [B, N, V]
+    return (-_kl_flat(mu, var, prior_mu, prior_var) / 2.0).view(*mu.shape[:-1], -1)
+
+
+def d_positions_flattened_cross_entropy(mu, var, prior_mu, prior_var, targets):  # [B·N, V] logits, as CE takes them
+    return F.cross_entropy(-_kl_flat(mu, var, prior_mu, prior_var), targets.reshape(-1))
+
+
+DECODE = [d_positions_flattened_logits_viewed_back, d_positions_flattened_cross_entropy,
+          d_spec_ce, d_sizes_baked_into_views, d_logvar_priors_ce_sum, d_distributions_ignore_index,
           d_logits_returned, d_std_textbook, d_log_softmax_nll, d_softplus_helper_flatten, d_gather_nll,
           d_logsumexp_minus_target, d_label_smoothing, d_probabilities, d_class_dim_one, d_class_dim_one_permuted,
           d_difference_as_a_sum, d_divided_by_twice_the_variance, d_difference_of_log_stds, d_log_determinants_apart]
@@ -593,6 +670,19 @@ def test_decode_spelling_fuses_and_equals_eager(fn, fresh_dynamo):
     report = _compare(lambda *a: fn(*a, targets), args, "kl_decode")
     assert report.count("kl_decode") == 1, str(report)
     assert not [m for m in report.misses if m.pattern == "kl_decode"], str(report)
+
+
+def test_beliefs_of_unit_variance_fuse(fresh_dynamo):
+    """Beliefs N(μ_i, I) against N(π_v, e^{log s_v}): KL = ½ Σ (log s_v + (1 + (μ_i − π_v)²) / s_v − 1)."""
+    def fn(mu, prior_mu, prior_logvar, targets):
+        kl = 0.5 * (prior_logvar + (1 + (mu.unsqueeze(-2) - prior_mu) ** 2) / prior_logvar.exp() - 1).sum(-1)
+        return F.cross_entropy(-kl.reshape(-1, V) / 2, targets.reshape(-1))
+
+    targets = torch.randint(0, V, (B, N))
+    report = _compare(lambda *a: fn(*a, targets), (torch.randn(B, N, K), torch.randn(V, K), _logvar((V, K))),
+                      "kl_decode")
+    assert [f.op for f in report.fusions] == ["hecate.kl_decode_ce"], str(report)
+    assert "unit-variance beliefs" in report.fusions[0].detail, str(report)
 
 
 @pytest.mark.parametrize("fn", [d_class_dim_one, d_class_dim_one_permuted], ids=lambda f: f.__name__)
@@ -1110,7 +1200,7 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_variance_floor_in_one_term, (), "but not at means of either sign and variances far from 1"),
     (m_difference_clipped, (), "but not at means of either sign and variances far from 1"),
     (m_cdist, (), "made by torch.cdist"),
-    (m_trace_by_einsum, (), "a matrix product of per-position tensors"),
+    (m_trace_by_einsum, (), "contracted with the pair space by einsum 'bijk,bjk->bij'"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
     (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
