@@ -55,7 +55,7 @@ _CONSUMERS = {aten.softmax.int, aten.log_softmax.int}  # read the logits at thei
 class _Decode:
     logits: fx.Node
     mu: fx.Node
-    scale: fx.Node
+    scale: fx.Node | None  # None: beliefs of unit variance N(μ_i, I)
     param: str
     prior_mu: fx.Node
     prior_scale: fx.Node | None  # None: unit-variance priors N(π_v, I)
@@ -65,15 +65,18 @@ class _Decode:
 
 
 def _query_side(node: fx.Node) -> fx.Node | None:
-    """x when ``node`` is an [..., N, K] tensor x broadcast per query as [..., N, 1, K]."""
+    """x when ``node`` is an [..., N, K] tensor x broadcast per query as [..., N, 1, K], or with its positions
+    flattened as [M, 1, K] (``mu.reshape(-1, 1, K)``: the logits are then [M, V])."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     src, out = shape_of(node.args[0]), shape_of(node)
-    if src is None or out is None or len(src) < 2 or len(out) != len(src) + 1 or out[-2] != 1:
+    if src is None or out is None or len(src) < 2 or len(out) < 3 or out[-2] != 1:
         return None
-    if node.target == aten.unsqueeze.default and node.args[1] % len(out) == len(out) - 2:
+    if node.target == aten.unsqueeze.default and len(out) == len(src) + 1 and node.args[1] % len(out) == len(out) - 2:
         return strip_noops(node.args[0])
-    if node.target in (aten.view.default, aten.reshape.default) and out[:-2] == src[:-1] and out[-1] == src[-1]:
+    if node.target in (aten.view.default, aten.reshape.default) and out[-1] == src[-1] and (
+            len(out) == len(src) + 1 and out[:-2] == src[:-1]
+            or len(out) == 3 and len(src) > 2 and statically_known_true(out[0] == math.prod(src[:-1]))):
         return strip_noops(node.args[0])
     return None
 
@@ -240,12 +243,12 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
     per_token = [x for x in priors if own(x) == (v, k)]  # the means differ per token
     shared = [x for x in priors if x not in per_token]  # [K], [1, K], 0-d: a variance of the beliefs' or the priors'
     for mu in queries:
-        for scale in queries + shared:  # the beliefs' variance per position, or the same at every position
+        for scale in queries + shared + [None]:  # the beliefs' variance per position, the same at every one, or 1
             for prior_mu in per_token:
                 for prior_scale in priors + [None]:  # None: priors of unit variance, N(π_v, I)
                     if scale is mu or prior_scale is prior_mu:
                         continue
-                    for param in VARIANCE_FROM:
+                    for param in (_UNIT if scale is None else VARIANCE_FROM):
                         for prior_param in (_UNIT if prior_scale is None else VARIANCE_FROM):
                             alphas = []
                             for _, memo, value in draws:
@@ -287,8 +290,8 @@ def _far_from_one(logits, env, fixed, gamma, queries, mu, scale, param, prior_mu
 def _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries) -> torch.Tensor | None:
     """KL(q_i ‖ π_v) [..., N, V] of the beliefs and priors drawn or evaluated (``memo``) in these roles; None
     where their values do not broadcast so."""
-    belief_var = VARIANCE_FROM[param](memo[scale])
-    belief_var = belief_var.unsqueeze(-2) if scale in queries else belief_var
+    belief_var = (_UNIT if scale is None else VARIANCE_FROM)[param](memo.get(scale, memo[mu]))
+    belief_var = belief_var.unsqueeze(-2) if scale in queries or scale is None else belief_var
     prior_to_var = (_UNIT if prior_scale is None else VARIANCE_FROM)[prior_param]
     try:
         return gaussian_kl(memo[mu].unsqueeze(-2), belief_var, memo[prior_mu],
@@ -318,14 +321,20 @@ _UNIT = {"unit-variance": torch.ones_like}  # priors N(π_v, I): the variance 1,
 
 def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
     logits, tau = d.logits, d.tau
-    inputs = [d.mu, d.scale, d.prior_mu] + ([d.prior_scale] if d.prior_scale is not None else [])
+    inputs = [x for x in (d.mu, d.scale, d.prior_mu, d.prior_scale) if x is not None]
     run_time = isinstance(tau, Temperature)
     if run_time:  # logits = −KL/(c·t^p) = kl_decode_logits(τ = c) / t^p: t read when the model runs
         inputs.append(tau.node)
 
-    def beliefs(mu, scale, prior_mu, prior_scale=None):  # the op reads the positions flat: [M, K]
+    def beliefs(*values):  # the op reads the positions flat: [M, K]
+        values = iter(values)
+        mu = next(values)
+        scale = None if d.scale is None else next(values)
+        prior_mu = next(values)
+        prior_scale = None if d.prior_scale is None else next(values)
         k = mu.shape[-1]
-        var = VARIANCE_FROM[d.param](scale).expand_as(mu)  # a variance shared by the positions: its gradient sums
+        # a variance shared by the positions: its gradient sums
+        var = (_UNIT[d.param](mu) if scale is None else VARIANCE_FROM[d.param](scale)).expand_as(mu)
         prior_var = _UNIT[d.prior_param](prior_mu) if prior_scale is None else VARIANCE_FROM[d.prior_param](prior_scale)
         # a prior variance shared by the tokens ([1, K], [K], 0-d) broadcast to [V, K]: its gradient sums back
         return mu.reshape(-1, k), var.reshape(-1, k), prior_mu, prior_var.to(prior_mu.dtype).expand_as(prior_mu)
@@ -341,7 +350,8 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
             flat = torch.ops.hecate.kl_decode_logits(mu2, var2, prior_mu, prior_var, tau.scale if run_time else tau)
             if run_time:  # autograd carries the temperature's gradient through this product
                 flat = flat / t if tau.power == 1 else flat * t
-            flat = flat.reshape(*values[0].shape[:-1], prior_mu.shape[0])
+            if logits.meta["val"].dim() == values[0].dim():  # else the positions were flattened, as the op's
+                flat = flat.reshape(*values[0].shape[:-1], prior_mu.shape[0])
             return flat.to(logits.meta["val"].dtype)  # the graph's dtype (under autocast, not the op's)
 
         replace_with_function(gm, [logits], logits_fn, inputs, outputs=[logits])
