@@ -199,7 +199,17 @@ def scaled_and_masked_in_place(q, k, v):  # the score scaled, then its future ze
     return s @ v
 
 
-FUNCTIONS = [cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
+def einsum_with_an_ellipsis(q, k, v):  # "...id,...jd->...ij": the leading dims left to the ellipsis
+    s = torch.einsum("...id,...jd->...ij", phi(q), phi(k)).tril()
+    return torch.einsum("...ij,...jd->...id", s, v)
+
+
+def mask_made_like_the_scores(q, k, v):  # the causal mask as ones_like(s, dtype=bool).tril(), applied by where
+    s = phi(q) @ phi(k).mT
+    return torch.where(torch.ones_like(s, dtype=torch.bool).tril(), s, torch.zeros_like(s)) @ v
+
+
+FUNCTIONS = [einsum_with_an_ellipsis, mask_made_like_the_scores, cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
              cumsum_heads_method_row_vector_read, tril_method, times_tril_of_ones, masked_fill_bmm, normalised, where_arange_relu_features, retention,
              one_sequence, einsum_scores_and_read, einsum_heads_in_place, einsum_time_major_scores,
              triu_bool_masked_fill_einsum, arange_comparison_float_mask, normalised_by_reciprocal, normalised_by_clamp,
