@@ -434,7 +434,10 @@ def unbind_as_selects(graph: fx.Graph) -> None:
                 or not all(u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users):
             continue
         read = sorted((p for p in node.users if p.users), key=lambda p: p.args[1])
-        per_step = all(max(order[u] for u in a.users) < min(order[u] for u in b.users) for a, b in zip(read, read[1:]))
+        # the steps read their pieces alike, one after the other (q, k, v = x.unbind(2), then relu(q), relu(k) and
+        # v read at every step, are no steps: v stays with the others)
+        per_step = all(max(order[u] for u in a.users) < min(order[u] for u in b.users) for a, b in zip(read, read[1:])) \
+            and len({tuple(sorted(str(u.target) for u in p.users)) for p in read}) == 1
         for piece in list(node.users):
             if not piece.users:
                 continue

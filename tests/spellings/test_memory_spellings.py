@@ -760,6 +760,17 @@ def hebbian_key_scaled_by_a_shared_vector(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_heads_unbound_from_one_projection(k, v, q, alpha, eta):
+    """q, k, v split from one packed tensor by unbind, φ applied to q and k before the loop (v read as split)."""
+    qs, ks, vs = torch.stack([q, k, v[..., :k.shape[-1]]], 2).unbind(2)  # [B, T, 3, H, Dk] split
+    qs, ks = F.relu(qs), F.relu(ks)
+    M, ys = k.new_zeros(k.shape[0], k.shape[2], k.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        M = (1 - alpha[:, t, :, None, None]) * M + vs[:, t].unsqueeze(-1) * ks[:, t].unsqueeze(-2)
+        ys.append((M @ qs[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
     "l2_query_edited_before_the_loop": (l2_query_edited_before_the_loop, "memory_scan"),
     "l2_key_scaled_inside_the_loop": (l2_key_scaled_inside_the_loop, "memory_scan"),
@@ -768,6 +779,7 @@ SPELLINGS = {
     "hebbian_clamped_value_relu_query": (hebbian_clamped_value_relu_query, "linear_attention"),
     "l2_reference": (l2_reference, "memory_scan"),
     "hebbian_key_scaled_by_a_shared_vector": (hebbian_key_scaled_by_a_shared_vector, "linear_attention"),
+    "hebbian_heads_unbound_from_one_projection": (hebbian_heads_unbound_from_one_projection, "linear_attention"),
     "l2_none_indexing_each_use": (l2_none_indexing_each_use, "memory_scan"),
     "l2_einsum": (l2_einsum, "memory_scan"),
     "l2_key_value_layout": (l2_key_value_layout, "memory_scan"),
