@@ -290,11 +290,13 @@ def _getitem_slices(x: fx.Node, rank: int, index: Any) -> list[tuple[fx.Node, in
         plain = all(e == slice(None) or e is Ellipsis for e in rest)
         readings.append(_normalise(x, dims[i], index[i], None if plain else ("index", rest)))
     steps = [i for i, e in enumerate(index) if isinstance(e, slice) and e != slice(None)]
-    if not ints and len(steps) == 1 and all(e == slice(None) or e is Ellipsis for j, e in enumerate(index)
-                                            if j != steps[0]):
+    if not ints and len(steps) == 1 and all(e == slice(None) or e is Ellipsis or e is None
+                                            for j, e in enumerate(index) if j != steps[0]):
         sl = index[steps[0]]
         if _is_int(sl.start) and sl.start >= 0 and sl.stop == sl.start + 1 and sl.step in (None, 1):
-            readings.append(_normalise(x, dims[steps[0]], sl.start, ("keep",)))
+            # x[:, t:t + 1, None] is x.select(1, t)[:, None, None]: the kept time dim a None in its place
+            rest = ("keep",) if None not in index else ("index", index[:steps[0]] + (None,) + index[steps[0] + 1:])
+            readings.append(_normalise(x, dims[steps[0]], sl.start, rest))
     return readings
 
 

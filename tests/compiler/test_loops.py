@@ -198,10 +198,12 @@ def in_place_on_an_input(x, h):
 
 
 def slices_every_spelling(x, g):
-    """x[:, t] read at each use, x[:, t, None], narrow, g[:, t, None, None], outputs collected by cat."""
+    """x[:, t] read at each use, x[:, t, None], narrow, g[:, t, None], g[:, t:t + 1, None], outputs collected by
+    cat."""
     h, ys = x[:, 0] * 0, []
     for t in range(x.shape[1]):
-        h = h * g[:, t, None] + x[:, t] * x[:, t] + x.narrow(1, t, 1).squeeze(1) + x[:, t:t + 1, :][:, 0]
+        h = h * g[:, t, None] + x[:, t] * x[:, t] + x.narrow(1, t, 1).squeeze(1) + x[:, t:t + 1, :][:, 0] \
+            + g[:, t:t + 1, None][:, 0]
         ys.append((h * x[:, t]).unsqueeze(1))
     return torch.cat(ys, dim=1), h
 

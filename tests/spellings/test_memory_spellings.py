@@ -771,6 +771,17 @@ def hebbian_heads_unbound_from_one_projection(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_gates_sliced_keeping_time_then_none(k, v, q, alpha, eta):
+    """Gates read as alpha[:, t:t + 1, :, None] (time kept, a None after it), moved onto the heads by transpose."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        a, lr = alpha[:, t:t + 1, :, None].transpose(1, 2), eta[:, t:t + 1, :, None].transpose(1, 2)  # [B, H, 1, 1]
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = (1 - a) * M - lr * 2 * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
     "l2_query_edited_before_the_loop": (l2_query_edited_before_the_loop, "memory_scan"),
     "l2_key_scaled_inside_the_loop": (l2_key_scaled_inside_the_loop, "memory_scan"),
@@ -780,6 +791,7 @@ SPELLINGS = {
     "l2_reference": (l2_reference, "memory_scan"),
     "hebbian_key_scaled_by_a_shared_vector": (hebbian_key_scaled_by_a_shared_vector, "linear_attention"),
     "hebbian_heads_unbound_from_one_projection": (hebbian_heads_unbound_from_one_projection, "linear_attention"),
+    "l2_gates_sliced_keeping_time_then_none": (l2_gates_sliced_keeping_time_then_none, "memory_scan"),
     "l2_none_indexing_each_use": (l2_none_indexing_each_use, "memory_scan"),
     "l2_einsum": (l2_einsum, "memory_scan"),
     "l2_key_value_layout": (l2_key_value_layout, "memory_scan"),
