@@ -507,7 +507,8 @@ def fuse_cumulated_forms(gm: fx.GraphModule, report: FusionReport) -> None:
 
     The form the pattern pass reads (M_t laid out [Dv, Dk], ``(M_t @ q.unsqueeze(-1)).squeeze(-1)``,
     with m0, a normaliser or the last state read) is fused there first; this takes the other
-    layouts and reads of the plain form. k, v, q are [B, T, D] or [B, T, H, D]."""
+    layouts and reads of the plain form. k, v, q are [B, T, D], [B, T, H, D] or [B, H, T, D] (the
+    cumulative sum then over dim 2)."""
     for cumsum in list(gm.graph.find_nodes(op="call_function", target=aten.cumsum.default)):
         if cumsum._erased:
             continue
@@ -520,6 +521,82 @@ def fuse_cumulated_forms(gm: fx.GraphModule, report: FusionReport) -> None:
             report.add_miss("linear_attention", f"causal M_t = Σ_{{s≤t}} v_s k_sᵀ by cumsum: {why}", nodes=[cumsum])
 
 
+def fuse_noncausal_products(gm: fx.GraphModule, report: FusionReport) -> None:
+    """``φ(Q) (φ(K)ᵀ V)`` by two products in any spelling (``q @ (k.mT @ v)``, einsums over [B, H, T, D]) → the
+    op's non-causal form, recognised by evaluating the read against the formula. k, v, q are [*L, T, D] with time
+    next to the features (the [B, T, H, D] einsums the pattern pass reads are fused there first)."""
+    for read in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _PRODUCTS + (aten.einsum.default,)]:
+        if read._erased or not read.users:
+            continue
+        found = _noncausal_product(read)
+        if found is None:
+            continue
+        try:
+            _fuse_noncausal(gm, read, *found, report)
+        except NotFused as why:
+            report.add_miss("linear_attention", f"non-causal φ(Q)(φ(K)ᵀV) by matrix products: {why}", nodes=[read])
+
+
+def _operands(node: fx.Node) -> list:
+    return list(node.args[1]) if node.target is aten.einsum.default else list(node.args[:2])
+
+
+def _noncausal_product(read: fx.Node) -> tuple | None:
+    """(k, v, q, kv) when ``read`` [*L, T, Dv] reads q [*L, T, Dk] and kv [*L, Dk, Dv] (or [*L, Dv, Dk]), a product
+    of two [*L, T, ·] tensors summed over T that nothing else reads."""
+    shape = _shape(read)
+    if shape is None or len(shape) < 3:
+        return None
+    for kv in _operands(read):
+        others = [x for x in _operands(read) if x is not kv]
+        if not isinstance(kv, fx.Node) or len(others) != 1 or len(kv.users) != 1 or kv.op != "call_function" \
+                or kv.target not in _PRODUCTS + (aten.einsum.default,):
+            continue
+        q, (a, b) = others[0], (list(_operands(kv)) + [None, None])[:2]
+        while isinstance(a, fx.Node) and a.target in (aten.transpose.int, aten.permute.default) and len(a.users) == 1:
+            a = a.args[0]  # k.mT @ v reads k itself
+        lead, t = shape[:-2], shape[-2]
+        if not all(isinstance(x, fx.Node) and _shape(x) is not None and _shape(x)[:-1] == lead + (t,)
+                   for x in (q, a, b)) or _shape(kv)[:-2] != lead:
+            continue
+        return a, b, q, kv
+    return None
+
+
+def _fuse_noncausal(gm: fx.GraphModule, read: fx.Node, x: fx.Node, y: fx.Node, q: fx.Node, kv: fx.Node,
+                    report: FusionReport) -> None:
+    generator = torch.Generator().manual_seed(0)
+    values = {n: _draw(n, generator) for n in {x, y, q}}
+    memo = dict(values)
+    try:
+        got = evaluate(read, memo, size_hint)
+    except NotFused:
+        return  # it reads more than k, v and q: not this form
+    for k, v in ((x, y), (y, x)):
+        if _shape(k) == _shape(q) and got.shape == values[v].shape[:-2] + (values[q].shape[-2], values[v].shape[-1]) \
+                and torch.allclose(got, values[q] @ (values[k].mT @ values[v]), rtol=1e-6, atol=1e-9):
+            break
+    else:
+        return  # another product of three tensors (attention without a softmax, say): not linear attention
+    dtypes = {n.meta["val"].dtype for n in (k, v, q)}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise NotFused(f"k, v, q have dtypes {sorted(map(str, dtypes))}; linear_attention needs one floating dtype")
+    bound = first_threshold(nodes_between([k, v, q], [read]), memo)
+    if bound is not None:
+        raise NotFused(bound_reason(bound, "it"))
+    replace_with_function(gm, [read], _noncausal_as_op, [k, v, q], outputs=[read])
+    report.add_fusion("linear_attention", "hecate.linear_attention", 2,
+                      "non-causal φ(Q)(φ(K)ᵀV) by matrix products, read by meaning")
+
+
+def _noncausal_as_op(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[*L, T, D] → the op's [B, T, H, D] with the leading dims as B·H = prod(L), H = 1, and back."""
+    def bthd(x):
+        return x.reshape(-1, x.shape[-2], 1, x.shape[-1])
+    y = torch.ops.hecate.linear_attention(bthd(k), bthd(v), bthd(q), None, None, None, False, 1e-6, False)[0]
+    return y.reshape(*q.shape[:-1], v.shape[-1])
+
+
 def _unsqueezed(node: fx.Node, dim: int) -> fx.Node | None:
     """X for ``X.unsqueeze(dim)`` (dim counted in the result)."""
     if node.op == "call_function" and node.target == aten.unsqueeze.default:
@@ -530,9 +607,10 @@ def _unsqueezed(node: fx.Node, dim: int) -> fx.Node | None:
 
 
 def _cumulated_form(cumsum: fx.Node):
-    """(x, y, q, read, region) for M = cumsum(x ⊗ y, 1) read into ``read`` with q, if shaped so."""
+    """(x, y, q, read, region, time dim) for M = cumsum(x ⊗ y, t) read into ``read`` with q, if shaped so: t is 1,
+    or 2 for states [B, H, T, Dv, Dk]."""
     product, shape = cumsum.args[0], _shape(cumsum)
-    if shape is None or len(shape) not in (4, 5) or cumsum.args[1] % len(shape) != 1 \
+    if shape is None or len(shape) not in (4, 5) or cumsum.args[1] % len(shape) not in range(1, len(shape) - 2) \
             or product.op != "call_function" or product.target != aten.mul.Tensor:
         return None
     rank = len(shape)
@@ -566,7 +644,7 @@ def _cumulated_form(cumsum: fx.Node):
             q = q.args[0]
     if _shape(q) is None or _shape(q)[:-1] != per_token:
         return None
-    return x, y, q, read, region
+    return x, y, q, read, region, cumsum.args[1] % len(shape)
 
 
 def _descendants(node: fx.Node, depth: int) -> set:
@@ -578,7 +656,7 @@ def _descendants(node: fx.Node, depth: int) -> set:
 
 
 def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node, q: fx.Node, read: fx.Node,
-                    region: list, report: FusionReport) -> None:
+                    region: list, time: int, report: FusionReport) -> None:
     inside = set(region) | {cumsum}
     generator = torch.Generator().manual_seed(0)
     values = {n: _draw(n, generator) for n in {x, y, q}}
@@ -587,9 +665,10 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
     for k, v in ((x, y), (y, x)):
         if _shape(k) != _shape(q) or got.shape != values[v].shape:
             continue
-        kk, vv, qq = (values[n] if values[n].dim() == 3 else values[n].transpose(1, 2) for n in (k, v, q))
+        heads_first = values[q].dim() == 3 or time == 2  # [B, T, D] or [B, H, T, D]: time next to the features
+        kk, vv, qq = (values[n] if heads_first else values[n].transpose(1, 2) for n in (k, v, q))
         expected = (qq @ kk.mT).tril() @ vv
-        if values[q].dim() == 4:
+        if not heads_first:
             expected = expected.transpose(1, 2)
         if torch.allclose(got, expected, rtol=1e-6, atol=1e-9):
             break
@@ -601,7 +680,8 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
     bound = first_threshold(nodes_between([k, v, q], [read]), memo)
     if bound is not None:
         raise NotFused(bound_reason(bound, "it"))
-    replace_with_function(gm, [read], _cumulated_as_op, [k, v, q], outputs=[read])
+    replace_with_function(gm, [read], _cumulated_as_op if time == 1 else _heads_first_cumulated_as_op, [k, v, q],
+                          outputs=[read])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sorted((n for n in inside | {cumsum.args[0], *cumsum.args[0].all_input_nodes} if not n._erased),
                        key=order.__getitem__, reverse=True):
@@ -616,3 +696,8 @@ def _cumulated_as_op(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch
         return torch.ops.hecate.linear_attention(k[:, :, None], v[:, :, None], q[:, :, None], None, None, None,
                                                  False, 1e-6, True)[0][:, :, 0]
     return torch.ops.hecate.linear_attention(k, v, q, None, None, None, False, 1e-6, True)[0]
+
+
+def _heads_first_cumulated_as_op(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] → the op's [B, T, H, D] and back."""
+    return _cumulated_as_op(k.transpose(1, 2), v.transpose(1, 2), q.transpose(1, 2)).transpose(1, 2)

@@ -292,6 +292,32 @@ def anticausal(q, k, v):
     return (phi(q) @ phi(k).mT).triu() @ v
 
 
+def noncausal_by_matmul(q, k, v):  # φ(Q) (φ(K)ᵀ V) over [B, H, T, D]
+    return phi(q) @ (phi(k).transpose(-1, -2) @ v)
+
+
+def noncausal_by_heads_first_einsums(q, k, v):
+    kv = torch.einsum("bhsd,bhse->bhde", phi(k), v)
+    return torch.einsum("bhtd,bhde->bhte", phi(q), kv)
+
+
+def cumsum_over_heads_first_states(q, k, v):  # M_t of every step [B, H, T, Dv, Dk], summed over dim 2
+    kv = torch.cumsum(v.unsqueeze(-1) * phi(k).unsqueeze(-2), dim=2)
+    return (kv @ phi(q).unsqueeze(-1)).squeeze(-1)
+
+
+HEADS_FIRST = [noncausal_by_matmul, noncausal_by_heads_first_einsums, cumsum_over_heads_first_states]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn", HEADS_FIRST, ids=[f.__name__ for f in HEADS_FIRST])
+def test_heads_first_layouts_fuse_and_equal_eager(fn, dynamic, fresh_dynamo):
+    """[B, H, T, D] tensors, time next to the features: read by evaluation, the op called over [B, T, H, D]."""
+    torch.manual_seed(0)
+    report = _check(fn, [torch.randn(B, 3, T, D) for _ in range(3)], dynamic)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+
+
 def test_softmax_attention_is_not_linear_attention(fresh_dynamo):
     report = _check(softmax_attention, [torch.randn(B, T, D) for _ in range(3)], False)
     assert report.count("linear_attention") == 0 and not report.misses, str(report)
