@@ -215,6 +215,14 @@ SPELLINGS = {
         lambda m, x: F.silu((F.pad(m.proj(x).transpose(1, 2), (K - 1, 0)).unfold(-1, K, 1) * m.kernel[:, None, :])
                             .sum(-1).transpose(1, 2)),
         "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand: F.pad(h, (K-1, 0)).unfold(-1, K, 1) weighted by einsum('bctk,ck->bct', ·, w), + bias": (
+        lambda m, x: F.silu((torch.einsum("bctk,ck->bct", F.pad(m.proj(x).transpose(1, 2), (K - 1, 0)).unfold(-1, K, 1),
+                                          m.kernel) + m.conv.bias[:, None]).transpose(1, 2)),
+        "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand channels last: F.pad(h, (0, 0, K-1, 0)).unfold(1, K, 1) weighted by einsum('btck,ck->btc', ·, w)": (
+        lambda m, x: F.silu(torch.einsum("btck,ck->btc", F.pad(m.proj(x), (0, 0, K - 1, 0)).unfold(1, K, 1),
+                                         m.kernel)),
+        "linear → conv(K=4) → silu [B,T,D]"),
     "by hand: the windows summed in pairs, nn.Conv1d's own weight, + bias after, exp(clamp)": (
         lambda m, x: torch.exp(torch.clamp(F.silu(_hand_conv_in_pairs(m, m.proj(x).transpose(1, 2))).transpose(1, 2),
                                            max=5.0)),
