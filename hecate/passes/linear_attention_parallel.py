@@ -101,8 +101,12 @@ def _parallel_form(y: fx.Node) -> _Form | None:
     if sq is None or sq[-1] != sk[-1] or sk[:-1] != sv[:-1] or len(sv) > 4 or pa != _inverse(ps):
         return None  # (A is the masked score: the same layout)
     if sa[-1] != sa[-2]:
-        if score is a or not all(_symbolic(d) for d in (sa[-1], sa[-2])) or sq[:-2] != sk[:-2]:
-            return None  # no mask, or a cross-attention of other lengths
+        if score is a or sq[:-2] != sk[:-2]:
+            return None  # no mask: a cross-attention of other lengths
+        if not all(_symbolic(d) for d in (sa[-1], sa[-2])):
+            raise NotFused(f"its masked score is [..., {sa[-2]}, {sa[-1]}]: queries and keys of other lengths (a "
+                           "cache of earlier keys, say); the op's causal mask is over one length, T queries against "
+                           "the same T keys")
         raise NotFused(f"its score is [..., {sa[-2]}, {sa[-1]}]: torch.compile gave the queries' length and the keys' "
                        "two symbols (it saw no reason they are equal), so the mask on it cannot be proved causal "
                        "for every length; compile with dynamic=True, or give q and k one length by slicing both "

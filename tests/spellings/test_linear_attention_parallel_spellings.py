@@ -347,6 +347,20 @@ def test_lengths_given_two_symbols_are_reported(fresh_dynamo):
     assert_close("y", got, masked(k, v, q), TOL)
 
 
+def test_a_masked_score_over_queries_and_keys_of_other_lengths_is_reported(fresh_dynamo):
+    """Three queries against six keys (a cache of earlier keys), masked by tril with an offset: not the op's
+    causal mask over one length; reported, not silent."""
+    def cached(q, k, v):
+        return ((q @ k.mT) * torch.ones(q.shape[1], k.shape[1]).tril(k.shape[1] - q.shape[1])) @ v
+    q, k, v = torch.randn(B, 3, D), torch.randn(B, 6, D), torch.randn(B, 6, D)
+    got = torch.compile(cached, backend="hecate", options={"fallback": "eager"})(q, k, v)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 0, str(report)
+    [miss] = report.misses
+    assert "queries and keys of other lengths" in miss.reason and "[..., 3, 6]" in miss.reason, miss
+    assert_close("y", got, cached(q, k, v), TOL)
+
+
 def test_a_bound_on_the_score_is_reported_not_dropped(fresh_dynamo):
     """(q kᵀ).clamp(−10, 10): the same as q kᵀ at the random points checked, not at large scores; reported."""
     def clamped(k, v, q):
