@@ -221,6 +221,30 @@ def _product_operands(node: fx.Node, rank: int) -> tuple[fx.Node, fx.Node] | Non
     return x, strip_noops(y.args[0])
 
 
+_GATHERS = (aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor, aten.repeat.default,
+            aten.index.Tensor, aten.index_select.default)
+
+
+def _gathered_pairs(logits: fx.Node, n, depth: int = 24) -> fx.Node | None:
+    """A per-position tensor gathered into every pair, [..., N·N, K] (``mu.repeat_interleave(n, 1)``,
+    ``mu[:, ii]``), that the score [..., N, N] is computed from within ``depth`` ops, else None."""
+    seen, frontier = set(), [logits]
+    for _ in range(depth):
+        parents = []
+        for node in frontier:
+            for x in node.all_input_nodes:
+                if x in seen or x.op != "call_function":
+                    continue
+                seen.add(x)
+                shape = shape_of(x)
+                if x.target in _GATHERS and shape is not None and len(shape) >= 2 and x.meta["val"].is_floating_point() \
+                        and statically_known_true(shape[-2] == n * n):
+                    return x
+                parents.append(x)
+        frontier = parents
+    return None
+
+
 def _product_sides(node: fx.Node, rank: int, n) -> list[tuple[fx.Node, str]] | None:
     """[(x, "i"), ..., (y, "j"), ...] when ``node`` is a matrix product x @ yᵀ [*L, N, N] of per-position tensors
     x, y [*L, N, K]: those, and the per-position tensors [*L, N, ·] they are computed from, on their side."""
@@ -372,6 +396,12 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     logits, masks, peeled, added = _peel_masks(x)
     bases, shared, nodes, others = _score_inputs(logits, rank)
     if not any(sides == {"i", "j"} and len(shape_of(b)) == rank for b, sides in bases.items()):
+        gathered = _gathered_pairs(logits, shape[-1])
+        if gathered is not None:
+            raise NotFused(f"the pairs are gathered, not broadcast ({gathered.name}, {short(gathered.target)} to "
+                           f"{list(shape_of(gathered))}, then viewed as [N, N]): kl_attention reads a score of μ and "
+                           "σ² broadcast as [..., N, 1, K] against [..., 1, N, K] (or expanded to those and "
+                           "flattened), which fuses")
         return None  # not a score of broadcast pairs of features (e.g. q @ kᵀ): not this family
     if dim % rank != rank - 1:
         raise NotFused(f"softmax over dim {dim} of the {_dims(rank)} pairwise score does not normalise over "
@@ -679,15 +709,17 @@ def _allowed(masks, shape, size=size_hint) -> tuple[torch.Tensor, list]:
 
 
 def _run_time_mask(node: fx.Node, kind: str, shape) -> bool:
-    """Whether ``node`` is a bool mask read from the graph's inputs that the op can take at run time: the same
-    for every sequence and head (its leading dims 1), over the queries and keys (or the keys alone)."""
+    """Whether ``node`` is a bool mask read from the graph's inputs that the op can take at run time: over the
+    queries and keys (or the keys alone), the same for every sequence and head or one per sequence or head (a
+    key-padding mask [B, 1, N]), its leading dims 1 or the score's."""
     value = node.meta.get("val")
     if kind not in ("masked", "allowed") or not isinstance(value, torch.Tensor) or value.dtype != torch.bool \
             or not tensors_read([node]) or value.dim() > len(shape):
         return False
     lead, pairs = value.shape[:-2], value.shape[-2:]
     n = shape[-1]
-    return all(_is_one(d) for d in lead) and all(_is_one(d) or statically_known_true(d == n) for d in pairs)
+    return all(_is_one(d) or statically_known_true(d == s) for d, s in zip(reversed(lead), reversed(shape[:-2]))) \
+        and all(_is_one(d) or statically_known_true(d == n) for d in pairs)
 
 
 def _is_one(size) -> bool:
@@ -1380,9 +1412,12 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
     else:  # κ = c · t^power: the op's kappa · temperature, the power taken here (autograd carries it to t)
         kappa, run_time = score.kappa.scale, (temperature if score.kappa.power == 1 else 1.0 / temperature)
     allowed = None
-    for value, (_, kind) in zip(mask_values, score.run_time_masks):  # [.., N, N] or [N] (per key) → [N, N]
+    for value, (_, kind) in zip(mask_values, score.run_time_masks):
         value = value if kind == "allowed" else ~value
-        value = (value.reshape(value.shape[-2:]) if value.dim() >= 2 else value).expand(n, n)
+        if value.dim() <= 2 or all(s == 1 for s in value.shape[:-2]):  # [.., N, N] or [N] (per key) → [N, N]
+            value = (value.reshape(value.shape[-2:]) if value.dim() >= 2 else value).expand(n, n)
+        else:  # one per sequence (a key-padding mask [B, 1, N]) → the op's [B·H, N, N]
+            value = fold(value.expand(*lead, n, n))
         allowed = value if allowed is None else allowed & value
     allowed = None if allowed is None else allowed.contiguous()
     sums = torch.ops.hecate.kl_attention(fold(mean), fold(var), fold(v), fold(w), kappa, score.causal,
@@ -1390,12 +1425,13 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
     outputs = dict(zip(("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum"),
                        map(unfold, sums)))
     empty_rows, nan_scale = None, float("nan")
-    if allowed is not None:  # the rows with no allowed key, and whether there are any, known at run time
+    if allowed is not None:  # the rows with no allowed key, and in which sequences, known at run time
         keys = allowed_keys(n, score.causal, score.mask_diagonal, mean.device)
-        empty_rows = ~(allowed & keys).any(-1)
+        empty_rows = ~(allowed & keys).any(-1)  # [N], or [*L, N] with a mask per sequence
         if score.beta is not score.softmax:  # β zero-filled where the masks built from sizes mask: a row's NaN
             empty_rows = empty_rows & keys.any(-1)  # stays where they allow a key (the fill zeroes the rest)
-        nan_scale = torch.where(empty_rows.any(), float("nan"), 0.0).to(mean.dtype)
+        empty_rows = empty_rows if empty_rows.dim() == 1 else unfold(empty_rows)
+        nan_scale = torch.where(empty_rows.any(-1), float("nan"), 0.0).to(mean.dtype)
     elif score.empty_rows_nan:  # the softmax over no key is NaN: its row's sums, and every column sum
         empty_rows = torch.arange(n, device=mean.device) == 0 if score.causal else torch.ones(n, dtype=torch.bool,
                                                                                               device=mean.device)
@@ -1410,8 +1446,10 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
                            torch.where(empty_rows.unsqueeze(-1), feature, 0.0))
         if "kl" in term.output or "energy" in term.output or score.additive_mask:
             reached += [mean, var]
-        # (0, not NaN, where a mask read at run time leaves no row empty: nothing of NaN reaches a gradient)
-        return (sum(x.sum() for x in reached) if reached else mean.new_zeros(())) * nan_scale
+        # (0, not NaN, where a mask read at run time leaves no row empty: nothing of NaN reaches a gradient);
+        # per sequence: a sequence's NaN row reaches that sequence's values and beliefs alone
+        per_sequence = sum(x.flatten(len(lead)).sum(-1) for x in reached) if reached else mean.new_zeros(lead)
+        return (per_sequence * nan_scale)[..., None, None]
 
     for root in roots:
         total, nan = None, None

@@ -231,6 +231,7 @@ def test_opcheck(path):
         torch.library.opcheck(OP, (mu, var, rv, cv, 0.5, True, True, torch.tensor(1.7, requires_grad=True)))
         torch.library.opcheck(OP, (mu, var, rv, cv, 0.7, False, False, None, torch.ones(5, 5, dtype=torch.bool).tril()))
         torch.library.opcheck(OP, (mu, var, rv, cv, 0.7, False, False, None, _random_mask(5, 1)))
+        torch.library.opcheck(OP, (mu, var, rv, cv, 0.7, True, False, None, _per_sequence_mask(mu.shape[0], 5)))
 
 
 def _random_mask(n, seed):
@@ -239,16 +240,25 @@ def _random_mask(n, seed):
     return allowed
 
 
+def _per_sequence_mask(b, n):
+    """[B, N, N]: sequence b's keys before b + 1 padding (a key-padding mask, left padded: its first rows have no
+    allowed key under a causal mask)."""
+    keep = torch.arange(n) >= torch.arange(1, b + 1)[:, None]
+    return keep[:, None, :].expand(b, n, n).clone()
+
+
 @pytest.mark.parametrize("path", ["cpu", "triton"])
-@pytest.mark.parametrize("mask", ["causal", "causal_no_self", "random"])
+@pytest.mark.parametrize("mask", ["causal", "causal_no_self", "random", "causal_per_sequence", "per_sequence"])
 def test_mask_given_at_run_time(path, mask):
-    """``allowed`` [N, N]: a mask equal to one the kernels take runs them (as the flags would); any other runs the
-    matmul form. Every output and gradient against the broadcast reference with that mask, float64."""
+    """``allowed`` [N, N] or [B, N, N]: a mask equal to one the kernels take runs them (as the flags would); any
+    other runs the matmul form. Every output and gradient against the broadcast reference with that mask,
+    float64."""
     from hecate.lowering.kl_attention.naive import allowed_keys
 
     n = 19
     allowed = {"causal": allowed_keys(n, True, False), "causal_no_self": allowed_keys(n, True, True),
-               "random": _random_mask(n, 3)}[mask]
+               "random": _random_mask(n, 3), "causal_per_sequence": allowed_keys(n, True, False).expand(2, n, n),
+               "per_sequence": _per_sequence_mask(2, n) & allowed_keys(n, True, False)}[mask]
     mu, var, rv, cv = _inputs(2, n, 5, 3, 4)
     with _path(path):
         got = OP(mu, var, rv, cv, 0.7, False, False, None, allowed)
@@ -281,8 +291,11 @@ def test_mask_given_at_run_time_over_several_row_blocks():
 
 def test_mask_given_at_run_time_is_checked():
     mu, var, rv, cv = _inputs(1, 5, 2, 2, 3)
-    with pytest.raises(ValueError, match=r"allowed must be a bool \[N, N\] tensor with N = 5, got shape \(5, 4\)"):
+    with pytest.raises(ValueError, match=r"allowed must be a bool \[N, N\] or \[B, N, N\] tensor with B, N = 1, 5, "
+                                         r"got shape \(5, 4\)"):
         OP(mu, var, rv, cv, 1.0, False, False, None, torch.ones(5, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"got shape \(2, 5, 5\)"):
+        OP(mu, var, rv, cv, 1.0, False, False, None, torch.ones(2, 5, 5, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("path", ["cpu", "triton"])
@@ -324,7 +337,8 @@ class _Attention(torch.nn.Module):
         super().__init__()
         self.causal, self.mask_diagonal = causal, mask_diagonal
         self.temperature = torch.nn.Parameter(torch.tensor(1.3)) if learned_temperature else None
-        self.register_buffer("allowed", _random_mask(6, 2) if mask_buffer else None)
+        masks = {False: None, True: _random_mask(6, 2), "per_sequence": _per_sequence_mask(2, 6)}
+        self.register_buffer("allowed", masks[mask_buffer])
 
     def forward(self, mu, var, rv, cv):
         return OP(mu, var, rv, cv, 0.7, self.causal, self.mask_diagonal, self.temperature, self.allowed)
@@ -332,7 +346,7 @@ class _Attention(torch.nn.Module):
 
 @pytest.mark.parametrize("causal,mask_diagonal,learned_temperature,mask_buffer",
                          [(True, True, False, False), (False, False, False, False), (True, False, True, False),
-                          (False, False, False, True), (True, False, True, True)])
+                          (False, False, False, True), (True, False, True, True), (True, False, False, "per_sequence")])
 def test_onnx_translation_runs_in_onnxruntime(tmp_path, causal, mask_diagonal, learned_temperature, mask_buffer):
     args = tuple(t.detach() for t in _inputs(2, 6, 3, 2, 3))
     model = _Attention(causal, mask_diagonal, learned_temperature, mask_buffer)

@@ -97,7 +97,8 @@ def _fill(x: torch.Tensor, r0: int, mask: torch.Tensor, value: float) -> torch.T
 
 def _scores(qa, kb, r0: int, kappa, causal: bool, mask_diagonal: bool, dtype, masked=None):
     """(KL, β, lse) of the query rows r0.. with features ``qa`` [B, R, F] against the keys ``kb`` [B, C, F];
-    ``masked`` [N, N] bool (True: key j not allowed for query i) a mask of any pattern, besides the flags'.
+    ``masked`` [N, N] or [B, N, N] bool (True: key j not allowed for query i) a mask of any pattern, besides the
+    flags'.
 
     KL is formed in float64 with KL_ii = 0 exactly, then cast to ``dtype``; it is 0 at masked
     pairs (every use multiplies it by β, which is 0 there, even for a NaN or infinite belief).
@@ -112,7 +113,7 @@ def _scores(qa, kb, r0: int, kappa, causal: bool, mask_diagonal: bool, dtype, ma
         logits = _fill(logits, r0, square, float("-inf"))
         kl = _fill(kl, r0, square, 0.0)
     if masked is not None:  # anywhere in the tile: out of place
-        tile = masked[r0:r0 + rows, :kb.shape[1]]
+        tile = masked[..., r0:r0 + rows, :kb.shape[1]]
         logits, kl = logits.masked_fill(tile, float("-inf")), kl.masked_fill(tile, 0.0)
     m = logits.amax(-1, keepdim=True)
     if square is not None or masked is not None:
@@ -149,7 +150,7 @@ def row_blocks(n: int, causal: bool, rows: int | None = None) -> list[tuple[int,
 def forward(mu, var, row_values, col_values, kappa, causal: bool, mask_diagonal: bool,
             block_rows: int | None = None, masked=None):
     """The op's seven outputs in the matmul form (CPU path, and the ATen decomposition); κ a number or a 0-d
-    tensor (a temperature known at run time); ``masked`` [N, N] a mask of any pattern besides the flags'.
+    tensor (a temperature known at run time); ``masked`` [(B,) N, N] a mask of any pattern besides the flags'.
 
     The column sums are formed transposed, [B, D, N] = Σ over blocks of (values)ᵀ [B, D, rows] @ β [B, rows, keys]:
     the big matrix is never transposed, and each block's GEMM adds into the sums in place.

@@ -4,7 +4,7 @@ Spec (pure-fep-transformer.md §1.3, §3.2), for diagonal Gaussians q_i = N(μ_i
 
     KL_ij = KL(q_i ‖ q_j) = ½ Σ_k [log(v_jk / v_ik) + v_ik / v_jk + (μ_ik − μ_jk)² / v_jk − 1]
     β_ij  = softmax_j(−KL_ij / κ)            over the allowed keys j
-            (causal: j ≤ i; mask_diagonal: j ≠ i; allowed[i, j]: a mask given at run time)
+            (causal: j ≤ i; mask_diagonal: j ≠ i; allowed[(b,) i, j]: a mask given at run time)
 
 What the op returns (per batch b; V: row values [N, Dv], W: column values [N, Dw])::
 
@@ -48,7 +48,7 @@ def kl_pairwise(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
 
 def kl_attention_naive(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, col_values: torch.Tensor,
                        kappa: float, causal: bool, mask_diagonal: bool, allowed: torch.Tensor | None = None):
-    """The seven outputs of ``hecate.kl_attention`` (see the module docstring); ``allowed`` [N, N] a mask
+    """The seven outputs of ``hecate.kl_attention`` (see the module docstring); ``allowed`` [(B,) N, N] a mask
     known at run time, besides the flags'."""
     n = mu.shape[1]
     kl = kl_pairwise(mu, var)  # [B, N, N]

@@ -17,10 +17,12 @@ Schema::
                                temperature), without the stability bounds below for κ ≤ 0
     causal         key j allowed for query i only if j ≤ i
     mask_diagonal  key i never allowed for query i
-    allowed        [N, N] bool  a mask known at run time (a causal mask a model keeps in a buffer): key j
-                               allowed for query i only if allowed[i, j] too. Each call compares it with
-                               the kernels' masks (all keys, causal, no self, causal without self) and runs
-                               the kernels with the one it equals; any other mask runs the matmul form
+    allowed        [N, N] or [B, N, N] bool  a mask known at run time, the same for every sequence (a causal
+                               mask a model keeps in a buffer) or one per sequence (a key-padding mask):
+                               key j allowed for query i only if allowed[(b,) i, j] too. Each call compares
+                               it with the kernels' masks (all keys, causal, no self, causal without self)
+                               and runs the kernels with the one it equals; any other mask runs the matmul
+                               form
 
     β_ij           = softmax_j(−KL(q_i‖q_j)/κ) over the allowed keys
     row_sum        [B, N, Dv]  Σ_j β_ij V_j
@@ -85,15 +87,16 @@ def check_inputs(mu, var, row_values, col_values, kappa, temperature=None, allow
         if temperature.dim() != 0 or not temperature.dtype.is_floating_point:
             raise ValueError(f"kl_attention: temperature must be a 0-d floating tensor, got shape "
                              f"{tuple(temperature.shape)} and dtype {temperature.dtype}")
-    if allowed is not None and (allowed.dtype != torch.bool or allowed.shape != (mu.shape[1], mu.shape[1])):
-        raise ValueError(f"kl_attention: allowed must be a bool [N, N] tensor with N = {mu.shape[1]}, got shape "
-                         f"{tuple(allowed.shape)} and dtype {allowed.dtype}")
+    n = mu.shape[1]
+    if allowed is not None and (allowed.dtype != torch.bool or allowed.shape not in ((n, n), (mu.shape[0], n, n))):
+        raise ValueError(f"kl_attention: allowed must be a bool [N, N] or [B, N, N] tensor with B, N = "
+                         f"{mu.shape[0]}, {n}, got shape {tuple(allowed.shape)} and dtype {allowed.dtype}")
 
 
 def resolve_mask(n: int, causal: bool, mask_diagonal: bool, allowed: torch.Tensor | None
                  ) -> tuple[bool, bool, torch.Tensor | None]:
     """(causal, mask_diagonal, masked): the flags of the kernels' mask that the flags and ``allowed`` together
-    equal, masked None; else masked, the [N, N] pairs not allowed (True), for the matmul form. Reads the
+    equal, masked None; else masked, the [(B,) N, N] pairs not allowed (True), for the matmul form. Reads the
     mask's values (on a GPU, waits for it)."""
     if allowed is None:
         return causal, mask_diagonal, None
@@ -101,7 +104,7 @@ def resolve_mask(n: int, causal: bool, mask_diagonal: bool, allowed: torch.Tenso
 
     combined = allowed & allowed_keys(n, causal, mask_diagonal, allowed.device)
     for kind in ((False, False), (True, False), (False, True), (True, True)):
-        if torch.equal(combined, allowed_keys(n, *kind, allowed.device)):
+        if torch.equal(combined, allowed_keys(n, *kind, allowed.device).expand_as(combined)):
             return (*kind, None)
     return False, False, ~combined
 
