@@ -258,6 +258,10 @@ def a_squared_distance_multiplied_out(mu, var):  # RBF ‖μ_i‖² + ‖μ_j‖
     return torch.softmax(-0.5 * (sq[:, :, None] + sq[:, None, :] - 2 * torch.einsum("bik,bjk->bij", mu, mu)), -1) @ var
 
 
+def a_values_detached(mu, var):  # β read against detached means: their gradient comes through the score alone
+    return torch.softmax(-kl_spec(mu, var), -1) @ mu.detach()
+
+
 def a_keys_first_layout(mu, var):  # the score laid out [b, j, i], normalised over dim 1, read by einsum
     mi, mj, vi, vj = mu[:, None], mu[:, :, None], var[:, None], var[:, :, None]
     kl_t = 0.5 * (vi / vj + (mi - mj) ** 2 / vj - 1 + vj.log() - vi.log()).sum(-1)
@@ -317,7 +321,7 @@ ATTENTION = [
     (a_energy_of_the_zeroed_kl, _var),
     (a_logsumexp_beta, _var), (a_where_full_like_no_self, _var), (a_kl_masked_with_inf, _var),
     (a_kl_set_to_inf_by_item_assignment, _var), (a_multiplied_out_into_matrix_products, _logvar),
-    (a_squared_distance_multiplied_out, _var),
+    (a_squared_distance_multiplied_out, _var), (a_values_detached, _var),
     (a_keys_first_layout, _var), (a_log_determinants, _var), (a_log_determinants_of_log_variances, _logvar),
     (a_squared_distance, _var),
     (a_matmul_causal, _var), (a_einsum_where, _logvar), (a_bmm_full, _var), (a_broadcast_sum, _var),
@@ -504,6 +508,46 @@ def test_mask_passed_in_fuses_in_each_spelling_and_equals_eager(mask, empty_row,
     grads = torch.autograd.grad((got.nan_to_num(0.0) * weight).sum() + (got * 0).sum(), inputs)
     ref_grads = torch.autograd.grad((ref.nan_to_num(0.0) * weight).sum() + (ref * 0).sum(), ref_inputs)
     for name, g, r in zip(("mu", "var"), grads, ref_grads):
+        assert_close_nonfinite(f"d/d{name}", g, r, 1e-5)
+
+
+PADDING_READS = {
+    "values": lambda beta, mu, var, v: beta @ v,
+    "energy_and_columns": lambda beta, mu, var, v: torch.cat([(beta * kl_pairs(mu, var)).sum(-1, keepdim=True),
+                                                              beta.transpose(-1, -2) @ v], -1),
+}
+
+
+@pytest.mark.parametrize("heads", [False, True], ids=["one_head", "heads"])
+@pytest.mark.parametrize("read", list(PADDING_READS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_key_padding_mask_per_sequence_fuses_and_equals_eager(causal, read, heads, fresh_dynamo):
+    """A key-padding mask passed in [B, N] (keep[:, None, :], over heads keep[:, None, None, :]): one mask per
+    sequence. Left padding under a causal mask leaves the first rows of a sequence with no key: NaN there and
+    in that sequence's gradients, as eager gives, and nowhere else."""
+    def fn(mu, var, v, keep):
+        s = -kl_pairs(mu, var) / 0.8
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-1], s.shape[-1], dtype=torch.bool).tril(), float("-inf"))
+        pad = keep[:, None, None, :] if heads else keep[:, None, :]
+        return PADDING_READS[read](F.softmax(s.masked_fill(~pad, float("-inf")), -1), mu, var, v)
+
+    lead = (B, 2) if heads else (B,)
+    keep = torch.ones(B, N, dtype=torch.bool)
+    keep[0, :2] = False  # sequence 0 left padded by two tokens
+    keep[1, -1] = False  # sequence 1 right padded by one
+    args = [torch.randn(*lead, N, K), _var((*lead, N, K)), torch.randn(*lead, N, 4)]
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs, keep)
+    report = hecate.last_report()
+    assert report.count("kl_attention") == 1 and "mask read at run time" in report.fusions[0].detail, str(report)
+    ref = fn(*ref_inputs, keep)
+    assert torch.isnan(ref).any() == causal and torch.isfinite(ref[1:]).all()
+    assert_close_nonfinite("output", got, ref, 1e-5)
+    weight = torch.randn(ref.shape)
+    grads = torch.autograd.grad((got.nan_to_num(0.0) * weight).sum() + (got * 0).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref.nan_to_num(0.0) * weight).sum() + (ref * 0).sum(), ref_inputs)
+    for name, g, r in zip(("mu", "var", "values"), grads, ref_grads):
         assert_close_nonfinite(f"d/d{name}", g, r, 1e-5)
 
 
@@ -1137,6 +1181,13 @@ def m_cdist(mu, var):  # a squared distance by torch.cdist: reported with the br
     return torch.softmax(-0.5 * torch.cdist(z, z).pow(2), dim=-1) @ mu
 
 
+def m_pairs_gathered_by_repeat(mu, var):  # every pair gathered by repeat_interleave / repeat, summed, viewed [N, N]
+    b, n, k = mu.shape
+    mi, mj, vi, vj = mu.repeat_interleave(n, 1), mu.repeat(1, n, 1), var.repeat_interleave(n, 1), var.repeat(1, n, 1)
+    kl = 0.5 * (torch.log(vj / vi) + (vi + (mi - mj) ** 2) / vj - 1).sum(-1).view(b, n, n)
+    return torch.softmax(-kl, -1) @ mu
+
+
 def m_trace_by_einsum(mu, var):  # the Mahalanobis term per pair by einsum, the trace a matrix product
     prec, diff = var.reciprocal(), mu.unsqueeze(2) - mu.unsqueeze(1)
     maha = torch.einsum("bijk,bjk->bij", diff * diff, prec)
@@ -1201,6 +1252,7 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_difference_clipped, (), "but not at means of either sign and variances far from 1"),
     (m_cdist, (), "made by torch.cdist"),
     (m_trace_by_einsum, (), "contracted with the pair space by einsum 'bijk,bjk->bij'"),
+    (m_pairs_gathered_by_repeat, (), "the pairs are gathered, not broadcast"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
     (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
