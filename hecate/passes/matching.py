@@ -475,7 +475,10 @@ def check_gradients_flow(args: Sequence[Any], outputs: Sequence[fx.Node]) -> Non
     a loop body it calls: a fused op's backward would let them through. A detached constant stops
     nothing."""
     inputs = {a for a in pytree.tree_leaves(list(args)) if isinstance(a, fx.Node)}
-    for node in _differentiable_ancestors(outputs, inputs) - inputs:  # (a detached input stops its own gradient)
+    region, replaced = _differentiable_ancestors(outputs, inputs), set(outputs)
+    for node in region:
+        if node in inputs and all(u in replaced or u not in region for u in node.users):
+            continue  # a detached input read by the replaced outputs alone (β @ mu.detach()): the op reads it so
         stop = _gradient_stop(node, inputs)
         if stop is None:
             stop = next((s for body in _bodies(node) for s in (_gradient_stop(n, set(body.graph.find_nodes(

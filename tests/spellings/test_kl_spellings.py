@@ -1272,6 +1272,36 @@ def test_near_miss_is_reported_with_the_users_line(fn, extra, reason, fresh_dyna
     assert_close("output", compiled(mu, var, *extra), fn(mu, var, *extra), 1e-6)
 
 
+def _kl_with_keys(mu, var, mu_keys, var_keys):  # the KL with the key side read from other tensors
+    return 0.5 * (torch.log(var_keys.unsqueeze(1) / var.unsqueeze(2)) + (var.unsqueeze(2) + (
+        mu.unsqueeze(2) - mu_keys.unsqueeze(1)) ** 2) / var_keys.unsqueeze(1) - 1).sum(-1)
+
+
+DETACHED = {  # name: (β's values and the score, whether it fuses)
+    "values_detached": (lambda mu, var: torch.softmax(-_kl_with_keys(mu, var, mu, var), -1) @ mu.detach(), True),
+    "key_means_detached_and_read": (
+        lambda mu, var: torch.softmax(-_kl_with_keys(mu, var, mu.detach(), var), -1) @ mu.detach(), False),
+    "key_variances_detached_values_too": (
+        lambda mu, var: torch.softmax(-_kl_with_keys(mu, var, mu, var.detach()), -1) @ var.detach(), False),
+}
+
+
+@pytest.mark.parametrize("name", list(DETACHED))
+def test_detached_beliefs_give_the_gradients_eager_gives(name, fresh_dynamo):
+    """A detached tensor the fused op reads as it is (β @ mu.detach()) fuses; one the score reads too (the key
+    side from mu.detach(), then β @ mu.detach()) stops gradients inside the fusion and is reported (probe r10a:
+    it fused and the means' gradient was 0.73 off). Either way the gradients are eager's."""
+    fn, fuses = DETACHED[name]
+    args = [torch.randn(B, N, K), _var((B, N, K))]
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
+    report = hecate.last_report()
+    assert report.count("kl_attention") == int(fuses), str(report)
+    if not fuses:
+        assert any("gradients stop inside it" in m.reason for m in report.misses), str(report)
+    assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, 1e-5)
+
+
 def test_a_second_softmax_of_the_same_score_is_not_a_second_miss(fresh_dynamo):
     """Σβ·KL + κ Σβ·log β: the log_softmax beside β is the reason the pass gives, once, at the user's line."""
     def free_energy(mu, var):
