@@ -157,28 +157,19 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
     fuse_scans(gm, report, "linear_attention")
     report_unrolled_updates(gm, report, "linear_attention")
     fuse_parallel_forms(gm, report)
-    deferred = []  # the non-causal misses: the products may still be read by meaning
+    deferred = []  # the patterns' misses: the form may still be read by meaning below
     for form, normalise, with_m0, pattern in _forms():
         for match in find_matches(gm, pattern):  # a form's matches do not overlap
-            if form == "cumsum" and not normalise and not with_m0 and _heads_first(match):
-                continue  # the plain form over [B, H, T, D]: fuse_cumulated_forms reads it
             try:
                 _fuse(gm, match, pattern, form, normalise, with_m0, report)
             except NotFused as why:
-                miss = ("linear_attention", f"{_describe(form, normalise)}: {why}", match.where())
-                deferred.append((miss, match.outputs)) if form == "noncausal" else report.add_miss(*miss)
+                deferred.append((("linear_attention", f"{_describe(form, normalise)}: {why}", match.where()),
+                                 match.outputs))
     fuse_cumulated_forms(gm, report)  # the cumsum form in the layouts and reads the patterns do not spell
     fuse_noncausal_products(gm, report)  # the non-causal form by products the patterns do not spell
     for miss, outputs in deferred:
         if not any(node._erased for node in outputs):
             report.add_miss(*miss)
-
-
-def _heads_first(match: Match) -> bool:
-    """Whether the match's cumulative sum runs over dim 2 of [B, H, T, Dv, Dk] states."""
-    cumsum = next(n for n in match.nodes if n.target is aten.cumsum.default)
-    shape = cumsum.meta["val"].shape
-    return len(shape) == 5 and cumsum.args[1] % 5 == 2
 
 
 def _fuse(gm: fx.GraphModule, match: Match, pattern: fx.Graph, form: str, normalise: bool, with_m0: bool,

@@ -42,17 +42,29 @@ _SEARCH = 12  # ops between the score product and the masked score: a mask is a 
 
 
 def fuse_parallel_forms(gm: fx.GraphModule, report: FusionReport) -> None:
-    for y in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _PRODUCTS + (aten.einsum.default,)]:
-        if y._erased or not y.users:
+    def recognise(y):
+        form = _parallel_form(y)
+        return None if form is None else (form,)
+    _fuse_each(gm, report, _products(gm), recognise, _fuse, "linear attention in its parallel form (φ(Q)φ(K)ᵀ ⊙ D) V")
+
+
+def _products(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _PRODUCTS + (aten.einsum.default,)]
+
+
+def _fuse_each(gm: fx.GraphModule, report: FusionReport, candidates: list[fx.Node], recognise, fuse,
+               what: str) -> None:
+    """``fuse(gm, node, *found, report)`` for each candidate node ``recognise`` finds a form at (None: not this
+    family); a reason either gives is a near-miss."""
+    for node in candidates:
+        if node._erased or not node.users:
             continue  # erased by an earlier fusion
         try:
-            form = _parallel_form(y)
-            if form is None:
-                continue
-            _fuse(gm, y, form, report)
+            found = recognise(node)
+            if found is not None:
+                fuse(gm, node, *found, report)
         except NotFused as why:
-            report.add_miss("linear_attention", f"linear attention in its parallel form (φ(Q)φ(K)ᵀ ⊙ D) V: {why}",
-                            nodes=[y])
+            report.add_miss("linear_attention", f"{what}: {why}", nodes=[node])
 
 
 def _shape(node) -> tuple | None:
@@ -513,32 +525,16 @@ def fuse_cumulated_forms(gm: fx.GraphModule, report: FusionReport) -> None:
     with m0, a normaliser or the last state read) is fused there first; this takes the other
     layouts and reads of the plain form. k, v, q are [B, T, D], [B, T, H, D] or [B, H, T, D] (the
     cumulative sum then over dim 2)."""
-    for cumsum in list(gm.graph.find_nodes(op="call_function", target=aten.cumsum.default)):
-        if cumsum._erased:
-            continue
-        found = _cumulated_form(cumsum)
-        if found is None:
-            continue
-        try:
-            _fuse_cumulated(gm, cumsum, *found, report)
-        except NotFused as why:
-            report.add_miss("linear_attention", f"causal M_t = Σ_{{s≤t}} v_s k_sᵀ by cumsum: {why}", nodes=[cumsum])
+    _fuse_each(gm, report, list(gm.graph.find_nodes(op="call_function", target=aten.cumsum.default)),
+               _cumulated_form, _fuse_cumulated, "causal M_t = Σ_{s≤t} v_s k_sᵀ by cumsum")
 
 
 def fuse_noncausal_products(gm: fx.GraphModule, report: FusionReport) -> None:
     """``φ(Q) (φ(K)ᵀ V)`` by two products in any spelling (``q @ (k.mT @ v)``, einsums over [B, H, T, D]) → the
     op's non-causal form, recognised by evaluating the read against the formula. k, v, q are [*L, T, D] with time
     next to the features (the [B, T, H, D] einsums the pattern pass reads are fused there first)."""
-    for read in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _PRODUCTS + (aten.einsum.default,)]:
-        if read._erased or not read.users:
-            continue
-        found = _noncausal_product(read)
-        if found is None:
-            continue
-        try:
-            _fuse_noncausal(gm, read, *found, report)
-        except NotFused as why:
-            report.add_miss("linear_attention", f"non-causal φ(Q)(φ(K)ᵀV) by matrix products: {why}", nodes=[read])
+    _fuse_each(gm, report, _products(gm), _noncausal_product, _fuse_noncausal,
+               "non-causal φ(Q)(φ(K)ᵀV) by matrix products")
 
 
 def _operands(node: fx.Node) -> list:

@@ -41,7 +41,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import fx
@@ -301,6 +301,7 @@ class Recurrence:
     per_step: dict[str, PerStep] = field(default_factory=dict)  # k, v, q [*lead, D]; alpha, eta [*lead]
     params: dict[str, float] = field(default_factory=dict)
     read_before_update: bool = False  # y_t reads M_{t−1} (retrieve, then write) instead of M_t
+    read_node: fx.Node | None = None  # the read, where the step's output is a per-step function of it
     generated: set = field(default_factory=set)  # the nodes of g(e) where the op generates it from them
 
     @property
@@ -423,14 +424,13 @@ def _first_fit(b: _Body, candidates: list[int]) -> Recurrence | NotFused | None:
     return why
 
 
-def _analyse_state(b: _Body, m: int) -> Recurrence:
-    M_in, M_out, y = b.carries[m], b.carry_out[m], b.ys[0]
+def _find_read(b: _Body, m: int, y: fx.Node, q_norm: float, lq_eps: float) -> tuple | None:
+    """((layout, q, z index, eps), read before the update) when ``y`` = read(W_new, q) for one per-step q, in
+    one layout (or normalised by z·q + eps), or (plain) read(M_old, q); else None."""
+    M_in, M_out = b.carries[m], b.carry_out[m]
     Mv = b.env[M_in]
     lead, (A, C) = tuple(Mv.shape[:-2]), tuple(Mv.shape[-2:])
-    q_norm, lq_eps, W_in = _state_transform(b, m)
     W_out_val = _lq(b.env[M_out], q_norm, lq_eps)
-    # the read: y = read(W_new, q) for one per-step q, in one layout (or normalised by z·q + eps)
-    read = None
     for layout, d_in, d_out in (("vk", C, A), ("kv", A, C)):
         y_val = _as(b.env[y], lead + (d_out,))
         if y_val is None:
@@ -438,25 +438,63 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
         for qn in b.per_step_nodes(lead + (d_in,)):
             r = _read(W_out_val, _as(b.env[qn], lead + (d_in,)), layout)
             if _close(y_val, r):
-                read = (layout, qn, None, None)
-                break
+                return (layout, qn, None, None), False
             normalised = _normaliser(b, m, r, y_val, _as(b.env[qn], lead + (d_in,)), b.env)
             if normalised is not None:
-                read = (layout, qn) + normalised
-                break
-        if read:
-            break
-    before = False
-    if read is None and q_norm == 2.0:  # retrieve, then write: y_t = M_{t−1}·q_t
-        read = _plain_read(b, b.env[M_in], lead, A, C)
-        before = read is not None
-    if read is None:
+                return (layout, qn) + normalised, False
+    if q_norm == 2.0:  # retrieve, then write: y_t = M_{t−1}·q_t
+        read = _plain_read(b, y, b.env[M_in], lead, A, C)
+        if read is not None:
+            return read, True
+    return None
+
+
+def _read_then_per_step(b: _Body, m: int, q_norm: float, lq_eps: float) -> tuple | None:
+    """(read node, its read) when the step's output is a per-step function of a plain read of the memory and of
+    per-step inputs alone (y_t = W_o (M q_t), LayerNorm(M q_t), silu(M q_t) + q_t): the op reads, the function
+    runs after it, step by step."""
+    y = b.ys[0]
+    for n in reversed(b.compute):
+        if n is y or b.depends[n] != {m} or n not in b.between(b.carries[m], [y]) or not _only_through(b, y, n):
+            continue
+        found = _find_read(b, m, n, q_norm, lq_eps)
+        if found is not None and found[0][2] is None:
+            return n, found
+    return None
+
+
+def _only_through(b: _Body, y: fx.Node, via: fx.Node) -> bool:
+    """Whether ``y`` reads the loop's carries only through ``via``."""
+    return not _upstream(y, via) & set(b.carries)
+
+
+def _upstream(y: fx.Node, via: fx.Node) -> set[fx.Node]:
+    """``y`` and what it is computed from, not looking past ``via``."""
+    seen, stack = {y}, [y]
+    while stack:
+        for i in stack.pop().all_input_nodes:
+            if i not in seen and i is not via:
+                seen.add(i)
+                stack.append(i)
+    return seen
+
+
+def _analyse_state(b: _Body, m: int) -> Recurrence:
+    M_in, M_out = b.carries[m], b.carry_out[m]
+    Mv = b.env[M_in]
+    lead, (A, C) = tuple(Mv.shape[:-2]), tuple(Mv.shape[-2:])
+    q_norm, lq_eps, W_in = _state_transform(b, m)
+    found, read_node = _find_read(b, m, b.ys[0], q_norm, lq_eps), None
+    if found is None and (after := _read_then_per_step(b, m, q_norm, lq_eps)) is not None:
+        read_node, found = after
+    if found is None:
         raise NotFused("the per-step output is not the memory read y = M·q of the new or the old state, nor "
-                       "y / (z·q + eps) of the new state, for any per-step input q (a normalised read fuses "
-                       "after the write, not before it)")
-    layout, qn, z_index, norm_eps = read
+                       "y / (z·q + eps) of the new state, nor a function of such a read and the step's inputs "
+                       "alone, for any per-step input q (a normalised read fuses after the write, not before it)")
+    (layout, qn, z_index, norm_eps), before = found
     dv, dk = (A, C) if layout == "vk" else (C, A)
-    rec = Recurrence("lp", layout, lead, dv, dk, m, params={"q_norm": q_norm}, read_before_update=before)
+    rec = Recurrence("lp", layout, lead, dv, dk, m, params={"q_norm": q_norm}, read_before_update=before,
+                     read_node=read_node)
     rec.per_step["q"] = PerStep(1.0, [qn])
     # M_out = Σ terms: a·M (retention), the update, and with momentum the new buffer c·S (any number c ≠ 0:
     # M ← a·M − S with S ← β·S + η·g kᵀ, as torch.optim.SGD writes it, is the op's S' = c·S)
@@ -515,10 +553,10 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
     return rec
 
 
-def _plain_read(b: _Body, W: torch.Tensor, lead: tuple, A: int, C: int) -> tuple | None:
-    """(layout, q, None, None) when the step's output is read(W, q) for a per-step q, else None."""
+def _plain_read(b: _Body, y: fx.Node, W: torch.Tensor, lead: tuple, A: int, C: int) -> tuple | None:
+    """(layout, q, None, None) when ``y`` is read(W, q) for a per-step q, else None."""
     for layout, d_in, d_out in (("vk", C, A), ("kv", A, C)):
-        y_val = _as(b.env[b.ys[0]], lead + (d_out,))
+        y_val = _as(b.env[y], lead + (d_out,))
         if y_val is None:
             continue
         for qn in b.per_step_nodes(lead + (d_in,)):
@@ -578,49 +616,52 @@ def _hebbian(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, z_index
     """update = b·outer(v, k): find v and k among the factors; with a normaliser z ← a·z + k."""
     rec.kind = "hebbian"
     M_out = b.env[b.carry_out[rec.state]] - keep.value(b.env, rec.lead)[..., None, None] * b.env[b.carries[rec.state]]
-    factors = update.factors
+    factors, written = update.factors, False
     for vn, kn in itertools.permutations(factors, 2):
-        if _as(b.env[vn], rec.lead + (rec.dv,)) is None or _as(b.env[kn], rec.lead + (rec.dk,)) is None:
+        if _as(b.env[vn], rec.lead + (rec.dv,)) is None or _as(b.env[kn], rec.lead + (rec.dk,)) is None \
+                or not all(_is_gate(b.env[d], rec.lead) for d in update.divisors):
             continue
         rest = [f for f in factors if f is not vn and f is not kn]
-        if not all(_is_gate(b.env[d], rec.lead) for d in update.divisors):
-            continue
-        found = _outer_roles(b, rec, M_out, PerStep(update.coef, [vn], update.divisors), PerStep(1.0, [kn]), rest)
-        if found is not None:  # b folds into v: linear_attention adds v kᵀ
-            rec.per_step["v"], rec.per_step["k"] = found
-            rec.per_step["alpha"] = keep
-            break
-    else:
-        others = [f for f in factors if _as(b.env[f], rec.lead + (rec.dk,)) is None
-                  and _as(b.env[f], rec.lead + (rec.dv,)) is None and not _is_gate(b.env[f], rec.lead)]
-        raise NotFused("the update adds a term that is not an outer product of two per-step vectors b·v kᵀ" + (
-            f" (its factor {others[0].name}, of shape {list(b.env[others[0]].shape)}, is neither a per-step vector, "
-            "nor one number per head, nor a vector every step shares that scales the key or the value by feature)"
-            if others else ""))
-    if z_index is not None:
-        z_in, z_out = b.carries[z_index], b.carry_out[z_index]
-        z = _as(b.env[z_out], rec.lead + (rec.dk,))
-        decayed = keep.value(b.env, rec.lead)[..., None] * _as(b.env[z_in], rec.lead + (rec.dk,))
-        # the write strength b on the key's side when z sums it too (mLSTM: C ← f·C + v (i·k)ᵀ, n ← f·n + i·k)
-        v_factors, k_factors = rec.per_step["v"], rec.per_step["k"]
-        strong_key = PerStep(v_factors.coef, k_factors.factors + v_factors.factors[1:], v_factors.divisors,
-                             features=k_factors.features)
-        for key, value in ((k_factors, v_factors),
-                           (strong_key, PerStep(1.0, v_factors.factors[:1], features=v_factors.features))):
-            if _close(z, decayed + key.value(b.env, rec.lead, rec.dk)):
-                rec.per_step["k"], rec.per_step["v"] = key, value
-                break
-        else:
-            raise NotFused("the normaliser is not z ← a·z + k with the memory's decay a and the key k the memory "
-                           "writes (b·k, where the write v (b·k)ᵀ has a strength b)")
-        rec.normaliser_state, rec.params["eps"] = z_index, eps
+        for v, k in _outer_roles(b, rec, M_out, PerStep(update.coef, [vn], update.divisors), PerStep(1.0, [kn]), rest):
+            written = True  # b folds into v: linear_attention adds v kᵀ
+            roles = (v, k) if z_index is None else _summed_key(b, rec, keep, z_index, v, k)
+            if roles is not None:
+                rec.per_step["v"], rec.per_step["k"] = roles
+                rec.per_step["alpha"] = keep
+                if z_index is not None:
+                    rec.normaliser_state, rec.params["eps"] = z_index, eps
+                return
+    if written:
+        raise NotFused("the normaliser is not z ← a·z + k with the memory's decay a and the key k the memory "
+                       "writes (b·k, where the write v (b·k)ᵀ has a strength b)")
+    others = [f for f in factors if _as(b.env[f], rec.lead + (rec.dk,)) is None
+              and _as(b.env[f], rec.lead + (rec.dv,)) is None and not _is_gate(b.env[f], rec.lead)]
+    raise NotFused("the update adds a term that is not an outer product of two per-step vectors b·v kᵀ" + (
+        f" (its factor {others[0].name}, of shape {list(b.env[others[0]].shape)}, is neither a per-step vector, "
+        "nor one number per head, nor a vector every step shares that scales the key or the value by feature)"
+        if others else ""))
+
+
+def _summed_key(b: _Body, rec: Recurrence, keep: PerStep, z_index: int, v: PerStep,
+                k: PerStep) -> tuple[PerStep, PerStep] | None:
+    """(v, k) such that the normaliser is z ← a·z + k, the write strength b on the key's side when z sums it too
+    (mLSTM: C ← f·C + v (i·k)ᵀ, n ← f·n + i·k); None if neither reading is."""
+    z_in, z_out = b.carries[z_index], b.carry_out[z_index]
+    z = _as(b.env[z_out], rec.lead + (rec.dk,))
+    decayed = keep.value(b.env, rec.lead)[..., None] * _as(b.env[z_in], rec.lead + (rec.dk,))
+    strong_key = PerStep(v.coef, k.factors + v.factors[1:], v.divisors, features=k.features)
+    for key, value in ((k, v), (strong_key, PerStep(1.0, v.factors[:1], features=v.features))):
+        if z is not None and _close(z, decayed + key.value(b.env, rec.lead, rec.dk)):
+            return value, key
+    return None
 
 
 def _outer_roles(b: _Body, rec: Recurrence, M_out: torch.Tensor, v: PerStep, k: PerStep,
-                 rest: list[fx.Node]) -> tuple[PerStep, PerStep] | None:
-    """(v, k) with each of the update's ``rest`` factors taken as a gate (into v) or as a feature of v or of k,
-    such that M_out = outer(v, k); None if no reading is. A vector of as many numbers as there are heads may be
-    either, and only evaluation tells which (each factor's readings are few: at most 3 such factors)."""
+                 rest: list[fx.Node]) -> Iterator[tuple[PerStep, PerStep]]:
+    """Each (v, k) with each of the update's ``rest`` factors taken as a gate (into v) or as a feature of v or of
+    k, such that M_out = outer(v, k). A vector of as many numbers as there are heads may be either, and only
+    evaluation tells which (each factor's readings are few: at most 3 such factors); a normaliser tells on which
+    side a per-head scale is (z sums the key)."""
     readings = []
     for f in rest:
         value = b.env[f]
@@ -628,10 +669,10 @@ def _outer_roles(b: _Body, rec: Recurrence, M_out: torch.Tensor, v: PerStep, k: 
             ([("feature", v)] if _is_feature(value, rec.lead + (rec.dv,)) else []) + \
             ([("feature", k)] if _is_feature(value, rec.lead + (rec.dk,)) else [])
         if not roles:
-            return None
+            return
         readings.append(roles)
     if sum(len(r) > 1 for r in readings) > 3:
-        return None
+        return
     for reading in itertools.product(*readings):
         vv = PerStep(v.coef, list(v.factors), list(v.divisors), features=list(v.features))
         kk = PerStep(k.coef, list(k.factors), list(k.divisors), features=list(k.features))
@@ -639,8 +680,7 @@ def _outer_roles(b: _Body, rec: Recurrence, M_out: torch.Tensor, v: PerStep, k: 
             target = vv if side is v else kk
             (target.factors if role == "gate" else target.features).append(f)
         if _close(M_out, _outer(vv.value(b.env, rec.lead, rec.dv), kk.value(b.env, rec.lead, rec.dk), rec.layout)):
-            return vv, kk
-    return None
+            yield vv, kk
 
 
 def _error(b: _Body, rec: Recurrence, W: torch.Tensor) -> tuple | None:
@@ -853,6 +893,8 @@ def _no_bound_dropped(b: _Body, rec: Recurrence) -> None:
     for value in rec.per_step.values():
         for node in value.nodes:
             kept |= _ancestors(node)
+    if rec.read_node is not None:  # what the output computes from the read runs as the body computes it
+        kept |= _upstream(b.ys[0], rec.read_node)
     dropped = first_threshold((n for n in b.compute if n not in kept), b.env)
     if dropped is not None:
         raise NotFused(bound_reason(dropped, f"the step (a {rec.name} step at sample points)"))
@@ -897,7 +939,7 @@ def _verify(b: _Body, rec: Recurrence) -> None:
             M_new = (1 - alpha) * M - eta * U
         y = (_lq(M if rec.read_before_update else M_new, qn, eps) @ q.unsqueeze(-1)).squeeze(-1)
     expect[b.carry_out[rec.state]] = M_new.transpose(-1, -2) if rec.layout == "kv" else M_new
-    expect[b.ys[0]] = y
+    expect[rec.read_node or b.ys[0]] = y
     for node, value in expect.items():
         got = _as(env[node], tuple(value.shape))
         if got is None or not _close(got, value):
@@ -1054,9 +1096,6 @@ def _per_step_shape(rec: Recurrence, role: str, M: torch.Tensor) -> tuple:
 
 def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> fx.Node:
     """Emit, before ``node``, the [T, *shape] tensor of a per-step value: its body subgraph vmapped over T."""
-    from torch._guards import detect_fake_mode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     per_step = rec.per_step[role]
     body_gm = getattr(gm, node.args[0].target)
     body = body_gm.graph
@@ -1072,34 +1111,45 @@ def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> 
         like = env.get(like_node) if like_node in env else values[0]
         return per_step.value(env, *_per_step_shape(rec, role, M), like=like)
 
+    in_dims = tuple([0] * len(xs) + [None] * (len(invariants) + 1))
+    with gm.graph.inserting_before(node):
+        return _vmapped(gm, one_step, outer, in_dims, "a per-step input of the memory")[0]
+
+
+def _vmapped(gm: fx.GraphModule, step: Any, outer: list[fx.Node], in_dims: tuple, what: str) -> tuple[Any, list]:
+    """(the node of ``torch.vmap(step, in_dims)(*outer)``, the nodes emitted for it) at the graph's insertion
+    point: traced under the graph's fake mode (vmap is not traceable pre-dispatch) and copied in."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     fake_vals = [n.meta["val"] for n in outer]
     fake_mode = detect_fake_mode([v for v in fake_vals if isinstance(v, torch.Tensor)])
-    in_dims = tuple([0] * len(xs) + [None] * (len(invariants) + 1))
     try:
         with fake_mode:
-            traced = make_fx(torch.vmap(one_step, in_dims=in_dims))(*fake_vals)  # vmap: not traceable pre-dispatch
+            traced = make_fx(torch.vmap(step, in_dims=in_dims))(*fake_vals)
     except (RuntimeError, TypeError, ValueError) as why:
-        raise NotFused(f"a per-step input of the memory could not be computed for all steps at once "
+        raise NotFused(f"{what} could not be computed for all steps at once "
                        f"({type(why).__name__}: {str(why).splitlines()[0] if str(why) else ''})") from None
     env: dict[fx.Node, Any] = {}
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env.update(zip(placeholders, outer))
     graph = gm.graph
-    result = None
-    with graph.inserting_before(node):
-        for n in traced.graph.nodes:
-            if n.op == "call_function":
-                env[n] = graph.node_copy(n, lambda a: env[a])
-            elif n.op == "get_attr":  # a constant the step holds (torch.tensor(1e-6)): one of gm's too
-                name = free_attribute(gm, n.target)
-                gm.register_buffer(name, getattr(traced, n.target), persistent=False)
-                env[n] = graph.get_attr(name)
-                env[n].meta = dict(n.meta)
-            elif n.op == "output":
-                result = fx.node.map_arg(n.args[0], lambda a: env[a])
+    result, emitted = None, []
+    for n in traced.graph.nodes:
+        if n.op == "call_function":
+            env[n] = graph.node_copy(n, lambda a: env[a])
+            emitted.append(env[n])
+        elif n.op == "get_attr":  # a constant the step holds (torch.tensor(1e-6)): one of gm's too
+            name = free_attribute(gm, n.target)
+            gm.register_buffer(name, getattr(traced, n.target), persistent=False)
+            env[n] = graph.get_attr(name)
+            env[n].meta = dict(n.meta)
+            emitted.append(env[n])
+        elif n.op == "output":
+            result = fx.node.map_arg(n.args[0], lambda a: env[a])
     if isinstance(result, (list, tuple)):
         (result,) = result
-    return result
+    return result, emitted
 
 
 def _is_one(size: Any) -> bool:
@@ -1203,10 +1253,32 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
     if not read:
         raise NotFused("no result of the scan is read")
     y_ones = [_is_one(s) for s in read["y"].meta["val"].shape] if "y" in read else None
+    if rec.read_node is not None and "y" in read:  # the op gives the reads; the output's function follows
+        y_ones = [_is_one(read["y"].meta["val"].shape[0])] + [_is_one(s) for s in rec.read_node.meta["val"].shape]
     names = list(inputs)
     fused = _fused_recurrence(rec, names, initial, y_ones, set(read))
-    replace_with_function(gm, [node, *results.values()], fused, [inputs[n] for n in names],
-                          outputs=list(read.values()))
+    body = getattr(gm, node.args[0].target)
+    new = replace_with_function(gm, [node, *results.values()], fused, [inputs[n] for n in names],
+                                outputs=list(read.values()))
+    if rec.read_node is not None and "y" in read:
+        _after_the_reads(gm, body.graph, n_carries, list(xs), list(invariants), rec, new[list(read).index("y")])
+
+
+def _after_the_reads(gm: fx.GraphModule, body: fx.Graph, n_carries: int, xs: list, invariants: list,
+                     rec: Recurrence, reads: fx.Node) -> None:
+    """The step's output computed from the op's reads [T, ...] and the step's inputs, step by step (vmapped)."""
+    inputs = [n for n in body.nodes if n.op == "placeholder"][n_carries:]
+    y = list(body.output_node().args[0])[n_carries]
+    upto = _upstream(y, rec.read_node)
+
+    def one_step(read_t, *values):
+        return _evaluate(body, dict(zip(inputs, values)), {rec.read_node: read_t}, upto=upto)[y]
+
+    with gm.graph.inserting_before(reads.next):
+        out, emitted = _vmapped(gm, one_step, [reads, *xs, *invariants],
+                                tuple([0] * (1 + len(xs)) + [None] * len(invariants)), "the step's output")
+    inside = set(emitted)
+    reads.replace_all_uses_with(out, delete_user_cb=lambda user: user not in inside)
 
 
 # ---------------------------------------------------------------- memory updates left unrolled
