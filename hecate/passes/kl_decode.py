@@ -178,7 +178,7 @@ def _recognise(logits: fx.Node) -> _Decode | None:
         priors += [x for x in sources if x not in priors]
     priors = [x for x in priors if x not in numbers]
     if any(size_hint(shape_of(x)[-1]) not in (k, 1) for x in priors) \
-            or len(queries) + len(priors) < 3:  # means and a variance on each side
+            or len(queries) + len(priors) < 2:  # means on each side (a variance each, or unit ones)
         return None
     decode = _match(logits, queries, priors + scalars, k, v, shape)
     if decode is not None:
@@ -333,8 +333,10 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
         prior_mu = next(values)
         prior_scale = None if d.prior_scale is None else next(values)
         k = mu.shape[-1]
-        # a variance shared by the positions: its gradient sums
-        var = (_UNIT[d.param](mu) if scale is None else VARIANCE_FROM[d.param](scale)).expand_as(mu)
+        var = _UNIT[d.param](mu) if scale is None else VARIANCE_FROM[d.param](scale)
+        # one per position, flattened as the logits' rows are (mu.reshape(-1, 1, K) and var.mT.reshape(-1, 1, K):
+        # row i of each), or shared by the positions (its gradient sums)
+        var = var.reshape(mu.shape) if var.numel() == mu.numel() else var.expand_as(mu)
         prior_var = _UNIT[d.prior_param](prior_mu) if prior_scale is None else VARIANCE_FROM[d.prior_param](prior_scale)
         # a prior variance shared by the tokens ([1, K], [K], 0-d) broadcast to [V, K]: its gradient sums back
         return mu.reshape(-1, k), var.reshape(-1, k), prior_mu, prior_var.to(prior_mu.dtype).expand_as(prior_mu)
