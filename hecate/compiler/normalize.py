@@ -15,7 +15,8 @@ whole graph and the body of every ``scan`` in it in this form:
   ``y[..., :T].unsqueeze(2)``), so a conv's causal slice sits by the conv;
 * a reshape or view to the shape it already has (``h.view(B, T, D)`` of an h [B, T, D]) → h;
   ``swapaxes`` / ``swapdims`` / ``movedim`` / ``moveaxis`` → the ``permute`` they are;
-* ``x.unbind(d)[t]`` → ``x.select(d, t)`` where it is read (:func:`unbind_as_selects`);
+* ``x.unbind(d)[t]`` → ``x.select(d, t)`` where it is read (:func:`unbind_as_selects`); the pieces of a tensor
+  unpacked along dim 0 (``q, k, v = x``) made together (:func:`unpacked_pieces_together`);
 * ``narrow(x, d, s, n)`` → ``slice(x, d, s, s + n)``; a slice of a whole dim (``x[:, t]`` under
   torch.export leaves ``slice(x, 0, 0, END)`` before the select) → ``x``;
 * a product with nothing summed is a broadcast multiply: ``matmul``/``bmm`` whose
@@ -67,7 +68,7 @@ import bisect
 import contextlib
 import math
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx
@@ -298,6 +299,7 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
         float_inputs_as_tensors(graph)
         fold_scalar_constants(graph)
         unbind_as_selects(graph)
+        unpacked_pieces_together(graph)
         slot_writes_as_stacks(graph)
         functionalize(graph)
     merges = common_subexpressions(graph, apart=_step_slice)
@@ -363,7 +365,7 @@ def _has_captured_spellings(graph: fx.Graph) -> bool:
     return any(n.op == "call_method" and n.target == "item" or n.op != "placeholder" and n.target in _UNBINDS
                or n.op == "call_function" and n.target is operator.setitem
                or n.op == "call_function" and n.target in _SCALAR_ARITHMETIC and not n.all_input_nodes
-               for n in graph.nodes)
+               for n in graph.nodes) or any(True for _ in _unpacked_apart(graph))
 
 
 # arithmetic a Python float and a 0-d float64 tensor enter alike (ATen wraps a Python float as one)
@@ -450,11 +452,7 @@ def unbind_as_selects(graph: fx.Graph) -> None:
         if not isinstance(dim, int) or len(node.args) > 2 or set(node.kwargs) - {"dim"} \
                 or not all(u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users):
             continue
-        read = sorted((p for p in node.users if p.users), key=lambda p: p.args[1])
-        # the steps read their pieces alike, one after the other (q, k, v = x.unbind(2), then relu(q), relu(k) and
-        # v read at every step, are no steps: v stays with the others)
-        per_step = all(max(order[u] for u in a.users) < min(order[u] for u in b.users) for a, b in zip(read, read[1:])) \
-            and len({tuple(sorted(str(u.target) for u in p.users)) for p in read}) == 1
+        per_step = _read_step_by_step(sorted((p for p in node.users if p.users), key=lambda p: p.args[1]), order)
         for piece in list(node.users):
             if not piece.users:
                 continue
@@ -470,6 +468,43 @@ def unbind_as_selects(graph: fx.Graph) -> None:
             for piece in list(node.users):
                 graph.erase_node(piece)
             graph.erase_node(node)
+
+
+def _read_step_by_step(pieces: list[fx.Node], order: dict[fx.Node, int]) -> bool:
+    """Whether the pieces of one tensor (in index order) are read one after the other, each alike, as the steps
+    of a loop read theirs (q, k, v = x.unbind(2), then relu(q), relu(k) and v read at every step, are no steps)."""
+    return all(max(order[u] for u in a.users) < min(order[u] for u in b.users) for a, b in zip(pieces, pieces[1:])) \
+        and len({tuple(sorted(str(u.target) for u in p.users)) for p in pieces}) == 1
+
+
+def unpacked_pieces_together(graph: fx.Graph) -> None:
+    """``q, k, v = x`` (a tensor unpacked along dim 0: Dynamo takes each ``x[i]`` where it is first read) → the
+    pieces made together after x, as an unbind's are, unless each step of a loop reads its own piece. Exact:
+    the same views, taken earlier from a tensor nothing writes."""
+    for node, pieces in list(_unpacked_apart(graph)):
+        anchor = node
+        for piece in pieces:
+            anchor.append(piece)
+            anchor = piece
+
+
+def _unpacked_apart(graph: fx.Graph) -> Iterator[tuple[fx.Node, list[fx.Node]]]:
+    """(x, its pieces x[0], .., x[n − 1] in order) for each tensor unpacked along dim 0 whose pieces are made apart
+    and not read step by step."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        value = _val(node)
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or not isinstance(value.shape[0], int):
+            continue
+        pieces = [u for u in node.users if u.target is operator.getitem and isinstance(u.args[1], int)
+                  and not isinstance(u.args[1], bool) and u.users]
+        n = value.shape[0]
+        if len(pieces) != n or sorted(p.args[1] % n for p in pieces) != list(range(n)):
+            continue
+        pieces.sort(key=lambda p: p.args[1] % n)
+        together = [order[p] for p in pieces] == list(range(order[node] + 1, order[node] + 1 + n))
+        if not together and not _read_step_by_step(pieces, order) and written_in_place(node) is None:
+            yield node, pieces
 
 
 # calls that make a tensor nothing else holds (its values are never read here: every slot is written)
