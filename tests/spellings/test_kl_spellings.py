@@ -729,6 +729,31 @@ def test_beliefs_of_unit_variance_fuse(fresh_dynamo):
     assert "unit-variance beliefs" in report.fusions[0].detail, str(report)
 
 
+def test_unit_variance_on_both_sides_fuses(fresh_dynamo):
+    """N(μ_i, I) against N(π_v, I): the logits −½‖μ_i − π_v‖², a nearest-prototype classifier."""
+    def fn(mu, prior_mu, targets):
+        return F.cross_entropy(-0.5 * ((mu.unsqueeze(-2) - prior_mu) ** 2).sum(-1).reshape(-1, V), targets.reshape(-1))
+
+    targets = torch.randint(0, V, (B, N))
+    report = _compare(lambda *a: fn(*a, targets), (torch.randn(B, N, K), torch.randn(V, K)), "kl_decode")
+    assert [f.op for f in report.fusions] == ["hecate.kl_decode_ce"], str(report)
+    assert "unit-variance beliefs, unit-variance priors" in report.fusions[0].detail, str(report)
+
+
+def test_positions_flattened_in_another_order_for_the_variance_pair_by_row(fresh_dynamo):
+    """The means flattened [B·N, 1, K], the variances transposed first ([N, B, K] flattened): the logits pair row i
+    of each, and so does the fused op (probe r10a: an internal error)."""
+    def fn(mu, var, prior_mu, prior_var, targets):
+        m, v = mu.reshape(-1, 1, K), var.transpose(0, 1).reshape(-1, 1, K)
+        kl = 0.5 * (torch.log(prior_var[None] / v) + (v + (m - prior_mu[None]) ** 2) / prior_var[None] - 1.0).sum(-1)
+        return F.cross_entropy(-kl, targets.reshape(-1))
+
+    targets = torch.randint(0, V, (B, N))
+    args = (torch.randn(B, N, K), _var((B, N, K)), torch.randn(V, K), _var((V, K)))
+    report = _compare(lambda *a: fn(*a, targets), args, "kl_decode")
+    assert [f.op for f in report.fusions] == ["hecate.kl_decode_ce"], str(report)
+
+
 @pytest.mark.parametrize("fn", [d_class_dim_one, d_class_dim_one_permuted], ids=lambda f: f.__name__)
 def test_cross_entropy_over_dim_one_fuses_the_loss(fn, fresh_dynamo):
     """[B, N, V] logits transposed to [B, V, N] for cross-entropy over a sequence: the loss is fused too."""

@@ -331,34 +331,32 @@ def test_anticausal_mask_is_reported_with_its_reason(fresh_dynamo):
     assert miss.source.startswith("test_linear_attention_parallel_spellings.py:"), miss.source
 
 
-def test_lengths_given_two_symbols_are_reported(fresh_dynamo):
-    """mark_dynamic on each input gives q's and k's lengths their own symbols: the mask on a score
-    [.., s_q, s_k] cannot be proved causal; reported, not silent."""
-    def masked(k, v, q):
-        return (q @ k.mT).tril() @ v
-    k, v, q = (torch.randn(B, T, D) for _ in range(3))
-    for x in (k, v, q):
-        torch._dynamo.mark_dynamic(x, 1)
-    got = torch.compile(masked, backend="hecate", options={"fallback": "eager"})(k, v, q)
+def _masked(k, v, q):
+    return (q @ k.mT).tril() @ v
+
+
+def _cached(k, v, q):
+    return ((q @ k.mT) * torch.ones(q.shape[1], k.shape[1]).tril(k.shape[1] - q.shape[1])) @ v
+
+
+@pytest.mark.parametrize("fn, lengths, symbols, reason", [
+    (_masked, (T, T), True, ["two symbols", "dynamic=True"]),
+    (_cached, (6, 3), False, ["queries and keys of other lengths", "[..., 3, 6]"])], ids=["two_symbols", "a_cache"])
+def test_a_masked_score_over_two_lengths_is_reported(fn, lengths, symbols, reason, fresh_dynamo):
+    """mark_dynamic on each input gives q's and k's lengths their own symbols: the mask on a score [.., s_q, s_k]
+    cannot be proved causal; three queries against six keys (a cache of earlier keys) masked by tril with an
+    offset are not the op's causal mask over one length. Reported, not silent."""
+    (t_k, t_q) = lengths
+    k, v, q = torch.randn(B, t_k, D), torch.randn(B, t_k, D), torch.randn(B, t_q, D)
+    if symbols:
+        for x in (k, v, q):
+            torch._dynamo.mark_dynamic(x, 1)
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(k, v, q)
     report = hecate.last_report()
     assert report.count("linear_attention") == 0, str(report)
     [miss] = report.misses
-    assert "two symbols" in miss.reason and "dynamic=True" in miss.reason, miss
-    assert_close("y", got, masked(k, v, q), TOL)
-
-
-def test_a_masked_score_over_queries_and_keys_of_other_lengths_is_reported(fresh_dynamo):
-    """Three queries against six keys (a cache of earlier keys), masked by tril with an offset: not the op's
-    causal mask over one length; reported, not silent."""
-    def cached(q, k, v):
-        return ((q @ k.mT) * torch.ones(q.shape[1], k.shape[1]).tril(k.shape[1] - q.shape[1])) @ v
-    q, k, v = torch.randn(B, 3, D), torch.randn(B, 6, D), torch.randn(B, 6, D)
-    got = torch.compile(cached, backend="hecate", options={"fallback": "eager"})(q, k, v)
-    report = hecate.last_report()
-    assert report.count("linear_attention") == 0, str(report)
-    [miss] = report.misses
-    assert "queries and keys of other lengths" in miss.reason and "[..., 3, 6]" in miss.reason, miss
-    assert_close("y", got, cached(q, k, v), TOL)
+    assert all(r in miss.reason for r in reason), miss
+    assert_close("y", got, fn(k, v, q), TOL)
 
 
 def test_a_bound_on_the_score_is_reported_not_dropped(fresh_dynamo):

@@ -782,6 +782,17 @@ def l2_gates_sliced_keeping_time_then_none(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_heads_unpacked_from_one_tensor(k, v, q, alpha, eta):
+    """q, k, v unpacked from one tensor (timm's ``q, k, v = qkv.permute(2, 0, 3, 1, 4)``), φ on q and k."""
+    qs, ks, vs = torch.stack([q, k, v[..., :k.shape[-1]]]).transpose(2, 3)  # [3, B, H, T, Dk] unpacked
+    qs, ks = F.relu(qs), F.relu(ks)
+    M, ys = k.new_zeros(k.shape[0], k.shape[2], k.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        M = (1 - alpha[:, t, :, None, None]) * M + vs[:, :, t].unsqueeze(-1) * ks[:, :, t].unsqueeze(-2)
+        ys.append((M @ qs[:, :, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
     "l2_query_edited_before_the_loop": (l2_query_edited_before_the_loop, "memory_scan"),
     "l2_key_scaled_inside_the_loop": (l2_key_scaled_inside_the_loop, "memory_scan"),
@@ -791,6 +802,7 @@ SPELLINGS = {
     "l2_reference": (l2_reference, "memory_scan"),
     "hebbian_key_scaled_by_a_shared_vector": (hebbian_key_scaled_by_a_shared_vector, "linear_attention"),
     "hebbian_heads_unbound_from_one_projection": (hebbian_heads_unbound_from_one_projection, "linear_attention"),
+    "hebbian_heads_unpacked_from_one_tensor": (hebbian_heads_unpacked_from_one_tensor, "linear_attention"),
     "l2_gates_sliced_keeping_time_then_none": (l2_gates_sliced_keeping_time_then_none, "memory_scan"),
     "l2_none_indexing_each_use": (l2_none_indexing_each_use, "memory_scan"),
     "l2_einsum": (l2_einsum, "memory_scan"),
@@ -1080,7 +1092,7 @@ def _compare_module(model, dynamic, parameters=()):
     compiled = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})
     k, q, v = torch.randn(B, T, H, DK), torch.randn(B, T, H, DK), torch.randn(B, T, H, DV)
     inputs = [x.requires_grad_() for x in (k, v, q)]
-    wrt = inputs + [getattr(model, name) for name in parameters]
+    wrt = inputs + [model.get_parameter(name) for name in parameters]
     results = []
     for fn in (model, compiled):
         y, M = fn(*inputs)
@@ -1183,14 +1195,80 @@ class NormalisedFeatureScaledKey(_FeatureScales):
         return torch.stack(ys, 1), M
 
 
+class NormalisedPerHeadKeyScale(torch.nn.Module):
+    """A learned scale per head on the key, k ⊙ w[:, None], written to the memory and summed by the normaliser (the
+    memory alone cannot tell a per-head scale of the key from one of the value; the normaliser can)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, H))
+
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        z = k.new_zeros(k.shape[0], k.shape[2], k.shape[-1])
+        for t in range(k.shape[1]):
+            kt = (F.elu(k[:, t]) + 1) * self.w[:, None]
+            M = 0.9 * M + v[:, t, :, :, None] * kt[..., None, :]
+            z = 0.9 * z + kt
+            # (an eps of 1: with a small one the output hardly depends on w, and w's gradient is rounding)
+            ys.append((M @ q[:, t, :, :, None])[..., 0] / ((z * q[:, t]).sum(-1, keepdim=True) + 1.0))
+        return torch.stack(ys, 1), M
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("module, op, scales", [(LpFeatureScaledKey, "memory_scan", ("s",)),
+                                                (NormalisedPerHeadKeyScale, "linear_attention", ("w",)),
                                                 (HebbianFeatureScaledKeyAndValue, "linear_attention", ("s", "u")),
                                                 (NormalisedFeatureScaledKey, "linear_attention", ("s",))],
-                         ids=["lp", "hebbian", "normalised"])
+                         ids=["lp", "normalised_per_head", "hebbian", "normalised"])
 def test_key_and_value_scaled_by_shared_feature_vectors_fuse(module, op, scales, dynamic, fresh_dynamo):
     """k ⊙ s and v ⊙ u with s, u learned vectors every step shares: the scales get their gradients."""
     report = _compare_module(module(), dynamic, scales)
+    assert report.count(op) == 1 and not report.misses, str(report)
+
+
+class FastWeightsLayerNormed(torch.nn.Module):
+    """Fast weights (Ba et al.): the read layer-normalised and projected inside the loop, y_t = W_o LN(A_t q_t)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.out = torch.nn.LayerNorm(DV), torch.nn.Linear(DV, DV)
+
+    def forward(self, k, v, q):
+        A, ys = _m0(k, v), []
+        for t in range(k.shape[1]):
+            A = 0.9 * A + 0.5 * v[:, t, :, :, None] * k[:, t, :, None, :]
+            ys.append(self.out(self.ln((A @ q[:, t, :, :, None])[..., 0])))
+        return torch.stack(ys, 1), A
+
+
+class DeltaRuleSiluReadPlusResidual(torch.nn.Module):
+    """The delta rule, its read through silu and added to a projection of the step's query."""
+
+    def __init__(self):
+        super().__init__()
+        self.skip = torch.nn.Linear(DK, DV, bias=False)
+
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        for t in range(k.shape[1]):
+            e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+            M = M - 0.3 * e[..., None] * k[:, t, :, None, :]
+            ys.append(F.silu((M @ q[:, t, :, :, None])[..., 0]) + self.skip(q[:, t]))
+        return torch.stack(ys, 1), M
+
+
+# (under dynamic=True nn.LayerNorm's eps is a float read from a tensor by .item() in the first step: such a float
+# is no scan input, and the loop is reported unrolled)
+@pytest.mark.parametrize("module, op, params, dynamic", [
+    (FastWeightsLayerNormed, "linear_attention", ("out.weight", "ln.weight"), False),
+    (DeltaRuleSiluReadPlusResidual, "memory_scan", ("skip.weight",), False),
+    (DeltaRuleSiluReadPlusResidual, "memory_scan", ("skip.weight",), True)],
+    ids=["fast_weights_layer_norm", "delta_silu_read", "delta_silu_read_dynamic"])
+def test_a_function_of_the_read_inside_the_loop_fuses(module, op, params, dynamic, fresh_dynamo):
+    """The step's output a function of the memory's read and the step's inputs (a layer norm, a projection, silu,
+    a residual): the op reads, the function runs on every step's read after it; its parameters get gradients."""
+    report = _compare_module(module(), dynamic, params)
     assert report.count(op) == 1 and not report.misses, str(report)
 
 
