@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.gaussian import evaluate
 from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, replace_with_function,
@@ -544,7 +545,7 @@ def _operands(node: fx.Node) -> list:
 def _noncausal_product(read: fx.Node) -> tuple | None:
     """(k, v, q, kv) when ``read`` [*L, T, Dv] reads q [*L, T, Dk] and kv [*L, Dk, Dv] (or [*L, Dv, Dk]), a product
     of two [*L, T, ·] tensors summed over T that nothing else reads."""
-    shape = _shape(read)
+    shape = _sizes_of(read)
     if shape is None or len(shape) < 3:
         return None
     for kv in _operands(read):
@@ -556,11 +557,25 @@ def _noncausal_product(read: fx.Node) -> tuple | None:
         while isinstance(a, fx.Node) and a.target in (aten.transpose.int, aten.permute.default) and len(a.users) == 1:
             a = a.args[0]  # k.mT @ v reads k itself
         lead, t = shape[:-2], shape[-2]
-        if not all(isinstance(x, fx.Node) and _shape(x) is not None and _shape(x)[:-1] == lead + (t,)
-                   for x in (q, a, b)) or _shape(kv)[:-2] != lead:
+        if not all(isinstance(x, fx.Node) and _same_sizes(_sizes_of(x), lead + (t,), last=False) for x in (q, a, b)) \
+                or not _same_sizes(_sizes_of(kv), lead, last=False, drop=2):
             continue
         return a, b, q, kv
     return None
+
+
+def _sizes_of(node) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _same_sizes(sizes: tuple | None, expected: tuple, last: bool = True, drop: int = 1) -> bool:
+    """Whether ``sizes`` (without its last ``drop`` dims unless ``last``) are ``expected``, as expressions (under
+    dynamic shapes a size may be written ((s0**2)//s0) in one tensor and s0 in another)."""
+    if sizes is None:
+        return False
+    sizes = sizes if last else sizes[:-drop]
+    return len(sizes) == len(expected) and all(statically_known_true(a == b) for a, b in zip(sizes, expected))
 
 
 def _fuse_noncausal(gm: fx.GraphModule, read: fx.Node, x: fx.Node, y: fx.Node, q: fx.Node, kv: fx.Node,
@@ -573,7 +588,8 @@ def _fuse_noncausal(gm: fx.GraphModule, read: fx.Node, x: fx.Node, y: fx.Node, q
     except NotFused:
         return  # it reads more than k, v and q: not this form
     for k, v in ((x, y), (y, x)):
-        if _shape(k) == _shape(q) and got.shape == values[v].shape[:-2] + (values[q].shape[-2], values[v].shape[-1]) \
+        if _same_sizes(_sizes_of(k), _sizes_of(q)) \
+                and got.shape == values[v].shape[:-2] + (values[q].shape[-2], values[v].shape[-1]) \
                 and torch.allclose(got, values[q] @ (values[k].mT @ values[v]), rtol=1e-6, atol=1e-9):
             break
     else:
