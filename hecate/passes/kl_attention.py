@@ -420,6 +420,21 @@ def _recognise(softmax: fx.Node) -> _Score | None:
                            "× or / a 0-d tensor t): whether masked pairs get weight 0 or NaN turns on t's sign, "
                            "not known when compiling; apply the mask after the temperature, "
                            "(t · kl).masked_fill(mask, -inf), which fuses")
+    flags = [x for x in [*bases, *shared, *others] if _is_bool(x) and any(map(_is_bool, tensors_read([x])))]
+    if flags:  # a bool tensor the masks peeled do not account for: name the op that applies it
+        user, stack = None, [flags[0]]
+        while stack and user is None:
+            for u in stack.pop().users:
+                if _is_bool(u):
+                    stack.append(u)
+                elif user is None:
+                    user = u
+        fill = [a for a in user.args if not isinstance(a, fx.Node)] if user is not None else []
+        raise NotFused(f"the score reads the bool tensor {flags[0].name} (from {_source_names(flags[0])}) through "
+                       f"{user.name + ' (' + short(user.target) if user is not None else 'a view ('}"
+                       f"{', with ' + ', '.join(map(repr, fill)) if fill else ''}), which is no mask of −inf the op "
+                       "takes: masked_fill(mask, float('-inf')), torch.where(mask, s, float('-inf')) or an added "
+                       "zeros(...).masked_fill(mask, float('-inf')) fuse")
     if others:  # a matrix product first: the KL expanded into products says most
         raise NotFused(f"the pairwise score also reads {_describe_other(min(others, key=_not_a_product))}")
     k = {size_hint(shape_of(b)[-1]) for b in bases if len(shape_of(b)) == rank}
@@ -464,6 +479,11 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     additive = added or any(kind == "additive" for _, kind in masks)
     return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan, additive,
                   kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank, run_time_masks, unfilled)
+
+
+def _is_bool(node: fx.Node) -> bool:
+    """Whether ``node`` holds a bool tensor (a mask, or a comparison)."""
+    return getattr(node.meta.get("val"), "dtype", None) == torch.bool
 
 
 def _check_leading_dims(shape, mean: fx.Node, scale: fx.Node, param: str) -> None:

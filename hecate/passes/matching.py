@@ -268,6 +268,10 @@ def constant_tensor(node: Any) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) else None
 
 
+_ONE_ELEMENT_VIEWS = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.view.default,
+                      aten.reshape.default, aten.unsqueeze.default, aten.select.int)
+
+
 def number_of(arg: Any) -> float | None:
     """The number ``arg`` holds: a Python number, a one-element constant tensor of the graph
     (``torch.tensor(float("-inf"))`` written in the model, ``full([], v)``), or zeros; else None."""
@@ -275,13 +279,15 @@ def number_of(arg: Any) -> float | None:
         return float(arg)
     if is_zeros(arg):
         return 0.0
-    while isinstance(arg, fx.Node) and arg.target in (aten.detach.default, aten.lift_fresh_copy.default,
-                                                       aten.alias.default, aten.clone.default):
-        arg = arg.args[0]
+    while isinstance(arg, fx.Node) and (arg.target in (aten.detach.default, aten.lift_fresh_copy.default,
+                                                        aten.alias.default, aten.clone.default)
+                                        or arg.target in _ONE_ELEMENT_VIEWS and isinstance(val(arg), torch.Tensor)
+                                        and val(arg).numel() == 1):
+        arg = arg.args[0]  # (torch.full((1,), c).squeeze(): the number c)
     if isinstance(arg, fx.Node) and arg.op == "call_function":
         if arg.target is aten.scalar_tensor.default and isinstance(arg.args[0], (int, float)):
             return float(arg.args[0])
-        if arg.target is aten.full.default and list(arg.args[0]) == [] and isinstance(arg.args[1], (int, float)):
+        if arg.target is aten.full.default and all(d == 1 for d in arg.args[0]) and isinstance(arg.args[1], (int, float)):
             return float(arg.args[1])
     value = constant_tensor(arg)
     return value.item() if value is not None and value.numel() == 1 and not value.dtype == torch.bool else None

@@ -482,6 +482,7 @@ RUN_TIME_MASKS = {  # a bool mask [N, N] passed in, True where a key is allowed,
         ~allowed, float("-inf")),
     "additive_where": lambda s, allowed: torch.where(allowed, 0.0, float("-inf")) + s,
     "where": lambda s, allowed: torch.where(allowed, s, torch.tensor(float("-inf"))),
+    "masked_fill_one_element_tensor": lambda s, allowed: s.masked_fill(~allowed, torch.full((1,), float("-inf")).squeeze()),
 }
 
 
@@ -1213,6 +1214,10 @@ def m_pairs_gathered_by_repeat(mu, var):  # every pair gathered by repeat_interl
     return torch.softmax(-kl, -1) @ mu
 
 
+def m_mask_filled_with_a_value_passed_in(mu, var, keep, fill):  # the fill read at run time: −inf or not
+    return torch.softmax((-kl_spec(mu, var)).masked_fill(~keep, fill), -1) @ mu
+
+
 def m_trace_by_einsum(mu, var):  # the Mahalanobis term per pair by einsum, the trace a matrix product
     prec, diff = var.reciprocal(), mu.unsqueeze(2) - mu.unsqueeze(1)
     maha = torch.einsum("bijk,bjk->bij", diff * diff, prec)
@@ -1278,6 +1283,8 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_cdist, (), "made by torch.cdist"),
     (m_trace_by_einsum, (), "contracted with the pair space by einsum 'bijk,bjk->bij'"),
     (m_pairs_gathered_by_repeat, (), "the pairs are gathered, not broadcast"),
+    (m_mask_filled_with_a_value_passed_in, (torch.ones(N, N, dtype=torch.bool).tril(), torch.tensor(float("-inf"))),
+     "(from l_keep_) through masked_fill (masked_fill.Tensor)"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
     (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
