@@ -1152,6 +1152,29 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
                              f"tells it from a per-query one, so what follows may name the wrong one): {e}; other "
                              f"lengths compile their own graph")
             report.add_miss(PATTERN, str(e), softmax.name, nodes=[softmax])
+    for beta in [n for n in gm.graph.nodes if n.target == aten.div.Tensor]:
+        x = _unshifted_softmax_of(beta)
+        rank = len(shape_of(beta) or ())
+        if x is not None and rank >= 2 and any(sides == {"i", "j"} for sides in _score_inputs(x, rank)[0].values()):
+            report.add_miss(PATTERN, "β written as exp(s) / Σ exp(s) over a pairwise score, without the row max "
+                            "subtracted first or with a 0/1 mask multiplied after the exp: that is 0/0 where every "
+                            "(allowed) score of a row underflows, where the softmax is not, so it is not the op's; "
+                            "torch.softmax(s, -1), or exp(s − s.amax(-1, keepdim=True)) over its row sum, with "
+                            "masked_fill(~mask, float('-inf')) before, fuses", beta.name, nodes=[beta])
+
+
+def _unshifted_softmax_of(node: fx.Node) -> fx.Node | None:
+    """s for ``e / e.sum(-1, keepdim=True)`` with e = exp(s) (the normal form made e = exp(s − max) a softmax
+    already), or e = exp(·) times a tensor of sizes (a 0/1 mask)."""
+    e, total = node.args[:2] if len(node.args) == 2 else (None, None)
+    if not (isinstance(total, fx.Node) and total.target == aten.sum.dim_IntList and total.args[0] is e
+            and isinstance(e, fx.Node) and len(total.args) > 2 and total.args[2]
+            and [d % max(len(shape_of(e) or ()), 1) for d in total.args[1]] == [len(shape_of(e) or ()) - 1]):
+        return None
+    if e.target == aten.mul.Tensor:
+        factors = [a for a in e.args if isinstance(a, fx.Node) and not depends_on_sizes_only(a)]
+        e = factors[0] if len(factors) == 1 else None
+    return e.args[0] if isinstance(e, fx.Node) and e.target == aten.exp.default else None
 
 
 def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> bool:

@@ -1218,6 +1218,11 @@ def m_mask_filled_with_a_value_passed_in(mu, var, keep, fill):  # the fill read 
     return torch.softmax((-kl_spec(mu, var)).masked_fill(~keep, fill), -1) @ mu
 
 
+def m_softmax_by_hand_without_the_max(mu, var):  # exp(s) / Σ exp(s): 0/0 where a row's scores all underflow
+    e = torch.exp(-kl_spec(mu, var))
+    return (e / e.sum(-1, keepdim=True)) @ mu
+
+
 def m_trace_by_einsum(mu, var):  # the Mahalanobis term per pair by einsum, the trace a matrix product
     prec, diff = var.reciprocal(), mu.unsqueeze(2) - mu.unsqueeze(1)
     maha = torch.einsum("bijk,bjk->bij", diff * diff, prec)
@@ -1283,6 +1288,7 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_cdist, (), "made by torch.cdist"),
     (m_trace_by_einsum, (), "contracted with the pair space by einsum 'bijk,bjk->bij'"),
     (m_pairs_gathered_by_repeat, (), "the pairs are gathered, not broadcast"),
+    (m_softmax_by_hand_without_the_max, (), "β written as exp(s) / Σ exp(s) over a pairwise score"),
     (m_mask_filled_with_a_value_passed_in, (torch.ones(N, N, dtype=torch.bool).tril(), torch.tensor(float("-inf"))),
      "(from l_keep_) through masked_fill (masked_fill.Tensor)"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
