@@ -186,9 +186,14 @@ def _unfolded_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx
                 or tuple(unfold.args[2:4]) != (taps, 1) or len(unfold.users) != 1:
             continue
         (mul,) = unfold.users
-        if mul.target is aten.einsum.default and (w := _taps_by_einsum(mul, unfold, time)) is not None \
-                and _per_channel(w, pad_val.shape[3 - time], pad_val.dtype, taps, 1):
-            return mul, [w], None  # einsum("bctk,ck->bct", windows, w): w [D, K], the taps of each channel
+        if mul.target is aten.einsum.default and (found := _taps_by_einsum(mul, unfold, time)) is not None:
+            w, taps_first = found  # einsum("bctk,ck->bct", windows, w): w [D, K] (or [K, D], "kc"), each channel's taps
+            channels = pad_val.shape[3 - time]
+            if taps_first and _per_channel(w, taps, pad_val.dtype, channels, 1):
+                with pad.graph.inserting_before(mul):
+                    return mul, [_emit(pad.graph, aten.transpose.int, w, 0, 1)], None
+            if not taps_first and _per_channel(w, channels, pad_val.dtype, taps, 1):
+                return mul, [w], None
         if mul.target is not aten.mul.Tensor or len(mul.users) != 1:
             continue
         (total,) = mul.users
@@ -200,9 +205,9 @@ def _unfolded_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx
     return None
 
 
-def _taps_by_einsum(node: fx.Node, windows: fx.Node, time: int) -> fx.Node | None:
-    """w when ``node`` is ``einsum("bctk,ck->bct", windows, w)`` (any letters): the windows [B, D, T, K] (or
-    [B, T, D, K] with time 1) weighted by w [D, K] and summed over the taps."""
+def _taps_by_einsum(node: fx.Node, windows: fx.Node, time: int) -> tuple[fx.Node, bool] | None:
+    """(w, whether w is [K, D]) when ``node`` is ``einsum("bctk,ck->bct", windows, w)`` (any letters, w's "ck" or
+    "kc"): the windows [B, D, T, K] (or [B, T, D, K] with time 1) weighted by w and summed over the taps."""
     equation, operands = node.args[0], node.args[1]
     if not isinstance(equation, str) or len(operands) != 2 or operands[0] is not windows:
         return None
@@ -211,7 +216,9 @@ def _taps_by_einsum(node: fx.Node, windows: fx.Node, time: int) -> fx.Node | Non
     if len(terms) != 2 or len(terms[0]) != 4 or len(set(terms[0])) != 4:
         return None
     a, b = terms
-    return operands[1] if b == a[3 - time] + a[3] and output == a[:3] else None
+    if output != a[:3] or b not in (a[3 - time] + a[3], a[3] + a[3 - time]):
+        return None
+    return operands[1], b[0] == a[3]
 
 
 _ZEROS = (aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default)

@@ -219,6 +219,10 @@ SPELLINGS = {
         lambda m, x: F.silu((torch.einsum("bctk,ck->bct", F.pad(m.proj(x).transpose(1, 2), (K - 1, 0)).unfold(-1, K, 1),
                                           m.kernel) + m.conv.bias[:, None]).transpose(1, 2)),
         "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand channels last: the unfold windows weighted by einsum('btck,kc->btc', ·, w.T), taps first": (
+        lambda m, x: F.silu(torch.einsum("btck,kc->btc", F.pad(m.proj(x), (0, 0, K - 1, 0)).unfold(1, K, 1),
+                                         m.kernel.T)),
+        "linear → conv(K=4) → silu [B,T,D]"),
     "by hand channels last: F.pad(h, (0, 0, K-1, 0)).unfold(1, K, 1) weighted by einsum('btck,ck->btc', ·, w)": (
         lambda m, x: F.silu(torch.einsum("btck,ck->btc", F.pad(m.proj(x), (0, 0, K - 1, 0)).unfold(1, K, 1),
                                          m.kernel)),
