@@ -1118,18 +1118,27 @@ def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> 
 
 def _vmapped(gm: fx.GraphModule, step: Any, outer: list[fx.Node], in_dims: tuple, what: str) -> tuple[Any, list]:
     """(the node of ``torch.vmap(step, in_dims)(*outer)``, the nodes emitted for it) at the graph's insertion
-    point: traced under the graph's fake mode (vmap is not traceable pre-dispatch) and copied in."""
+    point."""
+    return _emit_traced(gm, _trace_vmapped(step, [n.meta["val"] for n in outer], in_dims, what), outer)
+
+
+def _trace_vmapped(step: Any, values: list, in_dims: tuple, what: str) -> fx.GraphModule:
+    """``torch.vmap(step, in_dims)`` traced on fake ``values`` under their fake mode (vmap is not traceable
+    pre-dispatch); NotFused if it cannot be."""
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    fake_vals = [n.meta["val"] for n in outer]
-    fake_mode = detect_fake_mode([v for v in fake_vals if isinstance(v, torch.Tensor)])
+    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     try:
         with fake_mode:
-            traced = make_fx(torch.vmap(step, in_dims=in_dims))(*fake_vals)
-    except (RuntimeError, TypeError, ValueError) as why:
+            return make_fx(torch.vmap(step, in_dims=in_dims))(*values)
+    except (RuntimeError, TypeError, ValueError, AttributeError) as why:
         raise NotFused(f"{what} could not be computed for all steps at once "
                        f"({type(why).__name__}: {str(why).splitlines()[0] if str(why) else ''})") from None
+
+
+def _emit_traced(gm: fx.GraphModule, traced: fx.GraphModule, outer: list) -> tuple[Any, list]:
+    """Copy ``traced`` into ``gm`` at its insertion point, its inputs ``outer``: (its result, the nodes emitted)."""
     env: dict[fx.Node, Any] = {}
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env.update(zip(placeholders, outer))
@@ -1257,16 +1266,28 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
         y_ones = [_is_one(read["y"].meta["val"].shape[0])] + [_is_one(s) for s in rec.read_node.meta["val"].shape]
     names = list(inputs)
     fused = _fused_recurrence(rec, names, initial, y_ones, set(read))
-    body = getattr(gm, node.args[0].target)
+    after = None
+    if rec.read_node is not None and "y" in read:  # traced before anything changes: NotFused leaves the graph as is
+        M = M0.meta["val"]  # the reads [T, *lead, Dv] with the read's size-1 dims, sizes as the memory's
+        sizes = iter(s for s in (read["y"].meta["val"].shape[0], *_per_step_shape(rec, "v", M)[0],
+                                 _per_step_shape(rec, "v", M)[1]) if not _is_one(s))
+        reads = M.new_empty([1 if one else next(sizes) for one in y_ones], dtype=rec.read_node.meta["val"].dtype)
+        after = _after_the_reads(getattr(gm, node.args[0].target).graph, n_carries, list(xs) + list(invariants),
+                                 len(xs), rec, reads)
     new = replace_with_function(gm, [node, *results.values()], fused, [inputs[n] for n in names],
                                 outputs=list(read.values()))
-    if rec.read_node is not None and "y" in read:
-        _after_the_reads(gm, body.graph, n_carries, list(xs), list(invariants), rec, new[list(read).index("y")])
+    if after is not None:
+        reads = new[list(read).index("y")]
+        with gm.graph.inserting_before(reads.next):
+            out, emitted = _emit_traced(gm, after, [reads, *xs, *invariants])
+        inside = set(emitted)
+        reads.replace_all_uses_with(out, delete_user_cb=lambda user: user not in inside)
 
 
-def _after_the_reads(gm: fx.GraphModule, body: fx.Graph, n_carries: int, xs: list, invariants: list,
-                     rec: Recurrence, reads: fx.Node) -> None:
-    """The step's output computed from the op's reads [T, ...] and the step's inputs, step by step (vmapped)."""
+def _after_the_reads(body: fx.Graph, n_carries: int, outer: list[fx.Node], n_xs: int, rec: Recurrence,
+                     reads: torch.Tensor) -> fx.GraphModule:
+    """The step's output computed from the op's ``reads`` [T, ...] (a fake value) and the step's inputs ``outer``
+    (its per-step inputs first, then what every step reads), step by step: vmapped, traced on fake values."""
     inputs = [n for n in body.nodes if n.op == "placeholder"][n_carries:]
     y = list(body.output_node().args[0])[n_carries]
     upto = _upstream(y, rec.read_node)
@@ -1274,11 +1295,8 @@ def _after_the_reads(gm: fx.GraphModule, body: fx.Graph, n_carries: int, xs: lis
     def one_step(read_t, *values):
         return _evaluate(body, dict(zip(inputs, values)), {rec.read_node: read_t}, upto=upto)[y]
 
-    with gm.graph.inserting_before(reads.next):
-        out, emitted = _vmapped(gm, one_step, [reads, *xs, *invariants],
-                                tuple([0] * (1 + len(xs)) + [None] * len(invariants)), "the step's output")
-    inside = set(emitted)
-    reads.replace_all_uses_with(out, delete_user_cb=lambda user: user not in inside)
+    return _trace_vmapped(one_step, [reads] + [n.meta["val"] for n in outer],
+                          tuple([0] * (1 + n_xs) + [None] * (len(outer) - n_xs)), "the step's output")
 
 
 # ---------------------------------------------------------------- memory updates left unrolled

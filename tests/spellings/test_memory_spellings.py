@@ -1272,6 +1272,33 @@ def test_a_function_of_the_read_inside_the_loop_fuses(module, op, params, dynami
     assert report.count(op) == 1 and not report.misses, str(report)
 
 
+def test_a_function_of_the_read_is_traced_before_the_loop_is_replaced(fresh_dynamo):
+    """y_t = W_o(M q_t) under dynamic=True, recompiled at batch 1: where the function cannot be vmapped over symbolic
+    sizes, the loop stays as written with that reason, and the graph is not left with the reads alone (probe r11:
+    the scan was replaced before the function failed; a miss's bookkeeping then failed too, else the output would
+    have lacked W_o). strict=True: no internal error; the results are eager's."""
+    class ProjectedRead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = torch.nn.Linear(DV, DV)
+
+        def forward(self, k, v, q):
+            M, ys = _m0(k, v), []
+            for t in range(k.shape[1]):
+                M = 0.9 * M + v[:, t, :, :, None] * k[:, t, :, None, :]
+                ys.append(self.out((M @ q[:, t, :, :, None])[..., 0]))
+            return torch.stack(ys, 1)
+
+    model = ProjectedRead()
+    compiled = torch.compile(model, backend="hecate", dynamic=True, options={"strict": True, "fallback": "eager"})
+    for batch, length in ((2, 4), (1, 6)):
+        k, q, v = torch.randn(batch, length, H, DK), torch.randn(batch, length, H, DK), torch.randn(batch, length, H, DV)
+        assert_close("y", compiled(k, v, q), model(k, v, q), TOL)
+        report = hecate.last_report()
+        assert report.count("linear_attention") == 1 or any(
+            "could not be computed for all steps at once" in m.reason for m in report.misses), str(report)
+
+
 @pytest.mark.parametrize("scale_per", ["head", "feature"])
 def test_vector_as_long_as_the_heads_is_read_by_what_it_scales(scale_per, fresh_dynamo):
     """With as many heads as key features, a [3] vector may gate each head or scale each key feature: the step's
