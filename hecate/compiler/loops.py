@@ -540,7 +540,14 @@ def _pure(node: fx.Node) -> bool:
     if isinstance(node.target, torch._ops.OpOverload):  # an ATen graph (torch.export's)
         return functional_op(node.target)
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if "dropout" in name.lower().split("_") and _training_arg(node) is False:
+        return not mutates(node)  # F.dropout(x, p, training=False), nn.Dropout in eval(): x itself
     return not mutates(node) and _RANDOM.isdisjoint(name.lower().split("_"))
+
+
+def _training_arg(node: fx.Node) -> Any:
+    """The ``training`` argument of a dropout call (F.dropout(input, p, training, inplace)), None if not given."""
+    return node.kwargs.get("training", node.args[2] if len(node.args) > 2 else None)
 
 
 def _same_meta(a: fx.Node, b: fx.Node) -> bool:

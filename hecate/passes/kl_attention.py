@@ -1165,14 +1165,14 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
 
 def _unshifted_softmax_of(node: fx.Node) -> fx.Node | None:
     """s for ``e / e.sum(-1, keepdim=True)`` with e = exp(s) (the normal form made e = exp(s − max) a softmax
-    already), or e = exp(·) times a tensor of sizes (a 0/1 mask)."""
+    already), or e = exp(·) times a mask (of sizes, or a 0/1 tensor passed in)."""
     e, total = node.args[:2] if len(node.args) == 2 else (None, None)
     if not (isinstance(total, fx.Node) and total.target == aten.sum.dim_IntList and total.args[0] is e
             and isinstance(e, fx.Node) and len(total.args) > 2 and total.args[2]
             and [d % max(len(shape_of(e) or ()), 1) for d in total.args[1]] == [len(shape_of(e) or ()) - 1]):
         return None
     if e.target == aten.mul.Tensor:
-        factors = [a for a in e.args if isinstance(a, fx.Node) and not depends_on_sizes_only(a)]
+        factors = [a for a in e.args if isinstance(a, fx.Node) and a.target == aten.exp.default]
         e = factors[0] if len(factors) == 1 else None
     return e.args[0] if isinstance(e, fx.Node) and e.target == aten.exp.default else None
 

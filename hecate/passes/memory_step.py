@@ -450,15 +450,15 @@ def _find_read(b: _Body, m: int, y: fx.Node, q_norm: float, lq_eps: float) -> tu
 
 
 def _read_then_per_step(b: _Body, m: int, q_norm: float, lq_eps: float) -> tuple | None:
-    """(read node, its read) when the step's output is a per-step function of a plain read of the memory and of
-    per-step inputs alone (y_t = W_o (M q_t), LayerNorm(M q_t), silu(M q_t) + q_t): the op reads, the function
-    runs after it, step by step."""
+    """(read node, its read) when the step's output is a per-step function of a read of the memory (plain or
+    normalised) and of per-step inputs alone (y_t = W_o (M q_t), LayerNorm(M q_t), silu(M q_t) + q_t): the op
+    reads, the function runs after it, step by step."""
     y = b.ys[0]
     for n in reversed(b.compute):
-        if n is y or b.depends[n] != {m} or n not in b.between(b.carries[m], [y]) or not _only_through(b, y, n):
+        if n is y or m not in b.depends[n] or n not in b.between(b.carries[m], [y]) or not _only_through(b, y, n):
             continue
         found = _find_read(b, m, n, q_norm, lq_eps)
-        if found is not None and found[0][2] is None:
+        if found is not None:
             return n, found
     return None
 

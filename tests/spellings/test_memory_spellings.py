@@ -1258,13 +1258,54 @@ class DeltaRuleSiluReadPlusResidual(torch.nn.Module):
         return torch.stack(ys, 1), M
 
 
+class NormalisedReadThroughTanhAndDropout(torch.nn.Module):
+    """A normalised read passed through tanh and an nn.Dropout in eval mode (the identity)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.1).eval()
+        self.gain = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        z = k.new_zeros(k.shape[0], k.shape[2], k.shape[-1])
+        for t in range(k.shape[1]):
+            kt = F.elu(k[:, t]) + 1
+            M = 0.9 * M + v[:, t, :, :, None] * kt[..., None, :]
+            z = 0.9 * z + kt
+            read = (M @ q[:, t, :, :, None])[..., 0] / ((z * q[:, t]).sum(-1, keepdim=True) + 1e-6)
+            ys.append(self.drop(torch.tanh(self.gain * read)))
+        return torch.stack(ys, 1), M
+
+
+class MomentumReadThroughTanh(torch.nn.Module):
+    """The delta rule with momentum, its read through tanh."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        S = torch.zeros_like(M)
+        for t in range(k.shape[1]):
+            e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+            S = 0.8 * S - 0.2 * e[..., None] * k[:, t, :, None, :]
+            M = M + S
+            ys.append(torch.tanh(self.gain * (M @ q[:, t, :, :, None])[..., 0]))
+        return torch.stack(ys, 1), M
+
+
 # (under dynamic=True nn.LayerNorm's eps is a float read from a tensor by .item() in the first step: such a float
 # is no scan input, and the loop is reported unrolled)
 @pytest.mark.parametrize("module, op, params, dynamic", [
     (FastWeightsLayerNormed, "linear_attention", ("out.weight", "ln.weight"), False),
     (DeltaRuleSiluReadPlusResidual, "memory_scan", ("skip.weight",), False),
-    (DeltaRuleSiluReadPlusResidual, "memory_scan", ("skip.weight",), True)],
-    ids=["fast_weights_layer_norm", "delta_silu_read", "delta_silu_read_dynamic"])
+    (DeltaRuleSiluReadPlusResidual, "memory_scan", ("skip.weight",), True),
+    (NormalisedReadThroughTanhAndDropout, "linear_attention", ("gain",), False),
+    (MomentumReadThroughTanh, "memory_scan", ("gain",), True)],
+    ids=["fast_weights_layer_norm", "delta_silu_read", "delta_silu_read_dynamic", "normalised_tanh_dropout_eval",
+         "momentum_tanh_dynamic"])
 def test_a_function_of_the_read_inside_the_loop_fuses(module, op, params, dynamic, fresh_dynamo):
     """The step's output a function of the memory's read and the step's inputs (a layer norm, a projection, silu,
     a residual): the op reads, the function runs on every step's read after it; its parameters get gradients."""
