@@ -625,7 +625,7 @@ def _unsqueezed(node: fx.Node, dim: int) -> fx.Node | None:
 def _cumulated_form(cumsum: fx.Node):
     """(x, y, q, read, region, time dim) for M = cumsum(x ⊗ y, t) read into ``read`` with q, if shaped so: t is 1,
     or 2 for states [B, H, T, Dv, Dk]."""
-    product, shape = cumsum.args[0], _shape(cumsum)
+    product, shape = cumsum.args[0], _sizes_of(cumsum)
     if shape is None or len(shape) not in (4, 5) or cumsum.args[1] % len(shape) not in range(1, len(shape) - 2) \
             or product.op != "call_function" or product.target != aten.mul.Tensor:
         return None
@@ -641,8 +641,8 @@ def _cumulated_form(cumsum: fx.Node):
     for _ in range(6):  # the read: a few views, a product, a sum or squeeze
         frontier = [u for n in frontier for u in n.users]
         region += frontier
-        reads = [n for n in frontier if _shape(n) is not None and _shape(n)[:-1] == per_token
-                 and _shape(n)[-1] in (shape[-1], shape[-2])]
+        reads = [n for n in frontier if _same_sizes(_sizes_of(n), per_token, last=False)
+                 and any(statically_known_true(_sizes_of(n)[-1] == d) for d in shape[-2:])]
         if reads:
             break
     else:
@@ -658,7 +658,7 @@ def _cumulated_form(cumsum: fx.Node):
     for _ in range(2):  # q.unsqueeze(...) / q[..., None, :]
         if q.op == "call_function" and q.target == aten.unsqueeze.default:
             q = q.args[0]
-    if _shape(q) is None or _shape(q)[:-1] != per_token:
+    if not _same_sizes(_sizes_of(q), per_token, last=False):
         return None
     return x, y, q, read, region, cumsum.args[1] % len(shape)
 
@@ -679,7 +679,7 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
     memo = dict(values)
     got = evaluate(read, memo, size_hint)
     for k, v in ((x, y), (y, x)):
-        if _shape(k) != _shape(q) or got.shape != values[v].shape:
+        if not _same_sizes(_sizes_of(k), _sizes_of(q)) or got.shape != values[v].shape:
             continue
         heads_first = values[q].dim() == 3 or time == 2  # [B, T, D] or [B, H, T, D]: time next to the features
         kk, vv, qq = (values[n] if heads_first else values[n].transpose(1, 2) for n in (k, v, q))
