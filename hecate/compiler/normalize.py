@@ -943,8 +943,9 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         with graph.inserting_before(node):  # swapaxes, movedim: the transpose or permute they are
             return _emit(graph, aten.permute.default, args[0], _moved_axes(node))
     if target in (aten.mT.default, aten.t.default) and isinstance(_val(node), torch.Tensor) and _val(node).dim() >= 2:
-        with graph.inserting_before(node):  # x.mT, x.t(): the transpose of the last two dims they are
-            return _emit(graph, aten.transpose.int, args[0], -2, -1)
+        rank = _val(node).dim()  # x.mT, x.t(): the transpose of the last two dims, as x.transpose(1, 2) writes it
+        with graph.inserting_before(node):
+            return _emit(graph, aten.transpose.int, args[0], rank - 2, rank - 1)
     if target is aten.ones_like.default and isinstance(_val(node), torch.Tensor) \
             and set(node.kwargs) <= {"dtype", "layout", "device", "pin_memory", "memory_format"} \
             and node.kwargs.get("layout") in (None, torch.strided):

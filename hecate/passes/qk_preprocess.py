@@ -152,7 +152,8 @@ def _check_weight_transpose(match: Match) -> str | None:
 
 
 # W.permute(1, 0) is also the normal form of einsum("btd,ed->bte", x, W)
-_WEIGHT_TRANSPOSES = {"W.T": lambda w: w.T, "W.t()": lambda w: w.t(), "W.transpose(0, 1)": lambda w: w.transpose(0, 1),
+# (W.t() and x.mT are transpose(0, 1) and transpose(1, 2) in the normal form)
+_WEIGHT_TRANSPOSES = {"W.T": lambda w: w.T, "W.transpose(0, 1)": lambda w: w.transpose(0, 1),
                       "W.permute(1, 0)": lambda w: w.permute(1, 0)}
 _x_in = torch.zeros(_B, _T, _D + 1)
 _w_proj, _b_proj = torch.zeros(_D, _D + 1), torch.zeros(_D)
@@ -200,7 +201,6 @@ _x_btd = torch.zeros(_B, _T, _D)
 def _swap_pieces() -> list[Piece]:
     return [
         Piece("swap", lambda x: x.transpose(1, 2), (_x_btd,), _check_swap, "transpose"),
-        Piece("swap", lambda x: x.mT, (_x_btd,), _check_swap, "mT"),
         Piece("swap", lambda x: x.permute(0, 2, 1), (_x_btd,), _check_swap, "permute"),
     ]
 

@@ -178,7 +178,19 @@ def test_python_loop_over_the_length_exports_with_the_length_dynamic(name, tmp_p
 
 
 class _LengthInTheArithmetic(torch.nn.Module):
-    """A loop whose outputs are scaled by 1/T, a Python float: the graph holds T beyond its sizes."""
+    """A loop whose outputs are scaled by the step's index t + 1, a Python number each step: the steps differ, the
+    loop stays unrolled, and the graph holds T steps. (Scaled by 1/T, the read's function is fused, T symbolic.)"""
+
+    def forward(self, k, v):
+        M, ys = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), []
+        for t in range(k.shape[1]):
+            M = 0.9 * M + v[:, t, :, None] * k[:, t, None, :]
+            ys.append((M @ k[:, t, :, None])[..., 0] * (t + 1))
+        return torch.stack(ys, 1)
+
+
+class _ReadScaledByTheLength(torch.nn.Module):
+    """A loop whose reads are divided by T inside it: a function of the read the fused graph computes from T."""
 
     def forward(self, k, v):
         M, ys = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), []
@@ -186,6 +198,15 @@ class _LengthInTheArithmetic(torch.nn.Module):
             M = 0.9 * M + v[:, t, :, None] * k[:, t, None, :]
             ys.append((M @ k[:, t, :, None])[..., 0] / k.shape[1])
         return torch.stack(ys, 1)
+
+
+def test_a_function_of_the_read_that_reads_the_length_exports_with_it_symbolic(tmp_path):
+    model = _ReadScaledByTheLength()
+    hecate.export_onnx(model, (torch.randn(2, 5, 4), torch.randn(2, 5, 3)), tmp_path / "scaled.onnx")
+    session = ort.InferenceSession(str(tmp_path / "scaled.onnx"), providers=["CPUExecutionProvider"])
+    args = (torch.randn(3, 7, 4), torch.randn(3, 7, 3))  # another batch and length
+    feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)}
+    assert_close("onnxruntime", torch.from_numpy(session.run(None, feeds)[0]), model(*args), 1e-5)
 
 
 def test_a_length_the_fused_graph_still_depends_on_stays_fixed_and_warns(tmp_path):

@@ -151,7 +151,7 @@ def _causal(m, u):  # [B, D, T] → [B, D, T]
 SPELLED = {
     "mT and silu before the transpose back": (
         lambda m, x: F.silu(_causal(m, (x @ m.w.t()).mT)).mT,
-        "x @ W.t() → conv(K=4) → silu [B,T,D]"),
+        "x @ W.transpose(0, 1) → conv(K=4) → silu [B,T,D]"),
     "permute, sigmoid(z) * z, exp without clamp": (
         lambda m, x: (lambda z: torch.exp(torch.sigmoid(z) * z))(
             _causal(m, F.linear(x, m.w, m.b).permute(0, 2, 1)).permute(0, 2, 1)),

@@ -103,7 +103,7 @@ SPELLINGS = {
         "x @ W.T + b → conv(K=4) → silu → relu² [B,T,D]"),
     "torch.matmul(x, W.t()), .mT, nn.SiLU, 1 + nn.ELU": (
         lambda m, x: 1 + m.elu(m.silu(_pad_conv(m, torch.matmul(x, m.proj.weight.t()).mT).mT)),
-        "x @ W.t() → conv(K=4) → silu → elu+1 [B,T,D]"),
+        "x @ W.transpose(0, 1) → conv(K=4) → silu → elu+1 [B,T,D]"),
     "permute(0, 2, 1), silu before the transpose back, exp(clamp)": (
         lambda m, x: torch.exp(torch.clamp(
             F.silu(_conv_slice(m, m.proj(x).permute(0, 2, 1))).permute(0, 2, 1), max=5.0)),
