@@ -1217,7 +1217,9 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
         if "y" in reads:  # [B, T, H, Dv] → [T, *lead, Dv], with the size-1 dims the body's y has
             y = y.movedim(1, 0)
             sizes = iter(s for s in (y.shape[0], *lead, y.shape[-1]) if not _is_one(s))
-            results.append(y.reshape([1 if one else next(sizes) for one in y_ones]))
+            y = y.reshape([1 if one else next(sizes) for one in y_ones])
+            # the reads a function of the read takes next, traced on a contiguous tensor: one, not a strided view
+            results.append(y.contiguous() if rec.read_node is not None else y)
         if "M" in reads:
             m = m.transpose(-1, -2) if rec.layout == "kv" else m
             results.append(m.reshape(M0.shape).to(M0.dtype))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import hecate
-from hecate.testing import assert_close
+from hecate.testing import assert_close, assert_outputs_and_gradients_close
 
 TOL = 1e-5
 B, T, H, DK, DV = 2, 4, 2, 3, 5
@@ -1311,6 +1311,32 @@ def test_a_function_of_the_read_inside_the_loop_fuses(module, op, params, dynami
     a residual): the op reads, the function runs on every step's read after it; its parameters get gradients."""
     report = _compare_module(module(), dynamic, params)
     assert report.count(op) == 1 and not report.misses, str(report)
+
+
+def test_a_projection_of_a_single_head_read_runs_on_the_reads_as_laid_out(fresh_dynamo):
+    """One memory per sequence [B, D, D] (no heads), the read projected inside the loop: the op's reads come out of a
+    transpose, and the projection traced on a contiguous tensor runs on a contiguous one (probe recount: a view of
+    the strided reads failed at run time)."""
+    class ReadProjection(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = torch.nn.Linear(DK, DK, bias=False)
+
+        def forward(self, k, v, q):
+            M, ys = k.new_zeros(k.shape[0], DK, DK), []
+            for t in range(k.shape[1]):
+                e = (M @ k[:, t, :, None]).squeeze(-1) - v[:, t]
+                M = M - 0.3 * e[:, :, None] * k[:, t, None, :]
+                ys.append(self.out((M @ q[:, t, :, None]).squeeze(-1)))
+            return torch.stack(ys, 1), M
+
+    model = ReadProjection()
+    compiled = torch.compile(model, backend="hecate", options={"fallback": "eager"})
+    k, v, q = (torch.randn(B, T, DK, requires_grad=True) for _ in range(3))
+    ref_inputs = [x.detach().clone().requires_grad_() for x in (k, v, q)]
+    got, ref = compiled(k, v, q), model(*ref_inputs)
+    assert hecate.last_report().count("memory_scan") == 1, str(hecate.last_report())
+    assert_outputs_and_gradients_close(got, ref, [k, v, q], ref_inputs, TOL)
 
 
 def test_a_function_of_the_read_is_traced_before_the_loop_is_replaced(fresh_dynamo):
