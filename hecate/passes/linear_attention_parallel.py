@@ -594,15 +594,21 @@ def _fuse_noncausal(gm: fx.GraphModule, read: fx.Node, x: fx.Node, y: fx.Node, q
             break
     else:
         return  # another product of three tensors (attention without a softmax, say): not linear attention
-    dtypes = {n.meta["val"].dtype for n in (k, v, q)}
-    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-        raise NotFused(f"k, v, q have dtypes {sorted(map(str, dtypes))}; linear_attention needs one floating dtype")
-    bound = first_threshold(nodes_between([k, v, q], [read]), memo)
-    if bound is not None:
-        raise NotFused(bound_reason(bound, "it"))
+    _check_read_by_meaning(k, v, q, read, memo)
     replace_with_function(gm, [read], _noncausal_as_op, [k, v, q], outputs=[read])
     report.add_fusion("linear_attention", "hecate.linear_attention", 2,
                       "non-causal φ(Q)(φ(K)ᵀV) by matrix products, read by meaning")
+
+
+def _check_read_by_meaning(k: fx.Node, v: fx.Node, q: fx.Node, read: fx.Node, values: dict) -> None:
+    """What a form read by evaluation must also be: k, v, q of one floating dtype, and no bound or branch on data
+    between them and the read (``values``: the nodes' values at the point checked)."""
+    dtypes = {n.meta["val"].dtype for n in (k, v, q)}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise NotFused(f"k, v, q have dtypes {sorted(map(str, dtypes))}; linear_attention needs one floating dtype")
+    bound = first_threshold(nodes_between([k, v, q], [read]), values)
+    if bound is not None:
+        raise NotFused(bound_reason(bound, "it"))
 
 
 def _noncausal_as_op(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -690,12 +696,7 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
             break
     else:
         raise NotFused("its read differs from y_t = M_t q_t at random points")
-    dtypes = {n.meta["val"].dtype for n in (k, v, q)}
-    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-        raise NotFused(f"k, v, q have dtypes {sorted(map(str, dtypes))}; linear_attention needs one floating dtype")
-    bound = first_threshold(nodes_between([k, v, q], [read]), memo)
-    if bound is not None:
-        raise NotFused(bound_reason(bound, "it"))
+    _check_read_by_meaning(k, v, q, read, memo)
     replace_with_function(gm, [read], _cumulated_as_op if time == 1 else _heads_first_cumulated_as_op, [k, v, q],
                           outputs=[read])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
