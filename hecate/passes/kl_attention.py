@@ -264,17 +264,12 @@ def _product_sides(node: fx.Node, rank: int, n) -> list[tuple[fx.Node, str]] | N
     return [(t, side) for t, side in ((x, "i"), (y, "j")) for t in [t] + sources_shaped(t, per_position)]
 
 
-def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list[fx.Node], list[fx.Node]]:
-    """({broadcast per-position tensor: sides}, [tensors the same at every position], the score's nodes,
-    [other tensors it reads]).
-
-    The tensors no belief flows into meet the pair space as inputs of the score's ops that read the
-    beliefs. Those the same at every position (:func:`_shared`) are listed with what they are computed
-    from that is too (``log_var`` [K] and ``log_var.exp()[None, None]`` [1, 1, 1, K]): a shared
-    variance is one of them; the others stop the fusion."""
-    n = shape_of(logits)[-1]
+def _walk_to_the_pairs(logits: fx.Node, rank: int, n, with_products: bool) -> tuple[dict, dict, list, set]:
+    """({broadcast per-position tensor: sides}, {per-position tensor of a matrix product x_i · y_j and what it is
+    computed from: sides}, the score's nodes, the broadcasts and products where the walk up from ``logits``
+    stopped). Without ``with_products`` a product is one of the score's nodes."""
     bases: dict[fx.Node, set] = {}
-    products: dict[fx.Node, set] = {}  # the per-position tensors of matrix products x_i · y_j, and their sources
+    products: dict[fx.Node, set] = {}
     nodes, broadcasts, seen, stack = [], set(), set(), [logits]
     while stack:
         node = stack.pop()
@@ -282,7 +277,7 @@ def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list
             continue
         seen.add(node)
         side = _broadcast_side(node, rank, n)
-        product = _product_sides(node, rank, n)
+        product = _product_sides(node, rank, n) if with_products and side is None else None
         if side is not None:
             bases.setdefault(side[0], set()).add(side[1])
             broadcasts.add(node)
@@ -293,21 +288,25 @@ def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list
         elif node.op == "call_function":
             nodes.append(node)
             stack.extend(node.all_input_nodes)
+    return bases, products, nodes, broadcasts
+
+
+def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list[fx.Node], list[fx.Node]]:
+    """({broadcast per-position tensor: sides}, [tensors the same at every position], the score's nodes,
+    [other tensors it reads]).
+
+    The tensors no belief flows into meet the pair space as inputs of the score's ops that read the
+    beliefs. Those the same at every position (:func:`_shared`) are listed with what they are computed
+    from that is too (``log_var`` [K] and ``log_var.exp()[None, None]`` [1, 1, 1, K]): a shared
+    variance is one of them; the others stop the fusion."""
+    n = shape_of(logits)[-1]
+    bases, products, nodes, broadcasts = _walk_to_the_pairs(logits, rank, n, with_products=True)
     if products and any(len(shape_of(b)) == rank - 1 for b in bases):
-        # the KL expanded into products: Σ_k a_ik b_jk plus numbers per query and per key (Σ_k log v_jk); a
-        # product alone (q·kᵀ) is dot-product attention, not this family
+        # the KL expanded into products: Σ_k a_ik b_jk plus numbers per query and per key (Σ_k log v_jk)
         for x, sides in products.items():
             bases.setdefault(x, set()).update(sides)
-    else:
-        nodes += [b for b in broadcasts if b.target in _PRODUCTS]
-        stack = [i for b in broadcasts if b.target in _PRODUCTS for i in b.all_input_nodes]
-        broadcasts = {b for b in broadcasts if b.target not in _PRODUCTS}
-        while stack:
-            node = stack.pop()
-            if node not in seen and node.op == "call_function":
-                seen.add(node)
-                nodes.append(node)
-                stack.extend(node.all_input_nodes)
+    elif products:  # a product alone (q·kᵀ) is dot-product attention, not this family: its nodes are the score's
+        bases, _, nodes, broadcasts = _walk_to_the_pairs(logits, rank, n, with_products=False)
     order = {node: i for i, node in enumerate(logits.graph.nodes)}
     nodes.sort(key=order.__getitem__)
     paired = set(broadcasts)  # the nodes a belief flows into
@@ -421,20 +420,8 @@ def _recognise(softmax: fx.Node) -> _Score | None:
                            "not known when compiling; apply the mask after the temperature, "
                            "(t · kl).masked_fill(mask, -inf), which fuses")
     flags = [x for x in [*bases, *shared, *others] if _is_bool(x) and any(map(_is_bool, tensors_read([x])))]
-    if flags:  # a bool tensor the masks peeled do not account for: name the op that applies it
-        user, stack = None, [flags[0]]
-        while stack and user is None:
-            for u in stack.pop().users:
-                if _is_bool(u):
-                    stack.append(u)
-                elif user is None:
-                    user = u
-        fill = [a for a in user.args if not isinstance(a, fx.Node)] if user is not None else []
-        raise NotFused(f"the score reads the bool tensor {flags[0].name} (from {_source_names(flags[0])}) through "
-                       f"{user.name + ' (' + short(user.target) if user is not None else 'a view ('}"
-                       f"{', with ' + ', '.join(map(repr, fill)) if fill else ''}), which is no mask of −inf the op "
-                       "takes: masked_fill(mask, float('-inf')), torch.where(mask, s, float('-inf')) or an added "
-                       "zeros(...).masked_fill(mask, float('-inf')) fuse")
+    if flags:  # a bool tensor the masks peeled do not account for
+        raise NotFused(_stray_mask_reason(flags[0]))
     if others:  # a matrix product first: the KL expanded into products says most
         raise NotFused(f"the pairwise score also reads {_describe_other(min(others, key=_not_a_product))}")
     k = {size_hint(shape_of(b)[-1]) for b in bases if len(shape_of(b)) == rank}
@@ -479,6 +466,23 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     additive = added or any(kind == "additive" for _, kind in masks)
     return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan, additive,
                   kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank, run_time_masks, unfilled)
+
+
+def _stray_mask_reason(flag: fx.Node) -> str:
+    """Why a bool tensor passed in stops the fusion: the op that applies it (through views and other bools)."""
+    user, stack = None, [flag]
+    while stack and user is None:
+        for u in stack.pop().users:
+            if _is_bool(u):
+                stack.append(u)
+            elif user is None:
+                user = u
+    fill = [a for a in user.args if not isinstance(a, fx.Node)] if user is not None else []
+    return (f"the score reads the bool tensor {flag.name} (from {_source_names(flag)}) through "
+            f"{user.name + ' (' + short(user.target) if user is not None else 'a view ('}"
+            f"{', with ' + ', '.join(map(repr, fill)) if fill else ''}), which is no mask of −inf the op takes: "
+            "masked_fill(mask, float('-inf')), torch.where(mask, s, float('-inf')) or an added "
+            "zeros(...).masked_fill(mask, float('-inf')) fuse")
 
 
 def _is_bool(node: fx.Node) -> bool:
@@ -1166,10 +1170,12 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
 def _unshifted_softmax_of(node: fx.Node) -> fx.Node | None:
     """s for ``e / e.sum(-1, keepdim=True)`` with e = exp(s) (the normal form made e = exp(s − max) a softmax
     already), or e = exp(·) times a mask (of sizes, or a 0/1 tensor passed in)."""
-    e, total = node.args[:2] if len(node.args) == 2 else (None, None)
-    if not (isinstance(total, fx.Node) and total.target == aten.sum.dim_IntList and total.args[0] is e
-            and isinstance(e, fx.Node) and len(total.args) > 2 and total.args[2]
-            and [d % max(len(shape_of(e) or ()), 1) for d in total.args[1]] == [len(shape_of(e) or ()) - 1]):
+    if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    e, total = node.args
+    rank = len(shape_of(e) or ())
+    if not (rank and total.target == aten.sum.dim_IntList and total.args[0] is e and len(total.args) > 2
+            and total.args[2] and [d % rank for d in total.args[1]] == [rank - 1]):
         return None
     if e.target == aten.mul.Tensor:
         factors = [a for a in e.args if isinstance(a, fx.Node) and a.target == aten.exp.default]

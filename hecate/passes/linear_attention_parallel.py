@@ -557,8 +557,8 @@ def _noncausal_product(read: fx.Node) -> tuple | None:
         while isinstance(a, fx.Node) and a.target in (aten.transpose.int, aten.permute.default) and len(a.users) == 1:
             a = a.args[0]  # k.mT @ v reads k itself
         lead, t = shape[:-2], shape[-2]
-        if not all(isinstance(x, fx.Node) and _same_sizes(_sizes_of(x), lead + (t,), last=False) for x in (q, a, b)) \
-                or not _same_sizes(_sizes_of(kv), lead, last=False, drop=2):
+        if not all(isinstance(x, fx.Node) and _same_sizes(_sizes_of(x), lead + (t,), drop=1) for x in (q, a, b)) \
+                or not _same_sizes(_sizes_of(kv), lead, drop=2):
             continue
         return a, b, q, kv
     return None
@@ -569,12 +569,12 @@ def _sizes_of(node) -> tuple | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _same_sizes(sizes: tuple | None, expected: tuple, last: bool = True, drop: int = 1) -> bool:
-    """Whether ``sizes`` (without its last ``drop`` dims unless ``last``) are ``expected``, as expressions (under
-    dynamic shapes a size may be written ((s0**2)//s0) in one tensor and s0 in another)."""
+def _same_sizes(sizes: tuple | None, expected: tuple, drop: int = 0) -> bool:
+    """Whether ``sizes`` without their last ``drop`` dims are ``expected``, as expressions (under dynamic shapes a
+    size may be written ((s0**2)//s0) in one tensor and s0 in another)."""
     if sizes is None:
         return False
-    sizes = sizes if last else sizes[:-drop]
+    sizes = sizes[:len(sizes) - drop]
     return len(sizes) == len(expected) and all(statically_known_true(a == b) for a, b in zip(sizes, expected))
 
 
@@ -647,7 +647,7 @@ def _cumulated_form(cumsum: fx.Node):
     for _ in range(6):  # the read: a few views, a product, a sum or squeeze
         frontier = [u for n in frontier for u in n.users]
         region += frontier
-        reads = [n for n in frontier if _same_sizes(_sizes_of(n), per_token, last=False)
+        reads = [n for n in frontier if _same_sizes(_sizes_of(n), per_token, drop=1)
                  and any(statically_known_true(_sizes_of(n)[-1] == d) for d in shape[-2:])]
         if reads:
             break
@@ -664,7 +664,7 @@ def _cumulated_form(cumsum: fx.Node):
     for _ in range(2):  # q.unsqueeze(...) / q[..., None, :]
         if q.op == "call_function" and q.target == aten.unsqueeze.default:
             q = q.args[0]
-    if not _same_sizes(_sizes_of(q), per_token, last=False):
+    if not _same_sizes(_sizes_of(q), per_token, drop=1):
         return None
     return x, y, q, read, region, cumsum.args[1] % len(shape)
 

@@ -290,7 +290,7 @@ def number_of(arg: Any) -> float | None:
         if arg.target is aten.full.default and all(d == 1 for d in arg.args[0]) and isinstance(arg.args[1], (int, float)):
             return float(arg.args[1])
     value = constant_tensor(arg)
-    return value.item() if value is not None and value.numel() == 1 and not value.dtype == torch.bool else None
+    return value.item() if value is not None and value.numel() == 1 and value.dtype != torch.bool else None
 
 
 def zero_pad_amounts(node: Any) -> list[int] | None:

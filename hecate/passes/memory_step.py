@@ -1111,15 +1111,10 @@ def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> 
         like = env.get(like_node) if like_node in env else values[0]
         return per_step.value(env, *_per_step_shape(rec, role, M), like=like)
 
-    in_dims = tuple([0] * len(xs) + [None] * (len(invariants) + 1))
+    traced = _trace_vmapped(one_step, [n.meta["val"] for n in outer],
+                            tuple([0] * len(xs) + [None] * (len(invariants) + 1)), "a per-step input of the memory")
     with gm.graph.inserting_before(node):
-        return _vmapped(gm, one_step, outer, in_dims, "a per-step input of the memory")[0]
-
-
-def _vmapped(gm: fx.GraphModule, step: Any, outer: list[fx.Node], in_dims: tuple, what: str) -> tuple[Any, list]:
-    """(the node of ``torch.vmap(step, in_dims)(*outer)``, the nodes emitted for it) at the graph's insertion
-    point."""
-    return _emit_traced(gm, _trace_vmapped(step, [n.meta["val"] for n in outer], in_dims, what), outer)
+        return _emit_traced(gm, traced, outer)[0]
 
 
 def _trace_vmapped(step: Any, values: list, in_dims: tuple, what: str) -> fx.GraphModule:
@@ -1264,18 +1259,19 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
     if not read:
         raise NotFused("no result of the scan is read")
     y_ones = [_is_one(s) for s in read["y"].meta["val"].shape] if "y" in read else None
-    if rec.read_node is not None and "y" in read:  # the op gives the reads; the output's function follows
-        y_ones = [_is_one(read["y"].meta["val"].shape[0])] + [_is_one(s) for s in rec.read_node.meta["val"].shape]
-    names = list(inputs)
-    fused = _fused_recurrence(rec, names, initial, y_ones, set(read))
     after = None
-    if rec.read_node is not None and "y" in read:  # traced before anything changes: NotFused leaves the graph as is
+    if rec.read_node is not None and "y" in read:  # the op gives the reads; the output's function follows them
+        steps = read["y"].meta["val"].shape[0]
+        y_ones = [_is_one(steps)] + [_is_one(s) for s in rec.read_node.meta["val"].shape]
         M = M0.meta["val"]  # the reads [T, *lead, Dv] with the read's size-1 dims, sizes as the memory's
-        sizes = iter(s for s in (read["y"].meta["val"].shape[0], *_per_step_shape(rec, "v", M)[0],
-                                 _per_step_shape(rec, "v", M)[1]) if not _is_one(s))
+        lead, dv = _per_step_shape(rec, "v", M)
+        sizes = iter(s for s in (steps, *lead, dv) if not _is_one(s))
         reads = M.new_empty([1 if one else next(sizes) for one in y_ones], dtype=rec.read_node.meta["val"].dtype)
+        # traced before anything changes: where it cannot be, NotFused leaves the graph as it is
         after = _after_the_reads(getattr(gm, node.args[0].target).graph, n_carries, list(xs) + list(invariants),
                                  len(xs), rec, reads)
+    names = list(inputs)
+    fused = _fused_recurrence(rec, names, initial, y_ones, set(read))
     new = replace_with_function(gm, [node, *results.values()], fused, [inputs[n] for n in names],
                                 outputs=list(read.values()))
     if after is not None:
