@@ -66,12 +66,6 @@ def check_inputs(k, v, q, alpha, m0, z0, normalize, eps, causal) -> None:
             raise ValueError(f"linear_attention: z0 shape {tuple(z0.shape)} must be [B, H, Dk] = {(B, H, Dk)}")
 
 
-def _check_alpha(alpha) -> None:
-    if alpha is not None and not bool(torch.isfinite(alpha).all()):
-        bad = alpha[~torch.isfinite(alpha)][0].item()
-        raise ValueError(f"linear_attention: alpha must be finite everywhere, found {bad}")
-
-
 def _hebbian_inputs(k, v, alpha, m0, z0, normalize):
     """The memory_scan (Hebbian mode) arguments: v' = [v, 1] with the normaliser, retention 1 − α, step 1."""
     B, T, H, Dk = k.shape
@@ -98,7 +92,7 @@ def _recurrence(k, v, q, forget, step, A0):
     """(y, A_T) of the Hebbian recurrence (no momentum: memory_scan's empty s_final is dropped)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
-        if _uses_chunked(k, v, q, A0):
+        if _uses_chunked(k, v, q, forget, step, A0):
             return chunk_kernels.forward(k, v, q, forget, step, A0, None, hebbian=True)[:2]
         return kernels.forward(k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
     return cpu.forward(k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
@@ -108,7 +102,7 @@ def _recurrence_backward(dy, dA, k, v, q, forget, step, A0):
     """(dk, dv, dq, dforget, dstep, dA0)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
-        if _uses_chunked(k, v, q, A0, dy, dA):
+        if _uses_chunked(k, v, q, forget, step, A0, dy, dA):
             return chunk_kernels.backward(dy, dA, k, v, q, forget, step, A0, None, hebbian=True)[:6]
         return kernels.backward(dy, dA, k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0,
                                 hebbian=True)[:6]
@@ -138,7 +132,6 @@ def linear_attention(k: Tensor, v: Tensor, q: Tensor, alpha: Optional[Tensor], m
                      z0: Optional[Tensor], normalize: bool = False, eps: float = 1e-6,
                      causal: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     check_inputs(k, v, q, alpha, m0, z0, normalize, eps, causal)
-    _check_alpha(alpha)
     if not causal:
         _, _, _, M, z, num, den = _non_causal(k, v, q, normalize, eps)
         y = num / den if normalize else num

@@ -229,7 +229,7 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
 
 def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None):
     """:func:`forward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
-    if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, m0):
+    if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0):
         return chunked.forward(k, v, q, alpha, eta, m0, hebbian)
     return forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0)
 
@@ -237,7 +237,8 @@ def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False,
 def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
              dS_final=None):
     """:func:`backward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
-    if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, m0, dy, dA_final):
+    if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0, dy,
+                            dA_final):
         return chunked.backward(dy, dA_final, k, v, q, alpha, eta, m0, hebbian)
     return backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0,
                               dS_final)

@@ -128,12 +128,8 @@ def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_nor
 
 
 def check_values(k, alpha, eta, cu_seqlens) -> None:
-    """Data checks: finite gates, well-formed cu_seqlens (one host sync each)."""
-    for name, gate in (("alpha", alpha), ("eta", eta)):
-        if not bool(torch.isfinite(gate).all()):
-            bad = gate[~torch.isfinite(gate)][0].item()
-            raise ValueError(f"memory_scan: {name} must be finite everywhere, found {bad} "
-                             f"(a NaN/inf gate would poison the whole state)")
+    """Data checks: well-formed cu_seqlens (one host sync each). A NaN or inf gate is no error: the state
+    carries it from its step on, as the model's own loop does (the recurrent form: see chunked.uses_chunked)."""
     if cu_seqlens is not None:
         T = k.shape[1]
         first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
@@ -152,7 +148,7 @@ def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0:
     check_values(k, alpha, eta, cu_seqlens)
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
-        if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, m0):
+        if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0):
             return dense(chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens))
         return dense(kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias,
                                      s0=s0))
@@ -184,7 +180,8 @@ def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: 
     is None; ds0 empty without momentum; ds_final None means zeros)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
-        if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, m0, dy, dm_final):
+        if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0, dy,
+                                   dm_final):
             return dense(chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens))
         return dense(kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
                                       bias=bias, s0=s0, ds_final=ds_final))

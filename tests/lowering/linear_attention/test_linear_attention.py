@@ -108,10 +108,22 @@ def test_bad_inputs():
         op(k, v, q, alpha, m0, z0, False, 1e-6, True)
     with pytest.raises(ValueError, match=r"v shape \(2, 6, 2, 3\).*k shape \(2, 7, 2, 5\)"):
         op(k, v[:, :6], q, alpha, m0, z0, True, 1e-6, True)
+
+
+@pytest.mark.parametrize("T", [7, 70], ids=["recurrent", "chunked_length"])
+def test_a_nan_gate_is_carried_from_its_step_as_the_loop_carries_it(T):
+    """A NaN gate is no error: the outputs from its step on are NaN and those before it are the reference's,
+    at T = 70 too (where finite gates take the chunked form)."""
+    k, v, q, alpha, m0, z0 = [x.detach() if x is not None else None
+                              for x in make_inputs(True, True, True, True, T=T, dtype=torch.float32)]
     bad = alpha.clone()
     bad[1, 2, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"alpha must be finite everywhere, found nan"):
-        op(k, v, q, bad, m0, z0, True, 1e-6, True)
+    y = op(k, v, q, bad, m0, z0, True, 1e-6, True)[0]
+    y_ref = linear_attention_naive(k, v, q, bad, m0, z0, True, 1e-6, True)[0]
+    assert torch.equal(torch.isfinite(y), torch.isfinite(y_ref)) and not torch.isfinite(y_ref[1, 2:, 0]).any()
+    finite = torch.isfinite(y_ref)
+    assert finite[1, :2].all() and finite[0].all()
+    assert_close("y where finite", y[finite], y_ref[finite], 1e-5)
 
 
 class LinearAttentionCall(torch.nn.Module):
