@@ -119,6 +119,8 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
     ``x[:, t]`` of a symbolic-size x is then one ``select``).
     """
     changed = functionalize(gm.graph)
+    changed = _peeled_first_steps(gm.graph) or changed
+    changed = _cats_joined(gm.graph) or changed
     if _hoist_invariants(gm.graph) or changed:
         gm.recompile()
     nodes = list(gm.graph.nodes)
@@ -224,6 +226,99 @@ def _hoist_invariants(graph: fx.Graph) -> bool:
         anchor.append(node)
         anchor = node
     return True
+
+
+_ADDS = (operator.add, operator.iadd, torch.add, torch.ops.aten.add.Tensor)
+
+
+def _peeled_first_steps(graph: fx.Graph) -> bool:
+    """``S = u(x[:, 0]); for t in 1..: S = S + u(x[:, t])`` (the first step written before the loop, from no state):
+    the first state becomes ``zeros + u(x[:, 0])``, so the first step is one like the others and the loop rolls up
+    from it, with a zero initial state. Exact: 0 + x is x. Returns whether any changed."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    changed = False
+    for node in list(graph.nodes):
+        if node.op not in _TENSOR_OPS or node.target not in _ADDS or len(node.args) != 2 or node.kwargs:
+            continue
+        for first, term in (node.args, node.args[::-1]):
+            value = _value(first) if isinstance(first, fx.Node) else None
+            if not isinstance(value, torch.Tensor) or not isinstance(term, fx.Node) or first is term \
+                    or not all(is_concrete_int(s) for s in value.shape) or not _one_step_earlier(first, term):
+                continue
+            anchor = inputs[-1] if inputs else next(iter(graph.nodes))
+            with graph.inserting_after(anchor):
+                zeros = graph.call_function(torch.zeros, (tuple(int(s) for s in value.shape),),
+                                            {"dtype": value.dtype, "device": value.device})
+            with graph.inserting_after(first):
+                started = graph.call_function(operator.add, (zeros, first))
+            first.replace_all_uses_with(started, delete_user_cb=lambda user: user is not started)
+            zeros.meta["example_value"] = torch.zeros_like(value)
+            started.meta["example_value"] = zeros.meta["example_value"] + value
+            changed = True
+            break
+    return changed
+
+
+_CATS = (torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default)
+
+
+def _cats_joined(graph: fx.Graph) -> bool:
+    """``out = cat([out, y_t], dim)`` each step (outputs gathered by growing a tensor): one ``cat`` of every y_t,
+    as the loop's stacked outputs are read. Exact: the same elements in the same order. Returns whether any
+    changed."""
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _CATS or not node.args \
+                or not isinstance(node.args[0], (list, tuple)) or set(node.kwargs) - {"dim"}:
+            continue
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        parts, joined = [], []
+        for part in node.args[0]:
+            inner_dim = (part.args[1] if len(part.args) > 1 else part.kwargs.get("dim", 0)) \
+                if isinstance(part, fx.Node) and part.target in _CATS and part.args else None
+            if inner_dim is not None and len(part.users) == 1 and not set(part.kwargs) - {"dim"} \
+                    and isinstance(part.args[0], (list, tuple)) \
+                    and _same_dim(inner_dim, dim, _value(part)):
+                parts.extend(part.args[0])
+                joined.append(part)
+            else:
+                parts.append(part)
+        if joined:
+            node.args = (parts, *node.args[1:])
+            for part in joined:
+                graph.erase_node(part)
+            changed = True
+    return changed
+
+
+def _same_dim(a: Any, b: Any, value: Any) -> bool:
+    """Whether dims ``a`` and ``b`` of a tensor like ``value`` are one dim."""
+    if not (_is_int(a) and _is_int(b) and isinstance(value, torch.Tensor)):
+        return False
+    return a % value.dim() == b % value.dim()
+
+
+def _one_step_earlier(a: Any, b: Any, depth: int = 6) -> bool:
+    """Whether ``a`` computes from time index t what ``b`` computes from t + 1 (the same calls on per-step slices
+    one index earlier, the same other inputs), reading at least one such slice."""
+    if not isinstance(a, fx.Node) or not isinstance(b, fx.Node) or a is b or depth == 0:
+        return False
+    if a.op not in _TENSOR_OPS or a.op != b.op or a.target != b.target or a.kwargs != b.kwargs \
+            or len(a.args) != len(b.args):
+        return False
+    reads = {(x, dim, index + 1, repr(rest)) for x, dim, index, rest in _time_slices(a)}
+    if any((x, dim, index, repr(rest)) in reads for x, dim, index, rest in _time_slices(b)):
+        return True
+    shifted = False
+    for x, y in zip(a.args, b.args):
+        if isinstance(x, fx.Node) and isinstance(y, fx.Node) and x is not y:
+            if not _one_step_earlier(x, y, depth - 1):
+                return False
+            shifted = True
+        elif x is not y and (isinstance(x, (fx.Node, torch.Tensor)) or isinstance(y, (fx.Node, torch.Tensor))
+                             or x != y):
+            return False
+    return shifted
 
 
 # ---------------------------------------------------------------- per-step slices
@@ -540,14 +635,19 @@ def _pure(node: fx.Node) -> bool:
     if isinstance(node.target, torch._ops.OpOverload):  # an ATen graph (torch.export's)
         return functional_op(node.target)
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if "dropout" in name.lower().split("_") and _training_arg(node) is False:
-        return not mutates(node)  # F.dropout(x, p, training=False), nn.Dropout in eval(): x itself
+    if "dropout" in name.lower().split("_") and (_training_arg(node) is False or _dropout_p(node) == 0):
+        return not mutates(node)  # F.dropout(x, p, training=False), nn.Dropout in eval(), or p = 0: x itself
     return not mutates(node) and _RANDOM.isdisjoint(name.lower().split("_"))
 
 
 def _training_arg(node: fx.Node) -> Any:
     """The ``training`` argument of a dropout call (F.dropout(input, p, training, inplace)), None if not given."""
     return node.kwargs.get("training", node.args[2] if len(node.args) > 2 else None)
+
+
+def _dropout_p(node: fx.Node) -> Any:
+    """The ``p`` argument of a dropout call (F.dropout(input, p=0.5, ...))."""
+    return node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
 
 
 def _same_meta(a: fx.Node, b: fx.Node) -> bool:

@@ -76,7 +76,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from hecate.passes.matching import aliases, mutates, number_of, written_in_place, zero_pad_amounts, zero_padded_dims
+from hecate.passes.matching import (aliases, depends_on_sizes_only, mutates, number_of, written_in_place,
+                                    zero_pad_amounts, zero_padded_dims)
 
 aten = torch.ops.aten
 
@@ -876,7 +877,7 @@ def _softmax_of(node: fx.Node) -> tuple[Any, int | None]:
     arg = node.args[0]
     if node.target is aten.softmax.int and (len(node.args) < 3 or node.args[2] is None) \
             and arg.target is aten.sub.Tensor and arg.kwargs.get("alpha", 1) == 1 and isinstance(arg.args[1], fx.Node) \
-            and _is_row_max(_undetached(arg.args[1]), arg.args[0], node.args[1]):
+            and is_row_max(undetached(arg.args[1]), arg.args[0], node.args[1]):
         return arg.args[0], node.args[1]
     if node.target is aten.exp.default and arg.target in (aten.log_softmax.int, aten._log_softmax.default) \
             and (len(arg.args) < 3 or arg.args[2] in (None, False)) and not arg.kwargs.get("dtype"):
@@ -892,19 +893,19 @@ def _softmax_of(node: fx.Node) -> tuple[Any, int | None]:
             or arg.args[0].target is not aten.sub.Tensor or arg.args[0].kwargs.get("alpha", 1) != 1:
         return None, None
     x, peak = arg.args[0].args
-    peak = _undetached(peak)
-    if not isinstance(peak, fx.Node) or not _is_row_max(peak, x, dim):
+    peak = undetached(peak)
+    if not isinstance(peak, fx.Node) or not is_row_max(peak, x, dim):
         return None, None
     return x, dim
 
 
-def _undetached(node: Any) -> Any:
+def undetached(node: Any) -> Any:
     while isinstance(node, fx.Node) and node.target in (aten.detach.default, aten.alias.default):
         node = node.args[0]
     return node
 
 
-def _is_row_max(peak: fx.Node, x: Any, dim: int) -> bool:
+def is_row_max(peak: fx.Node, x: Any, dim: int) -> bool:
     """Whether ``peak`` is ``x.amax(dim, keepdim=True)`` or ``x.max(dim, keepdim=True)[0]``."""
     if peak.target is aten.amax.default:
         return peak.args[0] is x and list(peak.args[1]) == [dim] and len(peak.args) > 2 and peak.args[2] is True
@@ -935,8 +936,9 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
     if target is aten.to.dtype and len(args) == 2 and not node.kwargs and isinstance(_val(args[0]), torch.Tensor) \
             and args[1] == _val(args[0]).dtype and node not in outputs and not _switches_autocast(graph):
         return args[0]  # x.float() of a float32 x: x itself (to() returns its input when nothing changes)
-    if target in _DROPOUTS and len(args) == 3 and args[2] is False and not node.kwargs and node not in outputs:
-        return args[0]  # F.dropout(x, p, training=False), nn.Dropout in eval(): x itself
+    if target in _DROPOUTS and len(args) == 3 and (args[2] is False or args[1] == 0) and not node.kwargs \
+            and node not in outputs:
+        return args[0]  # F.dropout(x, p, training=False), nn.Dropout in eval(), or p = 0: x itself
     if target in _RESHAPES and node not in outputs and _same_shape(node, args[0]):
         return args[0]  # h.view(B, T, D) of an h [B, T, D]: h itself
     if target in _AXIS_MOVES and not node.kwargs and isinstance(_val(node), torch.Tensor):
@@ -966,7 +968,14 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
                 and a.shape[-1] == 1 and b.shape[-2] == 1 and a.dtype == b.dtype:
             with graph.inserting_before(node):
                 return _emit(graph, aten.mul.Tensor, args[0], args[1])
+        if (rows := _row_scaled(args[0], outputs)) is not None:
+            scaled, divide = rows  # (a / n) @ v → (a @ v) / n for n one number per row of a: the row's scale
+            with graph.inserting_before(node):
+                product = _emit(graph, target, args[0].args[0], args[1])
+                return _emit(graph, divide, product, scaled)
         return None
+    if target is aten.einsum.default and (scaled := _einsum_of_row_scaled(graph, node, outputs)) is not None:
+        return scaled
     if target is aten.einsum.default:
         explicit = _einsum_without_ellipsis(graph, node)
         return (_einsum(graph, explicit, outputs) or explicit) if explicit is not None else _einsum(graph, node, outputs)
@@ -991,9 +1000,21 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             and isinstance(_val(args[0]), torch.Tensor) and _val(args[0]).dtype.is_floating_point:
         with graph.inserting_before(node):  # x + x → x * 2 (exactly)
             return _emit(graph, aten.mul.Tensor, args[0], 2)
+    scaled_by_number = target in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2 \
+        and isinstance(args[1], (int, float)) and not isinstance(args[1], bool) and args[1] != 0
     if target in (aten.neg.default, aten.mul.Tensor, aten.div.Tensor) and isinstance(args[0], fx.Node) \
-            and args[0].target is aten.masked_fill.Scalar and not node.kwargs:
+            and args[0].target in (aten.masked_fill.Scalar, aten.where.ScalarOther, aten.where.ScalarSelf) \
+            and not node.kwargs:
         return _through_masked_fill(graph, node)
+    if (target is aten.neg.default or scaled_by_number) and isinstance(args[0], fx.Node) \
+            and args[0].target is aten.add.Tensor and not args[0].kwargs and len(args[0].users) == 1 \
+            and args[0] not in outputs and all(isinstance(a, fx.Node) for a in args[0].args) \
+            and sum(map(depends_on_sizes_only, args[0].args)) == 1:
+        # −(kl + m) → (−kl) + (−m), and so (kl + m) / c, m made of sizes and constants (a mask of 0 and +inf on
+        # the KL): the mask then on the score the softmax reads. Exact for a mask (0 and ±inf stay so); a
+        # finite m rounds apart at most once
+        with graph.inserting_before(node):
+            return _emit(graph, aten.add.Tensor, *(_emit(graph, target, a, *args[1:]) for a in args[0].args))
     if target is aten.where.self and len(args) == 3:
         return _where_of_a_number(graph, node)
     if target in (aten.masked_fill.Tensor, aten.index_put.default):
@@ -1018,6 +1039,12 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         with graph.inserting_before(node):
             cut = _emit(graph, aten.slice.Tensor, args[0].args[0], d if d < u else d - 1, *args[2:])
             return _emit(graph, aten.unsqueeze.default, cut, u)
+    if target is aten.permute.default and _permutation(node) in ([1, 2, 0], [2, 0, 1]):
+        # a sequence-first [T, B, D] ↔ [B, D, T] in one permute: the batch swap and the T/D swap, the latter next
+        # to the [B, D, T] side (where a conv is), as (1, 2, 0) = swap(0, 1) then swap(1, 2). Exact: views.
+        first, second = ((0, 1), (1, 2)) if _permutation(node) == [1, 2, 0] else ((1, 2), (0, 1))
+        with graph.inserting_before(node):
+            return _emit(graph, aten.transpose.int, _emit(graph, aten.transpose.int, args[0], *first), *second)
     if target is aten.slice.Tensor and len(args) > 1 and _permutation(args[0]) is not None:
         return _slice_before_permute(graph, node, outputs)
     if _permutation(node) is not None and isinstance(args[0], fx.Node) and zero_pad_amounts(args[0]) is not None \
@@ -1053,6 +1080,30 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             return _emit(graph, view.target, _emit(graph, target, view.args[0], *args[1:]), *view.args[1:],
                          **view.kwargs)
     return None
+
+
+def _row_scaled(a: Any, outputs: set[fx.Node]) -> tuple[fx.Node, Any] | None:
+    """(n, div or mul) when ``a`` is ``x / n`` or ``x * n`` read by one matrix product alone, with n a tensor of
+    one number per row of x ([..., rows, 1]): the product's rows take the scale after it, the same up to rounding
+    (a score normalised before it is read, ``(s / (s.sum(-1, keepdim=True) + eps)) @ v``)."""
+    if not isinstance(a, fx.Node) or a.target not in (aten.div.Tensor, aten.mul.Tensor) or a.kwargs \
+            or len(a.users) != 1 or a in outputs or not all(isinstance(x, fx.Node) for x in a.args) \
+            or _written_softmax(a.args[0]):
+        return None
+    x, n = (_val(arg) for arg in a.args)
+    if not (isinstance(x, torch.Tensor) and isinstance(n, torch.Tensor)) or x.dim() < 2 or n.dim() < 2 \
+            or n.dim() > x.dim() or n.shape[-1] != 1 or n.shape[-2] != x.shape[-2] or x.dtype != n.dtype \
+            or torch.broadcast_shapes(x.shape, n.shape) != x.shape:
+        return None
+    return a.args[1], a.target
+
+
+def _written_softmax(x: fx.Node) -> bool:
+    """Whether ``x`` is exp(s) (or exp(s) times masks or numbers): β = x / Σ x is a softmax written out, which
+    stays β (the attention passes read it)."""
+    if not isinstance(x, fx.Node):
+        return False
+    return x.target is aten.exp.default or x.target is aten.mul.Tensor and any(map(_written_softmax, x.args))
 
 
 def _switches_autocast(graph: fx.Graph) -> bool:
@@ -1149,7 +1200,16 @@ def _through_masked_fill(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     c ≠ 0: the mask ends up on the score a softmax reads (``F.softmax(-kl.masked_fill(future, inf))``).
     Elementwise and exact, so the values and gradients are the same. A finite fill (β zero-filled) stays."""
     fill = node.args[0]
-    x, mask, value = fill.args
+    if fill.target is aten.masked_fill.Scalar:
+        x, mask, value = fill.args
+    else:  # where(m, x, v) is x.masked_fill(~m, v); where(m, v, x) is x.masked_fill(m, v)
+        x, value = fill.args[1:] if fill.target is aten.where.ScalarOther else fill.args[:0:-1]
+        if not isinstance(x, fx.Node) or not isinstance(value, float) or math.isfinite(value) \
+                or _val(x).shape != _val(fill).shape:
+            return None
+        with graph.inserting_before(node):
+            mask = (_emit(graph, aten.logical_not.default, fill.args[0]) if fill.target is aten.where.ScalarOther
+                    else fill.args[0])
     if not isinstance(value, float) or math.isfinite(value):
         return None
     if node.target is aten.neg.default:
@@ -1352,6 +1412,35 @@ def _einsum_without_ellipsis(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     out = output.replace("...", "".join(free))
     with graph.inserting_before(node):
         return _emit(graph, aten.einsum.default, ",".join(named) + "->" + out, operands)
+
+
+def _einsum_of_row_scaled(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
+    """``einsum("bhts,bshd->bthd", s / n, v)`` with n [b, h, t, 1] one number per row of s, its summed index last:
+    ``einsum(…, s, v) / n'``, n' the row numbers placed in the output's dims, as :func:`_row_scaled` does for a
+    matrix product."""
+    equation, operands = node.args[0], node.args[1]
+    if not isinstance(equation, str) or "->" not in equation or "." in equation or len(operands) != 2:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    for i, (term, operand) in enumerate(zip(terms, operands)):
+        rows = _row_scaled(operand, outputs)
+        if rows is None or _val(rows[0]).dim() != len(term) or term[-1] in out or not set(term[:-1]) <= set(out):
+            continue
+        n, divide = rows
+        kept = term[:-1]
+        with graph.inserting_before(node):
+            product = _emit(graph, aten.einsum.default, equation, [operand.args[0] if j == i else x
+                                                                   for j, x in enumerate(operands)])
+            placed = _emit(graph, aten.squeeze.dim, n, -1)
+            order = [kept.index(c) for c in out if c in kept]
+            if order != sorted(order):
+                placed = _emit(graph, aten.permute.default, placed, order)
+            for dim, c in enumerate(out):
+                if c not in kept:
+                    placed = _emit(graph, aten.unsqueeze.default, placed, dim)
+            return _emit(graph, divide, product, placed)
+    return None
 
 
 def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:

@@ -573,6 +573,7 @@ class _Chain:
     tail: list[_Found]
     state: _State | None = None
     window: _Window | None = None
+    batch_swap: fx.Node | None = None   # the [T, B, D] → [B, T, D] transpose between the projection and swap_in
 
     @property
     def parts(self) -> list[_Found]:
@@ -662,7 +663,10 @@ def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Ch
     if reason:
         return reason
 
-    projection = index.producer("projection", swap_in.input)
+    batch_swap = _batch_swap(swap_in.input) if len(swap_in.input.users) == 1 else None
+    projection = index.producer("projection", batch_swap.args[0] if batch_swap is not None else swap_in.input)
+    if projection is None:
+        batch_swap = None
     if projection is not None:
         reason = projection.piece.check(projection.match)
         if reason:
@@ -674,9 +678,19 @@ def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Ch
         users = ", ".join(u.name for u in conv.output.users) or "nothing"
         return (f"the conv output stays [B, D, T] (read by {users}); the fused op returns [B, T, D], so the chain "
                 f"needs the transpose back")
-    chain = _Chain(projection, swap_in, conv, tail, _state_of(conv, index))
+    chain = _Chain(projection, swap_in, conv, tail, _state_of(conv, index), batch_swap=batch_swap)
     reason = _check_dtypes(chain)
     return reason or chain
+
+
+def _batch_swap(node: fx.Node) -> fx.Node | None:
+    """``node`` when it is ``h.transpose(0, 1)`` of a [T, B, D] h read by it alone (a sequence-first layout, whose
+    projection then acts on [T, B, D]: the op projects x.transpose(0, 1) instead, the same rows), else None."""
+    if node is None or node.target is not aten.transpose.int or val(node).dim() != 3 \
+            or {d % 3 for d in node.args[1:3]} != {0, 1} or not isinstance(node.args[0], fx.Node) \
+            or len(node.args[0].users) != 1:
+        return None
+    return node
 
 
 def _walk_tail(node: fx.Node, index: _Index, report: FusionReport, channels_last: bool = False) -> list[_Found]:
@@ -703,8 +717,10 @@ def _walk_tail(node: fx.Node, index: _Index, report: FusionReport, channels_last
             break
         if found is None and "phi" not in done:
             found = _elementwise_phi(node, index)
+        if found is None and "swap" in done and "batch" not in done and _batch_swap(_only_user(node)) is not None:
+            found = _single(_only_user(node), _Stage("batch"))  # [B, T, D] → [T, B, D]: the op's output swapped
         if found is None:
-            return tail
+            return [p for p in tail if p is not tail[-1] or p.piece.stage != "batch"]  # a swap last stays
         tail.append(found)
         if found.piece.value in MATRIX_PHI:  # the feature dim changed: nothing after it is per channel
             return tail
@@ -712,15 +728,27 @@ def _walk_tail(node: fx.Node, index: _Index, report: FusionReport, channels_last
 
 
 @dataclass(frozen=True)
-class _PointwisePhi:
-    """The φ stage of a chain when φ is the user's own elementwise function: ``value`` is its expression."""
+class _Stage:
+    """A tail stage found by reading the graph, not by a piece: ``stage`` "phi" when φ is the user's own
+    elementwise function (``value`` its expression), "batch" for a [B, T, D] → [T, B, D] transpose."""
 
-    value: str
-    stage: str = "phi"
+    stage: str
+    value: str = ""
 
     @staticmethod
     def check(match: Match) -> str | None:
         return None
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _single(node: fx.Node, stage: _Stage, inputs: list | None = None, output: fx.Node | None = None) -> _Found:
+    """``stage`` covering ``node`` (or the region from ``inputs`` to ``output``), assembled here: no fixed pattern."""
+    covered = {node: node} if isinstance(node, fx.Node) else {n: n for n in node}
+    return _Found(stage, Match(fx.Graph(), InternalMatch(
+        anchors=[], nodes_map=covered, placeholder_nodes=inputs or [node.args[0]], returning_nodes=[output or node])))
 
 
 def _elementwise_phi(node: fx.Node, index: _Index) -> _Found | None:
@@ -736,10 +764,7 @@ def _elementwise_phi(node: fx.Node, index: _Index) -> _Found | None:
                 and set(candidate.match.nodes) == set(region) and candidate.piece.check(candidate.match) is None:
             return candidate
     expression = pointwise.extract(node, output)
-    covered = {n: n for n in region}
-    match = Match(fx.Graph(), InternalMatch(anchors=[], nodes_map=covered, placeholder_nodes=[node],
-                                            returning_nodes=[output]))    # assembled here: no fixed pattern
-    return _Found(_PointwisePhi("identity" if expression == "x" else expression), match)
+    return _single(region, _Stage("phi", "identity" if expression == "x" else expression), [node], output)
 
 
 def _check_dtypes(chain: _Chain) -> str | None:
@@ -929,6 +954,12 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
     # One match covering every part's computation nodes. They key themselves: two parts may come
     # from the same piece (the swap in and the swap back), whose pattern nodes would collide.
     covered = {node: node for part in chain.parts for node in part.match.nodes}
+    if chain.batch_swap is not None:
+        covered[chain.batch_swap] = chain.batch_swap
+        x = chain.projection.input
+        with gm.graph.inserting_before(chain.batch_swap):
+            args[0] = gm.graph.call_function(aten.transpose.int, (x, 0, 1))
+        args[0].meta["val"] = val(x).transpose(0, 1)
     nodes_replaced = len(covered)
     if chain.state is not None:
         args.append(_state_argument(gm, chain.state))
@@ -951,6 +982,9 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
     layout = []
     if chain.window is not None:
         layout.append((aten.squeeze.dim, (1,)))
+    if chain.stage("batch") is not None:
+        layout.append((aten.transpose.int, (0, 1)))
+        nodes_replaced -= 1  # the swap to sequence first is still there, after the op
     if heads is not None:
         layout.append((aten.unflatten.int, (-1, list(result.shape[-2:]))))
         nodes_replaced -= 1  # a head split is still there

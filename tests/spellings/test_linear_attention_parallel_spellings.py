@@ -209,7 +209,20 @@ def mask_made_like_the_scores(q, k, v):  # the causal mask as ones_like(s, dtype
     return torch.where(torch.ones_like(s, dtype=torch.bool).tril(), s, torch.zeros_like(s)) @ v
 
 
-FUNCTIONS = [einsum_with_an_ellipsis, mask_made_like_the_scores, cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
+def normalised_on_the_score(q, k, v):  # each row of the masked score divided by its sum before the values are read
+    a = torch.tril(phi(q) @ phi(k).mT)
+    return (a / (a.sum(-1, keepdim=True) + 1e-6)) @ v
+
+
+def normalised_on_the_score_heads_by_einsum(q, k, v):  # [B, T, H, D] kept, the score [B, H, T, S] normalised
+    b, t, d = q.shape
+    q, k, v = (x.view(b, t, 2, d // 2) for x in (phi(q), phi(k), v))
+    s = torch.einsum("bthd,bshd->bhts", q, k).masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), 0.0)
+    s = s / (s.sum(-1, keepdim=True) + 1e-6)
+    return torch.einsum("bhts,bshd->bthd", s, v).reshape(b, t, d)
+
+
+FUNCTIONS = [normalised_on_the_score, normalised_on_the_score_heads_by_einsum, einsum_with_an_ellipsis, mask_made_like_the_scores, cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
              cumsum_heads_method_row_vector_read, tril_method, times_tril_of_ones, masked_fill_bmm, normalised, where_arange_relu_features, retention,
              one_sequence, einsum_scores_and_read, einsum_heads_in_place, einsum_time_major_scores,
              triu_bool_masked_fill_einsum, arange_comparison_float_mask, normalised_by_reciprocal, normalised_by_clamp,
@@ -235,6 +248,21 @@ def _check(fn, args, dynamic, params=()):
 
 # a scale read from the head size: another number at each size the dynamic graph runs at
 SCALED_BY_THE_HEAD_SIZE = (scaled_scores_times_tril, scaled_scores_masked_fill)
+
+
+def small_decay_over_a_long_sequence(q, k, v):  # γ = 0.05 at T = 80: the far powers underflow in float32
+    n = torch.arange(q.shape[-2])
+    dist = n[:, None] - n[None, :]
+    return ((phi(q) @ phi(k).mT) * ((0.05 ** dist.clamp(min=0).float()) * (dist >= 0))) @ v
+
+
+def test_a_decay_whose_far_powers_underflow_fuses(fresh_dynamo):
+    """γ^(t−s) computed in float32 is a denormal or 0 far from the diagonal (probe r9a): the op's products of γ
+    underflow alike, so the mask is the decay's."""
+    torch.manual_seed(0)
+    report = _check(small_decay_over_a_long_sequence, [torch.randn(B, 80, D) for _ in range(3)], False)
+    assert [f.detail for f in report.fusions if f.pattern == "linear_attention"] == \
+        ["causal (φ(Q)φ(K)ᵀ ⊙ D) V, parallel form, decay γ=0.05"], str(report)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])

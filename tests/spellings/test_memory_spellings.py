@@ -793,7 +793,38 @@ def hebbian_heads_unpacked_from_one_tensor(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_first_step_before_the_loop(k, v, q, alpha, eta):  # M = v_0 k_0ᵀ written out, the loop from t = 1
+    M = v[:, 0, :, :, None] * k[:, 0, :, None, :]
+    ys = [(M @ q[:, 0, :, :, None])[..., 0]]
+    for t in range(1, k.shape[1]):
+        M = M + v[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_from_none_outputs_grown_by_cat(k, v, q, alpha, eta):  # M = None first, the outputs grown by torch.cat
+    M, out = None, None
+    for t in range(k.shape[1]):
+        update = v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        M = update if M is None else M + update
+        y = (M @ q[:, t].unsqueeze(-1)).transpose(-1, -2)  # [B, H, 1, Dv]
+        out = y if out is None else torch.cat([out, y], -2)
+    return out.transpose(1, 2), M
+
+
+def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn.Dropout(0.0) in train(): identity
+    M, ys = torch.zeros(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        M = M + v[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.append(F.dropout((M @ q[:, t, :, :, None])[..., 0], 0.0, training=True))
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
+    "hebbian_read_through_dropout_of_zero_in_training": (hebbian_read_through_dropout_of_zero_in_training,
+                                                         "linear_attention"),
+    "hebbian_first_step_before_the_loop": (hebbian_first_step_before_the_loop, "linear_attention"),
+    "hebbian_from_none_outputs_grown_by_cat": (hebbian_from_none_outputs_grown_by_cat, "linear_attention"),
     "l2_query_edited_before_the_loop": (l2_query_edited_before_the_loop, "memory_scan"),
     "l2_key_scaled_inside_the_loop": (l2_key_scaled_inside_the_loop, "memory_scan"),
     "l2_key_normalised_with_a_tensor_eps": (l2_key_normalised_with_a_tensor_eps, "memory_scan"),

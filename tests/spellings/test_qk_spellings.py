@@ -279,6 +279,17 @@ SPELLINGS = {
         lambda m, x: F.silu(F.conv1d(torch.cat([(u := m.proj(x).transpose(1, 2)).new_zeros(x.shape[0], D, K - 1), u],
                                                -1), m.conv.weight, m.conv.bias, groups=D).transpose(1, 2)),
         "linear → conv(K=4) → silu [B,T,D]"),
+    "F.dropout(p=0.0) in training between the projection and the conv (an identity)": (
+        lambda m, x: F.relu(F.silu(_conv_slice(m, F.dropout(m.proj(x), 0.0, training=True).transpose(1, 2)))
+                            .transpose(1, 2)),
+        "linear → conv(K=4) → silu → relu [B,T,D]"),
+    "sequence first: [T, B, D] projected, permute(1, 2, 0) into the conv, permute(2, 0, 1) back": (
+        lambda m, x: F.elu(F.silu(_pad_conv(m, m.proj(x.transpose(0, 1)).permute(1, 2, 0))).permute(2, 0, 1)) + 1,
+        "linear → conv(K=4) → silu → elu+1 [B,T,D]"),
+    "sequence first: x @ W.T + b on [T, B, D], transpose(0, 1) then transpose(1, 2), relu before permuting back": (
+        lambda m, x: F.relu(F.silu(_conv_slice(m, (x.transpose(0, 1) @ m.proj.weight.T + m.proj.bias)
+                                                .transpose(0, 1).transpose(1, 2)))).permute(2, 0, 1),
+        "x @ W.T + b → conv(K=4) → silu → relu [B,T,D]"),
 }
 
 
