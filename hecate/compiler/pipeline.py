@@ -264,7 +264,9 @@ def fuse_rolled_loops(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
     if not unfused:
         return aten_gm, rolled_report
     # why the scan passes did not fuse the rolled loop, said once (the other passes report again later)
-    scan_misses = [m for m in rolled_report.misses if m.pattern in _SCAN_PASSES]
+    # (and the misses about a rolled loop itself: a score computed row by row, say)
+    scans = {n.name for n in aten_gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)}
+    scan_misses = [m for m in rolled_report.misses if m.pattern in _SCAN_PASSES or scans & set(m.where.split(", "))]
     report.misses.extend(dataclasses.replace(m, reason=f"{m.reason}; the loop is compiled unrolled")
                          for m in scan_misses)
     if not scan_misses:

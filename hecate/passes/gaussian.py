@@ -4,7 +4,7 @@
   check what a subgraph computes (the pairwise score against the closed-form Gaussian KL, a
   mask against the causal/no-self masks) whatever ops spell it.
 * :data:`VARIANCE_FROM` the parameterisations of a diagonal Gaussian's spread a model may carry
-  (variance, log-variance, standard deviation, log-std, precision) and how each gives the variance.
+  (variance, log-variance, standard deviation, log-std, precision, log-precision) and how each gives the variance.
 * :func:`far_draw` and :func:`equals_scaled`: a match found at values near 1 confirmed far from them.
 * :func:`gaussian_kl` the closed form ``KL(N(μ_i, v_i) ‖ N(μ_j, v_j))`` summed over the last dim.
 * :func:`independent` which of the per-position tensors a score reads are drawn at random
@@ -32,6 +32,7 @@ VARIANCE_FROM: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "standard deviation": torch.square,
     "log standard deviation": lambda s: torch.exp(2.0 * s),
     "precision": torch.reciprocal,
+    "log-precision": lambda s: torch.exp(-s),
 }
 
 
@@ -77,6 +78,7 @@ FROM_LOG_VARIANCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "standard deviation": lambda log_v: torch.exp(0.5 * log_v),
     "log standard deviation": lambda log_v: 0.5 * log_v,
     "precision": lambda log_v: torch.exp(-log_v),
+    "log-precision": lambda log_v: -log_v,
 }
 
 # The confirming draw: means of either sign, variances from e^-8 to e^8. The first draws (positive values

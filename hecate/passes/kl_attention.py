@@ -64,6 +64,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from hecate.compiler.normalize import is_row_max, undetached
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals_scaled, evaluate, far_draw,
                                     gaussian_kl, independent, nearest_sources, proportion, run_time_temperature,
@@ -629,15 +630,15 @@ def _match_kl(logits, bases, shared, lead, k):
         raise NotFused(f"the score is KL(q_j ‖ q_i) (key to query; so is a softmax over the queries, dim −2, of "
                        f"KL(q_i ‖ q_j)) of {reversed_found[0].name} and the "
                        f"{reversed_found[2]} {reversed_found[1].name}; the fused op computes KL(q_i ‖ q_j)")
-    scalars = [b for b in shared if len(shape_of(b)) == 0]
-    if scalars:  # most likely κ held as a tensor
-        raise NotFused(f"the pairwise score also reads {_describe_other(scalars[0])}")
     names, variances = ", ".join(b.name for b in means), "another"
     if shared:
         names += (" (per position) and " + ", ".join(b.name for b in drawn if b in shared)
                   + " (the same at every position)")
         variances += ", or one the same at every position,"
-    raise NotFused(f"the pairwise score over {names} is not −KL(q_i ‖ q_j)/κ of diagonal Gaussians (κ > 0) "
+    scalars = [b for b in shared if len(shape_of(b)) == 0]
+    kappa = "κ > 0" + (f", a number or c·t or c/t of the 0-d {', '.join(b.name for b in scalars)} it reads"
+                       if scalars else "")
+    raise NotFused(f"the pairwise score over {names} is not −KL(q_i ‖ q_j)/κ of diagonal Gaussians ({kappa}) "
                    f"for any per-position one as the means and {variances} as {', '.join(VARIANCE_FROM)} "
                    "(nor of unit variance)")
 
@@ -1157,19 +1158,89 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
                              f"lengths compile their own graph")
             report.add_miss(PATTERN, str(e), softmax.name, nodes=[softmax])
     for beta in [n for n in gm.graph.nodes if n.target == aten.div.Tensor]:
-        x = _unshifted_softmax_of(beta)
+        written = _unshifted_softmax_of(beta)
         rank = len(shape_of(beta) or ())
-        if x is not None and rank >= 2 and any(sides == {"i", "j"} for sides in _score_inputs(x, rank)[0].values()):
-            report.add_miss(PATTERN, "β written as exp(s) / Σ exp(s) over a pairwise score, without the row max "
-                            "subtracted first or with a 0/1 mask multiplied after the exp: that is 0/0 where every "
-                            "(allowed) score of a row underflows, where the softmax is not, so it is not the op's; "
-                            "torch.softmax(s, -1), or exp(s − s.amax(-1, keepdim=True)) over its row sum, with "
-                            "masked_fill(~mask, float('-inf')) before, fuses", beta.name, nodes=[beta])
+        if written is not None and rank >= 2 \
+                and any(sides == {"i", "j"} for sides in _score_inputs(written[0], rank)[0].values()):
+            try:
+                _fuse_written_softmax(gm, beta, *written, report)
+            except NotFused as e:
+                report.add_miss(PATTERN, str(e), beta.name, nodes=[beta])
 
 
-def _unshifted_softmax_of(node: fx.Node) -> fx.Node | None:
-    """s for ``e / e.sum(-1, keepdim=True)`` with e = exp(s) (the normal form made e = exp(s − max) a softmax
-    already), or e = exp(·) times a mask (of sizes, or a 0/1 tensor passed in)."""
+_WRITTEN_SOFTMAX = ("β written as exp(s) / Σ exp(s) over a pairwise score, without the row max subtracted first or "
+                    "with a 0/1 mask multiplied after the exp, is the softmax only where no row underflows to 0/0: "
+                    "where s = −KL/κ with κ > 0 a number and the self pair allowed (s ≤ s_ii = 0, so Σ ≥ 1)")
+
+
+def _fuse_written_softmax(gm: fx.GraphModule, beta: fx.Node, x: fx.Node, mask: fx.Node | None,
+                          report: FusionReport) -> None:
+    """Fuse β = exp(x) / Σ_j exp(x) (x maybe less its row max, the exp maybe × a 0/1 ``mask`` made of sizes) as
+    softmax(x.masked_fill(mask == 0, −inf)) when that is what it computes: x = −KL/κ, κ > 0 a number, the self
+    pair allowed. Then x_ij ≤ x_ii = 0 (KL ≥ 0, KL_ii = 0), so the row max is 0 and Σ ≥ 1: nothing overflows or
+    underflows to 0/0, and the two agree to rounding. Raises NotFused (nothing changed) otherwise."""
+    graph = gm.graph
+    if mask is not None:
+        shape = shape_of(beta)
+        if not depends_on_sizes_only(mask):
+            raise NotFused(f"{_WRITTEN_SOFTMAX}; the mask {mask.name} multiplied after the exp is read from the "
+                           "graph's inputs, its values (0/1 or weights) not known when compiling; "
+                           "masked_fill(~mask, float('-inf')) before torch.softmax fuses")
+        for size in _lengths(shape):
+            value = evaluate(mask, {}, size_hint=size)
+            if not isinstance(value, torch.Tensor) or not bool(((value == 0) | (value == 1)).all()):
+                raise NotFused(f"{_WRITTEN_SOFTMAX}; the mask {mask.name} multiplied after the exp is not all 0 "
+                               "and 1 (a weighting, not a mask)")
+    added = []
+    with graph.inserting_before(beta):
+        score = x
+        if mask is not None:
+            added.append(graph.call_function(aten.eq.Scalar, (mask, 0)))
+            added.append(graph.call_function(aten.masked_fill.Scalar, (x, added[-1], _NEG_INF)))
+            score = added[-1]
+        added.append(graph.call_function(aten.softmax.int, (score, -1)))
+    for node in added:
+        node.meta["val"] = node.target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args])
+        node.meta["stack_trace"] = beta.meta.get("stack_trace")
+    softmax, recognised = added[-1], None
+    try:
+        recognised = _recognise(softmax)
+        if recognised is None:
+            raise NotFused(_WRITTEN_SOFTMAX)
+        why = ("its κ is read from a tensor, whose sign is not known when compiling"
+               if isinstance(recognised.kappa, Temperature) else
+               "its mask excludes the self pair" if recognised.mask_diagonal else
+               "its mask is read at run time" if recognised.run_time_masks else None)
+        if why:
+            raise NotFused(f"{_WRITTEN_SOFTMAX}; {why}")
+    except NotFused:
+        if recognised is not None:
+            _refill(recognised.unfilled)
+        for node in reversed(added):
+            graph.erase_node(node)
+        raise
+    # the softmax computes β: it takes β's place (and stays, equal to it, if the fusion below fails)
+    beta.replace_all_uses_with(softmax)
+    _erase_unread([beta])
+    if not _fuse(gm, recognised, report):
+        _refill(recognised.unfilled)
+
+
+def _erase_unread(nodes: list[fx.Node]) -> None:
+    """Erase ``nodes`` no node reads, and what they read that is then unread, up the graph."""
+    pending = list(nodes)
+    while pending:
+        node = pending.pop()
+        if node.users or node.op != "call_function" or node.graph is None:
+            continue
+        inputs = node.all_input_nodes
+        node.graph.erase_node(node)
+        pending.extend(inputs)
+
+
+def _unshifted_softmax_of(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
+    """(s, mask) for ``e / e.sum(-1, keepdim=True)`` with e = exp(s) (the normal form made e = exp(s − max) a
+    softmax already), or e = exp(s) or exp(s − s's row max) times a mask (None: no mask)."""
     if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
         return None
     e, total = node.args
@@ -1177,10 +1248,23 @@ def _unshifted_softmax_of(node: fx.Node) -> fx.Node | None:
     if not (rank and total.target == aten.sum.dim_IntList and total.args[0] is e and len(total.args) > 2
             and total.args[2] and [d % rank for d in total.args[1]] == [rank - 1]):
         return None
-    if e.target == aten.mul.Tensor:
-        factors = [a for a in e.args if isinstance(a, fx.Node) and a.target == aten.exp.default]
-        e = factors[0] if len(factors) == 1 else None
-    return e.args[0] if isinstance(e, fx.Node) and e.target == aten.exp.default else None
+    mask = None
+    while e.target in (aten.mul.Tensor, aten.div.Tensor) and len(e.args) == 2 and isinstance(e.args[0], fx.Node) \
+            and (c := number_of(e.args[1])) is not None and c != 0 and math.isfinite(c):
+        e = e.args[0]  # c · exp(s) · m: c cancels in the ratio
+    if e.target == aten.mul.Tensor and len(e.args) == 2 and all(isinstance(a, fx.Node) for a in e.args):
+        exps = [i for i, a in enumerate(e.args) if a.target == aten.exp.default]
+        if len(exps) != 1:
+            return None
+        e, mask = e.args[exps[0]], e.args[1 - exps[0]]
+    if not (isinstance(e, fx.Node) and e.target == aten.exp.default and isinstance(e.args[0], fx.Node)):
+        return None
+    s = e.args[0]
+    if mask is not None and s.target == aten.sub.Tensor and s.kwargs.get("alpha", 1) == 1 \
+            and isinstance(s.args[1], fx.Node) \
+            and any(is_row_max(undetached(s.args[1]), s.args[0], d) for d in (-1, rank - 1)):
+        s = s.args[0]  # the row max: a shift the softmax does not change
+    return s, mask
 
 
 def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> bool:

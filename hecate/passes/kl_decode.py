@@ -81,6 +81,34 @@ def _query_side(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _product_sides(node: fx.Node, score: tuple) -> tuple[fx.Node, fx.Node] | None:
+    """(x, y) when ``node`` [..., N, V] is the matrix product x @ yᵀ of a per-position x [..., N, K] and a
+    per-token y [V, K]: a matmul with y transposed, or an einsum such as ``"btk,vk->btv"``."""
+    shape = shape_of(node)
+    if shape is None or len(shape) != len(score) or not all(map(_is, shape, score)):
+        return None
+    if node.target is aten.einsum.default and len(node.args[1]) == 2:
+        inputs, _, out = node.args[0].replace(" ", "").partition("->")
+        terms = inputs.split(",")
+        if len(terms) != 2 or len(terms[1]) != 2 or terms[0][:-1] != out[:-1] \
+                or terms[1] != out[-1] + terms[0][-1] or terms[0][-1] in out:
+            return None
+        x, y = node.args[1]
+    elif node.target in (aten.matmul.default, aten.mm.default) and len(node.args) == 2 \
+            and isinstance(node.args[1], fx.Node) \
+            and strip_noops(node.args[1]).target in (aten.transpose.int, aten.permute.default, aten.numpy_T.default) \
+            and len(shape_of(node.args[1]) or ()) == 2:  # (a rank-2 permute, or y.T, is the transpose)
+        x, y = node.args[0], strip_noops(node.args[1]).args[0]
+    else:
+        return None
+    x, y = strip_noops(x), strip_noops(y)
+    sx, sy = shape_of(x), shape_of(y)
+    if sx is None or sy is None or len(sx) != len(score) or not all(map(_is, sx[:-1], score[:-1])) \
+            or len(sy) != 2 or not _is(sy[0], score[-1]) or not _is(sy[1], sx[-1]):
+        return None
+    return x, y
+
+
 def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
     """(per-query belief tensors, prior tensors, 0-d input tensors) the score reads, or None if it reads
     others. A prior tensor is per token [V, K] or shared by every token ([1, K], [K]: a variance
@@ -95,7 +123,11 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
         seen.add(node)
         q = _query_side(node)
         shape = shape_of(node)
-        if q is not None:
+        product = _product_sides(node, score)
+        if product is not None:  # the KL multiplied out: Σ_k x_ik y_vk of a belief's and a prior's tensors
+            queries.append(product[0]) if product[0] not in queries else None
+            priors.append(product[1]) if product[1] not in priors else None
+        elif q is not None:
             queries.append(q) if q not in queries else None
         elif shape is not None and len(shape) in (1, 2) and not _in_score(shape, score):
             node = strip_noops(node)
@@ -171,8 +203,10 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     # a number per token [V] (Σ_k log s_vk summed apart) is drawn through the [V, K] tensors it is computed from
     numbers = [x for x in priors if len(shape_of(x)) == 1 and size_hint(shape_of(x)[0]) == v and k != v]
     priors = _with_sources([x for x in priors if x not in numbers], k, v)
-    for number in numbers:
-        sources = _with_sources([number], k, v)[1:]
+    for number in numbers:  # (Σ_k m_vk² / s_vk + Σ_k log s_vk: through the [V] sums, the nearest [V, K] tensors)
+        nearest = nearest_sources(number, lambda shape: len(shape) == 2 and size_hint(shape[-1]) == k
+                                  and size_hint(shape[0]) in (v, 1))
+        sources = _with_sources(nearest, k, v)
         if not sources:
             return None
         priors += [x for x in sources if x not in priors]

@@ -75,6 +75,7 @@ def report_unfused_signatures(gm: fx.GraphModule, enabled: Iterable[str], report
         found += [("qk_preprocess", reason, nodes) for reason, nodes in _depthwise_convs(gm.graph)]
         found += [("qk_preprocess", reason, nodes) for reason, nodes in _hand_written_convs(gm.graph)]
         found += [("qk_preprocess", reason, nodes) for reason, nodes in _shifted_copies(gm.graph)]
+    found += [(family, reason, nodes) for family, reason, nodes in _scores_row_by_row(gm) if family in enabled]
     if "kl_decode" in enabled:
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_pairs(gm.graph)]
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_products(gm.graph)]
@@ -161,6 +162,12 @@ def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                 n = out[dims[0]]
                 built = (f"a softmax over a pairwise [{n}, {n}] score, built by broadcasting "
                          f"[.., {n}, 1, ..] against [.., 1, {n}, ..] and reducing a feature axis,")
+                if dims != (len(out) - 3, len(out) - 2):  # the pair dims not just before the features
+                    yield (f"{built} has its pair dims at {dims} of the {len(out)}-dim pair space {list(out)}, "
+                           "other dims (heads, say) after them: kl_attention reads scores [..., N, N] of beliefs "
+                           "[..., N, K], the leading dims first (heads before the positions, [B, H, N, K]); "
+                           "compiled as written", [softmax, node])
+                    break
                 yield (f"{built} is not a pairwise KL(q_i‖q_j) between diagonal Gaussians that "
                        "kl_attention reads (μ and σ² as two [..., N, K] tensors broadcast at their position "
                        "dim)", [softmax, node])
@@ -222,8 +229,12 @@ def _decode_scores_by_pairs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node
             width = out[-1]
             if any(a.target in (aten.log.default, aten.exp.default) and _is((_shape(a) or (None,))[-1], width)
                    for a in ancestors):
-                yield (f"logits over {out[dims[1]]} tokens built by broadcasting per-position beliefs "
-                       f"[..., 1, {width}] against per-token [{out[dims[1]]}, {width}] tensors were not fused: "
+                vocab = logits[-1]
+                tokens_first = _is(out[dims[0]], vocab) and not _is(out[dims[1]], vocab)
+                layout = (f" (here the tokens come first: the pairs are laid out [{out[dims[0]]}, {out[dims[1]]}], "
+                          "tokens by positions)") if tokens_first else ""
+                yield (f"logits over {vocab} tokens built by broadcasting per-position beliefs "
+                       f"[..., 1, {width}] against per-token [{vocab}, {width}] tensors{layout} were not fused: "
                        "kl_decode fuses logits that are −KL(q_i‖π_v)/τ of diagonal Gaussians (the beliefs and "
                        "the token priors each a mean and a variance, log-variance, standard deviation or "
                        "precision), laid out [..., N, V] and returned or read as they are by a softmax, or by "
@@ -263,8 +274,49 @@ def _decode_scores_by_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.N
         if logs:
             yield (f"logits over {vocab} tokens made by matrix products of per-position beliefs with "
                    "per-token tensors, with the log or exp of one (as the KL to token priors expanded into "
-                   "products has): kl_decode reads the KL written per (position, token) pair, the beliefs "
-                   "[..., N, 1, K] broadcast against the priors [V, K]; compiled as written", [sink, products[0]])
+                   "products has), are not −KL(q_i‖π_v)/τ of diagonal Gaussians where checked: kl_decode fuses "
+                   "the KL expanded into products with all its terms (those per position and per token too), "
+                   "or written per (position, token) pair; compiled as written", [sink, products[0]])
+
+
+# ---- a Gaussian score computed row by row in a loop ----------------------------------------
+
+def _scores_row_by_row(gm: fx.GraphModule) -> Iterator[tuple[str, str, list[fx.Node]]]:
+    """A loop that carries nothing (rolled up as a map) whose step broadcasts its row against a whole
+    [..., N, K] tensor, with a log or exp of the features, and reduces K: one query's softmax per step (the
+    attention row by row: kl_attention), or one token's logits per step stacked and read by a cross-entropy or
+    softmax (the decode token by token: kl_decode). The fused ops take the whole score written at once."""
+    for scan in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan):
+        if scan.args[1]:
+            continue  # it carries a state: the memory families'
+        body = getattr(gm, scan.args[0].target)
+        inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+        rows, whole = inputs[:len(scan.args[2])], inputs[len(scan.args[2]):]
+        if not any(len(_shape(w) or ()) >= 2 for w in whole) or not rows \
+                or not any(n.target in (aten.log.default, aten.exp.default) for n in body.graph.nodes) \
+                or not any(n.target is aten.sum.dim_IntList for n in body.graph.nodes):
+            continue
+        softmax = next((n for t in _SOFTMAX for n in body.graph.find_nodes(op="call_function", target=t)), None)
+        if softmax is not None:
+            yield ("kl_attention", "a softmax over one position's scores against all N positions in each step of "
+                   "a loop over the positions (the attention row by row), the row broadcast against the whole "
+                   "[..., N, K] tensor with a log or exp of the features: kl_attention fuses the pairwise KL "
+                   "score written at once, μ and σ² broadcast as [..., N, 1, K] against [..., 1, N, K]",
+                   [scan, softmax])
+        elif any(r.target in _LOGIT_READERS for n in scan.users for r in _descendants(n)):
+            yield ("kl_decode", "logits built one token at a time in a loop over the vocabulary (each step's row "
+                   "of per-token tensors broadcast against the whole [..., N, K] beliefs with a log or exp of the "
+                   "features), then stacked and read by a cross-entropy or softmax: kl_decode fuses the logits "
+                   "written at once, the beliefs [..., N, 1, K] against the priors [V, K]",
+                   [scan, next(n for n in reversed(body.graph.nodes) if n.op == "call_function")])
+
+
+def _descendants(node: fx.Node, limit: int = _SEARCH) -> list[fx.Node]:
+    found, frontier = [], [node]
+    while frontier and len(found) < limit:
+        frontier = [u for n in frontier for u in n.users if u not in found]
+        found += frontier
+    return found
 
 
 # ---- memory: a matrix state updated by an outer product -----------------------------------

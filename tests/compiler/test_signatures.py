@@ -104,18 +104,24 @@ def test_depthwise_conv_that_is_not_fused_is_reported_once():
     assert "stride" in miss.reason and "_strided(x.transpose(1, 2))" in miss.source
 
 
-def kl_decode_by_products(mu, logvar, prior_mu, prior_logvar, targets):
-    """The KL to every token's prior expanded into matrix products (no [B, N, V, K] tensor)."""
+def kl_decode_by_products(mu, logvar, prior_mu, prior_logvar, targets, per_position_terms=True):
+    """The KL to every token's prior expanded into matrix products (no [B, N, V, K] tensor); without its
+    per-position terms it is the KL only up to a number per position (the same cross-entropy, not the logits)."""
     var, precision = logvar.exp(), (-prior_logvar).exp()
     kl = 0.5 * ((var + mu ** 2) @ precision.T - 2 * mu @ (prior_mu * precision).T
-                + (prior_mu ** 2 * precision).sum(-1) + prior_logvar.sum(-1) - logvar.sum(-1, keepdim=True) - mu.shape[-1])
+                + (prior_mu ** 2 * precision).sum(-1) + prior_logvar.sum(-1))
+    if per_position_terms:
+        kl = kl - 0.5 * (logvar.sum(-1, keepdim=True) + mu.shape[-1])
     return F.cross_entropy(-kl.flatten(0, 1), targets.flatten())
 
 
-def test_kl_decode_by_matrix_products_is_reported_and_a_plain_lm_head_is_not():
+def test_kl_decode_by_matrix_products_fuses_and_without_its_terms_is_reported_and_a_plain_lm_head_is_not():
     mu, logvar, targets = torch.randn(2, 5, 3), torch.randn(2, 5, 3), torch.randint(0, 7, (2, 5))
     prior_mu, prior_logvar = torch.randn(7, 3), torch.randn(7, 3)
-    miss = _only_miss(hecate.explain(kl_decode_by_products, mu, logvar, prior_mu, prior_logvar, targets), "kl_decode")
+    report = hecate.explain(kl_decode_by_products, mu, logvar, prior_mu, prior_logvar, targets)
+    assert report.count("kl_decode") == 1 and not report.misses, str(report)
+    miss = _only_miss(hecate.explain(lambda *a: kl_decode_by_products(*a, per_position_terms=False), mu, logvar,
+                                     prior_mu, prior_logvar, targets), "kl_decode")
     assert "made by matrix products" in miss.reason and "F.cross_entropy(-kl" in miss.source, miss
     # logits from a linear head read no variance: not a Gaussian score
     head = lambda h, w, y: F.cross_entropy((h @ w.T).flatten(0, 1), y.flatten())  # noqa: E731

@@ -316,7 +316,38 @@ def a_softmax_in_its_own_dtype(mu, logvar):  # dtype= given to log_softmax and s
     return beta @ mu + F.softmax(-kl, -1, dtype=mu.dtype) @ logvar
 
 
+def a_softmax_by_hand_without_the_max(mu, var):  # exp(s) / Σ exp(s): s ≤ s_ii = 0, so no row underflows
+    e = torch.exp(-kl_spec(mu, var))
+    return (e / e.sum(-1, keepdim=True)) @ mu
+
+
+def a_softmax_by_hand_times_a_causal_mask(mu, var):  # the row max (of every key) out, ½ · a 0/1 mask after the exp
+    s = -kl_spec(mu, var) / 0.5
+    e = torch.exp(s - s.max(-1, keepdim=True).values) * torch.tril(torch.ones(mu.shape[1], mu.shape[1])) * 0.5
+    return (e / e.sum(-1, keepdim=True)) @ mu
+
+
+def a_log_precisions(mu, log_prec):  # the beliefs' spread carried as log-precisions
+    prec = log_prec.exp()
+    kl = 0.5 * (prec.unsqueeze(1) / prec.unsqueeze(2) + prec.unsqueeze(1) * (mu.unsqueeze(2) - mu.unsqueeze(1)) ** 2
+                - 1 + log_prec.unsqueeze(2) - log_prec.unsqueeze(1)).sum(-1)
+    return torch.softmax(-kl / 0.7, -1) @ mu
+
+
+def a_kl_kept_where_causal_else_inf(mu, var):  # the future's KL set to +inf by torch.where, negated after
+    causal = torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool).tril()
+    return torch.softmax(-torch.where(causal, kl_spec(mu, var), float("inf")), -1) @ mu
+
+
+def a_kl_plus_an_inf_mask(mu, var):  # +inf added to the future's KL, the sum negated
+    n = mu.shape[1]
+    return torch.softmax(-(kl_spec(mu, var) + torch.triu(torch.full((n, n), float("inf")), 1)) / 2.0, -1) @ mu
+
+
 ATTENTION = [
+    (a_kl_kept_where_causal_else_inf, _var), (a_kl_plus_an_inf_mask, _var),
+    (a_softmax_by_hand_without_the_max, _var), (a_softmax_by_hand_times_a_causal_mask, _var),
+    (a_log_precisions, _logvar),
     (a_constants_of_the_softmax_dropped, _var), (a_softmax_in_its_own_dtype, _logvar),
     (a_energy_of_the_zeroed_kl, _var),
     (a_logsumexp_beta, _var), (a_where_full_like_no_self, _var), (a_kl_masked_with_inf, _var),
@@ -697,7 +728,21 @@ def d_positions_flattened_cross_entropy(mu, var, prior_mu, prior_var, targets): 
     return F.cross_entropy(-_kl_flat(mu, var, prior_mu, prior_var), targets.reshape(-1))
 
 
-DECODE = [d_positions_flattened_logits_viewed_back, d_positions_flattened_cross_entropy,
+def d_trace_by_einsum(mu, var, prior_mu, prior_var, targets):  # the trace term Σ_k v_ik / s_vk as an einsum
+    trace = torch.einsum("bnk,vk->bnv", var, 1.0 / prior_var)
+    maha = ((mu[:, :, None] - prior_mu) ** 2 / prior_var).sum(-1)
+    logdet = prior_var.log().sum(-1) - var.log().sum(-1, keepdim=True)
+    return F.cross_entropy(-0.5 * (trace + maha - K + logdet).reshape(-1, V), targets.reshape(-1))
+
+
+def d_multiplied_out_into_matrix_products(mu, var, prior_mu, prior_var, targets):  # no [B, N, V, K]: Σ_k as matmuls
+    inv = prior_var.reciprocal()
+    kl = 0.5 * ((var + mu ** 2) @ inv.T - 2 * mu @ (prior_mu * inv).T + (prior_mu ** 2 * inv).sum(-1)
+                + prior_var.log().sum(-1) - var.log().sum(-1, keepdim=True) - K)
+    return F.cross_entropy(-kl.flatten(0, 1), targets.flatten())
+
+
+DECODE = [d_trace_by_einsum, d_multiplied_out_into_matrix_products, d_positions_flattened_logits_viewed_back, d_positions_flattened_cross_entropy,
           d_spec_ce, d_sizes_baked_into_views, d_logvar_priors_ce_sum, d_distributions_ignore_index,
           d_logits_returned, d_std_textbook, d_log_softmax_nll, d_softplus_helper_flatten, d_gather_nll,
           d_logsumexp_minus_target, d_label_smoothing, d_probabilities, d_class_dim_one, d_class_dim_one_permuted,
@@ -1218,8 +1263,13 @@ def m_mask_filled_with_a_value_passed_in(mu, var, keep, fill):  # the fill read 
     return torch.softmax((-kl_spec(mu, var)).masked_fill(~keep, fill), -1) @ mu
 
 
-def m_softmax_by_hand_without_the_max(mu, var):  # exp(s) / Σ exp(s): 0/0 where a row's scores all underflow
-    e = torch.exp(-kl_spec(mu, var))
+def m_softmax_by_hand_without_self(mu, var):  # exp(s) / Σ exp(s) with the self pair out: 0/0 where a row underflows
+    e = torch.exp(-kl_spec(mu, var)) * (1 - torch.eye(mu.shape[1]))
+    return (e / e.sum(-1, keepdim=True)) @ mu
+
+
+def m_softmax_by_hand_over_a_tensor_temperature(mu, var, t):  # exp(−KL/t) / Σ: t < 0 overflows where softmax does not
+    e = torch.exp(-kl_spec(mu, var) / t)
     return (e / e.sum(-1, keepdim=True)) @ mu
 
 
@@ -1288,7 +1338,8 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_cdist, (), "made by torch.cdist"),
     (m_trace_by_einsum, (), "contracted with the pair space by einsum 'bijk,bjk->bij'"),
     (m_pairs_gathered_by_repeat, (), "the pairs are gathered, not broadcast"),
-    (m_softmax_by_hand_without_the_max, (), "β written as exp(s) / Σ exp(s) over a pairwise score"),
+    (m_softmax_by_hand_without_self, (), "its mask excludes the self pair"),
+    (m_softmax_by_hand_over_a_tensor_temperature, (torch.tensor(0.5),), "whose sign is not known when compiling"),
     (m_mask_filled_with_a_value_passed_in, (torch.ones(N, N, dtype=torch.bool).tril(), torch.tensor(float("-inf"))),
      "(from l_keep_) through masked_fill (masked_fill.Tensor)"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
@@ -1768,3 +1819,35 @@ def test_temperature_held_as_a_tensor_fuses_and_gets_its_gradient(make, dynamic,
     assert report.count("kl_attention") == 1 and not report.misses, str(report)
     assert_outputs_and_gradients_close(got, ref_model(*ref_inputs), [*inputs, *params], [*ref_inputs, *ref_params],
                                        1e-5)
+
+
+def m_attention_row_by_row(mu, var):  # one query's softmax per step of a loop over the positions, then stacked
+    rows = []
+    for i in range(mu.shape[1]):
+        mi, vi = mu[:, i:i + 1], var[:, i:i + 1]
+        kl = 0.5 * (var.log() - vi.log() + (vi + (mi - mu) ** 2) / var - 1).sum(-1)
+        rows.append(torch.softmax(-kl, -1))
+    return torch.stack(rows, 1) @ mu
+
+
+def m_decode_token_by_token(mu, var, prior_mu, prior_var, targets):  # one token's logits per step, then stacked
+    cols = [-0.5 * (prior_var[v].log() - var.log() + (var + (mu - prior_mu[v]) ** 2) / prior_var[v] - 1).sum(-1)
+            for v in range(prior_mu.shape[0])]
+    return F.cross_entropy(torch.stack(cols, -1).reshape(-1, V), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("fn,family,reason", [
+    (m_attention_row_by_row, "kl_attention", "the attention row by row"),
+    (m_decode_token_by_token, "kl_decode", "logits built one token at a time in a loop over the vocabulary"),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_a_score_computed_row_by_row_in_a_loop_is_reported(fn, family, reason, fresh_dynamo):
+    """Written one row (or one token) per step of a Python loop, the score is never whole: not fused, and said so
+    (probe r12b found these silent)."""
+    args = (torch.randn(B, N, K), _var((B, N, K)))
+    if family == "kl_decode":
+        args += (torch.randn(V, K), _var((V, K)), torch.randint(0, V, (B, N)))
+    report = hecate.explain(fn, *args)
+    misses = [m for m in report.misses if m.pattern == family]
+    assert report.count(family) == 0 and misses and reason in misses[0].reason, str(report)
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(*args), fn(*args), 1e-6)
