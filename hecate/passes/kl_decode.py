@@ -161,7 +161,12 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
         return lambda shape: len(shape) == len(lead) + 1 and _is(shape[-1], k) and all(map(_is, shape, lead))
     sources = [x for q in queries for x in sources_shaped(q, per_position(shape_of(q)[-1]))]
     queries = list(dict.fromkeys(queries + sources))
-    return queries, independent(priors), independent(scalars)
+    # a 0-d tensor read through several 0-d values (s² = exp(log s²) beside K·log s²): what they are computed
+    # from is drawn, and they evaluated from it, so that they keep their relation; all of them are candidates
+    # for the roles (_match draws the independent ones)
+    sources = [x for s in scalars for x in sources_shaped(s, lambda shape: shape == ()) if x not in scalars]
+    scalars = list(dict.fromkeys(scalars + sources)) if sources else independent(scalars)
+    return queries, independent(priors), scalars
 
 
 def _per_position_sources(node: fx.Node, lead: tuple) -> list[fx.Node]:

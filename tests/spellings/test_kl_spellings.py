@@ -967,7 +967,19 @@ class PaddedMeanLoss(nn.Module):  # per-token losses averaged over the tokens th
 
 # (module, the belief draw, whether the belief variance's gradient is zero: with a prior variance the same for
 #  every token, the variance terms of the KL are the same in every logit and cross-entropy does not see them)
-DECODE_MODULES = [(PriorTableLogVar, _logvar, False), (EmbeddingPriorsSoftplus, _var, False),
+class ScalarPriorLogVarianceWithLogDet(nn.Module):  # one 0-d prior log-variance, read as K·log s² and as s²
+    def __init__(self):
+        super().__init__()
+        self.prior_mu, self.log_s2 = nn.Parameter(torch.randn(V, K)), nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, mu, logvar, targets):
+        s2 = self.log_s2.exp()
+        kl = 0.5 * (K * self.log_s2 - logvar.sum(-1, keepdim=True)
+                    + ((logvar.exp()[:, :, None] + (mu[:, :, None] - self.prior_mu) ** 2) / s2).sum(-1) - K)
+        return F.cross_entropy(-kl.flatten(0, 1), targets.flatten())
+
+
+DECODE_MODULES = [(ScalarPriorLogVarianceWithLogDet, _logvar, True), (PriorTableLogVar, _logvar, False), (EmbeddingPriorsSoftplus, _var, False),
                   (SharedPriorLogVar, _logvar, True), (ScalarPriorVariance, _logvar, True),
                   (UnitVariancePriors, _logvar, True), (LogSoftmaxNllSum, _var, False), (PaddedMeanLoss, _var, False),
                   (SharedBeliefLogVar, _logvar, False)]
