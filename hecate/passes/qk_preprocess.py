@@ -32,7 +32,10 @@ PyTorch function traced to a pattern and found with :func:`find_matches`:
   ReLU, exp(min(·, c)) and exp, when they are the whole of it, take the op's fast
   paths), or a matrix map applied per head after the swap back (learned linear
   ``F.linear(a, W)`` / ``a @ W.T``, random Fourier, Performer FAVOR+), which ends
-  the chain.
+  the chain; one written another way (``0.5 * (z ** 2).sum(-1)``, ``z.norm() ** 2``, an einsum)
+  is read by its values (:func:`_matrix_phi_by_value`). A sequence-first [T, B, D] chain
+  (``permute(1, 2, 0)`` in, ``permute(2, 0, 1)`` back) is the op's with the batch swapped: the
+  projection reads x.transpose(0, 1), φ may come after the swap back.
 
 Pieces are linked where one's output is the next one's input and is used by
 nothing else, so the whole chain is one subgraph whose intermediates nobody
@@ -61,6 +64,7 @@ from torch.fx.passes.utils.matcher_utils import InternalMatch
 
 from hecate.passes.report import FusionReport
 from hecate.lowering import pointwise
+from hecate.passes.gaussian import evaluate
 from hecate.passes.matching import Match, NotFused, find_matches, pad_fill, pattern_graph, replace_with_op, val
 
 PATTERN = "qk_preprocess"
@@ -451,15 +455,20 @@ def _linear_phi_matmul(z, w):
 
 
 def _random_fourier(z, w, b):
-    return math.sqrt(2.0 / (_D + 2)) * torch.cos(z @ w.T + b)
+    return math.sqrt(2.0 / w.shape[0]) * torch.cos(z @ w.T + b)
 
 
 def _random_fourier_linear(z, w, b):
-    return math.sqrt(2.0 / (_D + 2)) * torch.cos(F.linear(z, w, b))
+    return math.sqrt(2.0 / w.shape[0]) * torch.cos(F.linear(z, w, b))
 
 
 def _performer(z, w):
-    return torch.exp(z @ w.T - (z ** 2).sum(dim=-1, keepdim=True) / 2) / math.sqrt(_D + 2)
+    return torch.exp(z @ w.T - (z ** 2).sum(dim=-1, keepdim=True) / 2) / math.sqrt(w.shape[0])
+
+
+# What each matrix φ computes, for recognising one written another way by its values (:func:`_matrix_phi_by_value`)
+_MATRIX_PHI_VALUES = {"linear": (_linear_phi_matmul, False), "random_fourier": (_random_fourier, True),
+                      "performer": (_performer, False)}  # (φ(z, W[, b]), whether it reads a bias)
 
 
 MATRIX_PHI = ("linear", "random_fourier", "performer")
@@ -717,6 +726,8 @@ def _walk_tail(node: fx.Node, index: _Index, report: FusionReport, channels_last
             break
         if found is None and "phi" not in done:
             found = _elementwise_phi(node, index)
+        if found is None and "phi" not in done and ("swap" in done or channels_last):
+            found = _matrix_phi_by_value(node)
         if found is None and "swap" in done and "batch" not in done and _batch_swap(_only_user(node)) is not None:
             found = _single(_only_user(node), _Stage("batch"))  # [B, T, D] → [T, B, D]: the op's output swapped
         if found is None:
@@ -765,6 +776,71 @@ def _elementwise_phi(node: fx.Node, index: _Index) -> _Found | None:
             return candidate
     expression = pointwise.extract(node, output)
     return _single(region, _Stage("phi", "identity" if expression == "x" else expression), [node], output)
+
+
+_PHI_SEARCH = 24  # nodes a feature map written out may take
+
+
+def _matrix_phi_by_value(node: fx.Node) -> _Found | None:
+    """φ = a feature map the op fuses (:data:`_MATRIX_PHI_VALUES`) written another way (``0.5 * (z ** 2).sum(-1)``,
+    ``z.norm(dim=-1) ** 2``, ``F.linear(z, W)`` in FAVOR+): the function of ``node`` the graph computes next
+    (every reader of ``node`` inside it) from one weight [d_phi, D] (and a bias [d_phi]) read from the graph's
+    inputs, equal to one of them at random points (float64, a private generator). None otherwise."""
+    region, outside = [], []
+    pending = list(node.users)
+    while pending and len(region) <= _PHI_SEARCH:
+        user = pending.pop(0)
+        if user in region or user.op != "call_function":
+            continue
+        ins = user.all_input_nodes
+        if not all(x is node or x in region or not _computed_from(x, node) for x in ins):
+            continue
+        region.append(user)
+        outside += [x for x in ins if x is not node and x not in region and x not in outside]
+        pending += list(user.users)
+    exits = [n for n in region if any(u not in region for u in n.users)]
+    params = [p for x in outside if (p := _param_behind_views(x)) is not None]
+    if len(exits) != 1 or not set(node.users) <= set(region) or len(params) != len(outside) \
+            or not isinstance(val(node).shape[-1], int) or val(exits[0]).dtype != val(node).dtype:
+        return None
+    weights = [p for p in dict.fromkeys(params) if val(p).dim() == 2 and val(p).shape[1] == val(node).shape[-1]]
+    if len(weights) != 1:
+        return None
+    (w,), d_phi = weights, val(weights[0]).shape[0]
+    biases = [p for p in dict.fromkeys(params) if p is not w and tuple(val(p).shape) == (d_phi,)]
+    if len(biases) + 1 != len(dict.fromkeys(params)) or len(biases) > 1 or tuple(val(exits[0]).shape) != (
+            *val(node).shape[:-1], d_phi):
+        return None
+    gen = torch.Generator().manual_seed(20261126)
+    z = torch.randn(2, 3, val(node).shape[-1], generator=gen, dtype=torch.float64)
+    values = {w: torch.randn(d_phi, val(node).shape[-1], generator=gen, dtype=torch.float64) / 2}
+    values.update({b: torch.rand(d_phi, generator=gen, dtype=torch.float64) * 6 for b in biases})
+    try:
+        got = evaluate(exits[0], {node: z, **values})
+    except Exception:  # noqa: BLE001  (not evaluable at these sizes: not recognised)
+        return None
+    for kind, (phi, reads_bias) in _MATRIX_PHI_VALUES.items():
+        if reads_bias == bool(biases) and torch.allclose(got, phi(z, *values.values()), rtol=1e-9, atol=1e-12):
+            return _single(region, _Stage("phi", kind), [node, w, *biases], exits[0])
+    return None
+
+
+def _computed_from(x: fx.Node, node: fx.Node, depth: int = _PHI_SEARCH) -> bool:
+    frontier, seen = [x], set()
+    for _ in range(depth):
+        if node in frontier:
+            return True
+        seen.update(frontier)
+        frontier = [i for n in frontier for i in n.all_input_nodes if i not in seen]
+    return False
+
+
+def _param_behind_views(x: fx.Node) -> fx.Node | None:
+    """The graph input (a parameter, buffer or argument) ``x`` is, or is a transpose or view of."""
+    while x.op == "call_function" and x.target in (aten.transpose.int, aten.permute.default, aten.numpy_T.default,
+                                                   aten.t.default, aten.detach.default):
+        x = x.args[0]
+    return x if x.op in ("placeholder", "get_attr") else None
 
 
 def _check_dtypes(chain: _Chain) -> str | None:

@@ -14,6 +14,8 @@ after) must not fuse and must
 be reported with that reason.
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,8 @@ class Block(nn.Module):
         self.conv = nn.Conv1d(D, D, K, groups=D, padding=K - 1)
         self.kernel = nn.Parameter(torch.randn(D, K) * 0.5)          # a depthwise kernel kept as [D, K]
         self.conv_no_bias = nn.Conv1d(D, D, K, groups=D, padding=K - 1, bias=False)
+        self.omega = nn.Parameter(torch.randn(8, D) * 0.3)              # a feature map's weight [d_phi, D]
+        self.phase = nn.Parameter(torch.rand(8) * 6)                     # and its bias [d_phi]
         self.silu = nn.SiLU()
         self.elu = nn.ELU()
         with torch.no_grad():
@@ -283,6 +287,18 @@ SPELLINGS = {
         lambda m, x: F.relu(F.silu(_conv_slice(m, F.dropout(m.proj(x), 0.0, training=True).transpose(1, 2)))
                             .transpose(1, 2)),
         "linear → conv(K=4) → silu → relu [B,T,D]"),
+    "FAVOR+ φ written with 0.5 * (z ** 2).sum(-1) and the weight by F.linear": (
+        lambda m, x: (lambda z: torch.exp(F.linear(z, m.omega) - 0.5 * (z ** 2).sum(-1, keepdim=True)) / math.sqrt(8))(
+            F.silu(_conv_slice(m, m.proj(x).transpose(1, 2))).transpose(1, 2)),
+        "linear → conv(K=4) → silu → Performer φ(d_phi=8) [B,T,D]"),
+    "FAVOR+ φ written with ‖z‖ = z.norm(dim=-1) squared": (
+        lambda m, x: (lambda z: torch.exp(z @ m.omega.T - z.norm(dim=-1, keepdim=True) ** 2 / 2) * 8 ** -0.5)(
+            F.silu(_conv_slice(m, m.proj(x).transpose(1, 2))).transpose(1, 2)),
+        "linear → conv(K=4) → silu → Performer φ(d_phi=8) [B,T,D]"),
+    "random Fourier φ written cos(z Wᵀ + b) · (2 / d_phi) ** 0.5 by einsum": (
+        lambda m, x: (lambda z: torch.cos(torch.einsum("btd,fd->btf", z, m.omega) + m.phase) * (2 / 8) ** 0.5)(
+            F.silu(_conv_slice(m, m.proj(x).transpose(1, 2))).transpose(1, 2)),
+        "linear → conv(K=4) → silu → random Fourier φ(d_phi=8) [B,T,D]"),
     "sequence first: [T, B, D] projected, permute(1, 2, 0) into the conv, permute(2, 0, 1) back": (
         lambda m, x: F.elu(F.silu(_pad_conv(m, m.proj(x.transpose(0, 1)).permute(1, 2, 0))).permute(2, 0, 1)) + 1,
         "linear → conv(K=4) → silu → elu+1 [B,T,D]"),
