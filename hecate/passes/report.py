@@ -89,12 +89,19 @@ class FusionReport:
             lines += ["", "Not fused:"]
             width = max(len(m.pattern) for m in self.misses)
             indent = " " * (width + 4)
+            # the same reason at the same line (a loop rolled up in several runs, a layer applied twice) once,
+            # with how many places it stands for
+            places: dict[tuple, list[Miss]] = {}
             for m in self.misses:
-                lines.append(f"  {m.pattern.ljust(width)}  {m.reason}")
+                places.setdefault((m.pattern, m.reason, m.source) if m.source else (id(m),), []).append(m)
+            for same in places.values():
+                m = same[0]
+                times = f" ({len(same)} places)" if len(same) > 1 else ""
+                lines.append(f"  {m.pattern.ljust(width)}  {m.reason}{times}")
                 if m.source:
                     lines.append(f"{indent}at {m.source}")
                 if m.where and (verbose or not m.source):
-                    lines.append(f"{indent}graph nodes: {m.where}")
+                    lines.append(f"{indent}graph nodes: {', '.join(x.where for x in same if x.where)}")
         if self.graph_breaks:
             lines += ["", "Dynamo graph breaks (each piece is compiled as its own graph: a pattern split across "
                       "pieces cannot be fused):"]

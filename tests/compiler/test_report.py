@@ -73,3 +73,18 @@ def test_explain_says_why_dynamo_split_the_code(fresh_dynamo):
     assert report.graphs == 2 and report.graph_breaks == ["Call to `torch._dynamo.graph_break()`"], report.graph_breaks
     assert "Dynamo graph breaks" in str(report) and "torch._dynamo.graph_break()" in str(report)
     assert hecate.explain(lambda x: x.sin(), torch.randn(3)).graph_breaks == []
+
+
+def test_the_same_reason_at_the_same_line_is_shown_once_with_its_count():
+    """Three runs of one loop rolled up apart (probe r12a) give three misses, shown as one line with "(3 places)";
+    the misses themselves are all kept, and a miss without a source line is never merged."""
+    from hecate.passes.report import Miss
+
+    r = FusionReport(graphs=1)
+    r.misses += [Miss("memory_scan", "not a memory step", f"scan_{i}", "model.py:7: S = S + v") for i in range(3)]
+    r.misses += [Miss("memory_scan", "not a memory step", "scan_9"), Miss("memory_scan", "not a memory step", "x")]
+    text = r.format(verbose=True)
+    assert len(r.misses) == 5 and "5 not fused" in text
+    assert text.count("not a memory step (3 places)") == 1 and text.count("at model.py:7") == 1
+    assert "graph nodes: scan_0, scan_1, scan_2" in text
+    assert text.count("not a memory step\n") == 2  # the two without a source line, apart
