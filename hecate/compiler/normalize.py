@@ -1001,7 +1001,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         with graph.inserting_before(node):  # x + x → x * 2 (exactly)
             return _emit(graph, aten.mul.Tensor, args[0], 2)
     scaled_by_number = target in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2 \
-        and isinstance(args[1], (int, float)) and not isinstance(args[1], bool) and args[1] != 0
+        and isinstance(args[1], (int, float)) and not isinstance(args[1], bool) and args[1] != 0 \
+        and math.isfinite(args[1])
     if target in (aten.neg.default, aten.mul.Tensor, aten.div.Tensor) and isinstance(args[0], fx.Node) \
             and args[0].target in (aten.masked_fill.Scalar, aten.where.ScalarOther, aten.where.ScalarSelf) \
             and not node.kwargs:

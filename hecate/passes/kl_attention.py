@@ -1210,7 +1210,9 @@ def _fuse_written_softmax(gm: fx.GraphModule, beta: fx.Node, x: fx.Node, mask: f
         why = ("its κ is read from a tensor, whose sign is not known when compiling"
                if isinstance(recognised.kappa, Temperature) else
                "its mask excludes the self pair" if recognised.mask_diagonal else
-               "its mask is read at run time" if recognised.run_time_masks else None)
+               "its mask is read at run time" if recognised.run_time_masks else
+               "its score is −KL/κ plus a number per query (a softmax's constant, which the ratio's underflow "
+               "does not ignore)" if not _is_minus_kl(x, recognised) else None)
         if why:
             raise NotFused(f"{_WRITTEN_SOFTMAX}; {why}")
     except NotFused:
@@ -1224,6 +1226,21 @@ def _fuse_written_softmax(gm: fx.GraphModule, beta: fx.Node, x: fx.Node, mask: f
     _erase_unread([beta])
     if not _fuse(gm, recognised, report):
         _refill(recognised.unfilled)
+
+
+def _is_minus_kl(x: fx.Node, score: _Score) -> bool:
+    """Whether ``x`` is −KL_ij/κ itself where it is finite (−inf elsewhere), at the points the score was
+    recognised at: not only up to a number per query, as a softmax reads it."""
+    try:
+        value = evaluate(x, dict(score.draw))
+    except NotFused:
+        return False
+    expected = -score.draw[("kl",)] / score.kappa
+    if not isinstance(value, torch.Tensor) or value.shape != expected.shape \
+            or bool((~torch.isfinite(value) & (value != _NEG_INF)).any()):
+        return False
+    return equals_scaled(torch.where(torch.isfinite(value), value, expected), score.draw[("kl",)],
+                         -1.0 / score.kappa)
 
 
 def _erase_unread(nodes: list[fx.Node]) -> None:

@@ -1280,6 +1280,12 @@ def m_softmax_by_hand_without_self(mu, var):  # exp(s) / Σ exp(s) with the self
     return (e / e.sum(-1, keepdim=True)) @ mu
 
 
+def m_softmax_by_hand_of_a_score_without_its_constants(mu, var):  # −KL less a term per query: that may underflow
+    mi, mj, vi, vj = mu.unsqueeze(2), mu.unsqueeze(1), var.unsqueeze(2), var.unsqueeze(1)
+    e = torch.exp(-0.5 * (torch.log(vj) + (vi + (mi - mj) ** 2) / vj).sum(-1))
+    return (e / e.sum(-1, keepdim=True)) @ mu
+
+
 def m_softmax_by_hand_over_a_tensor_temperature(mu, var, t):  # exp(−KL/t) / Σ: t < 0 overflows where softmax does not
     e = torch.exp(-kl_spec(mu, var) / t)
     return (e / e.sum(-1, keepdim=True)) @ mu
@@ -1352,6 +1358,7 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_pairs_gathered_by_repeat, (), "the pairs are gathered, not broadcast"),
     (m_softmax_by_hand_without_self, (), "its mask excludes the self pair"),
     (m_softmax_by_hand_over_a_tensor_temperature, (torch.tensor(0.5),), "whose sign is not known when compiling"),
+    (m_softmax_by_hand_of_a_score_without_its_constants, (), "plus a number per query"),
     (m_mask_filled_with_a_value_passed_in, (torch.ones(N, N, dtype=torch.bool).tril(), torch.tensor(float("-inf"))),
      "(from l_keep_) through masked_fill (masked_fill.Tensor)"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
