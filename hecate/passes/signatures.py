@@ -342,6 +342,8 @@ def _cumulated_outer_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.No
     """A cumulative sum of outer products: the Hebbian state of every step at once."""
     for cumsum in graph.find_nodes(op="call_function", target=aten.cumsum.default):
         product = cumsum.args[0]
+        while isinstance(product, fx.Node) and product.target is aten.flip.default:
+            product = product.args[0]  # summed from the end: Σ_{s≥t} (anti-causal)
         if isinstance(product, fx.Node) and _is_outer_product(product) and _is_matrix(_shape(product)):
             yield ("a cumulative sum of outer products (the Hebbian state M_t = Σ_{s≤t} v_s k_sᵀ of every step) "
                    "that linear_attention does not read in this form (it reads M_t = cumsum(v.unsqueeze(-1) * "

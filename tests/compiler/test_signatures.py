@@ -217,3 +217,15 @@ def test_a_write_into_a_graph_input_is_no_internal_error():
     assert torch.allclose(got, expected(h), rtol=1e-6, atol=1e-6)
     assert not hecate.last_report().misses, str(hecate.last_report())
     torch._dynamo.reset()
+
+
+def anti_causal_cumsum(q, k, v):  # M_t = Σ_{s≥t} k_s v_sᵀ by flipping: the future's state, no op's
+    kv = (k.unsqueeze(-1) * v.unsqueeze(-2)).flip(1).cumsum(1).flip(1)
+    return torch.einsum("btk,btkv->btv", q, kv)
+
+
+def test_a_cumulative_sum_of_outer_products_from_the_end_is_reported():
+    """Summed from the end (probe r10b found it silent): not fused, and reported as a cumulated state."""
+    args = [torch.randn(2, 6, 4) for _ in range(3)]
+    miss = _only_miss(hecate.explain(anti_causal_cumsum, *args), "memory_scan")
+    assert "a cumulative sum of outer products" in miss.reason and "flip(1).cumsum(1)" in miss.source, miss
