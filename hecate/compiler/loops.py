@@ -264,8 +264,8 @@ _CATS = (torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default)
 
 def _cats_joined(graph: fx.Graph) -> bool:
     """``out = cat([out, y_t], dim)`` each step (outputs gathered by growing a tensor): one ``cat`` of every y_t,
-    as the loop's stacked outputs are read. Exact: the same elements in the same order. Returns whether any
-    changed."""
+    as the loop's stacked outputs are read; a part empty along the dim (``out = torch.empty(B, 0, D)`` to start
+    from) left out. Exact: the same elements in the same order. Returns whether any changed."""
     changed = False
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _CATS or not node.args \
@@ -283,7 +283,16 @@ def _cats_joined(graph: fx.Graph) -> bool:
                 joined.append(part)
             else:
                 parts.append(part)
-        if joined:
+        out = _value(node)
+        empty = [p for p in parts if isinstance(p, fx.Node) and isinstance(_value(p), torch.Tensor)
+                 and isinstance(out, torch.Tensor) and _value(p).dim() == out.dim() and _value(p).dtype == out.dtype
+                 and _is_int(dim) and _value(p).shape[dim] == 0]
+        rest = [p for p in parts if p not in empty]
+        if empty and (not rest or not all(isinstance(p, fx.Node) and getattr(_value(p), "dtype", None) == out.dtype
+                                          for p in rest)):
+            empty, rest = [], parts  # (all empty: the empty result; or the empty part sets the result's dtype)
+        parts = rest
+        if joined or empty:
             node.args = (parts, *node.args[1:])
             for part in joined:
                 graph.erase_node(part)

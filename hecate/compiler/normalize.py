@@ -1084,19 +1084,34 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
 
 
 def _row_scaled(a: Any, outputs: set[fx.Node]) -> tuple[fx.Node, Any] | None:
-    """(n, div or mul) when ``a`` is ``x / n`` or ``x * n`` read by one matrix product alone, with n a tensor of
-    one number per row of x ([..., rows, 1]): the product's rows take the scale after it, the same up to rounding
-    (a score normalised before it is read, ``(s / (s.sum(-1, keepdim=True) + eps)) @ v``)."""
+    """(n, div or mul) when ``a`` is ``x / n`` or ``x * (1 / n)`` read by one matrix product alone, with n a tensor
+    of one number per row of x ([..., rows, 1]) kept from 0 (``+ ε``, a clamp): the product's rows take the scale
+    after it, the same up to rounding (a score normalised before it is read,
+    ``(s / (s.sum(-1, keepdim=True) + eps)) @ v``)."""
     if not isinstance(a, fx.Node) or a.target not in (aten.div.Tensor, aten.mul.Tensor) or a.kwargs \
             or len(a.users) != 1 or a in outputs or not all(isinstance(x, fx.Node) for x in a.args) \
             or _written_softmax(a.args[0]):
         return None
+    divisor = a.args[1] if a.target is aten.div.Tensor else \
+        a.args[1].args[0] if a.args[1].target is aten.reciprocal.default else None
+    if divisor is None or not _kept_from_zero(divisor):
+        return None  # a row sum that may be 0: 0/0 would reach other rows' gradients through the product
     x, n = (_val(arg) for arg in a.args)
     if not (isinstance(x, torch.Tensor) and isinstance(n, torch.Tensor)) or x.dim() < 2 or n.dim() < 2 \
             or n.dim() > x.dim() or n.shape[-1] != 1 or n.shape[-2] != x.shape[-2] or x.dtype != n.dtype \
             or torch.broadcast_shapes(x.shape, n.shape) != x.shape:
         return None
     return a.args[1], a.target
+
+
+def _kept_from_zero(n: fx.Node) -> bool:
+    """Whether ``n`` is ``s + ε`` or ``s.clamp(min=ε)`` for a number ε > 0 (a normaliser, Σ_s A_ts ≥ 0 for
+    positive features)."""
+    if n.target is aten.add.Tensor and len(n.args) == 2 and not n.kwargs:
+        return any(isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in n.args)
+    if n.target in (aten.clamp.default, aten.clamp_min.default) and len(n.args) > 1:
+        return isinstance(n.args[1], (int, float)) and n.args[1] > 0
+    return False
 
 
 def _written_softmax(x: fx.Node) -> bool:

@@ -345,8 +345,24 @@ def _scale(d: torch.Tensor) -> float:
     diagonal = d.diagonal(dim1=-2, dim2=-1).flatten()
     scale = float(diagonal[0])
     if scale == 0.0 or not torch.allclose(diagonal, torch.full_like(diagonal, scale), rtol=1e-6, atol=0.0):
-        raise NotFused(_NOT_CAUSAL)
+        raise _not_causal(d)
     return scale
+
+
+def _not_causal(d: torch.Tensor) -> NotFused:
+    """Why the mask D (A where every q_t·k_s = 1) is none of the op's: a score divided by its sums per query or
+    per key before the product reads as a D whose rows (or columns) sum to 1."""
+    m = d.reshape(-1, *d.shape[-2:])[0]
+    for dim, what in ((-1, "over the keys (Σ_s A_ts, per query)"), (-2, "over the queries (Σ_t A_ts, per key)")):
+        sums = m.sum(dim)
+        if m.shape[-1] > 1 and bool(torch.isclose(sums[sums != 0], torch.ones((), dtype=sums.dtype), rtol=1e-6).all()) \
+                and bool((sums != 0).any()):
+            extra = ("; the op's normaliser is per query, (A @ V) / (Σ_s A_ts + ε)" if dim == -2 else
+                     ": linear attention fuses that normaliser as (A @ V) / (Σ_s A_ts + ε), ε > 0 a number; "
+                     "here ε is 0 or no number, so a row summing to 0 is 0/0, whose NaN the product spreads "
+                     "to other rows' gradients")
+            return NotFused(f"its score is divided by its sum {what} before the product{extra}")
+    return NotFused(_NOT_CAUSAL)
 
 
 def _gammas(d: torch.Tensor, read: torch.Tensor | None) -> list[float] | None:
@@ -370,7 +386,7 @@ def _gammas(d: torch.Tensor, read: torch.Tensor | None) -> list[float] | None:
         if not (0.0 < gamma <= 1.0 and torch.allclose(h, expected, rtol=1e-6, atol=1e-30)):
             if read is not None:
                 return None
-            raise NotFused(_NOT_CAUSAL)
+            raise _not_causal(d)
     return gammas if len(set(gammas)) > 1 else gammas[:1]
 
 
@@ -390,9 +406,9 @@ def _same_at_other_sizes(decay: _Decay, other: _Decay | None) -> None:
                        "the op takes one causal mask and numbers")
 
 
-def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor) -> tuple[fx.Node, float] | None:
+def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor, size=size_hint) -> tuple[fx.Node, float] | None:
     """(the division node, eps) when y's only reader divides it by Σ_s A_ts + eps (or multiplies it by
-    the reciprocal of that)."""
+    the reciprocal of that), evaluated with sizes read by ``size``."""
     if len(y.users) != 1:
         return None
     (div,) = y.users
@@ -405,7 +421,7 @@ def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor) -> tuple[f
     if not isinstance(other, fx.Node) or other is y:
         return None
     try:
-        den = evaluate(other, values, size_hint)
+        den = evaluate(other, values, size)
     except NotFused:
         return None
     if inverted:
@@ -418,11 +434,37 @@ def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor) -> tuple[f
     return div, float(eps[0])
 
 
+def _same_eps_at_other_sizes(y: fx.Node, form: _Form, eps: float) -> None:
+    """NotFused unless the normaliser's eps at other sizes (dynamic shapes) is ``eps``: an eps read from sizes
+    (1e-2·T, or (A + c).sum(-1), which adds T·c) is another number at every size, and the op takes one."""
+    length = form.a.meta["val"].shape[-1]
+    time = length.node.expr.free_symbols if isinstance(length, torch.SymInt) else set()
+    for size in (shifted_size, lambda s: shifted_size(s, only=time)):
+        try:
+            decay = _decays(form, size)
+            generator = torch.Generator().manual_seed(1)
+            values = {n: torch.randn(_sizes(n, size), dtype=torch.float64, generator=generator)
+                      for n in (form.q, form.k, form.v)}
+            if decay.tensor is not None:
+                values[decay.tensor] = decay.drawn
+            q, k, v = (form.canonical(name, values[getattr(form, name)]) for name in ("q", "k", "v"))
+            other = _normaliser(y, values, form.as_y(((q @ k.mT) * decay.d).sum(-1, keepdim=True)), size)
+        except (NotFused, RuntimeError):
+            continue
+        if other is not None and math.isclose(other[1], eps, rel_tol=1e-9, abs_tol=1e-15):
+            return
+        break
+    raise NotFused(f"its normaliser Σ_s A_ts + ε has ε = {eps:g} at these sizes, computed from sizes (1e-2·T, or "
+                   "(A + c).sum(-1), which adds T·c), so another at the other sizes torch.compile's dynamic shapes "
+                   "run this graph at, or not found there; the op takes one number")
+
+
 def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> None:
     if not hasattr(torch.ops.hecate, "linear_attention"):
         raise NotFused("the op hecate.linear_attention is not registered (import hecate.lowering)")
     decay = _decays(form)
-    if any(isinstance(s, torch.SymInt) for n in (form.q, form.k, form.v) for s in n.meta["val"].shape):
+    dynamic = any(isinstance(s, torch.SymInt) for n in (form.q, form.k, form.v) for s in n.meta["val"].shape)
+    if dynamic:
         # every size shifted; where that breaks the graph's own shapes (a dynamic head count against a buffer
         # of one γ per head), the length alone
         length = form.a.meta["val"].shape[-1]
@@ -450,6 +492,8 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
         raise NotFused(f"q, k, v have dtypes {sorted(map(str, dtypes))}; linear_attention needs one floating dtype")
     normaliser = _normaliser(y, dict(values), form.as_y(scores.sum(-1, keepdim=True)))
+    if normaliser is not None and dynamic:
+        _same_eps_at_other_sizes(y, form, normaliser[1])
     replaced, out = [y, form.a], y
     if normaliser is not None:
         out = normaliser[0]

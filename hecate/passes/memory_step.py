@@ -1111,10 +1111,16 @@ def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> 
         like = env.get(like_node) if like_node in env else values[0]
         return per_step.value(env, *_per_step_shape(rec, role, M), like=like)
 
-    traced = _trace_vmapped(one_step, [n.meta["val"] for n in outer],
+    traced = _trace_vmapped(one_step, [_value_of(n) for n in outer],
                             tuple([0] * len(xs) + [None] * (len(invariants) + 1)), "a per-step input of the memory")
     with gm.graph.inserting_before(node):
         return _emit_traced(gm, traced, outer)[0]
+
+
+def _value_of(x: Any) -> Any:
+    """A scan input's value to trace with: a node's fake value, or the number itself (a size the loop reads as an
+    invariant, ``1e-2 * T``)."""
+    return x.meta["val"] if isinstance(x, fx.Node) else x
 
 
 def _trace_vmapped(step: Any, values: list, in_dims: tuple, what: str) -> fx.GraphModule:
@@ -1293,7 +1299,7 @@ def _after_the_reads(body: fx.Graph, n_carries: int, outer: list[fx.Node], n_xs:
     def one_step(read_t, *values):
         return _evaluate(body, dict(zip(inputs, values)), {rec.read_node: read_t}, upto=upto)[y]
 
-    return _trace_vmapped(one_step, [reads] + [n.meta["val"] for n in outer],
+    return _trace_vmapped(one_step, [reads] + [_value_of(n) for n in outer],
                           tuple([0] * (1 + n_xs) + [None] * (len(outer) - n_xs)), "the step's output")
 
 

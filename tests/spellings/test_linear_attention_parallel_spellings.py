@@ -256,6 +256,26 @@ def small_decay_over_a_long_sequence(q, k, v):  # γ = 0.05 at T = 80: the far p
     return ((phi(q) @ phi(k).mT) * ((0.05 ** dist.clamp(min=0).float()) * (dist >= 0))) @ v
 
 
+def normalised_on_the_score_without_eps(q, k, v):  # a row summing to 0 is 0/0, spread by the product's backward
+    a = torch.tril(phi(q) @ phi(k).mT)
+    return (a / a.sum(-1, keepdim=True)) @ v
+
+
+def normalised_per_key(q, k, v):  # divided by the sums over the queries: not the op's normaliser
+    a = torch.tril(phi(q) @ phi(k).mT)
+    return (a / (a.sum(-2, keepdim=True) + 1e-6)) @ v
+
+
+@pytest.mark.parametrize("fn,reason", [
+    (normalised_on_the_score_without_eps, "divided by its sum over the keys (Σ_s A_ts, per query) before the product"),
+    (normalised_per_key, "divided by its sum over the queries (Σ_t A_ts, per key) before the product"),
+], ids=lambda x: getattr(x, "__name__", None))
+def test_a_score_normalised_unlike_the_op_is_reported(fn, reason, fresh_dynamo):
+    torch.manual_seed(0)
+    report = _check(fn, [torch.randn(B, T, D) for _ in range(3)], False)
+    assert not report.fusions and reason in report.misses[0].reason, str(report)
+
+
 def test_a_decay_whose_far_powers_underflow_fuses(fresh_dynamo):
     """γ^(t−s) computed in float32 is a denormal or 0 far from the diagonal (probe r9a): the op's products of γ
     underflow alike, so the mask is the decay's."""
@@ -287,10 +307,17 @@ def decay_from_the_length(q, k, v):  # γ = 1 − 1/T: another decay at every le
     return ((q @ k.mT) * decay) @ v
 
 
-@pytest.mark.parametrize("fn", [length_dependent_mask, decay_from_the_length], ids=lambda f: f.__name__)
+def normaliser_eps_from_the_length(q, k, v):  # ε = 1e-2·T: another ε at every length
+    a = torch.tril(phi(q) @ phi(k).mT)
+    return (a @ v) / (a.sum(-1, keepdim=True) + 1e-2 * q.shape[1])
+
+
+@pytest.mark.parametrize("fn", [length_dependent_mask, decay_from_the_length, normaliser_eps_from_the_length],
+                         ids=lambda f: f.__name__)
 def test_mask_or_decay_computed_from_sizes_is_checked_at_other_sizes(fn, fresh_dynamo):
-    """Under dynamic shapes the graph runs at other lengths: a mask or decay from sizes is read at two, and is
-    not taken for the one it is at the example's length (it was: 0.96 relative off eager at T = 9)."""
+    """Under dynamic shapes the graph runs at other lengths: a mask, decay or normaliser ε from sizes is read at
+    two, and is not taken for the one it is at the example's length (it was: 0.96 relative off eager at T = 9
+    for a mask; 3e-3 for ε = 1e-2·T, probe r13b)."""
     compiled = torch.compile(fn, backend="hecate", dynamic=True, options={"fallback": "eager"})
     for length in (T, T + 2):
         args = [torch.randn(B, length, D, generator=torch.Generator().manual_seed(i)) for i in range(3)]

@@ -1792,3 +1792,37 @@ def test_bias_gradient_with_a_bound_is_generated_and_equals_eager_past_it(fresh_
     assert_close("M", m, m_ref, TOL)
     for i, (a, b) in enumerate(zip(g, g_ref)):
         assert_close(f"grad {i}", a, b, TOL)
+
+
+def _normalised_hebbian_eps_from_the_length(q, k, v):  # ε = 1e-2·T: the loop's length, a number of the step
+    q, k = F.elu(q) + 1, F.elu(k) + 1
+    M, z, ys = torch.zeros(q.shape[0], 4, 4), torch.zeros(q.shape[0], 4), []
+    for t in range(q.shape[1]):
+        M, z = M + v[:, t, :, None] * k[:, t, None, :], z + k[:, t]
+        ys.append((M @ q[:, t, :, None])[..., 0] / ((q[:, t] * z).sum(-1, keepdim=True) + 1e-2 * q.shape[1]))
+    return torch.stack(ys, 1)
+
+
+def test_a_size_the_step_reads_as_a_number_fuses_under_dynamic_shapes(fresh_dynamo):
+    """The loop's length read in the step (ε = 1e-2·T) is a number the scan takes beside its tensors; tracing the
+    step's reads over all steps at once took it for a node (probe r13b: an internal error, the loop unrolled)."""
+    compiled = torch.compile(_normalised_hebbian_eps_from_the_length, backend="hecate", dynamic=True,
+                             options={"strict": True})
+    for length in (6, 8):
+        args = [torch.randn(2, length, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        assert_close(f"y at T = {length}", compiled(*args), _normalised_hebbian_eps_from_the_length(*args), TOL)
+        assert hecate.last_report().count("linear_attention") == 1, str(hecate.last_report())
+
+
+def hebbian_outputs_grown_from_an_empty_tensor(k, v, q, alpha, eta):  # out = torch.empty(B, 0, H, Dv), then cat
+    M, out = torch.zeros(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1]), torch.empty(k.shape[0], 0, *v.shape[2:])
+    for t in range(k.shape[1]):
+        M = M + v[:, t, :, :, None] * k[:, t, :, None, :]
+        out = torch.cat([out, (M @ q[:, t, :, :, None])[..., 0].unsqueeze(1)], 1)
+    return out, M
+
+
+def test_outputs_grown_from_an_empty_tensor_fuse(fresh_dynamo):
+    """The empty start of a cat adds no element: left out, the cat is the loop's stacked outputs (probe r13b)."""
+    report = _compile_and_compare(hebbian_outputs_grown_from_an_empty_tensor)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
