@@ -121,9 +121,10 @@ def _parallel_form(y: fx.Node) -> _Form | None:
                            "cache of earlier keys, say); the op's causal mask is over one length, T queries against "
                            "the same T keys")
         raise NotFused(f"its score is [..., {sa[-2]}, {sa[-1]}]: torch.compile gave the queries' length and the keys' "
-                       "two symbols (it saw no reason they are equal), so the mask on it cannot be proved causal "
-                       "for every length; compile with dynamic=True, or give q and k one length by slicing both "
-                       "from one tensor")
+                       "two symbols (it saw no reason they are equal: a recompile, or dynamic=True, makes each "
+                       "input's length its own), so the mask on it cannot be proved causal for every length; give "
+                       "q and k one length by computing both from one tensor (q, k = qk.chunk(2, -1)), or compile "
+                       "with dynamic=False")
     if sq != sk:
         return None
     return _Form(a, score, q, k, v, {"a": pa, "q": pq, "k": pk, "v": pv, "y": py})
