@@ -1163,7 +1163,7 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
         if written is not None and rank >= 2 \
                 and any(sides == {"i", "j"} for sides in _score_inputs(written[0], rank)[0].values()):
             try:
-                _fuse_written_softmax(gm, beta, *written, report)
+                _fuse_written_softmax(gm, beta, *written, report=report)
             except NotFused as e:
                 report.add_miss(PATTERN, str(e), beta.name, nodes=[beta])
 
@@ -1173,14 +1173,16 @@ _WRITTEN_SOFTMAX = ("β written as exp(s) / Σ exp(s) over a pairwise score, wit
                     "where s = −KL/κ with κ > 0 a number and the self pair allowed (s ≤ s_ii = 0, so Σ ≥ 1)")
 
 
-def _fuse_written_softmax(gm: fx.GraphModule, beta: fx.Node, x: fx.Node, mask: fx.Node | None,
+def _fuse_written_softmax(gm: fx.GraphModule, beta: fx.Node, x: fx.Node, mask: fx.Node | None, how: str,
                           report: FusionReport) -> None:
-    """Fuse β = exp(x) / Σ_j exp(x) (x maybe less its row max, the exp maybe × a 0/1 ``mask`` made of sizes) as
-    softmax(x.masked_fill(mask == 0, −inf)) when that is what it computes: x = −KL/κ, κ > 0 a number, the self
-    pair allowed. Then x_ij ≤ x_ii = 0 (KL ≥ 0, KL_ii = 0), so the row max is 0 and Σ ≥ 1: nothing overflows or
-    underflows to 0/0, and the two agree to rounding. Raises NotFused (nothing changed) otherwise."""
+    """Fuse β = exp(x) / Σ_j exp(x) (x maybe less its row max; the exp maybe × a 0/1 ``mask`` made of sizes, ``how``
+    "times", or zeroed where a bool ``mask`` is True, "filled", or False, "kept") as softmax(x.masked_fill(masked,
+    −inf)) when that is what it computes: x = −KL/κ written per pair, κ ≥ 1e-3 a number, the self pair allowed.
+    Then x_ij ≤ x_ii = 0 (KL ≥ 0, KL_ii = 0), so the row max is 0 and Σ ≥ 1: nothing overflows or underflows to
+    0/0, and the two agree to rounding (a KL multiplied out into products, or a tiny κ, can round x_ij above 0 by
+    enough for exp to overflow, probe r13a). Raises NotFused (nothing changed) otherwise."""
     graph = gm.graph
-    if mask is not None:
+    if mask is not None and how == "times":
         shape = shape_of(beta)
         if not depends_on_sizes_only(mask):
             raise NotFused(f"{_WRITTEN_SOFTMAX}; the mask {mask.name} multiplied after the exp is read from the "
@@ -1195,8 +1197,11 @@ def _fuse_written_softmax(gm: fx.GraphModule, beta: fx.Node, x: fx.Node, mask: f
     with graph.inserting_before(beta):
         score = x
         if mask is not None:
-            added.append(graph.call_function(aten.eq.Scalar, (mask, 0)))
-            added.append(graph.call_function(aten.masked_fill.Scalar, (x, added[-1], _NEG_INF)))
+            if how != "filled":
+                added.append(graph.call_function(*((aten.eq.Scalar, (mask, 0)) if how == "times" else
+                                                   (aten.logical_not.default, (mask,)))))
+            added.append(graph.call_function(aten.masked_fill.Scalar,
+                                             (x, mask if how == "filled" else added[-1], _NEG_INF)))
             score = added[-1]
         added.append(graph.call_function(aten.softmax.int, (score, -1)))
     for node in added:
@@ -1212,7 +1217,12 @@ def _fuse_written_softmax(gm: fx.GraphModule, beta: fx.Node, x: fx.Node, mask: f
                "its mask excludes the self pair" if recognised.mask_diagonal else
                "its mask is read at run time" if recognised.run_time_masks else
                "its score is −KL/κ plus a number per query (a softmax's constant, which the ratio's underflow "
-               "does not ignore)" if not _is_minus_kl(x, recognised) else None)
+               "does not ignore)" if not _is_minus_kl(x, recognised) else
+               f"its κ = {recognised.kappa:g} is below 1e-3, which magnifies the KL's rounding below 0 into "
+               "scores whose exp may overflow" if recognised.kappa < 1e-3 else
+               "its KL is multiplied out into matrix products, whose cancellation can leave it below 0 by enough "
+               "for exp to overflow" if any(n.target in _PRODUCTS for n in nodes_between(
+                   [recognised.mean, recognised.scale], [x])) else None)
         if why:
             raise NotFused(f"{_WRITTEN_SOFTMAX}; {why}")
     except NotFused:
@@ -1245,19 +1255,21 @@ def _is_minus_kl(x: fx.Node, score: _Score) -> bool:
 
 def _erase_unread(nodes: list[fx.Node]) -> None:
     """Erase ``nodes`` no node reads, and what they read that is then unread, up the graph."""
-    pending = list(nodes)
+    pending, erased = list(nodes), set()
     while pending:
         node = pending.pop()
-        if node.users or node.op != "call_function" or node.graph is None:
+        if node in erased or node.users or node.op != "call_function":
             continue
         inputs = node.all_input_nodes
         node.graph.erase_node(node)
+        erased.add(node)
         pending.extend(inputs)
 
 
-def _unshifted_softmax_of(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
-    """(s, mask) for ``e / e.sum(-1, keepdim=True)`` with e = exp(s) (the normal form made e = exp(s − max) a
-    softmax already), or e = exp(s) or exp(s − s's row max) times a mask (None: no mask)."""
+def _unshifted_softmax_of(node: fx.Node) -> tuple[fx.Node, fx.Node | None, str] | None:
+    """(s, mask, how) for ``e / e.sum(-1, keepdim=True)`` with e = exp(s) (the normal form made e = exp(s − max) a
+    softmax already), or e = exp(s) or exp(s − s's row max) times a mask (``how`` "times"), zeroed where a bool
+    mask is True (``masked_fill(m, 0)``: "filled") or False (``where(m, e, 0)``: "kept"); mask None: none."""
     if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
         return None
     e, total = node.args
@@ -1265,7 +1277,7 @@ def _unshifted_softmax_of(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | Non
     if not (rank and total.target == aten.sum.dim_IntList and total.args[0] is e and len(total.args) > 2
             and total.args[2] and [d % rank for d in total.args[1]] == [rank - 1]):
         return None
-    mask = None
+    mask, how = None, "times"
     while e.target in (aten.mul.Tensor, aten.div.Tensor) and len(e.args) == 2 and isinstance(e.args[0], fx.Node) \
             and (c := number_of(e.args[1])) is not None and c != 0 and math.isfinite(c):
         e = e.args[0]  # c · exp(s) · m: c cancels in the ratio
@@ -1274,6 +1286,11 @@ def _unshifted_softmax_of(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | Non
         if len(exps) != 1:
             return None
         e, mask = e.args[exps[0]], e.args[1 - exps[0]]
+    elif e.target == aten.masked_fill.Scalar and e.args[2] == 0 and isinstance(e.args[0], fx.Node):
+        e, mask, how = e.args[0], e.args[1], "filled"
+    elif e.target in (aten.where.ScalarOther, aten.where.self) and number_of(e.args[2]) == 0 \
+            and isinstance(e.args[1], fx.Node):
+        e, mask, how = e.args[1], e.args[0], "kept"
     if not (isinstance(e, fx.Node) and e.target == aten.exp.default and isinstance(e.args[0], fx.Node)):
         return None
     s = e.args[0]
@@ -1281,7 +1298,9 @@ def _unshifted_softmax_of(node: fx.Node) -> tuple[fx.Node, fx.Node | None] | Non
             and isinstance(s.args[1], fx.Node) \
             and any(is_row_max(undetached(s.args[1]), s.args[0], d) for d in (-1, rank - 1)):
         s = s.args[0]  # the row max: a shift the softmax does not change
-    return s, mask
+    if mask is not None and how != "times" and getattr(mask.meta.get("val"), "dtype", None) != torch.bool:
+        return None
+    return s, mask, how
 
 
 def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> bool:

@@ -327,6 +327,18 @@ def a_softmax_by_hand_times_a_causal_mask(mu, var):  # the row max (of every key
     return (e / e.sum(-1, keepdim=True)) @ mu
 
 
+def a_softmax_by_hand_zeroed_by_masked_fill(mu, var):  # the future's exp zeroed by masked_fill, then the row sum
+    future = torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool).triu(1)
+    e = torch.exp(-kl_spec(mu, var)).masked_fill(future, 0.0)
+    return (e / e.sum(-1, keepdim=True)) @ mu
+
+
+def a_softmax_by_hand_kept_by_where(mu, var):  # the past's exp kept by torch.where against a 0-d zero
+    e = torch.where(torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool).tril(), torch.exp(-kl_spec(mu, var)),
+                    torch.zeros(()))
+    return (e / e.sum(-1, keepdim=True)) @ mu
+
+
 def a_log_precisions(mu, log_prec):  # the beliefs' spread carried as log-precisions
     prec = log_prec.exp()
     kl = 0.5 * (prec.unsqueeze(1) / prec.unsqueeze(2) + prec.unsqueeze(1) * (mu.unsqueeze(2) - mu.unsqueeze(1)) ** 2
@@ -347,7 +359,7 @@ def a_kl_plus_an_inf_mask(mu, var):  # +inf added to the future's KL, the sum ne
 ATTENTION = [
     (a_kl_kept_where_causal_else_inf, _var), (a_kl_plus_an_inf_mask, _var),
     (a_softmax_by_hand_without_the_max, _var), (a_softmax_by_hand_times_a_causal_mask, _var),
-    (a_log_precisions, _logvar),
+    (a_log_precisions, _logvar), (a_softmax_by_hand_zeroed_by_masked_fill, _var), (a_softmax_by_hand_kept_by_where, _var),
     (a_constants_of_the_softmax_dropped, _var), (a_softmax_in_its_own_dtype, _logvar),
     (a_energy_of_the_zeroed_kl, _var),
     (a_logsumexp_beta, _var), (a_where_full_like_no_self, _var), (a_kl_masked_with_inf, _var),
@@ -1286,6 +1298,18 @@ def m_softmax_by_hand_of_a_score_without_its_constants(mu, var):  # −KL less a
     return (e / e.sum(-1, keepdim=True)) @ mu
 
 
+def m_softmax_by_hand_at_a_tiny_temperature(mu, var):  # κ = 1e-6: a KL rounded below 0 overflows exp
+    e = torch.exp(-kl_spec(mu, var) / 1e-6)
+    return (e / e.sum(-1, keepdim=True)) @ mu
+
+
+def m_softmax_by_hand_of_the_kl_multiplied_out(mu, var):  # cancellation may leave the KL below 0
+    kl = 0.5 * ((var + mu * mu) @ (1 / var).transpose(-1, -2) - 2 * mu @ (mu / var).mT
+                + (mu * mu / var + var.log()).sum(-1)[:, None, :] - var.log().sum(-1)[:, :, None] - mu.shape[-1])
+    e = torch.exp(-kl)
+    return (e / e.sum(-1, keepdim=True)) @ mu
+
+
 def m_softmax_by_hand_over_a_tensor_temperature(mu, var, t):  # exp(−KL/t) / Σ: t < 0 overflows where softmax does not
     e = torch.exp(-kl_spec(mu, var) / t)
     return (e / e.sum(-1, keepdim=True)) @ mu
@@ -1359,6 +1383,8 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_softmax_by_hand_without_self, (), "its mask excludes the self pair"),
     (m_softmax_by_hand_over_a_tensor_temperature, (torch.tensor(0.5),), "whose sign is not known when compiling"),
     (m_softmax_by_hand_of_a_score_without_its_constants, (), "plus a number per query"),
+    (m_softmax_by_hand_at_a_tiny_temperature, (), "is below 1e-3"),
+    (m_softmax_by_hand_of_the_kl_multiplied_out, (), "multiplied out into matrix products"),
     (m_mask_filled_with_a_value_passed_in, (torch.ones(N, N, dtype=torch.bool).tril(), torch.tensor(float("-inf"))),
      "(from l_keep_) through masked_fill (masked_fill.Tensor)"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
