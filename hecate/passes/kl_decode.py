@@ -39,8 +39,8 @@ from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, equals_scaled, evaluate, far_draw, gaussian_kl,
                                     independent, nearest_sources, proportion, run_time_temperature, shape_of, short,
                                     sources_shaped, strip_noops)
-from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, replace_with_function,
-                                    size_hint)
+from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, number_of,
+                                    replace_with_function, size_hint)
 
 PATTERN = "kl_decode"
 aten = torch.ops.aten
@@ -219,7 +219,10 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     if any(size_hint(shape_of(x)[-1]) not in (k, 1) for x in priors) \
             or len(queries) + len(priors) < 2:  # means on each side (a variance each, or unit ones)
         return None
-    decode = _match(logits, queries, priors + scalars, k, v, shape)
+    constants = {x: torch.tensor(c, dtype=torch.float64) for x in scalars
+                 if (c := number_of(x)) is not None}  # torch.tensor(K) in the model: read, not drawn
+    scalars = [x for x in scalars if x not in constants]
+    decode = _match(logits, queries, priors + scalars, k, v, shape, constants or None)
     if decode is not None:
         inputs = [decode.mu, decode.scale, decode.prior_mu, decode.prior_scale] + (
             [decode.tau.node] if isinstance(decode.tau, Temperature) else [])
@@ -229,7 +232,8 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     if decode is not None or not scalars:
         return decode
     # the KL when the 0-d tensors are 1: it is read besides the beliefs and priors, as a temperature
-    if _match(logits, queries, priors, k, v, shape, {x: torch.ones((), dtype=torch.float64) for x in scalars}):
+    if _match(logits, queries, priors, k, v, shape,
+              {**constants, **{x: torch.ones((), dtype=torch.float64) for x in scalars}}):
         names = ", ".join(x.name for x in scalars)
         raise NotFused(f"the logits read {names}, a 0-d tensor, besides the beliefs and priors, and are "
                        "−KL(q_i‖π_v) where it is 1, but not −KL/τ for τ = c·t or c/t of it")
