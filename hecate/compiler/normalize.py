@@ -1092,8 +1092,9 @@ def _row_scaled(a: Any, outputs: set[fx.Node]) -> tuple[fx.Node, Any] | None:
             or len(a.users) != 1 or a in outputs or not all(isinstance(x, fx.Node) for x in a.args) \
             or _written_softmax(a.args[0]):
         return None
-    divisor = a.args[1] if a.target is aten.div.Tensor else \
-        a.args[1].args[0] if a.args[1].target is aten.reciprocal.default else None
+    divisor = _under_views(a.args[1])
+    if a.target is aten.mul.Tensor:
+        divisor = _under_views(divisor.args[0]) if divisor.target is aten.reciprocal.default else None
     if divisor is None or not _kept_from_zero(divisor):
         return None  # a row sum that may be 0: 0/0 would reach other rows' gradients through the product
     x, n = (_val(arg) for arg in a.args)
@@ -1102,6 +1103,13 @@ def _row_scaled(a: Any, outputs: set[fx.Node]) -> tuple[fx.Node, Any] | None:
             or torch.broadcast_shapes(x.shape, n.shape) != x.shape:
         return None
     return a.args[1], a.target
+
+
+def _under_views(x: Any) -> Any:
+    """What ``x`` is a view of (``n.unsqueeze(-1)``, ``n.view(...)``: the same numbers)."""
+    while isinstance(x, fx.Node) and x.target in _RESHAPES + (aten.unsqueeze.default, aten.expand.default):
+        x = x.args[0]
+    return x
 
 
 def _kept_from_zero(n: fx.Node) -> bool:

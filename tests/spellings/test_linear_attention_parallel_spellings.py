@@ -222,7 +222,12 @@ def normalised_on_the_score_heads_by_einsum(q, k, v):  # [B, T, H, D] kept, the 
     return torch.einsum("bhts,bshd->bthd", s, v).reshape(b, t, d)
 
 
-FUNCTIONS = [normalised_on_the_score, normalised_on_the_score_heads_by_einsum, einsum_with_an_ellipsis, mask_made_like_the_scores, cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
+def normalised_on_the_score_by_reciprocal(q, k, v):  # times 1 / (Σ + ε), the sum without keepdim then unsqueezed
+    a = torch.tril(phi(q) @ phi(k).mT)
+    return (a * torch.reciprocal(a.sum(-1) + 1e-6).unsqueeze(-1)) @ v
+
+
+FUNCTIONS = [normalised_on_the_score, normalised_on_the_score_heads_by_einsum, normalised_on_the_score_by_reciprocal, einsum_with_an_ellipsis, mask_made_like_the_scores, cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
              cumsum_heads_method_row_vector_read, tril_method, times_tril_of_ones, masked_fill_bmm, normalised, where_arange_relu_features, retention,
              one_sequence, einsum_scores_and_read, einsum_heads_in_place, einsum_time_major_scores,
              triu_bool_masked_fill_einsum, arange_comparison_float_mask, normalised_by_reciprocal, normalised_by_clamp,
