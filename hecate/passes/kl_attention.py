@@ -1160,12 +1160,33 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
     for beta in [n for n in gm.graph.nodes if n.target == aten.div.Tensor]:
         written = _unshifted_softmax_of(beta)
         rank = len(shape_of(beta) or ())
-        if written is not None and rank >= 2 \
-                and any(sides == {"i", "j"} for sides in _score_inputs(written[0], rank)[0].values()):
+        if written is not None and rank >= 2 and _pairwise(written[0], rank):
             try:
                 _fuse_written_softmax(gm, beta, *written, report=report)
             except NotFused as e:
                 report.add_miss(PATTERN, str(e), beta.name, nodes=[beta])
+        elif written is None and rank >= 2 and isinstance(beta.args[0], fx.Node) \
+                and (e := _exp_factor(beta.args[0])) is not None and _pairwise(e.args[0], rank):
+            report.add_miss(PATTERN, "a ratio of exp(s) over a pairwise score that is not exp(s) / Σ_j exp(s) over "
+                            "the keys of the same exp (the sum over another dim or of another tensor, a term added "
+                            "to it, or a factor that is no 0/1 mask): not the softmax kl_attention fuses",
+                            beta.name, nodes=[beta])
+
+
+def _pairwise(x: fx.Node, rank: int) -> bool:
+    """Whether ``x`` is a score of pairs: computed from tensors broadcast per query and per key."""
+    return any(sides == {"i", "j"} for sides in _score_inputs(x, rank)[0].values())
+
+
+def _exp_factor(x: fx.Node, depth: int = 4) -> fx.Node | None:
+    """The exp ``x`` is, or is a factor of (through products and quotients), else None."""
+    if x.target == aten.exp.default and isinstance(x.args[0], fx.Node):
+        return x
+    if depth and x.target in (aten.mul.Tensor, aten.div.Tensor, aten.masked_fill.Scalar, aten.where.ScalarOther):
+        for a in x.args:
+            if isinstance(a, fx.Node) and (found := _exp_factor(a, depth - 1)) is not None:
+                return found
+    return None
 
 
 _WRITTEN_SOFTMAX = ("β written as exp(s) / Σ exp(s) over a pairwise score, without the row max subtracted first or "

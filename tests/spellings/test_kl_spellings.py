@@ -1317,6 +1317,11 @@ def m_softmax_by_hand_of_the_kl_multiplied_out(mu, var):  # cancellation may lea
     return (e / e.sum(-1, keepdim=True)) @ mu
 
 
+def m_exp_over_its_sum_over_the_queries(mu, var):  # exp(s) / Σ_i exp(s): normalised per key, no softmax over keys
+    e = torch.exp(-kl_spec(mu, var))
+    return (e / e.sum(-2, keepdim=True)) @ mu
+
+
 def m_softmax_by_hand_over_a_tensor_temperature(mu, var, t):  # exp(−KL/t) / Σ: t < 0 overflows where softmax does not
     e = torch.exp(-kl_spec(mu, var) / t)
     return (e / e.sum(-1, keepdim=True)) @ mu
@@ -1391,6 +1396,7 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_softmax_by_hand_over_a_tensor_temperature, (torch.tensor(0.5),), "whose sign is not known when compiling"),
     (m_softmax_by_hand_of_a_score_without_its_constants, (), "plus a number per query"),
     (m_softmax_by_hand_at_a_tiny_temperature, (), "is below 1e-3"),
+    (m_exp_over_its_sum_over_the_queries, (), "a ratio of exp(s) over a pairwise score that is not"),
     (m_softmax_by_hand_of_the_kl_multiplied_out, (), "multiplied out into matrix products"),
     (m_mask_filled_with_a_value_passed_in, (torch.ones(N, N, dtype=torch.bool).tril(), torch.tensor(float("-inf"))),
      "(from l_keep_) through masked_fill (masked_fill.Tensor)"),
