@@ -1090,7 +1090,7 @@ def _row_scaled(a: Any, outputs: set[fx.Node]) -> tuple[fx.Node, Any] | None:
     ``(s / (s.sum(-1, keepdim=True) + eps)) @ v``)."""
     if not isinstance(a, fx.Node) or a.target not in (aten.div.Tensor, aten.mul.Tensor) or a.kwargs \
             or len(a.users) != 1 or a in outputs or not all(isinstance(x, fx.Node) for x in a.args) \
-            or _written_softmax(a.args[0]):
+            or exp_factor(a.args[0]) is not None:
         return None
     divisor = _under_views(a.args[1])
     if a.target is aten.mul.Tensor:
@@ -1122,12 +1122,16 @@ def _kept_from_zero(n: fx.Node) -> bool:
     return False
 
 
-def _written_softmax(x: fx.Node) -> bool:
-    """Whether ``x`` is exp(s) (or exp(s) times masks or numbers): β = x / Σ x is a softmax written out, which
-    stays β (the attention passes read it)."""
+def exp_factor(x: Any, depth: int = 4) -> fx.Node | None:
+    """The exp ``x`` is, or is a factor of (through products, quotients and zero-fills: exp(s) times masks or
+    numbers), else None: β = x / Σ x is then a softmax written out, which stays β (the attention passes read it)."""
     if not isinstance(x, fx.Node):
-        return False
-    return x.target is aten.exp.default or x.target is aten.mul.Tensor and any(map(_written_softmax, x.args))
+        return None
+    if x.target is aten.exp.default and isinstance(x.args[0], fx.Node):
+        return x
+    if depth and x.target in (aten.mul.Tensor, aten.div.Tensor, aten.masked_fill.Scalar, aten.where.ScalarOther):
+        return next((found for a in x.args if (found := exp_factor(a, depth - 1)) is not None), None)
+    return None
 
 
 def _switches_autocast(graph: fx.Graph) -> bool:

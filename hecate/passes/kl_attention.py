@@ -64,7 +64,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hecate.compiler.normalize import is_row_max, undetached
+from hecate.compiler.normalize import exp_factor, is_row_max, undetached
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals_scaled, evaluate, far_draw,
                                     gaussian_kl, independent, nearest_sources, proportion, run_time_temperature,
@@ -1166,7 +1166,7 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
             except NotFused as e:
                 report.add_miss(PATTERN, str(e), beta.name, nodes=[beta])
         elif written is None and rank >= 2 and isinstance(beta.args[0], fx.Node) \
-                and (e := _exp_factor(beta.args[0])) is not None and _pairwise(e.args[0], rank):
+                and (e := exp_factor(beta.args[0])) is not None and _pairwise(e.args[0], rank):
             report.add_miss(PATTERN, "a ratio of exp(s) over a pairwise score that is not exp(s) / Σ_j exp(s) over "
                             "the keys of the same exp (the sum over another dim or of another tensor, a term added "
                             "to it, or a factor that is no 0/1 mask): not the softmax kl_attention fuses",
@@ -1178,15 +1178,6 @@ def _pairwise(x: fx.Node, rank: int) -> bool:
     return any(sides == {"i", "j"} for sides in _score_inputs(x, rank)[0].values())
 
 
-def _exp_factor(x: fx.Node, depth: int = 4) -> fx.Node | None:
-    """The exp ``x`` is, or is a factor of (through products and quotients), else None."""
-    if x.target == aten.exp.default and isinstance(x.args[0], fx.Node):
-        return x
-    if depth and x.target in (aten.mul.Tensor, aten.div.Tensor, aten.masked_fill.Scalar, aten.where.ScalarOther):
-        for a in x.args:
-            if isinstance(a, fx.Node) and (found := _exp_factor(a, depth - 1)) is not None:
-                return found
-    return None
 
 
 _WRITTEN_SOFTMAX = ("β written as exp(s) / Σ exp(s) over a pairwise score, without the row max subtracted first or "

@@ -33,8 +33,8 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.gaussian import evaluate
-from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, replace_with_function,
-                                    shifted_size, size_hint, tensors_read)
+from hecate.passes.matching import (NotFused, bound_reason, descendants, first_threshold, nodes_between,
+                                    replace_with_function, shifted_size, size_hint, tensors_read)
 from hecate.passes.report import FusionReport
 
 aten = torch.ops.aten
@@ -700,7 +700,7 @@ def _cumulated_form(cumsum: fx.Node):
     else:
         return None
     read = reads[0]
-    region = [n for n in region if n is read or read in _descendants(n, 6)]  # on the way to the read only
+    region = [n for n in region if n is read or read in descendants(n, 6)]  # on the way to the read only
     if any(u not in region for n in [cumsum, *region] if n is not read for u in n.users):
         return None  # the states are read elsewhere too: the pattern pass or the signatures say so
     inputs = {i for n in region for i in n.all_input_nodes} - set(region) - {cumsum}
@@ -713,14 +713,6 @@ def _cumulated_form(cumsum: fx.Node):
     if not _same_sizes(_sizes_of(q), per_token, drop=1):
         return None
     return x, y, q, read, region, cumsum.args[1] % len(shape)
-
-
-def _descendants(node: fx.Node, depth: int) -> set:
-    found, frontier = set(), [node]
-    for _ in range(depth):
-        frontier = [u for n in frontier for u in n.users]
-        found.update(frontier)
-    return found
 
 
 def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node, q: fx.Node, read: fx.Node,

@@ -589,7 +589,7 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
                          "pass a Match or outputs=[the replaced nodes read afterwards]")
     check_gradients_flow(args, old_outputs)
     check_nothing_written_in_place(args, nodes)
-    if _computed_from([n for a in args for n in _nodes_in(a)], set(old_outputs)):
+    if computed_from([n for a in args for n in _nodes_in(a)], set(old_outputs)):
         raise NotFused("the replacement would read values computed from what it replaces (a cycle); "
                        "the graph is left as it was")
     values = [fx.node.map_aggregate(a, val) for a in args]
@@ -646,7 +646,17 @@ def _nodes_in(arg: Any) -> list[fx.Node]:
     return found
 
 
-def _computed_from(roots: Sequence[fx.Node], sources: set[fx.Node]) -> bool:
+def descendants(node: fx.Node, depth: int) -> list[fx.Node]:
+    """The calls reading ``node`` within ``depth`` steps, in graph order."""
+    found, frontier = set(), {node}
+    for _ in range(depth):
+        frontier = {u for n in frontier for u in n.users if u.op == "call_function"} - found
+        found |= frontier
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(found, key=order.__getitem__)
+
+
+def computed_from(roots: Sequence[fx.Node], sources: set[fx.Node]) -> bool:
     """Whether any of ``roots`` is one of ``sources`` or computed from one."""
     stack, seen = list(roots), set()
     while stack:

@@ -65,7 +65,8 @@ from torch.fx.passes.utils.matcher_utils import InternalMatch
 from hecate.passes.report import FusionReport
 from hecate.lowering import pointwise
 from hecate.passes.gaussian import evaluate
-from hecate.passes.matching import Match, NotFused, find_matches, pad_fill, pattern_graph, replace_with_op, val
+from hecate.passes.matching import (Match, NotFused, computed_from, descendants, find_matches, pad_fill,
+                                    pattern_graph, replace_with_op, val)
 
 PATTERN = "qk_preprocess"
 OP_NAME = "hecate.qk_preprocess"
@@ -793,7 +794,7 @@ def _matrix_phi_by_value(node: fx.Node) -> _Found | None:
         if user in region or user.op != "call_function":
             continue
         ins = user.all_input_nodes
-        if not all(x is node or x in region or not _computed_from(x, node) for x in ins):
+        if not all(x is node or x in region or not computed_from([x], {node}) for x in ins):
             continue
         region.append(user)
         outside += [x for x in ins if x is not node and x not in region and x not in outside]
@@ -823,16 +824,6 @@ def _matrix_phi_by_value(node: fx.Node) -> _Found | None:
         if reads_bias == bool(biases) and torch.allclose(got, phi(z, *values.values()), rtol=1e-9, atol=1e-12):
             return _single(region, _Stage("phi", kind), [node, w, *biases], exits[0])
     return None
-
-
-def _computed_from(x: fx.Node, node: fx.Node, depth: int = _PHI_SEARCH) -> bool:
-    frontier, seen = [x], set()
-    for _ in range(depth):
-        if node in frontier:
-            return True
-        seen.update(frontier)
-        frontier = [i for n in frontier for i in n.all_input_nodes if i not in seen]
-    return False
 
 
 def _param_behind_views(x: fx.Node) -> fx.Node | None:
@@ -884,7 +875,7 @@ def _window_step(cat: fx.Node) -> _Window | None:
             or not window.dtype.is_floating_point:
         return None
     batch, _, channels = window.shape
-    for z in _descendants(cat, depth=3):
+    for z in descendants(cat, depth=3):
         if tuple(val(z).shape) != (batch, channels) or val(z).dtype != window.dtype:
             continue
         found = _window_product(cat, z)
@@ -893,16 +884,6 @@ def _window_step(cat: fx.Node) -> _Window | None:
             bias, output = _bias_add(z, channels)
             return _Window(cat, weight, layout, bias, nodes + ([output] if bias is not None else []), output)
     return None
-
-
-def _descendants(node: fx.Node, depth: int) -> list[fx.Node]:
-    """The nodes reading ``node`` within ``depth`` steps, in graph order."""
-    found, frontier = set(), {node}
-    for _ in range(depth):
-        frontier = {u for n in frontier for u in n.users if u.op == "call_function"} - found
-        found |= frontier
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return sorted(found, key=order.__getitem__)
 
 
 def _window_product(cat: fx.Node, z: fx.Node) -> tuple[list[fx.Node], fx.Node, str] | None:

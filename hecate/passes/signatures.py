@@ -34,7 +34,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hecate.passes.matching import aliases, mutates, pad_fill, padded_dims, zero_padded_dims
+from hecate.passes.matching import aliases, descendants, mutates, pad_fill, padded_dims, zero_padded_dims
 from hecate.passes.report import FusionReport, source_line
 
 aten = torch.ops.aten
@@ -303,20 +303,12 @@ def _scores_row_by_row(gm: fx.GraphModule) -> Iterator[tuple[str, str, list[fx.N
                    "[..., N, K] tensor with a log or exp of the features: kl_attention fuses the pairwise KL "
                    "score written at once, μ and σ² broadcast as [..., N, 1, K] against [..., 1, N, K]",
                    [scan, softmax])
-        elif any(r.target in _LOGIT_READERS for n in scan.users for r in _descendants(n)):
+        elif any(r.target in _LOGIT_READERS for n in scan.users for r in descendants(n, 8)):
             yield ("kl_decode", "logits built one token at a time in a loop over the vocabulary (each step's row "
                    "of per-token tensors broadcast against the whole [..., N, K] beliefs with a log or exp of the "
                    "features), then stacked and read by a cross-entropy or softmax: kl_decode fuses the logits "
                    "written at once, the beliefs [..., N, 1, K] against the priors [V, K]",
                    [scan, next(n for n in reversed(body.graph.nodes) if n.op == "call_function")])
-
-
-def _descendants(node: fx.Node, limit: int = _SEARCH) -> list[fx.Node]:
-    found, frontier = [], [node]
-    while frontier and len(found) < limit:
-        frontier = [u for n in frontier for u in n.users if u not in found]
-        found += frontier
-    return found
 
 
 # ---- memory: a matrix state updated by an outer product -----------------------------------
