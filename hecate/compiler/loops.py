@@ -21,7 +21,8 @@ proves, for T ≥ 2 consecutive blocks of L nodes:
   block with a value from before the loop in block 0 (a carry, whose init is that value);
 * after the loop only the last block's carries are read, and ``torch.stack`` of one node
   from every block, in order, or ``torch.cat`` of them along a size-1 dim (the scan's stacked
-  per-step outputs);
+  per-step outputs), with other tensors from outside the loop before or after them where the
+  code wrote a step before the loop (``M = v_0 k_0ᵀ; ys = [M q_0]``) or after it;
 * nothing in the loop mutates (in-place updates of unaliased tensors are made functional
   first) or draws random numbers.
 
@@ -585,12 +586,17 @@ class _Loop:
         return True
 
     def _is_stack_of(self, node: fx.Node, o: int) -> bool:
-        """``torch.stack`` of node o of every block in order, or ``torch.cat`` of them along a size-1 dim."""
+        """``torch.stack`` of node o of every block in order, or ``torch.cat`` of them along a size-1 dim; other
+        tensors from outside the loop may come before and after them (``ys = [read(M, q[:, 0])]`` of a first step
+        written before the loop): :func:`_stacked` joins the pieces."""
         if node.op != "call_function" or node.target not in _STACKS + _CATS or not node.args:
             return False
         items = node.args[0]
-        if not (isinstance(items, (list, tuple)) and list(items) == [self.at(t, o) for t in range(self.T)]
-                and set(node.kwargs) <= {"dim"} and len(node.args) <= 2):
+        if not (isinstance(items, (list, tuple)) and set(node.kwargs) <= {"dim"} and len(node.args) <= 2):
+            return False
+        run = [self.at(t, o) for t in range(self.T)]
+        start = _run_start(items, run)
+        if start is None or any(self.block(x) is not None for x in items[:start] + items[start + self.T:]):
             return False
         if node.target in _CATS:
             value = _value(self.at(0, o))
@@ -605,6 +611,15 @@ _CATS = (torch.cat, torch.concat, torch.ops.aten.cat.default)
 
 def _stack_dim(node: fx.Node) -> int:
     return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+
+
+def _run_start(items, run: list) -> int | None:
+    """Where ``run`` lies in ``items`` as a contiguous run, or None."""
+    items = list(items)
+    for i in range(len(items) - len(run) + 1):
+        if items[i:i + len(run)] == run:
+            return i
+    return None
 
 
 def _flatten(node: fx.Node) -> tuple[list, Any]:
@@ -763,18 +778,14 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> tuple[fx.GraphModule, li
                     torch.stack if combine.target in _STACKS else torch.cat,
                     ([outs[("y", item)] for item in items],), {"dim": dim + 1})
             skip.update(loop.nodes[loop.s:loop.end])
-            stacks.update({stack: outs[("y", o)] for stack, o in loop.stacks.items()})
+            for stack, o in loop.stacks.items():
+                run = [loop.at(t, o) for t in range(loop.T)]
+                stacks.setdefault(stack, {})[_run_start(stack.args[0], run)] = (loop.T, outs[("y", o)])
             env.update({node: outs[("carry", o)] for node, o in loop.finals.items()})
         if node in skip:
             continue
-        if node in stacks:  # the scan stacks along dim 0
-            dim = _stack_dim(node)
-            if node.target in _CATS:  # cat of [.., 1, ..] pieces: stack them, then drop the size-1 dim
-                dim %= _value(node).dim()
-                env[node] = graph.call_function(torch.squeeze, (
-                    graph.call_function(torch.movedim, (stacks[node], 0, dim)), dim + 1))
-            else:
-                env[node] = graph.call_function(torch.movedim, (stacks[node], 0, dim))
+        if node in stacks:
+            env[node] = _stacked(graph, env, node, stacks[node])
             continue
         env[node] = graph.node_copy(node, env.__getitem__)
         if node.op in ("get_attr", "call_module"):
@@ -782,6 +793,27 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> tuple[fx.GraphModule, li
     rolled = fx.GraphModule(attrs, graph, class_name=type(gm).__name__)
     rolled.meta.update(gm.meta)
     return rolled, steps
+
+
+def _stacked(graph: fx.Graph, env: dict, node: fx.Node, runs: dict[int, tuple[int, fx.Node]]) -> fx.Node:
+    """The stack (or cat) ``node`` of the new graph: each run of its items that a loop's steps computed, from
+    ``runs`` (first item -> (steps, the scan's output, stacked along dim 0)), the other items as they are;
+    the pieces joined along the stack's dim. Exact: the same elements in the same order."""
+    dim = _stack_dim(node) % _value(node).dim()
+    items, pieces, i = list(node.args[0]), [], 0
+    while i < len(items):
+        if i in runs:
+            steps, out = runs[i]
+            out = graph.call_function(torch.movedim, (out, 0, dim))
+            if node.target in _CATS:  # cat of [.., 1, ..] pieces: stack them, then drop the size-1 dim
+                out = graph.call_function(torch.squeeze, (out, dim + 1))
+            pieces.append(out)
+            i += steps
+        else:
+            j = next((j for j in range(i, len(items)) if j in runs), len(items))
+            pieces.append(graph.call_function(node.target, ([env[x] for x in items[i:j]], dim)))
+            i = j
+    return pieces[0] if len(pieces) == 1 else graph.call_function(torch.cat, (pieces, dim))
 
 
 @dataclass

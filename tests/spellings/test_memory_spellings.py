@@ -812,6 +812,38 @@ def hebbian_from_none_outputs_grown_by_cat(k, v, q, alpha, eta):  # M = None fir
     return out.transpose(1, 2), M
 
 
+def gated_first_step_before_the_loop(k, v, q, alpha, eta):  # M = v_0 k_0ᵀ (the decay of a zero state dropped)
+    M = v[:, 0, :, :, None] * k[:, 0, :, None, :]
+    ys = [(M @ q[:, 0, :, :, None])[..., 0]]
+    for t in range(1, k.shape[1]):
+        M = (1 - alpha[:, t, :, None, None]) * M + v[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_from_none(k, v, q, alpha, eta):  # M = None: the first step's error is −v_t, written as such
+    M, ys = None, []
+    for t in range(k.shape[1]):
+        kt = k[:, t]
+        if M is None:
+            M = eta[:, t, :, None, None] * v[:, t].unsqueeze(-1) * kt.unsqueeze(-2)
+        else:
+            e = (M @ kt.unsqueeze(-1)).squeeze(-1) - v[:, t]
+            M = M - eta[:, t, :, None, None] * e.unsqueeze(-1) * kt.unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_outputs_with_a_final_read(k, v, q, alpha, eta):  # one more read of the last state stacked after
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1] - 1):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = M - eta[:, t, :, None, None] * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    ys.append((M @ q[:, -1].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn.Dropout(0.0) in train(): identity
     M, ys = torch.zeros(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1]), []
     for t in range(k.shape[1]):
@@ -821,6 +853,9 @@ def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn
 
 
 SPELLINGS = {
+    "gated_first_step_before_the_loop": (gated_first_step_before_the_loop, "linear_attention"),
+    "delta_rule_from_none": (delta_rule_from_none, "memory_scan"),
+    "delta_rule_outputs_with_a_final_read": (delta_rule_outputs_with_a_final_read, "memory_scan"),
     "hebbian_read_through_dropout_of_zero_in_training": (hebbian_read_through_dropout_of_zero_in_training,
                                                          "linear_attention"),
     "hebbian_first_step_before_the_loop": (hebbian_first_step_before_the_loop, "linear_attention"),
@@ -1061,6 +1096,7 @@ def test_momentum_buffer_carried_between_chunks_fuses(dynamic, fresh_dynamo):
 
 
 @pytest.mark.parametrize("name", ["hebbian_in_place_on_a_clone_read_through_a_transpose", "l2_normalised_keys",
+                                  "gated_first_step_before_the_loop", "delta_rule_from_none",
                                   "delta_rule_normalised_keys", "l2_in_place_on_step_temporaries"])
 def test_spelling_fuses_under_dynamic_shapes(name, fresh_dynamo):
     """dynamic=True: the clone of each step stays after the in-place writes of the step before (moved before
