@@ -141,7 +141,10 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
     pending = sorted(_candidates(nodes, position), key=lambda c: (c[1], c[0]))
     while pending:
         start_pos, period, count = pending.pop(0)
-        shortest = count
+        shortest, best, sliced_only = count, None, False
+        # where a block starts: the longest loop, then the one carrying least (a loop after other steps also
+        # proves with its blocks starting inside the step before, carrying that step's q_t to the next), then
+        # the earliest
         for s in range(max(0, start_pos - period + 1), start_pos + 1):
             steps = free(s, count, period)
             if steps < 2:
@@ -154,14 +157,16 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
             if proven and len(loop.slices) == loop.L:
                 # steps that only slice (a, e = gates[..., 0], gates[..., 1]) compute nothing to roll up: their
                 # slices are the inputs of the loop that reads them
-                proven, shortest = False, loop.T
+                best, shortest, sliced_only = None, loop.T, True
                 break
-            if proven:
-                # a loop that carries nothing (a map, such as a loop over heads inside the loop over time) waits:
-                # a loop around it that carries a state is rolled up first
-                (loops if loop.carries else maps).append(loop)
-                shortest = loop.T
-                break
+            if proven and (best is None or (-loop.T, len(loop.carries)) < (-best.T, len(best.carries))):
+                best = loop
+        if best is not None:
+            # a loop that carries nothing (a map, such as a loop over heads inside the loop over time) waits:
+            # a loop around it that carries a state is rolled up first
+            (loops if best.carries else maps).append(best)
+            shortest = best.T
+        elif not sliced_only:
             shortest = 1
         if shortest < count and count - shortest >= 2:  # what follows a step that differs may be a loop again
             pending.append((start_pos + shortest * period, period, count - shortest))
