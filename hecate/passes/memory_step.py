@@ -965,8 +965,30 @@ def recognise(gm: fx.GraphModule, node: fx.Node) -> Recurrence | NotFused:
         try:
             node.meta["hecate_memory_step"] = analyse(body, len(node.args[1]))
         except NotFused as why:
-            node.meta["hecate_memory_step"] = why
+            node.meta["hecate_memory_step"] = _combined(gm, node, why)
     return node.meta["hecate_memory_step"]
+
+
+def _combined(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | NotFused:
+    """The memory step of scan ``node`` once its update is one term (:mod:`memory_update`: ``M (I − β k kᵀ) +
+    β v kᵀ``), its body then replaced by the rewritten one; else ``why`` it is none (the rewritten body's reason
+    where the body as written has more than one update term)."""
+    from hecate.passes import memory_update
+
+    body, n_carries = getattr(gm, node.args[0].target), len(node.args[1])
+    identities = memory_update.identity_inputs(gm, node)
+    for state in range(n_carries):
+        rewritten = memory_update.combined(body, state, identities)
+        if rewritten is None:
+            continue
+        try:
+            rec = analyse(rewritten, n_carries)
+        except NotFused as other:
+            why = other if "update term" in str(why) else why
+            continue
+        setattr(gm, node.args[0].target, rewritten)
+        return rec
+    return why
 
 
 _HEADS_ADVICE = ("; the step reads its inputs or state at several fixed indices of one dim (x[:, h], M[:, h]), as "

@@ -844,6 +844,27 @@ def delta_rule_outputs_with_a_final_read(k, v, q, alpha, eta):  # one more read 
     return torch.stack(ys, 1), M
 
 
+def delta_rule_householder_form(k, v, q, alpha, eta):
+    """DeltaNet as its paper writes it: M (I − β k kᵀ) + β v kᵀ, the identity made once before the loop."""
+    M, ys = _m0(k, v), []
+    I = torch.eye(k.shape[-1]).expand(*M.shape[:-2], -1, -1)
+    for t in range(k.shape[1]):
+        kt, b = k[:, t, :, :, None], eta[:, t, :, None, None]
+        M = M @ (I - b * kt @ kt.mT) + b * v[:, t, :, :, None] @ kt.mT
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_householder_memory_stored_kv(k, v, q, alpha, eta):
+    """The same with M stored [Dk, Dv]: (I − β k kᵀ) M + β k vᵀ, the identity made at every step."""
+    M, ys = _m0(k, v, layout="kv"), []
+    for t in range(k.shape[1]):
+        kt, vt, b = k[:, t].unsqueeze(-1), v[:, t].unsqueeze(-2), eta[:, t, :, None, None]
+        M = (torch.eye(k.shape[-1]) - b * (kt @ kt.transpose(-1, -2))) @ M + b * (kt @ vt)
+        ys.append((q[:, t].unsqueeze(-2) @ M).squeeze(-2))
+    return torch.stack(ys, 1), M
+
+
 def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn.Dropout(0.0) in train(): identity
     M, ys = torch.zeros(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1]), []
     for t in range(k.shape[1]):
@@ -853,6 +874,8 @@ def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn
 
 
 SPELLINGS = {
+    "delta_rule_householder_form": (delta_rule_householder_form, "memory_scan"),
+    "delta_rule_householder_memory_stored_kv": (delta_rule_householder_memory_stored_kv, "memory_scan"),
     "gated_first_step_before_the_loop": (gated_first_step_before_the_loop, "linear_attention"),
     "delta_rule_from_none": (delta_rule_from_none, "memory_scan"),
     "delta_rule_outputs_with_a_final_read": (delta_rule_outputs_with_a_final_read, "memory_scan"),
@@ -1096,7 +1119,7 @@ def test_momentum_buffer_carried_between_chunks_fuses(dynamic, fresh_dynamo):
 
 
 @pytest.mark.parametrize("name", ["hebbian_in_place_on_a_clone_read_through_a_transpose", "l2_normalised_keys",
-                                  "gated_first_step_before_the_loop", "delta_rule_from_none",
+                                  "gated_first_step_before_the_loop", "delta_rule_from_none", "delta_rule_householder_form",
                                   "delta_rule_normalised_keys", "l2_in_place_on_step_temporaries"])
 def test_spelling_fuses_under_dynamic_shapes(name, fresh_dynamo):
     """dynamic=True: the clone of each step stays after the in-place writes of the step before (moved before
@@ -1609,7 +1632,31 @@ def l2_update_of_some_rows_in_place(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def householder_writing_another_key(k, v, q, alpha, eta):
+    """M (I − β k kᵀ) + β v qᵀ: the write's key is not the one the memory is read with, no delta rule."""
+    M, ys = _m0(k, v), []
+    I = torch.eye(k.shape[-1])
+    for t in range(k.shape[1]):
+        kt, b = k[:, t, :, :, None], eta[:, t, :, None, None]
+        M = M @ (I - b * kt @ kt.mT) + b * v[:, t, :, :, None] @ q[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def gated_householder_form(k, v, q, alpha, eta):
+    """Gated DeltaNet's M (a (I − β k kᵀ)) + β v kᵀ: the error is formed from the decayed memory."""
+    M, ys = _m0(k, v), []
+    I = torch.eye(k.shape[-1])
+    for t in range(k.shape[1]):
+        kt, a, b = k[:, t, :, :, None], 1 - alpha[:, t, :, None, None], eta[:, t, :, None, None]
+        M = M @ (a * (I - b * kt @ kt.mT)) + b * v[:, t, :, :, None] @ kt.mT
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 REPORTED = {
+    "householder_writing_another_key": (householder_writing_another_key, ["no error e = M·k − v is formed"]),
+    "gated_householder_form": (gated_householder_form, ["formed from the decayed memory"]),
     "l2_update_of_some_rows_in_place": (l2_update_of_some_rows_in_place,
                                         ["state is updated by an outer product", "not one memory_scan"]),
     "l2_error_read_before_its_in_place_write": (l2_error_read_before_its_in_place_write,

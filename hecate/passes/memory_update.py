@@ -1,0 +1,222 @@
+"""A memory update written as a product with the identity, read as the sum it is.
+
+DeltaNet's paper writes its step in the Householder form (spec eq. 2e with the l_2 bias, M stored [Dv, Dk])::
+
+    M ← M (I − β k kᵀ) + β v kᵀ
+
+which is the delta rule ``M ← M − β (M k − v) kᵀ``: one outer product with the key. :mod:`memory_step` reads
+a step as retention plus *one* update term; here the body is first put in that shape, by three exact identities
+of the algebra (rounding aside):
+
+1. ``A (I ± X) = A ± A X`` and ``(I ± X) A = A ± X A`` for an identity matrix I (``torch.eye``, expanded or
+   viewed, made before the loop or inside it);
+2. ``A (c · x yᵀ) = c · (A x) yᵀ`` and ``(c · x yᵀ) A = c · x (yᵀ A)``, where x is a column [.., D, 1], yᵀ a row
+   [.., 1, D] and c numbers per matrix [.., 1, 1];
+3. ``Σ_i s_i · F · R_i = F · Σ_i s_i · R_i``: the update terms' common factors F (the same graph nodes) taken out.
+
+Step 3 turns ``−β (M k) kᵀ + β v kᵀ`` into ``β (v − M k) kᵀ``. :func:`combined` rewrites a copy of the body; the
+memory step is then recognised on the copy, which is installed only if it is one (else the body stays as written).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import fx
+
+from hecate.passes.memory_step import _VIEWS, _Product, _product, _terms
+
+aten = torch.ops.aten
+
+_MATMULS = (aten.matmul.default, aten.bmm.default, aten.mm.default)
+
+
+def combined(body: fx.GraphModule, state: int, identities: set[int]) -> fx.GraphModule | None:
+    """A copy of scan ``body`` whose new state ``state`` is retention plus one update term, or None if the
+    identities above change nothing. ``identities``: the indices of the body's inputs that are identity matrices
+    (read off the graph around the scan, where the body sees only an input)."""
+    body = copy.deepcopy(body)
+    graph = body.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    M_in, M_out = placeholders[state], next(iter(reversed(graph.nodes))).args[0][state]
+    eyes = {placeholders[i] for i in identities}
+    build = _Builder(graph, M_out.next)
+    terms, expanded = [], False
+    for sign, term in _terms(M_out):
+        parts = _through_identity(build, term, eyes)
+        expanded = expanded or parts is not None
+        terms += [(sign * s, t) for s, t in parts] if parts is not None else [(sign, term)]
+    keeps = [_product(t).factors.count(M_in) == 1 for _, t in terms]
+    kept = [term for term, keep in zip(terms, keeps) if keep]
+    update = [term for term, keep in zip(terms, keeps) if not keep]
+    factored = _common_factored(build, update) if len(update) > 1 else None
+    if factored is None and not expanded:
+        return None
+    new = build.sum(kept + ([(1.0, factored)] if factored is not None else update))
+    M_out.replace_all_uses_with(new)
+    graph.eliminate_dead_code()
+    body.recompile()
+    return body
+
+
+def identity_inputs(gm: fx.GraphModule, node: fx.Node) -> set[int]:
+    """The indices of scan ``node``'s body inputs that are identity matrices in ``gm``."""
+    _, init, xs, invariants = node.args[:4]
+    outer = list(init) + list(xs) + list(invariants)
+    first = len(init) + len(xs)  # per-step slices of xs are no matrices every step shares
+    return {i for i, x in enumerate(outer) if i >= first and _is_identity(x)}
+
+
+def _is_identity(node: Any) -> bool:
+    """``torch.eye(n)``, through views and expands (``eye(d).expand(B, d, d)``, ``eye(d)[None]``)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _VIEWS | {
+            aten.expand.default, aten.detach.default} and node.args:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target is aten.eye.default:
+        return True
+    return node.target is aten.eye.m and node.args[0] == node.args[1]
+
+
+def _through_identity(build: _Builder, term: Any, eyes: set[fx.Node]) -> list[tuple[float, fx.Node]] | None:
+    """``term`` = c · A (I ± X) (or c · (I ± X) A) as [(±1, c · A), (±1, c · A X)], A X reassociated where X is an
+    outer product (identities 1 and 2); None if the term has no such factor."""
+    prod = _factors(term)
+    for f in prod.factors:
+        if not (isinstance(f, fx.Node) and f.op == "call_function" and f.target in _MATMULS):
+            continue
+        for side in (1, 0):  # A (I ± X), then (I ± X) A
+            scaled = _factors(f.args[side])  # c · (I ± X) with numbers per matrix c
+            for g in scaled.factors:
+                parts = _terms(g)
+                numbers = [h for h in scaled.factors + scaled.divisors if h is not g]
+                if not any(_is_identity(t) or t in eyes for _, t in parts) or not all(map(_is_number, numbers)):
+                    continue
+                other = f.args[1 - side]
+                factors = [h for h in prod.factors if h is not f] + [h for h in scaled.factors if h is not g]
+                divisors = prod.divisors + scaled.divisors
+                out = []
+                for s, t in parts:
+                    piece = other if _is_identity(t) or t in eyes else _reassociated(build, other, t, side)
+                    out.append((s, build.product(prod.coef * scaled.coef, factors + [piece], divisors)))
+                return out
+    return None
+
+
+def _is_number(node: Any) -> bool:
+    """A number per matrix: a 0-d tensor or one of size 1 in the last two dims."""
+    shape = _shape(node)
+    return shape is not None and (len(shape) == 0 or len(shape) >= 2 and shape[-1] == 1 and shape[-2] == 1)
+
+
+def _reassociated(build: _Builder, A: fx.Node, X: Any, side: int) -> fx.Node:
+    """A X (side 1) or X A (side 0), as c · (A x) yᵀ or c · x (yᵀ A) where X = c · x yᵀ (identity 2)."""
+    prod = _factors(X) if isinstance(X, fx.Node) else None
+    if prod is not None and not prod.divisors:
+        shapes = [_shape(f) for f in prod.factors]
+        if all(s is not None and len(s) >= 2 for s in shapes):
+            columns = [f for f, s in zip(prod.factors, shapes) if s[-1] == 1 and s[-2] != 1]
+            rows = [f for f, s in zip(prod.factors, shapes) if s[-2] == 1 and s[-1] != 1]
+            numbers = [f for f, s in zip(prod.factors, shapes) if s[-1] == 1 and s[-2] == 1]
+            if len(columns) == 1 and len(rows) == 1 and len(numbers) == len(prod.factors) - 2:
+                (x,), (y,) = columns, rows
+                if side == 1:
+                    pair = [build.call(aten.matmul.default, A, x), y]
+                else:
+                    pair = [x, build.call(aten.matmul.default, y, A)]
+                return build.product(prod.coef, numbers + pair, [])
+    return build.call(aten.matmul.default, *((A, X) if side == 1 else (X, A)))
+
+
+def _common_factored(build: _Builder, update: list[tuple[float, Any]]) -> fx.Node | None:
+    """Σ s_i · F · R_i as F · Σ s_i · R_i for the factors F every term has (identity 3), or None if none."""
+    prods = []
+    for sign, term in update:
+        prod = _factors(term)
+        prod.coef *= sign
+        prods.append(prod)
+    common = Counter(prods[0].factors)
+    for prod in prods[1:]:
+        common &= Counter(prod.factors)
+    common_divisors = Counter(prods[0].divisors)
+    for prod in prods[1:]:
+        common_divisors &= Counter(prod.divisors)
+    if not common:
+        return None
+    rests = []
+    for prod in prods:
+        factors, divisors = list(prod.factors), list(prod.divisors)
+        for f in common.elements():
+            factors.remove(f)
+        for d in common_divisors.elements():
+            divisors.remove(d)
+        rests.append((prod.coef, build.product(1.0, factors, divisors) if factors or divisors else None))
+    if any(rest is None for _, rest in rests):
+        return None  # a term that is F alone: nothing left to sum as a tensor of its own
+    inner = build.sum(rests)
+    return build.product(1.0, list(common.elements()) + [inner], list(common_divisors.elements()))
+
+
+def _factors(node: Any, out: _Product | None = None, invert: bool = False) -> _Product:
+    """``node`` as coef · Π factors / Π divisors through mul, div and neg: unlike :func:`memory_step._product`,
+    not through views, so the factors multiply back to the node's value as they broadcast."""
+    out = out or _Product()
+    if isinstance(node, tuple):  # ("mul" | "div", a, b) from addcmul / addcdiv
+        kind, a, b = node
+        _factors(a, out, invert)
+        return _factors(b, out, invert if kind == "mul" else not invert)
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        out.coef = out.coef / node if invert else out.coef * node
+        return out
+    if node.op == "call_function" and not node.kwargs:
+        if node.target is aten.mul.Tensor:
+            _factors(node.args[0], out, invert)
+            return _factors(node.args[1], out, invert)
+        if node.target is aten.div.Tensor:
+            _factors(node.args[0], out, invert)
+            return _factors(node.args[1], out, not invert)
+        if node.target is aten.neg.default:
+            out.coef = -out.coef
+            return _factors(node.args[0], out, invert)
+    (out.divisors if invert else out.factors).append(node)
+    return out
+
+
+def _shape(node: Any) -> tuple | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+class _Builder:
+    """New ATen nodes before the body's output, each with its fake value (``meta["val"]``)."""
+
+    def __init__(self, graph: fx.Graph, before: fx.Node):
+        self.graph, self.before = graph, before
+
+    def call(self, target: Any, *args: Any) -> fx.Node:
+        with self.graph.inserting_before(self.before):
+            node = self.graph.call_function(target, args)
+        node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
+        return node
+
+    def product(self, coef: float, factors: list, divisors: list) -> fx.Node:
+        """coef · Π factors / Π divisors (factors not empty)."""
+        out = factors[0]
+        for f in factors[1:]:
+            out = self.call(aten.mul.Tensor, out, f)
+        for d in divisors:
+            out = self.call(aten.div.Tensor, out, d)
+        return out if coef == 1.0 else self.call(aten.mul.Tensor, out, coef)
+
+    def sum(self, terms: list[tuple[float, fx.Node]]) -> fx.Node:
+        """Σ s · term (terms not empty)."""
+        (s, out), rest = terms[0], terms[1:]
+        out = out if s == 1.0 else self.call(aten.mul.Tensor, out, s)
+        for s, t in rest:
+            out = self.call(aten.add.Tensor if s > 0 else aten.sub.Tensor, out,
+                            t if abs(s) == 1.0 else self.call(aten.mul.Tensor, t, abs(s)))
+        return out
