@@ -249,7 +249,8 @@ def _decode_scores_by_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.N
     [V, K] ones, reading the log (or exp: log-variances) of a [V, K] or [..., N, K] tensor: the KL to
     token priors expanded into products (the broadcast form is kl_decode's own). The logits are read by
     a (log-)softmax or cross-entropy, or returned; returned ones need two such products (the squared-mean
-    and the cross term), so a linear head beside a variance does not count."""
+    and the cross term) or one and a per-token sum over the features, so a linear head beside a variance does
+    not count."""
     readers = _LOGIT_READERS
     sinks = [(n, 1) for t in readers for n in graph.find_nodes(op="call_function", target=t)]
     sinks += [(n, 2) for out in graph.find_nodes(op="output") for n in out.all_input_nodes
@@ -263,11 +264,15 @@ def _decode_scores_by_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.N
         products = [a for a in ancestors if a.target in _PRODUCTS + (aten.einsum.default,)
                     and _is((_shape(a) or (None,))[-1], vocab)
                     and any(_is(s, vocab) for x in a.all_input_nodes for s in (_shape(x) or ()))]
-        if len(products) < needed:
-            continue
         # (sizes may be symbolic: compared by _is, never hashed)
         widths = [w for p in products for x in p.all_input_nodes if (w := (_shape(x) or (None,))[-1]) is not None
                   and not _is(w, vocab)]
+        # a per-token sum over the features (‖π_v‖² of a prior variance shared by every feature and token, whose KL
+        # has one product, the cross term) counts as the second
+        token_sums = [a for a in ancestors if a.target is aten.sum.dim_IntList and len(_shape(a.args[0]) or ()) >= 2
+                      and _is(_shape(a.args[0])[-2], vocab) and any(_is(_shape(a.args[0])[-1], w) for w in widths)]
+        if len(products) + bool(token_sums) < needed:
+            continue
         # the variances: a log of them, or an exp of log-variances
         logs = [a for a in ancestors if a.target in (aten.log.default, aten.exp.default)
                 and len(_shape(a.args[0]) or ()) >= 2 and any(_is(_shape(a.args[0])[-1], w) for w in widths)]

@@ -128,6 +128,27 @@ def test_kl_decode_by_matrix_products_fuses_and_without_its_terms_is_reported_an
     assert hecate.explain(head, mu, prior_mu, targets).misses == []
 
 
+def shared_variance_logits(mu, logvar, prior_mu, log_s2, extra_log_terms=0):
+    """−KL to token priors of one shared variance s² (one product, the cross term), returned as logits; with
+    ``extra_log_terms`` more copies of log s² than the K the KL has, off by a number and no KL."""
+    K = mu.shape[-1]
+    kl = 0.5 * ((K + extra_log_terms) * log_s2 - logvar.sum(-1, keepdim=True)
+                + ((logvar.exp() + mu ** 2).sum(-1, keepdim=True) - 2 * mu @ prior_mu.T
+                   + (prior_mu ** 2).sum(-1)) / log_s2.exp() - K)
+    return -kl
+
+
+def test_returned_logits_with_one_product_and_wrong_terms_are_reported(fresh_dynamo):
+    """The logits of a shared prior variance have one product with the tokens; with a term off they are no KL, and
+    returned as they are they are reported, not left silent (probe r13a c07)."""
+    mu, logvar, prior_mu, log_s2 = torch.randn(2, 5, 3), torch.randn(2, 5, 3), torch.randn(7, 3), torch.tensor(0.3)
+    report = hecate.explain(shared_variance_logits, mu, logvar, prior_mu, log_s2)
+    assert report.count("kl_decode") == 1 and not report.misses, str(report)
+    wrong = hecate.explain(lambda *a: shared_variance_logits(*a, extra_log_terms=1), mu, logvar, prior_mu, log_s2)
+    miss = _only_miss(wrong, "kl_decode")
+    assert "made by matrix products" in miss.reason, miss
+
+
 def test_symbolic_sizes_are_compared_not_hashed(fresh_dynamo):
     """Under dynamic=True the sizes the search compares are symbolic: two products of a [B, T, D] input (the
     decode search's candidates) compile, strict, and are reported as nothing."""
