@@ -246,8 +246,9 @@ def depends_on_sizes_only(node: fx.Node) -> bool:
 
 
 def is_zeros(node: Any) -> bool:
-    """Whether ``node`` makes a tensor of zeros (zeros, zeros_like, new_zeros, or a full of 0)."""
-    if not isinstance(node, fx.Node) or node.op != "call_function":
+    """Whether ``node`` makes a tensor of zeros (zeros, zeros_like, new_zeros, or a full of 0) that nothing writes
+    into afterwards (``M = zeros(..); M[:, 0, 0] = 1`` is no zeros)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or written_in_place(node) is not None:
         return False
     if node.target in (aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default):
         return True

@@ -8,11 +8,13 @@ which is the delta rule ``M ← M − β (M k − v) kᵀ``: one outer product w
 a step as retention plus *one* update term; here the body is first put in that shape, by three exact identities
 of the algebra (rounding aside):
 
-1. ``A (I ± X) = A ± A X`` and ``(I ± X) A = A ± X A`` for an identity matrix I (``torch.eye``, expanded or
-   viewed, made before the loop or inside it);
+1. ``A (I ± X) = A ± A X`` and ``(I ± X) A = A ± X A`` for an identity matrix I (``torch.eye`` or
+   ``torch.diag(torch.ones(d))``, expanded or viewed, made before the loop or inside it, never written into, as
+   large as the matrix it is added to), and ``A I = A``; a gate outside, ``a (A (I − X) + Y)``, distributed first;
 2. ``A (c · x yᵀ) = c · (A x) yᵀ`` and ``(c · x yᵀ) A = c · x (yᵀ A)``, where x is a column [.., D, 1], yᵀ a row
    [.., 1, D] and c numbers per matrix [.., 1, 1];
-3. ``Σ_i s_i · F · R_i = F · Σ_i s_i · R_i``: the update terms' common factors F (the same graph nodes) taken out.
+3. ``Σ_i s_i · F · R_i = F · Σ_i s_i · R_i``: the update terms' common factors F (the same graph nodes, and a
+   common number) taken out.
 
 Step 3 turns ``−β (M k) kᵀ + β v kᵀ`` into ``β (v − M k) kᵀ``. :func:`combined` rewrites a copy of the body; the
 memory step is then recognised on the copy, which is installed only if it is one (else the body stays as written).
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from hecate.passes.matching import written_in_place
 from hecate.passes.memory_step import _VIEWS, _Product, _product, _terms
 
 aten = torch.ops.aten
@@ -45,8 +48,8 @@ def combined(body: fx.GraphModule, state: int, identities: set[int]) -> fx.Graph
     eyes = {placeholders[i] for i in identities}
     build = _Builder(graph, M_out.next)
     terms, expanded = [], False
-    for sign, term in _terms(M_out):
-        parts = _through_identity(build, term, eyes)
+    for sign, term in _distributed(build, _terms(M_out)):
+        parts = _expanded(build, term, eyes)
         expanded = expanded or parts is not None
         terms += [(sign * s, t) for s, t in parts] if parts is not None else [(sign, term)]
     keeps = [_product(t).factors.count(M_in) == 1 for _, t in terms]
@@ -71,40 +74,95 @@ def identity_inputs(gm: fx.GraphModule, node: fx.Node) -> set[int]:
 
 
 def _is_identity(node: Any) -> bool:
-    """``torch.eye(n)``, through views and expands (``eye(d).expand(B, d, d)``, ``eye(d)[None]``)."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _VIEWS | {
-            aten.expand.default, aten.detach.default} and node.args:
-        node = node.args[0]
-    if not isinstance(node, fx.Node) or node.op != "call_function":
+    """``torch.eye(n)`` that nothing writes into, through views that keep its last two dims
+    (``eye(d).expand(B, d, d)``, ``eye(d)[None]``). Where it is read, it must also be as large as the matrix it
+    is added to (an ``eye(1)`` broadcasts to all ones): see :func:`_identity`."""
+    if not isinstance(node, fx.Node) or written_in_place(node) is not None:
         return False
-    if node.target is aten.eye.default:
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and (
+            node.target in (aten.unsqueeze.default, aten.expand.default, aten.alias.default, aten.clone.default,
+                            aten.detach.default)
+            or node.target in _VIEWS and _shape(node) is not None and _shape(node)[-2:] == _shape(node.args[0])[-2:]):
+        node = node.args[0]
+    if node.op != "call_function":
+        return False
+    if node.target in (aten.diag.default, aten.diag_embed.default) and len(node.args) == 1:
+        return _is_ones(node.args[0])  # torch.diag(torch.ones(d))
+    return node.target is aten.eye.default or node.target is aten.eye.m and node.args[0] == node.args[1]
+
+
+def _is_ones(node: Any) -> bool:
+    """A vector of ones nothing writes into (``torch.ones(d)``, ``full((d,), 1)``, ``x.new_ones(d)``)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or written_in_place(node) is not None \
+            or len(_shape(node) or ()) != 1:
+        return False
+    if node.target in (aten.ones.default, aten.new_ones.default, aten.ones_like.default):
         return True
-    return node.target is aten.eye.m and node.args[0] == node.args[1]
+    return node.target in (aten.full.default, aten.new_full.default, aten.full_like.default) \
+        and node.args[-1 if node.target is aten.new_full.default else 1] == 1
 
 
-def _through_identity(build: _Builder, term: Any, eyes: set[fx.Node]) -> list[tuple[float, fx.Node]] | None:
-    """``term`` = c · A (I ± X) (or c · (I ± X) A) as [(±1, c · A), (±1, c · A X)], A X reassociated where X is an
-    outer product (identities 1 and 2); None if the term has no such factor."""
+def _distributed(build: _Builder, terms: list[tuple[float, Any]]) -> list[tuple[float, Any]]:
+    """Each term c · (Σ s_i t_i), c numbers per matrix (a gate outside the step: ``a (M (I − β k kᵀ) + β v kᵀ)``),
+    as the terms Σ s_i · c · t_i."""
+    out = []
+    for sign, term in terms:
+        prod = _factors(term) if isinstance(term, fx.Node) else None
+        sums = [f for f in prod.factors if len(_terms(f)) > 1] if prod is not None else []
+        if len(sums) != 1 or not all(map(_is_number, [f for f in prod.factors if f is not sums[0]] + prod.divisors)):
+            out.append((sign, term))
+            continue
+        rest = [f for f in prod.factors if f is not sums[0]]
+        out += [(sign * s, build.product(prod.coef, rest + [t], prod.divisors) if isinstance(t, fx.Node)
+                 else None) for s, t in _terms(sums[0])]
+        if any(t is None for _, t in out):
+            return terms  # a number in the sum: left as written
+    return out
+
+
+def _expanded(build: _Builder, term: Any, eyes: set[fx.Node]) -> list[tuple[float, fx.Node]] | None:
+    """``term`` = c · A B with B (or A) the identity, an outer product, or a sum with the identity in it
+    (``A (I ± X)``), as the terms it is: A; c · (A x) yᵀ; A ± A X (identities 1 and 2); None if none applies."""
     prod = _factors(term)
     for f in prod.factors:
         if not (isinstance(f, fx.Node) and f.op == "call_function" and f.target in _MATMULS):
             continue
-        for side in (1, 0):  # A (I ± X), then (I ± X) A
+        for side in (1, 0):  # A B, then B A
+            other, rest = f.args[1 - side], [h for h in prod.factors if h is not f]
+            if _identity(f.args[side], f.args[side], eyes):
+                return [(1.0, build.product(prod.coef, rest + [other], prod.divisors))]
+            outer = _outer_product(f.args[side])
+            if outer is not None:
+                return [(1.0, build.product(prod.coef, rest + [_reassociated(build, other, outer, side)],
+                                            prod.divisors))]
             scaled = _factors(f.args[side])  # c · (I ± X) with numbers per matrix c
             for g in scaled.factors:
                 parts = _terms(g)
                 numbers = [h for h in scaled.factors + scaled.divisors if h is not g]
-                if not any(_is_identity(t) or t in eyes for _, t in parts) or not all(map(_is_number, numbers)):
-                    continue
-                other = f.args[1 - side]
-                factors = [h for h in prod.factors if h is not f] + [h for h in scaled.factors if h is not g]
+                if not any(_identity(t, g, eyes) for _, t in parts) or not all(map(_is_number, numbers)) \
+                        or any(not _identity(t, g, eyes) and _shape(t) != _shape(g) for _, t in parts):
+                    continue  # (a part broadcast into the sum, (I − c) for numbers c, is no matrix of its own)
+                factors = rest + [h for h in scaled.factors if h is not g]
                 divisors = prod.divisors + scaled.divisors
                 out = []
                 for s, t in parts:
-                    piece = other if _is_identity(t) or t in eyes else _reassociated(build, other, t, side)
+                    if _identity(t, g, eyes):
+                        piece = other
+                    else:
+                        outer = _outer_product(t)
+                        piece = _reassociated(build, other, outer, side) if outer is not None else \
+                            build.call(aten.matmul.default, *((other, t) if side == 1 else (t, other)))
                     out.append((s, build.product(prod.coef * scaled.coef, factors + [piece], divisors)))
                 return out
     return None
+
+
+def _identity(t: Any, where: Any, eyes: set[fx.Node]) -> bool:
+    """Whether ``t`` is an identity matrix as large as ``where`` (the sum it is a term of, or itself) in its last
+    two dims: an ``eye(1)`` broadcast is all ones."""
+    shape, whole = _shape(t), _shape(where)
+    return (t in eyes or _is_identity(t)) and shape is not None and whole is not None and len(shape) >= 2 \
+        and shape[-2:] == whole[-2:] and shape[-1] == shape[-2]
 
 
 def _is_number(node: Any) -> bool:
@@ -113,23 +171,27 @@ def _is_number(node: Any) -> bool:
     return shape is not None and (len(shape) == 0 or len(shape) >= 2 and shape[-1] == 1 and shape[-2] == 1)
 
 
-def _reassociated(build: _Builder, A: fx.Node, X: Any, side: int) -> fx.Node:
-    """A X (side 1) or X A (side 0), as c · (A x) yᵀ or c · x (yᵀ A) where X = c · x yᵀ (identity 2)."""
+def _outer_product(X: Any) -> tuple[float, list[fx.Node], fx.Node, fx.Node] | None:
+    """X = c · x yᵀ as (coef, numbers per matrix, x [.., D, 1], yᵀ [.., 1, E]), or None."""
     prod = _factors(X) if isinstance(X, fx.Node) else None
-    if prod is not None and not prod.divisors:
-        shapes = [_shape(f) for f in prod.factors]
-        if all(s is not None and len(s) >= 2 for s in shapes):
-            columns = [f for f, s in zip(prod.factors, shapes) if s[-1] == 1 and s[-2] != 1]
-            rows = [f for f, s in zip(prod.factors, shapes) if s[-2] == 1 and s[-1] != 1]
-            numbers = [f for f, s in zip(prod.factors, shapes) if s[-1] == 1 and s[-2] == 1]
-            if len(columns) == 1 and len(rows) == 1 and len(numbers) == len(prod.factors) - 2:
-                (x,), (y,) = columns, rows
-                if side == 1:
-                    pair = [build.call(aten.matmul.default, A, x), y]
-                else:
-                    pair = [x, build.call(aten.matmul.default, y, A)]
-                return build.product(prod.coef, numbers + pair, [])
-    return build.call(aten.matmul.default, *((A, X) if side == 1 else (X, A)))
+    if prod is None or prod.divisors:
+        return None
+    shapes = [_shape(f) for f in prod.factors]
+    if not all(s is not None and len(s) >= 2 for s in shapes):
+        return None
+    columns = [f for f, s in zip(prod.factors, shapes) if s[-1] == 1 and s[-2] != 1]
+    rows = [f for f, s in zip(prod.factors, shapes) if s[-2] == 1 and s[-1] != 1]
+    numbers = [f for f, s in zip(prod.factors, shapes) if s[-1] == 1 and s[-2] == 1]
+    if len(columns) != 1 or len(rows) != 1 or len(numbers) != len(prod.factors) - 2:
+        return None
+    return prod.coef, numbers, columns[0], rows[0]
+
+
+def _reassociated(build: _Builder, A: fx.Node, outer: tuple, side: int) -> fx.Node:
+    """A X (side 1) or X A (side 0), as c · (A x) yᵀ or c · x (yᵀ A) for X = c · x yᵀ (identity 2)."""
+    coef, numbers, x, y = outer
+    pair = [build.call(aten.matmul.default, A, x), y] if side == 1 else [x, build.call(aten.matmul.default, y, A)]
+    return build.product(coef, numbers + pair, [])
 
 
 def _common_factored(build: _Builder, update: list[tuple[float, Any]]) -> fx.Node | None:
@@ -157,8 +219,9 @@ def _common_factored(build: _Builder, update: list[tuple[float, Any]]) -> fx.Nod
         rests.append((prod.coef, build.product(1.0, factors, divisors) if factors or divisors else None))
     if any(rest is None for _, rest in rests):
         return None  # a term that is F alone: nothing left to sum as a tensor of its own
-    inner = build.sum(rests)
-    return build.product(1.0, list(common.elements()) + [inner], list(common_divisors.elements()))
+    scale = abs(rests[0][0])  # (a common number too: 0.7 (M k) kᵀ − 0.7 v kᵀ is 0.7 (M k − v) kᵀ)
+    inner = build.sum([(coef / scale, rest) for coef, rest in rests])
+    return build.product(scale, list(common.elements()) + [inner], list(common_divisors.elements()))
 
 
 def _factors(node: Any, out: _Product | None = None, invert: bool = False) -> _Product:

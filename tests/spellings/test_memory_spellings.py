@@ -865,6 +865,49 @@ def delta_rule_householder_memory_stored_kv(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_householder_gate_outside_number_strength(k, v, q, alpha, eta):
+    """a (M (I − 0.5 k kᵀ) + 0.5 v kᵀ) with I = diag(ones): the decay outside the step, the strength a number."""
+    M, ys = _m0(k, v), []
+    I = torch.diag(torch.ones(k.shape[-1]))
+    for t in range(k.shape[1]):
+        kt, a = k[:, t, :, :, None], 1 - alpha[:, t, :, None, None]
+        M = a * (M @ (I - 0.5 * kt @ kt.mT) + 0.5 * v[:, t, :, :, None] @ kt.mT)
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_distributed_with_the_identity(k, v, q, alpha, eta):
+    """M I − β M (k kᵀ) + β v kᵀ: the product with the identity and the correction written apart."""
+    M, ys = _m0(k, v), []
+    I = torch.eye(k.shape[-1])
+    for t in range(k.shape[1]):
+        kt, b = k[:, t, :, :, None], eta[:, t, :, None, None]
+        M = M @ I - b * (M @ (kt @ kt.mT)) + b * v[:, t, :, :, None] @ kt.mT
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_from_an_edited_zero_state(k, v, q, alpha, eta):
+    """M = zeros, then one entry set through an index: the first state is no longer zeros (the op starts from it)."""
+    M, ys = _m0(k, v), []
+    M[:, :, 0, 0] = 1.0
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = M - eta[:, t, :, None, None] * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def hebbian_from_an_edited_zero_state(k, v, q, alpha, eta):
+    """The same for the Hebbian memory, its diagonal filled in place through a view."""
+    M, ys = _m0(k, v), []
+    M.diagonal(dim1=-2, dim2=-1).fill_(0.5)
+    for t in range(k.shape[1]):
+        M = (1 - alpha[:, t, :, None, None]) * M + v[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn.Dropout(0.0) in train(): identity
     M, ys = torch.zeros(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1]), []
     for t in range(k.shape[1]):
@@ -875,6 +918,11 @@ def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn
 
 SPELLINGS = {
     "delta_rule_householder_form": (delta_rule_householder_form, "memory_scan"),
+    "delta_rule_householder_gate_outside_number_strength": (delta_rule_householder_gate_outside_number_strength,
+                                                            "memory_scan"),
+    "delta_rule_distributed_with_the_identity": (delta_rule_distributed_with_the_identity, "memory_scan"),
+    "delta_rule_from_an_edited_zero_state": (delta_rule_from_an_edited_zero_state, "memory_scan"),
+    "hebbian_from_an_edited_zero_state": (hebbian_from_an_edited_zero_state, "linear_attention"),
     "delta_rule_householder_memory_stored_kv": (delta_rule_householder_memory_stored_kv, "memory_scan"),
     "gated_first_step_before_the_loop": (gated_first_step_before_the_loop, "linear_attention"),
     "delta_rule_from_none": (delta_rule_from_none, "memory_scan"),
@@ -1632,6 +1680,29 @@ def l2_update_of_some_rows_in_place(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def householder_with_a_one_by_one_eye(k, v, q, alpha, eta):
+    """torch.eye(1) broadcasts to a matrix of ones, no identity: M (1 − β k kᵀ) + β v kᵀ is no delta rule."""
+    M, ys = _m0(k, v), []
+    I = torch.eye(1)
+    for t in range(k.shape[1]):
+        kt, b = k[:, t, :, :, None], eta[:, t, :, None, None]
+        M = M @ (I - b * kt @ kt.mT) + b * v[:, t, :, :, None] @ kt.mT
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def householder_with_an_edited_eye(k, v, q, alpha, eta):
+    """An eye with one entry changed in place is no identity."""
+    M, ys = _m0(k, v), []
+    I = torch.eye(k.shape[-1])
+    I[0, 1] = 0.3
+    for t in range(k.shape[1]):
+        kt, b = k[:, t, :, :, None], eta[:, t, :, None, None]
+        M = M @ (I - b * kt @ kt.mT) + b * v[:, t, :, :, None] @ kt.mT
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def householder_writing_another_key(k, v, q, alpha, eta):
     """M (I − β k kᵀ) + β v qᵀ: the write's key is not the one the memory is read with, no delta rule."""
     M, ys = _m0(k, v), []
@@ -1656,6 +1727,8 @@ def gated_householder_form(k, v, q, alpha, eta):
 
 REPORTED = {
     "householder_writing_another_key": (householder_writing_another_key, ["no error e = M·k − v is formed"]),
+    "householder_with_a_one_by_one_eye": (householder_with_a_one_by_one_eye, ["2 update terms"]),
+    "householder_with_an_edited_eye": (householder_with_an_edited_eye, ["2 update terms"]),
     "gated_householder_form": (gated_householder_form, ["formed from the decayed memory"]),
     "l2_update_of_some_rows_in_place": (l2_update_of_some_rows_in_place,
                                         ["state is updated by an outer product", "not one memory_scan"]),
