@@ -100,6 +100,7 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     detach_no_grad_results(graph)
     unbind_as_selects(graph)
     softmax_spellings(graph)
+    pairs_after_other_dims(graph)
     outputs = _output_nodes(graph)
     # storages an in-place op still writes (functionalize leaves those a view reads): their copies are copies
     mutated = {_storage(a) for n in graph.nodes if mutates(n) for a in (n, *n.args[:1])} - {None}
@@ -794,6 +795,101 @@ def _refake(node: fx.Node) -> None:
 
 
 # ---------------------------------------------------------------- local rewrites
+
+def pairs_after_other_dims(graph: fx.Graph) -> None:
+    """A pairwise score built with other dims after its pair dims, then permuted to put the pairs last::
+
+        kl = 0.5 * f(mu.unsqueeze(2), mu.unsqueeze(1), ...).sum(-1)   # [B, i, j, H] from beliefs [B, T, H, K]
+        kl.permute(0, 3, 1, 2)                                         # [B, H, i, j]
+
+    is computed in the permuted layout from the start: the permute is moved up through the pointwise ops and
+    the sums over the last dim (features) to the operands, so the score is built [B, H, i, j, K] and summed to
+    [B, H, i, j] itself. Exact: a pointwise op computes each element from the same elements of its operands in
+    any layout, and the sum adds the same features."""
+    for user in list(graph.nodes):
+        order = _permutation(user)
+        x = user.args[0] if order is not None else None
+        if order is None or len(order) < 3 or not order[-2] < order[-1] < len(order) - 1 or not isinstance(x, fx.Node):
+            continue  # (only pair dims with other dims after them, moved last in their order)
+        cone = _pointwise_cone(x, len(order))
+        if x not in cone or not any(_pair_at(n, order[-2], order[-1]) for n in cone):
+            continue
+        before, done = user.prev, {}
+        with graph.inserting_before(user):
+            moved = _permuted(graph, x, order, cone, done)
+        _keep_source(before, user)
+        user.replace_all_uses_with(moved)
+
+
+def _pointwise_cone(x: fx.Node, rank: int) -> set[fx.Node]:
+    """``x`` and what it is computed by through pointwise ops (of ``rank`` dims, or one more under a sum over the
+    last dim), and sums over the last dim (``rank + 1`` dims summed to ``rank``), up to their other operands."""
+    cone, todo = set(), [(x, rank)]
+    while todo:
+        n, r = todo.pop()
+        value = _val(n)
+        if n in cone or n.op != "call_function" or not isinstance(value, torch.Tensor) or value.dim() != r:
+            continue
+        if _sums_last_dim(n):
+            cone.add(n)
+            todo.append((n.args[0], r + 1))
+        elif _is_pointwise(n):
+            cone.add(n)
+            todo.extend((a, r) for a in n.all_input_nodes)
+    return cone
+
+
+def _is_pointwise(n: fx.Node) -> bool:
+    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
+        and torch.Tag.pointwise in n.target.tags
+
+
+def _sums_last_dim(n: fx.Node) -> bool:
+    """``x.sum(-1)`` (not keeping the dim)."""
+    if n.target is not aten.sum.dim_IntList or n.kwargs or not isinstance(_val(n.args[0]), torch.Tensor):
+        return False
+    rank = _val(n.args[0]).dim()
+    return list(n.args[1]) in ([rank - 1], [-1]) and not (len(n.args) > 2 and n.args[2]) and len(n.args) <= 3
+
+
+def _permuted(graph: fx.Graph, x: Any, order: list[int], cone: set[fx.Node], done: dict) -> Any:
+    """A node computing ``x.permute(order)``: through the ``cone`` (:func:`_pointwise_cone`) and any pointwise op,
+    the same ops on permuted operands (so ``lv`` and ``lv.exp()`` stay one tensor and its exp); through an
+    unsqueeze, the unsqueeze of the permuted tensor; a tensor of fewer dims as it broadcasts (size-1 dims in
+    front); other tensors permuted; numbers as they are."""
+    if not isinstance(x, fx.Node) or not isinstance(_val(x), torch.Tensor):
+        return x
+    key = (x, tuple(order))
+    if key not in done:
+        rank = _val(x).dim()
+        unsqueezed = 0 if rank < len(order) else x.args[1] % rank if x.target is aten.unsqueeze.default else None
+        if x in cone and _sums_last_dim(x):
+            done[key] = _emit(graph, aten.sum.dim_IntList,
+                              _permuted(graph, x.args[0], order + [len(order)], cone, done), [-1])
+        elif x in cone or _is_pointwise(x):
+            done[key] = _emit(graph, x.target, *fx.node.map_arg(
+                x.args, lambda a: _permuted(graph, a, order, cone, done)), **x.kwargs)
+        elif unsqueezed is not None:  # the permute moved through the size-1 dim to the tensor unsqueezed
+            inner = [o - (o > unsqueezed) for o in order if o != unsqueezed]
+            done[key] = _emit(graph, aten.unsqueeze.default,
+                              _permuted(graph, x if rank < len(order) else x.args[0], inner, cone, done),
+                              order.index(unsqueezed))
+        elif order == sorted(order):
+            done[key] = x
+        else:
+            done[key] = _emit(graph, aten.permute.default, x, order)
+    return done[key]
+
+
+def _pair_at(node: fx.Node, i: int, j: int) -> bool:
+    """Whether ``node`` broadcasts an operand [.., N, 1, ..] against one [.., 1, N, ..] at dims i and j."""
+    out = _val(node)
+    shapes = [(1,) * (out.dim() - _val(a).dim()) + tuple(_val(a).shape) for a in node.all_input_nodes
+              if isinstance(_val(a), torch.Tensor)]
+    return any(statically_known_true(a[i] == 1) and statically_known_true(b[j] == 1)
+               and not statically_known_true(a[j] == 1) and not statically_known_true(b[i] == 1)
+               for a in shapes for b in shapes)
+
 
 def _grad_modes(graph: fx.Graph) -> dict[fx.Node, bool]:
     """Whether gradients are enabled where each node runs (``torch.no_grad()`` regions disable them)."""

@@ -303,6 +303,27 @@ def test_batched_contractions_stay_einsums():
     _check_exact(batched_contractions, args, gm)
 
 
+def pairs_then_heads(mu, logvar):
+    """A pairwise score built [B, i, j, H, K] (beliefs [B, N, H, K]), summed over K and permuted to [B, H, i, j]."""
+    var = logvar.exp()
+    kl = 0.5 * (logvar.unsqueeze(1) - logvar.unsqueeze(2)
+                + (var.unsqueeze(2) + (mu.unsqueeze(2) - mu.unsqueeze(1)) ** 2) / var.unsqueeze(1) - 1).sum(-1)
+    return kl.permute(0, 3, 1, 2), kl.transpose(-1, -2)
+
+
+def test_a_permute_that_puts_the_pairs_last_moves_to_the_beliefs():
+    """The first output is built [B, H, i, j, K] from the start, the permute moved onto the beliefs (and through
+    exp, so lv and exp(lv) stay one tensor and its exp); the second, a transpose that keeps the heads last, is
+    left as written. Bit for bit the same values."""
+    args = (torch.randn(2, 5, 3, 4), torch.randn(2, 5, 3, 4))
+    gm = normalize_graph(_traced(pairs_then_heads, *args))
+    permutes = [n for n in gm.graph.nodes if n.target is aten.permute.default]
+    assert {tuple(n.args[1]) for n in permutes} == {(0, 2, 1, 3)}, gm.graph  # beliefs [B, N, H, K] → [B, H, N, K]
+    assert {n.args[0].target for n in permutes} <= {aten.exp.default} | {n.op for n in gm.graph.nodes} - {
+        "call_function"} or all(n.args[0].op == "placeholder" for n in permutes), gm.graph
+    _check_exact(pairs_then_heads, args, gm)
+
+
 def ellipsis_contractions(q, k):
     return torch.einsum("...id,...jd->...ij", q, k), torch.einsum("...d,d->...", q, k[0, 0, 0])
 

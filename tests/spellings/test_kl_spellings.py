@@ -401,6 +401,23 @@ def test_attention_spelling_fuses_and_equals_eager(fn, draw, fresh_dynamo):
     assert not [m for m in report.misses if m.pattern == "kl_attention"], str(report)
 
 
+def a_heads_after_the_positions(mu, logvar):  # beliefs [B, N, H, K]: pairs built [B, i, j, H, K], permuted after the sum
+    var = logvar.exp()
+    kl = 0.5 * (logvar.unsqueeze(1) - logvar.unsqueeze(2)
+                + (var.unsqueeze(2) + (mu.unsqueeze(2) - mu.unsqueeze(1)) ** 2) / var.unsqueeze(1) - 1).sum(-1)
+    beta = torch.softmax(-kl.permute(0, 3, 1, 2), -1)  # [B, H, i, j]
+    return (beta @ mu.transpose(1, 2)).transpose(1, 2)
+
+
+def test_pairs_built_before_the_heads_fuse(fresh_dynamo):
+    """The score built [B, i, j, H] from beliefs [B, N, H, K] and permuted to [B, H, i, j] before the softmax is
+    computed in that layout from the start (the normal form moves the permute to the beliefs): fused, with its
+    β-weighted sum, equal to eager."""
+    report = _compare(a_heads_after_the_positions, (torch.randn(B, N, 3, K), _logvar((B, N, 3, K))), "kl_attention")
+    assert report.count("kl_attention") == 1 and not report.misses, str(report)
+    assert "1 β-weighted sums" in report.fusions[0].detail, str(report)
+
+
 @pytest.mark.parametrize("fn", [a_view_baked_sizes, a_flattened_pairs])
 def test_sizes_baked_into_views_fuse(fn, fresh_dynamo):
     # sizes other than the recogniser's own draw ([2, 5, K]), so the views cannot run at the draw's
