@@ -92,9 +92,12 @@ def _recurrence(k, v, q, forget, step, A0):
     """(y, A_T) of the Hebbian recurrence (no momentum: memory_scan's empty s_final is dropped)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
+        recurrent = lambda: kernels.forward(k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0,  # noqa: E731
+                                            hebbian=True)[:2]
         if _uses_chunked(k, v, q, forget, step, A0):
-            return chunk_kernels.forward(k, v, q, forget, step, A0, None, hebbian=True)[:2]
-        return kernels.forward(k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
+            return chunked.finite_or_recurrent(
+                lambda: chunk_kernels.forward(k, v, q, forget, step, A0, None, hebbian=True)[:2], recurrent)
+        return recurrent()
     return cpu.forward(k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:2]
 
 
@@ -102,10 +105,12 @@ def _recurrence_backward(dy, dA, k, v, q, forget, step, A0):
     """(dk, dv, dq, dforget, dstep, dA0)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
+        recurrent = lambda: kernels.backward(dy, dA, k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0,  # noqa: E731
+                                             hebbian=True)[:6]
         if _uses_chunked(k, v, q, forget, step, A0, dy, dA):
-            return chunk_kernels.backward(dy, dA, k, v, q, forget, step, A0, None, hebbian=True)[:6]
-        return kernels.backward(dy, dA, k, v, q, forget, step, A0, None, 2.0, 1.0, 1e-6, 0.0, 2.0,
-                                hebbian=True)[:6]
+            return chunked.finite_or_recurrent(
+                lambda: chunk_kernels.backward(dy, dA, k, v, q, forget, step, A0, None, hebbian=True)[:6], recurrent)
+        return recurrent()
     return cpu.backward(dy, dA, k, v, q, forget, step, A0, 2.0, 1.0, 1e-6, 0.0, 2.0, hebbian=True)[:6]
 
 

@@ -52,6 +52,19 @@ def uses_chunked(T: int, p: float, bias: str, momentum: float, q_norm: float, he
         and all(bool(torch.isfinite(x).all()) for x in inputs if x is not None)
 
 
+def finite_or_recurrent(chunked_form, recurrent_form):
+    """``chunked_form()``'s results if all are finite, else ``recurrent_form()``'s.
+
+    With finite inputs the chunked form can still overflow where the recurrence does not: a state growing
+    without bound (keys with ‖k‖² β > 2 make the delta rule diverge) reaches inf inside a chunk's products,
+    and 0 · inf = NaN there reaches the reads before it, which the recurrence (and eager) keep finite until
+    the state itself overflows. One check of the results (a host sync, as the inputs' check is)."""
+    out = chunked_form()
+    if all(bool(torch.isfinite(x).all()) for x in out if isinstance(x, torch.Tensor) and x.is_floating_point()):
+        return out
+    return recurrent_form()
+
+
 # ---------------------------------------------------------------- the CPU form, in batched ATen
 #
 # What does not depend on a chunk's start state (P, γ, K Kᵀ, (I + L)⁻¹) is formed for every chunk at once.

@@ -229,19 +229,23 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
 
 def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None):
     """:func:`forward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
+    recurrent = lambda: forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias,  # noqa: E731
+                                          s0)
     if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0):
-        return chunked.forward(k, v, q, alpha, eta, m0, hebbian)
-    return forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0)
+        return chunked.finite_or_recurrent(lambda: chunked.forward(k, v, q, alpha, eta, m0, hebbian), recurrent)
+    return recurrent()
 
 
 def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
              dS_final=None):
     """:func:`backward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
+    recurrent = lambda: backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum,  # noqa: E731
+                                           q_norm, hebbian, bias, s0, dS_final)
     if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0, dy,
                             dA_final):
-        return chunked.backward(dy, dA_final, k, v, q, alpha, eta, m0, hebbian)
-    return backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0,
-                              dS_final)
+        return chunked.finite_or_recurrent(
+            lambda: chunked.backward(dy, dA_final, k, v, q, alpha, eta, m0, hebbian), recurrent)
+    return recurrent()
 
 
 def _sequences(cu_seqlens: Optional[torch.Tensor], T: int):

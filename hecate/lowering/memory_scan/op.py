@@ -148,10 +148,12 @@ def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0:
     check_values(k, alpha, eta, cu_seqlens)
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
+        recurrent = lambda: kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum,  # noqa: E731
+                                            q_norm, bias=bias, s0=s0)
         if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0):
-            return dense(chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens))
-        return dense(kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias,
-                                     s0=s0))
+            return dense(chunked.finite_or_recurrent(
+                lambda: chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens), recurrent))
+        return dense(recurrent())
     return dense(cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias,
                                     s0=s0))
 
@@ -180,11 +182,13 @@ def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: 
     is None; ds0 empty without momentum; ds_final None means zeros)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
+        recurrent = lambda: kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps,  # noqa: E731
+                                             momentum, q_norm, bias=bias, s0=s0, ds_final=ds_final)
         if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0, dy,
                                    dm_final):
-            return dense(chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens))
-        return dense(kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                                      bias=bias, s0=s0, ds_final=ds_final))
+            return dense(chunked.finite_or_recurrent(
+                lambda: chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens), recurrent))
+        return dense(recurrent())
     return dense(cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
                                      bias=bias, s0=s0, dS_final=ds_final))
 

@@ -179,6 +179,25 @@ def test_a_non_finite_gate_is_carried_from_its_step_as_the_loop_carries_it(name,
     assert torch.equal(torch.isfinite(m_final), torch.isfinite(m_ref))
 
 
+def test_a_diverging_state_overflows_where_the_loop_overflows():
+    """Finite inputs whose delta rule diverges (keys of norm 30: ‖k‖² η > 2): the state reaches inf at some step.
+    At T = 70 the chunked form's products would meet that inf inside its chunk and put NaN in the reads before
+    it; the op gives the recurrence's result instead: finite reads up to the step that overflows."""
+    k, v, q, alpha, eta, m0, cu = [x.detach() if isinstance(x, torch.Tensor) else x
+                                   for x in make_inputs(Case("p2", T=70), dtype=torch.float32)]
+    k = 30 * torch.nn.functional.normalize(k, dim=-1)
+    alpha, eta = torch.zeros_like(alpha), torch.full_like(eta, 0.5)
+    assert cu is None
+    y, m_final, _ = _call(k, v, q, alpha, eta, m0, cu)
+    y_rec, m_rec, _ = cpu.forward_recurrent(k, v, q, alpha, eta, m0, 2.0, 10.0, 1e-6, 0.0, 2.0)
+    y_ref = memory_scan_naive(k, v, q, alpha, eta, m0, cu, 2.0, 10.0, 1e-6, 0.0, 2.0)[0]
+    finite = torch.isfinite(y_rec)
+    assert finite[:, :5].all() and not finite.all()  # it overflows, and not from the first step
+    assert torch.equal(torch.isfinite(y), finite) and torch.equal(torch.isfinite(m_final), torch.isfinite(m_rec))
+    # (where the state has grown large, the reference's rounding diverges too: the first steps are compared)
+    assert_close("y of the first steps", y[:, :5], y_ref[:, :5], 1e-5)
+
+
 def test_rejects_bad_cu_seqlens():
     k, v, q, alpha, eta, m0, cu = [x.detach() if isinstance(x, torch.Tensor) else x
                                    for x in make_inputs(CASES[-1], dtype=torch.float32)]
