@@ -79,11 +79,11 @@ def _is_identity(node: Any) -> bool:
     is added to (an ``eye(1)`` broadcasts to all ones): see :func:`_identity`."""
     if not isinstance(node, fx.Node) or written_in_place(node) is not None:
         return False
-    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and (
-            node.target in (aten.unsqueeze.default, aten.expand.default, aten.alias.default, aten.clone.default,
-                            aten.detach.default)
-            or node.target in _VIEWS and _shape(node) is not None and _shape(node)[-2:] == _shape(node.args[0])[-2:]):
-        node = node.args[0]
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) \
+            and node.target in _VIEWS | {aten.expand.default, aten.detach.default} \
+            and _shape(node) is not None and _shape(node.args[0]) is not None \
+            and len(_shape(node.args[0])) >= 2 and _shape(node)[-2:] == _shape(node.args[0])[-2:]:
+        node = node.args[0]  # (an eye(1) expanded to [d, d] is all ones: the last two dims must stay)
     if node.op != "call_function":
         return False
     if node.target in (aten.diag.default, aten.diag_embed.default) and len(node.args) == 1:

@@ -1691,6 +1691,17 @@ def householder_with_a_one_by_one_eye(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def householder_with_a_one_by_one_eye_expanded(k, v, q, alpha, eta):
+    """torch.eye(1).expand(d, d): as large as the memory, and all ones."""
+    M, ys = _m0(k, v), []
+    I = torch.eye(1).expand(k.shape[-1], k.shape[-1])
+    for t in range(k.shape[1]):
+        kt, b = k[:, t, :, :, None], eta[:, t, :, None, None]
+        M = M @ (I - b * kt @ kt.mT) + b * v[:, t, :, :, None] @ kt.mT
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def householder_with_an_edited_eye(k, v, q, alpha, eta):
     """An eye with one entry changed in place is no identity."""
     M, ys = _m0(k, v), []
@@ -1729,6 +1740,7 @@ REPORTED = {
     "householder_writing_another_key": (householder_writing_another_key, ["no error e = M·k − v is formed"]),
     "householder_with_a_one_by_one_eye": (householder_with_a_one_by_one_eye, ["2 update terms"]),
     "householder_with_an_edited_eye": (householder_with_an_edited_eye, ["2 update terms"]),
+    "householder_with_a_one_by_one_eye_expanded": (householder_with_a_one_by_one_eye_expanded, ["2 update terms"]),
     "gated_householder_form": (gated_householder_form, ["formed from the decayed memory"]),
     "l2_update_of_some_rows_in_place": (l2_update_of_some_rows_in_place,
                                         ["state is updated by an outer product", "not one memory_scan"]),
