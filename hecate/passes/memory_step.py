@@ -1340,6 +1340,25 @@ def _is_outer_product(node: Any) -> bool:
     return any(_is_outer_product(a) for a in node.args)
 
 
+def _steps_apart(products: list[fx.Node]) -> bool:
+    """Whether two outer products read one tensor at different indices of one dim (``a·v_0 k_0ᵀ + v_1 k_1ᵀ``: a
+    first state written as its update, then a step), so their sum is a step of a memory written out."""
+    reads = []
+    for p in products:
+        seen, todo, found = set(), [p], set()
+        while todo and len(seen) < 64:
+            n = todo.pop()
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            if n.target is aten.select.int:
+                found.add((n.args[0], n.args[1], n.args[2]))
+            todo.extend(n.all_input_nodes)
+        reads.append(found)
+    return any(a[:2] == b[:2] and a[2] != b[2] for i, x in enumerate(reads) for y in reads[i + 1:]
+               for a in x for b in y)
+
+
 def _read_at_two_indices(gm: fx.GraphModule) -> bool:
     """Whether a tensor is read at two integer indices that both take several values, ``x[:, t, h]``."""
     reads: dict[tuple, set[tuple]] = {}
@@ -1367,9 +1386,10 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
         if not isinstance(value, torch.Tensor) or value.dim() < 2 or min(value.shape[-2:]) < 2:
             continue
         terms = [t for _, t in _terms(node)]
-        if any(_is_outer_product(t) for t in terms) and any(
-                isinstance(t, fx.Node) and not _is_outer_product(t) and isinstance(t.meta.get("val"), torch.Tensor)
-                and t.meta["val"].shape == value.shape for t in terms):
+        outer = [t for t in terms if _is_outer_product(t)]
+        if outer and (any(isinstance(t, fx.Node) and not _is_outer_product(t) and isinstance(t.meta.get("val"),
+                                                                                              torch.Tensor)
+                          and t.meta["val"].shape == value.shape for t in terms) or _steps_apart(outer)):
             updates.append(node)
     if updates:
         gm.meta["hecate_unrolled_reported"] = True

@@ -149,6 +149,25 @@ def test_returned_logits_with_one_product_and_wrong_terms_are_reported(fresh_dyn
     assert "made by matrix products" in miss.reason, miss
 
 
+def gated_two_steps_first_written_out(q, k, v):
+    """T = 2, the first step written before the loop as its update v_0 k_0ᵀ: one step is left, no loop to roll."""
+    M = v[:, 0, :, None] * k[:, 0, None, :]
+    ys = [(M @ q[:, 0, :, None])[..., 0]]
+    M = 0.9 * M + v[:, 1, :, None] * k[:, 1, None, :]
+    ys.append((M @ q[:, 1, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def test_a_single_step_after_a_first_state_written_as_its_update_is_reported():
+    """0.9·v_0 k_0ᵀ + v_1 k_1ᵀ: both terms are outer products, of one tensor's steps 0 and 1 (probe r14a: silent)."""
+    report = hecate.explain(gated_two_steps_first_written_out, *(torch.randn(2, 2, 4) for _ in range(3)))
+    miss = _only_miss(report, "memory_scan")
+    assert "1 memory update step(s)" in miss.reason, miss
+    # a rank-2 matrix of two unrelated outer products is no memory step
+    rank_two = lambda a, b, c, d: a[:, :, None] * b[:, None, :] + c[:, :, None] * d[:, None, :]  # noqa: E731
+    assert hecate.explain(rank_two, *(torch.randn(2, 4) for _ in range(4))).misses == []
+
+
 def test_symbolic_sizes_are_compared_not_hashed(fresh_dynamo):
     """Under dynamic=True the sizes the search compares are symbolic: two products of a [B, T, D] input (the
     decode search's candidates) compile, strict, and are reported as nothing."""
