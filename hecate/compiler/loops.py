@@ -74,7 +74,8 @@ class RolledGraph:
     """Dynamo's graph with its unrolled loops replaced by scans."""
 
     gm: fx.GraphModule
-    steps: list[int]  # per rolled loop, in graph order: how many copies it had
+    steps: list[int]  # per scan emitted, in graph order: how many copies its loop had
+    indices: list[int]  # per scan emitted: its loop's index among the loops found (a split loop's scans share one)
 
     def mark(self, aten_gm: fx.GraphModule) -> None:
         """Tag the re-traced graph's scans that are rolled loops (``meta["hecate_rolled_loop"] = T``).
@@ -86,10 +87,17 @@ class RolledGraph:
         scans = _scans(aten_gm.graph)
         if len(scans) != len(flags):
             raise RuntimeError(f"re-tracing changed the number of scans ({len(flags)} -> {len(scans)})")
-        steps = iter(self.steps)
+        steps = iter(zip(self.indices, self.steps))
         for node, rolled in zip(scans, flags):
             if rolled:
-                node.meta["hecate_rolled_loop"] = next(steps)
+                node.meta["hecate_rolled_index"], node.meta["hecate_rolled_loop"] = next(steps)
+
+    @staticmethod
+    def unfused_indices(aten_gm: fx.GraphModule) -> set[int]:
+        """Which rolled loops (their indices in graph order, as :func:`roll_loops` ``only`` takes them) are still
+        scans after the passes."""
+        return {node.meta["hecate_rolled_index"] for node in _scans(aten_gm.graph)
+                if "hecate_rolled_index" in node.meta}
 
     @staticmethod
     def unfused(aten_gm: fx.GraphModule, body_test=None) -> list[tuple[int, list[str]]]:
@@ -111,8 +119,9 @@ def _scans(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.scan]
 
 
-def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
-    """A copy of Dynamo's ``gm`` with every provable unrolled loop rolled into a scan, or None.
+def roll_loops(gm: fx.GraphModule, only: set[int] | None = None) -> RolledGraph | None:
+    """A copy of Dynamo's ``gm`` with every provable unrolled loop rolled into a scan, or None; with ``only``,
+    just those of the loops (their indices in graph order) it names, the others left unrolled.
 
     In-place updates of tensors nothing else aliases (``M -= ...``) are first made functional
     in ``gm`` itself (exactly: see :func:`hecate.compiler.normalize.functionalize`). An ATen
@@ -178,9 +187,13 @@ def roll_loops(gm: fx.GraphModule) -> RolledGraph | None:
         loop = _one_step(nodes, position, node)
         if loop is not None and all(loop.end <= other.s or other.end <= loop.s for other in loops):
             loops.append(loop)
+    loops.sort(key=lambda loop: loop.s)
+    for i, loop in enumerate(loops):
+        loop.index = i
+    if only is not None:
+        loops = [loop for loop in loops if loop.index in only]
     if not loops:
         return None
-    loops.sort(key=lambda loop: loop.s)
     return RolledGraph(*_rebuild(gm, loops))
 
 
@@ -476,6 +489,7 @@ class _Loop:
     stacks: dict[fx.Node, int] = field(default_factory=dict)  # torch.stack after the loop -> offset
     finals: dict[fx.Node, int] = field(default_factory=dict)  # last block's carry read after -> offset
     bad: int | None = None  # after a failed verify(): the first block that differs, if one was found
+    index: int = 0  # among the loops roll_loops found, in graph order
     flat0: dict[int, tuple[list, Any]] = field(default_factory=dict)  # offset -> block 0's node flattened
 
     @property
@@ -757,14 +771,14 @@ def _one_step_slice(node: fx.Node) -> tuple[fx.Node, int, int, Any] | None:
 
 # ---------------------------------------------------------------- rebuilding the graph
 
-def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> tuple[fx.GraphModule, list[int]]:
+def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> tuple[fx.GraphModule, list[int], list[int]]:
     """Copy ``gm``'s graph, emitting one scan in place of each loop (one per part of a split loop); also
-    the steps of each scan emitted, in graph order."""
+    the steps of each scan emitted, in graph order, and its loop's index."""
     graph, env, attrs = fx.Graph(), {}, {}
     starts = {loop.s: loop for loop in loops}
     skip: set[fx.Node] = set()
     stacks: dict[fx.Node, fx.Node] = {}
-    steps = []
+    steps, indices = [], []
     for p, node in enumerate(gm.graph.nodes):
         if p in starts:
             loop = starts[p]
@@ -775,6 +789,7 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> tuple[fx.GraphModule, li
                 attrs[name] = _body(loop, part)
                 outs.update(_emit_scan(graph, env, loop, name, part))
                 steps.append(loop.T)
+                indices.append(loop.index)
             for o, items in mixed.items():  # per step a stack over the parts: stack the parts' stacked pieces
                 combine = loop.at(0, o)
                 rank = _value(loop.at(0, items[0])).dim()
@@ -797,7 +812,7 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> tuple[fx.GraphModule, li
             attrs[node.target] = operator.attrgetter(node.target)(gm)
     rolled = fx.GraphModule(attrs, graph, class_name=type(gm).__name__)
     rolled.meta.update(gm.meta)
-    return rolled, steps
+    return rolled, steps, indices
 
 
 def _stacked(graph: fx.Graph, env: dict, node: fx.Node, runs: dict[int, tuple[int, fx.Node]]) -> fx.Node:

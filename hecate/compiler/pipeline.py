@@ -233,14 +233,47 @@ def fuse_rolled_loops(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
     """Roll ``gm``'s unrolled loops up, re-trace to ATen and run the passes.
 
     Returns the fused graph and its report when ``gm`` had loops and the passes fused every one
-    of them; otherwise None, with why in ``report`` (the caller goes on with ``gm`` unrolled).
+    of them, or, when some did not, every one of those that did, rolled again without the others (which stay
+    unrolled, their reasons in the report); otherwise None, with why in ``report`` (the caller goes on with
+    ``gm`` unrolled).
     Serves Dynamo's graphs and torch.export's alike (``example_inputs``: the placeholders' values).
     """
     if not any(p in options.patterns for p in _SCAN_PASSES):
         return None
+    fused = _rolled_and_fused(gm, example_inputs, options, report, dump_name)
+    if fused is None:
+        return None
+    aten_gm, rolled_report, rolled = fused
+    unfused = RolledGraph.unfused(aten_gm)
+    if not unfused:
+        return aten_gm, rolled_report
+    keep = set(rolled.indices) - RolledGraph.unfused_indices(aten_gm)
+    # why the scan passes did not fuse the rolled loop, said once (the other passes report again later)
+    # (and the misses about a rolled loop itself: a score computed row by row, say)
+    scans = {n.name for n in aten_gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)}
+    scan_misses = [m for m in rolled_report.misses if m.pattern in _SCAN_PASSES or scans & set(m.where.split(", "))]
+    report.misses.extend(dataclasses.replace(m, reason=f"{m.reason}; the loop is compiled unrolled")
+                         for m in scan_misses)
+    if not scan_misses:
+        for steps, ops in RolledGraph.unfused(aten_gm, forms_outer_product):
+            report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or "
+                            f"linear_attention fuses (its body calls {', '.join(ops)}); compiled unrolled")
+    # the loops that fused, rolled again without the others (which stay unrolled, as Dynamo gave them; their
+    # reasons, said above, are in the report the passes start from, so they are not said again)
+    again = _rolled_and_fused(gm, example_inputs, options, report, dump_name, keep) if keep else None
+    if again is not None and not RolledGraph.unfused(again[0]):
+        return again[0], again[1]
+    return None
+
+
+def _rolled_and_fused(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: Options,
+                      report: FusionReport, dump_name: str | None,
+                      only: set[int] | None = None) -> tuple[fx.GraphModule, FusionReport, RolledGraph] | None:
+    """``gm`` with its loops (``only`` those of these indices) rolled up, re-traced to ATen and through the passes:
+    the graph, its report and the rolled graph; None (why in ``report``) if no loop rolled or the re-trace failed."""
     try:
         with stage("roll loops", options.progress):
-            rolled = roll_loops(gm)
+            rolled = roll_loops(gm, only)
     except Exception as e:  # the unrolled graph is always valid
         if options.strict:
             raise
@@ -259,21 +292,10 @@ def fuse_rolled_loops(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
                         f"({describe_error(e)}); compiled unrolled", "")
         return None
     rolled_report = FusionReport(graphs=1)
+    if only is not None:
+        rolled_report.fusions, rolled_report.misses = list(report.fusions), list(report.misses)
     run_passes(aten_gm, options, rolled_report, dump_name)
-    unfused = RolledGraph.unfused(aten_gm)
-    if not unfused:
-        return aten_gm, rolled_report
-    # why the scan passes did not fuse the rolled loop, said once (the other passes report again later)
-    # (and the misses about a rolled loop itself: a score computed row by row, say)
-    scans = {n.name for n in aten_gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)}
-    scan_misses = [m for m in rolled_report.misses if m.pattern in _SCAN_PASSES or scans & set(m.where.split(", "))]
-    report.misses.extend(dataclasses.replace(m, reason=f"{m.reason}; the loop is compiled unrolled")
-                         for m in scan_misses)
-    if not scan_misses:
-        for steps, ops in RolledGraph.unfused(aten_gm, forms_outer_product):
-            report.add_miss("loops", f"a Python loop of {steps} steps is not a step memory_scan or "
-                            f"linear_attention fuses (its body calls {', '.join(ops)}); compiled unrolled")
-    return None
+    return aten_gm, rolled_report, rolled
 
 
 def run_passes(gm: fx.GraphModule, options: Options, report: FusionReport,

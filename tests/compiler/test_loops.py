@@ -180,6 +180,28 @@ def test_a_step_that_differs_ends_one_loop_and_the_rest_is_rolled_again():
     _check_rolled(step_differs, torch.randn(3, 6), steps=[3, 2])
 
 
+def decay_differs_at_step_three(q, k, v):
+    """A Hebbian memory whose step 3 decays by 0.5, the others by 0.9: steps 0-2 are one memory loop; what
+    follows rolls with its blocks starting after the decay (no memory step)."""
+    M, ys = torch.zeros(q.shape[0], v.shape[-1], k.shape[-1]), []
+    for t in range(q.shape[1]):
+        M = (0.5 if t == 3 else 0.9) * M + v[:, t, :, None] * k[:, t, None, :]
+        ys.append((M @ q[:, t, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def test_the_loops_that_fuse_stay_fused_beside_one_that_does_not(fresh_dynamo):
+    """One rolled loop the passes cannot fuse used to send the whole graph back unrolled, losing the loop that
+    fused: the loops that fused are rolled again alone, the other is compiled unrolled with its reason."""
+    args = [torch.randn(2, 7, 4) for _ in range(3)]
+    got = torch.compile(decay_differs_at_step_three, backend="hecate", options={"fallback": "eager"})(*args)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 1 and "rolled up 3 steps" in report.fusions[0].detail, str(report)
+    assert len(report.misses) == 1 and "compiled unrolled" in report.misses[0].reason, str(report)
+    for name, a, b in zip(("y", "M"), got, decay_differs_at_step_three(*args)):
+        assert_close(name, a, b, 1e-5)
+
+
 def in_place(x):
     """In-place updates of a tensor nothing else aliases: made functional, then rolled."""
     h, ys = x[:, 0] * 0, []

@@ -85,7 +85,7 @@ def test_unrolled_outer_product_state_is_reported_once_with_its_line():
 def test_unrolled_outer_product_state_is_reported_when_loops_are_not_rolled(monkeypatch):
     import hecate.compiler.pipeline as pipeline
 
-    monkeypatch.setattr(pipeline, "roll_loops", lambda gm: None)
+    monkeypatch.setattr(pipeline, "roll_loops", lambda gm, only=None: None)
     report = hecate.explain(tanh_retention_memory, torch.randn(2, 4, 3), torch.randn(2, 4, 3))
     miss = _only_miss(report, "memory_scan")
     # the normal form reads the einsum as the outer product v_t ⊗ k_t, so the memory pass names the steps
