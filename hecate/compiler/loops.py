@@ -131,6 +131,7 @@ def roll_loops(gm: fx.GraphModule, only: set[int] | None = None) -> RolledGraph 
     changed = functionalize(gm.graph)
     changed = _peeled_first_steps(gm.graph) or changed
     changed = _cats_joined(gm.graph) or changed
+    changed = _cats_of_unsqueezed(gm.graph) or changed
     if _hoist_invariants(gm.graph) or changed:
         gm.recompile()
     nodes = list(gm.graph.nodes)
@@ -316,6 +317,36 @@ def _cats_joined(graph: fx.Graph) -> bool:
             for part in joined:
                 graph.erase_node(part)
             changed = True
+    return changed
+
+
+_UNSQUEEZES = ("unsqueeze", torch.unsqueeze, torch.ops.aten.unsqueeze.default)
+
+
+def _cats_of_unsqueezed(graph: fx.Graph) -> bool:
+    """``torch.cat([y.unsqueeze(d) for y in ys], d)`` (each y unsqueezed after the loop, read by the cat alone):
+    ``torch.stack(ys, d)``, which a loop's outputs are read as. Exact: the same elements in the same order.
+    Returns whether any changed."""
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _CATS or not node.args \
+                or not isinstance(node.args[0], (list, tuple)) or len(node.args[0]) < 2 or set(node.kwargs) - {"dim"}:
+            continue
+        dim, out = _stack_dim(node), _value(node)
+        items = list(node.args[0])
+        if not isinstance(out, torch.Tensor) or not _is_int(dim) or not all(
+                isinstance(y, fx.Node) and y.target in _UNSQUEEZES and len(y.users) == 1 and not y.kwargs
+                and len(y.args) == 2 and _is_int(y.args[1]) and isinstance(_value(y), torch.Tensor)
+                and _value(y).shape[dim] == 1 and y.args[1] % out.dim() == dim % out.dim() for y in items):
+            continue
+        with graph.inserting_before(node):
+            stacked = graph.call_function(torch.stack, ([y.args[0] for y in items], dim % out.dim()))
+        stacked.meta.update(node.meta)
+        node.replace_all_uses_with(stacked)
+        graph.erase_node(node)
+        for y in items:
+            graph.erase_node(y)
+        changed = True
     return changed
 
 
