@@ -1134,6 +1134,35 @@ def _matmul_reader(node: fx.Node, is_pair, rank: int) -> tuple[fx.Node, fx.Node,
     return None
 
 
+def _einsum_laid_out_as_matmul(graph: fx.Graph, node: fx.Node, beta: fx.Node) -> None:
+    """``einsum("bhij,bjhd->bihd", β, X)`` (β [*L, N, N] and per-key values X, X and the result in other index
+    orders than β's, as a [B, T, H, D] layout has them): X permuted to [*L, N, D], the einsum in β's order, its
+    result permuted back, so :func:`_matmul_reader` reads it. Exact: the same products summed."""
+    if node.target != aten.einsum.default or len(node.args[1]) != 2 or node.args[1][0] is not beta \
+            or _matmul_reader(node, lambda x: x is beta, _rank(beta)) is not None:
+        return
+    equation = node.args[0].replace(" ", "")
+    if "->" not in equation or "." in equation:
+        return
+    (p, x), out = equation.split("->")[0].split(","), equation.split("->")[1]
+    lead, i, j = p[:-2], p[-2], p[-1]
+    free = set(x) - set(p)
+    if len(set(p)) != len(p) or len(free) != 1 or set(x) != set(lead) | {j} | free or set(out) != set(lead) | {i} | free \
+            or len(x) != len(set(x)) or len(out) != len(set(out)):
+        return
+    (d,) = free
+    canonical_x, canonical_out = lead + j + d, lead + i + d
+    with graph.inserting_before(node):
+        values = graph.call_function(aten.permute.default, (node.args[1][1], [x.index(c) for c in canonical_x]))
+        summed = graph.call_function(aten.einsum.default, (f"{p},{canonical_x}->{canonical_out}", [beta, values]))
+        result = graph.call_function(aten.permute.default, (summed, [canonical_out.index(c) for c in out]))
+    for new in (values, summed, result):
+        new.meta["val"] = new.target(*fx.node.map_arg(new.args, lambda n: n.meta["val"]))
+        new.meta["stack_trace"] = node.meta.get("stack_trace")
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+
+
 # ---------------------------------------------------------------------------------------------
 # the pass
 
@@ -1142,6 +1171,8 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
     import hecate.lowering.kl_attention  # noqa: F401  the op must exist before we insert it
 
     for softmax in [n for n in gm.graph.nodes if n.target == aten.softmax.int]:
+        for user in list(softmax.users):
+            _einsum_laid_out_as_matmul(gm.graph, user, softmax)
         score = None
         try:
             score = _recognise(softmax)

@@ -409,11 +409,18 @@ def a_heads_after_the_positions(mu, logvar):  # beliefs [B, N, H, K]: pairs buil
     return (beta @ mu.transpose(1, 2)).transpose(1, 2)
 
 
-def test_pairs_built_before_the_heads_fuse(fresh_dynamo):
+def a_heads_after_the_positions_read_by_einsum(mu, logvar):  # the same, β read against [B, N, H, K] by einsum
+    kl = 0.5 * ((logvar.exp().unsqueeze(2) + (mu.unsqueeze(2) - mu.unsqueeze(1)) ** 2) / logvar.exp().unsqueeze(1)
+                + logvar.unsqueeze(1) - logvar.unsqueeze(2) - 1).sum(-1)
+    return torch.einsum("bhij,bjhd->bihd", torch.softmax(-kl.permute(0, 3, 1, 2), -1), mu)
+
+
+@pytest.mark.parametrize("fn", [a_heads_after_the_positions, a_heads_after_the_positions_read_by_einsum])
+def test_pairs_built_before_the_heads_fuse(fn, fresh_dynamo):
     """The score built [B, i, j, H] from beliefs [B, N, H, K] and permuted to [B, H, i, j] before the softmax is
     computed in that layout from the start (the normal form moves the permute to the beliefs): fused, with its
-    β-weighted sum, equal to eager."""
-    report = _compare(a_heads_after_the_positions, (torch.randn(B, N, 3, K), _logvar((B, N, 3, K))), "kl_attention")
+    β-weighted sum (an einsum over the [B, N, H, K] layout read as the matmul it is), equal to eager."""
+    report = _compare(fn, (torch.randn(B, N, 3, K), _logvar((B, N, 3, K))), "kl_attention")
     assert report.count("kl_attention") == 1 and not report.misses, str(report)
     assert "1 β-weighted sums" in report.fusions[0].detail, str(report)
 
