@@ -173,29 +173,30 @@ class _Product:
     divisors: list[fx.Node] = field(default_factory=list)
 
 
-def _product(node: Any, out: _Product | None = None, invert: bool = False) -> _Product:
-    """``node`` as coef · Π factors / Π divisors, through mul/div/neg and views."""
+def _product(node: Any, out: _Product | None = None, invert: bool = False, views: bool = True) -> _Product:
+    """``node`` as coef · Π factors / Π divisors, through mul/div/neg and (``views``) views; without views the
+    factors multiply back to the node's value as they broadcast."""
     out = out or _Product()
     if isinstance(node, tuple):  # ("mul" | "div", a, b) from addcmul / addcdiv
         kind, a, b = node
-        _product(a, out, invert)
-        return _product(b, out, invert if kind == "mul" else not invert)
+        _product(a, out, invert, views)
+        return _product(b, out, invert if kind == "mul" else not invert, views)
     if isinstance(node, (int, float)) and not isinstance(node, bool):
         out.coef = out.coef / node if invert else out.coef * node
         return out
     if node.op == "call_function":
         t, a = node.target, node.args
         if t is aten.mul.Tensor and len(a) == 2 and not node.kwargs:
-            _product(a[0], out, invert)
-            return _product(a[1], out, invert)
+            _product(a[0], out, invert, views)
+            return _product(a[1], out, invert, views)
         if t is aten.div.Tensor and len(a) == 2 and not node.kwargs:
-            _product(a[0], out, invert)
-            return _product(a[1], out, not invert)
+            _product(a[0], out, invert, views)
+            return _product(a[1], out, not invert, views)
         if t is aten.neg.default:
             out.coef = -out.coef
-            return _product(a[0], out, invert)
-        if t in _VIEWS and isinstance(a[0], fx.Node):
-            return _product(a[0], out, invert)
+            return _product(a[0], out, invert, views)
+        if views and t in _VIEWS and isinstance(a[0], fx.Node):
+            return _product(a[0], out, invert, views)
     (out.divisors if invert else out.factors).append(node)
     return out
 

@@ -224,29 +224,9 @@ def _common_factored(build: _Builder, update: list[tuple[float, Any]]) -> fx.Nod
     return build.product(scale, list(common.elements()) + [inner], list(common_divisors.elements()))
 
 
-def _factors(node: Any, out: _Product | None = None, invert: bool = False) -> _Product:
-    """``node`` as coef · Π factors / Π divisors through mul, div and neg: unlike :func:`memory_step._product`,
-    not through views, so the factors multiply back to the node's value as they broadcast."""
-    out = out or _Product()
-    if isinstance(node, tuple):  # ("mul" | "div", a, b) from addcmul / addcdiv
-        kind, a, b = node
-        _factors(a, out, invert)
-        return _factors(b, out, invert if kind == "mul" else not invert)
-    if isinstance(node, (int, float)) and not isinstance(node, bool):
-        out.coef = out.coef / node if invert else out.coef * node
-        return out
-    if node.op == "call_function" and not node.kwargs:
-        if node.target is aten.mul.Tensor:
-            _factors(node.args[0], out, invert)
-            return _factors(node.args[1], out, invert)
-        if node.target is aten.div.Tensor:
-            _factors(node.args[0], out, invert)
-            return _factors(node.args[1], out, not invert)
-        if node.target is aten.neg.default:
-            out.coef = -out.coef
-            return _factors(node.args[0], out, invert)
-    (out.divisors if invert else out.factors).append(node)
-    return out
+def _factors(node: Any) -> _Product:
+    """``node`` as coef · Π factors / Π divisors, not through views (the factors multiply back to its value)."""
+    return _product(node, views=False)
 
 
 def _shape(node: Any) -> tuple | None:
