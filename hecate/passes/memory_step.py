@@ -37,6 +37,7 @@ batch or length stays dynamic in the fused graph.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -712,6 +713,12 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
             raise NotFused("the error e = (a·M)·k − v is formed from the decayed memory (the decay applied "
                            "before the error, as Gated DeltaNet writes it); the op forms it from M before the "
                            "decay (the same recurrence with v/a and η·a, not fused)")
+        other = "kv" if rec.layout == "vk" else "vk"
+        if rec.dk == rec.dv and _error(b, dataclasses.replace(rec, layout=other), W) is not None:
+            read, error = ("q·M", "M·k − v") if rec.layout == "kv" else ("M·q", "k·M − v")
+            raise NotFused(f"the memory is read as {read} but its error is formed as {error}: the read and the "
+                           "update use the memory in two layouts (transposed to each other), which no memory step "
+                           "does")
         raise NotFused("no error e = M·k − v is formed from the memory (an l_p step reads the memory with its key "
                        "and compares with the value)")
     en, kn, vn, e_sign = found

@@ -1723,6 +1723,17 @@ def householder_with_an_edited_eye(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_read_transposed(k, v, q, alpha, eta):
+    """A square memory updated as M − η (M k − v) kᵀ but read as qᵀ M: the two use it transposed to each other."""
+    v = v[..., :k.shape[-1]]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = M - eta[:, t, :, None, None] * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((q[:, t].unsqueeze(-2) @ M).squeeze(-2))
+    return torch.stack(ys, 1), M
+
+
 def householder_writing_another_key(k, v, q, alpha, eta):
     """M (I − β k kᵀ) + β v qᵀ: the write's key is not the one the memory is read with, no delta rule."""
     M, ys = _m0(k, v), []
@@ -1747,6 +1758,7 @@ def gated_householder_form(k, v, q, alpha, eta):
 
 REPORTED = {
     "householder_writing_another_key": (householder_writing_another_key, ["no error e = M·k − v is formed"]),
+    "delta_rule_read_transposed": (delta_rule_read_transposed, ["read as q·M but its error is formed as M·k − v"]),
     "householder_with_a_one_by_one_eye": (householder_with_a_one_by_one_eye, ["2 update terms"]),
     "householder_with_an_edited_eye": (householder_with_an_edited_eye, ["2 update terms"]),
     "householder_with_a_one_by_one_eye_expanded": (householder_with_a_one_by_one_eye_expanded, ["2 update terms"]),
