@@ -125,17 +125,18 @@ def _expanded(build: _Builder, term: Any, eyes: set[fx.Node]) -> list[tuple[floa
     (``A (I ± X)``), as the terms it is: A; c · (A x) yᵀ; A ± A X (identities 1 and 2); None if none applies."""
     prod = _factors(term)
     for f in prod.factors:
-        if not (isinstance(f, fx.Node) and f.op == "call_function" and f.target in _MATMULS):
+        operands = _matmul_operands(f)
+        if operands is None:
             continue
         for side in (1, 0):  # A B, then B A
-            other, rest = f.args[1 - side], [h for h in prod.factors if h is not f]
-            if _identity(f.args[side], f.args[side], eyes):
+            other, rest = operands[1 - side], [h for h in prod.factors if h is not f]
+            if _identity(operands[side], operands[side], eyes):
                 return [(1.0, build.product(prod.coef, rest + [other], prod.divisors))]
-            outer = _outer_product(f.args[side])
+            outer = _outer_product(operands[side])
             if outer is not None:
                 return [(1.0, build.product(prod.coef, rest + [_reassociated(build, other, outer, side)],
                                             prod.divisors))]
-            scaled = _factors(f.args[side])  # c · (I ± X) with numbers per matrix c
+            scaled = _factors(operands[side])  # c · (I ± X) with numbers per matrix c
             for g in scaled.factors:
                 parts = _terms(g)
                 numbers = [h for h in scaled.factors + scaled.divisors if h is not g]
@@ -154,6 +155,24 @@ def _expanded(build: _Builder, term: Any, eyes: set[fx.Node]) -> list[tuple[floa
                             build.call(aten.matmul.default, *((other, t) if side == 1 else (t, other)))
                     out.append((s, build.product(prod.coef * scaled.coef, factors + [piece], divisors)))
                 return out
+    return None
+
+
+def _matmul_operands(f: Any) -> tuple[fx.Node, fx.Node] | None:
+    """(A, B) where ``f`` is the matrix product A B: matmul, bmm, mm, or an einsum that is one over shared leading
+    indices (``"bhij,bhjk->bhik"``)."""
+    if not isinstance(f, fx.Node) or f.op != "call_function":
+        return None
+    if f.target in _MATMULS:
+        return f.args[0], f.args[1]
+    if f.target is aten.einsum.default and len(f.args[1]) == 2 and isinstance(f.args[0], str):
+        equation = f.args[0].replace(" ", "")
+        if "->" in equation and "." not in equation:
+            (a, b), out = equation.split("->")[0].split(","), equation.split("->")[1]
+            lead = a[:-2]
+            if len(a) == len(b) == len(out) >= 2 and len(set(a + b[-1])) == len(a) + 1 and b[:-2] == lead \
+                    and out == lead + a[-2] + b[-1] and b[-2] == a[-1]:
+                return f.args[1][0], f.args[1][1]
     return None
 
 
