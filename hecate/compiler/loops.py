@@ -61,7 +61,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from hecate.compiler.normalize import functional_op, functionalize, mutates
-from hecate.passes.matching import aliases
+from hecate.passes.matching import aliases, written_in_place
 
 _TENSOR_OPS = ("call_function", "call_method")
 # words of the names of calls that draw random numbers (``F.normalize`` is none: a name matches by whole words)
@@ -132,6 +132,7 @@ def roll_loops(gm: fx.GraphModule, only: set[int] | None = None) -> RolledGraph 
     changed = _peeled_first_steps(gm.graph) or changed
     changed = _cats_joined(gm.graph) or changed
     changed = _cats_of_unsqueezed(gm.graph) or changed
+    changed = _outputs_read_through_their_stack(gm.graph) or changed
     if _hoist_invariants(gm.graph) or changed:
         gm.recompile()
     nodes = list(gm.graph.nodes)
@@ -346,6 +347,38 @@ def _cats_of_unsqueezed(graph: fx.Graph) -> bool:
         graph.erase_node(node)
         for y in items:
             graph.erase_node(y)
+        changed = True
+    return changed
+
+
+def _outputs_read_through_their_stack(graph: fx.Graph) -> bool:
+    """Per-step outputs stacked and also read after the stack otherwise (``torch.stack(ys, 1)``, then ``sum(ys)``,
+    ``torch.cat(ys, -1)``, ``ys[-1]``): those reads read the stack's slice instead, ``stack(ys, d).select(d, t)``,
+    so the loop's steps are read by the stack alone. Exact: a stack's slice is its item. Returns whether any
+    changed."""
+    changed = False
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for stack in list(graph.nodes):
+        if stack.op != "call_function" or stack.target not in _STACKS or not stack.args \
+                or not isinstance(stack.args[0], (list, tuple)) or set(stack.kwargs) - {"dim"} \
+                or not all(isinstance(y, fx.Node) for y in stack.args[0]) \
+                or len(set(stack.args[0])) != len(stack.args[0]) or not isinstance(_value(stack), torch.Tensor):
+            continue
+        items, dim = list(stack.args[0]), _stack_dim(stack) % _value(stack).dim()
+        if any(written_in_place(y) is not None for y in items):
+            continue  # (a write into an item after the stack is not seen by the stack's slice)
+        later = [(i, u) for i, y in enumerate(items) for u in y.users
+                 if u is not stack and position[u] > position[stack]]
+        if not later:
+            continue
+        anchor = stack
+        for i, user in later:
+            with graph.inserting_after(anchor):
+                piece = graph.call_function(torch.select, (stack, dim, i))
+            piece.meta["example_value"] = _value(stack).select(dim, i)
+            user.replace_input_with(items[i], piece)
+            anchor = piece
+        position = {n: k for k, n in enumerate(graph.nodes)}
         changed = True
     return changed
 

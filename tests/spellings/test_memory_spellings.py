@@ -916,6 +916,14 @@ def hebbian_outputs_unsqueezed_after_the_loop(k, v, q, alpha, eta):  # cat([y.un
     return torch.cat([y.unsqueeze(1) for y in ys], 1), M
 
 
+def hebbian_outputs_stacked_and_the_last_returned(k, v, q, alpha, eta):  # ys stacked, ys[-1] and sum(ys) read too
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = (1 - alpha[:, t, :, None, None]) * M + v[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1) + sum(ys)[:, None] + ys[-1][:, None], M
+
+
 def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn.Dropout(0.0) in train(): identity
     M, ys = torch.zeros(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1]), []
     for t in range(k.shape[1]):
@@ -925,6 +933,8 @@ def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn
 
 
 SPELLINGS = {
+    "hebbian_outputs_stacked_and_the_last_returned": (hebbian_outputs_stacked_and_the_last_returned,
+                                                      "linear_attention"),
     "hebbian_outputs_unsqueezed_after_the_loop": (hebbian_outputs_unsqueezed_after_the_loop, "linear_attention"),
     "delta_rule_householder_form": (delta_rule_householder_form, "memory_scan"),
     "delta_rule_householder_gate_outside_number_strength": (delta_rule_householder_gate_outside_number_strength,
