@@ -86,9 +86,11 @@ FROM_LOG_VARIANCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 _FAR_MEANS, _FAR_LOG_VARIANCES = 6.0, 8.0
 
 
-def far_draw(env: dict, means: Sequence, scales: dict, seed: int) -> dict:
+def far_draw(env: dict, means: Sequence, scales: dict, seed: int, computed: dict | None = None) -> dict:
     """``env`` (node → drawn value) with ``means`` redrawn in (−6, 6) and each of ``scales`` (node →
-    parameterisation) drawn itself redrawn as variances e^(−8..8) in that parameterisation; the rest as drawn."""
+    parameterisation) drawn itself redrawn as variances e^(−8..8) in that parameterisation; the rest as drawn.
+    A scale computed from what was drawn (softplus(raw) + eps) stays so, unless ``computed`` (node → its value at
+    ``env``) gives its shape: then it is drawn far too, over what computes it (every term must read it alone)."""
     gen = torch.Generator().manual_seed(seed)
     far = dict(env)
     for node in means:
@@ -96,9 +98,10 @@ def far_draw(env: dict, means: Sequence, scales: dict, seed: int) -> dict:
             continue
         far[node] = _FAR_MEANS * (2 * torch.rand(env[node].shape, generator=gen, dtype=torch.float64) - 1)
     for node, param in scales.items():
-        if node not in env:  # computed from what was drawn (softplus(raw) + eps): it stays so
+        shape = env[node].shape if node in env else computed[node].shape if computed and node in computed else None
+        if shape is None:
             continue
-        log_v = _FAR_LOG_VARIANCES * (2 * torch.rand(env[node].shape, generator=gen, dtype=torch.float64) - 1)
+        log_v = _FAR_LOG_VARIANCES * (2 * torch.rand(shape, generator=gen, dtype=torch.float64) - 1)
         far[node] = FROM_LOG_VARIANCE[param](log_v)
     return far
 

@@ -303,8 +303,8 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
                                 run_time_temperature([-1.0 / a for a in alphas], [memo for _, memo, _ in draws],
                                                      [x for x in priors if x not in (prior_mu, prior_scale)])
                             if tau is not None:
-                                if not _far_from_one(logits, draws[0][0], fixed, alphas[0], queries, mu, scale,
-                                                     param, prior_mu, prior_scale, prior_param):
+                                if not _far_from_one(logits, draws[0][0], draws[0][1], fixed, alphas[0], queries,
+                                                     mu, scale, param, prior_mu, prior_scale, prior_param):
                                     near_one_only = (mu, prior_mu)
                                     continue
                                 return _Decode(logits, mu, scale, param, prior_mu, prior_scale, prior_param, tau,
@@ -318,10 +318,14 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
     return None
 
 
-def _far_from_one(logits, env, fixed, gamma, queries, mu, scale, param, prior_mu, prior_scale, prior_param) -> bool:
-    """Whether the logits are still γ · KL at means of either sign and variances far from 1 (:func:`far_draw`)."""
+def _far_from_one(logits, env, memo, fixed, gamma, queries, mu, scale, param, prior_mu, prior_scale,
+                  prior_param) -> bool:
+    """Whether the logits are still γ · KL at means of either sign and variances far from 1 (:func:`far_draw`).
+    A variance computed from what was drawn (``v = lv.exp().clamp(min=0.5)``) is drawn far itself (its value at
+    the draw, ``memo``, gives its shape): where one term reads it and another what it is computed from (the log
+    term ``lv``), the logits are no KL there."""
     scales = {x: p for x, p in ((scale, param), (prior_scale, prior_param)) if x is not None}
-    memo = {**(fixed or {}), **far_draw(env, [mu, prior_mu], scales, seed=20251126)}
+    memo = {**(fixed or {}), **far_draw(env, [mu, prior_mu], scales, seed=20251126, computed=memo)}
     try:
         value = evaluate(logits, memo)  # memo: a variance computed from what was drawn, too
         kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries)

@@ -914,6 +914,27 @@ def test_decode_that_is_the_kl_only_near_one_is_reported(fn, fresh_dynamo):
     assert_close("output", compiled(*args), fn(*args), 1e-6)
 
 
+def d_belief_variance_floored_in_the_trace(mu, logvar, prior_mu, prior_logvar):
+    """The beliefs' variance floored where it is divided, the log term read from the log-variance itself: a number
+    per position, which a cross-entropy would not see but the logits returned do (probe r15)."""
+    v = logvar.exp().clamp(min=0.5)
+    kl = 0.5 * (prior_logvar - logvar.unsqueeze(-2) + (v.unsqueeze(-2) + (mu.unsqueeze(-2) - prior_mu) ** 2)
+                / prior_logvar.exp() - 1)
+    return -kl.sum(-1)
+
+
+def test_decode_logits_of_a_variance_computed_from_the_log_term_are_checked_far_from_one(fresh_dynamo):
+    """The variance is computed from what the log term reads (v = clamp(exp(lv))): it is drawn far from 1 itself,
+    where the log term, reading lv, is no longer its log. Reported, not fused (was fused: 2e-2 off eager)."""
+    args = (torch.randn(B, N, K), 0.5 * torch.randn(B, N, K), torch.randn(V, K), 0.5 * torch.randn(V, K))
+    report = hecate.explain(d_belief_variance_floored_in_the_trace, *args)
+    misses = [m for m in report.misses if m.pattern == "kl_decode"]
+    assert report.count("kl_decode") == 0 and misses, str(report)
+    assert "but not at means of either sign and variances far from 1" in misses[0].reason, misses[0]
+    compiled = torch.compile(d_belief_variance_floored_in_the_trace, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(*args), d_belief_variance_floored_in_the_trace(*args), 1e-6)
+
+
 # --- KL decode as new users write it: modules with prior tables, shared or unit prior variances ------
 
 class PriorTableLogVar(nn.Module):  # prior means and log-variances nn.Parameter [V, K], log-variance beliefs, sum
