@@ -382,8 +382,9 @@ def writes_into(node: fx.Node) -> list[fx.Node]:
             continue
         seen.add(n)
         for user in n.users:
-            if user.args and user.args[0] is n and mutates(user) and user.target not in _WRITE_NO_VALUES:
-                writers.append(user)
+            written = user.args[0] if user.args else None
+            if (written is n or user.kwargs.get("out") is n) and mutates(user) and user.target not in _WRITE_NO_VALUES:
+                writers.append(user)  # (in place, or through out=: nn.init.eye_(M[0]) is eye(.., out=M[0]))
             if user.args and user.args[0] is n and aliases(user):
                 stack.append(user)
     return writers

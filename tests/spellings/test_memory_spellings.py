@@ -898,6 +898,17 @@ def delta_rule_from_an_edited_zero_state(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_from_a_zero_state_initialised_by_nn_init(k, v, q, alpha, eta):
+    """nn.init.eye_ on one head's memory: written through out=, the first state is no longer zeros."""
+    M, ys = _m0(k, v), []
+    torch.nn.init.eye_(M[0, 0])
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = M - eta[:, t, :, None, None] * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def hebbian_from_an_edited_zero_state(k, v, q, alpha, eta):
     """The same for the Hebbian memory, its diagonal filled in place through a view."""
     M, ys = _m0(k, v), []
@@ -942,6 +953,8 @@ SPELLINGS = {
     "delta_rule_distributed_with_the_identity": (delta_rule_distributed_with_the_identity, "memory_scan"),
     "delta_rule_from_an_edited_zero_state": (delta_rule_from_an_edited_zero_state, "memory_scan"),
     "hebbian_from_an_edited_zero_state": (hebbian_from_an_edited_zero_state, "linear_attention"),
+    "delta_rule_from_a_zero_state_initialised_by_nn_init": (delta_rule_from_a_zero_state_initialised_by_nn_init,
+                                                            "memory_scan"),
     "delta_rule_householder_memory_stored_kv": (delta_rule_householder_memory_stored_kv, "memory_scan"),
     "gated_first_step_before_the_loop": (gated_first_step_before_the_loop, "linear_attention"),
     "delta_rule_from_none": (delta_rule_from_none, "memory_scan"),
