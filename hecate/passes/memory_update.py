@@ -47,8 +47,10 @@ def combined(body: fx.GraphModule, state: int, identities: set[int]) -> fx.Graph
     M_in, M_out = placeholders[state], next(iter(reversed(graph.nodes))).args[0][state]
     eyes = {placeholders[i] for i in identities}
     build = _Builder(graph, M_out.next)
-    terms, expanded = [], False
-    for sign, term in _distributed(build, _terms(M_out)):
+    terms, written = [], _terms(M_out)
+    distributed = _distributed(build, written)
+    expanded = distributed is not written
+    for sign, term in distributed:
         parts = _expanded(build, term, eyes)
         expanded = expanded or parts is not None
         terms += [(sign * s, t) for s, t in parts] if parts is not None else [(sign, term)]
@@ -117,7 +119,7 @@ def _distributed(build: _Builder, terms: list[tuple[float, Any]]) -> list[tuple[
                  else None) for s, t in _terms(sums[0])]
         if any(t is None for _, t in out):
             return terms  # a number in the sum: left as written
-    return out
+    return out if len(out) != len(terms) else terms
 
 
 def _expanded(build: _Builder, term: Any, eyes: set[fx.Node]) -> list[tuple[float, fx.Node]] | None:
@@ -196,11 +198,11 @@ def _outer_product(X: Any) -> tuple[float, list[fx.Node], fx.Node, fx.Node] | No
     if prod is None or prod.divisors:
         return None
     shapes = [_shape(f) for f in prod.factors]
-    if not all(s is not None and len(s) >= 2 for s in shapes):
+    if not all(s is not None for s in shapes):
         return None
-    columns = [f for f, s in zip(prod.factors, shapes) if s[-1] == 1 and s[-2] != 1]
-    rows = [f for f, s in zip(prod.factors, shapes) if s[-2] == 1 and s[-1] != 1]
-    numbers = [f for f, s in zip(prod.factors, shapes) if s[-1] == 1 and s[-2] == 1]
+    columns = [f for f, s in zip(prod.factors, shapes) if len(s) >= 2 and s[-1] == 1 and s[-2] != 1]
+    rows = [f for f, s in zip(prod.factors, shapes) if len(s) >= 2 and s[-2] == 1 and s[-1] != 1]
+    numbers = [f for f in prod.factors if _is_number(f)]
     if len(columns) != 1 or len(rows) != 1 or len(numbers) != len(prod.factors) - 2:
         return None
     return prod.coef, numbers, columns[0], rows[0]

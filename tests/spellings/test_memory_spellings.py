@@ -876,6 +876,27 @@ def delta_rule_householder_gate_outside_number_strength(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_decayed_as_a_whole(k, v, q, alpha, eta):
+    """a (M − η (M k − v) kᵀ): the decay multiplies the whole step (so the strength is a·η)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * (M - eta[:, t, :, None, None] * e.unsqueeze(-1) * k[:, t].unsqueeze(-2))
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_householder_strength_in_a_tensor(k, v, q, alpha, eta):
+    """The Householder form with β a 0-d tensor made in forward."""
+    M, ys = _m0(k, v), []
+    I, beta = torch.eye(k.shape[-1]), torch.tensor(0.7)
+    for t in range(k.shape[1]):
+        kt = k[:, t, :, :, None]
+        M = M @ (I - beta * kt @ kt.mT) + beta * v[:, t, :, :, None] @ kt.mT
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def delta_rule_distributed_with_the_identity(k, v, q, alpha, eta):
     """M I − β M (k kᵀ) + β v kᵀ: the product with the identity and the correction written apart."""
     M, ys = _m0(k, v), []
@@ -951,6 +972,8 @@ SPELLINGS = {
     "delta_rule_householder_gate_outside_number_strength": (delta_rule_householder_gate_outside_number_strength,
                                                             "memory_scan"),
     "delta_rule_distributed_with_the_identity": (delta_rule_distributed_with_the_identity, "memory_scan"),
+    "delta_rule_decayed_as_a_whole": (delta_rule_decayed_as_a_whole, "memory_scan"),
+    "delta_rule_householder_strength_in_a_tensor": (delta_rule_householder_strength_in_a_tensor, "memory_scan"),
     "delta_rule_from_an_edited_zero_state": (delta_rule_from_an_edited_zero_state, "memory_scan"),
     "hebbian_from_an_edited_zero_state": (hebbian_from_an_edited_zero_state, "linear_attention"),
     "delta_rule_from_a_zero_state_initialised_by_nn_init": (delta_rule_from_a_zero_state_initialised_by_nn_init,
