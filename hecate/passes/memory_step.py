@@ -150,6 +150,10 @@ def _terms(node: Any, sign: float = 1.0, stop: frozenset = frozenset()) -> list[
                 return _terms(node.args[0], sign, stop) + _terms(node.args[1], sign * second, stop)
         if node.target is aten.neg.default:
             return _terms(node.args[0], -sign, stop)
+        if node.target is aten.rsub.Scalar and len(node.args) == 2 and isinstance(node.args[1], (int, float)) \
+                and set(node.kwargs) <= {"alpha"} and isinstance(node.kwargs.get("alpha", 1), (int, float)):
+            # c − x (``1 - a`` of a tensor a): the number c is a term of its own
+            return [(sign, node.args[1])] + _terms(node.args[0], -sign * node.kwargs.get("alpha", 1), stop)
         if node.target in (aten.mul.Tensor, aten.div.Tensor) and len(node.args) == 2 and not node.kwargs:
             # c·(a − b) and (a − b)/c for a number c: distributed, c·a − c·b (an EMA written M + λ(X − M))
             x, c = node.args

@@ -57,7 +57,8 @@ def combined(body: fx.GraphModule, state: int, identities: set[int]) -> fx.Graph
     keeps = [_product(t).factors.count(M_in) == 1 for _, t in terms]
     kept = [term for term, keep in zip(terms, keeps) if keep]
     update = [term for term, keep in zip(terms, keeps) if not keep]
-    factored = _common_factored(build, update) if len(update) > 1 else None
+    products = _collected(build, update)
+    factored = _common_factored(build, products) if products and (len(products) > 1 or len(update) > 1) else None
     if factored is None and not expanded:
         return None
     new = build.sum(kept + ([(1.0, factored)] if factored is not None else update))
@@ -110,7 +111,7 @@ def _distributed(build: _Builder, terms: list[tuple[float, Any]]) -> list[tuple[
     out = []
     for sign, term in terms:
         prod = _factors(term) if isinstance(term, fx.Node) else None
-        sums = [f for f in prod.factors if len(_terms(f)) > 1] if prod is not None else []
+        sums = [f for f in prod.factors if len(_terms(f)) > 1 and not _is_number(f)] if prod is not None else []
         if len(sums) != 1 or not all(map(_is_number, [f for f in prod.factors if f is not sums[0]] + prod.divisors)):
             out.append((sign, term))
             continue
@@ -215,13 +216,86 @@ def _reassociated(build: _Builder, A: fx.Node, outer: tuple, side: int) -> fx.No
     return build.product(coef, numbers + pair, [])
 
 
-def _common_factored(build: _Builder, update: list[tuple[float, Any]]) -> fx.Node | None:
-    """Σ s_i · F · R_i as F · Σ s_i · R_i for the factors F every term has (identity 3), or None if none."""
-    prods = []
+def _collected(build: _Builder, update: list[tuple[float, Any]]) -> list[_Product]:
+    """The update terms as one sum of products, each sum inside them multiplied out and like products added
+    (DeltaNet's paper: ``v_new = β v + (1 − β) v_old``, ``M − v_old kᵀ + v_new kᵀ`` is ``M + β (v − v_old) kᵀ``);
+    the terms as written where no two products add up."""
+    products: dict[tuple, _Product] = {}
+    merged = False
     for sign, term in update:
-        prod = _factors(term)
-        prod.coef *= sign
-        prods.append(prod)
+        expanded = _sum_of_products(build, term)
+        if expanded is None:
+            expanded = [_factors(term)]
+        for prod in expanded:
+            key = (tuple(sorted(map(id, prod.factors))), tuple(sorted(map(id, prod.divisors))))
+            if key in products:
+                products[key].coef += sign * prod.coef
+                merged = True
+            else:
+                prod.coef *= sign
+                products[key] = prod
+    if not merged:  # nothing to add up: the terms as written (multiplied out, a (1 − α) factor would split them)
+        products = {i: _factors(term) for i, (_, term) in enumerate(update)}
+        for prod, (sign, _) in zip(products.values(), update):
+            prod.coef *= sign
+    return [prod for prod in products.values() if prod.coef != 0]
+
+
+_MAX_TERMS = 16
+
+
+def _sum_of_products(build: _Builder, x: Any) -> list[_Product] | None:
+    """``x`` multiplied out into Σ coef · Π factors / Π divisors (through add, sub, mul, neg, division by a number,
+    and an unsqueeze of the last dim, which every factor takes: they broadcast from the right), or None past
+    :data:`_MAX_TERMS` terms or where a number stands alone."""
+    if isinstance(x, tuple):  # ("mul" | "div", a, b) from addcmul / addcdiv
+        kind, a, b = x
+        return _times(_sum_of_products(build, a), _sum_of_products(build, b)) if kind == "mul" else None
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return [_Product(coef=float(x))]
+    if not isinstance(x, fx.Node):
+        return None
+    parts = _terms(x)
+    if len(parts) > 1:
+        out = []
+        for sign, part in parts:
+            expanded = _sum_of_products(build, part)
+            if expanded is None:
+                return None
+            for prod in expanded:
+                prod.coef *= sign
+            out += expanded
+        return out if len(out) <= _MAX_TERMS else None
+    if x.op == "call_function" and not x.kwargs:
+        if x.target is aten.mul.Tensor:
+            return _times(_sum_of_products(build, x.args[0]), _sum_of_products(build, x.args[1]))
+        if x.target is aten.neg.default:
+            return _times([_Product(coef=-1.0)], _sum_of_products(build, x.args[0]))
+        if x.target is aten.div.Tensor and isinstance(x.args[1], (int, float)) and x.args[1] != 0:
+            return _times([_Product(coef=1.0 / x.args[1])], _sum_of_products(build, x.args[0]))
+        rank = len(_shape(x) or ())
+        if x.target is aten.unsqueeze.default and rank and x.args[1] % rank == rank - 1 \
+                and len(_terms(x.args[0])) + len(_factors(x.args[0]).factors) > 2:
+            inner = _sum_of_products(build, x.args[0])  # (a number is the same number unsqueezed)
+            if inner is None:
+                return None
+            return [_Product(prod.coef, [build.unsqueezed(f) for f in prod.factors],
+                             [build.unsqueezed(d) for d in prod.divisors]) for prod in inner]
+    return [_Product(1.0, [x], [])]
+
+
+def _times(a: list[_Product] | None, b: list[_Product] | None) -> list[_Product] | None:
+    if a is None or b is None or len(a) * len(b) > _MAX_TERMS:
+        return None
+    return [_Product(p.coef * q.coef, p.factors + q.factors, p.divisors + q.divisors) for p in a for q in b]
+
+
+def _common_factored(build: _Builder, prods: list[_Product]) -> fx.Node | None:
+    """Σ s_i · F · R_i as F · Σ s_i · R_i for the factors F every term has (identity 3), or None if none (one
+    term: that product)."""
+    if len(prods) == 1:
+        (prod,) = prods
+        return build.product(prod.coef, prod.factors, prod.divisors) if prod.factors else None
     common = Counter(prods[0].factors)
     for prod in prods[1:]:
         common &= Counter(prod.factors)
@@ -259,13 +333,27 @@ class _Builder:
     """New ATen nodes before the body's output, each with its fake value (``meta["val"]``)."""
 
     def __init__(self, graph: fx.Graph, before: fx.Node):
-        self.graph, self.before = graph, before
+        self.graph, self.before, self.unsqueezes = graph, before, {}
+        self.earlier = set()  # the nodes before the new ones, which they may read
+        for node in graph.nodes:
+            if node is before:
+                break
+            self.earlier.add(node)
 
     def call(self, target: Any, *args: Any) -> fx.Node:
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(target, args)
         node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
         return node
+
+    def unsqueezed(self, x: fx.Node) -> fx.Node:
+        """``x.unsqueeze(-1)``, one node per x: the graph's own where it has one."""
+        if x not in self.unsqueezes:
+            rank = len(_shape(x) or ()) + 1
+            own = [u for u in x.users if u.target is aten.unsqueeze.default and u.args[0] is x
+                   and u.args[1] % rank == rank - 1 and u in self.earlier]
+            self.unsqueezes[x] = own[0] if own else self.call(aten.unsqueeze.default, x, -1)
+        return self.unsqueezes[x]
 
     def product(self, coef: float, factors: list, divisors: list) -> fx.Node:
         """coef · Π factors / Π divisors (factors not empty)."""

@@ -876,6 +876,18 @@ def delta_rule_householder_gate_outside_number_strength(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_old_and_new_values(k, v, q, alpha, eta):
+    """DeltaNet's paper: v_old = M k, v_new = β v + (1 − β) v_old, M ← M − v_old kᵀ + v_new kᵀ."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt, b = k[:, t], eta[:, t, :, None]
+        v_old = (M @ kt.unsqueeze(-1)).squeeze(-1)
+        v_new = b * v[:, t] + (1 - b) * v_old
+        M = M - v_old[..., None] * kt[..., None, :] + v_new[..., None] * kt[..., None, :]
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def delta_rule_decayed_as_a_whole(k, v, q, alpha, eta):
     """a (M − η (M k − v) kᵀ): the decay multiplies the whole step (so the strength is a·η)."""
     M, ys = _m0(k, v), []
@@ -956,6 +968,20 @@ def hebbian_outputs_stacked_and_the_last_returned(k, v, q, alpha, eta):  # ys st
     return torch.stack(ys, 1) + sum(ys)[:, None] + ys[-1][:, None], M
 
 
+def l2_error_read_before_its_in_place_write(k, v, q, alpha, eta):
+    """A copy of the read taken before the error is formed in place on it: η (0.9 M k − v) kᵀ, the like terms added
+    up, is 0.9 η (M k − v / 0.9) kᵀ, the delta rule with its value and strength rescaled."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1)
+        c = e.clone()
+        e.sub_(v[:, t])
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * (e - 0.1 * c).unsqueeze(-1) \
+            * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn.Dropout(0.0) in train(): identity
     M, ys = torch.zeros(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1]), []
     for t in range(k.shape[1]):
@@ -973,6 +999,8 @@ SPELLINGS = {
                                                             "memory_scan"),
     "delta_rule_distributed_with_the_identity": (delta_rule_distributed_with_the_identity, "memory_scan"),
     "delta_rule_decayed_as_a_whole": (delta_rule_decayed_as_a_whole, "memory_scan"),
+    "delta_rule_old_and_new_values": (delta_rule_old_and_new_values, "memory_scan"),
+    "l2_error_read_before_its_in_place_write": (l2_error_read_before_its_in_place_write, "memory_scan"),
     "delta_rule_householder_strength_in_a_tensor": (delta_rule_householder_strength_in_a_tensor, "memory_scan"),
     "delta_rule_from_an_edited_zero_state": (delta_rule_from_an_edited_zero_state, "memory_scan"),
     "hebbian_from_an_edited_zero_state": (hebbian_from_an_edited_zero_state, "linear_attention"),
@@ -1710,19 +1738,6 @@ def l2_key_floored_by_relu_in_the_error(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
-def l2_error_read_before_its_in_place_write(k, v, q, alpha, eta):
-    """A copy of the read taken before the error is formed in place on it: g reads more than e."""
-    M, ys = _m0(k, v), []
-    for t in range(k.shape[1]):
-        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1)
-        c = e.clone()
-        e.sub_(v[:, t])
-        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * (e - 0.1 * c).unsqueeze(-1) \
-            * k[:, t].unsqueeze(-2)
-        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
-    return torch.stack(ys, 1), M
-
-
 def l2_update_of_some_rows_in_place(k, v, q, alpha, eta):
     """Only the first two rows of the memory take the delta-rule update, written in place into a copy: no
     memory_scan step (each updates the whole memory)."""
@@ -1811,8 +1826,6 @@ REPORTED = {
     "gated_householder_form": (gated_householder_form, ["formed from the decayed memory"]),
     "l2_update_of_some_rows_in_place": (l2_update_of_some_rows_in_place,
                                         ["state is updated by an outer product", "not one memory_scan"]),
-    "l2_error_read_before_its_in_place_write": (l2_error_read_before_its_in_place_write,
-                                                ["g(e) reads values not computed from e"]),
     "l2_key_floored_by_relu_in_the_error": (l2_key_floored_by_relu_in_the_error,
                                             ["applies relu", "a bound or branch on data"]),
     "l2_key_clamped_in_the_error_only": (l2_key_clamped_in_the_error_only,
