@@ -536,6 +536,13 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                            "passes a float attribute in as a tensor)")
         rec.momentum_state, rec.params["momentum"], rec.momentum_scale = momentum, beta, scale
     if len(update) != 1:
+        kept_through = [f for prod in update for f in prod.factors if isinstance(f, fx.Node) and f is not M_in
+                        and b.depends.get(f) == {m} and isinstance(b.env.get(f), torch.Tensor)
+                        and b.env[f].shape == Mv.shape and f.op == "call_function"
+                        and f.target not in _VIEWS and not _is_outer_product(f)]
+        if not retention and kept_through:
+            raise NotFused(f"the new memory keeps the old one through {short_name(kept_through[0])} of it, not as "
+                           "a·M: the step is not linear in the memory")
         raise NotFused(f"the new memory is not a·M plus one update term ({len(update)} update terms)")
     (update,) = update
     keep = _keep(retention)
@@ -557,6 +564,11 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                        ", which the memory step does not update")
     _verify(b, rec)
     return rec
+
+
+def short_name(node: fx.Node) -> str:
+    """``tanh`` for aten.tanh.default: the op a node calls, as the user wrote it."""
+    return str(node.target).removeprefix("aten.").split(".")[0]
 
 
 def _plain_read(b: _Body, y: fx.Node, W: torch.Tensor, lead: tuple, A: int, C: int) -> tuple | None:

@@ -1795,6 +1795,16 @@ def delta_rule_read_transposed(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_kept_through_tanh(k, v, q, alpha, eta):
+    """tanh(M) − η (M k − v) kᵀ: the memory is kept through a nonlinearity, no a·M."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = torch.tanh(M) - eta[:, t, :, None, None] * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def householder_writing_another_key(k, v, q, alpha, eta):
     """M (I − β k kᵀ) + β v qᵀ: the write's key is not the one the memory is read with, no delta rule."""
     M, ys = _m0(k, v), []
@@ -1820,6 +1830,7 @@ def gated_householder_form(k, v, q, alpha, eta):
 REPORTED = {
     "householder_writing_another_key": (householder_writing_another_key, ["no error e = M·k − v is formed"]),
     "delta_rule_read_transposed": (delta_rule_read_transposed, ["read as q·M but its error is formed as M·k − v"]),
+    "delta_rule_kept_through_tanh": (delta_rule_kept_through_tanh, ["keeps the old one through tanh of it"]),
     "householder_with_a_one_by_one_eye": (householder_with_a_one_by_one_eye, ["2 update terms"]),
     "householder_with_an_edited_eye": (householder_with_an_edited_eye, ["2 update terms"]),
     "householder_with_a_one_by_one_eye_expanded": (householder_with_a_one_by_one_eye_expanded, ["2 update terms"]),
