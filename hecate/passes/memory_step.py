@@ -536,10 +536,11 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                            "passes a float attribute in as a tensor)")
         rec.momentum_state, rec.params["momentum"], rec.momentum_scale = momentum, beta, scale
     if len(update) != 1:
-        kept_through = [f for prod in update for f in prod.factors if isinstance(f, fx.Node) and f is not M_in
-                        and b.depends.get(f) == {m} and isinstance(b.env.get(f), torch.Tensor)
-                        and b.env[f].shape == Mv.shape and f.op == "call_function"
-                        and f.target not in _VIEWS and not _is_outer_product(f)]
+        kept_through = [f for prod in update for f in prod.factors if isinstance(f, fx.Node)
+                        and f.op == "call_function" and M_in in f.all_input_nodes
+                        and isinstance(f.target, torch._ops.OpOverload) and torch.Tag.pointwise in f.target.tags
+                        and f.target not in (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor,
+                                             aten.neg.default)]  # (tanh(M): no linear function of M)
         if not retention and kept_through:
             raise NotFused(f"the new memory keeps the old one through {short_name(kept_through[0])} of it, not as "
                            "a·M: the step is not linear in the memory")
