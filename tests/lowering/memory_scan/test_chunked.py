@@ -264,3 +264,16 @@ def test_bf16_inputs_run_in_an_fp32_state(hebbian):
     for name, g, g_r in zip(GRAD_NAMES, grads, grads_r):
         assert g.dtype == g_r.dtype, name
         assert_close(name, g, g_r, 1e-2 if g.dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_non_finite_element_anywhere_is_seen_by_the_one_sync_check(bad, dtype):
+    """chunked.all_finite reads sums: one NaN or ±inf in any tensor makes it False (+inf beside −inf too), finite
+    tensors (and None) make it True."""
+    x, y = torch.randn(3, 70, 2, 5, dtype=dtype), torch.randn(3, 70, 2, dtype=dtype)
+    assert chunked.all_finite([x, None, y])
+    y[1, 33, 0] = bad
+    assert not chunked.all_finite([x, None, y])
+    x[0, 0, 0, 0], x[2, 1, 1, 1] = float("inf"), float("-inf")
+    assert not chunked.all_finite([x])
