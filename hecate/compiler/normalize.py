@@ -154,16 +154,16 @@ def hand_written_convs(graph: fx.Graph) -> None:
             if isinstance(other, fx.Node) and _per_channel(other, channels, _val(pad).dtype, 0, time):
                 out, bias = user, other
         with graph.inserting_before(out):
-            weight = weights[0] if len(weights) == 1 else _emit(
-                graph, aten.stack.default, [_emit(graph, aten.reshape.default, w, [channels]) for w in weights], -1)
-            weight = _emit(graph, aten.reshape.default, weight, [channels, 1, left + 1])
+            weight = weights[0] if len(weights) == 1 else emit(
+                graph, aten.stack.default, [emit(graph, aten.reshape.default, w, [channels]) for w in weights], -1)
+            weight = emit(graph, aten.reshape.default, weight, [channels, 1, left + 1])
             if bias is not None:
-                bias = _emit(graph, aten.reshape.default, bias, [channels])
-            padded_input = pad if time == 2 else _emit(
-                graph, aten.pad.default, _emit(graph, aten.transpose.int, pad.args[0], 1, 2), [left, 0])
-            conv = _emit(graph, aten.conv1d.default, padded_input, weight, bias, [1], [0], [1], channels)
+                bias = emit(graph, aten.reshape.default, bias, [channels])
+            padded_input = pad if time == 2 else emit(
+                graph, aten.pad.default, emit(graph, aten.transpose.int, pad.args[0], 1, 2), [left, 0])
+            conv = emit(graph, aten.conv1d.default, padded_input, weight, bias, [1], [0], [1], channels)
             if time == 1:
-                conv = _emit(graph, aten.transpose.int, conv, 1, 2)
+                conv = emit(graph, aten.transpose.int, conv, 1, 2)
         out.replace_all_uses_with(conv)
 
 
@@ -193,7 +193,7 @@ def _unfolded_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx
             channels = pad_val.shape[3 - time]
             if taps_first and _per_channel(w, taps, pad_val.dtype, channels, 1):
                 with pad.graph.inserting_before(mul):
-                    return mul, [_emit(pad.graph, aten.transpose.int, w, 0, 1)], None
+                    return mul, [emit(pad.graph, aten.transpose.int, w, 0, 1)], None
             if not taps_first and _per_channel(w, channels, pad_val.dtype, taps, 1):
                 return mul, [w], None
         if mul.target is not aten.mul.Tensor or len(mul.users) != 1:
@@ -864,20 +864,20 @@ def _permuted(graph: fx.Graph, x: Any, order: list[int], cone: set[fx.Node], don
         rank = _val(x).dim()
         unsqueezed = 0 if rank < len(order) else x.args[1] % rank if x.target is aten.unsqueeze.default else None
         if x in cone and _sums_last_dim(x):
-            done[key] = _emit(graph, aten.sum.dim_IntList,
+            done[key] = emit(graph, aten.sum.dim_IntList,
                               _permuted(graph, x.args[0], order + [len(order)], cone, done), [-1])
         elif x in cone or _is_pointwise(x):
-            done[key] = _emit(graph, x.target, *fx.node.map_arg(
+            done[key] = emit(graph, x.target, *fx.node.map_arg(
                 x.args, lambda a: _permuted(graph, a, order, cone, done)), **x.kwargs)
         elif unsqueezed is not None:  # the permute moved through the size-1 dim to the tensor unsqueezed
             inner = [o - (o > unsqueezed) for o in order if o != unsqueezed]
-            done[key] = _emit(graph, aten.unsqueeze.default,
+            done[key] = emit(graph, aten.unsqueeze.default,
                               _permuted(graph, x if rank < len(order) else x.args[0], inner, cone, done),
                               order.index(unsqueezed))
         elif order == sorted(order):
             done[key] = x
         else:
-            done[key] = _emit(graph, aten.permute.default, x, order)
+            done[key] = emit(graph, aten.permute.default, x, order)
     return done[key]
 
 
@@ -911,7 +911,7 @@ def detach_no_grad_results(graph: fx.Graph) -> None:
         if grad_enabled[node] or not later or not isinstance(_val(node), torch.Tensor) or mutates(node):
             continue  # (a write under no_grad returns the tensor it wrote into, which keeps its gradient)
         with graph.inserting_after(node):
-            detached = _emit(graph, aten.detach.default, node)
+            detached = emit(graph, aten.detach.default, node)
         detached.meta["stack_trace"] = node.meta.get("stack_trace")  # the user's line inside the region
         for user in later:
             user.replace_input_with(node, detached)
@@ -938,7 +938,7 @@ def softmax_spellings(graph: fx.Graph) -> None:
             if x is not None:
                 before = node.prev
                 with graph.inserting_before(node):
-                    node.replace_all_uses_with(_emit(graph, target, x, dim))
+                    node.replace_all_uses_with(emit(graph, target, x, dim))
                 _keep_source(before, node)
                 graph.erase_node(node)
                 break
@@ -1016,7 +1016,8 @@ def _val(node: Any) -> Any:
     return node.meta.get("val", node.meta.get("example_value")) if isinstance(node, fx.Node) else node
 
 
-def _emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+def emit(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+    """A new call of ``target`` at the graph's insertion point, with its fake value (``meta["val"]``)."""
     new = graph.call_function(target, args, kwargs)
     _refake(new)
     return new
@@ -1039,11 +1040,11 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return args[0]  # h.view(B, T, D) of an h [B, T, D]: h itself
     if target in _AXIS_MOVES and not node.kwargs and isinstance(_val(node), torch.Tensor):
         with graph.inserting_before(node):  # swapaxes, movedim: the transpose or permute they are
-            return _emit(graph, aten.permute.default, args[0], _moved_axes(node))
+            return emit(graph, aten.permute.default, args[0], _moved_axes(node))
     if target in (aten.mT.default, aten.t.default) and isinstance(_val(node), torch.Tensor) and _val(node).dim() >= 2:
         rank = _val(node).dim()  # x.mT, x.t(): the transpose of the last two dims, as x.transpose(1, 2) writes it
         with graph.inserting_before(node):
-            return _emit(graph, aten.transpose.int, args[0], rank - 2, rank - 1)
+            return emit(graph, aten.transpose.int, args[0], rank - 2, rank - 1)
     if target is aten.ones_like.default and isinstance(_val(node), torch.Tensor) \
             and set(node.kwargs) <= {"dtype", "layout", "device", "pin_memory", "memory_format"} \
             and node.kwargs.get("layout") in (None, torch.strided):
@@ -1054,7 +1055,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return args[0]
     if target is aten.narrow.default and all(isinstance(a, int) for a in args[1:]):
         with graph.inserting_before(node):
-            cut = _emit(graph, aten.slice.Tensor, args[0], args[1], args[2], args[2] + args[3])
+            cut = emit(graph, aten.slice.Tensor, args[0], args[1], args[2], args[2] + args[3])
             return _rewrite(graph, cut, outputs) or cut
     if target in _ADD_PRODUCTS and isinstance(args[0], fx.Node):
         return _add_product(graph, node, outputs)
@@ -1063,12 +1064,12 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 2 and b.dim() >= 2 \
                 and a.shape[-1] == 1 and b.shape[-2] == 1 and a.dtype == b.dtype:
             with graph.inserting_before(node):
-                return _emit(graph, aten.mul.Tensor, args[0], args[1])
+                return emit(graph, aten.mul.Tensor, args[0], args[1])
         if (rows := _row_scaled(args[0], outputs)) is not None:
             scaled, divide = rows  # (a / n) @ v → (a @ v) / n for n one number per row of a: the row's scale
             with graph.inserting_before(node):
-                product = _emit(graph, target, args[0].args[0], args[1])
-                return _emit(graph, divide, product, scaled)
+                product = emit(graph, target, args[0].args[0], args[1])
+                return emit(graph, divide, product, scaled)
         return None
     if target is aten.einsum.default and (scaled := _einsum_of_row_scaled(graph, node, outputs)) is not None:
         return scaled
@@ -1077,25 +1078,25 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return (_einsum(graph, explicit, outputs) or explicit) if explicit is not None else _einsum(graph, node, outputs)
     if target in (aten.outer.default, aten.ger.default) and not node.kwargs:
         with graph.inserting_before(node):  # torch.outer(a, b): a[:, None] * b, as the other spellings are
-            return _emit(graph, aten.mul.Tensor, _emit(graph, aten.unsqueeze.default, args[0], -1), args[1])
+            return emit(graph, aten.mul.Tensor, emit(graph, aten.unsqueeze.default, args[0], -1), args[1])
     if target is aten.lerp.Scalar and not node.kwargs and isinstance(args[2], (int, float)) \
             and not isinstance(args[2], bool):
         a, b, w = args  # torch.lerp(a, b, w) for a number w: (1 − w)·a + w·b (the same up to rounding)
         with graph.inserting_before(node):
-            return _emit(graph, aten.add.Tensor, _emit(graph, aten.mul.Tensor, a, 1 - w),
-                         _emit(graph, aten.mul.Tensor, b, w))
+            return emit(graph, aten.add.Tensor, emit(graph, aten.mul.Tensor, a, 1 - w),
+                         emit(graph, aten.mul.Tensor, b, w))
     if target is aten.add.Tensor and not node.kwargs and all(isinstance(a, fx.Node) for a in args) \
             and args[1].target is aten.neg.default:
         with graph.inserting_before(node):  # a + (−b) → a − b (exactly: negation is exact)
-            return _emit(graph, aten.sub.Tensor, args[0], args[1].args[0])
+            return emit(graph, aten.sub.Tensor, args[0], args[1].args[0])
     if target is aten.sub.Tensor and not node.kwargs and isinstance(args[0], fx.Node) \
             and isinstance(args[1], (int, float)) and not isinstance(args[1], bool):
         with graph.inserting_before(node):  # x − c → x + (−c)
-            return _emit(graph, aten.add.Tensor, args[0], -args[1])
+            return emit(graph, aten.add.Tensor, args[0], -args[1])
     if target is aten.add.Tensor and not node.kwargs and args[0] is args[1] and isinstance(args[0], fx.Node) \
             and isinstance(_val(args[0]), torch.Tensor) and _val(args[0]).dtype.is_floating_point:
         with graph.inserting_before(node):  # x + x → x * 2 (exactly)
-            return _emit(graph, aten.mul.Tensor, args[0], 2)
+            return emit(graph, aten.mul.Tensor, args[0], 2)
     scaled_by_number = target in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2 \
         and isinstance(args[1], (int, float)) and not isinstance(args[1], bool) and args[1] != 0 \
         and math.isfinite(args[1])
@@ -1111,7 +1112,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         # the KL): the mask then on the score the softmax reads. Exact for a mask (0 and ±inf stay so); a
         # finite m rounds apart at most once
         with graph.inserting_before(node):
-            return _emit(graph, aten.add.Tensor, *(_emit(graph, target, a, *args[1:]) for a in args[0].args))
+            return emit(graph, aten.add.Tensor, *(emit(graph, target, a, *args[1:]) for a in args[0].args))
     if target is aten.where.self and len(args) == 3:
         return _where_of_a_number(graph, node)
     if target in (aten.masked_fill.Tensor, aten.index_put.default):
@@ -1127,21 +1128,21 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             and _val(args[0]).shape[-1] == _val(args[0]).shape[-2]:
         # over dim −2 of a square [.., N, N] score (one laid out [j, i]): over the last dim of its transpose
         with graph.inserting_before(node):
-            flipped = _emit(graph, target, _transposed(graph, args[0]), -1)
-            return _emit(graph, aten.transpose.int, flipped, -2, -1)
+            flipped = emit(graph, target, _transposed(graph, args[0]), -1)
+            return emit(graph, aten.transpose.int, flipped, -2, -1)
     if target is aten.slice.Tensor and len(args) > 1 and isinstance(args[0], fx.Node) and not node.kwargs \
             and args[0].target is aten.unsqueeze.default and isinstance(_val(node), torch.Tensor) \
             and (u := _squeezed_dim(args[0])) is not None and args[1] % _val(node).dim() != u:
         d = args[1] % _val(node).dim()  # y.unsqueeze(2)[..., :T] → y[..., :T].unsqueeze(2): the slice by the conv
         with graph.inserting_before(node):
-            cut = _emit(graph, aten.slice.Tensor, args[0].args[0], d if d < u else d - 1, *args[2:])
-            return _emit(graph, aten.unsqueeze.default, cut, u)
+            cut = emit(graph, aten.slice.Tensor, args[0].args[0], d if d < u else d - 1, *args[2:])
+            return emit(graph, aten.unsqueeze.default, cut, u)
     if target is aten.permute.default and _permutation(node) in ([1, 2, 0], [2, 0, 1]):
         # a sequence-first [T, B, D] ↔ [B, D, T] in one permute: the batch swap and the T/D swap, the latter next
         # to the [B, D, T] side (where a conv is), as (1, 2, 0) = swap(0, 1) then swap(1, 2). Exact: views.
         first, second = ((0, 1), (1, 2)) if _permutation(node) == [1, 2, 0] else ((1, 2), (0, 1))
         with graph.inserting_before(node):
-            return _emit(graph, aten.transpose.int, _emit(graph, aten.transpose.int, args[0], *first), *second)
+            return emit(graph, aten.transpose.int, emit(graph, aten.transpose.int, args[0], *first), *second)
     if target is aten.slice.Tensor and len(args) > 1 and _permutation(args[0]) is not None:
         return _slice_before_permute(graph, node, outputs)
     if _permutation(node) is not None and isinstance(args[0], fx.Node) and zero_pad_amounts(args[0]) is not None \
@@ -1160,11 +1161,11 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             and len(zero_pad_amounts(args[0])) // 2 < _val(node).dim() + 1 - _squeezed_dim(node):
         pad = args[0]  # F.pad(x.unsqueeze(2), (K-1, 0)).squeeze(2) → F.pad(x, (K-1, 0)): the row is not padded
         with graph.inserting_before(node):
-            return _emit(graph, aten.pad.default, pad.args[0].args[0], *pad.args[1:], **pad.kwargs)
+            return emit(graph, aten.pad.default, pad.args[0].args[0], *pad.args[1:], **pad.kwargs)
     if (target is aten.mul.Tensor and len(args) == 2 and args[0] is args[1] and isinstance(args[0], fx.Node)
             or target is aten.square.default):
         with graph.inserting_before(node):
-            return _emit(graph, aten.pow.Tensor_Scalar, args[0], 2)
+            return emit(graph, aten.pow.Tensor_Scalar, args[0], 2)
     scaled = target in (aten.mul.Tensor, aten.div.Tensor) and len(args) == 2 and not node.kwargs \
         and isinstance(args[1], (int, float)) and not isinstance(args[1], bool)
     if (target is aten.neg.default or scaled) and isinstance(args[0], fx.Node) and args[0].op == "call_function" \
@@ -1174,7 +1175,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         # a score's sign and scale stay with the score
         view = args[0]
         with graph.inserting_before(node):
-            return _emit(graph, view.target, _emit(graph, target, view.args[0], *args[1:]), *view.args[1:],
+            return emit(graph, view.target, emit(graph, target, view.args[0], *args[1:]), *view.args[1:],
                          **view.kwargs)
     return None
 
@@ -1272,7 +1273,7 @@ def _cat_of_zeros(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     amounts = [0] * (2 * (rank - dim))
     amounts[-2:] = [before, after]  # F.pad's amounts run from the last dim back: dim's pair comes last
     with graph.inserting_before(node):
-        return _emit(graph, aten.pad.default, x, amounts)
+        return emit(graph, aten.pad.default, x, amounts)
 
 
 def _moved_axes(node: fx.Node) -> list[int]:
@@ -1306,17 +1307,17 @@ def _cat_transposed(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
                        for p in parts):
         return None
     with graph.inserting_before(node):
-        pieces = [_emit(graph, aten.transpose.int, p, d1, d2) for p in parts]
-        return _emit(graph, aten.cat.default, pieces, d2 if dim == d1 else d1 if dim == d2 else dim)
+        pieces = [emit(graph, aten.transpose.int, p, d1, d2) for p in parts]
+        return emit(graph, aten.cat.default, pieces, d2 if dim == d1 else d1 if dim == d2 else dim)
 
 
 def _transposed(graph: fx.Graph, x: fx.Node) -> fx.Node:
     """``x.transpose(-2, -1)``, a mask on x transposed with it (``s.masked_fill(m, v).mT`` →
     ``s.mT.masked_fill(m.mT, v)``), so that the mask stays on the score a softmax reads."""
     if x.target is aten.masked_fill.Scalar and isinstance(x.args[1], fx.Node) and _val(x.args[1]).dim() >= 2:
-        return _emit(graph, aten.masked_fill.Scalar, _transposed(graph, x.args[0]),
-                     _emit(graph, aten.transpose.int, x.args[1], -2, -1), x.args[2])
-    return _emit(graph, aten.transpose.int, x, -2, -1)
+        return emit(graph, aten.masked_fill.Scalar, _transposed(graph, x.args[0]),
+                     emit(graph, aten.transpose.int, x.args[1], -2, -1), x.args[2])
+    return emit(graph, aten.transpose.int, x, -2, -1)
 
 
 def _through_masked_fill(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
@@ -1332,7 +1333,7 @@ def _through_masked_fill(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
                 or _val(x).shape != _val(fill).shape:
             return None
         with graph.inserting_before(node):
-            mask = (_emit(graph, aten.logical_not.default, fill.args[0]) if fill.target is aten.where.ScalarOther
+            mask = (emit(graph, aten.logical_not.default, fill.args[0]) if fill.target is aten.where.ScalarOther
                     else fill.args[0])
     if not isinstance(value, float) or math.isfinite(value):
         return None
@@ -1344,7 +1345,7 @@ def _through_masked_fill(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
             return None
         op, new_value = (node.target, c), (value * c if node.target is aten.mul.Tensor else value / c)
     with graph.inserting_before(node):
-        return _emit(graph, aten.masked_fill.Scalar, _emit(graph, op[0], x, *op[1:]), mask, new_value)
+        return emit(graph, aten.masked_fill.Scalar, emit(graph, op[0], x, *op[1:]), mask, new_value)
 
 
 def _where_of_a_number(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
@@ -1360,7 +1361,7 @@ def _where_of_a_number(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
                 return None
             target = aten.where.ScalarOther if i == 2 else aten.where.ScalarSelf
             with graph.inserting_before(node):
-                return _emit(graph, target, cond, *((other, branch.args[1]) if i == 2 else (branch.args[1], other)))
+                return emit(graph, target, cond, *((other, branch.args[1]) if i == 2 else (branch.args[1], other)))
     return None
 
 
@@ -1379,7 +1380,7 @@ def _masked_fill_of_a_number(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
                 or _val(mask).dtype != torch.bool or len(lead) + _val(mask).dim() != _val(x).dim():
             return None
     with graph.inserting_before(node):
-        return _emit(graph, aten.masked_fill.Scalar, x, mask, number)
+        return emit(graph, aten.masked_fill.Scalar, x, mask, number)
 
 
 def _sizes_of(graph: fx.Graph, like: fx.Node) -> list:
@@ -1399,7 +1400,7 @@ def _expand_as(graph: fx.Graph, node: fx.Node) -> fx.Node:
     expanded as the memory does not depend on the memory)."""
     x, like = node.args
     with graph.inserting_before(node):
-        return _emit(graph, aten.expand.default, x, _sizes_of(graph, like))
+        return emit(graph, aten.expand.default, x, _sizes_of(graph, like))
 
 
 def _ones_of_the_shape(graph: fx.Graph, node: fx.Node) -> fx.Node:
@@ -1407,7 +1408,7 @@ def _ones_of_the_shape(graph: fx.Graph, node: fx.Node) -> fx.Node:
     its values (a causal mask ``ones_like(s).tril()`` is made of sizes, as ``ones(T, T).tril()`` is)."""
     like, value = node.args[0], _val(node)
     with graph.inserting_before(node):
-        return _emit(graph, aten.ones.default, _sizes_of(graph, like), dtype=value.dtype, device=value.device,
+        return emit(graph, aten.ones.default, _sizes_of(graph, like), dtype=value.dtype, device=value.device,
                      pin_memory=False)
 
 
@@ -1434,14 +1435,14 @@ def _add_product(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.No
         return None
     with graph.inserting_before(node):
         if node.target is aten.addr.default:
-            product = _emit(graph, aten.mul.Tensor, _emit(graph, aten.unsqueeze.default, a, -1), b)
+            product = emit(graph, aten.mul.Tensor, emit(graph, aten.unsqueeze.default, a, -1), b)
         else:
-            product = _emit(graph, aten.bmm.default if node.target is aten.baddbmm.default else aten.mm.default, a, b)
+            product = emit(graph, aten.bmm.default if node.target is aten.baddbmm.default else aten.mm.default, a, b)
             product = _rewrite(graph, product, outputs) or product
         if beta == 0:
-            return product if alpha == 1 else _emit(graph, aten.mul.Tensor, product, alpha)
-        kept = M if beta == 1 else _emit(graph, aten.mul.Tensor, M, beta)
-        return _emit(graph, aten.add.Tensor, kept, product, **({} if alpha == 1 else {"alpha": alpha}))
+            return product if alpha == 1 else emit(graph, aten.mul.Tensor, product, alpha)
+        kept = M if beta == 1 else emit(graph, aten.mul.Tensor, M, beta)
+        return emit(graph, aten.add.Tensor, kept, product, **({} if alpha == 1 else {"alpha": alpha}))
 
 
 _RESHAPES = (aten.view.default, aten.reshape.default, aten.flatten.using_ints, aten._unsafe_view.default)
@@ -1502,7 +1503,7 @@ def _einsum_pairs(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.N
         wider, narrower = sorted((left_term, terms[i]), key=len, reverse=True)  # the wider operand's layout
         kept = output if i == len(terms) - 1 else "".join(dict.fromkeys(c for c in wider + narrower if c in later))
         with graph.inserting_before(node):
-            pair = _emit(graph, aten.einsum.default, f"{left_term},{terms[i]}->{kept}", [left, operands[i]])
+            pair = emit(graph, aten.einsum.default, f"{left_term},{terms[i]}->{kept}", [left, operands[i]])
             left = _einsum(graph, pair, outputs) or pair
         left_term = kept
     return left
@@ -1535,7 +1536,7 @@ def _einsum_without_ellipsis(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     named = [t.replace("...", "".join(free[width - span:])) for t, span in zip(terms, spans)]
     out = output.replace("...", "".join(free))
     with graph.inserting_before(node):
-        return _emit(graph, aten.einsum.default, ",".join(named) + "->" + out, operands)
+        return emit(graph, aten.einsum.default, ",".join(named) + "->" + out, operands)
 
 
 def _einsum_of_row_scaled(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
@@ -1554,16 +1555,16 @@ def _einsum_of_row_scaled(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node])
         n, divide = rows
         kept = term[:-1]
         with graph.inserting_before(node):
-            product = _emit(graph, aten.einsum.default, equation, [operand.args[0] if j == i else x
+            product = emit(graph, aten.einsum.default, equation, [operand.args[0] if j == i else x
                                                                    for j, x in enumerate(operands)])
-            placed = _emit(graph, aten.squeeze.dim, n, -1)
+            placed = emit(graph, aten.squeeze.dim, n, -1)
             order = [kept.index(c) for c in out if c in kept]
             if order != sorted(order):
-                placed = _emit(graph, aten.permute.default, placed, order)
+                placed = emit(graph, aten.permute.default, placed, order)
             for dim, c in enumerate(out):
                 if c not in kept:
-                    placed = _emit(graph, aten.unsqueeze.default, placed, dim)
-            return _emit(graph, divide, product, placed)
+                    placed = emit(graph, aten.unsqueeze.default, placed, dim)
+            return emit(graph, divide, product, placed)
     return None
 
 
@@ -1604,12 +1605,12 @@ def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | 
     if not summed:
         with graph.inserting_before(node):
             placed = [_placed(graph, x, term, output) for term, x in zip(terms, operands)]
-            return _emit(graph, aten.mul.Tensor, *placed)
+            return emit(graph, aten.mul.Tensor, *placed)
     if set(terms[0]) == set(terms[1]):  # an elementwise product, summed ("bij,bij->b"): mul, then sum
         order = output + "".join(summed)
         with graph.inserting_before(node):
-            product = _emit(graph, aten.mul.Tensor, *(_placed(graph, x, t, order) for t, x in zip(terms, operands)))
-            return _emit(graph, aten.sum.dim_IntList, product, list(range(len(output), len(order))))
+            product = emit(graph, aten.mul.Tensor, *(_placed(graph, x, t, order) for t, x in zip(terms, operands)))
+            return emit(graph, aten.sum.dim_IntList, product, list(range(len(output), len(order))))
     if len(summed) != 1:
         return None
     (s,) = summed
@@ -1623,11 +1624,11 @@ def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | 
     (e,) = set(y_term) - {s}
     natural = output.replace(e, "") + e  # the matmul's order: the matrix's free index last
     with graph.inserting_before(node):
-        product = _emit(graph, aten.matmul.default, _placed(graph, x, x_term, natural[:-1] + s),
+        product = emit(graph, aten.matmul.default, _placed(graph, x, x_term, natural[:-1] + s),
                         _placed(graph, y, y_term, s + e))
         product = _rewrite(graph, product, outputs) or product
         if natural != output:  # "btd,ed->bet": x @ W.permute(1, 0), then permuted like any transpose
-            product = _emit(graph, aten.permute.default, product, [natural.index(letter) for letter in output])
+            product = emit(graph, aten.permute.default, product, [natural.index(letter) for letter in output])
     return product
 
 
@@ -1653,9 +1654,9 @@ def _slice_before_permute(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node])
     permute = node.args[0]
     dim = _permutation(permute)[node.args[1] % _val(permute).dim()]
     with graph.inserting_before(node):
-        cut = _emit(graph, aten.slice.Tensor, permute.args[0], dim, *node.args[2:], **node.kwargs)
+        cut = emit(graph, aten.slice.Tensor, permute.args[0], dim, *node.args[2:], **node.kwargs)
         cut = _rewrite(graph, cut, outputs) or cut
-        return _emit(graph, permute.target, cut, *permute.args[1:])
+        return emit(graph, permute.target, cut, *permute.args[1:])
 
 
 def _pad_after_permute(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node:
@@ -1669,9 +1670,9 @@ def _pad_after_permute(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) ->
     while moved and moved[-1] == [0, 0]:
         moved.pop()
     with graph.inserting_before(node):
-        permuted = _emit(graph, node.target, pad.args[0], *node.args[1:])
+        permuted = emit(graph, node.target, pad.args[0], *node.args[1:])
         permuted = _rewrite(graph, permuted, outputs) or permuted
-        return _emit(graph, aten.pad.default, permuted, [a for pair in moved for a in pair], *pad.args[2:],
+        return emit(graph, aten.pad.default, permuted, [a for pair in moved for a in pair], *pad.args[2:],
                      **pad.kwargs)
 
 
@@ -1692,10 +1693,10 @@ def _conv2d_over_one_row(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) 
     with graph.inserting_before(node):
         rows = []
         for t in (x, w):
-            squeezed = _emit(graph, aten.squeeze.dim, t, 2)
+            squeezed = emit(graph, aten.squeeze.dim, t, 2)
             rows.append(_rewrite(graph, squeezed, outputs) or squeezed)
-        conv = _emit(graph, aten.conv1d.default, *rows, bias, stride[1:], padding[1:], dilation[1:], groups)
-        return _emit(graph, aten.unsqueeze.default, conv, 2)
+        conv = emit(graph, aten.conv1d.default, *rows, bias, stride[1:], padding[1:], dilation[1:], groups)
+        return emit(graph, aten.unsqueeze.default, conv, 2)
 
 
 def _squeezed_dim(node: fx.Node) -> int | None:
@@ -1713,10 +1714,10 @@ def _placed(graph: fx.Graph, x: fx.Node, term: str, order: str) -> fx.Node:
     kept = [letter for letter in order if letter in term]
     permutation = [term.index(letter) for letter in kept]
     if permutation != list(range(len(term))):
-        x = _emit(graph, aten.permute.default, x, permutation)
+        x = emit(graph, aten.permute.default, x, permutation)
     for i, letter in enumerate(order):
         if letter not in term:
-            x = _emit(graph, aten.unsqueeze.default, x, i)
+            x = emit(graph, aten.unsqueeze.default, x, i)
     return x
 
 

@@ -64,7 +64,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hecate.compiler.normalize import exp_factor, is_row_max, undetached
+from hecate.compiler.normalize import emit, exp_factor, is_row_max, undetached
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals_scaled, evaluate, far_draw,
                                     gaussian_kl, independent, nearest_sources, proportion, run_time_temperature,
@@ -1153,11 +1153,10 @@ def _einsum_laid_out_as_matmul(graph: fx.Graph, node: fx.Node, beta: fx.Node) ->
     (d,) = free
     canonical_x, canonical_out = lead + j + d, lead + i + d
     with graph.inserting_before(node):
-        values = graph.call_function(aten.permute.default, (node.args[1][1], [x.index(c) for c in canonical_x]))
-        summed = graph.call_function(aten.einsum.default, (f"{p},{canonical_x}->{canonical_out}", [beta, values]))
-        result = graph.call_function(aten.permute.default, (summed, [canonical_out.index(c) for c in out]))
+        values = emit(graph, aten.permute.default, node.args[1][1], [x.index(c) for c in canonical_x])
+        summed = emit(graph, aten.einsum.default, f"{p},{canonical_x}->{canonical_out}", [beta, values])
+        result = emit(graph, aten.permute.default, summed, [canonical_out.index(c) for c in out])
     for new in (values, summed, result):
-        new.meta["val"] = new.target(*fx.node.map_arg(new.args, lambda n: n.meta["val"]))
         new.meta["stack_trace"] = node.meta.get("stack_trace")
     node.replace_all_uses_with(result)
     graph.erase_node(node)

@@ -231,10 +231,14 @@ def nodes_between(sources: Iterable[fx.Node], sinks: Iterable[fx.Node]) -> list[
     return [n for n in graph.nodes if n in down]
 
 
+def op_name(node: fx.Node) -> str:
+    """The op a node calls, as the user wrote it: ``tanh`` for ``aten.tanh.default``."""
+    return str(node.target).removeprefix("aten.").split(".")[0]
+
+
 def bound_reason(node: fx.Node, what: str) -> str:
     """Why a fusion found by evaluation stops at a bound or branch on data in its region."""
-    name = str(node.target).removeprefix("aten.").split(".")[0]
-    return (f"{what} applies {name} ({source_line([node]) or node.name}), a bound or branch on data: the check at "
+    return (f"{what} applies {op_name(node)} ({source_line([node]) or node.name}), a bound or branch on data: the check at "
             "random points cannot see past it (where it is not reached it passes for the value it bounds), and "
             "the fused op would drop it")
 

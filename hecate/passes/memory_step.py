@@ -47,7 +47,7 @@ from typing import Any, Iterator
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused, bound_reason, first_threshold, free_attribute, is_zeros, \
+from hecate.passes.matching import NotFused, bound_reason, first_threshold, free_attribute, is_zeros, op_name, \
     replace_with_function
 
 aten = torch.ops.aten
@@ -542,7 +542,7 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                         and f.target not in (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor,
                                              aten.neg.default)]  # (tanh(M): no linear function of M)
         if not retention and kept_through:
-            raise NotFused(f"the new memory keeps the old one through {short_name(kept_through[0])} of it, not as "
+            raise NotFused(f"the new memory keeps the old one through {op_name(kept_through[0])} of it, not as "
                            "a·M: the step is not linear in the memory")
         raise NotFused(f"the new memory is not a·M plus one update term ({len(update)} update terms)")
     (update,) = update
@@ -565,11 +565,6 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                        ", which the memory step does not update")
     _verify(b, rec)
     return rec
-
-
-def short_name(node: fx.Node) -> str:
-    """``tanh`` for aten.tanh.default: the op a node calls, as the user wrote it."""
-    return str(node.target).removeprefix("aten.").split(".")[0]
 
 
 def _plain_read(b: _Body, y: fx.Node, W: torch.Tensor, lead: tuple, A: int, C: int) -> tuple | None:

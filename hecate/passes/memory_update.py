@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from hecate.compiler.normalize import emit
 from hecate.passes.matching import written_in_place
 from hecate.passes.memory_step import _VIEWS, _Product, _product, _terms
 
@@ -342,9 +343,7 @@ class _Builder:
 
     def call(self, target: Any, *args: Any) -> fx.Node:
         with self.graph.inserting_before(self.before):
-            node = self.graph.call_function(target, args)
-        node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
-        return node
+            return emit(self.graph, target, *args)
 
     def unsqueezed(self, x: fx.Node) -> fx.Node:
         """``x.unsqueeze(-1)``, one node per x: the graph's own where it has one."""
