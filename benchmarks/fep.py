@@ -198,10 +198,14 @@ def main():
     cells = []
     name = "fep"
     json_path = result_path(name, args.device, "json", args.quick)
-    earlier = []
+    earlier, kept = [], {}
     if args.merge and os.path.exists(json_path):
         with open(json_path) as f:
-            earlier = json.load(f)["cells"]
+            old = json.load(f)
+        earlier = old["cells"]
+        # what an earlier run kept beside its cells (the runs before, on other cards or launches) stays
+        kept = {key: value for key, value in old.items()
+                if key not in ("benchmark", "environment", "workloads", "notes", "complete", "cells")}
 
     def save(measured: list, complete: bool) -> tuple[str, list]:
         """The JSON with the cells measured so far (after every cell: a run stopped early keeps them)."""
@@ -220,7 +224,7 @@ def main():
                      "the rest of the graph goes to Inductor. Memory only measured on CUDA. A cell's date is "
                      "when it was measured (--merge keeps the cells not measured again; older cells have none).",
             "complete": complete,
-            "cells": cells}, quick=args.quick)
+            "cells": cells, **kept}, quick=args.quick)
         return path, cells
 
     measured = []

@@ -4,6 +4,7 @@
 #     STAGES=tests,qk,memory,fep OUT=/tmp/gpu benchmarks/gpu_check.sh
 #
 # Runs from the repository root with the machine's own python3 (its torch and triton; nothing is installed).
+# FEP_SIZES, FEP_TRAIN_SIZES, TILES_KS and MEMORY_LENGTHS narrow the benchmarks' sizes.
 # Each stage has its own time limit (seconds, env TESTS_S, QK_S, MEMORY_S, FEP_S, PROFILE_S, TILES_S), so one slow
 # stage cannot eat the others. Logs, the tests' JUnit XML and the benchmark JSON/PNG files end up in $OUT (a tarball
 # of benchmarks/results/*-cuda.* as gpu_results.tar.gz, remade after every stage: a call stopped at its limit keeps
@@ -44,11 +45,11 @@ TESTS=${TESTS:-tests/test_cuda.py tests/lowering/memory_scan/test_memory_scan_ke
 stage tests "${TESTS_S:-240}" env OMP_NUM_THREADS=2 python3 -m pytest -m cuda -v -n 8 -p no:cacheprovider --timeout=150 --durations=30 -rfE --tb=short \
     --junitxml="$OUT/cuda_tests.xml" $TESTS
 stage fep "${FEP_S:-120}" python3 benchmarks/fep.py --device cuda --sizes "${FEP_SIZES:-1024x16,1024x64,4096x64}" \
-    --compiled-train-sizes 1024x16 --no-progress
+    --compiled-train-sizes "${FEP_TRAIN_SIZES:-1024x16}" --merge --no-progress
 
 stage profile "${PROFILE_S:-90}" python3 benchmarks/profile_fep.py --device cuda --n 1024 --k 16 \
     --out "$OUT/profile_fep_hecate.txt"
-stage tiles "${TILES_S:-90}" python3 benchmarks/kl_attention_tiles.py --n 1024 --ks 16,64
+stage tiles "${TILES_S:-90}" python3 benchmarks/kl_attention_tiles.py --n 1024 --ks "${TILES_KS:-16,64}"
 stage qk "${QK_S:-120}" python3 benchmarks/qk_preprocess.py --device cuda --no-progress
 stage memory "${MEMORY_S:-150}" python3 benchmarks/memory_scan.py --device cuda --dims 64 --lengths "${MEMORY_LENGTHS:-256,1024,4096}" \
     --unrolled-lengths 16

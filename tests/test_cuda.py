@@ -206,6 +206,98 @@ def test_memory_scan_and_kl_attention_propagate_nan():
 
 
 # ---------------------------------------------------------------------------------------------
+# inputs that are no error: a mask per sequence, a NaN gate, a diverging state, a batch with every target ignored
+
+
+def test_kl_attention_mask_per_sequence(poison_allocations):
+    """A mask given per sequence ([B, N, N]: causal and a key-padding mask of its own per sequence)."""
+    b, n, k = 2, 67, 8
+    keep = torch.rand(b, n) < 0.8
+    keep[:, 0] = True  # every query keeps a key
+    allowed = keep[:, None, :] & torch.ones(n, n, dtype=torch.bool).tril()
+    mu, var = torch.randn(b, n, k) * k ** -0.5, 0.5 + torch.rand(b, n, k)
+    ref_in, dev_in = _leaves((mu, var, torch.randn(b, n, 3), torch.randn(b, n, 5)), "cuda")
+    got = torch.ops.hecate.kl_attention(*dev_in, 0.7, False, False, None, allowed.cuda())
+    ref = kl_attention_naive(*ref_in, 0.7, False, False, allowed)
+    _compare(OUTPUT_NAMES, got, ref, ("d mu", "d var", "d row_values", "d col_values"), dev_in, ref_in, TOL)
+
+
+def _finite_steps(y):
+    """[B, H]: how many steps from the first are finite, after asserting that the finite steps are a prefix."""
+    finite = torch.isfinite(y).all(-1).cpu()  # [B, T, H]
+    steps = finite.long().cumprod(1).sum(1)
+    assert torch.equal(finite.sum(1), steps), "a finite step after a non-finite one"
+    return steps
+
+
+def _same_where_finite(name, got, ref):
+    """got (CUDA) finite exactly where ref (the CPU op, float32) is, which must have non-finite values, and
+    equal there."""
+    got = got.cpu()
+    assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), name
+    assert not torch.isfinite(ref).all(), f"{name}: the case must reach a non-finite value"
+    finite = torch.isfinite(ref)
+    assert_close(name, got[finite].double(), ref[finite].double(), TOL)
+
+
+def test_memory_scan_nan_gate_at_a_chunked_length():
+    """At T = 70 finite inputs take the chunk kernels; a NaN gate takes the recurrent kernels and gives what the
+    CPU op gives: finite reads before its step, NaN from it on."""
+    B, T, H, Dk, Dv = 2, 70, 2, 16, 8
+    alpha = torch.sigmoid(torch.randn(B, T, H) - 2)
+    alpha[0, 3, 1] = float("nan")
+    args = (torch.randn(B, T, H, Dk) * 0.5, torch.randn(B, T, H, Dv), torch.randn(B, T, H, Dk), alpha,
+            0.3 * torch.sigmoid(torch.randn(B, T, H)), torch.randn(B, H, Dv, Dk) * 0.3, None, 2.0, 10.0, 1e-6, 0.0,
+            2.0)
+    ref = torch.ops.hecate.memory_scan(*args)[:2]
+    got = torch.ops.hecate.memory_scan(*(a.cuda() if torch.is_tensor(a) else a for a in args))[:2]
+    _same_where_finite("y", got[0], ref[0])
+    assert torch.equal(torch.isfinite(got[1].cpu()), torch.isfinite(ref[1])), "m_final"
+
+
+def test_memory_scan_diverging_state_at_a_chunked_length():
+    """A delta rule whose state overflows (keys of norm 30, η = 0.5: ×450 a step) with finite inputs: the chunk
+    kernels' results are not finite, so the recurrent kernels recompute them. Each head's reads stay finite up to
+    the step where its state overflows, as on the CPU; that step may differ by one (the state's last finite
+    value within rounding of the float32 limit on one and not the other; seen on an H100), never by a chunk's
+    length, as the chunk products' NaN would spread it."""
+    B, T, H, Dk, Dv = 2, 70, 2, 16, 8
+    args = (30 * F.normalize(torch.randn(B, T, H, Dk), dim=-1), torch.randn(B, T, H, Dv), torch.randn(B, T, H, Dk),
+            torch.zeros(B, T, H), torch.full((B, T, H), 0.5), torch.randn(B, H, Dv, Dk) * 0.3, None, 2.0, 10.0, 1e-6,
+            0.0, 2.0)
+    ref = torch.ops.hecate.memory_scan(*args)[0]
+    got = torch.ops.hecate.memory_scan(*(a.cuda() if torch.is_tensor(a) else a for a in args))[0]
+    steps, ref_steps = _finite_steps(got), _finite_steps(ref)
+    assert (ref_steps >= 5).all() and (ref_steps < T).all(), ref_steps
+    assert ((steps - ref_steps).abs() <= 1).all(), (steps, ref_steps)
+    assert_close("y of the first steps", got[:, :5].cpu().double(), ref[:, :5].double(), TOL)
+
+
+def test_linear_attention_nan_gate_at_a_chunked_length():
+    B, T, H, Dk, Dv = 2, 70, 2, 16, 8
+    k, q = F.elu(torch.randn(B, T, H, Dk)) + 1, F.elu(torch.randn(B, T, H, Dk)) + 1
+    alpha = torch.sigmoid(torch.randn(B, T, H) + 2)
+    alpha[1, 2, 0] = float("nan")
+    args = (k, torch.randn(B, T, H, Dv), q, alpha, torch.randn(B, H, Dv, Dk), torch.rand(B, H, Dk) + 1,
+            True, 1e-6, True)
+    ref = torch.ops.hecate.linear_attention(*args)[0]
+    got = torch.ops.hecate.linear_attention(*(a.cuda() if torch.is_tensor(a) else a for a in args))[0]
+    _same_where_finite("y", got, ref)
+
+
+def test_kl_decode_ce_every_target_ignored():
+    """The mean over a batch with every target ignored gives each row an infinite gradient; the ignored rows
+    still get 0, as in ATen (not inf · 0 = NaN)."""
+    params = [p.cuda().requires_grad_() for p in (torch.randn(6, 3), torch.rand(6, 3) + 0.5, torch.randn(9, 3),
+                                                  torch.rand(9, 3) + 0.5)]
+    targets = torch.full((6,), -100, device="cuda")
+    loss, _ = torch.ops.hecate.kl_decode_ce(*params, targets, 0.8, -100)
+    grads = torch.autograd.grad(loss.sum() / (targets != -100).sum(), params)
+    for name, g in zip(("d mu", "d var", "d prior_mu", "d prior_var"), grads):
+        assert torch.equal(g, torch.zeros_like(g)), (name, g)
+
+
+# ---------------------------------------------------------------------------------------------
 # the models, compiled
 
 
