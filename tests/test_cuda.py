@@ -25,6 +25,7 @@ from hecate.lowering.kl_attention.naive import kl_attention_naive
 from hecate.lowering.kl_attention.op import OUTPUT_NAMES
 from hecate.lowering.kl_decode.naive import kl_decode_logits_naive
 from hecate.lowering.linear_attention.naive import linear_attention_naive
+from hecate.lowering.memory_scan.naive import memory_scan_naive
 from hecate.models import EXAMPLES
 from hecate.testing import assert_close
 
@@ -142,6 +143,25 @@ def test_linear_attention(causal, normalize, gated, init, T, poison_allocations)
     ref = linear_attention_naive(*ref_in, normalize, 1e-6, causal)
     names = ("y", "m_final", "z_final")[:len(ref)]
     _compare(names, got[:len(ref)], ref, ("dk", "dv", "dq", "dalpha", "dm0", "dz0"), dev_in, ref_in, TOL)
+
+
+@pytest.mark.parametrize("p, q_norm", [(2.0, 2.0), (3.0, 4.0)], ids=["p2", "moneta"])
+def test_memory_scan_per_step_momentum_decay(p, q_norm, poison_allocations):
+    """S ← (momentum · β_t) S − η U with β [B, T, H]: the kernels keep the pre-step buffers for dβ (T = 70 crosses
+    the checkpoint segments)."""
+    B, T, H, Dk, Dv = 2, 70, 2, 16, 8
+    k = F.normalize(torch.randn(B, T, H, Dk), dim=-1)
+    inputs = (k, torch.randn(B, T, H, Dv), torch.randn(B, T, H, Dk), torch.sigmoid(torch.randn(B, T, H) - 2),
+              0.3 * torch.sigmoid(torch.randn(B, T, H)), 0.3 * torch.randn(B, H, Dv, Dk), 0.1 * torch.randn(B, H, Dv, Dk),
+              torch.sigmoid(torch.randn(B, T, H) + 1))
+    ref_in, dev_in = _leaves(inputs, "cuda")
+
+    def call(fn, x):
+        k, v, q, alpha, eta, m0, s0, beta = x
+        return fn(k, v, q, alpha, eta, m0, None, p, 10.0, 1e-6, 0.9, q_norm, "", s0, beta)
+
+    _compare(("y", "m_final", "s_final"), call(torch.ops.hecate.memory_scan, dev_in), call(memory_scan_naive, ref_in),
+             ("dk", "dv", "dq", "dalpha", "deta", "dm0", "ds0", "dbeta"), dev_in, ref_in, TOL)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -304,7 +304,7 @@ class Recurrence:
     momentum_state: int | None = None
     momentum_scale: float = 1.0  # the model's buffer is the op's S divided by this (M ← a·M + c·S)
     normaliser_state: int | None = None
-    per_step: dict[str, PerStep] = field(default_factory=dict)  # k, v, q [*lead, D]; alpha, eta [*lead]
+    per_step: dict[str, PerStep] = field(default_factory=dict)  # k, v, q [*lead, D]; alpha, eta, beta [*lead]
     params: dict[str, float] = field(default_factory=dict)
     read_before_update: bool = False  # y_t reads M_{t−1} (retrieve, then write) instead of M_t
     read_node: fx.Node | None = None  # the read, where the step's output is a per-step function of it
@@ -521,20 +521,30 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
         if update:
             raise NotFused("with a momentum buffer, the memory's update is M ← a·M + c·S")
         S_in, S_out = b.carries[momentum], b.carry_out[momentum]
-        beta = None
+        decays = []  # β·S: β a number, or a gate (per step, learned, data-dependent: HOPE Eq 51's α_{i+1})
         for sign, term in _terms(S_out):
             prod = _product(term)
             prod.coef *= sign
-            if prod.factors == [S_in] and not prod.divisors:
-                beta = prod.coef
+            if prod.factors.count(S_in) == 1 and all(not b.depends[f] for f in prod.factors + prod.divisors
+                                                     if f is not S_in):
+                prod.factors.remove(S_in)
+                decays.append(prod)
             else:
                 prod.coef *= scale
                 update.append(prod)
-        if beta is None:
-            raise NotFused("the momentum buffer S is not decayed by a number: the op's S ← β·S − η·g kᵀ takes β "
-                           "as a Python number, not a per-step or data-dependent one (and torch.compile(dynamic=True) "
-                           "passes a float attribute in as a tensor)")
-        rec.momentum_state, rec.params["momentum"], rec.momentum_scale = momentum, beta, scale
+        if not decays:
+            raise NotFused("the momentum buffer S is not kept from step to step (S ← β·S − η·g kᵀ)")
+        beta = _keep(decays)
+        for f in beta.factors + beta.divisors:
+            if not _is_gate(b.env[f], lead):
+                raise NotFused(f"the momentum's decay has a factor of shape {list(b.env[f].shape)}, neither one "
+                               f"number, nor one per batch and head {list(lead)}, nor one per head broadcast over "
+                               "the batch")
+        if beta.factors or beta.divisors or beta.offset is not None:
+            rec.per_step["beta"], rec.params["momentum"] = beta, 1.0  # the op's decay: 1.0 · β_t
+        else:
+            rec.params["momentum"] = beta.coef
+        rec.momentum_state, rec.momentum_scale = momentum, scale
     if len(update) != 1:
         kept_through = [f for prod in update for f in prod.factors if isinstance(f, fx.Node)
                         and f.op == "call_function" and M_in in f.all_input_nodes
@@ -951,7 +961,9 @@ def _verify(b: _Body, rec: Recurrence) -> None:
         if rec.momentum_state is not None:
             S = env[b.carries[rec.momentum_state]] * rec.momentum_scale
             S = (S.transpose(-1, -2) if rec.layout == "kv" else S)
-            S_new = rec.params["momentum"] * S - eta * U
+            decay = (rec.per_step["beta"].value(env, lead)[..., None, None] if "beta" in rec.per_step
+                     else rec.params["momentum"])
+            S_new = decay * S - eta * U
             M_new = (1 - alpha) * M + S_new
             S_new = S_new / rec.momentum_scale
             expect[b.carry_out[rec.momentum_state]] = S_new.transpose(-1, -2) if rec.layout == "kv" else S_new
@@ -1080,7 +1092,9 @@ def _runs_as(rec: Recurrence) -> str:
     if chunked.applies(p.get("p", 2.0), p.get("bias", ""), p.get("momentum", 0.0), p.get("q_norm", 2.0),
                        rec.kind == "hebbian"):
         return f"chunked at T >= {chunked.MIN_T}"
-    return "fused-recurrent (nonlinear in the state)"
+    if p.get("p", 2.0) != 2.0 or p.get("bias") or p.get("q_norm", 2.0) != 2.0:
+        return "fused-recurrent (nonlinear in the state)"
+    return "fused-recurrent (the chunked form keeps no momentum buffer)"
 
 
 def _form(node: fx.Node) -> str:
@@ -1119,7 +1133,8 @@ def describe(rec: Recurrence) -> str:
     if rec.params.get("q_norm", 2.0) != 2.0:
         retention = f"MONETA L_q retention q={rec.params['q_norm']:g}"
     elif rec.momentum_state is not None:
-        retention = f"GD with momentum β={rec.params['momentum']:g}"
+        retention = ("GD with momentum, β_t per step" if "beta" in rec.per_step
+                     else f"GD with momentum β={rec.params['momentum']:g}")
     else:
         retention = "GD"
     return (f"{retention}, {bias}" + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
@@ -1130,7 +1145,7 @@ def _per_step_shape(rec: Recurrence, role: str, M: torch.Tensor) -> tuple:
     """The shape of ``role``'s per-step value as (lead, size), read off the memory M [*lead, A, C] (symbolic where
     M's is): [*lead, Dk] for k and q, [*lead, Dv] for v, [*lead] (size None) for the gates."""
     lead = tuple(M.shape[:-2])
-    if role in ("alpha", "eta"):
+    if role in ("alpha", "eta", "beta"):
         return lead, None
     dk_dim, dv_dim = (-1, -2) if rec.layout == "vk" else (-2, -1)
     return lead, M.shape[dk_dim if role in ("k", "q") else dv_dim]
@@ -1246,7 +1261,7 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
                 s0 = (s0 * rec.momentum_scale).reshape(B, H, *s0.shape[-2:])
             y, m, s = torch.ops.hecate.memory_scan(k, v, q, bthd(x["alpha"]), bthd(x["eta"]), m0, None, p["p"],
                                                    p["a"], p["eps"], p.get("momentum", 0.0), p["q_norm"],
-                                                   p.get("bias", ""), s0)
+                                                   p.get("bias", ""), s0, bthd(x["beta"]) if "beta" in x else None)
             z = None
         else:
             z0 = x["z0"].reshape(B, H, -1) if "z0" in initial else None
@@ -1289,7 +1304,8 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
     M0 = init[rec.state]
     if M0.meta["val"].dtype not in (torch.float32, torch.float64):
         raise NotFused(f"the memory is {M0.meta['val'].dtype}; hecate.{op} keeps an fp32 or fp64 state")
-    roles = ("k", "v", "q", "alpha") + (("eta",) if rec.kind == "lp" else ())
+    roles = ("k", "v", "q", "alpha") + (("eta",) if rec.kind == "lp" else ()) + \
+        (("beta",) if "beta" in rec.per_step else ())
     inputs = {role: _sequence(gm, node, rec, role) for role in roles}
     dtypes = {inputs[role].meta["val"].dtype for role in ("k", "v", "q")}
     if len(dtypes) != 1:

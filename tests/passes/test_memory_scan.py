@@ -54,6 +54,7 @@ def check_fused(model, inputs, detail, op="hecate.memory_scan"):
 
 # which form the fused op runs, as the report names it
 CHUNKED, RECURRENT = "chunked at T >= 64", "fused-recurrent (nonlinear in the state)"
+MOMENTUM = "fused-recurrent (the chunked form keeps no momentum buffer)"
 
 LOOP_CASES = [
     # (model kwargs, T, detail)
@@ -66,7 +67,7 @@ LOOP_CASES = [
     (dict(p=3.0, q_norm=4.0, alpha=None, eta=None), 5,
      f"MONETA L_q retention q=4, l_p bias p=3 (general form); {RECURRENT}; loop rolled up 5 steps"),
     (dict(p=2.0, momentum=0.5, alpha=None), 5,
-     f"GD with momentum β=0.5, l_2 bias p=2 (2e fast path); {RECURRENT}; loop rolled up 5 steps"),
+     f"GD with momentum β=0.5, l_2 bias p=2 (2e fast path); {MOMENTUM}; loop rolled up 5 steps"),
     (dict(p=2.5, momentum=0.75, phi="elu1"), 4,
      f"GD with momentum β=0.75, l_p bias p=2.5 (general form); {RECURRENT}; loop rolled up 4 steps"),
 ]

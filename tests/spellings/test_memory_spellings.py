@@ -422,6 +422,43 @@ def l2_momentum_step_size_outside(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def titans_data_dependent_momentum(k, v, q, alpha, eta):
+    """Titans: the momentum decay is data-dependent per token, here 1 − η_t (HOPE Eq 51's α_{i+1})."""
+    M, ys = _m0(k, v), []
+    S = torch.zeros_like(M)
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        S = (1 - eta[:, t])[..., None, None] * S - eta[:, t, :, None, None] * 2 * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        M = (1 - alpha[:, t, :, None, None]) * M + S
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
+def hope_eq51_momentum(k, v, q, alpha, eta):
+    """HOPE Eq 51 as written: W ← W + m, m ← α_{t+1}·m − η_t·∇ (no retention on W), α the gate input."""
+    W, ys = _m0(k, v), []
+    m = torch.zeros_like(W)
+    for t in range(k.shape[1]):
+        grad = torch.einsum("bhv,bhk->bhvk", 2 * (torch.einsum("bhvk,bhk->bhv", W, k[:, t]) - v[:, t]), k[:, t])
+        m = torch.einsum("bh,bhvk->bhvk", alpha[:, t], m) - torch.einsum("bh,bhvk->bhvk", eta[:, t], grad)
+        W = W + m
+        ys.append(torch.einsum("bhvk,bhk->bhv", W, q[:, t]))
+    return torch.stack(ys, 1), W
+
+
+def l2_momentum_decay_from_the_key(k, v, q, alpha, eta):
+    """The momentum decay computed inside the step from the token, σ(Σ k_t): one number per batch and head."""
+    M, ys = _m0(k, v), []
+    S = torch.zeros_like(M)
+    for t in range(k.shape[1]):
+        theta = torch.sigmoid(k[:, t].sum(-1, keepdim=True)).unsqueeze(-1)  # [B, H, 1, 1]
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        S = S * theta + eta[:, t, :, None, None] * 2 * e[..., None] * k[:, t, :, None, :]
+        M = (1 - alpha[:, t, :, None, None]) * M - S
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def l2_torch_outer_one_sequence(k, v, q, alpha, eta):
     """One sequence, one head: reads by torch.mv, the update by torch.outer."""
     k, v, q = k[0, :, 0], v[0, :, 0], q[0, :, 0]
@@ -1059,6 +1096,9 @@ SPELLINGS = {
     "huber": (huber, "memory_scan"),
     "l2_sgd_momentum": (l2_sgd_momentum, "memory_scan"),
     "l2_momentum_step_size_outside": (l2_momentum_step_size_outside, "memory_scan"),
+    "titans_data_dependent_momentum": (titans_data_dependent_momentum, "memory_scan"),
+    "hope_eq51_momentum": (hope_eq51_momentum, "memory_scan"),
+    "l2_momentum_decay_from_the_key": (l2_momentum_decay_from_the_key, "memory_scan"),
     "l2_torch_outer_one_sequence": (l2_torch_outer_one_sequence, "memory_scan"),
     "l2_iterating_the_tensors": (l2_iterating_the_tensors, "memory_scan"),
     "l2_gates_split_by_unbind": (l2_gates_split_by_unbind, "memory_scan"),
@@ -1370,6 +1410,54 @@ def test_per_head_parameters_fuse_and_get_their_gradients(module, op, dynamic, f
     """λ, η [H] broadcast to the op's one gate per batch and head: the broadcast's backward sums their gradients."""
     report = _compare_module(module(), dynamic, ("lam", "eta"))
     assert report.count(op) == 1 and not report.misses, str(report)
+
+
+class LearnedMomentumDecay(torch.nn.Module):
+    """Titans with learned 0-d hyperparameters: the momentum decay θ, the step size and the forget rate."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.tensor(0.9))
+        self.log_eta = torch.nn.Parameter(torch.tensor(-2.0))
+        self.forget = torch.nn.Parameter(torch.tensor(0.05))
+
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        S = torch.zeros_like(M)
+        for t in range(k.shape[1]):
+            e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+            S = self.theta * S - self.log_eta.exp() * (2 * e).unsqueeze(-1) * k[:, t].unsqueeze(-2)
+            M = (1 - self.forget) * M + S
+            ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+        return torch.stack(ys, 1), M
+
+
+class PerHeadMomentumDecay(torch.nn.Module):
+    """A learned momentum decay per head, σ(θ) [H], read as θ[:, None, None]."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.linspace(0.5, 2.0, H))
+
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        S = torch.zeros_like(M)
+        for t in range(k.shape[1]):
+            e = torch.einsum("bhvk,bhk->bhv", M, k[:, t]) - v[:, t]
+            S = torch.sigmoid(self.theta)[:, None, None] * S + 0.2 * torch.einsum("bhv,bhk->bhvk", e, k[:, t])
+            M = 0.95 * M - S
+            ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+        return torch.stack(ys, 1), M
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("module, params", [(LearnedMomentumDecay, ("theta", "log_eta", "forget")),
+                                            (PerHeadMomentumDecay, ("theta",))], ids=["scalars", "per_head"])
+def test_learned_momentum_decay_fuses_and_gets_its_gradient(module, params, dynamic, fresh_dynamo):
+    """The op takes the decay per step as a tensor: a learned one fuses, and its gradient reaches the parameter."""
+    report = _compare_module(module(), dynamic, params)
+    assert report.count("memory_scan") == 1 and not report.misses, str(report)
+    assert "β_t per step" in report.fusions[0].detail, str(report)
 
 
 class _FeatureScales(torch.nn.Module):
@@ -1805,6 +1893,18 @@ def delta_rule_kept_through_tanh(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def l2_momentum_decayed_per_value_row(k, v, q, alpha, eta):
+    """A momentum decay per row of the buffer (σ(v_t) [B, H, Dv, 1]): not one number per head, so no gate."""
+    M, ys = _m0(k, v), []
+    S = torch.zeros_like(M)
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        S = torch.sigmoid(v[:, t]).unsqueeze(-1) * S - eta[:, t, :, None, None] * 2 * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        M = M + S
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, dim=1), M
+
+
 def householder_writing_another_key(k, v, q, alpha, eta):
     """M (I − β k kᵀ) + β v qᵀ: the write's key is not the one the memory is read with, no delta rule."""
     M, ys = _m0(k, v), []
@@ -1828,6 +1928,8 @@ def gated_householder_form(k, v, q, alpha, eta):
 
 
 REPORTED = {
+    "l2_momentum_decayed_per_value_row": (l2_momentum_decayed_per_value_row,
+                                          ["the momentum's decay has a factor of shape [2, 2, 5], neither one number"]),
     "householder_writing_another_key": (householder_writing_another_key, ["no error e = M·k − v is formed"]),
     "delta_rule_read_transposed": (delta_rule_read_transposed, ["read as q·M but its error is formed as M·k − v"]),
     "delta_rule_kept_through_tanh": (delta_rule_kept_through_tanh, ["keeps the old one through tanh of it"]),

@@ -7,8 +7,9 @@ a_t = 1 − α_t)::
     Hebbian (linear attention):                     A_t = a_t A_{t−1} + w_t k_tᵀ,  w_t = η_t v_t
 
 The first is the gated delta rule (g = a, β = 2η/a, v' = a v); with α = 0 the delta rule.
-Everything else (general p, p = 1, a user bias g(e), momentum, MONETA's q_norm) is
-nonlinear in the state and stays fused-recurrent.
+Everything else (general p, p = 1, a user bias g(e), MONETA's q_norm) is nonlinear in the
+state and stays fused-recurrent, as does momentum (linear, but its buffer S is a second state the
+chunked form does not carry).
 
 Within a chunk of C tokens starting from A_0, with P[t, s] = Π_{r=s+1..t} a_r (P[t, t] = 1)
 and γ_t = Π_{r≤t} a_r, the state is A_t = γ_t A_0 + Σ_{s≤t} P[t, s] w_s k_sᵀ, so the
@@ -36,7 +37,7 @@ MIN_T = 64   # below this the fused-recurrent form is as fast (fla switches near
 
 
 def applies(p: float, bias: str, momentum: float, q_norm: float, hebbian: bool) -> bool:
-    """Whether the recurrence is linear in the state, so that a chunked form exists."""
+    """Whether a chunked form exists: the recurrence is linear in the state and keeps no momentum buffer."""
     return hebbian or (p == 2.0 and not bias and momentum == 0.0 and q_norm == 2.0)
 
 

@@ -74,7 +74,8 @@ def _matvec(M: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 class _Step:
     """One token of the recurrence on [B·H, Dv, Dk] states (arguments as in the op).
 
-    The gates come precomputed per step: ``keep`` = 1 − α_t [B·H, 1, 1] and ``neg_eta`` = −η_t [B·H, 1].
+    The gates come precomputed per step: ``keep`` = 1 − α_t [B·H, 1, 1] and ``neg_eta`` = −η_t [B·H, 1]; with a
+    per-step momentum decay, ``decay`` = momentum · β_t [B·H, 1, 1] (else the number ``momentum``).
     """
 
     def __init__(self, p, a, eps, momentum, q_norm, hebbian, bias=""):
@@ -89,11 +90,12 @@ class _Step:
         e = _matvec(W, kt) - vt
         return e, bias_grad(e, self.p, self.a, self.eps, self.bias)
 
-    def __call__(self, A, S, kt, vt, keep, neg_eta):
+    def __call__(self, A, S, kt, vt, keep, neg_eta, decay=None):
         g = self.error_and_gradient(A, kt, vt)[1]
         minus_eta_g = (g * neg_eta).unsqueeze(-1)  # [BH, Dv, 1]
         if self.momentum != 0.0:
-            S = torch.baddbmm(S, minus_eta_g, kt.unsqueeze(1), beta=self.momentum)
+            S = (torch.baddbmm(S, minus_eta_g, kt.unsqueeze(1), beta=self.momentum) if decay is None
+                 else torch.baddbmm(decay * S, minus_eta_g, kt.unsqueeze(1)))
             return keep * A + S, S
         return torch.addcmul(keep * A, minus_eta_g, kt.unsqueeze(1)), S
 
@@ -111,6 +113,15 @@ def _prepare(k, v, q, alpha, eta, m0):
     return K, V, Q, AL, ET, keep, neg_eta, A0
 
 
+def _decays(beta, momentum, dtype):
+    """momentum · β_t, time-major [T, B·H, 1, 1], for a per-step ``beta`` [B, T, H]; None without one."""
+    return None if beta is None else (momentum * _tm(beta, dtype))[..., None, None]
+
+
+def _at(decays, t):
+    return None if decays is None else decays[t]
+
+
 def _initial_momentum(s0, A):
     """S_0 [B·H, Dv, Dk]: s0, or zeros."""
     return s0.to(A.dtype).reshape(A.shape).clone() if s0 is not None else torch.zeros_like(A)
@@ -121,9 +132,11 @@ def _final_momentum(S, momentum, B, H):
     return S.reshape(B, H, *S.shape[1:]) if momentum != 0.0 else S.new_empty(0)
 
 
-def forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None):
+def forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
+                      beta=None):
     """The per-token loop: y [B, T, H, Dv] (dtype of v), A_T and S_T [B, H, Dv, Dk] (S_T empty without momentum) for one
-    unpacked batch, starting from m0 and s0 (zeros when None).
+    unpacked batch, starting from m0 and s0 (zeros when None); ``beta`` [B, T, H] the per-step momentum decay's
+    factor (the decay is momentum · β_t), or None.
 
     ``hebbian``: the update ignores the memory, U = −v kᵀ (so A ← (1 − α) A + η v kᵀ): the
     linear-attention recurrence, run by ``hecate.linear_attention`` through this same loop.
@@ -132,17 +145,18 @@ def forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebb
     K, V, Q, _, _, keep, neg_eta, A = _prepare(k, v, q, alpha, eta, m0)
     step = _Step(p, a, eps, momentum, q_norm, hebbian, bias)
     S = _initial_momentum(s0, A)
+    decays = _decays(beta, momentum, K.dtype)
     Y = V.new_empty(V.shape)
     for t in range(T):
-        A, S = step(A, S, K[t], V[t], keep[t], neg_eta[t])
+        A, S = step(A, S, K[t], V[t], keep[t], neg_eta[t], _at(decays, t))
         torch.bmm(Q[t].unsqueeze(1), lq_normalize(A, q_norm, eps).transpose(1, 2), out=Y[t].unsqueeze(1))
     return _untm(Y, B, H).to(v.dtype), A.reshape(B, H, *A.shape[1:]), _final_momentum(S, momentum, B, H)
 
 
 def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="",
-                       s0=None, dS_final=None):
-    """The per-token reverse loop: gradients (dk, dv, dq, dalpha, deta, dm0, ds0) of one unpacked batch (ds0 empty
-    without momentum).
+                       s0=None, dS_final=None, beta=None):
+    """The per-token reverse loop: gradients (dk, dv, dq, dalpha, deta, dm0, ds0, dbeta) of one unpacked batch (ds0
+    empty without momentum, dbeta without a per-step ``beta``).
 
     Reverse step for token t (pre-state A_{t−1}, post-state A_t), carrying
     P = (1 − α_{t+1}) dA_{t+1} (+ the next error's dW when q = 2, folded in) and,
@@ -150,8 +164,8 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
     normalisation at A_t)::
 
         dW_t = dy_t q_tᵀ + Q ;  dA_t = P + N'(A_t)ᵀ dW_t ;  dq_t = W_tᵀ dy_t
-        D    = dA_t  (plain)  or  dS_t = β dS_{t+1} + dA_t  (momentum; dS_T also gets ds_final, and
-               ds0 = β dS_1)
+        D    = dA_t  (plain)  or  dS_t = β_{t+1} dS_{t+1} + dA_t  (momentum; dS_T also gets ds_final, and
+               ds0 = β_1 dS_1) ;  dβ_t = momentum · ⟨dS_t, S_{t−1}⟩  (β_t = momentum · beta_t)
         dη_t = −g_tᵀ D k_t ;  dα_t = −⟨dA_t, A_{t−1}⟩
         dg_t = −η_t D k_t ;  de_t = bias_grad'(e_t) ⊙ dg_t ;  dv_t = −de_t
         dk_t = −η_t Dᵀ g_t + W_{t−1}ᵀ de_t
@@ -167,14 +181,16 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
     step = _Step(p, a, eps, momentum, q_norm, hebbian, bias)
     lq = q_norm != 2.0
     S = _initial_momentum(s0, A)
+    decays = _decays(beta, momentum, dtype)
     checkpoints = []
     for t in range(T):
         if t % CHUNK == 0:
             checkpoints.append((A, S))
-        A, S = step(A, S, K[t], V[t], keep[t], neg_eta[t])
+        A, S = step(A, S, K[t], V[t], keep[t], neg_eta[t], _at(decays, t))
 
     dK, dV, dQ = torch.empty_like(K), torch.empty_like(V), torch.empty_like(Q)
     dAL, dET = torch.empty_like(AL), torch.empty_like(ET)
+    dBETA = torch.empty_like(AL) if decays is not None else None
     P = dA_final.to(dtype).reshape(B * H, Dv, Dk).clone()
     Qc = torch.zeros_like(P)
     dS_carry = (dS_final.to(dtype).reshape(P.shape) if dS_final is not None and dS_final.numel()
@@ -184,11 +200,11 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
         start, stop = c * CHUNK, min((c + 1) * CHUNK, T)
         pre_states = []
         for t in range(start, stop):
-            pre_states.append(A)
-            A, S = step(A, S, K[t], V[t], keep[t], neg_eta[t])
+            pre_states.append((A, S))
+            A, S = step(A, S, K[t], V[t], keep[t], neg_eta[t], _at(decays, t))
         A_post = A
         for t in range(stop - 1, start - 1, -1):
-            A_pre = pre_states[t - start]
+            A_pre, S_pre = pre_states[t - start]
             kt, qt, dyt = K[t], Q[t], dY[t]
             W_post = lq_normalize(A_post, q_norm, eps)
             torch.bmm(dyt.unsqueeze(1), W_post, out=dQ[t].unsqueeze(1))  # W_tᵀ dy_t
@@ -198,7 +214,9 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
                 dA = torch.addcmul(P, dyt.unsqueeze(-1), qt.unsqueeze(1))
             if momentum != 0.0:
                 D = dS_carry + dA
-                dS_carry = momentum * D
+                dS_carry = momentum * D if decays is None else decays[t] * D
+                if dBETA is not None:
+                    dBETA[t] = momentum * (D * S_pre).sum((1, 2))
             else:
                 D = dA
             e, g = step.error_and_gradient(A_pre, kt, V[t])
@@ -224,27 +242,29 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
     dA0 = P + lq_normalize_vjp(A_post, Qc, q_norm, eps) if lq else P
     return (_untm(dK, B, H).to(k.dtype), _untm(dV, B, H).to(v.dtype), _untm(dQ, B, H).to(q.dtype),
             _untm(dAL, B, H).to(alpha.dtype), _untm(dET, B, H).to(eta.dtype),
-            dA0.reshape(B, H, Dv, Dk), _final_momentum(dS_carry, momentum, B, H))
+            dA0.reshape(B, H, Dv, Dk), _final_momentum(dS_carry, momentum, B, H),
+            _untm(dBETA, B, H).to(beta.dtype) if dBETA is not None else dA0.new_empty(0))
 
 
-def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None):
+def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None, beta=None):
     """:func:`forward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
     recurrent = lambda: forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias,  # noqa: E731
-                                          s0)
+                                          s0, beta)
     if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0):
         return chunked.finite_or_recurrent(lambda: chunked.forward(k, v, q, alpha, eta, m0, hebbian), recurrent)
     return recurrent()
 
 
 def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
-             dS_final=None):
-    """:func:`backward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
+             dS_final=None, beta=None):
+    """:func:`backward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`; it has
+    no momentum, so no dbeta: an empty one is appended)."""
     recurrent = lambda: backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum,  # noqa: E731
-                                           q_norm, hebbian, bias, s0, dS_final)
+                                           q_norm, hebbian, bias, s0, dS_final, beta)
     if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0, dy,
                             dA_final):
         return chunked.finite_or_recurrent(
-            lambda: chunked.backward(dy, dA_final, k, v, q, alpha, eta, m0, hebbian), recurrent)
+            lambda: (*chunked.backward(dy, dA_final, k, v, q, alpha, eta, m0, hebbian), dy.new_empty(0)), recurrent)
     return recurrent()
 
 
@@ -260,28 +280,33 @@ def _state_slice(state, n):
 
 
 def forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False, bias="",
-                   s0=None):
+                   s0=None, beta=None):
     """The CPU forward for either layout (packed: one call per sequence)."""
     seqs = _sequences(cu_seqlens, k.shape[1])
     if seqs is None:
-        return forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0)
+        return forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0, beta)
     parts = [forward(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
-                     _state_slice(m0, n), p, a, eps, momentum, q_norm, hebbian, bias, _state_slice(s0, n))
+                     _state_slice(m0, n), p, a, eps, momentum, q_norm, hebbian, bias, _state_slice(s0, n),
+                     None if beta is None else beta[:, bos:eos])
              for n, (bos, eos) in enumerate(seqs)]
     return tuple(torch.cat([part[i] for part in parts], 1 if i == 0 else 0) for i in range(3))
 
 
 def backward_packed(dy, dA_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                    hebbian=False, bias="", s0=None, dS_final=None):
+                    hebbian=False, bias="", s0=None, dS_final=None, beta=None):
     """The CPU backward for either layout."""
     seqs = _sequences(cu_seqlens, k.shape[1])
     if seqs is None:
         return backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0,
-                        dS_final)
+                        dS_final, beta)
     parts = []
     for n, (bos, eos) in enumerate(seqs):
         sl = slice(bos, eos)
         parts.append(backward(dy[:, sl], dA_final[n:n + 1], k[:, sl], v[:, sl], q[:, sl], alpha[:, sl],
                               eta[:, sl], _state_slice(m0, n), p, a, eps, momentum, q_norm,
-                              hebbian, bias, _state_slice(s0, n), _state_slice(dS_final, n)))
-    return tuple(torch.cat([part[i] for part in parts], 1 if i < 5 else 0) for i in range(7))
+                              hebbian, bias, _state_slice(s0, n), _state_slice(dS_final, n),
+                              None if beta is None else beta[:, sl]))
+    # dk .. deta and dbeta are per token (joined along T), dm0 and ds0 per sequence (along N); no beta: no dbeta
+    per_token = (True,) * 5 + (False, False, True)
+    return tuple(torch.cat([part[i] for part in parts], 1 if per_token[i] else 0) if i < 7 or beta is not None
+                 else parts[0][i] for i in range(8))

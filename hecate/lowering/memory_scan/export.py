@@ -5,7 +5,7 @@ From opset 27 the p = 2 memory is one ``LinearAttention(gated_delta)`` instead
 
 ONNX: the recurrence becomes ONE ``Scan`` node (not T copies of the step): the
 state A (and the momentum buffer S) are the Scan's carried state, k, v, q, α, η
-are scanned along axis 1 (T) and y is the scan output stacked along axis 1. The
+(and a per-step momentum decay β) are scanned along axis 1 (T) and y is the scan output stacked along axis 1. The
 step body is written with onnxscript standard ops and recorded into its own
 graph, which becomes the Scan's ``body`` attribute.
 
@@ -52,8 +52,8 @@ def _lq_normalize(A, q_norm: float, eps: float):
     return op.Mul(A, scale)
 
 
-def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebbian, bias):
-    """One token on [B, H, Dv, Dk] states; k_t, q_t [B, H, Dk]; v_t [B, H, Dv]; gates [B, H]."""
+def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebbian, bias, beta_t=None):
+    """One token on [B, H, Dv, Dk] states; k_t, q_t [B, H, Dk]; v_t [B, H, Dv]; gates (β_t too) [B, H]."""
     k_row = op.Unsqueeze(k_t, op.Constant(value_ints=[-2]))        # [B, H, 1, Dk]
     if hebbian:  # U = −v kᵀ: the memory is not read
         g = op.Neg(v_t)
@@ -66,7 +66,10 @@ def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebb
     eta_u = op.Mul(op.Mul(g, k_row), op.Unsqueeze(eta_t, gates))   # η_t U [B, H, Dv, Dk]
     keep = op.Sub(op.Constant(value_float=1.0), op.Unsqueeze(alpha_t, gates))
     if momentum != 0.0:
-        S = op.Sub(op.Mul(S, op.Constant(value_float=momentum)), eta_u)
+        decay = op.Constant(value_float=momentum)
+        if beta_t is not None:
+            decay = op.Mul(op.Unsqueeze(beta_t, gates), decay)
+        S = op.Sub(op.Mul(S, decay), eta_u)
         A = op.Add(op.Mul(keep, A), S)
     else:
         A = op.Sub(op.Mul(keep, A), eta_u)
@@ -78,8 +81,8 @@ def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebb
 _BODIES = 0  # Scan bodies recorded so far (their values' names carry the count)
 
 
-def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian, bias) -> ir.Graph:
-    """Record one step into its own graph: inputs (A, [S], k_t, v_t, q_t, α_t, η_t), outputs (A, [S], y_t)."""
+def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian, bias, beta=None) -> ir.Graph:
+    """Record one step into its own graph: inputs (A, [S], k_t, v_t, q_t, α_t, η_t, [β_t]), outputs (A, [S], y_t)."""
     from torch.onnx._internal.exporter import _building
 
     def value(name, like, drop_axis=None):
@@ -93,10 +96,11 @@ def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebb
     A = value("memory_scan_A", A0)
     S = value("memory_scan_S", A0) if use_momentum else None
     sliced = [value(f"memory_scan_{n}_t", x, 1) for n, x in
-              (("k", k), ("v", v), ("q", q), ("alpha", alpha), ("eta", eta))]
+              (("k", k), ("v", v), ("q", q), ("alpha", alpha), ("eta", eta), ("beta", beta)) if x is not None]
     recorder = _building.OpRecorder(opset, {})
     with onnxscript.evaluator.default_as(recorder):
-        A_next, S_next, y_t = _step(A, S, *sliced, p, a, eps, momentum, q_norm, hebbian, bias)
+        A_next, S_next, y_t = _step(A, S, *sliced[:5], p, a, eps, momentum, q_norm, hebbian, bias,
+                                    sliced[5] if beta is not None else None)
         # Scan outputs must be fresh values, not graph inputs passed through
         A_next = op.Identity(A_next)
         if use_momentum:
@@ -120,9 +124,10 @@ def zeros_state(k, v):
     return op.ConstantOfShape(shape, value=ir.tensor([0.0], dtype=ir.DataType.FLOAT))
 
 
-def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbian=False, bias="", S0=None):
-    """One ONNX ``Scan`` over T for FLOAT k, v, q [B, T, H, ·], gates [B, T, H], A0 (and with momentum S0,
-    zeros when None) [B, H, Dv, Dk].
+def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbian=False, bias="", S0=None,
+                    beta=None):
+    """One ONNX ``Scan`` over T for FLOAT k, v, q [B, T, H, ·], gates [B, T, H] (a per-step momentum decay
+    ``beta`` too, or None), A0 (and with momentum S0, zeros when None) [B, H, Dv, Dk].
 
     Returns (y [B, T, H, Dv] FLOAT, A_final, S_final or None). Shared with ``hecate.linear_attention``
     (``hebbian``).
@@ -134,18 +139,19 @@ def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbia
         A0.shape = ir.Shape([k.shape[0], k.shape[2], v.shape[3], k.shape[3]])
     use_momentum = momentum != 0.0
     body = _scan_body(_core.current_tracer.opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian,
-                      bias)
+                      bias, beta)
     if use_momentum and S0 is None:
         S0 = op.Mul(A0, op.Constant(value_float=0.0))
     inits = [A0, S0] if use_momentum else [A0]
-    outputs = call_op("Scan", *inits, k, v, q, alpha, eta, _num_outputs=len(inits) + 1, body=body,
-                      num_scan_inputs=5, scan_input_axes=[1] * 5, scan_output_axes=[1])
+    scanned = [x for x in (k, v, q, alpha, eta, beta) if x is not None]
+    outputs = call_op("Scan", *inits, *scanned, _num_outputs=len(inits) + 1, body=body,
+                      num_scan_inputs=len(scanned), scan_input_axes=[1] * len(scanned), scan_output_axes=[1])
     return outputs[-1], outputs[0], outputs[1] if use_momentum else None
 
 
 @onnx_translation(torch.ops.hecate.memory_scan.default)
 def memory_scan_onnx(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.0, eps=1e-6,
-                     momentum=0.0, q_norm=2.0, bias="", s0=None):
+                     momentum=0.0, q_norm=2.0, bias="", s0=None, beta=None):
     if cu_seqlens is not None:
         raise NotImplementedError("memory_scan ONNX export: packed sequences (cu_seqlens) are not supported; "
                                   "export with a padded batch")
@@ -153,7 +159,9 @@ def memory_scan_onnx(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.
     k, v, q, alpha, eta = (op.Cast(x, to=_FLOAT) for x in (k, v, q, alpha, eta))
     A0 = zeros_state(k, v) if m0 is None else op.Cast(m0, to=_FLOAT)
     S0 = None if s0 is None else op.Cast(s0, to=_FLOAT)
-    y, A_final, S_final = recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, bias=bias, S0=S0)
+    beta = None if beta is None else op.Cast(beta, to=_FLOAT)
+    y, A_final, S_final = recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, bias=bias, S0=S0,
+                                          beta=beta)
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
     if S_final is None:   # no momentum buffer: an empty [0]
@@ -168,10 +176,10 @@ def _empty_state():
 
 @decomposition(torch.ops.hecate.memory_scan.default)
 def memory_scan_decomposition(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.0, eps=1e-6,
-                              momentum=0.0, q_norm=2.0, bias="", s0=None):
+                              momentum=0.0, q_norm=2.0, bias="", s0=None, beta=None):
     if cu_seqlens is not None:
         raise NotImplementedError("memory_scan decomposition: packed sequences (cu_seqlens) are not supported")
-    return memory_scan_naive(k, v, q, alpha, eta, m0, None, p, a, eps, momentum, q_norm, bias, s0)
+    return memory_scan_naive(k, v, q, alpha, eta, m0, None, p, a, eps, momentum, q_norm, bias, s0, beta)
 
 
 def _gated_delta_misfit(args) -> str:

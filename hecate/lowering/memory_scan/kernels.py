@@ -8,15 +8,15 @@ query and gate gradients sum over all rows, so the backward writes one partial
 per value tile and the launcher sums them. MONETA (q_norm ≠ 2) normalises by a
 norm over the whole [Dv, Dk] matrix, so there one program holds all of Dv.
 
-Tensors (contiguous): k, q [B, T, H, Dk]; v, y [B, T, H, Dv]; alpha, eta [B, T, H];
+Tensors (contiguous): k, q [B, T, H, Dk]; v, y [B, T, H, Dv]; alpha, eta (and a per-step momentum beta) [B, T, H];
 states m0, m_final (and s0, s_final of the momentum buffer), checkpoints [slots, H, Dv, Dk] fp32.
 Packed sequences (cu_seqlens, B = 1) use rows bos..eos−1 of T.
 
 Backward memory: the forward is re-run keeping A (and S with momentum) before every
 CHUNK-th step: ckpt [N·ceil(T/CHUNK) (or T//CHUNK + N packed), H, Dv, Dk] fp32, i.e.
 B·H·ceil(T/C)·Dv·Dk·4 bytes (twice with momentum); then each program recomputes
-its segment into a scratch [CHUNK, BV, BK] fp32 (B·H·C·Dv·Dk·4 bytes in all) and
-walks it backwards.
+its segment into a scratch [CHUNK, BV, BK] fp32 (B·H·C·Dv·Dk·4 bytes in all; twice with a per-step
+beta, whose gradient reads the pre-step momentum buffers) and walks it backwards.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, mask_kv,
     """One token's update of the state tile A [BV, BK] (and momentum S), reading the memory W.
 
     U = g kᵀ with g the l_p bias gradient of e = W k − v (Hebbian: g = −v, W not read);
-    A ← (1 − α) A − η U, or with momentum S ← β S − η U, A ← (1 − α) A + S.
+    A ← (1 − α) A − η U, or with momentum S ← β S − η U, A ← (1 − α) A + S (β = ``momentum``, this step's decay).
     The forward and the backward's recomputation share it, so they cannot drift apart.
     """
     if HEBBIAN:
@@ -152,14 +152,22 @@ def _sequence(cu_seqlens, i_n, T, CHUNK: tl.constexpr, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _decay(momentum, beta, row, HAS_BETA: tl.constexpr):
+    # the momentum decay of the step at ``row``: momentum, or momentum · β_t with a per-step beta [B, T, H]
+    if HAS_BETA:
+        return momentum * tl.load(beta + row).to(tl.float32)
+    return momentum
+
+
+@triton.jit
 def memory_scan_fwd_kernel(
-    k, v, q, alpha, eta, m0, y, m_final, ckpt_a, ckpt_s, cu_seqlens, s0, s_final,
+    k, v, q, alpha, eta, m0, y, m_final, ckpt_a, ckpt_s, cu_seqlens, s0, s_final, beta,
     T, p, a, eps, momentum, q_norm,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, LQ: tl.constexpr,
     HAS_M0: tl.constexpr, HAS_S0: tl.constexpr, STORE_Y: tl.constexpr, STORE_FINAL: tl.constexpr,
     STORE_CKPT: tl.constexpr,
-    VARLEN: tl.constexpr, HEBBIAN: tl.constexpr, BIAS: tl.constexpr,
+    VARLEN: tl.constexpr, HEBBIAN: tl.constexpr, BIAS: tl.constexpr, HAS_BETA: tl.constexpr,
 ):
     # grid (cdiv(DV, BV), N·H); state tile A [BV, BK] fp32 on chip across the sequence
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -190,8 +198,8 @@ def memory_scan_fwd_kernel(
         v_t = tl.load(v + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
         a_t = tl.load(alpha + row).to(tl.float32)
         eta_t = tl.load(eta + row).to(tl.float32)
-        A, S = _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, mask_kv, P_MODE, USE_MOMENTUM,
-                            HEBBIAN, BIAS)
+        A, S = _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, _decay(momentum, beta, row, HAS_BETA),
+                            mask_kv, P_MODE, USE_MOMENTUM, HEBBIAN, BIAS)
         W = _lq_normalize(A, q_norm, eps, LQ)
         if STORE_Y:
             q_t = tl.load(q + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -206,18 +214,21 @@ def memory_scan_fwd_kernel(
 @triton.jit
 def memory_scan_bwd_kernel(
     k, v, q, alpha, eta, dy, dm_final, ckpt_a, ckpt_s, scratch,
-    dk_part, dv, dq_part, dalpha_part, deta_part, dm0, cu_seqlens, ds_final, ds0,
+    dk_part, dv, dq_part, dalpha_part, deta_part, dm0, cu_seqlens, ds_final, ds0, beta, scratch_s, dbeta_part,
     T, ROWS, p, a, eps, momentum, q_norm,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, LQ: tl.constexpr,
     VARLEN: tl.constexpr, HEBBIAN: tl.constexpr, BIAS: tl.constexpr, BIAS_DERIVATIVE: tl.constexpr,
+    HAS_BETA: tl.constexpr,
 ):
     # grid (NV = cdiv(DV, BV), N·H). Partials over value tiles: dk_part, dq_part [NV, ROWS, DK];
     # dalpha_part, deta_part [NV, ROWS] (ROWS = B·T·H). dv [B, T, H, DV]; dm0 [N, H, DV, DK] fp32;
     # scratch [NV·N·H, CHUNK, BV, BK] fp32 holds the recomputed pre-step states of one segment.
     # Reverse step (see cpu.backward): P carries (1 − α) dA (+ the next error's dW when LQ is off),
     # Qc the next error's dW for MONETA, dS_carry the momentum adjoint β dS_{t+1} (ds_final at the end;
-    # ds0 at the start). ds_final, ds0 [N, H, DV, DK] fp32 (read and written with momentum only).
+    # ds0 at the start). ds_final, ds0 [N, H, DV, DK] fp32 (read and written with momentum only). With a
+    # per-step beta [B, T, H]: scratch_s (as scratch) holds the pre-step momentum buffers, dbeta_part [NV, ROWS]
+    # gets momentum · ⟨dS_t, S_{t−1}⟩.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     NV = tl.num_programs(0)
@@ -250,13 +261,15 @@ def memory_scan_bwd_kernel(
         # recompute the segment, keeping each pre-step state
         for j in range(0, seg):
             tl.store(scratch_base + j * BV * BK + scratch_tile, A)
+            if HAS_BETA:
+                tl.store(scratch_s + (i_nh * NV + i_v).to(tl.int64) * CHUNK * BV * BK + j * BV * BK + scratch_tile, S)
             row = (bos + start + j) * H + i_h
             k_t = tl.load(k + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
             v_t = tl.load(v + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
             a_t = tl.load(alpha + row).to(tl.float32)
             eta_t = tl.load(eta + row).to(tl.float32)
             A, S = _memory_step(A, S, _lq_normalize(A, q_norm, eps, LQ), k_t, v_t, a_t, eta_t, p, a, eps,
-                                momentum, mask_kv, P_MODE, USE_MOMENTUM, HEBBIAN, BIAS)
+                                _decay(momentum, beta, row, HAS_BETA), mask_kv, P_MODE, USE_MOMENTUM, HEBBIAN, BIAS)
         A_post = A
         # walk it backwards
         for jj in range(0, seg):
@@ -278,7 +291,11 @@ def memory_scan_bwd_kernel(
                 dA = P + _outer(dy_t, q_t, mask_kv)
             if USE_MOMENTUM:
                 D = dS_carry + dA
-                dS_carry = momentum * D
+                dS_carry = _decay(momentum, beta, row, HAS_BETA) * D
+                if HAS_BETA:
+                    S_pre = tl.load(scratch_s + (i_nh * NV + i_v).to(tl.int64) * CHUNK * BV * BK + j * BV * BK
+                                    + scratch_tile)
+                    tl.store(dbeta_part + i_v * ROWS + row, momentum * tl.sum(tl.sum(D * S_pre, 1), 0))
             else:
                 D = dA
             if HEBBIAN:
@@ -345,7 +362,7 @@ def _check_dtypes(k):
 
 
 def _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm,
-                    y, m_final, s_final, ckpt_a, ckpt_s, hebbian, bias):
+                    y, m_final, s_final, ckpt_a, ckpt_s, hebbian, bias, beta=None):
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     BK, BV = _blocks(DK, DV, q_norm, MAX_BLOCK_V)
     dummy = k
@@ -356,11 +373,13 @@ def _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum
         ckpt_a if ckpt_a is not None else dummy, ckpt_s if ckpt_s is not None else dummy,
         cu_seqlens if cu_seqlens is not None else dummy,
         s0 if s0 is not None else dummy, s_final if s_final is not None else dummy,
+        beta if beta is not None else dummy,
         T, float(p), float(a), float(eps), float(momentum), float(q_norm),
         H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=CHUNK, P_MODE=_p_mode(p, bias),
         USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, HAS_M0=m0 is not None, HAS_S0=s0 is not None,
         STORE_Y=y is not None, STORE_FINAL=m_final is not None, STORE_CKPT=ckpt_a is not None,
         VARLEN=cu_seqlens is not None, HEBBIAN=hebbian, BIAS=_bias_functions(bias, False)[0],
+        HAS_BETA=beta is not None,
     )
 
 
@@ -368,43 +387,47 @@ def _contiguous(*xs):
     return [None if x is None else x.contiguous() for x in xs]
 
 
-def forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None):
+def forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
+            beta=None):
     """y [B, T, H, Dv] (dtype of v), m_final and s_final [N, H, Dv, Dk] fp32 (s_final empty without momentum).
 
     ``hebbian``: U = −v kᵀ (the memory is not read), the linear-attention recurrence.
     ``bias``: a pointwise expression for g(e) replacing the l_p bias gradient (see :mod:`.op`).
+    ``beta``: [B, T, H] the per-step factor of the momentum decay, or None.
     """
     _check_dtypes(k)
-    k, v, q, alpha, eta, m0, s0, cu_seqlens = _contiguous(k, v, q, alpha, eta, m0, s0, cu_seqlens)
+    k, v, q, alpha, eta, m0, s0, cu_seqlens, beta = _contiguous(k, v, q, alpha, eta, m0, s0, cu_seqlens, beta)
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     y = torch.empty_like(v)
     m_final = torch.empty(N, H, DV, DK, dtype=torch.float32, device=k.device)
     s_final = torch.empty(N, H, DV, DK, dtype=torch.float32, device=k.device) if momentum != 0.0 else \
         m_final.new_empty(0)
     _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm, y, m_final, s_final,
-                    None, None, hebbian, bias)
+                    None, None, hebbian, bias, beta)
     return y, m_final, s_final
 
 
 def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False,
-             bias="", s0=None, ds_final=None):
-    """(dk, dv, dq, dalpha, deta, dm0, ds0): re-run the forward keeping checkpoints, then the reverse kernel
-    (ds0 empty without momentum)."""
+             bias="", s0=None, ds_final=None, beta=None):
+    """(dk, dv, dq, dalpha, deta, dm0, ds0, dbeta): re-run the forward keeping checkpoints, then the reverse kernel
+    (ds0 empty without momentum, dbeta without beta)."""
     _check_dtypes(k)
-    dy, dm_final, k, v, q, alpha, eta, m0, s0, cu_seqlens = _contiguous(
-        dy, dm_final, k, v, q, alpha, eta, m0, s0, cu_seqlens)
+    dy, dm_final, k, v, q, alpha, eta, m0, s0, cu_seqlens, beta = _contiguous(
+        dy, dm_final, k, v, q, alpha, eta, m0, s0, cu_seqlens, beta)
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     slots = B * triton.cdiv(T, CHUNK) if cu_seqlens is None else T // CHUNK + N
     f32 = dict(dtype=torch.float32, device=k.device)
     ckpt_a = torch.empty(slots, H, DV, DK, **f32)
     ckpt_s = torch.empty(slots, H, DV, DK, **f32) if momentum != 0.0 else None
     _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm, None, None, None,
-                    ckpt_a, ckpt_s, hebbian, bias)
+                    ckpt_a, ckpt_s, hebbian, bias, beta)
 
     BK, BV = _blocks(DK, DV, q_norm, MAX_BLOCK_V_BACKWARD)
     NV = triton.cdiv(DV, BV)
     rows = B * T * H
     scratch = torch.empty(NV * N * H, CHUNK, BV, BK, **f32)
+    scratch_s = torch.empty(NV * N * H, CHUNK, BV, BK, **f32) if beta is not None else None
+    dbeta_part = torch.empty(NV, rows, **f32) if beta is not None else None
     dk_part = torch.empty(NV, rows, DK, **f32)
     dq_part = torch.empty(NV, rows, DK, **f32)
     dalpha_part = torch.empty(NV, rows, **f32)
@@ -420,13 +443,17 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momen
         dk_part, dv, dq_part, dalpha_part, deta_part, dm0,
         cu_seqlens if cu_seqlens is not None else k,
         ds_final.to(torch.float32).contiguous() if momentum != 0.0 else dm0, ds0 if momentum != 0.0 else dm0,
+        beta if beta is not None else dm0, scratch_s if beta is not None else scratch,
+        dbeta_part if beta is not None else dalpha_part,
         T, rows, float(p), float(a), float(eps), float(momentum), float(q_norm),
         H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=CHUNK, P_MODE=_p_mode(p, bias),
         USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, VARLEN=cu_seqlens is not None, HEBBIAN=hebbian,
         BIAS=_bias_functions(bias, True)[0], BIAS_DERIVATIVE=_bias_functions(bias, True)[1],
+        HAS_BETA=beta is not None,
     )
     dk = dk_part.sum(0).view(B, T, H, DK).to(k.dtype)
     dq = dq_part.sum(0).view(B, T, H, DK).to(q.dtype)
     dalpha = dalpha_part.sum(0).view(B, T, H).to(alpha.dtype)
     deta = deta_part.sum(0).view(B, T, H).to(eta.dtype)
-    return dk, dv, dq, dalpha, deta, dm0, ds0
+    dbeta = dbeta_part.sum(0).view(B, T, H).to(beta.dtype) if beta is not None else dm0.new_empty(0)
+    return dk, dv, dq, dalpha, deta, dm0, ds0, dbeta

@@ -13,7 +13,8 @@ Per head, with memory M [Dv, Dk] and token t (the read comes after the update)::
           or any pointwise g the user wrote (``bias``: a Huber gradient, |e|^(p−1)·sign(e), ...)
     U_t = g_t k_tᵀ                                            (gradient of ‖W k − v‖_p^p)
     plain     : A_t = (1 − α_t) A_{t−1} − η_t U_t
-    momentum β: S_t = β S_{t−1} − η_t U_t ;  A_t = (1 − α_t) A_{t−1} + S_t
+    momentum β: S_t = β_t S_{t−1} − η_t U_t ;  A_t = (1 − α_t) A_{t−1} + S_t
+                (β_t = momentum, or momentum · beta_t with a per-step ``beta`` [B, T, H]: HOPE Eq 51's α_{i+1})
     W_t = A_t                             (q_norm = 2)
     W_t = A_t / ‖A_t‖_q^{q−2}             (MONETA L_q retention, q_norm = q ≠ 2),
           computed as A_t · (Σ|A_t|^q + eps)^{−(q−2)/q}   (eps keeps A = 0 finite)
@@ -33,7 +34,8 @@ Choices where the spec is ambiguous (documented here and in the report):
   all variants.
 * HOPE Eq 51's higher-order momentum applies φ to the gradient. Inside this op the
   gradient feature map is the identity (P_i = identity, φ = identity); the
-  momentum decay of Eq 51 is the fixed ``momentum`` β.
+  momentum decay of Eq 51, α_{i+1}, is ``momentum`` times the per-step ``beta`` when one is given (a
+  data-dependent or learned decay), else the fixed ``momentum``.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def lq_normalize(A: torch.Tensor, q_norm: float, eps: float) -> torch.Tensor:
     return A * (s + eps).pow(-(q_norm - 2.0) / q_norm)
 
 
-def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0=None):
+def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0=None, beta=None):
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     dtype = torch.promote_types(k.dtype, torch.float32)
@@ -80,7 +82,8 @@ def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0=Non
         e = torch.einsum("bhvk,bhk->bhv", W, kt) - vt
         U = bias_grad(e, p, a, eps, bias)[..., :, None] * kt[..., None, :]
         if momentum != 0.0:
-            S = momentum * S - et * U
+            decay = momentum if beta is None else momentum * beta[:, t].to(dtype)[..., None, None]
+            S = decay * S - et * U
             A = (1.0 - at) * A + S
         else:
             A = (1.0 - at) * A - et * U
@@ -93,20 +96,20 @@ def memory_scan_naive(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, alpha: 
                       eta: torch.Tensor, m0: Optional[torch.Tensor] = None,
                       cu_seqlens: Optional[torch.Tensor] = None, p: float = 2.0, a: float = 10.0,
                       eps: float = 1e-6, momentum: float = 0.0,
-                      q_norm: float = 2.0, bias: str = "", s0: Optional[torch.Tensor] = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      q_norm: float = 2.0, bias: str = "", s0: Optional[torch.Tensor] = None,
+                      beta: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference for ``torch.ops.hecate.memory_scan`` (same arguments, same results).
 
-    k, q [B, T, H, Dk]; v [B, T, H, Dv]; alpha, eta [B, T, H]; m0, s0 [B, H, Dv, Dk] or None.
+    k, q [B, T, H, Dk]; v [B, T, H, Dv]; alpha, eta [B, T, H]; m0, s0 [B, H, Dv, Dk] or None; beta [B, T, H] or None.
     With ``cu_seqlens`` [N+1] the batch is packed (B == 1) and the states are [N, H, Dv, Dk].
     Returns y [B, T, H, Dv] (dtype of v), m_final and s_final (fp32, or fp64 for fp64 inputs;
     s_final is empty without momentum).
     """
     if cu_seqlens is None:
-        return _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0)
+        return _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0, beta)
     bounds = [int(x) for x in cu_seqlens.tolist()]
     parts = [_scan_one(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
                        None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm, bias,
-                       None if s0 is None else s0[n:n + 1])
+                       None if s0 is None else s0[n:n + 1], None if beta is None else beta[:, bos:eos])
              for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:]))]
     return tuple(torch.cat([part[i] for part in parts], 1 if i == 0 else 0) for i in range(3))

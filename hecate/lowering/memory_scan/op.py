@@ -19,6 +19,8 @@ Contract (the recognition pass in ``hecate/passes/memory_scan.py`` emits exactly
         bias,       # "" = the l_p bias gradient of p, a, eps; else the user's elementwise g(e) as a
                     # hecate.lowering.pointwise expression (then p and a are unused; eps stays MONETA's)
         s0=None,    # [B or N, H, Dv, Dk] initial momentum buffer S_0, or None (zeros); momentum only
+        beta=None,  # [B, T, H] per-step factor of the momentum decay: S ← (momentum · β_t) S − η_t U (HOPE Eq 51's
+                    # α_{i+1}, data-dependent or learned), or None (the fixed momentum); momentum only
     ) -> (y [B, T, H, Dv] in the dtype of v, m_final [B or N, H, Dv, Dk] fp32,
           s_final [B or N, H, Dv, Dk] fp32 with momentum, else empty [0])
 
@@ -36,9 +38,9 @@ a Huber bias of threshold 1, ``pointwise.trace(lambda e: torch.where(e.abs() <= 
 is ``"abs(x);le(%0,1.0);sign(x);where(%1,x,%2)"``.
 
 k, v and q share one dtype (fp32, bf16, fp16; fp64 on the ATen path, on every device); the state is
-fp32 (fp64 for fp64 inputs). Differentiable in k, v, q, alpha, eta, m0 and s0; the
+fp32 (fp64 for fp64 inputs). Differentiable in k, v, q, alpha, eta, m0, s0 and beta; the
 backward is ``torch.ops.hecate.memory_scan_backward`` (same arguments plus dy and
-dm_final first, ds_final last), which re-runs the forward keeping the state every C steps
+dm_final first, ds_final and beta last), which re-runs the forward keeping the state every C steps
 (B·H·ceil(T/C)·Dv·Dk·4 bytes, twice with momentum; C = ``kernels.CHUNK`` = 32 on
 Triton, ``cpu.CHUNK`` = 64 on CPU) and recomputes inside each segment (Triton:
 a scratch of B·H·C·Dv·Dk·4 bytes; CPU: C states held). Nothing is saved between
@@ -78,7 +80,8 @@ def check_kvq_shapes(op: str, k: Tensor, v: Tensor, q: Tensor) -> None:
                          f"k shape {tuple(k.shape)}")
 
 
-def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias="", s0=None) -> None:
+def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias="", s0=None,
+                 beta=None) -> None:
     """Shape, dtype and scalar checks (no data reads: also run at trace time)."""
     if bias:
         try:
@@ -97,7 +100,9 @@ def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_nor
         raise ValueError(f"memory_scan: momentum must be finite, got {momentum!r}")
     check_kvq_shapes("memory_scan", k, v, q)
     B, T, H, Dk = k.shape
-    for name, gate in (("alpha", alpha), ("eta", eta)):
+    for name, gate in (("alpha", alpha), ("eta", eta), ("beta", beta)):
+        if gate is None:
+            continue
         if gate.shape != k.shape[:3]:
             raise ValueError(f"memory_scan: {name} shape {tuple(gate.shape)} must be [B, T, H] = "
                              f"{tuple(k.shape[:3])} from k shape {tuple(k.shape)}")
@@ -125,6 +130,9 @@ def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_nor
     if s0 is not None and momentum == 0.0:
         raise ValueError("memory_scan: s0 is the momentum buffer's initial state; pass it only with momentum != 0, "
                          "got momentum=0")
+    if beta is not None and momentum == 0.0:
+        raise ValueError("memory_scan: beta scales the momentum decay (momentum · beta_t); pass it with momentum != 0 "
+                         "(momentum=1.0 for a decay of beta_t itself), got momentum=0")
 
 
 def check_values(k, alpha, eta, cu_seqlens) -> None:
@@ -143,19 +151,19 @@ def check_values(k, alpha, eta, cu_seqlens) -> None:
 def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0: Optional[Tensor],
                 cu_seqlens: Optional[Tensor], p: float = 2.0, a: float = 10.0, eps: float = 1e-6,
                 momentum: float = 0.0, q_norm: float = 2.0, bias: str = "",
-                s0: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0)
+                s0: Optional[Tensor] = None, beta: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0, beta)
     check_values(k, alpha, eta, cu_seqlens)
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
         recurrent = lambda: kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum,  # noqa: E731
-                                            q_norm, bias=bias, s0=s0)
+                                            q_norm, bias=bias, s0=s0, beta=beta)
         if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0):
             return dense(chunked.finite_or_recurrent(
                 lambda: chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens), recurrent))
         return dense(recurrent())
     return dense(cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias,
-                                    s0=s0))
+                                    s0=s0, beta=beta))
 
 
 def _final_states_fake(k, v, cu_seqlens, momentum):
@@ -167,8 +175,8 @@ def _final_states_fake(k, v, cu_seqlens, momentum):
 
 @memory_scan.register_fake
 def _memory_scan_fake(k, v, q, alpha, eta, m0, cu_seqlens, p=2.0, a=10.0, eps=1e-6, momentum=0.0, q_norm=2.0,
-                      bias="", s0=None):
-    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0)
+                      bias="", s0=None, beta=None):
+    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0, beta)
     return (v.new_empty(v.shape), *_final_states_fake(k, v, cu_seqlens, momentum))
 
 
@@ -177,44 +185,48 @@ def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: 
                          eta: Tensor, m0: Optional[Tensor], cu_seqlens: Optional[Tensor], p: float,
                          a: float, eps: float, momentum: float,
                          q_norm: float, bias: str = "", s0: Optional[Tensor] = None,
-                         ds_final: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients (dk, dv, dq, dalpha, deta, dm0, ds0) of ``memory_scan`` (dm0, ds0 fp32; dm0 zeros-shaped when m0
-    is None; ds0 empty without momentum; ds_final None means zeros)."""
+                         ds_final: Optional[Tensor] = None, beta: Optional[Tensor] = None
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dk, dv, dq, dalpha, deta, dm0, ds0, dbeta) of ``memory_scan`` (dm0, ds0 fp32; dm0 zeros-shaped
+    when m0 is None; ds0 empty without momentum, dbeta without beta; ds_final None means zeros)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
         recurrent = lambda: kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps,  # noqa: E731
-                                             momentum, q_norm, bias=bias, s0=s0, ds_final=ds_final)
+                                             momentum, q_norm, bias=bias, s0=s0, ds_final=ds_final, beta=beta)
         if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0, dy,
-                                   dm_final):
+                                   dm_final):  # (no momentum there, so no dbeta)
             return dense(chunked.finite_or_recurrent(
-                lambda: chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens), recurrent))
+                lambda: (*chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens), dy.new_empty(0)),
+                recurrent))
         return dense(recurrent())
     return dense(cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                                     bias=bias, s0=s0, dS_final=ds_final))
+                                     bias=bias, s0=s0, dS_final=ds_final, beta=beta))
 
 
 @memory_scan_backward.register_fake
 def _memory_scan_backward_fake(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                               bias="", s0=None, ds_final=None):
+                               bias="", s0=None, ds_final=None, beta=None):
     return (k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(q.shape), alpha.new_empty(alpha.shape),
-            eta.new_empty(eta.shape), *_final_states_fake(k, v, cu_seqlens, momentum))
+            eta.new_empty(eta.shape), *_final_states_fake(k, v, cu_seqlens, momentum),
+            beta.new_empty(beta.shape) if beta is not None else dy.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0 = inputs
-    ctx.save_for_backward(k, v, q, alpha, eta, m0, cu_seqlens, s0)
+    k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0, beta = inputs
+    ctx.save_for_backward(k, v, q, alpha, eta, m0, cu_seqlens, s0, beta)
     ctx.scalars = (p, a, eps, momentum, q_norm, bias)
     ctx.state_dtypes = tuple(None if state is None else state.dtype for state in (m0, s0))
 
 
 def _backward(ctx, dy, dm_final, ds_final):
-    k, v, q, alpha, eta, m0, cu_seqlens, s0 = ctx.saved_tensors
+    k, v, q, alpha, eta, m0, cu_seqlens, s0, beta = ctx.saved_tensors
     momentum = ctx.scalars[3]
-    dk, dv, dq, dalpha, deta, dm0, ds0 = torch.ops.hecate.memory_scan_backward(
+    dk, dv, dq, dalpha, deta, dm0, ds0, dbeta = torch.ops.hecate.memory_scan_backward(
         dy.contiguous(), dm_final.contiguous(), k, v, q, alpha, eta, m0, cu_seqlens, *ctx.scalars, s0,
-        ds_final.contiguous() if momentum != 0.0 else None)
+        ds_final.contiguous() if momentum != 0.0 else None, beta)
     dm0, ds0 = (None if dt is None else g.to(dt) for g, dt in zip((dm0, ds0), ctx.state_dtypes))
-    return (dk, dv, dq, dalpha, deta, dm0, None, None, None, None, None, None, None, ds0)
+    return (dk, dv, dq, dalpha, deta, dm0, None, None, None, None, None, None, None, ds0,
+            dbeta if beta is not None else None)
 
 
 memory_scan.register_autograd(_backward, setup_context=_setup_context)
