@@ -997,7 +997,10 @@ def recognise(gm: fx.GraphModule, node: fx.Node) -> Recurrence | NotFused:
         try:
             node.meta["hecate_memory_step"] = analyse(body, len(node.args[1]))
         except NotFused as why:
-            node.meta["hecate_memory_step"] = _combined(gm, node, why)
+            found = _combined(gm, node, why)
+            if isinstance(found, NotFused):
+                found = _without_derived(gm, node, found)
+            node.meta["hecate_memory_step"] = found
     return node.meta["hecate_memory_step"]
 
 
@@ -1007,8 +1010,20 @@ def _combined(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | 
     where the body as written has more than one update term)."""
     from hecate.passes import memory_update
 
-    body, n_carries = getattr(gm, node.args[0].target), len(node.args[1])
-    identities = memory_update.identity_inputs(gm, node)
+    found = _combined_body(getattr(gm, node.args[0].target), len(node.args[1]),
+                           memory_update.identity_inputs(gm, node), why)
+    if isinstance(found, NotFused):
+        return found
+    rec, rewritten = found
+    setattr(gm, node.args[0].target, rewritten)
+    return rec
+
+
+def _combined_body(body: fx.GraphModule, n_carries: int, identities: set[int],
+                   why: NotFused) -> tuple[Recurrence, fx.GraphModule] | NotFused:
+    """:func:`_combined` on ``body``: (the memory step, the rewritten body), or why not."""
+    from hecate.passes import memory_update
+
     for state in range(n_carries):
         rewritten = memory_update.combined(body, state, identities)
         if rewritten is None:
@@ -1018,9 +1033,47 @@ def _combined(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | 
         except NotFused as other:
             why = other if "update term" in str(why) else why
             continue
-        setattr(gm, node.args[0].target, rewritten)
-        return rec
+        return rec, rewritten
     return why
+
+
+_DERIVED_UNPROVEN = ("; the step recomputes a carried W from the new memory (W = f(M), as MONETA's normalised W) "
+                     "and reads it in the next step, but W's initial value is not provably f of the memory's initial "
+                     "value (only both starting at zeros, with f(0) = 0, is), so W is a second state")
+
+
+def _without_derived(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | NotFused:
+    """The memory step of scan ``node`` once the carries its body recomputes from another carry's new value
+    (:mod:`derived_carry`: MONETA's W = f(A) carried beside A) are dropped, f(A_old) read for W_old; the scan is
+    then rewritten. Else ``why`` it is none, as is (the rewritten body's reason where ``why`` is that the update
+    reads another state, a carry the rewrite removed; a word on a derived carry whose start is not proven)."""
+    from hecate.passes import derived_carry, memory_update
+
+    try:  # nothing here may fail the pass: any error leaves the scan exactly as it was
+        if not derived_carry.readable(node):
+            return why
+        found = derived_carry.derived_carries(gm, node)
+        derived = [d for d in found if d.proven]
+        if not derived:
+            return NotFused(f"{why}{_DERIVED_UNPROVEN}") if found and "another state" in str(why) else why
+        n_carries = len(node.args[1])
+        body = derived_carry.without_derived(getattr(gm, node.args[0].target), n_carries, derived)
+        left = n_carries - len(derived)
+        try:
+            rec = analyse(body, left)
+        except NotFused as other:
+            identities = {i - len(derived) for i in memory_update.identity_inputs(gm, node)}
+            combined = _combined_body(body, left, identities, other)
+            if isinstance(combined, NotFused):
+                return combined if "another state" in str(why) else why
+            rec, body = combined
+        traced = derived_carry.final_reads(gm, node, derived)
+    except NotFused:
+        return why
+    except Exception:  # (an unexpected graph: the rewrite is an optimisation, never a risk)
+        return why
+    derived_carry.install(gm, node, body, derived, traced)
+    return rec
 
 
 _HEADS_ADVICE = ("; the step reads its inputs or state at several fixed indices of one dim (x[:, h], M[:, h]), as "

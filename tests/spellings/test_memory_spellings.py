@@ -2187,3 +2187,122 @@ def test_outputs_grown_from_an_empty_tensor_fuse(fresh_dynamo):
     """The empty start of a cat adds no element: left out, the cat is the loop's stacked outputs (probe r13b)."""
     report = _compile_and_compare(hebbian_outputs_grown_from_an_empty_tensor)
     assert report.count("linear_attention") == 1 and not report.misses, str(report)
+
+
+# ---------------------------------------------------------------- MONETA with W carried from the step before
+
+def moneta_w_carried(k, v, q, p=3.0, qn=4.0, a=0.05, lr=0.1, sharp=10.0, eps=1e-6):
+    """W = A / (Σ|A|^q + eps)^((q−2)/q) computed after the write and read by the next step's error: W is carried
+    beside A, starting as A's zeros."""
+    Bn, Tn, Dk = k.shape
+    A = torch.zeros(Bn, v.shape[-1], Dk)
+    W = A
+    ys = []
+    for t in range(Tn):
+        e = (W @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        g = p * torch.tanh(sharp * e) * (e * e + eps) ** ((p - 1) / 2)
+        A = (1 - a) * A - lr * g.unsqueeze(-1) * k[:, t].unsqueeze(1)
+        W = A / (A.abs().pow(qn).sum(dim=(-2, -1), keepdim=True) + eps) ** ((qn - 2) / qn)
+        ys.append((W @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1)
+
+
+def moneta_w_carried_returned(k, v, q, p=3.0, qn=4.0, a=0.05, lr=0.1, sharp=10.0, eps=1e-6):
+    """As above, W its own zeros, and the final W returned beside the reads."""
+    Bn, Tn, Dk = k.shape
+    A, W, ys = torch.zeros(Bn, v.shape[-1], Dk), torch.zeros(Bn, v.shape[-1], Dk), []
+    for t in range(Tn):
+        e = (W @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        g = p * torch.tanh(sharp * e) * (e * e + eps) ** ((p - 1) / 2)
+        A = (1 - a) * A - lr * g.unsqueeze(-1) * k[:, t].unsqueeze(1)
+        W = A / (A.abs().pow(qn).sum(dim=(-2, -1), keepdim=True) + eps) ** ((qn - 2) / qn)
+        ys.append((W @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), W
+
+
+def moneta_l2_w_carried(k, v, q, eta=0.1, alpha=0.05, eps=1e-6):
+    """p = 2, the L4 norm written out, W its own zeros [b, d, d], the keys read as k[:, i, None, :]."""
+    b, n, d = k.shape
+    A, W, out = torch.zeros(b, d, d), torch.zeros(b, d, d), []
+    for i in range(n):
+        e = torch.einsum("bij,bj->bi", W, k[:, i]) - v[:, i]
+        A = (1 - alpha) * A - eta * 2 * e[:, :, None] * k[:, i, None, :]
+        nrm = ((A.abs() ** 4).sum((1, 2), keepdim=True) + eps) ** 0.5
+        W = A / nrm
+        out.append(torch.einsum("bij,bj->bi", W, q[:, i]))
+    return torch.stack(out, 1), A, W
+
+
+def moneta_heads_w_carried(k, v, q, p=3.0, qn=4.0, a=0.05, lr=0.1, sharp=10.0, eps=1e-6):
+    """[B, T, H, D] inputs, one memory per batch and head [B, H, Dv, Dk], W = A at the start, W returned."""
+    A = k.new_zeros(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1])
+    W, ys = A, []
+    for t in range(k.shape[1]):
+        e = (W @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        g = p * torch.tanh(sharp * e) * (e * e + eps) ** ((p - 1) / 2)
+        A = (1 - a) * A - lr * g[..., None] * k[:, t, :, None, :]
+        W = A / (A.abs().pow(qn).sum(dim=(-2, -1), keepdim=True) + eps) ** ((qn - 2) / qn)
+        ys.append((W @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), W
+
+
+def _moneta_inputs(fn, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if fn is moneta_heads_w_carried:
+        shapes = [(B, 5, H, DK), (B, 5, H, DV), (B, 5, H, DK)]
+    elif fn is moneta_l2_w_carried:
+        shapes = [(B, 5, DK)] * 3
+    else:
+        shapes = [(B, 5, DK), (B, 5, DV), (B, 5, DK)]
+    return [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
+
+
+@pytest.mark.parametrize("fn", [moneta_w_carried, moneta_w_carried_returned, moneta_l2_w_carried,
+                                moneta_heads_w_carried], ids=lambda fn: fn.__name__)
+def test_moneta_with_w_carried_from_the_step_before_fuses(fn, fresh_dynamo):
+    """W_old = f(A_old) at every step once both start at zeros (f(0) = 0): the carry W is dropped and f(A) read
+    for it, a final W read after the loop made f of the final A (two reviewers' spelling, which did not fuse)."""
+    inputs = _moneta_inputs(fn)
+    ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 1 and not report.misses, str(report)
+    assert "MONETA" in report.fusions[0].detail, str(report)
+    assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, TOL)
+
+
+def moneta_w_starting_at_ones(k, v, q, p=3.0, qn=4.0, a=0.05, lr=0.1, sharp=10.0, eps=1e-6):
+    """W starts at ones, which f(A's zeros) is not: the first step reads a W no f(A) gives, a state of its own."""
+    A, W, ys = torch.zeros(k.shape[0], v.shape[-1], k.shape[-1]), torch.ones(k.shape[0], v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        e = (W @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        g = p * torch.tanh(sharp * e) * (e * e + eps) ** ((p - 1) / 2)
+        A = (1 - a) * A - lr * g.unsqueeze(-1) * k[:, t].unsqueeze(1)
+        W = A / (A.abs().pow(qn).sum(dim=(-2, -1), keepdim=True) + eps) ** ((qn - 2) / qn)
+        ys.append((W @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1)
+
+
+def moneta_w_starting_at_random(k, v, q, W0, p=3.0, qn=4.0, a=0.05, lr=0.1, sharp=10.0, eps=1e-6):
+    """W starts at an input: not provably f(A's zeros)."""
+    A, W, ys = torch.zeros_like(W0), W0, []
+    for t in range(k.shape[1]):
+        e = (W @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        g = p * torch.tanh(sharp * e) * (e * e + eps) ** ((p - 1) / 2)
+        A = (1 - a) * A - lr * g.unsqueeze(-1) * k[:, t].unsqueeze(1)
+        W = A / (A.abs().pow(qn).sum(dim=(-2, -1), keepdim=True) + eps) ** ((qn - 2) / qn)
+        ys.append((W @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("fn", [moneta_w_starting_at_ones, moneta_w_starting_at_random], ids=lambda fn: fn.__name__)
+def test_moneta_with_w_starting_elsewhere_than_f_of_a_is_not_fused(fn, fresh_dynamo):
+    inputs = _moneta_inputs(moneta_w_carried)
+    if fn is moneta_w_starting_at_random:
+        inputs.append(torch.randn(B, DV, DK, generator=torch.Generator().manual_seed(1)).requires_grad_())
+    ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    report = hecate.explain(fn, *inputs)
+    assert not report.fusions and report.misses, str(report)
+    assert "W's initial value is not provably f of the memory's" in report.misses[0].reason, str(report)
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
+    assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, TOL)
