@@ -30,6 +30,10 @@ G is a pointwise function of e. The proof is by meaning, not by matching one spe
 3. the whole step is then evaluated again at fresh random points against the op's own
    equations with the recovered roles; anything that differs is :class:`NotFused`.
 
+Where the body as written is none, two rewrites of a copy are tried, each installed only if the copy is one:
+the update put in the shape of one term (:mod:`memory_update`, the delta rule's Householder form), and a carry the
+step recomputes from another one's new value dropped (:mod:`derived_carry`, MONETA's W = f(A) carried beside A).
+
 The scan is then replaced by the op through a plain PyTorch function traced under the graph's
 fake mode (:func:`_fused_recurrence`): every size it needs is read off a tensor, so a dynamic
 batch or length stays dynamic in the fused graph.

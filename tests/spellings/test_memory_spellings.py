@@ -2306,3 +2306,29 @@ def test_moneta_with_w_starting_elsewhere_than_f_of_a_is_not_fused(fn, fresh_dyn
     assert "W's initial value is not provably f of the memory's" in report.misses[0].reason, str(report)
     got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
     assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, TOL)
+
+
+def moneta_own_scan_w_carried(k, v, q, qn=4.0, eps=1e-6):
+    """The user's own torch scan (never through the loop roller), W carried beside A from zeros_like(A)."""
+    from torch._higher_order_ops.scan import scan
+
+    def step(carry, x):
+        A, W = carry
+        kt, vt, qt = x
+        e = (W @ kt.unsqueeze(-1)).squeeze(-1) - vt
+        A = 0.95 * A - 0.1 * (2 * e).unsqueeze(-1) * kt.unsqueeze(1)
+        W = A / (A.abs().pow(qn).sum(dim=(-2, -1), keepdim=True) + eps) ** ((qn - 2) / qn)
+        return (A, W.clone()), (W @ qt.unsqueeze(-1)).squeeze(-1)
+
+    A0 = torch.zeros(k.shape[0], v.shape[-1], k.shape[-1])
+    (A, W), ys = scan(step, (A0, torch.zeros_like(A0)), (k.transpose(0, 1), v.transpose(0, 1), q.transpose(0, 1)))
+    return ys.transpose(0, 1), W
+
+
+def test_moneta_with_w_carried_in_a_users_own_scan_fuses(fresh_dynamo):
+    inputs = _moneta_inputs(moneta_w_carried)
+    ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    got = torch.compile(moneta_own_scan_w_carried, backend="hecate", options={"fallback": "eager"})(*inputs)
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 1 and not report.misses, str(report)
+    assert_outputs_and_gradients_close(got, moneta_own_scan_w_carried(*ref_inputs), inputs, ref_inputs, TOL)
