@@ -1072,9 +1072,7 @@ def _without_derived(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurr
                 return combined if "another state" in str(why) else why
             rec, body = combined
         traced = derived_carry.final_reads(gm, node, derived)
-    except NotFused:
-        return why
-    except Exception:  # (an unexpected graph: the rewrite is an optimisation, never a risk)
+    except Exception:  # (NotFused tracing the final W, or an unexpected graph: the rewrite is never a risk)
         return why
     derived_carry.install(gm, node, body, derived, traced)
     return rec
