@@ -31,7 +31,9 @@ subexpressions are merged) sits in block 0 only: it is first moved before the lo
 (:func:`_hoist_invariants`), where it is an invariant like any other.
 
 A run whose blocks differ from block t on (another literal, op or p) is rolled up to t and
-the rest is tried again as a loop of its own. Nested loops are rolled from the inside: the runs with
+the rest is tried again as a loop of its own, its blocks starting with the ops the run's before started
+with (blocks starting inside the differing step also prove, rotated: the step's head at the end of each
+block, which reads as no memory step). Nested loops are rolled from the inside: the runs with
 the shortest blocks are tried first, and a loop that carries nothing (a map, such as a loop over heads
 inside the loop over time) only where no loop that carries a state covers it. An index with two
 integers (``alpha[:, t, h]``) is read at whichever of them advances with the blocks. A run that fails
@@ -149,15 +151,22 @@ def roll_loops(gm: fx.GraphModule, only: set[int] | None = None) -> RolledGraph 
 
     # the innermost loops first (the shortest period): in a loop over heads around a loop over time, each head's
     # loop over time is the memory loop; the loop over heads, whose body would hold T unrolled steps, is not
-    pending = sorted(_candidates(nodes, position), key=lambda c: (c[1], c[0]))
+    # (first slice, period, steps, how its blocks should start: as the run's before a step that differs did)
+    pending = sorted(((*c, None) for c in _candidates(nodes, position)), key=lambda c: (c[1], c[0]))
+    heads: dict[int, tuple] = {}  # period -> how the blocks of the first loop of that period start
     while pending:
-        start_pos, period, count = pending.pop(0)
+        start_pos, period, count, phase = pending.pop(0)
+        # after a step that differs, the block after it too (blocks starting inside it may prove, rotated)
+        last = start_pos + (period if phase is not None else 0)
+        if phase is None:  # a run of the period of a loop rolled already (after a step of another length) starts alike
+            phase = heads.get(period)
         shortest, best, sliced_only = count, None, False
         # where a block starts: the longest loop, then the one carrying least (a loop after other steps also
         # proves with its blocks starting inside the step before, carrying that step's q_t to the next), then
-        # the earliest
-        for s in range(max(0, start_pos - period + 1), start_pos + 1):
-            steps = free(s, count, period)
+        # the one in phase with the run before (after a step that differs, blocks starting inside that step roll up
+        # as many steps rotated, the step's head at the end of each block), then the earliest
+        for s in range(max(0, start_pos - period + 1), last + 1):
+            steps = free(s, count if s <= start_pos else count - 1, period)
             if steps < 2:
                 continue
             loop = _Loop(nodes, position, s, period, steps)
@@ -170,17 +179,19 @@ def roll_loops(gm: fx.GraphModule, only: set[int] | None = None) -> RolledGraph 
                 # slices are the inputs of the loop that reads them
                 best, shortest, sliced_only = None, loop.T, True
                 break
-            if proven and (best is None or (-loop.T, len(loop.carries)) < (-best.T, len(best.carries))):
+            if proven and (best is None or _rank(loop, phase) < _rank(best, phase)):
                 best = loop
         if best is not None:
             # a loop that carries nothing (a map, such as a loop over heads inside the loop over time) waits:
             # a loop around it that carries a state is rolled up first
             (loops if best.carries else maps).append(best)
+            heads.setdefault(period, _head(nodes, best.s, period))
             shortest = best.T
         elif not sliced_only:
             shortest = 1
         if shortest < count and count - shortest >= 2:  # what follows a step that differs may be a loop again
-            pending.append((start_pos + shortest * period, period, count - shortest))
+            pending.append((start_pos + shortest * period, period, count - shortest,
+                            _head(nodes, best.s, period) if best is not None else None))
             pending.sort(key=lambda c: (c[1], c[0]))
     for loop in maps:
         if free(loop.s, loop.T, loop.L) == loop.T:
@@ -506,6 +517,19 @@ def _value(node: fx.Node) -> Any:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _head(nodes: list[fx.Node], s: int, period: int) -> tuple:
+    """What a block starting at ``s`` starts with: its first few ops (the step's first statement), with the inputs of
+    the graph they read (``k[:, t]`` and ``q[:, t]`` are two heads)."""
+    return tuple((n.op, n.target, tuple(a for a in n.all_input_nodes if a.op in ("placeholder", "get_attr")))
+                 for n in nodes[s:s + min(3, period)])
+
+
+def _rank(loop: "_Loop", head: tuple | None) -> tuple:
+    """How good an alignment of a run's blocks is (less is better): more steps, fewer carries, its blocks starting
+    with ``head`` (as the run before a step that differs did: step lengths may differ, so not by position)."""
+    return -loop.T, len(loop.carries), head is not None and _head(loop.nodes, loop.s, loop.L) != head
 
 
 def _candidates(nodes: list[fx.Node], position: dict[fx.Node, int]) -> list[tuple[int, int, int]]:

@@ -307,6 +307,7 @@ class Recurrence:
     state: int  # index of M among the carries
     momentum_state: int | None = None
     momentum_scale: float = 1.0  # the model's buffer is the op's S divided by this (M ← a·M + c·S)
+    momentum_scale_factors: list = field(default_factory=list)  # and by these tensors every step reads alike (lr·S)
     normaliser_state: int | None = None
     per_step: dict[str, PerStep] = field(default_factory=dict)  # k, v, q [*lead, D]; alpha, eta, beta [*lead]
     params: dict[str, float] = field(default_factory=dict)
@@ -348,11 +349,17 @@ def _bias(e: torch.Tensor, p: float, a: float, eps: float) -> torch.Tensor:
 
 
 class _Body:
-    def __init__(self, body: fx.GraphModule, n_carries: int):
+    def __init__(self, body: fx.GraphModule, n_carries: int, n_xs: int | None = None):
         self.graph = body.graph
         self.placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         self.outputs = list(next(iter(reversed(body.graph.nodes))).args[0])
         self.carries = self.placeholders[:n_carries]
+        # what every step reads alike (the scan's invariants: parameters, numbers held in tensors); unknown: none
+        shared = set(self.placeholders[n_carries + n_xs:]) if n_xs is not None else set()
+        self.invariant: dict[fx.Node, bool] = {}
+        for n in body.graph.nodes:
+            self.invariant[n] = n in shared or (n.op in ("call_function", "get_attr") and all(
+                self.invariant[i] for i in n.all_input_nodes))
         self.carry_out = self.outputs[:n_carries]
         self.ys = self.outputs[n_carries:]
         self.compute = [n for n in body.graph.nodes if n.op == "call_function"]
@@ -400,10 +407,11 @@ class _Body:
         return down & up
 
 
-def analyse(body: fx.GraphModule, n_carries: int) -> Recurrence:
-    """Prove ``body`` (a scan body: carries first) is one memory step; raise :class:`NotFused` if not."""
+def analyse(body: fx.GraphModule, n_carries: int, n_xs: int | None = None) -> Recurrence:
+    """Prove ``body`` (a scan body: carries first, then ``n_xs`` per-step inputs, then what every step reads) is one
+    memory step; raise :class:`NotFused` if not."""
     try:
-        b = _Body(body, n_carries)
+        b = _Body(body, n_carries, n_xs)
     except (RuntimeError, TypeError, ValueError) as why:  # an op that does not run on float64 sample points
         raise NotFused(f"the loop body could not be evaluated at sample points ({type(why).__name__}: "
                        f"{str(why).splitlines()[0] if str(why) else ''})") from None
@@ -516,15 +524,22 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                                                  if f is not M_in):
             prod.factors.remove(M_in)
             retention.append(prod)
-        elif isinstance(term, fx.Node) and term in b.carry_out and term is not M_out and prod.coef != 0 \
-                and prod.factors == [term] and not prod.divisors and momentum is None:
-            momentum, scale = b.carry_out.index(term), prod.coef
+        elif momentum is None and prod.coef != 0 and not prod.divisors and \
+                len(buffers := [f for f in prod.factors if f in b.carry_out and f is not M_out]) == 1 and \
+                all(b.invariant[f] for f in prod.factors if f is not buffers[0]):
+            # c·S, c a number or what every step reads alike (a learned step size: M ← M − lr·S)
+            momentum, scale = b.carry_out.index(buffers[0]), prod.coef
+            scale_factors = [f for f in prod.factors if f is not buffers[0]]
         else:
             update.append(prod)
     if momentum is not None:
         if update:
             raise NotFused("with a momentum buffer, the memory's update is M ← a·M + c·S")
         S_in, S_out = b.carries[momentum], b.carry_out[momentum]
+        for f in scale_factors:
+            if not _is_gate(b.env[f], lead):
+                raise NotFused(f"the momentum buffer enters the memory scaled by a factor of shape "
+                               f"{list(b.env[f].shape)}, not one number per batch and head {list(lead)}")
         decays = []  # β·S: β a number, or a gate (per step, learned, data-dependent: HOPE Eq 51's α_{i+1})
         for sign, term in _terms(S_out):
             prod = _product(term)
@@ -535,6 +550,7 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                 decays.append(prod)
             else:
                 prod.coef *= scale
+                prod.factors += scale_factors
                 update.append(prod)
         if not decays:
             raise NotFused("the momentum buffer S is not kept from step to step (S ← β·S − η·g kᵀ)")
@@ -548,7 +564,7 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
             rec.per_step["beta"], rec.params["momentum"] = beta, 1.0  # the op's decay: 1.0 · β_t
         else:
             rec.params["momentum"] = beta.coef
-        rec.momentum_state, rec.momentum_scale = momentum, scale
+        rec.momentum_state, rec.momentum_scale, rec.momentum_scale_factors = momentum, scale, scale_factors
     if len(update) != 1:
         kept_through = [f for prod in update for f in prod.factors if isinstance(f, fx.Node)
                         and f.op == "call_function" and M_in in f.all_input_nodes
@@ -963,13 +979,14 @@ def _verify(b: _Body, rec: Recurrence) -> None:
         g = _bias(e, p, a, eps) if "bias" not in rec.params else _evaluate_bias(rec.params["bias"], e)
         U = g.unsqueeze(-1) * k.unsqueeze(-2)
         if rec.momentum_state is not None:
-            S = env[b.carries[rec.momentum_state]] * rec.momentum_scale
+            scale = PerStep(rec.momentum_scale, rec.momentum_scale_factors).value(env, lead)[..., None, None]
+            S = env[b.carries[rec.momentum_state]] * scale
             S = (S.transpose(-1, -2) if rec.layout == "kv" else S)
             decay = (rec.per_step["beta"].value(env, lead)[..., None, None] if "beta" in rec.per_step
                      else rec.params["momentum"])
             S_new = decay * S - eta * U
             M_new = (1 - alpha) * M + S_new
-            S_new = S_new / rec.momentum_scale
+            S_new = S_new / scale
             expect[b.carry_out[rec.momentum_state]] = S_new.transpose(-1, -2) if rec.layout == "kv" else S_new
         else:
             M_new = (1 - alpha) * M - eta * U
@@ -999,7 +1016,7 @@ def recognise(gm: fx.GraphModule, node: fx.Node) -> Recurrence | NotFused:
     if "hecate_memory_step" not in node.meta:
         body = getattr(gm, node.args[0].target)
         try:
-            node.meta["hecate_memory_step"] = analyse(body, len(node.args[1]))
+            node.meta["hecate_memory_step"] = analyse(body, len(node.args[1]), len(node.args[2]))
         except NotFused as why:
             found = _combined(gm, node, why)
             if isinstance(found, NotFused):
@@ -1014,7 +1031,7 @@ def _combined(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | 
     where the body as written has more than one update term)."""
     from hecate.passes import memory_update
 
-    found = _combined_body(getattr(gm, node.args[0].target), len(node.args[1]),
+    found = _combined_body(getattr(gm, node.args[0].target), len(node.args[1]), len(node.args[2]),
                            memory_update.identity_inputs(gm, node), why)
     if isinstance(found, NotFused):
         return found
@@ -1023,7 +1040,7 @@ def _combined(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | 
     return rec
 
 
-def _combined_body(body: fx.GraphModule, n_carries: int, identities: set[int],
+def _combined_body(body: fx.GraphModule, n_carries: int, n_xs: int, identities: set[int],
                    why: NotFused) -> tuple[Recurrence, fx.GraphModule] | NotFused:
     """:func:`_combined` on ``body``: (the memory step, the rewritten body), or why not."""
     from hecate.passes import memory_update
@@ -1033,7 +1050,7 @@ def _combined_body(body: fx.GraphModule, n_carries: int, identities: set[int],
         if rewritten is None:
             continue
         try:
-            rec = analyse(rewritten, n_carries)
+            rec = analyse(rewritten, n_carries, n_xs)
         except NotFused as other:
             why = other if "update term" in str(why) else why
             continue
@@ -1064,10 +1081,10 @@ def _without_derived(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurr
         body = derived_carry.without_derived(getattr(gm, node.args[0].target), n_carries, derived)
         left = n_carries - len(derived)
         try:
-            rec = analyse(body, left)
+            rec = analyse(body, left, len(node.args[2]))
         except NotFused as other:
             identities = {i - len(derived) for i in memory_update.identity_inputs(gm, node)}
-            combined = _combined_body(body, left, identities, other)
+            combined = _combined_body(body, left, len(node.args[2]), identities, other)
             if isinstance(combined, NotFused):
                 return combined if "another state" in str(why) else why
             rec, body = combined
@@ -1377,6 +1394,10 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
     read = {name: r for name, r in read.items() if r is not None and r.users}
     if not read:
         raise NotFused("no result of the scan is read")
+    if rec.momentum_scale_factors and ("S0" in initial or "S" in read):
+        raise NotFused("the momentum buffer enters the memory scaled by a tensor (M ← a·M − lr·S, lr a parameter or "
+                       "buffer), and is carried in from before the loop or read after it: the op's buffer is lr·S, "
+                       "which it could give back only divided by lr")
     y_ones = [_is_one(s) for s in read["y"].meta["val"].shape] if "y" in read else None
     after = None
     if rec.read_node is not None and "y" in read:  # the op gives the reads; the output's function follows them

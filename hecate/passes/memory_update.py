@@ -247,8 +247,9 @@ _MAX_TERMS = 16
 
 def _sum_of_products(build: _Builder, x: Any) -> list[_Product] | None:
     """``x`` multiplied out into Σ coef · Π factors / Π divisors (through add, sub, mul, neg, division by a number,
-    and an unsqueeze of the last dim, which every factor takes: they broadcast from the right), or None past
-    :data:`_MAX_TERMS` terms or where a number stands alone."""
+    and an unsqueeze of the last or the second-last dim, an outer product's column or row, which every factor takes
+    at the same place from the right, where they broadcast from), or None past :data:`_MAX_TERMS` terms or where a
+    number stands alone."""
     if isinstance(x, tuple):  # ("mul" | "div", a, b) from addcmul / addcdiv
         kind, a, b = x
         return _times(_sum_of_products(build, a), _sum_of_products(build, b)) if kind == "mul" else None
@@ -275,13 +276,14 @@ def _sum_of_products(build: _Builder, x: Any) -> list[_Product] | None:
         if x.target is aten.div.Tensor and isinstance(x.args[1], (int, float)) and x.args[1] != 0:
             return _times([_Product(coef=1.0 / x.args[1])], _sum_of_products(build, x.args[0]))
         rank = len(_shape(x) or ())
-        if x.target is aten.unsqueeze.default and rank and x.args[1] % rank == rank - 1 \
-                and len(_terms(x.args[0])) + len(_factors(x.args[0]).factors) > 2:
+        dim = x.args[1] % rank - rank if x.target is aten.unsqueeze.default and rank else 0
+        if dim in (-1, -2) and len(_terms(x.args[0])) + len(_factors(x.args[0]).factors) > 2:
             inner = _sum_of_products(build, x.args[0])  # (a number is the same number unsqueezed)
             if inner is None:
                 return None
-            return [_Product(prod.coef, [build.unsqueezed(f) for f in prod.factors],
-                             [build.unsqueezed(d) for d in prod.divisors]) for prod in inner]
+            out = [_Product(prod.coef, [build.unsqueezed(f, dim) for f in prod.factors],
+                            [build.unsqueezed(d, dim) for d in prod.divisors]) for prod in inner]
+            return None if any(f is None for prod in out for f in prod.factors + prod.divisors) else out
     return [_Product(1.0, [x], [])]
 
 
@@ -345,14 +347,19 @@ class _Builder:
         with self.graph.inserting_before(self.before):
             return emit(self.graph, target, *args)
 
-    def unsqueezed(self, x: fx.Node) -> fx.Node:
-        """``x.unsqueeze(-1)``, one node per x: the graph's own where it has one."""
-        if x not in self.unsqueezes:
-            rank = len(_shape(x) or ()) + 1
+    def unsqueezed(self, x: fx.Node, dim: int = -1) -> fx.Node | None:
+        """``x.unsqueeze(dim)`` (dim −1 or −2, counted from the right), one node per x and dim: the graph's own where
+        it has one; a 0-d x as it is (it broadcasts); None where x has no dim to insert it before."""
+        rank = len(_shape(x) or ())
+        if rank == 0:
+            return x
+        if rank < -dim - 1:
+            return None
+        if (x, dim) not in self.unsqueezes:
             own = [u for u in x.users if u.target is aten.unsqueeze.default and u.args[0] is x
-                   and u.args[1] % rank == rank - 1 and u in self.earlier]
-            self.unsqueezes[x] = own[0] if own else self.call(aten.unsqueeze.default, x, -1)
-        return self.unsqueezes[x]
+                   and u.args[1] % (rank + 1) == rank + 1 + dim and u in self.earlier]
+            self.unsqueezes[x, dim] = own[0] if own else self.call(aten.unsqueeze.default, x, dim)
+        return self.unsqueezes[x, dim]
 
     def product(self, coef: float, factors: list, divisors: list) -> fx.Node:
         """coef · Π factors / Π divisors (factors not empty)."""

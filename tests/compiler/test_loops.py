@@ -4,6 +4,7 @@ Each rolled graph is run eagerly and compared with Dynamo's unrolled graph on th
 inputs, so a wrong carry, slice or stack shows as a numerical difference.
 """
 
+import pytest
 import torch
 
 import hecate
@@ -180,12 +181,55 @@ def test_a_step_that_differs_ends_one_loop_and_the_rest_is_rolled_again():
     _check_rolled(step_differs, torch.randn(3, 6), steps=[3, 2])
 
 
+def _outer(v, k):
+    return v.unsqueeze(-1) * k.unsqueeze(-2)
+
+
+def _read(M, q):
+    return (M @ q.unsqueeze(-1)).squeeze(-1)
+
+
 def decay_differs_at_step_three(q, k, v):
-    """A Hebbian memory whose step 3 decays by 0.5, the others by 0.9: steps 0-2 are one memory loop; what
-    follows rolls with its blocks starting after the decay (no memory step)."""
+    """A Hebbian memory whose step 3 decays by 0.5, the others by 0.9."""
     M, ys = torch.zeros(q.shape[0], v.shape[-1], k.shape[-1]), []
     for t in range(q.shape[1]):
         M = (0.5 if t == 3 else 0.9) * M + v[:, t, :, None] * k[:, t, None, :]
+        ys.append((M @ q[:, t, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def decay_differs_at_step_three_with_helpers(q, k, v):
+    """The same, the outer product and the read written as helpers (another order of the step's ops)."""
+    M, ys = torch.zeros(q.shape[0], v.shape[-1], k.shape[-1]), []
+    for t in range(q.shape[1]):
+        c = 0.5 if t == 3 else 0.9
+        M = c * M + _outer(v[:, t], k[:, t])
+        ys.append(_read(M, q[:, t]))
+    return torch.stack(ys, 1), M
+
+
+@pytest.mark.parametrize("fn", [decay_differs_at_step_three, decay_differs_at_step_three_with_helpers],
+                         ids=["inline", "helpers"])
+def test_the_run_after_a_step_that_differs_starts_its_blocks_as_the_run_before(fn, fresh_dynamo):
+    """Blocks starting right after step 3's decay also prove a loop over steps 3-5 (its blocks rotated: the update,
+    the read, the next step's decay), which is no memory step; the run after the step is rolled with its blocks
+    starting as the run before did, so both runs fuse and step 3 alone is left as written (and reported)."""
+    args = [torch.randn(2, 7, 4) for _ in range(3)]
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*args)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 2, str(report)
+    assert all("rolled up 3 steps" in f.detail for f in report.fusions), str(report)
+    assert len(report.misses) == 1 and "written out step by step" in report.misses[0].reason, str(report)
+    for name, a, b in zip(("y", "M"), got, fn(*args)):
+        assert_close(name, a, b, 1e-5)
+
+
+def squashed_from_step_three(q, k, v):
+    """A Hebbian memory for three steps, then one kept through tanh: the second loop is no memory step."""
+    M, ys = torch.zeros(q.shape[0], v.shape[-1], k.shape[-1]), []
+    for t in range(q.shape[1]):
+        kept = 0.9 * M if t < 3 else 0.9 * torch.tanh(M)
+        M = kept + v[:, t, :, None] * k[:, t, None, :]
         ys.append((M @ q[:, t, :, None])[..., 0])
     return torch.stack(ys, 1), M
 
@@ -194,11 +238,33 @@ def test_the_loops_that_fuse_stay_fused_beside_one_that_does_not(fresh_dynamo):
     """One rolled loop the passes cannot fuse used to send the whole graph back unrolled, losing the loop that
     fused: the loops that fused are rolled again alone, the other is compiled unrolled with its reason."""
     args = [torch.randn(2, 7, 4) for _ in range(3)]
-    got = torch.compile(decay_differs_at_step_three, backend="hecate", options={"fallback": "eager"})(*args)
+    got = torch.compile(squashed_from_step_three, backend="hecate", options={"fallback": "eager"})(*args)
     report = hecate.last_report()
     assert report.count("linear_attention") == 1 and "rolled up 3 steps" in report.fusions[0].detail, str(report)
-    assert len(report.misses) == 1 and "compiled unrolled" in report.misses[0].reason, str(report)
-    for name, a, b in zip(("y", "M"), got, decay_differs_at_step_three(*args)):
+    assert len(report.misses) == 1 and "through tanh" in report.misses[0].reason, str(report)
+    assert "compiled unrolled" in report.misses[0].reason, str(report)
+    for name, a, b in zip(("y", "M"), got, squashed_from_step_three(*args)):
+        assert_close(name, a, b, 1e-5)
+
+
+def momentum_decay_differs_at_step_three(q, k, v):
+    """Momentum whose step 3 decays the buffer by 0.5, the others by 0.9."""
+    M, S, ys = torch.zeros(q.shape[0], 4, 4), torch.zeros(q.shape[0], 4, 4), []
+    for t in range(q.shape[1]):
+        e = (M @ k[:, t, :, None])[..., 0] - v[:, t]
+        S = (0.5 if t == 3 else 0.9) * S + e[..., None] * k[:, t, None, :]
+        M = 0.95 * M - 0.1 * S
+        ys.append((M @ q[:, t, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def test_both_runs_around_a_differing_momentum_step_fuse(fresh_dynamo):
+    args = [torch.randn(2, 7, 4) for _ in range(3)]
+    got = torch.compile(momentum_decay_differs_at_step_three, backend="hecate", options={"fallback": "eager"})(*args)
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 2, str(report)
+    assert all("β=0.9" in f.detail and "read before" not in f.detail for f in report.fusions), str(report)
+    for name, a, b in zip(("y", "M"), got, momentum_decay_differs_at_step_three(*args)):
         assert_close(name, a, b, 1e-5)
 
 

@@ -459,6 +459,19 @@ def l2_momentum_decay_from_the_key(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def momentum_step_size_held_in_a_tensor(k, v, q, alpha, eta):
+    """Titans with the step size outside the buffer, a 0-d tensor every step reads alike (M ← a·M − lr·S)."""
+    lr = 0.5 * eta.mean()
+    M, ys = _m0(k, v), []
+    S = torch.zeros_like(M)
+    for t in range(k.shape[1]):
+        e = torch.einsum("bhvk,bhk->bhv", M, k[:, t]) - v[:, t]
+        S = 0.7 * S + torch.einsum("bhv,bhk->bhvk", 2 * e, k[:, t])
+        M = (1 - alpha[:, t, :, None, None]) * M - lr * S
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, 1), M
+
+
 def l2_torch_outer_one_sequence(k, v, q, alpha, eta):
     """One sequence, one head: reads by torch.mv, the update by torch.outer."""
     k, v, q = k[0, :, 0], v[0, :, 0], q[0, :, 0]
@@ -925,6 +938,19 @@ def delta_rule_old_and_new_values(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_old_and_new_values_stored_key_by_value(k, v, q, alpha, eta):
+    """The same with the memory stored [Dk, Dv] (read kᵀM) and the outer products by einsum: each sum of values is
+    unsqueezed as the row of its outer product, and still multiplied out."""
+    S, ys = _m0(k, v, "kv"), []
+    for t in range(k.shape[1]):
+        kt, b = k[:, t], eta[:, t, :, None]
+        v_old = torch.einsum("bhkv,bhk->bhv", S, kt)
+        v_new = b * v[:, t] + (1 - b) * v_old
+        S = S - torch.einsum("bhk,bhv->bhkv", kt, v_old) + torch.einsum("bhk,bhv->bhkv", kt, v_new)
+        ys.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(ys, 1), S
+
+
 def delta_rule_decayed_as_a_whole(k, v, q, alpha, eta):
     """a (M − η (M k − v) kᵀ): the decay multiplies the whole step (so the strength is a·η)."""
     M, ys = _m0(k, v), []
@@ -1097,6 +1123,9 @@ SPELLINGS = {
     "l2_sgd_momentum": (l2_sgd_momentum, "memory_scan"),
     "l2_momentum_step_size_outside": (l2_momentum_step_size_outside, "memory_scan"),
     "titans_data_dependent_momentum": (titans_data_dependent_momentum, "memory_scan"),
+    "momentum_step_size_held_in_a_tensor": (momentum_step_size_held_in_a_tensor, "memory_scan"),
+    "delta_rule_old_and_new_values_stored_key_by_value": (delta_rule_old_and_new_values_stored_key_by_value,
+                                                          "memory_scan"),
     "hope_eq51_momentum": (hope_eq51_momentum, "memory_scan"),
     "l2_momentum_decay_from_the_key": (l2_momentum_decay_from_the_key, "memory_scan"),
     "l2_torch_outer_one_sequence": (l2_torch_outer_one_sequence, "memory_scan"),
@@ -1432,6 +1461,24 @@ class LearnedMomentumDecay(torch.nn.Module):
         return torch.stack(ys, 1), M
 
 
+class LearnedStepSizeOutsideTheBuffer(torch.nn.Module):
+    """Titans as torch.optim.SGD writes it, with a learned learning rate: S ← μ·S + ∇, M ← M − lr·S."""
+
+    def __init__(self):
+        super().__init__()
+        self.lr = torch.nn.Parameter(torch.tensor(0.2))
+
+    def forward(self, k, v, q):
+        M, ys = _m0(k, v), []
+        S = torch.zeros_like(M)
+        for t in range(k.shape[1]):
+            e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+            S = 0.7 * S + e[..., None] * k[:, t, :, None, :]
+            M = M - self.lr * S
+            ys.append((M @ q[:, t, :, :, None])[..., 0])
+        return torch.stack(ys, 1), M
+
+
 class PerHeadMomentumDecay(torch.nn.Module):
     """A learned momentum decay per head, σ(θ) [H], read as θ[:, None, None]."""
 
@@ -1452,12 +1499,15 @@ class PerHeadMomentumDecay(torch.nn.Module):
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("module, params", [(LearnedMomentumDecay, ("theta", "log_eta", "forget")),
-                                            (PerHeadMomentumDecay, ("theta",))], ids=["scalars", "per_head"])
+                                            (PerHeadMomentumDecay, ("theta",)),
+                                            (LearnedStepSizeOutsideTheBuffer, ("lr",))],
+                         ids=["scalars", "per_head", "step_size_outside"])
 def test_learned_momentum_decay_fuses_and_gets_its_gradient(module, params, dynamic, fresh_dynamo):
-    """The op takes the decay per step as a tensor: a learned one fuses, and its gradient reaches the parameter."""
+    """The op takes the decay per step as a tensor, and a step size outside the buffer goes into η: learned ones
+    fuse, and their gradients reach the parameters."""
     report = _compare_module(module(), dynamic, params)
     assert report.count("memory_scan") == 1 and not report.misses, str(report)
-    assert "β_t per step" in report.fusions[0].detail, str(report)
+    assert "momentum" in report.fusions[0].detail, str(report)
 
 
 class _FeatureScales(torch.nn.Module):
@@ -1905,6 +1955,19 @@ def l2_momentum_decayed_per_value_row(k, v, q, alpha, eta):
     return torch.stack(ys, dim=1), M
 
 
+def momentum_step_size_held_in_a_tensor_buffer_read_after(k, v, q, alpha, eta):
+    """As above, the buffer S also read after the loop: the op's buffer is lr·S, given back only divided by lr."""
+    lr = 0.5 * eta.mean()
+    M, ys = _m0(k, v), []
+    S = torch.zeros_like(M)
+    for t in range(k.shape[1]):
+        e = torch.einsum("bhvk,bhk->bhv", M, k[:, t]) - v[:, t]
+        S = 0.7 * S + torch.einsum("bhv,bhk->bhvk", 2 * e, k[:, t])
+        M = (1 - alpha[:, t, :, None, None]) * M - lr * S
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, 1) + S.sum(-1)[:, None], M
+
+
 def householder_writing_another_key(k, v, q, alpha, eta):
     """M (I − β k kᵀ) + β v qᵀ: the write's key is not the one the memory is read with, no delta rule."""
     M, ys = _m0(k, v), []
@@ -1928,6 +1991,8 @@ def gated_householder_form(k, v, q, alpha, eta):
 
 
 REPORTED = {
+    "momentum_step_size_held_in_a_tensor_buffer_read_after": (
+        momentum_step_size_held_in_a_tensor_buffer_read_after, ["scaled by a tensor", "read after it"]),
     "l2_momentum_decayed_per_value_row": (l2_momentum_decayed_per_value_row,
                                           ["the momentum's decay has a factor of shape [2, 2, 5], neither one number"]),
     "householder_writing_another_key": (householder_writing_another_key, ["no error e = M·k − v is formed"]),
