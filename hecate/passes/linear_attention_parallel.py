@@ -47,6 +47,51 @@ def fuse_parallel_forms(gm: fx.GraphModule, report: FusionReport) -> None:
         form = _parallel_form(y)
         return None if form is None else (form,)
     _fuse_each(gm, report, _products(gm), recognise, _fuse, "linear attention in its parallel form (φ(Q)φ(K)ᵀ ⊙ D) V")
+    _report_one_token_forms(gm, report)
+
+
+def _sliced_per_step(x: fx.Node, depth: int = 6) -> bool:
+    """Whether ``x`` is read off a tensor at an integer index (``k[:, t]``: a step of a loop, whose q_t · k_t is
+    [..., 1, 1] at any length), looking up through ``depth`` ops."""
+    frontier = [x]
+    for _ in range(depth):
+        if any(n.target is aten.select.int for n in frontier):
+            return True
+        frontier = [i for n in frontier if n.op == "call_function" for i in n.all_input_nodes]
+    return False
+
+
+def _report_one_token_forms(gm: fx.GraphModule, report: FusionReport) -> None:
+    """The parallel form over one token (T = 1): its [..., 1, 1] score Q Kᵀ times V [..., 1, E] is an elementwise
+    product (the normal form makes a size-1 matmul one), no [T, T] score to avoid and nothing to fuse; reported
+    so that it is not silent. Not where a softmax reads the score (softmax attention, not this family)."""
+    pointwise = (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.where.self,
+                 aten.masked_fill.Scalar, aten.tril.default, aten.triu.default, aten.clone.default)
+    for score in _products(gm):
+        shape = _shape(score)
+        form = _matrix_product(score, key_major=True) if shape is not None and shape[-2:] == ("1", "1") else None
+        if form is None or score._erased or _shape(form[0]) != _shape(form[1]) or _shape(form[0])[-1] == "1" \
+                or any(_sliced_per_step(x) for x in form[:2]):
+            continue
+        frontier, reads_v = [score], None
+        for _ in range(_SEARCH):
+            nxt = []
+            for node in frontier:
+                for user in node.users:
+                    if user.target is aten.mul.Tensor and reads_v is None:
+                        other = next((a for a in user.args if isinstance(a, fx.Node) and a is not node), None)
+                        other_shape = _shape(other)
+                        if other_shape is not None and len(other_shape) == len(shape) and \
+                                other_shape[-2] == "1" and other_shape[-1] != "1":
+                            reads_v = user
+                            continue
+                    if user.target in pointwise:
+                        nxt.append(user)
+            frontier = nxt
+        if reads_v is not None:
+            report.add_miss("linear_attention", "linear attention in its parallel form (φ(Q)φ(K)ᵀ ⊙ D) V over one "
+                            "token (T = 1, a [..., 1, 1] score): an elementwise product (q·k) v with nothing to fuse, "
+                            "compiled as written", nodes=[score, reads_v])
 
 
 def _products(gm: fx.GraphModule) -> list[fx.Node]:

@@ -628,6 +628,7 @@ def _state_transform(b: _Body, m: int) -> tuple[float, float, fx.Node]:
     """MONETA reads W = M / (Σ|M|^q + eps)^((q−2)/q): (q, eps, the node of W) — or (2, 0, M) when it reads M."""
     M_in = b.carries[m]
     Mv = b.env[M_in]
+    other_form = None  # an L_q normalisation up to where its eps goes (or a clamp instead of one)
     for n in b.compute:
         if b.depends[n] != {m} or not isinstance(b.env.get(n), torch.Tensor) or b.env[n].shape != Mv.shape:
             continue
@@ -638,6 +639,12 @@ def _state_transform(b: _Body, m: int) -> tuple[float, float, fx.Node]:
         for q, eps in itertools.product(sorted(lits), sorted(lits)):
             if q > 2 and eps > 0 and _close(b.env[n], _lq(Mv, q, eps)):
                 return q, eps, n
+        other_form = other_form or next((q for q in sorted(lits) if q > 2 and torch.allclose(
+            b.env[n], _lq(Mv, q, 0.0), rtol=1e-4, atol=0.0)), None)
+    if other_form is not None:
+        raise NotFused(f"the memory is read through an L_q normalisation (q = {other_form:g}) of another form than "
+                       "MONETA's W = M / (Σ|M|^q + eps)^((q−2)/q), which memory_scan computes: eps added outside the "
+                       "root, or the norm clamped, differs from it near M = 0")
     return 2.0, 0.0, M_in
 
 

@@ -384,6 +384,25 @@ def test_softmax_attention_is_not_linear_attention(fresh_dynamo):
     assert report.count("linear_attention") == 0 and not report.misses, str(report)
 
 
+def one_token_masked(k, v, q):
+    n = q.shape[-2]
+    return ((q @ k.mT) * torch.tril(torch.ones(n, n))) @ v
+
+
+def test_the_parallel_form_over_one_token_is_reported_not_silent(fresh_dynamo):
+    """At T = 1 the score is [..., 1, 1] and the normal form makes both products elementwise: nothing to fuse, and
+    the report says so (it said nothing)."""
+    report = _check(one_token_masked, [torch.randn(B, 2, 1, D) for _ in range(3)], False)
+    assert report.count("linear_attention") == 0, str(report)
+    [miss] = report.misses
+    assert "over one token (T = 1" in miss.reason, miss
+
+
+def test_softmax_attention_over_one_token_is_not_reported_as_linear_attention(fresh_dynamo):
+    report = _check(softmax_attention, [torch.randn(B, 1, D) for _ in range(3)], False)
+    assert report.count("linear_attention") == 0 and not report.misses, str(report)
+
+
 def test_anticausal_mask_is_reported_with_its_reason(fresh_dynamo):
     report = _check(anticausal, [torch.randn(B, T, D) for _ in range(3)], False)
     assert report.count("linear_attention") == 0, str(report)

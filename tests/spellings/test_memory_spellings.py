@@ -1968,6 +1968,19 @@ def momentum_step_size_held_in_a_tensor_buffer_read_after(k, v, q, alpha, eta):
     return torch.stack(ys, 1) + S.sum(-1)[:, None], M
 
 
+def moneta_eps_outside_the_root(k, v, q, alpha, eta):
+    """MONETA's read with eps added to the norm, not inside its root: W = A / ((Σ|A|^4)^(1/2) + eps). Another
+    function than the op's (Σ|A|^4 + eps)^(1/2) near A = 0, so not fused, and the report says so."""
+    A, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        W = A / (A.pow(4).sum((-2, -1), keepdim=True).sqrt() + 1e-6)
+        e = (W @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        A = (1 - alpha[:, t, :, None, None]) * A - eta[:, t, :, None, None] * 2 * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        W = A / (A.pow(4).sum((-2, -1), keepdim=True).sqrt() + 1e-6)
+        ys.append((W @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), A
+
+
 def householder_writing_another_key(k, v, q, alpha, eta):
     """M (I − β k kᵀ) + β v qᵀ: the write's key is not the one the memory is read with, no delta rule."""
     M, ys = _m0(k, v), []
@@ -1991,6 +2004,8 @@ def gated_householder_form(k, v, q, alpha, eta):
 
 
 REPORTED = {
+    "moneta_eps_outside_the_root": (moneta_eps_outside_the_root,
+                                    ["L_q normalisation (q = 4) of another form", "eps added outside the root"]),
     "momentum_step_size_held_in_a_tensor_buffer_read_after": (
         momentum_step_size_held_in_a_tensor_buffer_read_after, ["scaled by a tensor", "read after it"]),
     "l2_momentum_decayed_per_value_row": (l2_momentum_decayed_per_value_row,
