@@ -48,7 +48,7 @@ after the scans.
 
 A loop of one step (T = 1, e.g. a one-token forward) has no second block to compare with; it
 is read from what a loop leaves around it instead (:func:`_one_step`) and rolled when that
-reading is unambiguous.
+reading is unambiguous (a state nothing reads after the step: its last value computed from its start).
 """
 
 from __future__ import annotations
@@ -843,7 +843,41 @@ def _one_step(nodes: list[fx.Node], position: dict[fx.Node, int], stack: fx.Node
             return None
         loop.carries[o], loop.finals[node] = inits[0], o
         loop.args.update({where: ("carry", o) for where in reads[inits[0]]})
+    if not loop.carries:  # a state nothing reads after the step (the model returns its outputs alone)
+        found = [(init, o) for init in reads for o in _last_values_of(loop, init)]
+        if len(found) == 1:
+            (init, o), = found
+            loop.carries[o] = init
+            loop.args.update({where: ("carry", o) for where in reads[init]})
     return loop if loop.carries and loop.slices else None
+
+
+def _last_values_of(loop: _Loop, init: fx.Node) -> list[int]:
+    """The steps' nodes (as offsets) that compute a new value of ``init`` (the same shape, dtype and device, computed
+    from it) that no further such value is computed from: the state's next value, where nothing after the step reads
+    it to tell."""
+    derived = {}
+    for o in range(loop.L):
+        node = loop.at(0, o)
+        if any(a is init or a in derived for a in node.all_input_nodes):
+            derived[node] = o
+    same = {node: o for node, o in derived.items() if _same_meta(init, node)}
+    return [o for node, o in same.items()
+            if not any(other is not node and _reads(other, node, derived) for other in same)]
+
+
+def _reads(later: fx.Node, earlier: fx.Node, inside: dict) -> bool:
+    """Whether ``later`` is computed from ``earlier`` through the nodes ``inside``."""
+    todo, seen = [later], set()
+    while todo:
+        node = todo.pop()
+        for a in node.all_input_nodes:
+            if a is earlier:
+                return True
+            if a in inside and a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return False
 
 
 def _one_step_slice(node: fx.Node) -> tuple[fx.Node, int, int, Any] | None:

@@ -2412,3 +2412,25 @@ def test_moneta_with_w_carried_in_a_users_own_scan_fuses(fresh_dynamo):
     report = hecate.last_report()
     assert report.count("memory_scan") == 1 and not report.misses, str(report)
     assert_outputs_and_gradients_close(got, moneta_own_scan_w_carried(*ref_inputs), inputs, ref_inputs, TOL)
+
+
+def one_token_outputs_only(k, v, q, alpha, eta):
+    """The delta rule returning its reads alone (the memory is read after the loop by nothing)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = torch.einsum("bhvk,bhk->bhv", M, k[:, t]) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * torch.einsum("bhv,bhk->bhvk", 2 * e, k[:, t])
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, 1)
+
+
+def test_a_one_token_loop_whose_state_is_not_returned_fuses(fresh_dynamo):
+    """At T = 1 the loop is read from what it leaves around it; where nothing reads the memory after the step, its
+    next value is the step's last value computed from the memory's start (probe r16 m20)."""
+    inputs = [x.detach()[:, :1].requires_grad_() for x in _inputs()]
+    ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    compiled = torch.compile(one_token_outputs_only, backend="hecate", options={"fallback": "eager"})
+    got = compiled(*inputs)
+    report = hecate.last_report()
+    assert_outputs_and_gradients_close(got, one_token_outputs_only(*ref_inputs), inputs, ref_inputs, TOL)
+    assert report.count("memory_scan") == 1 and "rolled up 1 step" in report.fusions[0].detail, str(report)
