@@ -425,24 +425,44 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
                       f"logits + cross-entropy ({reduction}), {what}; [B, N, V] not formed")
 
 
+_NLL = (aten.nll_loss_nd.default, aten.nll_loss.default)
+
+
+def _log_softmax_over_classes(node: fx.Node, shape: tuple) -> bool:
+    """Whether ``node`` is a log-softmax over the last dim of [..., V] (``F.log_softmax(logits, -1)``)."""
+    return node.op == "call_function" and node.target in (aten.log_softmax.int, aten._log_softmax.default) \
+        and node.args[1] % len(shape) == len(shape) - 1 and (len(node.args) < 3 or node.args[2] in (None, False))
+
+
 def _cross_entropy_user(logits: fx.Node, shape: tuple):
-    """(the cross_entropy node, flat targets, reduction, ignore_index) when logits feed only that; else why not."""
+    """(the cross_entropy node, flat targets, reduction, ignore_index) when logits feed only that (or a log-softmax
+    over the classes that feeds only an nll_loss, before or after the view: cross-entropy as written out); else why
+    not."""
     users = list(logits.users)
     if len(users) != 1:
         names = ", ".join(f"{u.name} ({short(u.target) if u.op == 'call_function' else u.op})" for u in users)
         return f"logits are also used by {names}"
+    log_probs = users[0] if _log_softmax_over_classes(users[0], shape) and len(users[0].users) == 1 else None
+    if log_probs is not None:  # F.log_softmax(logits, -1) then the view: the same rows, normalised first
+        logits, users = log_probs, list(log_probs.users)
     # [N, V] logits go to cross-entropy as they are; [..., N, V] ones through a view(-1, V), or [B, N, V]
     # ones transposed to [B, V, N] (cross-entropy over dim 1, targets [B, N])
     view = logits if len(shape) == 2 else users[0]
     rows = math.prod(shape[:-1])
-    if view is not logits and not _classes_at_dim_one(view, shape) \
+    if view is not logits and (log_probs is not None or not _classes_at_dim_one(view, shape)) \
             and (view.target not in (aten.view.default, aten.reshape.default, aten.flatten.using_ints)
                  or shape_of(view) != (rows, shape[-1])):
         return (f"logits feed {view.name} ({short(view.target)}), not a view(-1, V) or a transpose to [B, V, N] "
                 "into cross-entropy")
     ce_users = list(view.users)
-    if len(ce_users) != 1 or ce_users[0].target != aten.cross_entropy_loss.default or ce_users[0].args[0] is not view:
-        return f"the flattened logits {view.name} are used by something other than one cross-entropy"
+    if log_probs is None and len(ce_users) == 1 and _log_softmax_over_classes(ce_users[0], (rows, shape[-1])):
+        log_probs = ce_users[0]  # the view, then F.log_softmax(·, -1)
+        ce_users = list(log_probs.users)
+    loss = aten.cross_entropy_loss.default if log_probs is None else _NLL
+    if len(ce_users) != 1 or ce_users[0].target not in (loss if isinstance(loss, tuple) else (loss,)) \
+            or ce_users[0].args[0] is not (view if log_probs is None or log_probs is logits else log_probs):
+        return (f"the flattened logits {view.name} are used by something other than one cross-entropy"
+                + ("" if log_probs is None else " (a log-softmax into one nll_loss)"))
     ce = ce_users[0]
     args = list(ce.args) + [None] * (6 - len(ce.args))
     weight, reduction, ignore_index, smoothing = args[2], args[3], args[4], args[5]

@@ -805,6 +805,23 @@ def test_decode_spelling_fuses_and_equals_eager(fn, fresh_dynamo):
     assert not [m for m in report.misses if m.pattern == "kl_decode"], str(report)
 
 
+def d_view_then_log_softmax_nll_sum(mu, var, prior_mu, prior_var, targets):  # flattened first, summed, an ignored id
+    logits = -_kl_to(mu[:, :, None], var[:, :, None], prior_mu, prior_var)
+    return F.nll_loss(F.log_softmax(logits.view(-1, V), dim=1), targets.view(-1), reduction="sum", ignore_index=-1)
+
+
+@pytest.mark.parametrize("fn", [d_log_softmax_nll, d_view_then_log_softmax_nll_sum], ids=lambda f: f.__name__)
+def test_cross_entropy_written_as_log_softmax_and_nll_loss_fuses(fn, fresh_dynamo):
+    """F.log_softmax over the classes into one F.nll_loss, before or after the view, is cross-entropy: the loss
+    fuses with the logits (probe r16 d04), not the logits alone."""
+    targets = torch.randint(0, V, (B, N))
+    targets[1, 0] = -1
+    args = (torch.randn(B, N, K), _var((B, N, K)), torch.randn(V, K), _var((V, K)))
+    report = _compare(lambda *a: fn(*a, targets.clamp(min=0) if fn is d_log_softmax_nll else targets), args,
+                      "kl_decode")
+    assert [f.op for f in report.fusions] == ["hecate.kl_decode_ce"], str(report)
+
+
 def test_beliefs_of_unit_variance_fuse(fresh_dynamo):
     """Beliefs N(μ_i, I) against N(π_v, e^{log s_v}): KL = ½ Σ (log s_v + (1 + (μ_i − π_v)²) / s_v − 1)."""
     def fn(mu, prior_mu, prior_logvar, targets):
