@@ -1182,10 +1182,11 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
                 _refill(score.unfilled)
             shape = shape_of(softmax)
             if shape and _is_one(shape[-1]):  # torch.compile specialises a length of 1: a graph for N = 1 alone
-                e = NotFused(f"a softmax over one key (N = 1, in the graph torch.compile makes for length 1 "
-                             f"alone; every score there is KL_ii = 0, and a pair tensor [B, N, N] has no size that "
-                             f"tells it from a per-query one, so what follows may name the wrong one): {e}; other "
-                             f"lengths compile their own graph")
+                # (why the match failed is not told: a pair tensor [B, 1, 1] has no size that tells it from a
+                # per-query one, so the reason found may name the wrong tensor)
+                e = NotFused("a softmax over one key (N = 1, in the graph torch.compile makes for length 1 alone): "
+                             "every score is KL_ii = 0 and β = 1, so the attention is its values; nothing to fuse, "
+                             "compiled as written; other lengths compile their own graph")
             report.add_miss(PATTERN, str(e), softmax.name, nodes=[softmax])
     for beta in [n for n in gm.graph.nodes if n.target == aten.div.Tensor]:
         written = _unshifted_softmax_of(beta)
