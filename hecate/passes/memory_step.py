@@ -576,6 +576,15 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                            "a·M: the step is not linear in the memory")
         raise NotFused(f"the new memory is not a·M plus one update term ({len(update)} update terms)")
     (update,) = update
+    squashed = [f for f in update.factors if isinstance(f, fx.Node) and f.op == "call_function"
+                and isinstance(f.target, torch._ops.OpOverload) and torch.Tag.pointwise in f.target.tags
+                and f.target not in (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor,
+                                     aten.neg.default) and any(p is M_in for p in _ancestors(f))
+                and len(_terms(f.args[0])) > 1 and any(
+                    M_in in _product(t).factors for _, t in _terms(f.args[0]))]
+    if not retention and squashed:  # tanh(a·M + v kᵀ): the whole new memory through a nonlinearity
+        raise NotFused(f"the new memory is {op_name(squashed[0])} of a sum that keeps the old one (a·M + update): "
+                       "the step is not linear in the memory")
     keep = _keep(retention)
     for f in keep.factors + keep.divisors:
         if not _is_gate(b.env[f], lead):

@@ -1981,6 +1981,15 @@ def moneta_eps_outside_the_root(k, v, q, alpha, eta):
     return torch.stack(ys, 1), A
 
 
+def hebbian_state_squashed_by_tanh(k, v, q, alpha, eta):
+    """M ← tanh(a·M + v kᵀ): the whole new memory through a nonlinearity, no memory step."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = torch.tanh(0.9 * M + v[:, t, :, :, None] * k[:, t, :, None, :])
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def householder_writing_another_key(k, v, q, alpha, eta):
     """M (I − β k kᵀ) + β v qᵀ: the write's key is not the one the memory is read with, no delta rule."""
     M, ys = _m0(k, v), []
@@ -2004,6 +2013,8 @@ def gated_householder_form(k, v, q, alpha, eta):
 
 
 REPORTED = {
+    "hebbian_state_squashed_by_tanh": (hebbian_state_squashed_by_tanh,
+                                       ["the new memory is tanh of a sum that keeps the old one"]),
     "moneta_eps_outside_the_root": (moneta_eps_outside_the_root,
                                     ["L_q normalisation (q = 4) of another form", "eps added outside the root"]),
     "momentum_step_size_held_in_a_tensor_buffer_read_after": (
