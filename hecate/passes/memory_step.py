@@ -530,6 +530,11 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
             # c·S, c a number or what every step reads alike (a learned step size: M ← M − lr·S)
             momentum, scale = b.carry_out.index(buffers[0]), prod.coef
             scale_factors = [f for f in prod.factors if f is not buffers[0]]
+        elif momentum is None and len(buffers := [f for f in prod.factors if f in b.carry_out and f is not M_out]) == 1 \
+                and not any(b.depends[f] for f in prod.factors if f is not buffers[0]):
+            raise NotFused("the momentum buffer enters the memory scaled by a per-step value (M ← a·M − η_t·S): the "
+                           "op's buffer would be η_t·S, decayed by β·η_t/η_{t−1}, a ratio across steps no step "
+                           "computes (a step size inside the buffer, S ← β·S + η_t·∇, fuses)")
         else:
             update.append(prod)
     if momentum is not None:

@@ -1990,6 +1990,18 @@ def hebbian_state_squashed_by_tanh(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def momentum_step_size_per_token_outside_the_buffer(k, v, q, alpha, eta):
+    """M ← M − η_t·S with η_t per token: the op's buffer would be η_t·S, decayed by β·η_t/η_{t−1}."""
+    M, ys = _m0(k, v), []
+    S = torch.zeros_like(M)
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        S = 0.7 * S + 2 * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        M = M - eta[:, t, :, None, None] * S
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def householder_writing_another_key(k, v, q, alpha, eta):
     """M (I − β k kᵀ) + β v qᵀ: the write's key is not the one the memory is read with, no delta rule."""
     M, ys = _m0(k, v), []
@@ -2013,6 +2025,8 @@ def gated_householder_form(k, v, q, alpha, eta):
 
 
 REPORTED = {
+    "momentum_step_size_per_token_outside_the_buffer": (momentum_step_size_per_token_outside_the_buffer,
+                                                        ["scaled by a per-step value", "a ratio across steps"]),
     "hebbian_state_squashed_by_tanh": (hebbian_state_squashed_by_tanh,
                                        ["the new memory is tanh of a sum that keeps the old one"]),
     "moneta_eps_outside_the_root": (moneta_eps_outside_the_root,
