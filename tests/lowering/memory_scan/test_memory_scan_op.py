@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import hecate.lowering  # noqa: F401  (registers the op)
-from hecate.lowering.memory_scan import cpu
+from hecate.lowering.dispatch import triton_on_cpu
+from hecate.lowering.memory_scan import cpu, kernels
 from hecate.lowering.memory_scan.naive import memory_scan_naive
 from hecate.testing import assert_close
 
@@ -208,3 +209,21 @@ def test_rejects_bad_cu_seqlens():
     with pytest.raises(ValueError, match=r"with cu_seqlens the batch is packed, so B must be 1"):
         kb, vb, qb, ab, eb, _, _ = _good()
         _call(kb, vb, qb, ab, eb, None, torch.tensor([0, 7], dtype=torch.int32))
+
+
+def test_a_diverging_state_takes_the_recurrent_form_before_it_overflows():
+    """Keys of norm 1.8 and η = 1: the delta rule's state grows along each key (×5.5), to 3e25 at T = 70, finite. Past
+    chunked.DIVERGED the chunked form's products have rounded its small terms away (probe r17 t19: 7e-6 off
+    float64 against eager's 3e-6), so the op gives the recurrence's results, as eager computes them."""
+    k, v, q, alpha, eta, m0, cu = [x.detach() if isinstance(x, torch.Tensor) else x
+                                   for x in make_inputs(Case("p2", T=70), dtype=torch.float32)]
+    k = 1.8 * torch.nn.functional.normalize(k, dim=-1)
+    alpha, eta = torch.zeros_like(alpha), torch.ones_like(eta)
+    y, m_final, _ = _call(k, v, q, alpha, eta, m0, cu)
+    y_rec, m_rec, _ = cpu.forward_recurrent(k, v, q, alpha, eta, m0, 2.0, 10.0, 1e-6, 0.0, 2.0)
+    assert torch.isfinite(y_rec).all() and y_rec.abs().max() > 1e18
+    assert torch.equal(y, y_rec) and torch.equal(m_final, m_rec)
+    with triton_on_cpu():  # the Triton path alike: its recurrent kernels' results
+        y_t, m_t, _ = _call(k, v, q, alpha, eta, m0, cu)
+        y_k, m_k, _ = kernels.forward(k, v, q, alpha, eta, m0, cu, 2.0, 10.0, 1e-6, 0.0, 2.0)
+    assert torch.equal(y_t, y_k) and torch.equal(m_t, m_k)
