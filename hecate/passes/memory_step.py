@@ -134,12 +134,19 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _as(value: Any, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """``value`` viewed as ``shape`` when it holds that many elements (size-1 dims moved freely)."""
+    """``value`` viewed as ``shape`` when it holds that many elements, its dims those of ``shape`` with size-1 dims
+    moved freely and consecutive dims merged (a step's k_t [B, H, D] read as [B·H, D], as ``k[:, t].reshape(B * H,
+    D)`` reads it for a memory of the heads flattened into the batch)."""
     if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != math.prod(shape):
         return None
-    if [s for s in value.shape if s != 1] != [s for s in shape if s != 1]:
-        return None
-    return value.reshape(shape)
+    have, want = [s for s in value.shape if s != 1], [s for s in shape if s != 1]
+    while have and want:  # each dim of ``shape`` is the product of the next dims of ``value``
+        size = have.pop(0)
+        while size < want[0] and have:
+            size *= have.pop(0)
+        if size != want.pop(0):
+            return None
+    return value.reshape(shape) if not have and not want else None
 
 
 # ---------------------------------------------------------------- reading sums of products
@@ -168,6 +175,10 @@ def _terms(node: Any, sign: float = 1.0, stop: frozenset = frozenset()) -> list[
                 return _terms(x, sign * (c if node.target is aten.mul.Tensor else 1 / c), stop)
         if node.target in (aten.clone.default, aten.alias.default):
             return _terms(node.args[0], sign, stop)
+        if node.target in (aten.lerp.Tensor, aten.lerp.Scalar) and len(node.args) == 3 and not node.kwargs:
+            # lerp(a, b, w) = a + w·(b − a): a gated write, M ← (1 − w)·M + w·v kᵀ
+            a, b, w = node.args
+            return _terms(a, sign, stop) + [(sign, ("mul", w, b)), (-sign, ("mul", w, a))]
         if node.target in (aten.addcmul.default, aten.addcdiv.default) and len(node.args) == 3:
             value = node.kwargs.get("value", 1)  # self + value·t1·t2 (or t1/t2): a term that is a product
             kind = "mul" if node.target is aten.addcmul.default else "div"
@@ -530,8 +541,10 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
             # c·S, c a number or what every step reads alike (a learned step size: M ← M − lr·S)
             momentum, scale = b.carry_out.index(buffers[0]), prod.coef
             scale_factors = [f for f in prod.factors if f is not buffers[0]]
-        elif momentum is None and len(buffers := [f for f in prod.factors if f in b.carry_out and f is not M_out]) == 1 \
-                and not any(b.depends[f] for f in prod.factors if f is not buffers[0]):
+        elif momentum is None and not prod.divisors and \
+                len(buffers := [f for f in prod.factors if f in b.carry_out and f is not M_out]) == 1 and \
+                (per_step := [f for f in prod.factors if f is not buffers[0]]) and \
+                not any(b.depends[f] for f in per_step) and not all(b.invariant[f] for f in per_step):
             raise NotFused("the momentum buffer enters the memory scaled by a per-step value (M ← a·M − η_t·S): the "
                            "op's buffer would be η_t·S, decayed by β·η_t/η_{t−1}, a ratio across steps no step "
                            "computes (a step size inside the buffer, S ← β·S + η_t·∇, fuses)")
@@ -1317,7 +1330,7 @@ def _is_one(size: Any) -> bool:
 
 
 def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_ones: list[bool] | None,
-                      reads: set[str]) -> Any:
+                      reads: set[str], y_static: list[int] | None = None) -> Any:
     """The scan's results computed by the op, as a plain PyTorch function of the tensors ``names`` say.
 
     Traced under the graph's fake mode (:func:`replace_with_function`): every size is read off a
@@ -1368,7 +1381,8 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
         if "y" in reads:  # [B, T, H, Dv] → [T, *lead, Dv], with the size-1 dims the body's y has
             y = y.movedim(1, 0)
             sizes = iter(s for s in (y.shape[0], *lead, y.shape[-1]) if not _is_one(s))
-            y = y.reshape([1 if one else next(sizes) for one in y_ones])
+            # (y_static: the body's own static shape, where its y splits a dim of the memory's batch)
+            y = y.reshape(y_static if y_static is not None else [1 if one else next(sizes) for one in y_ones])
             # the reads a function of the read takes next, traced on a contiguous tensor: one, not a strided view
             results.append(y.contiguous() if rec.read_node is not None else y)
         if "M" in reads:
@@ -1420,6 +1434,16 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
                        "buffer), and is carried in from before the loop or read after it: the op's buffer is lr·S, "
                        "which it could give back only divided by lr")
     y_ones = [_is_one(s) for s in read["y"].meta["val"].shape] if "y" in read else None
+    y_static = None
+    if "y" in read and rec.read_node is None:
+        lead, dv = _per_step_shape(rec, "v", M0.meta["val"])
+        steps = read["y"].meta["val"].shape[0]
+        if sum(not one for one in y_ones) != sum(not _is_one(s) for s in (steps, *lead, dv)):
+            # the body's y splits the memory's batch (k[:, t].reshape(B·H, D) read back as [B, H, Dv])
+            y_static = [s for s in read["y"].meta["val"].shape]
+            if not all(isinstance(s, int) for s in y_static):
+                raise NotFused(f"the per-step output {list(y_static)} splits the memory's batch {list(lead)} into "
+                               "dims whose sizes are symbolic (dynamic shapes): which split is not read off a tensor")
     after = None
     if rec.read_node is not None and "y" in read:  # the op gives the reads; the output's function follows them
         steps = read["y"].meta["val"].shape[0]
@@ -1432,7 +1456,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
         after = _after_the_reads(getattr(gm, node.args[0].target).graph, n_carries, list(xs) + list(invariants),
                                  len(xs), rec, reads)
     names = list(inputs)
-    fused = _fused_recurrence(rec, names, initial, y_ones, set(read))
+    fused = _fused_recurrence(rec, names, initial, y_ones, set(read), y_static)
     new = replace_with_function(gm, [node, *results.values()], fused, [inputs[n] for n in names],
                                 outputs=list(read.values()))
     if after is not None:

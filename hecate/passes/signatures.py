@@ -158,7 +158,8 @@ def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
         for node in _ancestors(softmax):
             dims = _pair_dims(node)
             out = _shape(node)
-            if dims and len(out) > len(score) and _is(out[dims[0]], out[dims[1]]):
+            if dims and len(out) > len(score) and _is(out[dims[0]], out[dims[1]]) \
+                    and sum(_is(size, out[dims[0]]) for size in score) >= 2:  # (a score over the pairs)
                 n = out[dims[0]]
                 built = (f"a softmax over a pairwise [{n}, {n}] score, built by broadcasting "
                          f"[.., {n}, 1, ..] against [.., 1, {n}, ..] and reducing a feature axis,")

@@ -57,6 +57,24 @@ def test_pairwise_softmax_that_is_not_kl_is_reported():
     assert report.fusions == []
 
 
+def memory_with_a_softmax_of_its_error(q, k, v):
+    """A memory loop whose g(e) is softmax(e): its update's outer products broadcast [.., D, 1] against
+    [.., 1, D] on the way to the next step's softmax, which is over e [B, D], no pairwise score."""
+    M, ys = torch.zeros(q.shape[0], 4, 4), []
+    for t in range(q.shape[1]):
+        e = torch.einsum("bk,bkv->bv", k[:, t], M) - v[:, t]
+        M = M - 0.2 * torch.einsum("bk,bv->bkv", k[:, t], e.softmax(-1))
+        ys.append(torch.einsum("bk,bkv->bv", q[:, t], M))
+    return torch.stack(ys, 1)
+
+
+def test_a_softmax_over_no_pairs_gets_no_kl_attention_miss():
+    """Only the memory's reason (probe r17: a kl_attention near-miss named a pairwise [4, 4] score here)."""
+    report = hecate.explain(memory_with_a_softmax_of_its_error, *(torch.randn(2, 5, 4) for _ in range(3)))
+    assert [m.pattern for m in report.misses] == ["memory_scan"], str(report)
+    assert "softmax" in report.misses[0].reason, str(report)
+
+
 def kl_attention_by_products(mu, var):
     """KL(q_i‖q_j) expanded into matrix products (no [B, N, N, K] tensor)."""
     log_var = var.log()

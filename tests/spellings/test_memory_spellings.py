@@ -472,6 +472,37 @@ def momentum_step_size_held_in_a_tensor(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_gated_write_by_lerp(k, v, q, alpha, eta):
+    """A gated linear-attention state written with torch.lerp: M ← lerp(M, v kᵀ, w) = (1 − w)·M + w·v kᵀ."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = torch.lerp(M, v[:, t, :, :, None] * k[:, t, :, None, :], eta[:, t, :, None, None])
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_write_by_lerp_with_a_number(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = M.lerp(v[:, t, :, :, None] * k[:, t, :, None, :], 0.3)
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_heads_flattened_per_step(k, v, q, alpha, eta):
+    """The heads flattened into the batch at every step: k[:, t].reshape(B·H, D) against a memory [B·H, Dv, Dk]
+    (returned as [B, H, Dv, Dk])."""
+    b, _, h, dk = k.shape
+    dv = v.shape[-1]
+    M, ys = k.new_zeros(b * h, dv, dk), []
+    for t in range(k.shape[1]):
+        kt, vt, et = k[:, t].reshape(b * h, dk), v[:, t].reshape(b * h, dv), eta[:, t].reshape(-1, 1, 1)
+        err = torch.bmm(M, kt.unsqueeze(-1)).squeeze(-1) - vt
+        M = 0.9 * M - et * torch.bmm(err.unsqueeze(-1), kt.unsqueeze(-2))
+        ys.append(torch.bmm(M, q[:, t].reshape(b * h, dk, 1)).reshape(b, h, dv))
+    return torch.stack(ys, 1), M.reshape(b, h, dv, dk)
+
+
 def l2_torch_outer_one_sequence(k, v, q, alpha, eta):
     """One sequence, one head: reads by torch.mv, the update by torch.outer."""
     k, v, q = k[0, :, 0], v[0, :, 0], q[0, :, 0]
@@ -1123,6 +1154,9 @@ SPELLINGS = {
     "l2_sgd_momentum": (l2_sgd_momentum, "memory_scan"),
     "l2_momentum_step_size_outside": (l2_momentum_step_size_outside, "memory_scan"),
     "titans_data_dependent_momentum": (titans_data_dependent_momentum, "memory_scan"),
+    "delta_rule_heads_flattened_per_step": (delta_rule_heads_flattened_per_step, "memory_scan"),
+    "hebbian_gated_write_by_lerp": (hebbian_gated_write_by_lerp, "linear_attention"),
+    "hebbian_write_by_lerp_with_a_number": (hebbian_write_by_lerp_with_a_number, "linear_attention"),
     "momentum_step_size_held_in_a_tensor": (momentum_step_size_held_in_a_tensor, "memory_scan"),
     "delta_rule_old_and_new_values_stored_key_by_value": (delta_rule_old_and_new_values_stored_key_by_value,
                                                           "memory_scan"),
