@@ -129,6 +129,10 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
             priors.append(product[1]) if product[1] not in priors else None
         elif q is not None:
             queries.append(q) if q not in queries else None
+        elif shape is not None and len(shape) == len(score) and all(_is(a, b) for a, b in zip(shape, score[:-1])) \
+                and _is(shape[-1], 1) and not _is(score[-1], 1):
+            numbers.append(node)  # [..., N, 1]: a number per position (−Σ_k log v_k summed apart); before the
+            # priors' [V, K] below, which [N, 1] of one sequence's [N, V] logits would otherwise be taken for
         elif shape is not None and len(shape) in (1, 2) and not _in_score(shape, score):
             node = strip_noops(node)
             while node.target is aten.neg.default and shape_of(node.args[0]) == shape:
@@ -139,9 +143,6 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
             while node.target is aten.neg.default and shape_of(node.args[0]) == ():
                 node = strip_noops(node.args[0])  # −t·KL: the sign is the score's, the temperature is t
             scalars.append(node) if node not in scalars else None
-        elif shape is not None and len(shape) == len(score) and all(_is(a, b) for a, b in zip(shape, score[:-1])) \
-                and _is(shape[-1], 1) and not _is(score[-1], 1):
-            numbers.append(node)  # [..., N, 1]: a number per position (−Σ_k log v_k summed apart)
         elif shape is not None and not _in_score(shape, score):
             return None  # the walk stays inside the [B, N, V(, K)] score
         elif node.op != "call_function":

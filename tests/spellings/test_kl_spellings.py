@@ -785,11 +785,22 @@ def d_multiplied_out_minus_a_tensor_constant(mu, var, prior_mu, prior_var, targe
     return F.cross_entropy(-kl.flatten(0, 1), targets.flatten())
 
 
+def d_flattened_beliefs_expanded_into_products(mu, var, prior_mu, prior_var, targets):
+    """The KL multiplied out into matrix products of beliefs flattened to [B·N, K] first: one sequence's [N, V]
+    logits, the per-position −Σ log v a [N, 1] column (it was taken for a prior's [V, 1] column: probe r17)."""
+    m, v = mu.reshape(-1, K), var.reshape(-1, K)
+    inv = 1 / prior_var
+    kl = 0.5 * (v @ inv.T + (m ** 2) @ inv.T - 2 * m @ (prior_mu * inv).T + (prior_mu ** 2 * inv).sum(-1)
+                + prior_var.log().sum(-1) - v.log().sum(-1, keepdim=True) - K)
+    return F.cross_entropy(-kl, targets.reshape(-1))
+
+
 DECODE = [d_multiplied_out_minus_a_tensor_constant, d_trace_by_einsum, d_multiplied_out_into_matrix_products, d_positions_flattened_logits_viewed_back, d_positions_flattened_cross_entropy,
           d_spec_ce, d_sizes_baked_into_views, d_logvar_priors_ce_sum, d_distributions_ignore_index,
           d_logits_returned, d_std_textbook, d_log_softmax_nll, d_softplus_helper_flatten, d_gather_nll,
           d_logsumexp_minus_target, d_label_smoothing, d_probabilities, d_class_dim_one, d_class_dim_one_permuted,
-          d_difference_as_a_sum, d_divided_by_twice_the_variance, d_difference_of_log_stds, d_log_determinants_apart]
+          d_difference_as_a_sum, d_divided_by_twice_the_variance, d_difference_of_log_stds, d_log_determinants_apart,
+          d_flattened_beliefs_expanded_into_products]
 _PRIOR_DRAW = {d_logvar_priors_ce_sum: _logvar, d_logits_returned: _var}
 
 
