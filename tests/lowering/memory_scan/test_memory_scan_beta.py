@@ -19,6 +19,8 @@ from hecate.lowering.memory_scan import cpu, kernels
 from hecate.lowering.memory_scan.naive import memory_scan_naive
 from hecate.testing import assert_close
 
+from test_memory_scan_kernels import poisoned_allocations  # noqa: F401  (a fixture)
+
 op = torch.ops.hecate.memory_scan
 NAMES = ("dk", "dv", "dq", "dalpha", "deta", "dm0", "ds0", "dbeta")
 # (p, q_norm, momentum): l_2, the general l_p and MONETA, each with the decay β_t itself or scaled
@@ -69,14 +71,6 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(kernels, "CHUNK", 3)
     monkeypatch.setattr(kernels, "MAX_BLOCK_V", 2)
     monkeypatch.setattr(kernels, "MAX_BLOCK_V_BACKWARD", 2)
-
-
-@pytest.fixture
-def poisoned_allocations(monkeypatch):
-    """Every buffer the Triton launcher allocates starts NaN: an element a kernel forgets to write shows."""
-    empty, empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(kernels.torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
-    monkeypatch.setattr(kernels.torch, "empty_like", lambda *a, **kw: empty_like(*a, **kw).fill_(float("nan")))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
