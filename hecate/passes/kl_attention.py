@@ -595,7 +595,7 @@ def _match_kl(logits, bases, shared, lead, k):
         except Exception as e:
             raise NotFused(f"the pairwise score could not be evaluated to check it is a KL ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    reversed_found, near_one_only, drawn_values = None, None, draws[0][1]
+    reversed_found, near_one_only, per_slice_found, drawn_values = None, None, None, draws[0][1]
     for mean in means:
         # the means alone: a squared distance ½‖μ_i − μ_j‖² is the KL of unit-variance Gaussians
         for scale, params in [(s, VARIANCE_FROM) for s in scales if s is not mean] + [(mean, _UNIT)]:
@@ -609,6 +609,8 @@ def _match_kl(logits, bases, shared, lead, k):
                     alphas.append(proportion(_over_keys(value), _over_keys(kl)))
                     if alphas[-1] is None and proportion(value, kl.transpose(-1, -2)) is not None:
                         reversed_found = (mean, scale, param)
+                    if alphas[-1] is None and _scaled_per_slice(_over_keys(value), _over_keys(kl)):
+                        per_slice_found = (mean, scale, param)
                 if all(a is not None and a < 0 for a in alphas):
                     kappa = float(f"{-1.0 / alphas[0]:.12g}") if math.isclose(alphas[0], alphas[1], rel_tol=1e-9) \
                         else run_time_temperature([-1.0 / a for a in alphas], [memo for _, memo, _ in draws],
@@ -626,6 +628,10 @@ def _match_kl(logits, bases, shared, lead, k):
                        "they are near 1, but not at means of either sign and variances far from 1 (e^-8..e^8): it "
                        "computes something the KL does not there (a relu, abs, clamp or floor of a mean, a "
                        "variance or the KL itself?)")
+    if per_slice_found is not None:
+        raise NotFused(f"the pairwise score is −KL(q_i ‖ q_j)/κ of {per_slice_found[0].name} and the "
+                       f"{per_slice_found[2]} {per_slice_found[1].name} with a κ of its own for each head (or batch "
+                       "row): kl_attention takes one κ, a number or c·t or c/t of one 0-d tensor")
     if reversed_found is not None:
         raise NotFused(f"the score is KL(q_j ‖ q_i) (key to query; so is a softmax over the queries, dim −2, of "
                        f"KL(q_i ‖ q_j)) of {reversed_found[0].name} and the "
@@ -654,6 +660,15 @@ def _far_from_one(logits, env, constants, mean, scale, param, gamma, own_sizes) 
     except Exception:  # noqa: BLE001  (an op undefined there: not the KL, which is)
         return False
     return isinstance(value, torch.Tensor) and equals_scaled(_over_keys(value), _over_keys(kl), gamma)
+
+
+def _scaled_per_slice(value: torch.Tensor, kl: torch.Tensor) -> bool:
+    """Whether ``value`` [*L, N, N] is −KL/κ with a κ > 0 of its own for each leading index (a κ per head), and
+    not one κ for all."""
+    if value.shape != kl.shape or value.dim() < 3:
+        return False
+    gammas = [proportion(v, r) for v, r in zip(value.reshape(-1, *value.shape[-2:]), kl.reshape(-1, *kl.shape[-2:]))]
+    return all(g is not None and g < 0 for g in gammas) and not all(math.isclose(g, gammas[0]) for g in gammas)
 
 
 def _over_keys(score: torch.Tensor) -> torch.Tensor:

@@ -1526,6 +1526,15 @@ def _read_at_two_indices(gm: fx.GraphModule) -> bool:
     return any(len({i for i, _ in pairs}) > 1 and len({j for _, j in pairs}) > 1 for pairs in reads.values())
 
 
+def _written_at_two_indices(write: fx.Node) -> bool:
+    """Whether an in-place write goes into ``out[.., i, .., j]``: a select of a select at integer indices."""
+    target = write.args[0] if write.args else None
+    while isinstance(target, fx.Node) and target.target in _VIEWS - {aten.clone.default}:
+        target = target.args[0]
+    return isinstance(target, fx.Node) and target.target is aten.select.int and isinstance(target.args[0], fx.Node) \
+        and target.args[0].target is aten.select.int
+
+
 def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
     """Report (once per graph) memory updates ``M ← a·M ± outer product`` left in the graph unrolled.
 
@@ -1564,6 +1573,9 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
                    f"{writes[0].target._schema.name.replace('::', '.')}); outputs written into a fresh tensor, "
                    "out[:, t] = y, are read as collected only when every slot is written exactly once, by a value "
                    "of its shape and dtype, and out is read after the last write alone")
+            if any(_written_at_two_indices(w) for w in writes):
+                why += (", and at one integer index: here slots are written at two (out[:, h, t] = y, a loop over "
+                        "heads inside the loop over time); collect each head's outputs in a list and stack them")
         report.add_miss(op, f"{len(updates)} memory update step(s) M ← a·M + (outer product) are written out step by "
                         f"step and could not be rolled up into one loop: {why}; compiled as written",
                         f"{updates[0].name} .. {updates[-1].name}", nodes=updates)

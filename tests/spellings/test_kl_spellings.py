@@ -1979,3 +1979,18 @@ def test_a_score_computed_row_by_row_in_a_loop_is_reported(fn, family, reason, f
     assert report.count(family) == 0 and misses and reason in misses[0].reason, str(report)
     compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
     assert_close("output", compiled(*args), fn(*args), 1e-6)
+
+
+def test_a_kappa_per_head_is_reported_as_such(fresh_dynamo):
+    """softmax(−κ_h·KL) with κ [H]: the score is a KL scaled per head, and the report says that, not that it is
+    no KL (probe r17)."""
+    def attend(mu, var, kappa):
+        mi, mj, vi, vj = mu.unsqueeze(3), mu.unsqueeze(2), var.unsqueeze(3), var.unsqueeze(2)
+        kl = 0.5 * (vj.log() - vi.log() + (vi + (mi - mj) ** 2) / vj - 1).sum(-1)
+        return torch.softmax(-kappa.view(1, -1, 1, 1) * kl, -1) @ mu
+    args = (torch.randn(2, 2, 5, 4), torch.rand(2, 2, 5, 4) + 0.5, torch.tensor([0.5, 1.5]))
+    report = hecate.explain(attend, *args)
+    misses = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert not report.fusions and misses, str(report)
+    assert "with a κ of its own for each head" in misses[0].reason, str(report)
+    assert_close("output", torch.compile(attend, backend="hecate")(*args), attend(*args), 1e-6)

@@ -2493,3 +2493,24 @@ def test_a_one_token_loop_whose_state_is_not_returned_fuses(fresh_dynamo):
     report = hecate.last_report()
     assert_outputs_and_gradients_close(got, one_token_outputs_only(*ref_inputs), inputs, ref_inputs, TOL)
     assert report.count("memory_scan") == 1 and "rolled up 1 step" in report.fusions[0].detail, str(report)
+
+
+def heads_inside_time_written_at_two_indices(k, v, q, alpha, eta):
+    """A loop over heads inside the loop over time, one memory per head in a list, each read written into a
+    preallocated out[:, t, h]: slots at two integer indices, which are not read as collected outputs."""
+    Ms = [k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]) for _ in range(k.shape[2])]
+    out = torch.zeros_like(v)
+    for t in range(k.shape[1]):
+        for h in range(k.shape[2]):
+            kt = k[:, t, h]
+            e = (Ms[h] @ kt.unsqueeze(-1)).squeeze(-1) - v[:, t, h]
+            Ms[h] = Ms[h] - 0.4 * e.unsqueeze(-1) * kt.unsqueeze(-2)
+            out[:, t, h] = (Ms[h] @ q[:, t, h].unsqueeze(-1)).squeeze(-1)
+    return out, torch.stack(Ms, 1)
+
+
+def test_outputs_written_at_two_indices_are_reported_with_how_to_collect_them(fresh_dynamo):
+    """r17: the reason named the one-write-per-slot rule, which such a loop keeps; what it breaks is the one index."""
+    report = _compile_and_compare(heads_inside_time_written_at_two_indices)
+    assert not report.fusions and report.misses, str(report)
+    assert "written at two (out[:, h, t] = y" in report.misses[0].reason, str(report)
