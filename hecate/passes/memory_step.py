@@ -535,19 +535,8 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                                                  if f is not M_in):
             prod.factors.remove(M_in)
             retention.append(prod)
-        elif momentum is None and prod.coef != 0 and not prod.divisors and \
-                len(buffers := [f for f in prod.factors if f in b.carry_out and f is not M_out]) == 1 and \
-                all(b.invariant[f] for f in prod.factors if f is not buffers[0]):
-            # c·S, c a number or what every step reads alike (a learned step size: M ← M − lr·S)
-            momentum, scale = b.carry_out.index(buffers[0]), prod.coef
-            scale_factors = [f for f in prod.factors if f is not buffers[0]]
-        elif momentum is None and not prod.divisors and \
-                len(buffers := [f for f in prod.factors if f in b.carry_out and f is not M_out]) == 1 and \
-                (per_step := [f for f in prod.factors if f is not buffers[0]]) and \
-                not any(b.depends[f] for f in per_step) and not all(b.invariant[f] for f in per_step):
-            raise NotFused("the momentum buffer enters the memory scaled by a per-step value (M ← a·M − η_t·S): the "
-                           "op's buffer would be η_t·S, decayed by β·η_t/η_{t−1}, a ratio across steps no step "
-                           "computes (a step size inside the buffer, S ← β·S + η_t·∇, fuses)")
+        elif momentum is None and (buffer := _scaled_buffer(b, prod, M_out)) is not None:
+            (momentum, scale_factors), scale = buffer, prod.coef
         else:
             update.append(prod)
     if momentum is not None:
@@ -584,22 +573,15 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
             rec.params["momentum"] = beta.coef
         rec.momentum_state, rec.momentum_scale, rec.momentum_scale_factors = momentum, scale, scale_factors
     if len(update) != 1:
-        kept_through = [f for prod in update for f in prod.factors if isinstance(f, fx.Node)
-                        and f.op == "call_function" and M_in in f.all_input_nodes
-                        and isinstance(f.target, torch._ops.OpOverload) and torch.Tag.pointwise in f.target.tags
-                        and f.target not in (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor,
-                                             aten.neg.default)]  # (tanh(M): no linear function of M)
+        kept_through = [f for prod in update for f in prod.factors  # (tanh(M): no linear function of M)
+                        if _nonlinear_pointwise(f) and M_in in f.all_input_nodes]
         if not retention and kept_through:
             raise NotFused(f"the new memory keeps the old one through {op_name(kept_through[0])} of it, not as "
                            "a·M: the step is not linear in the memory")
         raise NotFused(f"the new memory is not a·M plus one update term ({len(update)} update terms)")
     (update,) = update
-    squashed = [f for f in update.factors if isinstance(f, fx.Node) and f.op == "call_function"
-                and isinstance(f.target, torch._ops.OpOverload) and torch.Tag.pointwise in f.target.tags
-                and f.target not in (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor,
-                                     aten.neg.default) and any(p is M_in for p in _ancestors(f))
-                and len(_terms(f.args[0])) > 1 and any(
-                    M_in in _product(t).factors for _, t in _terms(f.args[0]))]
+    squashed = [f for f in update.factors if _nonlinear_pointwise(f) and len(_terms(f.args[0])) > 1
+                and any(M_in in _product(t).factors for _, t in _terms(f.args[0]))]
     if not retention and squashed:  # tanh(a·M + v kᵀ): the whole new memory through a nonlinearity
         raise NotFused(f"the new memory is {op_name(squashed[0])} of a sum that keeps the old one (a·M + update): "
                        "the step is not linear in the memory")
@@ -622,6 +604,30 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
                        ", which the memory step does not update")
     _verify(b, rec)
     return rec
+
+
+def _scaled_buffer(b: _Body, prod: _Product, M_out: fx.Node) -> tuple[int, list[fx.Node]] | None:
+    """(index of the carry S, the tensors scaling it) when ``prod`` is c·S for another carry's new value S, c a
+    number times what every step reads alike (a learned step size: M ← M − lr·S); None if it is no such term;
+    NotFused where S is scaled by a per-step value."""
+    buffers = [f for f in prod.factors if f in b.carry_out and f is not M_out]
+    if prod.divisors or len(buffers) != 1:
+        return None
+    others = [f for f in prod.factors if f is not buffers[0]]
+    if all(b.invariant[f] for f in others):
+        return (b.carry_out.index(buffers[0]), others) if prod.coef != 0 else None
+    if not any(b.depends[f] for f in others):
+        raise NotFused("the momentum buffer enters the memory scaled by a per-step value (M ← a·M − η_t·S): the "
+                       "op's buffer would be η_t·S, decayed by β·η_t/η_{t−1}, a ratio across steps no step "
+                       "computes (a step size inside the buffer, S ← β·S + η_t·∇, fuses)")
+    return None
+
+
+def _nonlinear_pointwise(f: Any) -> bool:
+    """Whether ``f`` is a pointwise op that is no linear function of its inputs (tanh, exp; not mul, add, ...)."""
+    return isinstance(f, fx.Node) and f.op == "call_function" and isinstance(f.target, torch._ops.OpOverload) \
+        and torch.Tag.pointwise in f.target.tags \
+        and f.target not in (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default)
 
 
 def _plain_read(b: _Body, y: fx.Node, W: torch.Tensor, lead: tuple, A: int, C: int) -> tuple | None:
