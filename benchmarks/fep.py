@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import median_time, peak_memory_mb, plot_bars, result_path, write_json  # noqa: E402
+from benchmarks.common import device_name, median_time, peak_memory_mb, plot_bars, result_path, write_json  # noqa: E402
 from hecate.models.fep import (PureFEPConfig, PureFEPTransformer, attention_mask, compute_attention,  # noqa: E402
                                compute_mu_gradient, kl_pairwise)
 
@@ -109,7 +109,9 @@ COMPILE_SKIP = ("the Inductor compile of the unrolled training graph takes minut
 
 
 def _run_impls(workload, fn, args, n, k, device, impls, max_gib, repeat, extra=None, model=None, step=None):
-    cell = {"workload": workload, "N": n, "K": k, "B": 1, "date": time.strftime("%Y-%m-%d %H:%M")}
+    # a merged file can hold cells from several cards: each cell says which one measured it
+    cell = {"workload": workload, "N": n, "K": k, "B": 1, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "device": device_name(device)}
     need = _estimate_gib(workload, 1, n, k)
     for impl in impls:
         if impl in ("eager", "inductor") and need > max_gib:
