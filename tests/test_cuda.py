@@ -164,6 +164,23 @@ def test_memory_scan_per_step_momentum_decay(p, q_norm, poison_allocations):
              ("dk", "dv", "dq", "dalpha", "deta", "dm0", "ds0", "dbeta"), dev_in, ref_in, TOL)
 
 
+@pytest.mark.parametrize("p", [2.0, 3.0], ids=["p2", "p3"])
+def test_memory_scan_decay_first(p, poison_allocations):
+    """Gated DeltaNet's order, e = (1 − α_t) W k − v: the recurrent kernels at T = 70, where the plain p = 2 step
+    would run chunked (decay_first has no chunked form)."""
+    B, T, H, Dk, Dv = 2, 70, 2, 16, 8
+    k = F.normalize(torch.randn(B, T, H, Dk), dim=-1)
+    inputs = (k, torch.randn(B, T, H, Dv), torch.randn(B, T, H, Dk), torch.sigmoid(torch.randn(B, T, H) - 1),
+              0.4 * torch.sigmoid(torch.randn(B, T, H)), 0.3 * torch.randn(B, H, Dv, Dk))
+    ref_in, dev_in = _leaves(inputs, "cuda")
+
+    def call(fn, x):
+        return fn(*x, None, p, 10.0, 1e-6, 0.0, 2.0, "", None, None, True)[:2]
+
+    _compare(("y", "m_final"), call(torch.ops.hecate.memory_scan, dev_in), call(memory_scan_naive, ref_in),
+             ("dk", "dv", "dq", "dalpha", "deta", "dm0"), dev_in, ref_in, TOL)
+
+
 # ---------------------------------------------------------------------------------------------
 # opcheck on CUDA tensors
 

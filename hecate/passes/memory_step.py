@@ -789,12 +789,16 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     m = rec.state
     W = b.env[W_in] if W_in is not b.carries[m] else b.env[b.carries[m]]
     found = _error(b, rec, W)
+    decays = keep.factors or keep.coef != 1.0 or keep.offset is not None
+    if found is None and decays:  # decay, then the delta rule: e = (a·M)·k − v, Gated DeltaNet's order
+        found = _error(b, rec, keep.value(b.env, rec.lead)[..., None, None] * W)
+        if found is not None and (rec.momentum_state is not None or rec.params["q_norm"] != 2.0):
+            raise NotFused("the error e = (a·M)·k − v is formed from the decayed memory (the decay applied before "
+                           "the error, as Gated DeltaNet writes it) in a step with "
+                           + ("momentum" if rec.momentum_state is not None else "MONETA's normalised memory") +
+                           ": memory_scan takes that order only for the plain step")
+        rec.params["decay_first"] = found is not None
     if found is None:
-        if (keep.factors or keep.coef != 1.0 or keep.offset is not None) \
-                and _error(b, rec, keep.value(b.env, rec.lead)[..., None, None] * W) is not None:
-            raise NotFused("the error e = (a·M)·k − v is formed from the decayed memory (the decay applied "
-                           "before the error, as Gated DeltaNet writes it); the op forms it from M before the "
-                           "decay (the same recurrence with v/a and η·a, not fused)")
         other = "kv" if rec.layout == "vk" else "vk"
         if rec.dk == rec.dv and _error(b, dataclasses.replace(rec, layout=other), W) is not None:
             read, error = ("q·M", "M·k − v") if rec.layout == "kv" else ("M·q", "k·M − v")
@@ -1015,7 +1019,8 @@ def _verify(b: _Body, rec: Recurrence) -> None:
     else:
         eta = rec.per_step["eta"].value(env, lead)[..., None, None]
         p, a, eps, qn = rec.params["p"], rec.params["a"], rec.params["eps"], rec.params["q_norm"]
-        e = (_lq(M, qn, eps) @ k.unsqueeze(-1)).squeeze(-1) - v
+        read = (_lq(M, qn, eps) @ k.unsqueeze(-1)).squeeze(-1)
+        e = ((1 - alpha[..., 0]) * read if rec.params.get("decay_first") else read) - v
         g = _bias(e, p, a, eps) if "bias" not in rec.params else _evaluate_bias(rec.params["bias"], e)
         U = g.unsqueeze(-1) * k.unsqueeze(-2)
         if rec.momentum_state is not None:
@@ -1201,6 +1206,8 @@ def _runs_as(rec: Recurrence) -> str:
     from hecate.lowering.memory_scan import chunked
 
     p = rec.params
+    if p.get("decay_first"):
+        return "fused-recurrent (the chunked form takes the decay after the error)"
     if chunked.applies(p.get("p", 2.0), p.get("bias", ""), p.get("momentum", 0.0), p.get("q_norm", 2.0),
                        rec.kind == "hebbian"):
         return f"chunked at T >= {chunked.MIN_T}"
@@ -1249,7 +1256,8 @@ def describe(rec: Recurrence) -> str:
                      else f"GD with momentum β={rec.params['momentum']:g}")
     else:
         retention = "GD"
-    return (f"{retention}, {bias}" + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
+    return (f"{retention}, {bias}" + (", the error read from the decayed memory" if rec.params.get("decay_first")
+                                      else "") + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
             + (", read before the update" if rec.read_before_update else ""))
 
 
@@ -1373,7 +1381,8 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
                 s0 = (s0 * rec.momentum_scale).reshape(B, H, *s0.shape[-2:])
             y, m, s = torch.ops.hecate.memory_scan(k, v, q, bthd(x["alpha"]), bthd(x["eta"]), m0, None, p["p"],
                                                    p["a"], p["eps"], p.get("momentum", 0.0), p["q_norm"],
-                                                   p.get("bias", ""), s0, bthd(x["beta"]) if "beta" in x else None)
+                                                   p.get("bias", ""), s0, bthd(x["beta"]) if "beta" in x else None,
+                                                   bool(p.get("decay_first")))
             z = None
         else:
             z0 = x["z0"].reshape(B, H, -1) if "z0" in initial else None

@@ -159,12 +159,14 @@ def test_p2_memory_is_gated_delta_with_rescaled_beta_and_values(alpha_kind, p2_s
 
 
 class MemoryScanCall(torch.nn.Module):
-    def __init__(self, p, momentum=0.0, q_norm=2.0):
+    def __init__(self, p, momentum=0.0, q_norm=2.0, decay_first=False):
         super().__init__()
         self.scalars = (p, 10.0, 1e-6, momentum, q_norm)
+        self.decay_first = decay_first
 
     def forward(self, k, v, q, alpha, eta, m0):
-        return torch.ops.hecate.memory_scan(k, v, q, alpha, eta, m0, None, *self.scalars)
+        return torch.ops.hecate.memory_scan(k, v, q, alpha, eta, m0, None, *self.scalars, "", None, None,
+                                            self.decay_first)
 
 
 class LinearAttentionCall(torch.nn.Module):
@@ -201,6 +203,20 @@ def test_memory_scan_p2_op_parity(domain, B, T, tmp_path):
                             expect_forms=["LinearAttention(gated_delta)"])
     y_ref, m_ref, s_ref = model(*args)
     assert s.shape == s_ref.shape == (0,), "s_final without momentum is an empty [0]"
+    assert_close("y", y, y_ref, TOL)
+    assert_close("m_final (present_state)", m, m_ref, TOL)
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_memory_scan_decay_first_is_gated_delta_as_is(domain, tmp_path):
+    """decay_first is the operator's own order (decay, then the delta rule): β = 2η and v unscaled."""
+    B, T, H, Dk, Dv = 2, 9, 2, 5, 3
+    args = (torch.randn(B, T, H, Dk) * 0.5, torch.randn(B, T, H, Dv), torch.randn(B, T, H, Dk),
+            torch.rand(B, T, H), torch.rand(B, T, H) * 0.3, torch.randn(B, H, Dv, Dk))
+    model = MemoryScanCall(2.0, decay_first=True)
+    y, m, _ = _run_exported(model, args, tmp_path / "m.onnx", fused_domain=domain,
+                            expect_forms=["LinearAttention(gated_delta)"])
+    y_ref, m_ref, _ = model(*args)
     assert_close("y", y, y_ref, TOL)
     assert_close("m_final (present_state)", m, m_ref, TOL)
 

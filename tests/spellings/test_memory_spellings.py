@@ -2058,7 +2058,54 @@ def gated_householder_form(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def gated_delta_reference_loop(k, v, q, alpha, eta):
+    """Gated DeltaNet as a linear-attention library's naive reference writes it: [B, H, T, D] inputs cast to float,
+    a log-space gate exponentiated per step, the state [Dk, Dv] in a preallocated output, the value corrected in
+    place by the read of the decayed state and scaled by the write strength β."""
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
+    g, beta = torch.log1p(-alpha).transpose(1, 2), eta.transpose(1, 2)
+    b, h, T_, dk = k.shape
+    o = torch.zeros_like(v)
+    S = torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32)
+    for i in range(T_):
+        b_k, b_v = k[:, :, i], v[:, :, i].clone()
+        S = S * g[:, :, i].exp()[..., None, None]
+        b_v = b_v - (S * b_k[..., None]).sum(-2)
+        b_v = b_v * beta[:, :, i, None]
+        S = S + b_k.unsqueeze(-1) * b_v.unsqueeze(-2)
+        o[:, :, i] = torch.einsum("bhd,bhdm->bhm", q[:, :, i], S)
+    return o.transpose(1, 2), S.mT
+
+
+DECAY_FIRST = {"gated_delta_decay_before_the_error": gated_delta_decay_before_the_error,
+               "gated_householder_form": gated_householder_form,
+               "gated_delta_reference_loop": gated_delta_reference_loop}
+
+
+@pytest.mark.parametrize("name", list(DECAY_FIRST))
+def test_decay_before_the_error_fuses_and_matches_eager(name, fresh_dynamo):
+    """Gated DeltaNet's order, M ← a·M and then the delta rule on the decayed memory, is memory_scan's
+    decay_first: fused, equal to eager, forward and gradients (the gate's gradient included)."""
+    report = _compile_and_compare(DECAY_FIRST[name])
+    assert report.count("memory_scan") == 1 and not report.misses, str(report)
+    assert "the error read from the decayed memory" in report.fusions[0].detail, str(report)
+
+
+def momentum_with_the_error_of_the_decayed_memory(k, v, q, alpha, eta):
+    """A momentum step whose error reads the decayed memory: memory_scan takes that order only without momentum."""
+    M, S, ys = _m0(k, v), torch.zeros_like(_m0(k, v)), []
+    for t in range(k.shape[1]):
+        keep = 1 - alpha[:, t, :, None, None]
+        e = ((keep * M) @ k[:, t, :, :, None]) - v[:, t, :, :, None]
+        S = 0.9 * S - eta[:, t, :, None, None] * e @ k[:, t, :, None, :]
+        M = keep * M + S
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 REPORTED = {
+    "momentum_with_the_error_of_the_decayed_memory": (momentum_with_the_error_of_the_decayed_memory,
+                                                      ["formed from the decayed memory", "in a step with momentum"]),
     "momentum_step_size_per_token_outside_the_buffer": (momentum_step_size_per_token_outside_the_buffer,
                                                         ["scaled by a per-step value", "a ratio across steps"]),
     "hebbian_state_squashed_by_tanh": (hebbian_state_squashed_by_tanh,
@@ -2075,7 +2122,6 @@ REPORTED = {
     "householder_with_a_one_by_one_eye": (householder_with_a_one_by_one_eye, ["2 update terms"]),
     "householder_with_an_edited_eye": (householder_with_an_edited_eye, ["2 update terms"]),
     "householder_with_a_one_by_one_eye_expanded": (householder_with_a_one_by_one_eye_expanded, ["2 update terms"]),
-    "gated_householder_form": (gated_householder_form, ["formed from the decayed memory"]),
     "l2_update_of_some_rows_in_place": (l2_update_of_some_rows_in_place,
                                         ["state is updated by an outer product", "not one memory_scan"]),
     "l2_key_floored_by_relu_in_the_error": (l2_key_floored_by_relu_in_the_error,
@@ -2083,8 +2129,6 @@ REPORTED = {
     "l2_key_clamped_in_the_error_only": (l2_key_clamped_in_the_error_only,
                                          ["applies clamp", "a bound or branch on data"]),
     "hebbian_normaliser_capped": (hebbian_normaliser_capped, ["applies clamp", "a bound or branch on data"]),
-    "gated_delta_decay_before_the_error": (gated_delta_decay_before_the_error,
-                                           ["formed from the decayed memory", "as Gated DeltaNet writes it"]),
     "lp_memory_indexed_per_head": (lp_memory_indexed_per_head, HEADS_LOOP),
     "hebbian_output_slot_left_unwritten": (hebbian_output_slot_left_unwritten,
                                            ["could not be rolled up", "write into a tensor in place",

@@ -76,22 +76,23 @@ class _Step:
 
     The gates come precomputed per step: ``keep`` = 1 − α_t [B·H, 1, 1] and ``neg_eta`` = −η_t [B·H, 1]; with a
     per-step momentum decay, ``decay`` = momentum · β_t [B·H, 1, 1] (else the number ``momentum``).
+    ``decay_first``: the error reads the decayed memory, e = (1 − α_t) W k − v.
     """
 
-    def __init__(self, p, a, eps, momentum, q_norm, hebbian, bias=""):
+    def __init__(self, p, a, eps, momentum, q_norm, hebbian, bias="", decay_first=False):
         self.p, self.a, self.eps, self.momentum, self.q_norm = p, a, eps, momentum, q_norm
-        self.hebbian, self.bias = hebbian, bias
+        self.hebbian, self.bias, self.decay_first = hebbian, bias, decay_first
 
-    def error_and_gradient(self, A, kt, vt):
+    def error_and_gradient(self, A, kt, vt, keep):
         """(e, g): the prediction error and bias gradient; Hebbian: (None, −v), the memory is not read."""
         if self.hebbian:
             return None, -vt
-        W = lq_normalize(A, self.q_norm, self.eps)
-        e = _matvec(W, kt) - vt
+        read = _matvec(lq_normalize(A, self.q_norm, self.eps), kt)
+        e = (keep[..., 0] * read if self.decay_first else read) - vt
         return e, bias_grad(e, self.p, self.a, self.eps, self.bias)
 
     def __call__(self, A, S, kt, vt, keep, neg_eta, decay=None):
-        g = self.error_and_gradient(A, kt, vt)[1]
+        g = self.error_and_gradient(A, kt, vt, keep)[1]
         minus_eta_g = (g * neg_eta).unsqueeze(-1)  # [BH, Dv, 1]
         if self.momentum != 0.0:
             S = (torch.baddbmm(S, minus_eta_g, kt.unsqueeze(1), beta=self.momentum) if decay is None
@@ -133,7 +134,7 @@ def _final_momentum(S, momentum, B, H):
 
 
 def forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
-                      beta=None):
+                      beta=None, decay_first=False):
     """The per-token loop: y [B, T, H, Dv] (dtype of v), A_T and S_T [B, H, Dv, Dk] (S_T empty without momentum) for one
     unpacked batch, starting from m0 and s0 (zeros when None); ``beta`` [B, T, H] the per-step momentum decay's
     factor (the decay is momentum · β_t), or None.
@@ -143,7 +144,7 @@ def forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebb
     """
     B, T, H, _ = k.shape
     K, V, Q, _, _, keep, neg_eta, A = _prepare(k, v, q, alpha, eta, m0)
-    step = _Step(p, a, eps, momentum, q_norm, hebbian, bias)
+    step = _Step(p, a, eps, momentum, q_norm, hebbian, bias, decay_first)
     S = _initial_momentum(s0, A)
     decays = _decays(beta, momentum, K.dtype)
     Y = V.new_empty(V.shape)
@@ -154,7 +155,7 @@ def forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebb
 
 
 def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="",
-                       s0=None, dS_final=None, beta=None):
+                       s0=None, dS_final=None, beta=None, decay_first=False):
     """The per-token reverse loop: gradients (dk, dv, dq, dalpha, deta, dm0, ds0, dbeta) of one unpacked batch (ds0
     empty without momentum, dbeta without a per-step ``beta``).
 
@@ -172,13 +173,15 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
         P ← (1 − α_t) dA_t ;  Q ← de_t k_tᵀ
 
     Hebbian (g_t = −v_t, no error): dv_t = −dg_t, and neither the W_{t−1} term nor Q exist.
+    ``decay_first`` (e_t = (1 − α_t) r_t − v_t, r_t = W_{t−1} k_t; q = 2): the error's terms of dk_t and P
+    take de_t · (1 − α_t), and dα_t gets −de_tᵀ r_t.
     """
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     K, V, Q, AL, ET, keep, neg_eta, A = _prepare(k, v, q, alpha, eta, m0)
     dtype = K.dtype
     dY = _tm(dy, dtype)
-    step = _Step(p, a, eps, momentum, q_norm, hebbian, bias)
+    step = _Step(p, a, eps, momentum, q_norm, hebbian, bias, decay_first)
     lq = q_norm != 2.0
     S = _initial_momentum(s0, A)
     decays = _decays(beta, momentum, dtype)
@@ -219,7 +222,7 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
                     dBETA[t] = momentum * (D * S_pre).sum((1, 2))
             else:
                 D = dA
-            e, g = step.error_and_gradient(A_pre, kt, V[t])
+            e, g = step.error_and_gradient(A_pre, kt, V[t], keep[t])
             Dk_t = _matvec(D, kt)  # [BH, Dv]
             dET[t] = -(g * Dk_t).sum(-1)
             dAL[t] = -(dA * A_pre).sum((1, 2))
@@ -232,6 +235,9 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
             else:
                 de = bias_grad_derivative(e, p, a, eps, bias) * dg
                 dV[t] = -de
+                if decay_first:  # e = (1 − α) r − v
+                    dAL[t] -= (de * _matvec(A_pre, kt)).sum(-1)
+                    de = de * keep[t][..., 0]
                 W_pre = lq_normalize(A_pre, q_norm, eps)
                 dK[t] += torch.bmm(de.unsqueeze(1), W_pre).squeeze(1)  # W_{t−1}ᵀ de
                 if lq:
@@ -246,22 +252,23 @@ def backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentu
             _untm(dBETA, B, H).to(beta.dtype) if dBETA is not None else dA0.new_empty(0))
 
 
-def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None, beta=None):
+def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None, beta=None,
+            decay_first=False):
     """:func:`forward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
     recurrent = lambda: forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias,  # noqa: E731
-                                          s0, beta)
-    if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0):
+                                          s0, beta, decay_first)
+    if not decay_first and chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0):
         return chunked.finite_or_recurrent(lambda: chunked.forward(k, v, q, alpha, eta, m0, hebbian), recurrent)
     return recurrent()
 
 
 def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
-             dS_final=None, beta=None):
+             dS_final=None, beta=None, decay_first=False):
     """:func:`backward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`; it has
     no momentum, so no dbeta: an empty one is appended)."""
     recurrent = lambda: backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum,  # noqa: E731
-                                           q_norm, hebbian, bias, s0, dS_final, beta)
-    if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0, dy,
+                                           q_norm, hebbian, bias, s0, dS_final, beta, decay_first)
+    if not decay_first and chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0, dy,
                             dA_final):
         return chunked.finite_or_recurrent(
             lambda: (*chunked.backward(dy, dA_final, k, v, q, alpha, eta, m0, hebbian), dy.new_empty(0)), recurrent)
@@ -280,32 +287,32 @@ def _state_slice(state, n):
 
 
 def forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False, bias="",
-                   s0=None, beta=None):
+                   s0=None, beta=None, decay_first=False):
     """The CPU forward for either layout (packed: one call per sequence)."""
     seqs = _sequences(cu_seqlens, k.shape[1])
     if seqs is None:
-        return forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0, beta)
+        return forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0, beta, decay_first)
     parts = [forward(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
                      _state_slice(m0, n), p, a, eps, momentum, q_norm, hebbian, bias, _state_slice(s0, n),
-                     None if beta is None else beta[:, bos:eos])
+                     None if beta is None else beta[:, bos:eos], decay_first)
              for n, (bos, eos) in enumerate(seqs)]
     return tuple(torch.cat([part[i] for part in parts], 1 if i == 0 else 0) for i in range(3))
 
 
 def backward_packed(dy, dA_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                    hebbian=False, bias="", s0=None, dS_final=None, beta=None):
+                    hebbian=False, bias="", s0=None, dS_final=None, beta=None, decay_first=False):
     """The CPU backward for either layout."""
     seqs = _sequences(cu_seqlens, k.shape[1])
     if seqs is None:
         return backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias, s0,
-                        dS_final, beta)
+                        dS_final, beta, decay_first)
     parts = []
     for n, (bos, eos) in enumerate(seqs):
         sl = slice(bos, eos)
         parts.append(backward(dy[:, sl], dA_final[n:n + 1], k[:, sl], v[:, sl], q[:, sl], alpha[:, sl],
                               eta[:, sl], _state_slice(m0, n), p, a, eps, momentum, q_norm,
                               hebbian, bias, _state_slice(s0, n), _state_slice(dS_final, n),
-                              None if beta is None else beta[:, sl]))
+                              None if beta is None else beta[:, sl], decay_first))
     # dk .. deta and dbeta are per token (joined along T), dm0 and ds0 per sequence (along N); no beta: no dbeta
     per_token = (True,) * 5 + (False, False, True)
     return tuple(torch.cat([part[i] for part in parts], 1 if per_token[i] else 0) if i < 7 or beta is not None

@@ -52,19 +52,24 @@ def _lq_normalize(A, q_norm: float, eps: float):
     return op.Mul(A, scale)
 
 
-def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebbian, bias, beta_t=None):
+def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebbian, bias, beta_t=None,
+          decay_first=False):
     """One token on [B, H, Dv, Dk] states; k_t, q_t [B, H, Dk]; v_t [B, H, Dv]; gates (β_t too) [B, H]."""
     k_row = op.Unsqueeze(k_t, op.Constant(value_ints=[-2]))        # [B, H, 1, Dk]
+    gates = op.Constant(value_ints=[-2, -1])
+    keep_t = op.Sub(op.Constant(value_float=1.0), alpha_t)          # [B, H]
     if hebbian:  # U = −v kᵀ: the memory is not read
         g = op.Neg(v_t)
     else:
         W = _lq_normalize(A, q_norm, eps)
-        e = op.Sub(op.ReduceSum(op.Mul(W, k_row), op.Constant(value_ints=[-1]), keepdims=0), v_t)  # [B, H, Dv]
+        read = op.ReduceSum(op.Mul(W, k_row), op.Constant(value_ints=[-1]), keepdims=0)  # [B, H, Dv]
+        if decay_first:  # the error of the decayed memory
+            read = op.Mul(read, op.Unsqueeze(keep_t, op.Constant(value_ints=[-1])))
+        e = op.Sub(read, v_t)
         g = _bias_grad(e, p, a, eps, bias)
     g = op.Unsqueeze(g, op.Constant(value_ints=[-1]))
-    gates = op.Constant(value_ints=[-2, -1])
     eta_u = op.Mul(op.Mul(g, k_row), op.Unsqueeze(eta_t, gates))   # η_t U [B, H, Dv, Dk]
-    keep = op.Sub(op.Constant(value_float=1.0), op.Unsqueeze(alpha_t, gates))
+    keep = op.Unsqueeze(keep_t, gates)
     if momentum != 0.0:
         decay = op.Constant(value_float=momentum)
         if beta_t is not None:
@@ -81,7 +86,8 @@ def _step(A, S, k_t, v_t, q_t, alpha_t, eta_t, p, a, eps, momentum, q_norm, hebb
 _BODIES = 0  # Scan bodies recorded so far (their values' names carry the count)
 
 
-def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian, bias, beta=None) -> ir.Graph:
+def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian, bias, beta=None,
+               decay_first=False) -> ir.Graph:
     """Record one step into its own graph: inputs (A, [S], k_t, v_t, q_t, α_t, η_t, [β_t]), outputs (A, [S], y_t)."""
     from torch.onnx._internal.exporter import _building
 
@@ -100,7 +106,7 @@ def _scan_body(opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebb
     recorder = _building.OpRecorder(opset, {})
     with onnxscript.evaluator.default_as(recorder):
         A_next, S_next, y_t = _step(A, S, *sliced[:5], p, a, eps, momentum, q_norm, hebbian, bias,
-                                    sliced[5] if beta is not None else None)
+                                    sliced[5] if beta is not None else None, decay_first)
         # Scan outputs must be fresh values, not graph inputs passed through
         A_next = op.Identity(A_next)
         if use_momentum:
@@ -125,7 +131,7 @@ def zeros_state(k, v):
 
 
 def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbian=False, bias="", S0=None,
-                    beta=None):
+                    beta=None, decay_first=False):
     """One ONNX ``Scan`` over T for FLOAT k, v, q [B, T, H, ·], gates [B, T, H] (a per-step momentum decay
     ``beta`` too, or None), A0 (and with momentum S0, zeros when None) [B, H, Dv, Dk].
 
@@ -139,7 +145,7 @@ def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbia
         A0.shape = ir.Shape([k.shape[0], k.shape[2], v.shape[3], k.shape[3]])
     use_momentum = momentum != 0.0
     body = _scan_body(_core.current_tracer.opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian,
-                      bias, beta)
+                      bias, beta, decay_first)
     if use_momentum and S0 is None:
         S0 = op.Mul(A0, op.Constant(value_float=0.0))
     inits = [A0, S0] if use_momentum else [A0]
@@ -151,7 +157,7 @@ def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbia
 
 @onnx_translation(torch.ops.hecate.memory_scan.default)
 def memory_scan_onnx(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.0, eps=1e-6,
-                     momentum=0.0, q_norm=2.0, bias="", s0=None, beta=None):
+                     momentum=0.0, q_norm=2.0, bias="", s0=None, beta=None, decay_first=False):
     if cu_seqlens is not None:
         raise NotImplementedError("memory_scan ONNX export: packed sequences (cu_seqlens) are not supported; "
                                   "export with a padded batch")
@@ -161,7 +167,7 @@ def memory_scan_onnx(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.
     S0 = None if s0 is None else op.Cast(s0, to=_FLOAT)
     beta = None if beta is None else op.Cast(beta, to=_FLOAT)
     y, A_final, S_final = recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, bias=bias, S0=S0,
-                                          beta=beta)
+                                          beta=beta, decay_first=decay_first)
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
     if S_final is None:   # no momentum buffer: an empty [0]
@@ -176,10 +182,10 @@ def _empty_state():
 
 @decomposition(torch.ops.hecate.memory_scan.default)
 def memory_scan_decomposition(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.0, eps=1e-6,
-                              momentum=0.0, q_norm=2.0, bias="", s0=None, beta=None):
+                              momentum=0.0, q_norm=2.0, bias="", s0=None, beta=None, decay_first=False):
     if cu_seqlens is not None:
         raise NotImplementedError("memory_scan decomposition: packed sequences (cu_seqlens) are not supported")
-    return memory_scan_naive(k, v, q, alpha, eta, m0, None, p, a, eps, momentum, q_norm, bias, s0, beta)
+    return memory_scan_naive(k, v, q, alpha, eta, m0, None, p, a, eps, momentum, q_norm, bias, s0, beta, decay_first)
 
 
 def _gated_delta_misfit(args) -> str:
@@ -201,7 +207,8 @@ def _gated_delta_misfit(args) -> str:
 def memory_scan_fused_onnx(*args, **kwargs):
     """p = 2 as ``LinearAttention(gated_delta)`` (derivation: :mod:`hecate.lowering.onnx_fused`), else the Scan."""
     a = use_fused("hecate.memory_scan", "Scan", memory_scan_onnx, args, kwargs, _gated_delta_misfit,
-                  mapped=("k", "v", "q", "alpha", "eta", "m0", "cu_seqlens", "p", "a", "eps", "momentum", "q_norm"))
+                  mapped=("k", "v", "q", "alpha", "eta", "m0", "cu_seqlens", "p", "a", "eps", "momentum", "q_norm",
+                          "decay_first"))
     if a is None:
         return memory_scan_onnx(*args, **kwargs)
     out_dtype = a["v"].dtype
@@ -211,8 +218,11 @@ def memory_scan_fused_onnx(*args, **kwargs):
     keep = op.Sub(op.Constant(value_float=1.0), alpha)
     tiny = op.Constant(value_float=MIN_RETENTION)
     keep = op.Where(op.Less(op.Abs(keep), tiny), tiny, keep)               # [B, T, H]
-    beta = op.Div(op.Mul(eta, op.Constant(value_float=2.0)), keep)        # β = 2η/γ
-    v_kept = op.Mul(v, op.Unsqueeze(keep, op.Constant(value_ints=[-1])))   # v' = γ v
+    if a["decay_first"]:  # the operator's own order: β = 2η, v as is
+        beta, v_kept = op.Mul(eta, op.Constant(value_float=2.0)), v
+    else:
+        beta = op.Div(op.Mul(eta, op.Constant(value_float=2.0)), keep)    # β = 2η/γ
+        v_kept = op.Mul(v, op.Unsqueeze(keep, op.Constant(value_ints=[-1])))   # v' = γ v
     packed = [op.Reshape(x, op.Constant(value_ints=[0, 0, -1])) for x in (q, k, v_kept)]
     past = None if a["m0"] is None else op.Transpose(op.Cast(a["m0"], to=_FLOAT), perm=[0, 1, 3, 2])
     B, T, _, Dk = dims(a["k"], 0, 1, 2, 3) or (None,) * 4
@@ -221,6 +231,8 @@ def memory_scan_fused_onnx(*args, **kwargs):
                           shapes=([B, T, H * Dv if Dv else None], [B, H, Dk, Dv]),
                           update_rule="gated_delta", q_num_heads=H, kv_num_heads=H, scale=1.0)
     note("hecate.memory_scan", "LinearAttention(gated_delta)",
+         "p = 2, decay first: M ← γM − 2η(γMk − v)kᵀ with γ = 1 − α is gated delta with g = log γ, β = 2η"
+         if a["decay_first"] else
          "p = 2: M ← γM − 2η(Mk − v)kᵀ with γ = 1 − α is gated delta with g = log γ, β = 2η/γ, v' = γv")
     y = op.Reshape(y, op.Shape(a["v"]))
     if out_dtype != ir.DataType.FLOAT:

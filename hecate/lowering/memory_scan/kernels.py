@@ -116,17 +116,22 @@ def _outer(col, row, mask_kv):
 
 @triton.jit
 def _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, mask_kv,
-                 P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, HEBBIAN: tl.constexpr, BIAS: tl.constexpr):
+                 P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, HEBBIAN: tl.constexpr, BIAS: tl.constexpr,
+                 DECAY_FIRST: tl.constexpr):
     """One token's update of the state tile A [BV, BK] (and momentum S), reading the memory W.
 
-    U = g kᵀ with g the l_p bias gradient of e = W k − v (Hebbian: g = −v, W not read);
+    U = g kᵀ with g the l_p bias gradient of e = W k − v (DECAY_FIRST: e = (1 − α) W k − v; Hebbian: g = −v,
+    W not read);
     A ← (1 − α) A − η U, or with momentum S ← β S − η U, A ← (1 − α) A + S (β = ``momentum``, this step's decay).
     The forward and the backward's recomputation share it, so they cannot drift apart.
     """
     if HEBBIAN:
         g = -v_t
     else:
-        e = tl.sum(W * k_t[None, :], 1) - v_t  # [BV]
+        read = tl.sum(W * k_t[None, :], 1)  # [BV]
+        if DECAY_FIRST:
+            read = (1.0 - a_t) * read
+        e = read - v_t
         g = _bias_grad(e, p, a, eps, P_MODE, BIAS)
     U = _outer(g, k_t, mask_kv)
     if USE_MOMENTUM:
@@ -168,6 +173,7 @@ def memory_scan_fwd_kernel(
     HAS_M0: tl.constexpr, HAS_S0: tl.constexpr, STORE_Y: tl.constexpr, STORE_FINAL: tl.constexpr,
     STORE_CKPT: tl.constexpr,
     VARLEN: tl.constexpr, HEBBIAN: tl.constexpr, BIAS: tl.constexpr, HAS_BETA: tl.constexpr,
+    DECAY_FIRST: tl.constexpr,
 ):
     # grid (cdiv(DV, BV), N·H); state tile A [BV, BK] fp32 on chip across the sequence
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -199,7 +205,7 @@ def memory_scan_fwd_kernel(
         a_t = tl.load(alpha + row).to(tl.float32)
         eta_t = tl.load(eta + row).to(tl.float32)
         A, S = _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, _decay(momentum, beta, row, HAS_BETA),
-                            mask_kv, P_MODE, USE_MOMENTUM, HEBBIAN, BIAS)
+                            mask_kv, P_MODE, USE_MOMENTUM, HEBBIAN, BIAS, DECAY_FIRST)
         W = _lq_normalize(A, q_norm, eps, LQ)
         if STORE_Y:
             q_t = tl.load(q + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -219,7 +225,7 @@ def memory_scan_bwd_kernel(
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, LQ: tl.constexpr,
     VARLEN: tl.constexpr, HEBBIAN: tl.constexpr, BIAS: tl.constexpr, BIAS_DERIVATIVE: tl.constexpr,
-    HAS_BETA: tl.constexpr,
+    HAS_BETA: tl.constexpr, DECAY_FIRST: tl.constexpr,
 ):
     # grid (NV = cdiv(DV, BV), N·H). Partials over value tiles: dk_part, dq_part [NV, ROWS, DK];
     # dalpha_part, deta_part [NV, ROWS] (ROWS = B·T·H). dv [B, T, H, DV]; dm0 [N, H, DV, DK] fp32;
@@ -269,7 +275,8 @@ def memory_scan_bwd_kernel(
             a_t = tl.load(alpha + row).to(tl.float32)
             eta_t = tl.load(eta + row).to(tl.float32)
             A, S = _memory_step(A, S, _lq_normalize(A, q_norm, eps, LQ), k_t, v_t, a_t, eta_t, p, a, eps,
-                                _decay(momentum, beta, row, HAS_BETA), mask_kv, P_MODE, USE_MOMENTUM, HEBBIAN, BIAS)
+                                _decay(momentum, beta, row, HAS_BETA), mask_kv, P_MODE, USE_MOMENTUM, HEBBIAN, BIAS,
+                                DECAY_FIRST)
         A_post = A
         # walk it backwards
         for jj in range(0, seg):
@@ -302,11 +309,12 @@ def memory_scan_bwd_kernel(
                 g = -v_t
             else:
                 W_pre = _lq_normalize(A_pre, q_norm, eps, LQ)
-                e = tl.where(mask_v, tl.sum(W_pre * k_t[None, :], 1) - v_t, 0.0)  # padding rows: 0, not 0·inf
+                read = tl.where(mask_v, tl.sum(W_pre * k_t[None, :], 1), 0.0)  # padding rows: 0, not 0·inf
+                e = tl.where(mask_v, ((1.0 - a_t) * read if DECAY_FIRST else read) - v_t, 0.0)
                 g = _bias_grad(e, p, a, eps, P_MODE, BIAS)
             D_k = tl.where(mask_v, tl.sum(D * k_t[None, :], 1), 0.0)  # [BV]
             tl.store(deta_part + i_v * ROWS + row, -tl.sum(g * D_k, 0))
-            tl.store(dalpha_part + i_v * ROWS + row, -tl.sum(tl.sum(dA * A_pre, 1), 0))
+            dalpha_t = -tl.sum(tl.sum(dA * A_pre, 1), 0)
             dg = D_k * (-eta_t)
             dk_t = -eta_t * tl.sum(D * g[:, None], 0)
             P = (1.0 - a_t) * dA
@@ -315,12 +323,16 @@ def memory_scan_bwd_kernel(
             else:
                 de = _bias_grad_derivative(e, p, a, eps, P_MODE, BIAS_DERIVATIVE) * dg
                 tl.store(dv + row * DV + o_v, (-de).to(dv.dtype.element_ty), mask=mask_v)
+                if DECAY_FIRST:  # e = (1 − α) r − v
+                    dalpha_t -= tl.sum(de * read, 0)
+                    de = (1.0 - a_t) * de
                 dk_t += tl.sum(W_pre * de[:, None], 0)
                 if LQ:
                     Qc = _outer(de, k_t, mask_kv)
                 else:
                     P = P + _outer(de, k_t, mask_kv)
             tl.store(dk_part + (i_v * ROWS + row) * DK + o_k, dk_t, mask=mask_k)
+            tl.store(dalpha_part + i_v * ROWS + row, dalpha_t)
             A_post = A_pre
     if LQ:
         if L > 0:
@@ -362,7 +374,7 @@ def _check_dtypes(k):
 
 
 def _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm,
-                    y, m_final, s_final, ckpt_a, ckpt_s, hebbian, bias, beta=None):
+                    y, m_final, s_final, ckpt_a, ckpt_s, hebbian, bias, beta=None, decay_first=False):
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     BK, BV = _blocks(DK, DV, q_norm, MAX_BLOCK_V)
     dummy = k
@@ -379,7 +391,7 @@ def _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum
         USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, HAS_M0=m0 is not None, HAS_S0=s0 is not None,
         STORE_Y=y is not None, STORE_FINAL=m_final is not None, STORE_CKPT=ckpt_a is not None,
         VARLEN=cu_seqlens is not None, HEBBIAN=hebbian, BIAS=_bias_functions(bias, False)[0],
-        HAS_BETA=beta is not None,
+        HAS_BETA=beta is not None, DECAY_FIRST=decay_first,
     )
 
 
@@ -388,12 +400,13 @@ def _contiguous(*xs):
 
 
 def forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False, bias="", s0=None,
-            beta=None):
+            beta=None, decay_first=False):
     """y [B, T, H, Dv] (dtype of v), m_final and s_final [N, H, Dv, Dk] fp32 (s_final empty without momentum).
 
     ``hebbian``: U = −v kᵀ (the memory is not read), the linear-attention recurrence.
     ``bias``: a pointwise expression for g(e) replacing the l_p bias gradient (see :mod:`.op`).
     ``beta``: [B, T, H] the per-step factor of the momentum decay, or None.
+    ``decay_first``: the error reads the decayed memory, e = (1 − α) W k − v.
     """
     _check_dtypes(k)
     k, v, q, alpha, eta, m0, s0, cu_seqlens, beta = _contiguous(k, v, q, alpha, eta, m0, s0, cu_seqlens, beta)
@@ -403,12 +416,12 @@ def forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, he
     s_final = torch.empty(N, H, DV, DK, dtype=torch.float32, device=k.device) if momentum != 0.0 else \
         m_final.new_empty(0)
     _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm, y, m_final, s_final,
-                    None, None, hebbian, bias, beta)
+                    None, None, hebbian, bias, beta, decay_first)
     return y, m_final, s_final
 
 
 def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, hebbian=False,
-             bias="", s0=None, ds_final=None, beta=None):
+             bias="", s0=None, ds_final=None, beta=None, decay_first=False):
     """(dk, dv, dq, dalpha, deta, dm0, ds0, dbeta): re-run the forward keeping checkpoints, then the reverse kernel
     (ds0 empty without momentum, dbeta without beta)."""
     _check_dtypes(k)
@@ -420,7 +433,7 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momen
     ckpt_a = torch.empty(slots, H, DV, DK, **f32)
     ckpt_s = torch.empty(slots, H, DV, DK, **f32) if momentum != 0.0 else None
     _launch_forward(k, v, q, alpha, eta, m0, s0, cu_seqlens, p, a, eps, momentum, q_norm, None, None, None,
-                    ckpt_a, ckpt_s, hebbian, bias, beta)
+                    ckpt_a, ckpt_s, hebbian, bias, beta, decay_first)
 
     BK, BV = _blocks(DK, DV, q_norm, MAX_BLOCK_V_BACKWARD)
     NV = triton.cdiv(DV, BV)
@@ -449,7 +462,7 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momen
         H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=CHUNK, P_MODE=_p_mode(p, bias),
         USE_MOMENTUM=momentum != 0.0, LQ=q_norm != 2.0, VARLEN=cu_seqlens is not None, HEBBIAN=hebbian,
         BIAS=_bias_functions(bias, True)[0], BIAS_DERIVATIVE=_bias_functions(bias, True)[1],
-        HAS_BETA=beta is not None,
+        HAS_BETA=beta is not None, DECAY_FIRST=decay_first,
     )
     dk = dk_part.sum(0).view(B, T, H, DK).to(k.dtype)
     dq = dq_part.sum(0).view(B, T, H, DK).to(q.dtype)

@@ -7,6 +7,8 @@ and ``spec/feature-maps-phi.md`` (HOPE Eq 5: φ is applied to keys and queries
 Per head, with memory M [Dv, Dk] and token t (the read comes after the update)::
 
     e_t = W_{t-1} k_t − v_t                                   (prediction error)
+          or (1 − α_t) W_{t-1} k_t − v_t with ``decay_first``  (the error read from the decayed memory,
+                                                                 Gated DeltaNet's order)
     g_t = bias_grad_p(e_t)                                    (MIRAS Eq 11, Remark 5)
           p = 2 : 2 e                  p = 1 : tanh(a e)
           else  : p · tanh(a e) · (e² + eps)^((p−1)/2)
@@ -67,7 +69,7 @@ def lq_normalize(A: torch.Tensor, q_norm: float, eps: float) -> torch.Tensor:
     return A * (s + eps).pow(-(q_norm - 2.0) / q_norm)
 
 
-def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0=None, beta=None):
+def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0=None, beta=None, decay_first=False):
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     dtype = torch.promote_types(k.dtype, torch.float32)
@@ -79,7 +81,8 @@ def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0=Non
         at = alpha[:, t].to(dtype)[..., None, None]
         et = eta[:, t].to(dtype)[..., None, None]
         W = lq_normalize(A, q_norm, eps)
-        e = torch.einsum("bhvk,bhk->bhv", W, kt) - vt
+        read = torch.einsum("bhvk,bhk->bhv", W, kt)
+        e = (1.0 - at[..., 0]) * read - vt if decay_first else read - vt
         U = bias_grad(e, p, a, eps, bias)[..., :, None] * kt[..., None, :]
         if momentum != 0.0:
             decay = momentum if beta is None else momentum * beta[:, t].to(dtype)[..., None, None]
@@ -97,7 +100,8 @@ def memory_scan_naive(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, alpha: 
                       cu_seqlens: Optional[torch.Tensor] = None, p: float = 2.0, a: float = 10.0,
                       eps: float = 1e-6, momentum: float = 0.0,
                       q_norm: float = 2.0, bias: str = "", s0: Optional[torch.Tensor] = None,
-                      beta: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      beta: Optional[torch.Tensor] = None,
+                      decay_first: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference for ``torch.ops.hecate.memory_scan`` (same arguments, same results).
 
     k, q [B, T, H, Dk]; v [B, T, H, Dv]; alpha, eta [B, T, H]; m0, s0 [B, H, Dv, Dk] or None; beta [B, T, H] or None.
@@ -106,10 +110,10 @@ def memory_scan_naive(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, alpha: 
     s_final is empty without momentum).
     """
     if cu_seqlens is None:
-        return _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0, beta)
+        return _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0, beta, decay_first)
     bounds = [int(x) for x in cu_seqlens.tolist()]
     parts = [_scan_one(k[:, bos:eos], v[:, bos:eos], q[:, bos:eos], alpha[:, bos:eos], eta[:, bos:eos],
                        None if m0 is None else m0[n:n + 1], p, a, eps, momentum, q_norm, bias,
-                       None if s0 is None else s0[n:n + 1], None if beta is None else beta[:, bos:eos])
+                       None if s0 is None else s0[n:n + 1], None if beta is None else beta[:, bos:eos], decay_first)
              for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:]))]
     return tuple(torch.cat([part[i] for part in parts], 1 if i == 0 else 0) for i in range(3))

@@ -21,13 +21,15 @@ Contract (the recognition pass in ``hecate/passes/memory_scan.py`` emits exactly
         s0=None,    # [B or N, H, Dv, Dk] initial momentum buffer S_0, or None (zeros); momentum only
         beta=None,  # [B, T, H] per-step factor of the momentum decay: S ← (momentum · β_t) S − η_t U (HOPE Eq 51's
                     # α_{i+1}, data-dependent or learned), or None (the fixed momentum); momentum only
+        decay_first=False,  # the error read from the decayed memory, e = (1 − α_t) W_{t−1} k_t − v_t (Gated
+                    # DeltaNet's order: decay, then the delta rule); without momentum and with q_norm = 2 only
     ) -> (y [B, T, H, Dv] in the dtype of v, m_final [B or N, H, Dv, Dk] fp32,
           s_final [B or N, H, Dv, Dk] fp32 with momentum, else empty [0])
 
 Chunked processing: a sequence split into chunks, each called with the previous chunk's (m_final,
 s_final) as (m0, s0), gives the whole sequence's y and final states (and gradients).
 
-Per step: e = W_{t−1} k_t − v_t ; U = g(e) k_tᵀ with g = bias_grad_p or the ``bias`` function ; A_t = (1 − α_t) A_{t−1} − η_t U
+Per step: e = W_{t−1} k_t − v_t (``decay_first``: (1 − α_t) W_{t−1} k_t − v_t) ; U = g(e) k_tᵀ with g = bias_grad_p or the ``bias`` function ; A_t = (1 − α_t) A_{t−1} − η_t U
 (or the momentum form) ; W_t = A_t (q_norm = 2) or the MONETA normalisation ; y_t = W_t q_t.
 The state in and out is A (the memory M itself when q_norm = 2). Full statement: :mod:`.naive`.
 
@@ -48,7 +50,8 @@ forward and backward but the inputs: the forward itself stores no checkpoints.
 
 On Triton, the delta rule (p = 2, no bias, no momentum, q_norm = 2; :func:`.chunked.uses_chunked`) from
 T = ``chunked.MIN_T`` runs in the chunk kernels of :mod:`.chunk_kernels`, forward and backward (the backward
-keeps the state at every chunk start: B·H·ceil(T/C)·Dv·Dk·4 bytes, C = ``chunked.CHUNK``).
+keeps the state at every chunk start: B·H·ceil(T/C)·Dv·Dk·4 bytes, C = ``chunked.CHUNK``). With ``decay_first`` it runs
+the recurrent kernels at every length (its chunked form is not written).
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def check_kvq_shapes(op: str, k: Tensor, v: Tensor, q: Tensor) -> None:
 
 
 def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias="", s0=None,
-                 beta=None) -> None:
+                 beta=None, decay_first=False) -> None:
     """Shape, dtype and scalar checks (no data reads: also run at trace time)."""
     if bias:
         try:
@@ -133,6 +136,9 @@ def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_nor
     if beta is not None and momentum == 0.0:
         raise ValueError("memory_scan: beta scales the momentum decay (momentum · beta_t); pass it with momentum != 0 "
                          "(momentum=1.0 for a decay of beta_t itself), got momentum=0")
+    if decay_first and (momentum != 0.0 or q_norm != 2.0):
+        raise ValueError("memory_scan: decay_first (the error read from the decayed memory) needs momentum=0 and "
+                         f"q_norm=2, got momentum={momentum!r}, q_norm={q_norm!r}")
 
 
 def check_values(k, alpha, eta, cu_seqlens) -> None:
@@ -151,19 +157,20 @@ def check_values(k, alpha, eta, cu_seqlens) -> None:
 def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0: Optional[Tensor],
                 cu_seqlens: Optional[Tensor], p: float = 2.0, a: float = 10.0, eps: float = 1e-6,
                 momentum: float = 0.0, q_norm: float = 2.0, bias: str = "",
-                s0: Optional[Tensor] = None, beta: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0, beta)
+                s0: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+                decay_first: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0, beta, decay_first)
     check_values(k, alpha, eta, cu_seqlens)
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
         recurrent = lambda: kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum,  # noqa: E731
-                                            q_norm, bias=bias, s0=s0, beta=beta)
-        if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0):
+                                            q_norm, bias=bias, s0=s0, beta=beta, decay_first=decay_first)
+        if not decay_first and chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0):
             return dense(chunked.finite_or_recurrent(
                 lambda: chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens), recurrent))
         return dense(recurrent())
     return dense(cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias,
-                                    s0=s0, beta=beta))
+                                    s0=s0, beta=beta, decay_first=decay_first))
 
 
 def _final_states_fake(k, v, cu_seqlens, momentum):
@@ -175,8 +182,8 @@ def _final_states_fake(k, v, cu_seqlens, momentum):
 
 @memory_scan.register_fake
 def _memory_scan_fake(k, v, q, alpha, eta, m0, cu_seqlens, p=2.0, a=10.0, eps=1e-6, momentum=0.0, q_norm=2.0,
-                      bias="", s0=None, beta=None):
-    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0, beta)
+                      bias="", s0=None, beta=None, decay_first=False):
+    check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0, beta, decay_first)
     return (v.new_empty(v.shape), *_final_states_fake(k, v, cu_seqlens, momentum))
 
 
@@ -185,36 +192,38 @@ def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: 
                          eta: Tensor, m0: Optional[Tensor], cu_seqlens: Optional[Tensor], p: float,
                          a: float, eps: float, momentum: float,
                          q_norm: float, bias: str = "", s0: Optional[Tensor] = None,
-                         ds_final: Optional[Tensor] = None, beta: Optional[Tensor] = None
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         ds_final: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+                         decay_first: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dk, dv, dq, dalpha, deta, dm0, ds0, dbeta) of ``memory_scan`` (dm0, ds0 fp32; dm0 zeros-shaped
     when m0 is None; ds0 empty without momentum, dbeta without beta; ds_final None means zeros)."""
     if use_triton_kernels(k):
         from hecate.lowering.memory_scan import chunk_kernels, kernels
         recurrent = lambda: kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps,  # noqa: E731
-                                             momentum, q_norm, bias=bias, s0=s0, ds_final=ds_final, beta=beta)
-        if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0, dy,
+                                             momentum, q_norm, bias=bias, s0=s0, ds_final=ds_final, beta=beta,
+                                             decay_first=decay_first)
+        if not decay_first and chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0, dy,
                                    dm_final):  # (no momentum there, so no dbeta)
             return dense(chunked.finite_or_recurrent(
                 lambda: (*chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens), dy.new_empty(0)),
                 recurrent))
         return dense(recurrent())
     return dense(cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                                     bias=bias, s0=s0, dS_final=ds_final, beta=beta))
+                                     bias=bias, s0=s0, dS_final=ds_final, beta=beta, decay_first=decay_first))
 
 
 @memory_scan_backward.register_fake
 def _memory_scan_backward_fake(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,
-                               bias="", s0=None, ds_final=None, beta=None):
+                               bias="", s0=None, ds_final=None, beta=None, decay_first=False):
     return (k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(q.shape), alpha.new_empty(alpha.shape),
             eta.new_empty(eta.shape), *_final_states_fake(k, v, cu_seqlens, momentum),
             beta.new_empty(beta.shape) if beta is not None else dy.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0, beta = inputs
+    k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias, s0, beta, decay_first = inputs
     ctx.save_for_backward(k, v, q, alpha, eta, m0, cu_seqlens, s0, beta)
     ctx.scalars = (p, a, eps, momentum, q_norm, bias)
+    ctx.decay_first = decay_first
     ctx.state_dtypes = tuple(None if state is None else state.dtype for state in (m0, s0))
 
 
@@ -223,10 +232,10 @@ def _backward(ctx, dy, dm_final, ds_final):
     momentum = ctx.scalars[3]
     dk, dv, dq, dalpha, deta, dm0, ds0, dbeta = torch.ops.hecate.memory_scan_backward(
         dy.contiguous(), dm_final.contiguous(), k, v, q, alpha, eta, m0, cu_seqlens, *ctx.scalars, s0,
-        ds_final.contiguous() if momentum != 0.0 else None, beta)
+        ds_final.contiguous() if momentum != 0.0 else None, beta, ctx.decay_first)
     dm0, ds0 = (None if dt is None else g.to(dt) for g, dt in zip((dm0, ds0), ctx.state_dtypes))
     return (dk, dv, dq, dalpha, deta, dm0, None, None, None, None, None, None, None, ds0,
-            dbeta if beta is not None else None)
+            dbeta if beta is not None else None, None)
 
 
 memory_scan.register_autograd(_backward, setup_context=_setup_context)
