@@ -1637,7 +1637,7 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
     if temperature is None:
         kappa, run_time = score.kappa, None
     else:  # κ = c · t^power: the op's kappa · temperature, the power taken here (autograd carries it to t)
-        kappa, run_time = score.kappa.scale, (temperature if score.kappa.power == 1 else 1.0 / temperature)
+        kappa, run_time = score.kappa.scale, temperature  # κ = c·t, or c/t read as an inverse temperature
     allowed = None
     for value, (_, kind) in zip(mask_values, score.run_time_masks):
         value = value if kind == "allowed" else ~value
@@ -1648,7 +1648,8 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
         allowed = value if allowed is None else allowed & value
     allowed = None if allowed is None else allowed.contiguous()
     sums = torch.ops.hecate.kl_attention(fold(mean), fold(var), fold(v), fold(w), kappa, score.causal,
-                                         score.mask_diagonal, run_time, allowed)
+                                         score.mask_diagonal, run_time, allowed,
+                                         run_time is not None and score.kappa.power != 1)
     outputs = dict(zip(("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum"),
                        map(unfold, sums)))
     empty_rows, nan_scale = None, float("nan")
@@ -1714,7 +1715,8 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
     formed = []
     if escaping:
         kl, beta, _ = map(unfold, scores_and_beta(fold(mean), fold(var),
-                                                  kappa if run_time is None else kappa * run_time,
+                                                  kappa if run_time is None else kappa * run_time
+                                                  if score.kappa.power == 1 else kappa / run_time,
                                                   score.causal, score.mask_diagonal,
                                                   None if allowed is None else ~allowed))
         if empty_rows is not None:

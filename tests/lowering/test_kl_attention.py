@@ -229,6 +229,8 @@ def test_opcheck(path):
         torch.library.opcheck(OP, (mu, var, rv, cv, 0.8, True, False))
         torch.library.opcheck(OP, (mu, var, rv, cv, 1.3, False, True))
         torch.library.opcheck(OP, (mu, var, rv, cv, 0.5, True, True, torch.tensor(1.7, requires_grad=True)))
+        torch.library.opcheck(OP, (mu, var, rv, cv, 0.5, True, False, torch.tensor(0.0, requires_grad=True), None,
+                                   True))
         torch.library.opcheck(OP, (mu, var, rv, cv, 0.7, False, False, None, torch.ones(5, 5, dtype=torch.bool).tril()))
         torch.library.opcheck(OP, (mu, var, rv, cv, 0.7, False, False, None, _random_mask(5, 1)))
         torch.library.opcheck(OP, (mu, var, rv, cv, 0.7, True, False, None, _per_sequence_mask(mu.shape[0], 5)))
@@ -332,21 +334,46 @@ def test_any_run_time_temperature_computes_what_eager_does(path, temperature):
         assert_close(name, g, r.float(), 2e-5)
 
 
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+@pytest.mark.parametrize("value", [0.0, 1e-40, 0.8], ids=["zero", "underflowed", "positive"])
+def test_inverse_temperature_and_its_gradient_at_zero(path, value):
+    """κ = kappa / temperature: the score −KL · temperature / kappa is linear in the temperature, so every output
+    and gradient is finite and equals the reference's where the temperature is 0 (a learned scale that starts
+    at 0, or underflows), where κ = kappa · (1/t) would give a NaN gradient (probe r18)."""
+    mu, var, rv, cv = _inputs(2, 9, 3, 2, 3)
+    temperature = torch.tensor(value, requires_grad=True)
+    with _path(path):
+        got = OP(mu, var, rv, cv, 0.5, True, False, temperature, None, True)
+    args64 = [t.detach().double().requires_grad_() for t in (mu, var, rv, cv, temperature)]
+    ref = kl_attention_naive(*args64[:4], None, True, False, inverse_kappa=args64[4] / 0.5)
+    weights = [torch.randn(r.shape, dtype=torch.float64) for r in ref]
+    for name, g, r in zip(OUTPUT_NAMES, got, ref):
+        assert_close(name, g, r.float(), 2e-5)
+    with _path(path):
+        grads = torch.autograd.grad(_weighted_sum(got, weights), (mu, var, rv, cv, temperature))
+    ref_grads = torch.autograd.grad(_weighted_sum(ref, weights), args64)
+    for name, g, r in zip(("d mu", "d var", "d row_values", "d col_values", "d temperature"), grads, ref_grads):
+        assert torch.isfinite(g).all(), name
+        assert_close(name, g, r.float(), 2e-5)
+
+
 class _Attention(torch.nn.Module):
     def __init__(self, causal, mask_diagonal, learned_temperature=False, mask_buffer=False):
         super().__init__()
         self.causal, self.mask_diagonal = causal, mask_diagonal
         self.temperature = torch.nn.Parameter(torch.tensor(1.3)) if learned_temperature else None
+        self.inverse = learned_temperature == "inverse"
         masks = {False: None, True: _random_mask(6, 2), "per_sequence": _per_sequence_mask(2, 6)}
         self.register_buffer("allowed", masks[mask_buffer])
 
     def forward(self, mu, var, rv, cv):
-        return OP(mu, var, rv, cv, 0.7, self.causal, self.mask_diagonal, self.temperature, self.allowed)
+        return OP(mu, var, rv, cv, 0.7, self.causal, self.mask_diagonal, self.temperature, self.allowed, self.inverse)
 
 
 @pytest.mark.parametrize("causal,mask_diagonal,learned_temperature,mask_buffer",
                          [(True, True, False, False), (False, False, False, False), (True, False, True, False),
-                          (False, False, False, True), (True, False, True, True), (True, False, False, "per_sequence")])
+                          (False, False, False, True), (True, False, True, True), (True, False, False, "per_sequence"),
+                          (True, False, "inverse", False)])
 def test_onnx_translation_runs_in_onnxruntime(tmp_path, causal, mask_diagonal, learned_temperature, mask_buffer):
     args = tuple(t.detach() for t in _inputs(2, 6, 3, 2, 3))
     model = _Attention(causal, mask_diagonal, learned_temperature, mask_buffer)

@@ -1921,15 +1921,24 @@ class FloatTemperature(nn.Module):  # a float attribute: torch.compile(dynamic=T
         return beta @ mu, (beta * kl_spec(mu, var)).sum(-1)
 
 
+class ScaleStartingAtZero(nn.Module):  # −s · KL, s a learned scale initialised to 0 (uniform attention at first)
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, mu, var):
+        return F.softmax(-self.scale * kl_spec(mu, var), dim=-1) @ mu
+
+
 def a_temperature_input(mu, var, kappa):  # the temperature an input of the function
     return F.softmax(-kl_spec(mu, var) / kappa, dim=-1) @ mu
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("make", [lambda: SharedLogVarLearnedTemperature(K), InverseTemperature, FloatTemperature,
-                                  lambda: a_temperature_input],
+                                  lambda: a_temperature_input, ScaleStartingAtZero],
                          ids=["learned_log_tau_shared_log_var", "learned_inverse_softplus", "float_attribute",
-                              "an_input"])
+                              "an_input", "learned_scale_at_zero"])
 def test_temperature_held_as_a_tensor_fuses_and_gets_its_gradient(make, dynamic, fresh_dynamo):
     """κ read at run time (a parameter, a float torch.compile passes in as a tensor, an input): the op takes it
     as a tensor, and a learned one gets its gradient through the fused op."""

@@ -18,8 +18,8 @@ KL_ATTENTION = torch.ops.hecate.kl_attention.default
 
 @decomposition(KL_ATTENTION)
 def kl_attention_decomposition(mu, var, row_values, col_values, kappa, causal, mask_diagonal, temperature=None,
-                               allowed=None):
-    kappa = kappa if temperature is None else kappa * temperature
+                               allowed=None, inverse_temperature=False):
+    kappa = kappa if temperature is None else kappa / temperature if inverse_temperature else kappa * temperature
     return matmul_form.forward(mu, var, row_values, col_values, kappa, causal, mask_diagonal,
                                masked=None if allowed is None else ~allowed)
 
@@ -34,7 +34,7 @@ def _scalar(value, like):
 
 @onnx_translation(KL_ATTENTION)
 def kl_attention_onnx(mu, var, row_values, col_values, kappa: float, causal: bool, mask_diagonal: bool,
-                      temperature=None, allowed=None):
+                      temperature=None, allowed=None, inverse_temperature=False):
     half = _scalar(0.5, mu)
     mu_c = op.Sub(mu, op.ReduceMean(mu, _axes(1), keepdims=1))
     mu_sq = op.Mul(mu_c, mu_c)
@@ -46,8 +46,10 @@ def kl_attention_onnx(mu, var, row_values, col_values, kappa: float, causal: boo
     d = op.Mul(half, op.ReduceSum(op.Add(log_var, op.Mul(mu_sq, inv)), _axes(-1), keepdims=0))
     kl = op.Add(op.Add(op.Unsqueeze(c, _axes(-1)), op.MatMul(a, op.Transpose(b, perm=[0, 2, 1]))),
                 op.Unsqueeze(d, _axes(1)))  # [B, N, N]
-    scale = _scalar(-1.0 / kappa, mu)  # −1/κ, κ = kappa · temperature
-    logits = op.Mul(kl, scale if temperature is None else op.Div(scale, op.CastLike(temperature, mu)))
+    scale = _scalar(-1.0 / kappa, mu)  # −1/κ, κ = kappa · temperature (kappa / temperature)
+    if temperature is not None:
+        scale = (op.Mul if inverse_temperature else op.Div)(scale, op.CastLike(temperature, mu))
+    logits = op.Mul(kl, scale)
     if causal or mask_diagonal:
         n = op.Squeeze(op.Shape(mu, start=1, end=2), _axes(0))
         pos = op.Range(op.Constant(value_int=0), n, op.Constant(value_int=1))

@@ -192,8 +192,9 @@ def forward(mu, var, row_values, col_values, kappa, causal: bool, mask_diagonal:
 
 def backward(mu, var, row_values, col_values, grads, kappa, causal: bool, mask_diagonal: bool,
              block_rows: int | None = None, kappa_grad: bool = False, masked=None):
-    """(dμ, dv, d row_values, d col_values, dκ) given the gradients of the seven outputs; κ a number or a
-    0-d tensor, dκ a 0-d tensor (0 unless ``kappa_grad``); ``masked`` as in :func:`forward`.
+    """(dμ, dv, d row_values, d col_values, d(1/κ)) given the gradients of the seven outputs; κ a number or a
+    0-d tensor, d(1/κ) = ∂L/∂(1/κ) a 0-d tensor (0 unless ``kappa_grad``; finite at κ = inf, where ∂L/∂κ is 0);
+    ``masked`` as in :func:`forward`.
 
     With P = β, S = KL, E = rowsum(P∘S), the outputs are O1 = P V, O2 = (P∘S) V, E,
     O3 = Pᵀ W, O4 = (P∘S)ᵀ W, O5 = Pᵀ (E⊙W), lse. O5 is O3 over the values E⊙W, so
@@ -219,7 +220,7 @@ def backward(mu, var, row_values, col_values, grads, kappa, causal: bool, mask_d
     # the sums over query rows (dV, the keys' b') transposed, [B, D, N]: each block's GEMM adds in place
     grad_rv_t, grad_kb_t = rv.new_zeros(b, rv.shape[-1], n), kb.new_zeros(b, kb.shape[-1], n)
     grad_qa, grad_cv = torch.empty_like(qa), torch.empty_like(cv)
-    grad_kappa = torch.zeros((), dtype=torch.float64, device=mu.device)
+    kappa_sum = torch.zeros((), dtype=torch.float64, device=mu.device)  # κ² ∂L/∂κ
     for r0, r1, keys in row_blocks(n, causal, block_rows):
         kl, beta, _ = _scores(qa[:, r0:r1], kb[:, :keys], r0, kappa, causal, mask_diagonal, dtype, masked)
         beta_kl = beta * kl
@@ -236,7 +237,7 @@ def backward(mu, var, row_values, col_values, grads, kappa, causal: bool, mask_d
         shift = (beta * grad_p).sum(-1, keepdim=True) - g_lse[:, r0:r1, None]
         grad_p.sub_(shift)
         if kappa_grad:
-            grad_kappa = grad_kappa + (grad_p * beta * kl).sum(dtype=torch.float64)
+            kappa_sum = kappa_sum + (grad_p * beta * kl).sum(dtype=torch.float64)
         # dS = P (direct − (dP − D + dlse) / κ); KL_ii ≡ 0 has no gradient
         grad_s = _fill(grad_p.mul_(-1.0 / kappa).add_(direct).mul_(beta), r0,
                        masked_keys(r1 - r0, False, True, mu.device), 0.0).double()
@@ -245,7 +246,7 @@ def backward(mu, var, row_values, col_values, grads, kappa, causal: bool, mask_d
         grad_cv[:, r0:r1] = x + energy * y
     return _features_backward(mu, var, grad_qa, grad_kb_t.transpose(1, 2)) + (
         grad_rv_t.transpose(1, 2).to(row_values.dtype).contiguous(), grad_cv.to(col_values.dtype).contiguous(),
-        (grad_kappa / kappa ** 2).to(dtype))
+        (-kappa_sum).to(dtype))  # ∂L/∂(1/κ): finite at κ = inf too
 
 
 def _features_backward(mu, var, grad_qa, grad_kb):

@@ -47,14 +47,16 @@ def kl_pairwise(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
 
 
 def kl_attention_naive(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, col_values: torch.Tensor,
-                       kappa: float, causal: bool, mask_diagonal: bool, allowed: torch.Tensor | None = None):
+                       kappa: float, causal: bool, mask_diagonal: bool, allowed: torch.Tensor | None = None,
+                       inverse_kappa: torch.Tensor | None = None):
     """The seven outputs of ``hecate.kl_attention`` (see the module docstring); ``allowed`` [(B,) N, N] a mask
-    known at run time, besides the flags'."""
+    known at run time, besides the flags'; ``inverse_kappa`` 1/κ given instead of κ (the op's
+    ``inverse_temperature``: −KL · (1/κ) keeps its gradient finite where 1/κ is 0)."""
     n = mu.shape[1]
     kl = kl_pairwise(mu, var)  # [B, N, N]
     keys = allowed_keys(n, causal, mask_diagonal, mu.device)
     allowed = keys if allowed is None else keys & allowed
-    logits = (-kl / kappa).masked_fill(~allowed, float("-inf"))
+    logits = (-kl / kappa if inverse_kappa is None else -kl * inverse_kappa).masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # −inf on a row with no allowed key
     beta = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))  # 0 where masked
     beta_kl = beta * kl.masked_fill(~allowed, 0.0)

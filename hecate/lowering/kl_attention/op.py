@@ -4,7 +4,7 @@ Schema::
 
     kl_attention(Tensor mu, Tensor var, Tensor row_values, Tensor col_values,
                  float kappa, bool causal, bool mask_diagonal, Tensor? temperature=None,
-                 Tensor? allowed=None)
+                 Tensor? allowed=None, bool inverse_temperature=False)
         -> (row_sum, row_kl_sum, energy, col_sum, col_kl_sum, col_energy_sum, lse)
 
     mu, var        [B, N, K]   belief means and variances (var > 0; the caller adds any eps)
@@ -15,6 +15,9 @@ Schema::
                                as a tensor): κ = kappa · temperature, and κ gets its gradient. Any value
                                computes what −KL/κ gives in eager (0 and inf included: an annealed inverse
                                temperature), without the stability bounds below for κ ≤ 0
+    inverse_temperature        κ = kappa / temperature instead: the score −KL · temperature / kappa is linear in
+                               it, so its gradient stays finite where temperature is 0 (a model that writes
+                               −t · KL with t a learned scale that starts at 0)
     causal         key j allowed for query i only if j ≤ i
     mask_diagonal  key i never allowed for query i
     allowed        [N, N] or [B, N, N] bool  a mask known at run time, the same for every sequence (a causal
@@ -109,38 +112,54 @@ def resolve_mask(n: int, causal: bool, mask_diagonal: bool, allowed: torch.Tenso
     return False, False, ~combined
 
 
-def effective_kappa(kappa: float, temperature: torch.Tensor | None) -> float | torch.Tensor:
-    """κ = kappa · temperature: a number, or a 0-d tensor (the ATen path reads it as one)."""
-    return kappa if temperature is None else kappa * temperature
-
-
-def _kappa_value(kappa: float, temperature: torch.Tensor | None) -> float:
-    """κ as the number the kernels take (reading a GPU temperature waits for the GPU)."""
+def effective_kappa(kappa: float, temperature: torch.Tensor | None,
+                    inverse_temperature: bool = False) -> float | torch.Tensor:
+    """κ = kappa · temperature (kappa / temperature): a number, or a 0-d tensor (the ATen path reads it as one)."""
     if temperature is None:
         return kappa
-    return kappa * temperature.item()
+    return kappa / temperature if inverse_temperature else kappa * temperature
+
+
+def _kappa_value(kappa: float, temperature: torch.Tensor | None, inverse_temperature: bool = False) -> float:
+    """κ as the number the kernels take (reading a GPU temperature waits for the GPU; a temperature of 0 read as
+    an inverse one gives κ = inf)."""
+    if temperature is None:
+        return kappa
+    return effective_kappa(kappa, temperature.double(), inverse_temperature).item()
+
+
+def temperature_gradient(grad_inverse_kappa: torch.Tensor, kappa: float, temperature: torch.Tensor,
+                         inverse_temperature: bool) -> torch.Tensor:
+    """∂L/∂temperature from ∂L/∂(1/κ), which the backward paths compute (finite for every κ, inf included):
+    1/κ = temperature / kappa, or 1/(kappa · temperature)."""
+    if inverse_temperature:
+        return (grad_inverse_kappa / kappa).to(temperature.dtype)
+    inverse = 1.0 / (kappa * temperature.to(grad_inverse_kappa.dtype))
+    return (-grad_inverse_kappa * kappa * inverse * inverse).to(temperature.dtype)
 
 
 @torch.library.custom_op("hecate::kl_attention", mutates_args=())
 def kl_attention(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, col_values: torch.Tensor,
                  kappa: float, causal: bool, mask_diagonal: bool, temperature: torch.Tensor | None = None,
-                 allowed: torch.Tensor | None = None
+                 allowed: torch.Tensor | None = None, inverse_temperature: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
     check_inputs(mu, var, row_values, col_values, kappa, temperature, allowed)
     causal, mask_diagonal, masked = resolve_mask(mu.shape[1], causal, mask_diagonal, allowed)
     if use_triton(mu) and mu.dtype != torch.float64 and masked is None:  # the kernels compute in fp32
         try:
-            return dense(_triton_forward(mu, var, row_values, col_values, _kappa_value(kappa, temperature), causal,
-                                         mask_diagonal))
+            return dense(_triton_forward(mu, var, row_values, col_values,
+                                         _kappa_value(kappa, temperature, inverse_temperature), causal, mask_diagonal))
         except KernelDoesNotFit as error:
             _warn_matmul_form(error)
-    return dense(matmul_form.forward(mu, var, row_values, col_values, effective_kappa(kappa, temperature), causal,
+    return dense(matmul_form.forward(mu, var, row_values, col_values,
+                                     effective_kappa(kappa, temperature, inverse_temperature), causal,
                                      mask_diagonal, masked=masked))
 
 
 @kl_attention.register_fake
-def _(mu, var, row_values, col_values, kappa, causal, mask_diagonal, temperature=None, allowed=None):
+def _(mu, var, row_values, col_values, kappa, causal, mask_diagonal, temperature=None, allowed=None,
+      inverse_temperature=False):
     check_inputs(mu, var, row_values, col_values, kappa, temperature, allowed)
     b, n, _ = mu.shape
     row = mu.new_empty(b, n, row_values.shape[2])
@@ -156,7 +175,7 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
                           grad_col_sum: torch.Tensor, grad_col_kl_sum: torch.Tensor, grad_col_energy_sum: torch.Tensor,
                           grad_lse: torch.Tensor,
                           kappa: float, causal: bool, mask_diagonal: bool, temperature: torch.Tensor | None = None,
-                          allowed: torch.Tensor | None = None
+                          allowed: torch.Tensor | None = None, inverse_temperature: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dμ, dv, d row_values, d col_values, d temperature): the last a 0-d tensor, 0 without a temperature."""
     grads = (grad_row_sum, grad_row_kl_sum, grad_energy, grad_col_sum, grad_col_kl_sum, grad_col_energy_sum, grad_lse)
@@ -166,31 +185,34 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
     if use_triton(mu) and mu.dtype != torch.float64 and masked is None:  # the kernels compute in fp32
         try:
             out = _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, grads,
-                                   _kappa_value(kappa, temperature), causal, mask_diagonal, with_kappa)
+                                   _kappa_value(kappa, temperature, inverse_temperature), causal, mask_diagonal,
+                                   with_kappa)
         except KernelDoesNotFit as error:
             _warn_matmul_form(error)
     if out is None:
-        out = matmul_form.backward(mu, var, row_values, col_values, grads, effective_kappa(kappa, temperature),
+        out = matmul_form.backward(mu, var, row_values, col_values, grads,
+                                   effective_kappa(kappa, temperature, inverse_temperature),
                                    causal, mask_diagonal, kappa_grad=with_kappa, masked=masked)
-    *grad_inputs, grad_kappa = out
-    # κ = kappa · temperature: ∂L/∂temperature = kappa · ∂L/∂κ
-    grad_temperature = (grad_kappa * kappa).to(temperature.dtype) if with_kappa else mu.new_zeros(())
+    *grad_inputs, grad_inverse_kappa = out
+    grad_temperature = (temperature_gradient(grad_inverse_kappa, kappa, temperature, inverse_temperature)
+                        if with_kappa else mu.new_zeros(()))
     return dense((*grad_inputs, grad_temperature))
 
 
 @kl_attention_backward.register_fake
 def _(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, g1, g2, g3, g4, g5, g6, g7,
-      kappa, causal, mask_diagonal, temperature=None, allowed=None):
+      kappa, causal, mask_diagonal, temperature=None, allowed=None, inverse_temperature=False):
     grad_temperature = temperature.new_empty(()) if temperature is not None else mu.new_empty(())
     return tuple(t.new_empty(t.shape) for t in (mu, var, row_values, col_values)) + (grad_temperature,)
 
 
 def _setup_context(ctx, inputs, output):
     mu, var, row_values, col_values, kappa, causal, mask_diagonal, *optional = inputs
-    temperature, allowed = (list(optional) + [None, None])[:2]
+    temperature, allowed, inverse_temperature = (list(optional) + [None, None, False])[:3]
     row_sum, row_kl_sum, energy, _, _, _, lse = output
     ctx.save_for_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, temperature, allowed)
     ctx.config = (kappa, causal, mask_diagonal)
+    ctx.inverse_temperature = inverse_temperature
 
 
 def _backward(ctx, *grads):
@@ -201,9 +223,10 @@ def _backward(ctx, *grads):
     # a row with no allowed key has lse = −inf and no dependence on anything
     grads[6] = torch.where(torch.isinf(lse), 0.0, grads[6])
     grad_mu, grad_var, grad_rv, grad_cv, grad_temperature = torch.ops.hecate.kl_attention_backward(
-        mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, *grads, *ctx.config, temperature, allowed)
+        mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, *grads, *ctx.config, temperature, allowed,
+        ctx.inverse_temperature)
     wanted = temperature is not None and ctx.needs_input_grad[7]
-    return grad_mu, grad_var, grad_rv, grad_cv, None, None, None, (grad_temperature if wanted else None), None
+    return grad_mu, grad_var, grad_rv, grad_cv, None, None, None, (grad_temperature if wanted else None), None, None
 
 
 kl_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -358,6 +381,7 @@ def _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energ
             *operands, grad_mu_k, grad_var_k, grad_rv if dv else a, n, k, dv, 2 * dw, _neg_inv(kappa), **flags)
     gq_mu, gq_var, gk_mu, gk_var = grad_mu_q, grad_var_q, grad_mu_k, grad_var_k
     grad_cv = grad_cols[..., :dw] + energy32.unsqueeze(-1) * grad_cols[..., dw:]
-    grad_kappa = kappa_rows.sum() / (kappa * kappa) if kappa_grad else torch.zeros((), device=mu.device)
+    # ∂L/∂(1/κ) (the rows' sums are κ² ∂L/∂κ): finite at κ = inf, where ∂L/∂κ would be 0 and its chain NaN
+    grad_inverse_kappa = -kappa_rows.sum(dtype=torch.float64) if kappa_grad else torch.zeros((), device=mu.device)
     return ((gq_mu + gk_mu).to(mu.dtype), (gq_var + gk_var).to(var.dtype), grad_rv,
-            grad_cv.to(col_values.dtype), grad_kappa)
+            grad_cv.to(col_values.dtype), grad_inverse_kappa)
