@@ -241,8 +241,9 @@ def _hoist_invariants(graph: fx.Graph) -> bool:
     for node in reversed(graph.nodes):
         read_at[node] = set().union(*({step[u]} if step[u] >= 0 else read_at[u] for u in node.users))
     shared = [n for n in graph.nodes
-              if n.op in _TENSOR_OPS and step[n] < 0 and n not in impure and isinstance(_value(n), torch.Tensor)
-              and len(read_at[n]) >= 2 and position[n] < first_write]  # a scan's invariants are tensors
+              if n.op in _TENSOR_OPS and step[n] < 0 and n not in impure
+              and isinstance(_value(n), (torch.Tensor, torch.SymFloat))  # a scan's invariants (see _scan_operand)
+              and len(read_at[n]) >= 2 and position[n] < first_write]
     hoist: set[fx.Node] = set()
     pending = list(shared)
     while pending:
@@ -1046,7 +1047,7 @@ def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str, part: _P
         init = env[loop.carries[o]]  # tracing the scan keys its inputs by tensor, and would read one carry for both
         inits.append(graph.call_function(torch.clone, (init,)) if init in inits else init)
     scan = graph.call_function(torch.ops.higher_order.scan, (
-        graph.get_attr(body_name), inits, xs, [env[a] for a in invariants]))
+        graph.get_attr(body_name), inits, xs, [_scan_operand(graph, env[a], _value(a)) for a in invariants]))
     # the user's line a report names for the loop: where the largest state is updated
     updates = sorted(carries, key=lambda o: -getattr(_value(loop.at(0, o)), "dim", lambda: 0)())
     traces = [loop.at(0, o).meta.get("stack_trace") for o in updates]
@@ -1100,6 +1101,14 @@ def _viewed(invariant: fx.Node, loop: _Loop, part: _Part) -> tuple[fx.Node, list
             (root in _read_invariants(loop, part)) >= 2:
         return root, chain
     return invariant, []
+
+
+def _scan_operand(graph: fx.Graph, node: fx.Node, value: Any) -> fx.Node:
+    """An invariant as the scan takes it: tensors and ints as they are, a symbolic float (``d ** -0.5`` of a
+    dynamic size) as a 0-d float64 tensor, which scales a tensor in its own dtype as the number did."""
+    if isinstance(value, torch.SymFloat):
+        return graph.call_function(torch.scalar_tensor, (node,), {"dtype": torch.float64})
+    return node
 
 
 def _body(loop: _Loop, part: _Part) -> fx.GraphModule:

@@ -518,6 +518,18 @@ def _unpacked_apart(graph: fx.Graph) -> Iterator[tuple[fx.Node, list[fx.Node]]]:
 
 # calls that make a tensor nothing else holds (its values are never read here: every slot is written)
 _FRESH = (torch.empty, torch.zeros, torch.empty_like, torch.zeros_like, "new_empty", "new_zeros")
+# methods whose result, taken of a fresh tensor nothing else reads, is fresh too (it is that tensor, or a copy):
+# ``torch.zeros(B, T, D).to(v)``, as reference code allocates outputs
+_STILL_FRESH = ("to", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "cpu", "cuda")
+
+
+def _fresh(node: fx.Node) -> bool:
+    """Whether ``node`` makes a tensor nothing else holds: a fresh allocation, or a cast or copy of one read by
+    nothing else."""
+    if node.op in ("call_function", "call_method") and node.target in _FRESH:
+        return not node.kwargs.get("requires_grad")
+    return node.op == "call_method" and node.target in _STILL_FRESH and isinstance(node.args[0], fx.Node) \
+        and len(node.args[0].users) == 1 and _fresh(node.args[0])
 
 
 def slot_writes_as_stacks(graph: fx.Graph) -> None:
@@ -533,9 +545,9 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for out in [n for n in graph.nodes if n.op in ("call_function", "call_method") and n.target in _FRESH]:
+    for out in [n for n in graph.nodes if _fresh(n) and not (len(n.users) == 1 and _fresh(next(iter(n.users))))]:
         value = _val(out)
-        if not isinstance(value, torch.Tensor) or out.kwargs.get("requires_grad") or value.dim() == 0:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
         writes, slots = [], {}  # the nodes that write (and the views they write into), slot -> value written
         for user in out.users:
@@ -578,7 +590,10 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
         out.replace_all_uses_with(stack, delete_user_cb=lambda u: u not in writes)
         for node in sorted(writes, key=order.__getitem__, reverse=True):
             graph.erase_node(node)
-        graph.erase_node(out)
+        while out is not None:  # the allocation, and what it was cast or copied from
+            source = out.args[0] if out.op == "call_method" and out.target in _STILL_FRESH else None
+            graph.erase_node(out)
+            out = source if isinstance(source, fx.Node) and not source.users else None
 
 
 def _written_after(graph: fx.Graph, values: list[fx.Node], order: dict[fx.Node, int], start: int) -> bool:

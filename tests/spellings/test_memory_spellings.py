@@ -2091,6 +2091,67 @@ def test_decay_before_the_error_fuses_and_matches_eager(name, fresh_dynamo):
     assert "the error read from the decayed memory" in report.fusions[0].detail, str(report)
 
 
+CASTS = {"to_values": lambda o, v: o.to(v), "to_dtype": lambda o, v: o.to(v.dtype), "float": lambda o, v: o.float(),
+         "type_as": lambda o, v: o.type_as(v), "contiguous": lambda o, v: o.contiguous(),
+         "zeros_like_to": lambda o, v: torch.zeros_like(v).to(v)}
+
+
+@pytest.mark.parametrize("cast", list(CASTS))
+def test_outputs_preallocated_and_cast_to_the_values_fuse(cast, fresh_dynamo):
+    """``o = torch.zeros(...).to(v)`` (or .float(), .type_as(v), ...), as reference code allocates its outputs
+    before writing o[:, t] = y_t: the cast of a fresh tensor is a fresh tensor, collected as the loop's outputs
+    (probe r18 found it refused with a reason about in-place writes)."""
+    def delta_rule_into_a_cast_buffer(k, v, q, alpha, eta):
+        o = CASTS[cast](torch.zeros(v.shape), v)
+        M = _m0(k, v)
+        for t in range(k.shape[1]):
+            e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+            M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+            o[:, t] = (M @ q[:, t, :, :, None])[..., 0]
+        return o, M
+
+    report = _compile_and_compare(delta_rule_into_a_cast_buffer)
+    assert report.count("memory_scan") == 1 and not report.misses, str(report)
+
+
+def delta_rule_query_scaled_by_its_width_in_the_loop(k, v, q, alpha, eta):
+    """``q_t * q.shape[-1] ** -0.5`` inside the loop: under dynamic=True the scale is a symbolic float."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ (q[:, t] * q.shape[-1] ** -0.5)[..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_query_scaled_by_its_width_in_the_loop(k, v, q, alpha, eta):
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = M + v[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.append((M @ (q[:, t] * q.shape[-1] ** -0.5)[..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+@pytest.mark.parametrize("fn, op", [(delta_rule_query_scaled_by_its_width_in_the_loop, "memory_scan"),
+                                    (hebbian_query_scaled_by_its_width_in_the_loop, "linear_attention")],
+                         ids=["delta_rule", "hebbian"])
+def test_a_symbolic_float_read_by_every_step_fuses_under_dynamic_shapes(fn, op, fresh_dynamo):
+    """dynamic=True makes ``d ** -0.5`` of a size a symbolic float: computed once before the loop and handed to the
+    scan as a 0-d tensor (a scan takes tensors), it fuses, at a second length too, equal to eager (probe r18 found
+    the roll-up failing with an internal SymFloat error)."""
+    compiled = torch.compile(fn, backend="hecate", dynamic=True, options={"fallback": "eager"})
+    for steps in (T, T + 3):
+        inputs = [x.detach().repeat(1, 2, 1, *([1] * (x.dim() - 3)))[:, :steps].requires_grad_() for x in _inputs()]
+        y_ref, m_ref, g_ref = _run(fn, inputs)
+        y, m, g = _run(compiled, inputs)
+        report = hecate.last_report()
+        assert report.count(op) == 1 and not report.misses, str(report)
+        assert_close("y", y, y_ref, TOL)
+        assert_close("M", m, m_ref, TOL)
+        for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
+            assert_close(f"grad {what}", a, b, TOL)
+
+
 def momentum_with_the_error_of_the_decayed_memory(k, v, q, alpha, eta):
     """A momentum step whose error reads the decayed memory: memory_scan takes that order only without momentum."""
     M, S, ys = _m0(k, v), torch.zeros_like(_m0(k, v)), []
