@@ -108,9 +108,13 @@ class _Score:
     unfilled: list = field(default_factory=list)
 
 
+VANISHING_FILL = -1000.0  # exp(−1000) is 0 in float64
+
+
 def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx.Node], bool]:
-    """(the unmasked logits, [(mask node, "masked" | "allowed" | "additive" | "finite"), ...], the nodes peeled,
-    whether a mask is added to the score)."""
+    """(the unmasked logits, [(mask node, "masked" | "allowed" | "additive" | "vanishing" | "finite"), ...], the
+    nodes peeled, whether a mask is added to the score). "vanishing": masked_fill with a finite number whose exp
+    vanishes beside a score of 0 (−1e9), "finite": with one whose exp does not (−10)."""
     masks, peeled, added = [], [], False
     while True:
         peeled.append(x)
@@ -126,7 +130,9 @@ def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx
             masks.append((args[0], "masked"))
             x = args[2]
         elif t == aten.masked_fill.Scalar and isinstance(args[2], (int, float)) and math.isfinite(args[2]):
-            masks.append((args[1], "finite"))  # not a mask the op takes: reported once the score is a KL's
+            # the op's −inf where every query keeps its own key (its score, −KL_ii/κ = 0, bounds the row's max
+            # from below, and exp(fill − max) is 0 in float64 too); else reported once the score is a KL's
+            masks.append((args[1], "vanishing" if args[2] <= VANISHING_FILL else "finite"))
             x = args[0]
         elif t == aten.where.self and number_of(args[2]) == _NEG_INF:
             masks.append((args[0], "allowed"))
@@ -433,10 +439,12 @@ def _recognise(softmax: fx.Node) -> _Score | None:
                                           [logits]), memo)
     if bound is not None:  # (a clamp the far draw does not reach: v_j.clamp(min=1e-4), μ_j.clamp(-10, 10))
         raise NotFused(bound_reason(bound, "the pairwise score (the KL at the points checked)"))
-    if any(kind == "finite" for _, kind in masks):
-        raise NotFused("the KL score is masked by masked_fill with a finite number (-1e9, say): the op masks "
-                       "with −inf, which differs from it in a row with no allowed key; masked_fill with "
-                       "float('-inf') fuses")
+    finite = [node for node, kind in masks if kind == "finite"]
+    if finite:
+        fill = next(u.args[2] for u in finite[0].users if u.target == aten.masked_fill.Scalar)
+        raise NotFused(f"the KL score is masked by masked_fill with {fill:g}, whose exp does not vanish: the masked "
+                       f"keys keep a weight the op's −inf masking drops; a fill of {VANISHING_FILL:g} or below (-1e9) "
+                       "or float('-inf') fuses")
     _check_leading_dims(shape, mean, scale, param)
     kl_scales = {}
     # γ·KL with γ a number: not a node the temperature reaches (its γ changes with the temperature)
@@ -457,6 +465,11 @@ def _recognise(softmax: fx.Node) -> _Score | None:
                        f"of {alloweds[1].shape[0]}×{alloweds[1].shape[0]} at another: it is not one of the op's "
                        "masks at every length (it reads the length beyond the score's shape)")
     (causal, mask_diagonal), allowed, run_time_masks = kinds[0], alloweds[0], run_time_masks[0]
+    if mask_diagonal and any(kind == "vanishing" for _, kind in masks):
+        raise NotFused("the KL score is masked by masked_fill with a finite number (-1e9, say) and the mask drops each "
+                       "query's own key: it equals the op's −inf masking only where every query keeps its own key "
+                       "(whose score, 0, bounds the row from below); a row with no allowed key gets uniform weights "
+                       "where the op gives NaN; masked_fill with float('-inf') fuses")
     # with a mask read at run time, the rows with no allowed key are known at run time
     has_empty_row = mask_diagonal and (causal or allowed.shape[0] == 1) or bool(run_time_masks)
     beta, empty_rows_nan = softmax, has_empty_row
@@ -731,6 +744,11 @@ def _allowed(masks, shape, size=size_hint) -> tuple[torch.Tensor, list]:
             if _run_time_mask(node, kind, shape):
                 run_time.append((node, kind))
                 continue
+            if kind == "vanishing":
+                raise NotFused("the KL score is masked by masked_fill with a finite number (-1e9, say) by a mask read "
+                               "at run time: that equals the op's −inf masking only where every query keeps its own "
+                               "key, which a mask known at run time alone does not promise; masked_fill with "
+                               "float('-inf') fuses") from None
             raise NotFused(f"attention mask {node.name}: {e}") from None
         if not isinstance(value, torch.Tensor) or value.dim() > len(shape) or any(d != 1 for d in value.shape[:-2]):
             raise NotFused(f"attention mask {node.name} differs along the leading dims of the {_dims(len(shape))} "
@@ -742,7 +760,7 @@ def _allowed(masks, shape, size=size_hint) -> tuple[torch.Tensor, list]:
                 raise NotFused(f"{node.name} is added to the scores but is not a mask of 0 and −inf (a score "
                                "bias); the op takes no bias")
             value = value == 0
-        elif kind == "masked":
+        elif kind in ("masked", "vanishing"):
             value = ~value.bool()
         allowed = allowed & value.bool()
     return allowed, run_time

@@ -401,6 +401,32 @@ def test_attention_spelling_fuses_and_equals_eager(fn, draw, fresh_dynamo):
     assert not [m for m in report.misses if m.pattern == "kl_attention"], str(report)
 
 
+def a_causal_fill_of_minus_1e9(mu, var):  # the causal mask filled with -1e9, as many transformer codes write it
+    n = mu.shape[1]
+    return torch.softmax((-kl_spec(mu, var)).masked_fill(torch.tril(torch.ones(n, n)) == 0, -1e9), -1) @ mu
+
+
+def a_causal_fill_of_the_half_precision_minimum(mu, var):  # −65504 (fp16's lowest), by a mask of the keys after i
+    n = mu.shape[1]
+    return torch.softmax((-kl_spec(mu, var) / 0.7).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -65504.0),
+                         -1) @ mu
+
+
+@pytest.mark.parametrize("fn", [a_causal_fill_of_minus_1e9, a_causal_fill_of_the_half_precision_minimum],
+                         ids=lambda f: f.__name__)
+def test_a_finite_fill_where_every_query_keeps_its_own_key_fuses(fn, fresh_dynamo):
+    """A fill of −1e9 (any number ≤ −1000) is the op's −inf where every query keeps its own key: that key's score,
+    −KL_ii/κ = 0, bounds the row's maximum from below, so exp(fill − max) is 0 exactly (probe r18 found it refused
+    with a reason about rows with no allowed key, which a causal mask has none of)."""
+    report = _compare(fn, (torch.randn(B, N, K), _var((B, N, K))), "kl_attention")
+    assert report.count("kl_attention") == 1 and not report.misses, str(report)
+
+
+def m_causal_fill_that_does_not_vanish(mu, var):  # −10: the masked keys keep a weight exp(−10 − max)
+    n = mu.shape[1]
+    return torch.softmax((-kl_spec(mu, var)).masked_fill(torch.tril(torch.ones(n, n)) == 0, -10.0), -1) @ mu
+
+
 def a_heads_after_the_positions(mu, logvar):  # beliefs [B, N, H, K]: pairs built [B, i, j, H, K], permuted after the sum
     var = logvar.exp()
     kl = 0.5 * (logvar.unsqueeze(1) - logvar.unsqueeze(2)
@@ -1470,6 +1496,7 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_mask_filled_with_a_value_passed_in, (torch.ones(N, N, dtype=torch.bool).tril(), torch.tensor(float("-inf"))),
      "(from l_keep_) through masked_fill (masked_fill.Tensor)"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
+    (m_causal_fill_that_does_not_vanish, (), "masked_fill with -10, whose exp does not vanish"),
     (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
     (m_score_bias, (), "not a mask of 0 and −inf"),
