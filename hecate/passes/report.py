@@ -106,6 +106,10 @@ class FusionReport:
             lines += ["", "Dynamo graph breaks (each piece is compiled as its own graph: a pattern split across "
                       "pieces cannot be fused):"]
             lines += [f"  {reason}" for reason in self.graph_breaks]
+            if not self.graphs:
+                lines += ["  Dynamo compiled no graph: it ran the code eagerly around these breaks (a break inside a "
+                          "loop does this), so nothing in it was fused; move the break (graph_break(), print, "
+                          ".item(), float(tensor)) out of the loop"]
         return "\n".join(lines)
 
 

@@ -76,6 +76,8 @@ def report_unfused_signatures(gm: fx.GraphModule, enabled: Iterable[str], report
         found += [("qk_preprocess", reason, nodes) for reason, nodes in _hand_written_convs(gm.graph)]
         found += [("qk_preprocess", reason, nodes) for reason, nodes in _shifted_copies(gm.graph)]
     found += [(family, reason, nodes) for family, reason, nodes in _scores_row_by_row(gm) if family in enabled]
+    if "kl_attention" in enabled:
+        found += [("kl_attention", reason, nodes) for reason, nodes in _softmaxes_row_by_row(gm.graph)]
     if "kl_decode" in enabled:
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_pairs(gm.graph)]
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_products(gm.graph)]
@@ -315,6 +317,30 @@ def _scores_row_by_row(gm: fx.GraphModule) -> Iterator[tuple[str, str, list[fx.N
                    "features), then stacked and read by a cross-entropy or softmax: kl_decode fuses the logits "
                    "written at once, the beliefs [..., N, 1, K] against the priors [V, K]",
                    [scan, next(n for n in reversed(body.graph.nodes) if n.op == "call_function")])
+
+
+def _softmaxes_row_by_row(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
+    """Several softmaxes, each over one query's scores against a slice of the positions (``mu[:, :i + 1]``: causal
+    by slicing, so the steps differ in shape and no loop rolls them up), each score a sum over the features of a
+    broadcast [..., M, K] with a log or exp: the attention row by row, written out step by step."""
+    rows = []
+    for softmax in (n for t in _SOFTMAX for n in graph.find_nodes(op="call_function", target=t)):
+        score = _shape(softmax.args[0])
+        if score is None or _pair_dims(softmax.args[0]) is not None:
+            continue
+        ancestors = list(_ancestors(softmax))
+        if not any(a.target in (aten.log.default, aten.exp.default) for a in ancestors) \
+                or not any(a.target in (aten.slice.Tensor, aten.select.int) for a in ancestors):  # rows picked
+            continue
+        if any(a.target is aten.sum.dim_IntList and len(_shape(a.args[0]) or ()) >= 2
+               and _is(_shape(a.args[0])[-2], score[-1]) and not _is(score[-1], 1) for a in ancestors):
+            rows.append(softmax)
+    if len(rows) >= 2:
+        yield ("a softmax over one query's scores against the positions (sliced up to the query for a causal "
+               "mask) in each step of a loop over the positions (the attention row by row), each "
+               "row broadcast against the positions with a log or exp of the features: kl_attention fuses the "
+               "pairwise KL score written at once, μ and σ² broadcast as [..., N, 1, K] against [..., 1, N, K], "
+               "causal by masked_fill(~tril, float('-inf')); compiled as written", [rows[0]])
 
 
 # ---- memory: a matrix state updated by an outer product -----------------------------------

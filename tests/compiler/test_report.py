@@ -75,6 +75,24 @@ def test_explain_says_why_dynamo_split_the_code(fresh_dynamo):
     assert hecate.explain(lambda x: x.sin(), torch.randn(3)).graph_breaks == []
 
 
+def _memory_loop_broken_at_every_step(q, k, v):
+    S, outs = torch.zeros(2, 2, 4, 4), []
+    for i in range(q.shape[2]):
+        S = 0.9 * S + k[:, :, i, :, None] * v[:, :, i, None, :]
+        torch._dynamo.graph_break()
+        outs.append(torch.einsum("bhd,bhdm->bhm", q[:, :, i], S))
+    return torch.stack(outs, 2)
+
+
+def test_a_break_inside_a_loop_says_nothing_was_compiled(fresh_dynamo):
+    """A graph break inside a loop makes Dynamo run the code eagerly: no graph, so no pass sees the memory loop;
+    the report says so instead of standing empty (probe r18)."""
+    report = hecate.explain(_memory_loop_broken_at_every_step, *[torch.randn(2, 2, 7, 4) for _ in range(3)])
+    assert report.graphs == 0 and report.graph_breaks, str(report)
+    assert "Dynamo compiled no graph" in str(report) and "out of the loop" in str(report), str(report)
+    assert "Dynamo compiled no graph" not in str(hecate.explain(_split_by_the_user, torch.randn(3)))
+
+
 def test_the_same_reason_at_the_same_line_is_shown_once_with_its_count():
     """Three runs of one loop rolled up apart (probe r12a) give three misses, shown as one line with "(3 places)";
     the misses themselves are all kept, and a miss without a source line is never merged."""

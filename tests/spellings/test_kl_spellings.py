@@ -1994,6 +1994,15 @@ def m_attention_row_by_row(mu, var):  # one query's softmax per step of a loop o
     return torch.stack(rows, 1) @ mu
 
 
+def m_attention_row_by_row_causal_by_slicing(mu, var):  # keys sliced up to the query: the steps differ in shape
+    rows = []
+    for i in range(mu.shape[1]):
+        mi, vi, mj, vj = mu[:, i:i + 1], var[:, i:i + 1], mu[:, :i + 1], var[:, :i + 1]
+        kl = 0.5 * (torch.log(vj) - torch.log(vi) + (vi + (mi - mj) ** 2) / vj - 1).sum(-1)
+        rows.append(torch.einsum("bj,bjd->bd", torch.softmax(-kl, -1), mj))
+    return torch.stack(rows, 1)
+
+
 def m_decode_token_by_token(mu, var, prior_mu, prior_var, targets):  # one token's logits per step, then stacked
     cols = [-0.5 * (prior_var[v].log() - var.log() + (var + (mu - prior_mu[v]) ** 2) / prior_var[v] - 1).sum(-1)
             for v in range(prior_mu.shape[0])]
@@ -2002,6 +2011,7 @@ def m_decode_token_by_token(mu, var, prior_mu, prior_var, targets):  # one token
 
 @pytest.mark.parametrize("fn,family,reason", [
     (m_attention_row_by_row, "kl_attention", "the attention row by row"),
+    (m_attention_row_by_row_causal_by_slicing, "kl_attention", "sliced up to the query for a causal mask"),
     (m_decode_token_by_token, "kl_decode", "logits built one token at a time in a loop over the vocabulary"),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_a_score_computed_row_by_row_in_a_loop_is_reported(fn, family, reason, fresh_dynamo):
