@@ -646,9 +646,11 @@ def _match_kl(logits, bases, shared, lead, k):
                        f"{per_slice_found[2]} {per_slice_found[1].name} with a κ of its own for each head (or batch "
                        "row): kl_attention takes one κ, a number or c·t or c/t of one 0-d tensor")
     if reversed_found is not None:
-        raise NotFused(f"the score is KL(q_j ‖ q_i) (key to query; so is a softmax over the queries, dim −2, of "
-                       f"KL(q_i ‖ q_j)) of {reversed_found[0].name} and the "
-                       f"{reversed_found[2]} {reversed_found[1].name}; the fused op computes KL(q_i ‖ q_j)")
+        pairs = f"{reversed_found[0].name} and the {reversed_found[2]} {reversed_found[1].name}"
+        if _swaps_the_pair_dims(logits):  # the normal form moved a softmax over the queries to the last dim
+            raise NotFused(f"the softmax normalises over the queries (dim −2) of −KL(q_i ‖ q_j) of {pairs}, for each "
+                           "key: the fused op normalises over the keys (dim −1)")
+        raise NotFused(f"the score is KL(q_j ‖ q_i) (key to query) of {pairs}; the fused op computes KL(q_i ‖ q_j)")
     names, variances = ", ".join(b.name for b in means), "another"
     if shared:
         names += (" (per position) and " + ", ".join(b.name for b in drawn if b in shared)
@@ -697,6 +699,19 @@ def _computed_from_any(node: fx.Node, bases: list) -> bool:
 def _feature_sources(node: fx.Node, lead: int, k: int) -> list[fx.Node]:
     """The nearest tensors [*L, N, K] ``node`` is computed from (its log-variances, say)."""
     return nearest_sources(node, lambda shape: len(shape) == lead + 2 and size_hint(shape[-1]) == k)
+
+
+def _swaps_the_pair_dims(node: fx.Node) -> bool:
+    """Whether ``node`` is a transpose of the last two dims (what a softmax over dim −2 becomes in the normal form)."""
+    node = strip_noops(node)
+    if node.target is aten.transpose.int:
+        rank = len(shape_of(node))
+        return {d % rank for d in node.args[1:3]} == {rank - 2, rank - 1}
+    if node.target is aten.permute.default:
+        perm = list(node.args[1])
+        return perm[:-2] == list(range(len(perm) - 2)) and [p % len(perm) for p in perm[-2:]] == \
+            [len(perm) - 1, len(perm) - 2]
+    return False
 
 
 def _kappa_text(kappa) -> str:
