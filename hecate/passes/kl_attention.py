@@ -647,9 +647,12 @@ def _match_kl(logits, bases, shared, lead, k):
                        "row): kl_attention takes one κ, a number or c·t or c/t of one 0-d tensor")
     if reversed_found is not None:
         pairs = f"{reversed_found[0].name} and the {reversed_found[2]} {reversed_found[1].name}"
-        if _swaps_the_pair_dims(logits):  # the normal form moved a softmax over the queries to the last dim
-            raise NotFused(f"the softmax normalises over the queries (dim −2) of −KL(q_i ‖ q_j) of {pairs}, for each "
-                           "key: the fused op normalises over the keys (dim −1)")
+        # one computation, two readings: which the user wrote shows as a transpose before the softmax (a softmax over
+        # dim −2 reaches the matcher as one over dim −1 of the transposed score)
+        if _swaps_the_pair_dims(logits):
+            raise NotFused(f"the softmax normalises −KL(q_i ‖ q_j) of {pairs} over the queries (dim −2), for each key "
+                           "(the same as normalising KL(q_j ‖ q_i), key to query, over the keys): the fused op "
+                           "normalises −KL(q_i ‖ q_j) over the keys (dim −1)")
         raise NotFused(f"the score is KL(q_j ‖ q_i) (key to query) of {pairs}; the fused op computes KL(q_i ‖ q_j)")
     names, variances = ", ".join(b.name for b in means), "another"
     if shared:

@@ -113,7 +113,7 @@ def _fused(mu, var):
 
 
 @pytest.mark.parametrize("fn,reason", [
-    (_softmax_over_queries, "the softmax normalises over the queries (dim −2)"),
+    (_softmax_over_queries, "over the queries (dim −2), for each key"),
     (_upper_triangular_mask, "none of: all keys, causal (j ≤ i), no self (j ≠ i)"),
     (_not_separable, "exp of shape [2, 4, 4, 3] is neither per-query nor per-key"),
 ])
