@@ -343,6 +343,9 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
                     scale = _scale(d)
                     if _gammas(d / scale, gammas) is None or found is not None and found.scale != scale:
                         break
+                except _ScaledPerQuery as scaled:  # a truer reason than the tensor it reads
+                    why = str(scaled)
+                    break
                 except NotFused:
                     break
                 found = found or _Decay(d, scale, None, tensor, gamma_form, drawn)
@@ -386,12 +389,26 @@ def _decay_values(form: _Form, values: dict, size=size_hint) -> torch.Tensor:
 _NOT_CAUSAL = "its mask D is not causal with D_ts = c·γ^(t−s), 0 < γ ≤ 1 (a decay the recurrence keeps)"
 
 
+class _ScaledPerQuery(NotFused):
+    """The mask is c_t·γ^(t−s): a decay the op takes, with a scale per query it does not."""
+
+
 def _scale(d: torch.Tensor) -> float:
     """c of a mask D_ts = c·γ^(t−s): its diagonal, one number (the score's scale: 1 for a bare mask)."""
-    diagonal = d.diagonal(dim1=-2, dim2=-1).flatten()
-    scale = float(diagonal[0])
+    diagonal = d.diagonal(dim1=-2, dim2=-1)
+    scale = float(diagonal.flatten()[0])
     if scale == 0.0 or not torch.allclose(diagonal, torch.full_like(diagonal, scale), rtol=1e-6, atol=0.0):
-        raise _not_causal(d)
+        why = _not_causal(d)  # a score divided by its row sums is c_t·1^(t−s) too: that reason says more
+        if str(why) == _NOT_CAUSAL and bool((diagonal != 0).all()):
+            try:
+                _gammas(d / diagonal.unsqueeze(-1), None)
+            except NotFused:
+                pass
+            else:
+                raise _ScaledPerQuery("its mask D is causal with D_ts = c_t·γ^(t−s), a scale c_t per query (a row "
+                                      "normalisation such as D / sqrt(Σ_s D_ts)): the op takes one c; scale the "
+                                      "product's rows by c_t after it, (φ(Q)φ(K)ᵀ ⊙ γ^(t−s)) V · c_t, which fuses")
+        raise why
     return scale
 
 

@@ -271,6 +271,33 @@ def normalised_per_key(q, k, v):  # divided by the sums over the queries: not th
     return (a / (a.sum(-2, keepdim=True) + 1e-6)) @ v
 
 
+def _decay(t, gamma=0.9):
+    n = torch.arange(t)
+    dist = n[:, None] - n[None, :]
+    return (gamma ** dist.clamp(min=0).float()) * (dist >= 0)
+
+
+def decay_normalised_per_row(q, k, v):  # RetNet's D / sqrt(Σ_s D_ts): a scale per query on top of γ^(t−s)
+    d = _decay(q.shape[-2])
+    return ((phi(q) @ phi(k).mT) * (d / d.sum(-1, keepdim=True).sqrt())) @ v
+
+
+def decay_with_the_row_scale_after_the_product(q, k, v):  # what the reason for the one above suggests
+    d = _decay(q.shape[-2])
+    return ((phi(q) @ phi(k).mT) * d) @ v / d.sum(-1, keepdim=True).sqrt()
+
+
+def test_a_decay_mask_scaled_per_query_is_reported_with_what_fuses(fresh_dynamo):
+    """D_ts = c_t·γ^(t−s) (a row normalisation of the decay): reported as a scale per query, not as a mask that is
+    not causal (probe r18), and the rewrite the reason suggests fuses."""
+    torch.manual_seed(0)
+    args = [torch.randn(B, T, D) for _ in range(3)]
+    report = _check(decay_normalised_per_row, args, False)
+    assert not report.fusions and "a scale c_t per query" in report.misses[0].reason, str(report)
+    report = _check(decay_with_the_row_scale_after_the_product, args, False)
+    assert report.count("linear_attention") == 1, str(report)
+
+
 @pytest.mark.parametrize("fn,reason", [
     (normalised_on_the_score_without_eps, "divided by its sum over the keys (Σ_s A_ts, per query) before the product"),
     (normalised_per_key, "divided by its sum over the queries (Σ_t A_ts, per key) before the product"),
