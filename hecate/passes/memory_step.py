@@ -431,6 +431,10 @@ def analyse(body: fx.GraphModule, n_carries: int, n_xs: int | None = None) -> Re
     matrices = [i for i, c in enumerate(b.carries)
                 if isinstance(b.env[c], torch.Tensor) and b.env[c].is_floating_point() and b.env[c].dim() >= 2]
     candidates = [i for i in matrices if b.env[b.carries[i]].dim() >= 3]
+    if any(b.env[b.carries[i]].numel() == 0 for i in candidates or matrices):
+        sizes = " and ".join(str(list(b.env[b.carries[i]].shape)) for i in candidates or matrices)
+        raise NotFused(f"the carried state {sizes} has no elements (a batch of 0 sequences, say): there is no "
+                       "step to check, and nothing to compute")
     found = _first_fit(b, candidates or matrices)  # one sequence's memory [Dv, Dk] (torch.addr) where no batched one
     if isinstance(found, Recurrence):
         return found

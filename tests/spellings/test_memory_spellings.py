@@ -2308,6 +2308,16 @@ def _delta_rule_on_unit_keys(k, v, q):
     return torch.stack(ys, 1)
 
 
+def test_a_batch_of_zero_sequences_is_reported_as_such(fresh_dynamo):
+    """At batch 0 the memory has no elements: every check of the step passes vacuously, so nothing is fused, and the
+    reason says why (probe r18 found a reason about the update's form, false: the same loop fuses at batch 2)."""
+    k, v, q = torch.randn(0, 5, 4), torch.randn(0, 5, 3), torch.randn(0, 5, 4)
+    report = hecate.explain(_delta_rule_on_unit_keys, k, v, q)
+    assert not report.fusions and "has no elements (a batch of 0 sequences" in report.misses[0].reason, str(report)
+    got = torch.compile(_delta_rule_on_unit_keys, backend="hecate")(k, v, q)
+    assert got.shape == (0, 5, 3)
+
+
 def test_delta_rule_on_unit_keys_fuses_at_batch_one(fresh_dynamo):
     """At batch 1 the key's norm ‖k‖ is one number per step: it was taken for the constant that scales the
     key (then differed at the next draw: "the step differs at random points"). It is the key's own scale."""
