@@ -166,8 +166,8 @@ def test_memory_scan_per_step_momentum_decay(p, q_norm, poison_allocations):
 
 @pytest.mark.parametrize("p", [2.0, 3.0], ids=["p2", "p3"])
 def test_memory_scan_decay_first(p, poison_allocations):
-    """Gated DeltaNet's order, e = (1 − α_t) W k − v: the recurrent kernels at T = 70, where the plain p = 2 step
-    would run chunked (decay_first has no chunked form)."""
+    """Gated DeltaNet's order, e = (1 − α_t) W k − v, at T = 70: p = 2 in the chunk kernels, p = 3 in the recurrent
+    ones."""
     B, T, H, Dk, Dv = 2, 70, 2, 16, 8
     k = F.normalize(torch.randn(B, T, H, Dk), dim=-1)
     inputs = (k, torch.randn(B, T, H, Dv), torch.randn(B, T, H, Dk), torch.sigmoid(torch.randn(B, T, H) - 1),

@@ -1210,8 +1210,6 @@ def _runs_as(rec: Recurrence) -> str:
     from hecate.lowering.memory_scan import chunked
 
     p = rec.params
-    if p.get("decay_first"):
-        return "fused-recurrent (the chunked form takes the decay after the error)"
     if chunked.applies(p.get("p", 2.0), p.get("bias", ""), p.get("momentum", 0.0), p.get("q_norm", 2.0),
                        rec.kind == "hebbian"):
         return f"chunked at T >= {chunked.MIN_T}"

@@ -126,12 +126,24 @@ def _unit_lower_inverse(L, o_c, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _delta_system(K, keep_prev, b, o_c, CHUNK: tl.constexpr, DOT: tl.constexpr):
-    # (P⁻, K Kᵀ, (I + L)⁻¹) [C, C] of the delta rule's chunk, L = diag(b) (P⁻ ⊙ K Kᵀ) strictly lower
-    P_prev = _decays(keep_prev, o_c, 1)
+def _error_gates(keep, keep_prev, DECAY_FIRST: tl.constexpr):
+    # the keeps whose products decay the memory the error reads: a⁻ (A_{t−1} as it is), or a (decayed first)
+    if DECAY_FIRST:
+        return keep
+    return keep_prev
+
+
+@triton.jit
+def _delta_system(K, keep_err, b, o_c, CHUNK: tl.constexpr, DOT: tl.constexpr, DECAY_FIRST: tl.constexpr):
+    # (P_err, K Kᵀ, (I + L)⁻¹) [C, C] of the delta rule's chunk, L = diag(b) (P_err ⊙ K Kᵀ) strictly lower,
+    # P_err = P⁻ (from keep_err = a⁻), or P (from keep_err = a) with DECAY_FIRST
+    if DECAY_FIRST:
+        P_err = _decays(keep_err, o_c, 0)
+    else:
+        P_err = _decays(keep_err, o_c, 1)
     KK = tl.dot(K, tl.trans(K), input_precision=DOT)
-    L = tl.where(o_c[:, None] > o_c[None, :], b[:, None] * P_prev * KK, 0.0)
-    return P_prev, KK, _unit_lower_inverse(L, o_c, CHUNK)
+    L = tl.where(o_c[:, None] > o_c[None, :], b[:, None] * P_err * KK, 0.0)
+    return P_err, KK, _unit_lower_inverse(L, o_c, CHUNK)
 
 
 @triton.jit
@@ -152,7 +164,7 @@ def _state_tile(i_v, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: t
 def delta_prepare_kernel(
     k, v, alpha, eta, u, w_hat, cu_seqlens, T,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHUNK: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    CHUNK: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr, DECAY_FIRST: tl.constexpr,
 ):
     # grid (max chunks per sequence, N·H); writes u [rows, DV] and w_hat [rows, DK] fp32 of its chunk
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
@@ -166,9 +178,10 @@ def delta_prepare_kernel(
     K = _load_rows(k, rows, o_k, mask_c, mask_k, DK)  # [C, BK]
     keep, keep_prev, step = _chunk_gates(alpha, eta, rows, mask_c, o_c, H)
     b = 2.0 * step
-    _, _, inverse = _delta_system(K, keep_prev, b, o_c, CHUNK, DOT)
-    gamma_prev = tl.cumprod(keep_prev, 0)
-    W_hat = tl.dot(inverse, (b * gamma_prev)[:, None] * K, input_precision=DOT)  # [C, BK]
+    keep_err = _error_gates(keep, keep_prev, DECAY_FIRST)
+    _, _, inverse = _delta_system(K, keep_err, b, o_c, CHUNK, DOT, DECAY_FIRST)
+    gamma_err = tl.cumprod(keep_err, 0)
+    W_hat = tl.dot(inverse, (b * gamma_err)[:, None] * K, input_precision=DOT)  # [C, BK]
     tl.store(w_hat + rows[:, None] * DK + o_k[None, :], W_hat, mask=mask_c[:, None] & mask_k[None, :])
     for i_v in range(0, tl.cdiv(DV, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -224,6 +237,7 @@ def chunk_backward_kernel(
     T, ROWS,
     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     CHUNK: tl.constexpr, VARLEN: tl.constexpr, HEBBIAN: tl.constexpr, DOT: tl.constexpr,
+    DECAY_FIRST: tl.constexpr,
 ):
     # grid (NV = cdiv(DV, BV), N·H), in reverse over the chunks carrying D [BV, BK] = ∂loss/∂A at the chunk's
     # end. Partials over value tiles (every term is a sum over value rows): dk_part, dq_part [NV, ROWS, DK];
@@ -249,14 +263,16 @@ def chunk_backward_kernel(
         P = _decays(keep, o_c, 0)
         gamma, gamma_prev = tl.cumprod(keep, 0), tl.cumprod(keep_prev, 0)
         rho = _last_row(P, o_c, CHUNK)
+        P_prev = _decays(keep_prev, o_c, 1)
         if HEBBIAN:
-            P_prev = _decays(keep_prev, o_c, 1)
             W = step[:, None] * V  # [C, BV]
         else:
             b = 2.0 * step
-            P_prev, KK, inverse = _delta_system(K, keep_prev, b, o_c, CHUNK, DOT)
+            keep_err = _error_gates(keep, keep_prev, DECAY_FIRST)
+            P_err, KK, inverse = _delta_system(K, keep_err, b, o_c, CHUNK, DOT, DECAY_FIRST)
+            gamma_err = tl.cumprod(keep_err, 0)
             KA0 = tl.dot(K, tl.trans(A0), input_precision=DOT)  # row t: (A_0 k_t)ᵀ  [C, BV]
-            rhs = b[:, None] * V - (b * gamma_prev)[:, None] * KA0  # (I + L) W = rhs
+            rhs = b[:, None] * V - (b * gamma_err)[:, None] * KA0  # (I + L) W = rhs
             W = tl.dot(inverse, rhs, input_precision=DOT)  # [C, BV]
 
         # through Y = diag(γ) Q A_0ᵀ + (P ⊙ Q Kᵀ) W and A_C = γ_{C−1} A_0 + Wᵀ diag(ρ) K
@@ -283,15 +299,16 @@ def chunk_backward_kernel(
             d_rhs = tl.dot(tl.trans(inverse), dW, input_precision=DOT)  # [C, BV]
             dV = b[:, None] * d_rhs
             dL = tl.where(o_c[:, None] > o_c[None, :], -tl.dot(d_rhs, tl.trans(W), input_precision=DOT), 0.0)
-            d_step = 2.0 * (tl.sum(d_rhs * (V - gamma_prev[:, None] * KA0), 1) + tl.sum(dL * P_prev * KK, 1))
-            d_gamma_prev = -b * tl.sum(d_rhs * KA0, 1)  # [C]
-            dKK = dL * b[:, None] * P_prev  # [C, C]
+            d_step = 2.0 * (tl.sum(d_rhs * (V - gamma_err[:, None] * KA0), 1) + tl.sum(dL * P_err * KK, 1))
+            d_gamma_err = -b * tl.sum(d_rhs * KA0, 1)  # [C]
+            dKK = dL * b[:, None] * P_err  # [C, C]
             dK += (tl.dot(dKK, K, input_precision=DOT) + tl.dot(tl.trans(dKK), K, input_precision=DOT)
-                   - (b * gamma_prev)[:, None] * tl.dot(d_rhs, A0, input_precision=DOT))
-            dP_prev = dL * b[:, None] * KK
-            d_keep += (gamma_prev * tl.sum(P_prev * d_gamma_prev[:, None], 0)
-                       + tl.sum(P_prev * tl.dot(dP_prev, tl.trans(P_prev), input_precision=DOT), 0))
-            D_next -= tl.dot(tl.trans(d_rhs * (b * gamma_prev)[:, None]), K, input_precision=DOT)
+                   - (b * gamma_err)[:, None] * tl.dot(d_rhs, A0, input_precision=DOT))
+            dP_err = dL * b[:, None] * KK
+            # P_err, γ_err are P, γ (∂/∂a_r as those of the reads) or P⁻, γ⁻
+            d_keep += (gamma_prev * tl.sum(P_err * d_gamma_err[:, None], 0)
+                       + tl.sum(P_err * tl.dot(dP_err, tl.trans(P_prev), input_precision=DOT), 0))
+            D_next -= tl.dot(tl.trans(d_rhs * (b * gamma_err)[:, None]), K, input_precision=DOT)
 
         tl.store(dv + rows[:, None] * DV + o_v[None, :], dV.to(dv.dtype.element_ty),
                  mask=mask_c[:, None] & mask_v[None, :])
@@ -334,7 +351,7 @@ def _state_slots(B: int, T: int, N: int, chunk: int, varlen: bool) -> int:
     return T // chunk + N if varlen else B * triton.cdiv(T, chunk)
 
 
-def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian, chunk, y, m_final, states):
+def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian, chunk, y, m_final, states, decay_first=False):
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     BK, BV = _blocks(DK, DV)
     dot = dot_precision(k)
@@ -345,7 +362,8 @@ def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian, chunk, y, m_fi
         u, w_hat = torch.empty(B, T, H, DV, **f32), torch.empty(B, T, H, DK, **f32)
         delta_prepare_kernel[(triton.cdiv(_longest(T, cu_seqlens), chunk), N * H)](
             k, v, alpha, eta, u, w_hat, cu_seqlens if cu_seqlens is not None else k, T,
-            H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=chunk, VARLEN=cu_seqlens is not None, DOT=dot)
+            H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=chunk, VARLEN=cu_seqlens is not None, DOT=dot,
+            DECAY_FIRST=decay_first)
     chunk_forward_kernel[(triton.cdiv(DV, BV), N * H)](
         k, v, q, alpha, eta, u, w_hat, m0 if m0 is not None else k, y, m_final,
         states if states is not None else k, cu_seqlens if cu_seqlens is not None else k, T,
@@ -353,22 +371,23 @@ def _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian, chunk, y, m_fi
         VARLEN=cu_seqlens is not None, HEBBIAN=hebbian, DOT=dot)
 
 
-def forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian=False, chunk=None):
+def forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian=False, chunk=None, decay_first=False):
     """(y [B, T, H, Dv] in the dtype of v, m_final [N, H, Dv, Dk] fp32, empty s_final) of ``memory_scan``
     with p = 2, no bias, no momentum, q_norm = 2 (the delta rule), or its Hebbian mode (``hebbian``:
     A ← (1 − α) A + η v kᵀ, linear attention). ``chunk``: tokens per chunk, a power of two >= 16
-    (default :data:`.chunked.CHUNK`)."""
+    (default :data:`.chunked.CHUNK`). ``decay_first``: the delta rule's error reads the decayed memory
+    (Gated DeltaNet's order; P⁻, γ⁻ become P, γ in L and the right-hand side)."""
     _check_dtypes(k)
     chunk = _chunk_size(chunk)
     k, v, q, alpha, eta, m0, cu_seqlens = _contiguous(k, v, q, alpha, eta, m0, cu_seqlens)
     B, T, H, DK, DV, N = _layout(k, v, cu_seqlens)
     y = torch.empty_like(v)
     m_final = torch.empty(N, H, DV, DK, dtype=torch.float32, device=k.device)
-    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian, chunk, y, m_final, None)
+    _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian, chunk, y, m_final, None, decay_first)
     return y, m_final, m_final.new_empty(0)
 
 
-def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, hebbian=False, chunk=None):
+def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, hebbian=False, chunk=None, decay_first=False):
     """(dk, dv, dq, dalpha, deta, dm0, ds0) of :func:`forward` (as :func:`.kernels.backward`; ds0 empty): re-run
     the chunked forward keeping the state at every chunk start, then the reverse chunk kernel. dm0 is fp32
     (zeros-shaped when m0 is None)."""
@@ -380,7 +399,7 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, hebbian=False, c
     f32 = dict(dtype=torch.float32, device=k.device)
     states = torch.empty(_state_slots(B, T, N, chunk, cu_seqlens is not None), H, DV, DK, **f32)
     _launch_forward(k, v, q, alpha, eta, m0, cu_seqlens, hebbian, chunk, torch.empty_like(v),
-                    torch.empty(N, H, DV, DK, **f32), states)
+                    torch.empty(N, H, DV, DK, **f32), states, decay_first)
 
     BK, BV = _blocks(DK, DV)
     NV = triton.cdiv(DV, BV)
@@ -393,7 +412,7 @@ def backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, hebbian=False, c
         k, v, q, alpha, eta, dy, dm_final.to(torch.float32), states, dk_part, dv, dq_part, dalpha_part,
         deta_part, dm0, cu_seqlens if cu_seqlens is not None else k, T, rows,
         H=H, DK=DK, DV=DV, BK=BK, BV=BV, CHUNK=chunk, VARLEN=cu_seqlens is not None, HEBBIAN=hebbian,
-        DOT=dot_precision(k))
+        DOT=dot_precision(k), DECAY_FIRST=decay_first)
     dk = dk_part.sum(0).view(B, T, H, DK).to(k.dtype)
     dq = dq_part.sum(0).view(B, T, H, DK).to(q.dtype)
     dalpha = dalpha_part.sum(0).view(B, T, H).to(alpha.dtype)

@@ -6,7 +6,9 @@ a_t = 1 − α_t)::
     p = 2 (no momentum, q_norm = 2, no user bias):  A_t = a_t A_{t−1} + w_t k_tᵀ,  w_t = 2η_t (v_t − A_{t−1} k_t)
     Hebbian (linear attention):                     A_t = a_t A_{t−1} + w_t k_tᵀ,  w_t = η_t v_t
 
-The first is the gated delta rule (g = a, β = 2η/a, v' = a v); with α = 0 the delta rule.
+The first is the gated delta rule (g = a, β = 2η/a, v' = a v); with α = 0 the delta rule. With ``decay_first``
+(w_t = 2η_t (v_t − a_t A_{t−1} k_t), Gated DeltaNet's own order) the error reads P[t, s] and γ_t below where the
+delta rule reads P[t−1, s] and γ_{t−1}.
 Everything else (general p, p = 1, a user bias g(e), MONETA's q_norm) is nonlinear in the
 state and stays fused-recurrent, as does momentum (linear, but its buffer S is a second state the
 chunked form does not carry).
@@ -134,35 +136,44 @@ def _decays(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cumprod(factors, -2).tril(), torch.cumprod(keep, -1)
 
 
-def _within(K: torch.Tensor, keep: torch.Tensor, b: torch.Tensor, hebbian: bool) -> tuple:
+def _within(K: torch.Tensor, keep: torch.Tensor, b: torch.Tensor, hebbian: bool, decay_first: bool = False) -> tuple:
     """What a chunk needs besides its start state, for every chunk at once ([n, BH, ...]):
     (P, γ, P_prev, γ_prev, K Kᵀ, (I + L)⁻¹) with P_prev[t] = P[t−1], γ_prev[t] = γ_{t−1} (the last two
     None for Hebbian). One batched triangular solve inverts every chunk's I + L: inside the chunk walk,
-    the solves are then matrix products."""
+    the solves are then matrix products. The error's decays (:func:`_error_decays`) are P_prev and γ_prev,
+    or with ``decay_first`` P and γ."""
     P, gamma = _decays(keep)                                                # [n, BH, C, C], [n, BH, C]
     P_prev = torch.nn.functional.pad(P[..., :-1, :], (0, 0, 1, 0))          # row 0: 0
     gamma_prev = torch.nn.functional.pad(gamma[..., :-1], (1, 0), value=1.0)  # γ_{−1} = 1
     if hebbian:
         return P, gamma, P_prev, gamma_prev, None, None
-    # L[t, s] = b_t P[t−1, s] (k_s · k_t) for s < t; unitriangular: the solve reads only L's strict lower
-    # triangle and takes a unit diagonal
+    # L[t, s] = b_t P[t−1, s] (k_s · k_t) for s < t (P[t, s] with decay_first); unitriangular: the solve reads
+    # only L's strict lower triangle and takes a unit diagonal
     KK = K @ K.transpose(-1, -2)
-    L = b.unsqueeze(-1) * P_prev * KK
+    L = b.unsqueeze(-1) * (P if decay_first else P_prev) * KK
     identity = torch.eye(CHUNK, dtype=L.dtype, device=L.device).expand_as(L)
     return P, gamma, P_prev, gamma_prev, KK, torch.linalg.solve_triangular(L, identity, upper=False,
                                                                            unitriangular=True)
 
 
-def _solve(A, K, V, b, gamma_prev, inverse, hebbian):
+def _error_decays(within: tuple, decay_first: bool) -> tuple:
+    """(P_err, γ_err): what decays the memory the error reads, per (t, s) and per t. The error of token t reads
+    A_{t−1}, decayed by the keeps up to t − 1 (P_prev, γ_prev); with ``decay_first`` by a_t too (P, γ)."""
+    P, gamma, P_prev, gamma_prev = within[:4]
+    return (P, gamma) if decay_first else (P_prev, gamma_prev)
+
+
+def _solve(A, K, V, b, gamma_err, inverse, hebbian):
     """The chunk's w's, W [BH, C, Dv], and K A_0ᵀ [BH, C, Dv] (None for Hebbian, where W = diag(b) V)."""
     if hebbian:
         return b.unsqueeze(-1) * V, None
     KA = K @ A.transpose(1, 2)
-    rhs = torch.addcmul(V, gamma_prev.unsqueeze(-1), KA, value=-1.0).mul_(b.unsqueeze(-1))
+    rhs = torch.addcmul(V, gamma_err.unsqueeze(-1), KA, value=-1.0).mul_(b.unsqueeze(-1))
     return inverse @ rhs, KA                                                # (I + L) W = rhs
 
 
-def _chunk(A: torch.Tensor, blocks: tuple, within: tuple, hebbian: bool, Y: Optional[torch.Tensor]) -> torch.Tensor:
+def _chunk(A: torch.Tensor, blocks: tuple, within: tuple, hebbian: bool, Y: Optional[torch.Tensor],
+           decay_first: bool = False) -> torch.Tensor:
     """One chunk from its start state A [BH, Dv, Dk]: writes its reads into Y [BH, C, Dv] (None: no reads, as
     the backward's pass over the start states needs none), returns the end state.
 
@@ -170,8 +181,8 @@ def _chunk(A: torch.Tensor, blocks: tuple, within: tuple, hebbian: bool, Y: Opti
     ``within``: the chunk's slice of :func:`_within`. In place where it can: on CPU every fresh buffer of this
     size costs page faults."""
     K, V, Q, _, b = blocks
-    P, gamma, _, gamma_prev, _, inverse = within
-    W = _solve(A, K, V, b, gamma_prev, inverse, hebbian)[0]
+    P, gamma, _, _, _, inverse = within
+    W = _solve(A, K, V, b, _error_decays(within, decay_first)[1], inverse, hebbian)[0]
     # Y = diag(γ) Q A_0ᵀ + (P ⊙ Q Kᵀ) W
     if Y is not None:
         torch.baddbmm((Q @ A.transpose(1, 2)).mul_(gamma.unsqueeze(-1)), (Q @ K.transpose(1, 2)).mul_(P), W,
@@ -180,11 +191,12 @@ def _chunk(A: torch.Tensor, blocks: tuple, within: tuple, hebbian: bool, Y: Opti
     return torch.baddbmm(gamma[:, -1, None, None] * A, W.mul_(P[:, -1].unsqueeze(-1)).transpose(1, 2), K)
 
 
-def _chunk_backward(A, blocks, within, hebbian, dY, dA_end):
+def _chunk_backward(A, blocks, within, hebbian, dY, dA_end, decay_first=False):
     """The reverse of :func:`_chunk`: (dA_0, dK, dV, dQ, dkeep, db) from dY [BH, C, Dv] and dA_end [BH, Dv, Dk]."""
     K, V, Q, _, b = blocks
     P, gamma, P_prev, gamma_prev, KK, inverse = within
-    W, KA = _solve(A, K, V, b, gamma_prev, inverse, hebbian)
+    P_err, gamma_err = _error_decays(within, decay_first)
+    W, KA = _solve(A, K, V, b, gamma_err, inverse, hebbian)
     QK, QA = Q @ K.transpose(1, 2), Q @ A.transpose(1, 2)
     dP, dgamma = torch.zeros_like(P), torch.zeros_like(gamma)
     # A_end = γ_C A_0 + Zᵀ K,  Z = diag(P[C, :]) W
@@ -212,18 +224,23 @@ def _chunk_backward(A, blocks, within, hebbian, dY, dA_end):
         # W = (I + L)⁻¹ rhs: d rhs = (I + L)⁻ᵀ dW, dL = −d rhs Wᵀ (strict lower part: L's only entries)
         drhs = inverse.transpose(1, 2) @ dW
         dL = -(drhs @ W.transpose(1, 2)).tril(-1)
-        # rhs = diag(b) E,  E = V − diag(γ_prev) K A_0ᵀ
-        E = V - gamma_prev.unsqueeze(-1) * KA
+        # rhs = diag(b) E,  E = V − diag(γ_err) K A_0ᵀ
+        E = V - gamma_err.unsqueeze(-1) * KA
         dV = b.unsqueeze(-1) * drhs
-        dKA = -gamma_prev.unsqueeze(-1) * dV
+        dKA = -gamma_err.unsqueeze(-1) * dV
         dK += dKA @ A
         dA += dKA.transpose(1, 2) @ K
-        # L = diag(b) (P_prev ⊙ K Kᵀ)
-        db = (drhs * E).sum(-1) + (dL * P_prev * KK).sum(-1)
-        dKK = b.unsqueeze(-1) * P_prev * dL
+        # L = diag(b) (P_err ⊙ K Kᵀ)
+        db = (drhs * E).sum(-1) + (dL * P_err * KK).sum(-1)
+        dKK = b.unsqueeze(-1) * P_err * dL
         dK += (dKK + dKK.transpose(1, 2)) @ K
-        dP[:, :-1] += (b.unsqueeze(-1) * KK * dL)[:, 1:]                     # P_prev[t] = P[t−1]
-        dgamma[:, :-1] -= (dV * KA).sum(-1)[:, 1:]                           # γ_prev[t] = γ_{t−1}
+        dP_err, dgamma_err = b.unsqueeze(-1) * KK * dL, -(dV * KA).sum(-1)
+        if decay_first:
+            dP += dP_err
+            dgamma += dgamma_err
+        else:
+            dP[:, :-1] += dP_err[:, 1:]                                      # P_prev[t] = P[t−1]
+            dgamma[:, :-1] += dgamma_err[:, 1:]                              # γ_prev[t] = γ_{t−1}
     # P[t, s] and γ_t are products of keeps: ∂/∂a_r leaves a_r out, P[r−1, s] · P[t, r] (γ_{r−1} · P[t, r]),
     # so da_r = Σ_{s<r} P[r−1, s] (Pᵀ dP)[r, s] + γ_{r−1} (Pᵀ dγ)_r: no division, a keep of 0 is exact
     Pt = P.transpose(1, 2)
@@ -250,24 +267,26 @@ def _at(tensors: tuple, c: int) -> tuple:
 
 
 def forward(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor, eta: torch.Tensor,
-            m0: Optional[torch.Tensor], hebbian: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            m0: Optional[torch.Tensor], hebbian: bool,
+            decay_first: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``cpu.forward`` for the two linear members: y [B, T, H, Dv] (dtype of v), A_T [B, H, Dv, Dk] and the empty
     momentum state, from k, q [B, T, H, Dk], v [B, T, H, Dv], alpha (forget rate), eta [B, T, H], m0 or None.
 
-    ``hebbian``: w_t = η_t v_t (linear attention); else w_t = 2η_t (v_t − A_{t−1} k_t) (p = 2)."""
+    ``hebbian``: w_t = η_t v_t (linear attention); else w_t = 2η_t (v_t − A_{t−1} k_t) (p = 2), or with
+    ``decay_first`` 2η_t (v_t − a_t A_{t−1} k_t)."""
     B, T, H, Dk = k.shape
     blocks, A = _inputs(k, v, q, alpha, eta, m0, hebbian)
-    within = _within(blocks[0], blocks[3], blocks[4], hebbian)
+    within = _within(blocks[0], blocks[3], blocks[4], hebbian, decay_first)
     Y = torch.empty_like(blocks[1])                                         # [n, BH, C, Dv]
     for c in range(Y.shape[0]):
-        A = _chunk(A, _at(blocks, c), _at(within, c), hebbian, Y[c])
+        A = _chunk(A, _at(blocks, c), _at(within, c), hebbian, Y[c], decay_first)
     y = _tokens(Y, B, H, T)
     return y.to(v.dtype), A.reshape(B, H, *A.shape[1:]), A.new_empty(0)
 
 
 def backward(dy: torch.Tensor, dA_final: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
-             alpha: torch.Tensor, eta: torch.Tensor, m0: Optional[torch.Tensor], hebbian: bool
-             ) -> tuple[torch.Tensor, ...]:
+             alpha: torch.Tensor, eta: torch.Tensor, m0: Optional[torch.Tensor], hebbian: bool,
+             decay_first: bool = False) -> tuple[torch.Tensor, ...]:
     """``cpu.backward`` for the two linear members: (dk, dv, dq, dalpha, deta, dm0, empty ds0).
 
     As in the recurrent backward, the forward is re-run keeping only the chunk start states (n of them); then
@@ -276,17 +295,17 @@ def backward(dy: torch.Tensor, dA_final: torch.Tensor, k: torch.Tensor, v: torch
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     blocks, A = _inputs(k, v, q, alpha, eta, m0, hebbian)
-    within = _within(blocks[0], blocks[3], blocks[4], hebbian)
+    within = _within(blocks[0], blocks[3], blocks[4], hebbian, decay_first)
     n_chunks = blocks[0].shape[0]
     starts = []
     for c in range(n_chunks):
         starts.append(A)
-        A = _chunk(A, _at(blocks, c), _at(within, c), hebbian, None)
+        A = _chunk(A, _at(blocks, c), _at(within, c), hebbian, None, decay_first)
     dY = _blocks(dy, n_chunks, A.dtype)
     dA = dA_final.to(A.dtype).reshape(A.shape)
     dblocks = [torch.empty_like(x) for x in blocks]
     for c in range(n_chunks - 1, -1, -1):
-        dA, *dchunk = _chunk_backward(starts[c], _at(blocks, c), _at(within, c), hebbian, dY[c], dA)
+        dA, *dchunk = _chunk_backward(starts[c], _at(blocks, c), _at(within, c), hebbian, dY[c], dA, decay_first)
         for dx, dx_c in zip(dblocks, dchunk):
             dx[c] = dx_c
     dk, dv, dq, dkeep, db = (_tokens(dx, B, H, T) for dx in dblocks)

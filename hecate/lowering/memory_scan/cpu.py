@@ -257,8 +257,9 @@ def forward(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian=False,
     """:func:`forward_recurrent`'s results, from the chunked form where it applies (see :mod:`.chunked`)."""
     recurrent = lambda: forward_recurrent(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, hebbian, bias,  # noqa: E731
                                           s0, beta, decay_first)
-    if not decay_first and chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0):
-        return chunked.finite_or_recurrent(lambda: chunked.forward(k, v, q, alpha, eta, m0, hebbian), recurrent)
+    if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0):
+        return chunked.finite_or_recurrent(lambda: chunked.forward(k, v, q, alpha, eta, m0, hebbian, decay_first),
+                                           recurrent)
     return recurrent()
 
 
@@ -268,10 +269,11 @@ def backward(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm,
     no momentum, so no dbeta: an empty one is appended)."""
     recurrent = lambda: backward_recurrent(dy, dA_final, k, v, q, alpha, eta, m0, p, a, eps, momentum,  # noqa: E731
                                            q_norm, hebbian, bias, s0, dS_final, beta, decay_first)
-    if not decay_first and chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0, dy,
+    if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, hebbian, k, v, q, alpha, eta, m0, dy,
                             dA_final):
         return chunked.finite_or_recurrent(
-            lambda: (*chunked.backward(dy, dA_final, k, v, q, alpha, eta, m0, hebbian), dy.new_empty(0)), recurrent)
+            lambda: (*chunked.backward(dy, dA_final, k, v, q, alpha, eta, m0, hebbian, decay_first), dy.new_empty(0)),
+            recurrent)
     return recurrent()
 
 

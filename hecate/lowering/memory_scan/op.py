@@ -50,8 +50,8 @@ forward and backward but the inputs: the forward itself stores no checkpoints.
 
 On Triton, the delta rule (p = 2, no bias, no momentum, q_norm = 2; :func:`.chunked.uses_chunked`) from
 T = ``chunked.MIN_T`` runs in the chunk kernels of :mod:`.chunk_kernels`, forward and backward (the backward
-keeps the state at every chunk start: B·H·ceil(T/C)·Dv·Dk·4 bytes, C = ``chunked.CHUNK``). With ``decay_first`` it runs
-the recurrent kernels at every length (its chunked form is not written).
+keeps the state at every chunk start: B·H·ceil(T/C)·Dv·Dk·4 bytes, C = ``chunked.CHUNK``). With ``decay_first`` too (the error
+of the decayed memory: P⁻ and γ⁻ become P and γ in the chunk's system, :mod:`.chunked`).
 """
 
 from __future__ import annotations
@@ -165,9 +165,10 @@ def memory_scan(k: Tensor, v: Tensor, q: Tensor, alpha: Tensor, eta: Tensor, m0:
         from hecate.lowering.memory_scan import chunk_kernels, kernels
         recurrent = lambda: kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum,  # noqa: E731
                                             q_norm, bias=bias, s0=s0, beta=beta, decay_first=decay_first)
-        if not decay_first and chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0):
+        if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0):
             return dense(chunked.finite_or_recurrent(
-                lambda: chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens), recurrent))
+                lambda: chunk_kernels.forward(k, v, q, alpha, eta, m0, cu_seqlens, decay_first=decay_first),
+                recurrent))
         return dense(recurrent())
     return dense(cpu.forward_packed(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm, bias=bias,
                                     s0=s0, beta=beta, decay_first=decay_first))
@@ -201,10 +202,11 @@ def memory_scan_backward(dy: Tensor, dm_final: Tensor, k: Tensor, v: Tensor, q: 
         recurrent = lambda: kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps,  # noqa: E731
                                              momentum, q_norm, bias=bias, s0=s0, ds_final=ds_final, beta=beta,
                                              decay_first=decay_first)
-        if not decay_first and chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0, dy,
+        if chunked.uses_chunked(k.shape[1], p, bias, momentum, q_norm, False, k, v, q, alpha, eta, m0, dy,
                                    dm_final):  # (no momentum there, so no dbeta)
             return dense(chunked.finite_or_recurrent(
-                lambda: (*chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens), dy.new_empty(0)),
+                lambda: (*chunk_kernels.backward(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens,
+                                                 decay_first=decay_first), dy.new_empty(0)),
                 recurrent))
         return dense(recurrent())
     return dense(cpu.backward_packed(dy, dm_final, k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_norm,

@@ -1,8 +1,9 @@
 """memory_scan with ``decay_first``: the error read from the decayed memory, e = (1 − α_t) W_{t−1} k_t − v_t.
 
-That is Gated DeltaNet's order (decay the memory, then run the delta rule on it). Every path (the CPU loop, the
-Triton kernels under the interpreter, the ONNX Scan, the ATen decomposition) against the float64 reference, forward
-and every gradient, alpha's included; the reference against the recurrence written out by hand.
+That is Gated DeltaNet's order (decay the memory, then run the delta rule on it). Every path (the CPU loop and
+its chunked form, the Triton recurrent and chunk kernels under the interpreter, the ONNX Scan, the ATen
+decomposition) against the float64 reference, forward and every gradient, alpha's included; the reference
+against the recurrence written out by hand.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import torch
 import hecate
 import hecate.lowering  # noqa: F401
 from hecate.lowering.dispatch import triton_on_cpu
-from hecate.lowering.memory_scan import cpu, kernels
+from hecate.lowering.memory_scan import chunk_kernels, chunked, cpu, kernels
 from hecate.lowering.memory_scan.naive import memory_scan_naive
 from hecate.testing import assert_close
 
+from test_chunk_kernels import CASES as CHUNK_CASES, CHUNK, make_inputs, small_value_tiles  # noqa: F401
 from test_memory_scan_kernels import poisoned_allocations  # noqa: F401  (a fixture)
 
 op = torch.ops.hecate.memory_scan
@@ -91,10 +93,41 @@ def test_cpu_path_matches_the_reference(case, small_chunks):
     _check(op, case, 1e-12, torch.float64)
 
 
-def test_cpu_path_at_a_chunked_length_stays_recurrent():
-    """From chunked.MIN_T the plain p = 2 step runs chunked; decay_first has no chunked form and must still
-    compute its own recurrence there."""
-    _check(op, "p2", 1e-12, torch.float64, T=70)
+def test_cpu_path_at_a_chunked_length_runs_the_chunked_form(monkeypatch):
+    """From chunked.MIN_T the p = 2 step runs in the chunked form, decay_first too (the error's decays P and γ
+    instead of P⁻ and γ⁻), forward and backward, and equals the reference."""
+    calls = []
+    for name in ("forward", "backward"):
+        original = getattr(chunked, name)
+        monkeypatch.setattr(chunked, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    _check(op, "p2", 1e-12, torch.float64, T=150)
+    assert calls == ["forward", "backward"], calls
+
+
+def _with_keep_zero(inputs):
+    """The chunk cases' inputs with α = 1 (a keep factor of 0) at a token inside a chunk and at a chunk's first."""
+    k, v, q, alpha, eta, m0, cu = inputs
+    alpha = alpha.clone()
+    alpha[:, 3::16] = 1.0
+    return k, v, q, alpha, eta, m0, cu
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: c.name)
+def test_chunk_kernels_match_the_reference(case, small_value_tiles, poisoned_allocations):  # noqa: F811
+    inputs64 = [x.requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                for x in _with_keep_zero(make_inputs(case))]
+    y_ref, m_ref, _ = memory_scan_naive(*inputs64, decay_first=True)
+    dy, dm = torch.randn_like(y_ref), torch.randn_like(m_ref)
+    wrt = [x for x in inputs64[:6] if x is not None]
+    grads_ref = torch.autograd.grad((y_ref * dy).sum() + (m_ref * dm).sum(), wrt)
+    inputs = [x.detach().float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs64]
+    with triton_on_cpu():
+        y, m, _ = chunk_kernels.forward(*inputs, chunk=CHUNK, decay_first=True)
+        grads = chunk_kernels.backward(dy.float(), dm.float(), *inputs, chunk=CHUNK, decay_first=True)
+    assert_close("y", y, y_ref, 1e-5)
+    assert_close("m_final", m, m_ref, 1e-5)
+    for name, g, r in zip(NAMES, [g for g, x in zip(grads, inputs64[:6]) if x is not None], grads_ref):
+        assert_close(name, g, r, 1e-5)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
