@@ -465,11 +465,13 @@ def _recognise(softmax: fx.Node) -> _Score | None:
                        f"of {alloweds[1].shape[0]}×{alloweds[1].shape[0]} at another: it is not one of the op's "
                        "masks at every length (it reads the length beyond the score's shape)")
     (causal, mask_diagonal), allowed, run_time_masks = kinds[0], alloweds[0], run_time_masks[0]
-    if mask_diagonal and any(kind == "vanishing" for _, kind in masks):
-        raise NotFused("the KL score is masked by masked_fill with a finite number (-1e9, say) and the mask drops each "
-                       "query's own key: it equals the op's −inf masking only where every query keeps its own key "
-                       "(whose score, 0, bounds the row from below); a row with no allowed key gets uniform weights "
-                       "where the op gives NaN; masked_fill with float('-inf') fuses")
+    if (mask_diagonal or run_time_masks) and any(kind == "vanishing" for _, kind in masks):
+        drops = "drops each query's own key" if mask_diagonal else \
+            "is combined with one read at run time, which may drop a query's own key"
+        raise NotFused(f"the KL score is masked by masked_fill with a finite number (-1e9, say) and the mask {drops}: "
+                       "it equals the op's −inf masking only where every query keeps its own key (whose score, 0, "
+                       "bounds the row from below); a row with no allowed key gets uniform weights where the op "
+                       "gives NaN; masked_fill with float('-inf') fuses")
     # with a mask read at run time, the rows with no allowed key are known at run time
     has_empty_row = mask_diagonal and (causal or allowed.shape[0] == 1) or bool(run_time_masks)
     beta, empty_rows_nan = softmax, has_empty_row

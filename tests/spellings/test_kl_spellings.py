@@ -422,6 +422,18 @@ def test_a_finite_fill_where_every_query_keeps_its_own_key_fuses(fn, fresh_dynam
     assert report.count("kl_attention") == 1 and not report.misses, str(report)
 
 
+def m_causal_fill_beside_a_padding_mask(mu, var, keep):  # −1e9 causal, and a key-padding mask read at run time
+    n = mu.shape[1]
+    s = (-kl_spec(mu, var)).masked_fill(torch.tril(torch.ones(n, n)) == 0, -1e9)
+    return torch.softmax(s.masked_fill(~keep[:, None, :], float("-inf")), -1) @ mu
+
+
+def _padding(b, n):  # the first two keys of the last sequence are padding: its first queries keep no key of theirs
+    keep = torch.ones(b, n, dtype=torch.bool)
+    keep[-1, :2] = False
+    return keep
+
+
 def m_causal_fill_that_does_not_vanish(mu, var):  # −10: the masked keys keep a weight exp(−10 − max)
     n = mu.shape[1]
     return torch.softmax((-kl_spec(mu, var)).masked_fill(torch.tril(torch.ones(n, n)) == 0, -10.0), -1) @ mu
@@ -1497,6 +1509,7 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
      "(from l_keep_) through masked_fill (masked_fill.Tensor)"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
     (m_causal_fill_that_does_not_vanish, (), "masked_fill with -10, whose exp does not vanish"),
+    (m_causal_fill_beside_a_padding_mask, (_padding(B, N),), "combined with one read at run time"),
     (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
     (m_score_bias, (), "not a mask of 0 and −inf"),
