@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import contextlib
 
-import onnxruntime
 import pytest
 import torch
 
-import hecate
 import hecate.lowering  # noqa: F401
 from hecate.lowering.dispatch import triton_on_cpu
-from hecate.lowering.memory_scan import chunk_kernels, chunked, cpu, kernels
+from hecate.lowering.memory_scan import chunk_kernels, chunked
 from hecate.lowering.memory_scan.naive import memory_scan_naive
 from hecate.testing import assert_close
 
 from test_chunk_kernels import CASES as CHUNK_CASES, CHUNK, make_inputs, small_value_tiles  # noqa: F401
+from test_memory_scan_beta import assert_onnx_scan_matches, small_chunks  # noqa: F401  (small_chunks: a fixture)
 from test_memory_scan_kernels import poisoned_allocations  # noqa: F401  (a fixture)
 
 op = torch.ops.hecate.memory_scan
@@ -77,15 +76,6 @@ def test_reference_is_the_gated_delta_rule():
     assert_close("m_final", m_final, M, 1e-12)
     plain = memory_scan_naive(k, v, q, alpha, eta, m0, None, 2.0)[0]
     assert (plain - y).norm() > 1e-3 * y.norm(), "decay_first must change the recurrence"
-
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    # several checkpoint segments at T = 7 on both paths, two value tiles for Dv = 3 (partials summed)
-    monkeypatch.setattr(cpu, "CHUNK", 3)
-    monkeypatch.setattr(kernels, "CHUNK", 3)
-    monkeypatch.setattr(kernels, "MAX_BLOCK_V", 2)
-    monkeypatch.setattr(kernels, "MAX_BLOCK_V_BACKWARD", 2)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -166,12 +156,7 @@ class _DecayFirst(torch.nn.Module):
 
 def test_onnx_scan_decays_before_the_error(tmp_path):
     args = tuple(x.detach().float() for x in _inputs())
-    path = tmp_path / "memory_scan_decay_first.onnx"
-    hecate.export_onnx(_DecayFirst(), args, path, opset_version=18)
-    session = onnxruntime.InferenceSession(str(path))
-    got = session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
-    for name, g, r in zip(("y", "m_final"), got, _DecayFirst()(*args)):
-        assert_close(name, torch.from_numpy(g), r, 1e-5)
+    assert_onnx_scan_matches(_DecayFirst(), args, tmp_path / "memory_scan_decay_first.onnx", ("y", "m_final"))
 
 
 def test_decomposition_is_the_reference():
