@@ -259,7 +259,9 @@ class PerStep:
         elif self.coef != 1.0:
             out = out * self.coef
         out = out.expand(shape) if tuple(out.shape) != shape else out
-        return out if self.offset is None else self.offset - out
+        # offset − value in float64: memory_scan's α = 1 − keep hands a keep near 0 over as an α near 1, whose digits
+        # the op's 1 − α reads back (in fp32 a keep of 1e-6 would come back 6% off)
+        return out if self.offset is None else self.offset - out.double()
 
 
 def _heads(value: torch.Tensor) -> torch.Tensor:

@@ -2318,6 +2318,48 @@ def test_a_batch_of_zero_sequences_is_reported_as_such(fresh_dynamo):
     assert got.shape == (0, 5, 3)
 
 
+def _gated_with_a_start(kind):
+    def step(k, v, q, a, M):
+        ys = []
+        for t in range(k.shape[1]):
+            kt, vt, at = k[:, t], v[:, t], a[:, t, None, None]
+            if kind == "hebbian":
+                M = at * M + vt[..., None] * kt[:, None, :]
+            else:
+                M = at * M if kind == "decay_first" else M
+                e = (M @ kt[..., None])[..., 0] - vt
+                M = M - 0.5 * e[..., None] * kt[:, None, :]
+                M = at * M if kind == "decay_after" else M
+            ys.append((M @ q[:, t, :, None])[..., 0])
+        return torch.stack(ys, 1)
+    return step
+
+
+@pytest.mark.parametrize("steps", [6, 70], ids=["recurrent", "chunked"])
+@pytest.mark.parametrize("kind", ["hebbian", "decay_first", "decay_after"])
+def test_decays_near_zero_keep_their_digits(kind, steps, fresh_dynamo):
+    """Decays a_t of 1e-6 and below (sigmoid gates near 0) with a memory passed in: the op takes 1 − a_t and reads a_t
+    back in float64, so ∂L/∂M0 ∝ Π a_t stays as accurate as eager's against float64 (probe r19: 28% off when
+    1 − (1 − a) was taken in fp32)."""
+    fn = _gated_with_a_start(kind)
+    torch.manual_seed(0)
+    xs = [torch.randn(2, steps, 4), F.normalize(torch.randn(2, steps, 4), dim=-1), torch.randn(2, steps, 4),
+          1e-6 * torch.rand(2, steps), torch.randn(2, 4, 4)]
+    xs = [xs[1], xs[2], xs[0], xs[3], xs[4]]
+    weight = torch.randn(2, steps, 4, dtype=torch.float64)
+
+    def grads(f, dtype):
+        z = [x.to(dtype).requires_grad_() for x in xs]
+        return torch.autograd.grad((f(*z) * weight.to(dtype)).sum(), z)
+
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
+    got, ref = grads(compiled, torch.float32), grads(fn, torch.float64)
+    op = "linear_attention" if kind == "hebbian" else "memory_scan"
+    assert hecate.last_report().count(op) == 1, str(hecate.last_report())
+    for what, g, r in zip(("k", "v", "q", "a", "M0"), got, ref):
+        assert_close(f"grad {what}", g, r, 1e-5)
+
+
 def test_delta_rule_on_unit_keys_fuses_at_batch_one(fresh_dynamo):
     """At batch 1 the key's norm ‖k‖ is one number per step: it was taken for the constant that scales the
     key (then differed at the next draw: "the step differs at random points"). It is the key's own scale."""

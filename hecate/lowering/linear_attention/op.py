@@ -73,7 +73,8 @@ def _hebbian_inputs(k, v, alpha, m0, z0, normalize):
     state = torch.float64 if k.dtype == torch.float64 else torch.float32
     if normalize:
         v = torch.cat([v.to(state), v.new_ones(B, T, H, 1, dtype=state)], -1)
-    forget = (1.0 - alpha.to(state)) if alpha is not None else k.new_zeros(B, T, H, dtype=state)
+    # the kernels take the forget rate 1 − α and compute 1 − (1 − α): in float64, so a keep near 0 keeps its digits
+    forget = (1.0 - alpha.double()) if alpha is not None else k.new_zeros(B, T, H, dtype=state)
     step = torch.ones_like(forget)
     A0 = None
     if m0 is not None or (normalize and z0 is not None):

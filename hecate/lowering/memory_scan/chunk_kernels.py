@@ -99,8 +99,9 @@ def _last_row(M, o_c, CHUNK: tl.constexpr):
 @triton.jit
 def _chunk_gates(alpha, eta, rows, mask_c, o_c, H: tl.constexpr):
     # a_t = 1 − α_t and a⁻_t = a_{t−1} [C] (1 in the padding and at t = 0), η_t [C] (0 in the padding)
-    keep = 1.0 - tl.load(alpha + rows, mask=mask_c, other=0.0).to(tl.float32)
-    keep_prev = 1.0 - tl.load(alpha + rows - H, mask=mask_c & (o_c > 0), other=0.0).to(tl.float32)
+    # (1 − α in alpha's own dtype first: a float64 α near 1 keeps the digits of a keep near 0)
+    keep = (1.0 - tl.load(alpha + rows, mask=mask_c, other=0.0)).to(tl.float32)
+    keep_prev = (1.0 - tl.load(alpha + rows - H, mask=mask_c & (o_c > 0), other=0.0)).to(tl.float32)
     step = tl.load(eta + rows, mask=mask_c, other=0.0).to(tl.float32)
     return keep, keep_prev, step
 

@@ -255,7 +255,7 @@ def _inputs(k, v, q, alpha, eta, m0, hebbian):
     dtype = _state_dtype(k)
     n_chunks = max(1, -(-T // CHUNK))
     blocks = (_blocks(k, n_chunks, dtype), _blocks(v, n_chunks, dtype), _blocks(q, n_chunks, dtype),
-              _blocks(1.0 - alpha.to(dtype), n_chunks, dtype, pad_value=1.0),
+              _blocks(1.0 - alpha.double(), n_chunks, dtype, pad_value=1.0),  # 1 − α in float64: see cpu._prepare
               _blocks(eta, n_chunks, dtype) * (1.0 if hebbian else 2.0))
     A = m0.to(dtype).reshape(B * H, Dv, Dk) if m0 is not None else k.new_zeros(B * H, Dv, Dk, dtype=dtype)
     return blocks, A

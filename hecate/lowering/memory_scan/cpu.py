@@ -108,7 +108,9 @@ def _prepare(k, v, q, alpha, eta, m0):
     Dv = v.shape[-1]
     K, V, Q = _tm(k, dtype), _tm(v, dtype), _tm(q, dtype)
     AL, ET = _tm(alpha, dtype), _tm(eta, dtype)  # [T, BH]
-    keep, neg_eta = (1.0 - AL)[..., None, None], (-ET)[..., None]
+    # 1 − α in float64 before the state's dtype: a keep near 0 that arrives as an α near 1 (float64, from the pass's
+    # 1 − keep) keeps its digits, where 1 − α in fp32 would keep only 1's (a relative error of 6% at 1e-6)
+    keep, neg_eta = _tm(1.0 - alpha.double(), dtype)[..., None, None], (-ET)[..., None]
     A0 = (m0.to(dtype).reshape(B * H, Dv, Dk).clone() if m0 is not None
           else k.new_zeros(B * H, Dv, Dk, dtype=dtype))
     return K, V, Q, AL, ET, keep, neg_eta, A0

@@ -115,7 +115,7 @@ def _outer(col, row, mask_kv):
 
 
 @triton.jit
-def _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, mask_kv,
+def _memory_step(A, S, W, k_t, v_t, keep_t, eta_t, p, a, eps, momentum, mask_kv,
                  P_MODE: tl.constexpr, USE_MOMENTUM: tl.constexpr, HEBBIAN: tl.constexpr, BIAS: tl.constexpr,
                  DECAY_FIRST: tl.constexpr):
     """One token's update of the state tile A [BV, BK] (and momentum S), reading the memory W.
@@ -130,15 +130,15 @@ def _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, momentum, mask_kv,
     else:
         read = tl.sum(W * k_t[None, :], 1)  # [BV]
         if DECAY_FIRST:
-            read = (1.0 - a_t) * read
+            read = keep_t * read
         e = read - v_t
         g = _bias_grad(e, p, a, eps, P_MODE, BIAS)
     U = _outer(g, k_t, mask_kv)
     if USE_MOMENTUM:
         S = momentum * S - eta_t * U
-        A = (1.0 - a_t) * A + S
+        A = keep_t * A + S
     else:
-        A = (1.0 - a_t) * A - eta_t * U
+        A = keep_t * A - eta_t * U
     return A, S
 
 
@@ -154,6 +154,13 @@ def _sequence(cu_seqlens, i_n, T, CHUNK: tl.constexpr, VARLEN: tl.constexpr):
         eos = bos + T
         slot0 = i_n.to(tl.int64) * tl.cdiv(T, CHUNK)
     return bos, eos - bos, slot0
+
+
+@triton.jit
+def _keep(alpha, row):
+    # 1 − α_t, computed in alpha's own dtype before the fp32 state reads it: a keep near 0 handed over as an α
+    # near 1 in float64 keeps its digits (1 − α in fp32 would leave it only those of 1)
+    return (1.0 - tl.load(alpha + row)).to(tl.float32)
 
 
 @triton.jit
@@ -202,9 +209,9 @@ def memory_scan_fwd_kernel(
         row = (bos + t) * H + i_h
         k_t = tl.load(k + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
         v_t = tl.load(v + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
-        a_t = tl.load(alpha + row).to(tl.float32)
+        keep_t = _keep(alpha, row)
         eta_t = tl.load(eta + row).to(tl.float32)
-        A, S = _memory_step(A, S, W, k_t, v_t, a_t, eta_t, p, a, eps, _decay(momentum, beta, row, HAS_BETA),
+        A, S = _memory_step(A, S, W, k_t, v_t, keep_t, eta_t, p, a, eps, _decay(momentum, beta, row, HAS_BETA),
                             mask_kv, P_MODE, USE_MOMENTUM, HEBBIAN, BIAS, DECAY_FIRST)
         W = _lq_normalize(A, q_norm, eps, LQ)
         if STORE_Y:
@@ -272,9 +279,9 @@ def memory_scan_bwd_kernel(
             row = (bos + start + j) * H + i_h
             k_t = tl.load(k + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
             v_t = tl.load(v + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
-            a_t = tl.load(alpha + row).to(tl.float32)
+            keep_t = _keep(alpha, row)
             eta_t = tl.load(eta + row).to(tl.float32)
-            A, S = _memory_step(A, S, _lq_normalize(A, q_norm, eps, LQ), k_t, v_t, a_t, eta_t, p, a, eps,
+            A, S = _memory_step(A, S, _lq_normalize(A, q_norm, eps, LQ), k_t, v_t, keep_t, eta_t, p, a, eps,
                                 _decay(momentum, beta, row, HAS_BETA), mask_kv, P_MODE, USE_MOMENTUM, HEBBIAN, BIAS,
                                 DECAY_FIRST)
         A_post = A
@@ -287,7 +294,7 @@ def memory_scan_bwd_kernel(
             v_t = tl.load(v + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
             q_t = tl.load(q + row * DK + o_k, mask=mask_k, other=0.0).to(tl.float32)
             dy_t = tl.load(dy + row * DV + o_v, mask=mask_v, other=0.0).to(tl.float32)
-            a_t = tl.load(alpha + row).to(tl.float32)
+            keep_t = _keep(alpha, row)
             eta_t = tl.load(eta + row).to(tl.float32)
 
             W_post = _lq_normalize(A_post, q_norm, eps, LQ)
@@ -310,14 +317,14 @@ def memory_scan_bwd_kernel(
             else:
                 W_pre = _lq_normalize(A_pre, q_norm, eps, LQ)
                 read = tl.where(mask_v, tl.sum(W_pre * k_t[None, :], 1), 0.0)  # padding rows: 0, not 0·inf
-                e = tl.where(mask_v, ((1.0 - a_t) * read if DECAY_FIRST else read) - v_t, 0.0)
+                e = tl.where(mask_v, (keep_t * read if DECAY_FIRST else read) - v_t, 0.0)
                 g = _bias_grad(e, p, a, eps, P_MODE, BIAS)
             D_k = tl.where(mask_v, tl.sum(D * k_t[None, :], 1), 0.0)  # [BV]
             tl.store(deta_part + i_v * ROWS + row, -tl.sum(g * D_k, 0))
             dalpha_t = -tl.sum(tl.sum(dA * A_pre, 1), 0)
             dg = D_k * (-eta_t)
             dk_t = -eta_t * tl.sum(D * g[:, None], 0)
-            P = (1.0 - a_t) * dA
+            P = keep_t * dA
             if HEBBIAN:  # g = −v: no error, no read of W_{t−1}
                 tl.store(dv + row * DV + o_v, (-dg).to(dv.dtype.element_ty), mask=mask_v)
             else:
@@ -325,7 +332,7 @@ def memory_scan_bwd_kernel(
                 tl.store(dv + row * DV + o_v, (-de).to(dv.dtype.element_ty), mask=mask_v)
                 if DECAY_FIRST:  # e = (1 − α) r − v
                     dalpha_t -= tl.sum(de * read, 0)
-                    de = (1.0 - a_t) * de
+                    de = keep_t * de
                 dk_t += tl.sum(W_pre * de[:, None], 0)
                 if LQ:
                     Qc = _outer(de, k_t, mask_kv)

@@ -78,18 +78,18 @@ def _scan_one(k, v, q, alpha, eta, m0, p, a, eps, momentum, q_norm, bias, s0=Non
     ys = []
     for t in range(T):
         kt, vt, qt = k[:, t].to(dtype), v[:, t].to(dtype), q[:, t].to(dtype)
-        at = alpha[:, t].to(dtype)[..., None, None]
+        keep = (1.0 - alpha[:, t].double()).to(dtype)[..., None, None]  # (1 − α in float64: see cpu._prepare)
         et = eta[:, t].to(dtype)[..., None, None]
         W = lq_normalize(A, q_norm, eps)
         read = torch.einsum("bhvk,bhk->bhv", W, kt)
-        e = (1.0 - at[..., 0]) * read - vt if decay_first else read - vt
+        e = keep[..., 0] * read - vt if decay_first else read - vt
         U = bias_grad(e, p, a, eps, bias)[..., :, None] * kt[..., None, :]
         if momentum != 0.0:
             decay = momentum if beta is None else momentum * beta[:, t].to(dtype)[..., None, None]
             S = decay * S - et * U
-            A = (1.0 - at) * A + S
+            A = keep * A + S
         else:
-            A = (1.0 - at) * A - et * U
+            A = keep * A - et * U
         ys.append(torch.einsum("bhvk,bhk->bhv", lq_normalize(A, q_norm, eps), qt))
     y = torch.stack(ys, 1) if ys else v.new_zeros(B, 0, H, Dv, dtype=dtype)
     return y.to(v.dtype), A, S if momentum != 0.0 else A.new_empty(0)
