@@ -59,4 +59,4 @@ def kl_decode_ce_onnx(mu, var, prior_mu, prior_var, targets, tau: float, ignore_
     safe = op.Where(ignored, op.CastLike(op.Constant(value_int=0), targets), targets)
     z_target = op.Squeeze(op.GatherElements(z, op.Unsqueeze(safe, _axes(-1)), axis=1), _axes(-1))
     loss = op.Where(ignored, _scalar(0.0, mu), op.Sub(lse, z_target))
-    return loss, lse
+    return loss, op.Cast(lse, to=11)  # the op's lse is float64 (TensorProto.DOUBLE)

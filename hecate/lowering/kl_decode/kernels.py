@@ -62,16 +62,25 @@ def _ce_fwd(a_ptr, c_ptr, b_ptr, d_ptr, t_ptr, loss_ptr, lse_ptr, M, V, D2, neg_
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
         m_i = m_new
         z_t += tl.sum(tl.where(offs_v[None, :] == t_i[:, None], z, 0.0), 1)
-    lse = m_i + tl.log(l_i)
-    loss = tl.where(t_i == ignore_index, 0.0, lse - z_t)
+    # lse = m + log l in float64, exactly: at |logits| ~ 550 (a wide belief, a small τ) fp32 would round it by 3e-5,
+    # every probability the backward recomputes from it with it; the loss as (m − z_t) + log l for the same reason
+    loss = tl.where(t_i == ignore_index, 0.0, (m_i - z_t) + tl.log(l_i))
     tl.store(loss_ptr + offs_m, loss.to(loss_ptr.dtype.element_ty), mask=offs_m < M)
-    tl.store(lse_ptr + offs_m, lse.to(lse_ptr.dtype.element_ty), mask=offs_m < M)
+    tl.store(lse_ptr + offs_m, m_i.to(tl.float64) + tl.log(l_i).to(tl.float64), mask=offs_m < M)
 
 
 @triton.jit
-def _grad_scores(z, lse_i, g_i, t_i, offs_v, V, neg_inv_tau):
+def _lse_parts(lse_ptr, offs_m, M):
+    # the float64 lse as hi + lo in fp32: z − hi is exact (both near the row's max), then − lo
+    lse = tl.load(lse_ptr + offs_m, mask=offs_m < M, other=0.0)
+    hi = lse.to(tl.float32)
+    return hi, (lse - hi.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _grad_scores(z, lse_hi, lse_lo, g_i, t_i, offs_v, V, neg_inv_tau):
     """dKL_iv = −dz_iv/τ, dz_iv = g_i (softmax_iv − [v = t_i]) (g_i = 0 on ignored rows)."""
-    p = tl.where(offs_v[None, :] < V, tl.exp(z - lse_i[:, None]), 0.0)
+    p = tl.where(offs_v[None, :] < V, tl.exp((z - lse_hi[:, None]) - lse_lo[:, None]), 0.0)
     dz = g_i[:, None] * (p - tl.where(offs_v[None, :] == t_i[:, None], 1.0, 0.0))
     # rows with g = 0 (ignored, or past M with lse = 0 loaded) may hold exp overflow: drop them
     return tl.where(g_i[:, None] != 0.0, dz, 0.0) * neg_inv_tau
@@ -85,7 +94,7 @@ def _ce_bwd_rows(a_ptr, c_ptr, b_ptr, d_ptr, t_ptr, lse_ptr, g_ptr, grad_a_ptr, 
     a_i = _load_rows(a_ptr, offs_m, M, D2, BLOCK_D)
     c_i = tl.load(c_ptr + offs_m, mask=offs_m < M, other=0.0)
     t_i = tl.load(t_ptr + offs_m, mask=offs_m < M, other=0)
-    lse_i = tl.load(lse_ptr + offs_m, mask=offs_m < M, other=0.0)
+    lse_hi, lse_lo = _lse_parts(lse_ptr, offs_m, M)
     g_i = tl.load(g_ptr + offs_m, mask=offs_m < M, other=0.0)
     grad_a = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     grad_c = tl.zeros([BLOCK_M], tl.float32)
@@ -93,7 +102,8 @@ def _ce_bwd_rows(a_ptr, c_ptr, b_ptr, d_ptr, t_ptr, lse_ptr, g_ptr, grad_a_ptr, 
         offs_v = start_v + tl.arange(0, BLOCK_V)
         b_v = _load_rows(b_ptr, offs_v, V, D2, BLOCK_D)
         d_v = tl.load(d_ptr + offs_v, mask=offs_v < V, other=0.0)
-        ds = _grad_scores(_scores(a_i, c_i, b_v, d_v, neg_inv_tau), lse_i, g_i, t_i, offs_v, V, neg_inv_tau)
+        ds = _grad_scores(_scores(a_i, c_i, b_v, d_v, neg_inv_tau), lse_hi, lse_lo, g_i, t_i, offs_v, V,
+                          neg_inv_tau)
         grad_a += tl.dot(ds, b_v, input_precision="ieee")
         grad_c += tl.sum(ds, 1)
     cols = tl.arange(0, BLOCK_D)
@@ -116,9 +126,10 @@ def _ce_bwd_cols(a_ptr, c_ptr, b_ptr, d_ptr, t_ptr, lse_ptr, g_ptr, grad_b_ptr, 
         a_i = _load_rows(a_ptr, offs_m, M, D2, BLOCK_D)
         c_i = tl.load(c_ptr + offs_m, mask=offs_m < M, other=0.0)
         t_i = tl.load(t_ptr + offs_m, mask=offs_m < M, other=0)
-        lse_i = tl.load(lse_ptr + offs_m, mask=offs_m < M, other=0.0)
+        lse_hi, lse_lo = _lse_parts(lse_ptr, offs_m, M)
         g_i = tl.load(g_ptr + offs_m, mask=offs_m < M, other=0.0)  # 0 beyond M: those rows add nothing
-        ds = _grad_scores(_scores(a_i, c_i, b_v, d_v, neg_inv_tau), lse_i, g_i, t_i, offs_v, V, neg_inv_tau)
+        ds = _grad_scores(_scores(a_i, c_i, b_v, d_v, neg_inv_tau), lse_hi, lse_lo, g_i, t_i, offs_v, V,
+                          neg_inv_tau)
         grad_b += tl.dot(tl.trans(ds), a_i, input_precision="ieee")
         grad_d += tl.sum(ds, 0)
     cols = tl.arange(0, BLOCK_D)

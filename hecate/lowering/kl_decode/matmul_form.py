@@ -51,16 +51,21 @@ def grad_from_logits(mu, var, prior_mu, prior_var, grad_logits, tau: float):
 
 
 def ce(mu, var, prior_mu, prior_var, targets, tau: float, ignore_index: int):
-    """(loss [M], lse [M]) in the matmul form (materialises [M, V]: the CPU path)."""
+    """(loss [M], lse [M] float64) in the matmul form (materialises [M, V]: the CPU path)."""
     z = logits(mu, var, prior_mu, prior_var, tau).to(compute_dtype(mu.dtype))
     loss = F.cross_entropy(z, targets, reduction="none", ignore_index=ignore_index)
-    return loss.to(mu.dtype), torch.logsumexp(z, -1).to(mu.dtype)
+    return loss.to(mu.dtype), torch.logsumexp(z.double(), -1)
 
 
 def ce_grad_logits(mu, var, prior_mu, prior_var, targets, lse, grad_loss, tau: float, ignore_index: int):
-    """d logits = g_i (softmax_iv − [v = t_i]), 0 on ignored rows."""
+    """d logits = g_i (softmax_iv − [v = t_i]), 0 on ignored rows.
+
+    The softmax is taken of z itself, exp(z − max) / Σ, not exp(z − lse) with the forward's lse: where the logits
+    are large (−550: a wide belief, a small τ) lse rounds by up to half an ulp there (3e-5 in fp32), every
+    probability with it, and Σ_v p_v ≠ 1 multiplies the large terms of dv (probe r19: ∂/∂ log v 1e-4 off, eager
+    1e-6). ``lse`` stays in the signature: the Triton backward reads it (in float64, split into two fp32)."""
     z = logits(mu, var, prior_mu, prior_var, tau).to(compute_dtype(mu.dtype))
-    p = torch.exp(z - lse.to(z.dtype).unsqueeze(-1))
+    p = torch.softmax(z, -1)
     valid = targets != ignore_index
     p = p - F.one_hot(torch.where(valid, targets, 0), z.shape[-1]).to(z.dtype)
     # where, not × valid: a mean over no target gives each row an infinite gradient, and ignored rows get 0

@@ -10,7 +10,8 @@ Schemas::
     prior_mu, prior_var  [V, K]   the token priors π_v
     targets              [M]      int64 token ids
     loss                 [M]      cross-entropy of logits_i· = −KL(q_i‖π_·)/τ at t_i (0 where t_i = ignore_index)
-    lse                  [M]      logsumexp_v logits_iv (what the backward recomputes softmax from)
+    lse                  [M]      logsumexp_v logits_iv (what the backward recomputes softmax from), float64:
+                                  at |logits| ~ 550 fp32 would round it by 3e-5, and every probability with it
     logits               [M, V]   −KL(q_i‖π_v)/τ  (when the model asks for them)
 
 ``kl_decode_ce`` never forms [M, V] on the Triton path (online logsumexp over vocab
@@ -130,7 +131,7 @@ def kl_decode_ce(mu: torch.Tensor, var: torch.Tensor, prior_mu: torch.Tensor, pr
 @kl_decode_ce.register_fake
 def _(mu, var, prior_mu, prior_var, targets, tau, ignore_index):
     check_inputs(mu, var, prior_mu, prior_var, tau, targets)
-    return mu.new_empty(mu.shape[0]), mu.new_empty(mu.shape[0])
+    return mu.new_empty(mu.shape[0]), mu.new_empty(mu.shape[0], dtype=torch.float64)
 
 
 @torch.library.custom_op("hecate::kl_decode_ce_backward", mutates_args=())
@@ -199,7 +200,7 @@ def _triton_ce(mu, var, prior_mu, prior_var, targets, tau, ignore_index):
 
     a, c, b, d, _, _ = _features(mu, var, prior_mu, prior_var)
     m, v, d2 = a.shape[0], b.shape[0], a.shape[1]
-    loss, lse = mu.new_empty(m), mu.new_empty(m)
+    loss, lse = mu.new_empty(m), mu.new_empty(m, dtype=torch.float64)
     bm, bv = _tiles()
     kernels._ce_fwd[(triton.cdiv(m, bm),)](
         a, c, b, d, targets.contiguous(), loss, lse, m, v, d2, -1.0 / tau, ignore_index,
@@ -215,13 +216,13 @@ def _triton_ce_backward(mu, var, prior_mu, prior_var, targets, lse, grad_loss, t
     m, v, d2 = a.shape[0], b.shape[0], a.shape[1]
     g = torch.where(targets == ignore_index, 0.0, grad_loss.float()).contiguous()
     t = targets.contiguous()
-    lse32 = lse.float().contiguous()
+    lse64 = lse.double().contiguous()
     grad_a, grad_c = torch.empty_like(a), torch.empty_like(c)
     grad_b, grad_d = torch.empty_like(b), torch.empty_like(d)
     bm, bv = _tiles()
     meta = dict(BLOCK_M=bm, BLOCK_V=bv, BLOCK_D=max(16, triton.next_power_of_2(d2)))
-    kernels._ce_bwd_rows[(triton.cdiv(m, bm),)](a, c, b, d, t, lse32, g, grad_a, grad_c, m, v, d2, -1.0 / tau, **meta)
-    kernels._ce_bwd_cols[(triton.cdiv(v, bv),)](a, c, b, d, t, lse32, g, grad_b, grad_d, m, v, d2, -1.0 / tau, **meta)
+    kernels._ce_bwd_rows[(triton.cdiv(m, bm),)](a, c, b, d, t, lse64, g, grad_a, grad_c, m, v, d2, -1.0 / tau, **meta)
+    kernels._ce_bwd_cols[(triton.cdiv(v, bv),)](a, c, b, d, t, lse64, g, grad_b, grad_d, m, v, d2, -1.0 / tau, **meta)
     gq_mu, gq_var = query_features_backward(muc, var.float(), grad_a, grad_c)
     gk_mu, gk_var = key_features_backward(pmc, prior_var.float(), grad_b, grad_d)
     return (gq_mu.to(mu.dtype), gq_var.to(var.dtype), gk_mu.to(prior_mu.dtype), gk_var.to(prior_var.dtype))
