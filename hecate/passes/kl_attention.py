@@ -112,34 +112,27 @@ VANISHING_FILL = -1000.0  # exp(−1000) is 0 in float64
 
 
 def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx.Node], bool]:
-    """(the unmasked logits, [(mask node, "masked" | "allowed" | "additive" | "vanishing" | "finite"), ...], the
-    nodes peeled, whether a mask is added to the score). "vanishing": masked_fill with a finite number whose exp
-    vanishes beside a score of 0 (−1e9), "finite": with one whose exp does not (−10)."""
+    """(the unmasked logits, [(mask node, kind), ...], the nodes peeled, whether a mask is added to the score).
+    Kinds: "masked" / "allowed" (filled with −inf where the mask is True / False), "additive", and for a finite
+    fill (masked_fill or torch.where) "vanishing" / "vanishing_allowed" or "finite" (:func:`_fill_kind`)."""
     masks, peeled, added = [], [], False
     while True:
         peeled.append(x)
         x = strip_noops(x)
         t, args = x.target, x.args
-        if t == aten.masked_fill.Scalar and args[2] == _NEG_INF:
-            masks.append((args[1], "masked"))
-            x = args[0]
-        elif t == aten.where.ScalarOther and args[2] == _NEG_INF:
-            masks.append((args[0], "allowed"))
-            x = args[1]
-        elif t == aten.where.ScalarSelf and args[1] == _NEG_INF:
-            masks.append((args[0], "masked"))
-            x = args[2]
-        elif t == aten.masked_fill.Scalar and isinstance(args[2], (int, float)) and math.isfinite(args[2]):
-            # the op's −inf where every query keeps its own key (its score, −KL_ii/κ = 0, bounds the row's max
-            # from below, and exp(fill − max) is 0 in float64 too); else reported once the score is a KL's
-            masks.append((args[1], "vanishing" if args[2] <= VANISHING_FILL else "finite"))
-            x = args[0]
-        elif t == aten.where.self and number_of(args[2]) == _NEG_INF:
-            masks.append((args[0], "allowed"))
-            x = args[1]
-        elif t == aten.where.self and number_of(args[1]) == _NEG_INF:
-            masks.append((args[0], "masked"))
-            x = args[2]
+        # (mask, kind, score) of a fill: masked_fill(s, m, c) and where(m, c, s) fill where m, where(m, s, c) where
+        # not m; c = −inf is the op's own mask, a finite c is read by _fill_kind
+        if t == aten.masked_fill.Scalar and isinstance(args[2], (int, float)) and not isinstance(args[2], bool):
+            fill = (args[1], "masked", args[0], float(args[2]))
+        elif t == aten.where.ScalarOther or t == aten.where.self and number_of(args[2]) is not None:
+            fill = (args[0], "allowed", args[1], number_of(args[2]))
+        elif t == aten.where.ScalarSelf or t == aten.where.self and number_of(args[1]) is not None:
+            fill = (args[0], "masked", args[2], number_of(args[1]))
+        else:
+            fill = None
+        if fill is not None and isinstance(fill[3], float) and not math.isnan(fill[3]) and fill[3] < math.inf:
+            mask, kind, x, value = fill
+            masks.append((mask, kind if value == _NEG_INF else _fill_kind(value, kind)))
         elif t == aten.add.Tensor and x.kwargs.get("alpha", 1) == 1 and all(isinstance(a, fx.Node) for a in args):
             constant = [a for a in args if depends_on_sizes_only(a)]
             fills = [(a, fill) for a in args if (fill := _neg_inf_fill(a)) is not None]
@@ -156,6 +149,26 @@ def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx
             break
         peeled.append(x)
     return x, masks, peeled, added
+
+
+def _fill_value(node: fx.Node) -> float | None:
+    """The finite number a masked_fill or where fills with, or None."""
+    if node.target == aten.masked_fill.Scalar:
+        return node.args[2]
+    if node.target in (aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.self):
+        numbers = [number_of(a) for a in node.args[1:]]
+        return next((n for n in numbers if n is not None and math.isfinite(n)), None)
+    return None
+
+
+def _fill_kind(value: float, kind: str) -> str:
+    """The kind of a mask filled with a finite ``value``: "vanishing" (masked where True) or "vanishing_allowed"
+    (allowed where True) when its exp vanishes beside a score of 0, the op's −inf where every query keeps its own
+    key (whose score, −KL_ii/κ = 0, bounds the row's max from below; exp(fill − max) is 0 in float64 too); else
+    "finite", reported once the score is a KL's."""
+    if value > VANISHING_FILL:
+        return "finite"
+    return "vanishing" if kind == "masked" else "vanishing_allowed"
 
 
 def _neg_inf_fill(node: fx.Node) -> tuple[fx.Node, str] | None:
@@ -441,10 +454,10 @@ def _recognise(softmax: fx.Node) -> _Score | None:
         raise NotFused(bound_reason(bound, "the pairwise score (the KL at the points checked)"))
     finite = [node for node, kind in masks if kind == "finite"]
     if finite:
-        fill = next(u.args[2] for u in finite[0].users if u.target == aten.masked_fill.Scalar)
-        raise NotFused(f"the KL score is masked by masked_fill with {fill:g}, whose exp does not vanish: the masked "
-                       f"keys keep a weight the op's −inf masking drops; a fill of {VANISHING_FILL:g} or below (-1e9) "
-                       "or float('-inf') fuses")
+        fill = next((f for u in finite[0].users for f in [_fill_value(u)] if f is not None), None)
+        raise NotFused(f"the KL score is masked with {'a finite number' if fill is None else f'{fill:g}'}, whose exp "
+                       f"does not vanish: the masked keys keep a weight the op's −inf masking drops; a fill of "
+                       f"{VANISHING_FILL:g} or below (-1e9) or float('-inf') fuses")
     _check_leading_dims(shape, mean, scale, param)
     kl_scales = {}
     # γ·KL with γ a number: not a node the temperature reaches (its γ changes with the temperature)
@@ -465,7 +478,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
                        f"of {alloweds[1].shape[0]}×{alloweds[1].shape[0]} at another: it is not one of the op's "
                        "masks at every length (it reads the length beyond the score's shape)")
     (causal, mask_diagonal), allowed, run_time_masks = kinds[0], alloweds[0], run_time_masks[0]
-    if (mask_diagonal or run_time_masks) and any(kind == "vanishing" for _, kind in masks):
+    if (mask_diagonal or run_time_masks) and any(kind.startswith("vanishing") for _, kind in masks):
         drops = "drops each query's own key" if mask_diagonal else \
             "is combined with one read at run time, which may drop a query's own key"
         raise NotFused(f"the KL score is masked by masked_fill with a finite number (-1e9, say) and the mask {drops}: "
@@ -764,7 +777,7 @@ def _allowed(masks, shape, size=size_hint) -> tuple[torch.Tensor, list]:
             if _run_time_mask(node, kind, shape):
                 run_time.append((node, kind))
                 continue
-            if kind == "vanishing":
+            if kind.startswith("vanishing"):
                 raise NotFused("the KL score is masked by masked_fill with a finite number (-1e9, say) by a mask read "
                                "at run time: that equals the op's −inf masking only where every query keeps its own "
                                "key, which a mask known at run time alone does not promise; masked_fill with "

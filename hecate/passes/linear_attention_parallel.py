@@ -416,6 +416,9 @@ def _not_causal(d: torch.Tensor) -> NotFused:
     """Why the mask D (A where every q_t·k_s = 1) is none of the op's: a score divided by its sums per query or
     per key before the product reads as a D whose rows (or columns) sum to 1."""
     m = d.reshape(-1, *d.shape[-2:])[0]
+    if m.shape[-1] > 1 and bool((m == torch.diag(m.diagonal())).all()):
+        return NotFused("its mask D is diagonal (a decay γ = 0: no token reads an earlier one), so the product is "
+                        "elementwise, y_t = (φ(q_t)·φ(k_t)) v_t, with no state to carry; nothing to fuse")
     for dim, what in ((-1, "over the keys (Σ_s A_ts, per query)"), (-2, "over the queries (Σ_t A_ts, per key)")):
         sums = m.sum(dim)
         if m.shape[-1] > 1 and bool(torch.isclose(sums[sums != 0], torch.ones((), dtype=sums.dtype), rtol=1e-6).all()) \

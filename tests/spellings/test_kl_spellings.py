@@ -412,7 +412,18 @@ def a_causal_fill_of_the_half_precision_minimum(mu, var):  # −65504 (fp16's lo
                          -1) @ mu
 
 
-@pytest.mark.parametrize("fn", [a_causal_fill_of_minus_1e9, a_causal_fill_of_the_half_precision_minimum],
+def a_causal_where_of_minus_1e9(mu, var):  # torch.where(allowed, score, -1e9)
+    n = mu.shape[1]
+    return torch.where(torch.tril(torch.ones(n, n)).bool(), -kl_spec(mu, var), -1e9).softmax(-1) @ mu
+
+
+def a_causal_where_of_a_tensor_fill(mu, var):  # the fill a 0-d tensor constant, the mask the keys after i
+    n = mu.shape[1]
+    return torch.where(torch.ones(n, n, dtype=torch.bool).triu(1), torch.tensor(-1e9), -kl_spec(mu, var)).softmax(-1) @ mu
+
+
+@pytest.mark.parametrize("fn", [a_causal_fill_of_minus_1e9, a_causal_fill_of_the_half_precision_minimum,
+                                a_causal_where_of_minus_1e9, a_causal_where_of_a_tensor_fill],
                          ids=lambda f: f.__name__)
 def test_a_finite_fill_where_every_query_keeps_its_own_key_fuses(fn, fresh_dynamo):
     """A fill of −1e9 (any number ≤ −1000) is the op's −inf where every query keeps its own key: that key's score,
@@ -1508,7 +1519,7 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_mask_filled_with_a_value_passed_in, (torch.ones(N, N, dtype=torch.bool).tril(), torch.tensor(float("-inf"))),
      "(from l_keep_) through masked_fill (masked_fill.Tensor)"),
     (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
-    (m_causal_fill_that_does_not_vanish, (), "masked_fill with -10, whose exp does not vanish"),
+    (m_causal_fill_that_does_not_vanish, (), "masked with -10, whose exp does not vanish"),
     (m_causal_fill_beside_a_padding_mask, (_padding(B, N),), "combined with one read at run time"),
     (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),

@@ -287,6 +287,18 @@ def decay_with_the_row_scale_after_the_product(q, k, v):  # what the reason for 
     return ((phi(q) @ phi(k).mT) * d) @ v / d.sum(-1, keepdim=True).sqrt()
 
 
+def decay_of_zero(q, k, v):  # γ = 0: D is the identity, each token reads itself alone
+    return ((phi(q) @ phi(k).mT) * _decay(q.shape[-2], 0.0)) @ v
+
+
+def test_a_decay_of_zero_is_reported_as_an_elementwise_product(fresh_dynamo):
+    """γ = 0 makes D the identity, whose rows also sum to 1: reported as the elementwise product it is, not as a score
+    divided by its row sums (probe r19)."""
+    torch.manual_seed(0)
+    report = _check(decay_of_zero, [torch.randn(B, T, D) for _ in range(3)], False)
+    assert not report.fusions and "its mask D is diagonal" in report.misses[0].reason, str(report)
+
+
 def test_a_decay_mask_scaled_per_query_is_reported_with_what_fuses(fresh_dynamo):
     """D_ts = c_t·γ^(t−s) (a row normalisation of the decay): reported as a scale per query, not as a mask that is
     not causal (probe r18), and the rewrite the reason suggests fuses."""
