@@ -145,10 +145,34 @@ def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx
                 x = args[1] if a is args[0] else args[0]
             else:
                 break
+        elif t == aten.sub.Tensor and x.kwargs.get("alpha", 1) == 1 and all(isinstance(a, fx.Node) for a in args) \
+                and depends_on_sizes_only(args[0]) and not depends_on_sizes_only(args[1]):
+            # c − s, a mask c made from sizes: rewritten −s + c (exact in IEEE), the spelling the op reads
+            total, negated = _as_sum_of_the_negated_score(x)
+            peeled = [total if p is x else p for p in peeled]
+            masks.append((args[0], "additive"))
+            x = negated
         else:
             break
         peeled.append(x)
     return x, masks, peeled, added
+
+
+def _as_sum_of_the_negated_score(difference: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Replace ``c − s`` by ``(−s) + c`` in the graph (the same values: IEEE subtraction is the addition of the
+    negation); returns (the sum, −s)."""
+    constant, score = difference.args
+    graph = difference.graph
+    with graph.inserting_before(difference):
+        negated = graph.call_function(aten.neg.default, (score,))
+        total = graph.call_function(aten.add.Tensor, (negated, constant))
+    negated.meta.update({k: v for k, v in score.meta.items() if k in ("val", "tensor_meta")})
+    total.meta.update(difference.meta)
+    if "stack_trace" in difference.meta:
+        negated.meta["stack_trace"] = difference.meta["stack_trace"]
+    difference.replace_all_uses_with(total)
+    graph.erase_node(difference)
+    return total, negated
 
 
 def _fill_value(node: fx.Node) -> float | None:

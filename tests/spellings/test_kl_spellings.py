@@ -433,6 +433,20 @@ def test_a_finite_fill_where_every_query_keeps_its_own_key_fuses(fn, fresh_dynam
     assert report.count("kl_attention") == 1 and not report.misses, str(report)
 
 
+def a_causal_bias_minus_the_kl(mu, var):  # an additive 0/−inf mask made from sizes, the KL subtracted from it
+    n = mu.shape[1]
+    bias = torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return F.softmax(bias - kl_spec(mu, var), dim=-1) @ mu
+
+
+def test_a_mask_minus_the_kl_fuses(fresh_dynamo):
+    """softmax(bias − kl), a 0/−inf bias made from sizes: read as −kl + bias (IEEE's c − s is c + (−s)), which fuses
+    as the op's causal mask (probe r19 found it reported as no KL)."""
+    report = _compare(a_causal_bias_minus_the_kl, (torch.randn(B, N, K), _var((B, N, K))), "kl_attention")
+    assert report.count("kl_attention") == 1 and not report.misses, str(report)
+    assert "causal" in report.fusions[0].detail, str(report)
+
+
 def m_causal_fill_beside_a_padding_mask(mu, var, keep):  # −1e9 causal, and a key-padding mask read at run time
     n = mu.shape[1]
     s = (-kl_spec(mu, var)).masked_fill(torch.tril(torch.ones(n, n)) == 0, -1e9)
