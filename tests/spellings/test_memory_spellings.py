@@ -2343,9 +2343,8 @@ def test_decays_near_zero_keep_their_digits(kind, steps, fresh_dynamo):
     1 − (1 − a) was taken in fp32)."""
     fn = _gated_with_a_start(kind)
     torch.manual_seed(0)
-    xs = [torch.randn(2, steps, 4), F.normalize(torch.randn(2, steps, 4), dim=-1), torch.randn(2, steps, 4),
-          1e-6 * torch.rand(2, steps), torch.randn(2, 4, 4)]
-    xs = [xs[1], xs[2], xs[0], xs[3], xs[4]]
+    q, k, v = torch.randn(2, steps, 4), F.normalize(torch.randn(2, steps, 4), dim=-1), torch.randn(2, steps, 4)
+    xs = [k, v, q, 1e-6 * torch.rand(2, steps), torch.randn(2, 4, 4)]
     weight = torch.randn(2, steps, 4, dtype=torch.float64)
 
     def grads(f, dtype):

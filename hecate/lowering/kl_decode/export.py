@@ -10,6 +10,7 @@ from hecate.lowering.registry import decomposition, onnx_translation
 
 KL_DECODE_LOGITS = torch.ops.hecate.kl_decode_logits.default
 KL_DECODE_CE = torch.ops.hecate.kl_decode_ce.default
+_DOUBLE = 11  # onnx TensorProto.DOUBLE
 
 
 @decomposition(KL_DECODE_LOGITS)
@@ -59,4 +60,4 @@ def kl_decode_ce_onnx(mu, var, prior_mu, prior_var, targets, tau: float, ignore_
     safe = op.Where(ignored, op.CastLike(op.Constant(value_int=0), targets), targets)
     z_target = op.Squeeze(op.GatherElements(z, op.Unsqueeze(safe, _axes(-1)), axis=1), _axes(-1))
     loss = op.Where(ignored, _scalar(0.0, mu), op.Sub(lse, z_target))
-    return loss, op.Cast(lse, to=11)  # the op's lse is float64 (TensorProto.DOUBLE)
+    return loss, op.Cast(lse, to=_DOUBLE)  # the op's lse is float64
