@@ -4,7 +4,7 @@
 #     STAGES=tests,qk,memory,fep OUT=/tmp/gpu benchmarks/gpu_check.sh
 #
 # Runs from the repository root with the machine's own python3 (its torch and triton; nothing is installed).
-# FEP_SIZES, FEP_TRAIN_SIZES, TILES_KS, MEMORY_LENGTHS and MEMORY_UNROLLED ('' for none) narrow the benchmarks' sizes.
+# FEP_SIZES, FEP_TRAIN_SIZES, TILES_KS, TILES_LAUNCHES (kl_attention_tiles.py --launches), MEMORY_LENGTHS and MEMORY_UNROLLED ('' for none) narrow the benchmarks' sizes.
 # Each stage has its own time limit (seconds, env TESTS_S, QK_S, MEMORY_S, FEP_S, PROFILE_S, TILES_S), so one slow
 # stage cannot eat the others. Logs, the tests' JUnit XML and the benchmark JSON/PNG files end up in $OUT (a tarball
 # of benchmarks/results/*-cuda* as gpu_results.tar.gz, remade after every stage: a call stopped at its limit keeps
@@ -49,7 +49,8 @@ stage fep "${FEP_S:-120}" python3 benchmarks/fep.py --device cuda --sizes "${FEP
 
 stage profile "${PROFILE_S:-90}" python3 benchmarks/profile_fep.py --device cuda --n 1024 --k 16 \
     --out "$OUT/profile_fep_hecate.txt"
-stage tiles "${TILES_S:-90}" python3 benchmarks/kl_attention_tiles.py --n 1024 --ks "${TILES_KS:-16,64}"
+stage tiles "${TILES_S:-90}" python3 benchmarks/kl_attention_tiles.py --n 1024 --ks "${TILES_KS:-16,64}" \
+    --launches "${TILES_LAUNCHES:-}"
 stage qk "${QK_S:-120}" python3 benchmarks/qk_preprocess.py --device cuda --no-progress
 stage memory "${MEMORY_S:-150}" python3 benchmarks/memory_scan.py --device cuda --dims 64 --lengths "${MEMORY_LENGTHS:-256,1024,4096}" \
     --unrolled-lengths "${MEMORY_UNROLLED-16}"

@@ -65,6 +65,9 @@ def main():
     parser.add_argument("--n", type=int, default=1024)
     parser.add_argument("--ks", default="16,64")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--launches", default="",
+                        help="only these launches, comma-separated STAGE:MxNxWARPS (e.g. backward:32x16x4); "
+                             "default: every candidate")
     args = parser.parse_args()
     if args.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("the kernels run on CUDA, or on the CPU with TRITON_INTERPRET=1 (a smoke run)")
@@ -73,9 +76,27 @@ def main():
                   what=f"hecate.kl_attention forward op and backward op alone, B = 1, N = {args.n}, causal, "
                        "row and column values of width 3K+1; median ms", rows=[])
     current_forward, current_backward = op.forward_launch, op.backward_launch
+    args.launches = _parse_launches(args.launches, parser)
     with triton_on_cpu() if args.device == "cpu" else contextlib.nullcontext():
         _sweep(args, record, out, current_forward, current_backward)
     print(f"wrote {out}")
+
+
+def _parse_launches(text: str, parser) -> set | None:
+    """'backward:32x16x4,...' → {('backward', 32, 16, 4), ...}; None (every launch) for ''."""
+    if not text:
+        return None
+    launches = set()
+    for item in text.split(","):
+        stage, _, sizes = item.partition(":")
+        try:
+            bm, bn, warps = (int(x) for x in sizes.split("x"))
+        except ValueError:
+            parser.error(f"--launches: got {item!r}, expected STAGE:MxNxWARPS such as backward:32x16x4")
+        if stage not in ("forward", "backward"):
+            parser.error(f"--launches: got stage {stage!r} in {item!r}, expected forward or backward")
+        launches.add((stage, bm, bn, warps))
+    return launches
 
 
 def _sweep(args, record, out, current_forward, current_backward):
@@ -92,6 +113,8 @@ def _sweep(args, record, out, current_forward, current_backward):
             current = current_forward() if stage == "forward" else current_backward()
             current = (current["BLOCK_M"], current["BLOCK_N"], current.get("num_warps", 4))
             for bm, bn, warps in [current] + [c for c in candidates if c != current]:
+                if args.launches is not None and (stage, bm, bn, warps) not in args.launches:
+                    continue
                 launch = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
                 op.forward_launch = (lambda: launch) if stage == "forward" else current_forward
                 op.backward_launch = (lambda: launch) if stage == "backward" else current_backward

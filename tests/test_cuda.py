@@ -181,6 +181,54 @@ def test_memory_scan_decay_first(p, poison_allocations):
              ("dk", "dv", "dq", "dalpha", "deta", "dm0"), dev_in, ref_in, TOL)
 
 
+@pytest.mark.parametrize("T", [6, 70], ids=["recurrent", "chunked"])
+@pytest.mark.parametrize("decay_first", [False, True], ids=["decay_after", "decay_first"])
+def test_memory_scan_keeps_decays_near_zero(T, decay_first, poison_allocations):
+    """Kept fractions 1 − α of 1e-6 and below, α given in float64 (as the pass gives it): the kernels read 1 − α
+    from the float64 α, so ∂L/∂M0 ∝ Π(1 − α_t) keeps its digits, in the recurrent and the chunk kernels."""
+    B, H, Dk, Dv = 2, 2, 8, 4
+    k = F.normalize(torch.randn(B, T, H, Dk), dim=-1)
+    inputs = (k, torch.randn(B, T, H, Dv), torch.randn(B, T, H, Dk), 0.4 * torch.sigmoid(torch.randn(B, T, H)),
+              torch.randn(B, H, Dv, Dk))
+    keep = 1e-6 * torch.rand(B, T, H, dtype=torch.float64)
+    ref_in, dev_in = _leaves(inputs, "cuda")
+    ref_keep, dev_keep = keep.clone().requires_grad_(), keep.cuda().requires_grad_()
+
+    def call(fn, x, keep):
+        k, v, q, eta, m0 = x
+        return fn(k, v, q, 1 - keep, eta, m0, None, 2.0, 10.0, 1e-6, 0.0, 2.0, "", None, None, decay_first)[:2]
+
+    _compare(("y", "m_final"), call(torch.ops.hecate.memory_scan, dev_in, dev_keep),
+             call(memory_scan_naive, ref_in, ref_keep), ("dk", "dv", "dq", "deta", "dm0", "dkeep"),
+             dev_in + [dev_keep], ref_in + [ref_keep], TOL)
+
+
+def test_kl_decode_ce_wide_belief_keeps_its_gradients():
+    """A belief of variance e^6.5 against priors near 1 (logits near −550): the kernels' float64 lse, split into two
+    fp32 parts, keeps every gradient within 10× eager fp32's own error against float64 (and 1e-5)."""
+    g = torch.Generator().manual_seed(2)
+    m, v, k = 12, 7, 4
+    log_var = 0.5 * torch.randn(m, k, generator=g)
+    log_var[11] += 6.0
+    params = [torch.randn(m, k, generator=g), log_var.exp(), torch.randn(v, k, generator=g),
+              (0.1 * torch.randn(v, k, generator=g)).exp()]
+    targets = torch.randint(0, v, (m,), generator=g)
+
+    def grads(fn, dtype, device):
+        x = [p.to(device, dtype).requires_grad_() for p in params]
+        return [t.cpu().double() for t in torch.autograd.grad(fn(*x), x)]
+
+    def eager(*p):
+        return F.cross_entropy(kl_decode_logits_naive(*p, 1.0), targets.to(p[0].device))
+
+    ref, own = grads(eager, torch.float64, "cpu"), grads(eager, torch.float32, "cpu")
+    got = grads(lambda *p: torch.ops.hecate.kl_decode_ce(*p, targets.cuda(), 1.0, -100)[0].mean(), torch.float32,
+                "cuda")
+    for name, a, e, r in zip(("d mu", "d var", "d prior_mu", "d prior_var"), got, own, ref):
+        error, eager_error = ((a - r).norm() / r.norm()).item(), ((e - r).norm() / r.norm()).item()
+        assert error <= max(10 * eager_error, 1e-6) and error <= 1e-5, (name, error, eager_error)
+
+
 # ---------------------------------------------------------------------------------------------
 # opcheck on CUDA tensors
 
