@@ -42,7 +42,7 @@ def measure(k: int) -> list[dict]:
     dv, dw = 3 * k + 1, 2 * (3 * k + 1)
     widths = dict(BLOCK_D=op._block(k), BLOCK_V=op._block(dv), BLOCK_W=op._block(dw))
     masks = dict(CAUSAL=True, MASK_DIAGONAL=False)
-    forward = {"num_warps": 4} | op.forward_launch()
+    forward = {"num_warps": 4} | op.forward_launch(k)
     backward = {"num_warps": 4} | op.backward_launch()
     launches = [("forward", forward, ("_fwd_rows", "_fwd_cols")),
                 ("backward", backward, ("_bwd_col_values", "_bwd_rows", "_bwd_cols")),

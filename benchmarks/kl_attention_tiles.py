@@ -110,13 +110,13 @@ def _sweep(args, record, out, current_forward, current_backward):
                          mu, var, rv, cv, outputs[0], outputs[1], outputs[2], outputs[6], *grads, **run))
         reference = {stage: call() for stage, call in calls.items()}
         for stage, candidates in (("forward", FORWARD), ("backward", BACKWARD)):
-            current = current_forward() if stage == "forward" else current_backward()
+            current = current_forward(k) if stage == "forward" else current_backward()
             current = (current["BLOCK_M"], current["BLOCK_N"], current.get("num_warps", 4))
             for bm, bn, warps in [current] + [c for c in candidates if c != current]:
                 if args.launches is not None and (stage, bm, bn, warps) not in args.launches:
                     continue
                 launch = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
-                op.forward_launch = (lambda: launch) if stage == "forward" else current_forward
+                op.forward_launch = (lambda _k: launch) if stage == "forward" else current_forward
                 op.backward_launch = (lambda: launch) if stage == "backward" else current_backward
                 ms = _time(calls[stage], args.device, args.repeat)
                 error = _rel_err(calls[stage](), reference[stage]) if isinstance(ms, float) else None

@@ -98,7 +98,7 @@ KA = kl_attention_kernels
 for masks, widths, tag in [
         (dict(CAUSAL=True, MASK_DIAGONAL=True), dict(BLOCK_D=16, BLOCK_V=32, BLOCK_W=64), "causal_K8"),
         (dict(CAUSAL=False, MASK_DIAGONAL=False), dict(BLOCK_D=16, BLOCK_V=64, BLOCK_W=128), "full_K16")]:
-    blocks = {k: v for k, v in kl_attention_op.forward_launch().items() if k.startswith("BLOCK")} | \
+    blocks = {k: v for k, v in kl_attention_op.forward_launch(widths["BLOCK_D"]).items() if k.startswith("BLOCK")} | \
         dict(BLOCK_D=widths["BLOCK_D"])
     has_values = tag.startswith("causal")  # the full case runs without row values (HAS_V = False, BLOCK_V = 16)
     CASES[f"kl_attention_fwd_rows-{tag}"] = (

@@ -110,7 +110,7 @@ def test_kernels_with_unequal_tiles(monkeypatch, bm, bn, causal, mask_diagonal):
     from hecate.lowering.kl_attention import op
 
     launch = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
-    monkeypatch.setattr(op, "forward_launch", lambda: launch)
+    monkeypatch.setattr(op, "forward_launch", lambda k: launch)
     monkeypatch.setattr(op, "backward_launch", lambda: launch)
     mu, var, rv, cv = _inputs(2, 45, 5, 3, 4)  # row blocks and key blocks both end short
     _check_against_reference(mu, var, rv, cv, 0.7, causal, mask_diagonal, "triton", 2e-5)

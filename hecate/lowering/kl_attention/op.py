@@ -241,13 +241,15 @@ def _block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def forward_launch() -> dict:
-    """Tiles and warps of the forward kernels. The score tile is [BLOCK_M, BLOCK_N, K] (the KL per pair over
-    K). Timed on an H100 (``benchmarks/kl_attention_tiles.py``, N = 1024, causal, K = 16, the FEP model's
-    widths): 16×16 and 32×16 tiles within noise of each other in two calls (0.33 and 0.38 ms in one, 0.44
-    and 0.37 in the other), 32×32 twice as slow (0.74 and 0.79 ms).
+def forward_launch(k: int) -> dict:
+    """Tiles and warps of the forward kernels for belief width ``k``. The score tile is [BLOCK_M, BLOCK_N, K]
+    (the KL per pair over K). Timed with ``benchmarks/kl_attention_tiles.py`` (N = 1024, causal, the FEP
+    model's widths): at K = 16 (H100, three calls) 16×16 with 4 warps is the fastest of six launches
+    (0.29–0.44 ms), 32×32 twice as slow; at K = 64 (H200, two calls) 16×16 with 8 warps takes 0.78 and 0.81 ms
+    against 1.24 and 1.29 ms with 4 warps, and tiles 32 wide spill (11–31 ms). Between 16 and 64 nothing is
+    timed: 8 warps from K > 32.
     """
-    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4)
+    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=8 if k > 32 else 4)
 
 
 def backward_launch() -> dict:
@@ -309,7 +311,7 @@ def _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagona
     row_kl = torch.empty_like(row)
     energy = mu.new_empty(bsz, n)
     lse = mu.new_empty(bsz, n)
-    launch = forward_launch()
+    launch = forward_launch(k)
     bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
     config = dict(CAUSAL=causal, MASK_DIAGONAL=mask_diagonal, BLOCK_D=_block(k), **launch)
     _launch(kernels._fwd_rows, (triton.cdiv(n, bm), bsz),
