@@ -443,16 +443,35 @@ def test_no_less_stable_than_eager(path, log_var_range, spread, kappa):
         assert fused_err <= 10 * eager_err + 1e-7, f"{name}: fused {fused_err:.2e}, eager fp32 {eager_err:.2e}"
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("belief,value", [("mu", float("nan")), ("mu", float("inf")), ("mu", -float("inf")),
+                                          ("var", float("inf")), ("var", 0.0)])
 @pytest.mark.parametrize("path", ["cpu", "triton"])
-def test_nan_belief_propagates_as_in_the_reference(path):
-    """A NaN in one belief makes NaN what the broadcast form makes NaN, and nothing else."""
+def test_a_belief_that_is_not_finite_gives_what_the_reference_gives(path, belief, value, causal):
+    """A NaN or infinite μ, or a variance of inf or 0, in one belief: every output and gradient is NaN where the
+    broadcast form's is, ±inf where its is, and equal elsewhere. A key at μ = inf is at KL = inf from every
+    other belief (β = 0 there, the rest finite): the matmul form's c_i + a_i·b_j + d_j would be inf − inf, so
+    such beliefs take the per-pair form; a query row that is NaN has β NaN at its masked keys too, as a softmax
+    over a row holding NaN does, and the kernels give every column sum and ∂/∂V_j of its sequence that NaN."""
     mu, var, rv, cv = (t.detach() for t in _inputs(1, 6, 3, 2, 2))
-    mu[0, 2, 1] = float("nan")
+    (mu if belief == "mu" else var)[0, 2, 1] = value
+    weights = [torch.randn(1, 6, d) for d in (2, 2)] + [torch.randn(1, 6)] + [torch.randn(1, 6, 2)] * 3
+
+    def run(fn):
+        inputs = [t.clone().requires_grad_() for t in (mu, var, rv, cv)]
+        outputs = fn(*inputs, 0.9, causal, False)
+        total = sum((o * w).sum() for o, w in zip(outputs[:6], weights))
+        return list(outputs) + list(torch.autograd.grad(total, inputs))
+
     with _path(path):
-        got = OP(mu, var, rv, cv, 0.9, True, False)
-    ref = kl_attention_naive(mu, var, rv, cv, 0.9, True, False)
-    for name, g, r in zip(OUTPUT_NAMES, got, ref):
+        got = run(OP)
+    ref = run(kl_attention_naive)
+    for name, g, r in zip(list(OUTPUT_NAMES) + ["d mu", "d var", "d row_values", "d col_values"], got, ref):
         assert torch.equal(torch.isnan(g), torch.isnan(r)), name
+        assert torch.equal(torch.isinf(g), torch.isinf(r)), name
+        finite = torch.isfinite(r)
+        assert torch.equal(g[~finite & ~torch.isnan(r)], r[~finite & ~torch.isnan(r)]), name
+        assert_close(name, g.detach()[finite], r.detach()[finite], 1e-5)
 
 
 @pytest.mark.parametrize("path", ["cpu", "triton"])

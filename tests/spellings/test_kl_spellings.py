@@ -555,6 +555,35 @@ def test_masked_rows_give_nan_as_eager(fresh_dynamo):
         assert_close("finite part", g.nan_to_num(0.0), r.nan_to_num(0.0), 1e-5)
 
 
+@pytest.mark.parametrize("belief,value", [("mu", float("inf")), ("var", float("inf")), ("var", 0.0)])
+def test_a_belief_that_is_not_finite_gives_what_eager_gives(belief, value, fresh_dynamo):
+    """One belief at μ = inf (or v = inf, v = 0): eager's KL to it is inf from every other query, β = 0 there,
+    and the other rows stay finite; compiled, the same (the op's dot form would give inf − inf = NaN on those
+    rows, so such beliefs take the per-pair form). Outputs and gradients: NaN where eager's are, equal elsewhere."""
+    def fn(mu, var, v):
+        beta = F.softmax((-kl_spec(mu, var)).masked_fill(~_causal(mu.shape[1]), float("-inf")), dim=-1)
+        return beta @ v, beta.transpose(1, 2) @ v
+
+    mu, var, v = torch.randn(B, N, K), _var((B, N, K)), torch.randn(B, N, 2)
+    (mu if belief == "mu" else var)[0, 2, 1] = value
+    weights = [torch.randn(B, N, 2), torch.randn(B, N, 2)]
+
+    def run(f):
+        x = [mu.clone().requires_grad_(), var.clone().requires_grad_()]
+        out = f(*x, v)
+        return list(out) + list(torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)), x))
+
+    got = run(torch.compile(fn, backend="hecate", options={"fallback": "eager"}))
+    assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
+    ref = run(fn)
+    assert torch.isfinite(ref[0][1]).all()  # the other sequence is finite
+    if value == float("inf"):  # and so is every row but the belief's own (v = 0 makes KL = inf − inf: NaN)
+        assert torch.isfinite(ref[0][0, :2]).all() and torch.isfinite(ref[0][0, 3:]).all()
+    for name, g, r in zip(("values", "columns", "d mu", "d var"), got, ref):
+        assert torch.equal(torch.isnan(g), torch.isnan(r)), name
+        assert_close(name, g.detach().nan_to_num(0.0), r.detach().nan_to_num(0.0), 1e-5)
+
+
 def _no_key_for_row_0(n):
     return torch.tril(torch.ones(n, n, dtype=torch.bool), -1)  # causal without self: row 0 sees nothing
 

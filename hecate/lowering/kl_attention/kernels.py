@@ -67,9 +67,10 @@ def _load_beliefs(mu_ptr, var_ptr, lv_ptr, b, offs, N, K, BLOCK_K: tl.constexpr)
 @triton.jit
 def _kl(mu_i, v_i, lv_i, mu_j, v_j, lv_j):
     """S_ij per pair from query beliefs and key beliefs broadcast against each other ([.., .., BLOCK_D] each),
-    summed over the features: 0 exactly when q_i = q_j."""
+    summed over the features: 0 exactly when q_i = q_j. (d² + v_i)/v_j − 1, not (d² + v_i − v_j)/v_j: at
+    v_j = inf that is −inf/inf = NaN where the formula's v_i/v_j is 0 and the KL inf."""
     d = mu_i - mu_j
-    return 0.5 * tl.sum((d * d + (v_i - v_j)) / v_j + (lv_j - lv_i), 2)
+    return 0.5 * tl.sum((d * d + v_i) / v_j - 1.0 + (lv_j - lv_i), 2)
 
 
 @triton.jit

@@ -33,7 +33,7 @@ from hecate.lowering.gaussian_features import (center, key_features, key_feature
 BLOCK_ROWS = 128
 
 
-def _tracing() -> bool:
+def tracing() -> bool:
     """Under a dispatch mode (fake / functional / proxy tracing for export): stay functional."""
     return torch._C._len_torch_dispatch_stack() > 0
 
@@ -54,15 +54,15 @@ def masked_keys(n: int, causal: bool, mask_diagonal: bool, device) -> torch.Tens
     if not causal and not mask_diagonal:
         return None
     key = (n, causal, mask_diagonal, str(device))
-    tracing = _tracing()
-    if tracing or key not in _MASKS:
+    traced = tracing()
+    if traced or key not in _MASKS:
         i = torch.arange(n, device=device)
         j, i = i.unsqueeze(0), i.unsqueeze(1)
         if causal:
             masked = (j >= i) if mask_diagonal else (j > i)
         else:
             masked = j == i
-        if tracing:
+        if traced:
             return masked
         if len(_MASKS) > 64:
             _MASKS.clear()
@@ -89,7 +89,7 @@ def _fill(x: torch.Tensor, r0: int, mask: torch.Tensor, value: float) -> torch.T
     A block's masked pairs (j > i, j = i) all lie in that square, and its mask is the [R, R] one
     whatever r0. In place on the CPU path; traced there is one block (r0 = 0, R = C = N).
     """
-    if _tracing():
+    if tracing():
         return x.masked_fill(mask, value)
     x[:, :, r0:r0 + mask.shape[0]].masked_fill_(mask, value)
     return x
@@ -118,7 +118,7 @@ def _scores(qa, kb, r0: int, kappa, causal: bool, mask_diagonal: bool, dtype, ma
     m = logits.amax(-1, keepdim=True)
     if square is not None or masked is not None:
         m = m.masked_fill(torch.isinf(m), 0.0)
-    if _tracing():
+    if tracing():
         p = torch.exp(logits - m)
         total = p.sum(-1, keepdim=True)
         beta = p / total.clamp_min(torch.finfo(p.dtype).tiny)
@@ -141,7 +141,7 @@ def row_blocks(n: int, causal: bool, rows: int | None = None) -> list[tuple[int,
 
     ``rows`` defaults to :data:`BLOCK_ROWS`; traced, one block of N rows (N may be symbolic).
     """
-    if _tracing():
+    if tracing():
         return [(0, n, n)]
     rows = rows or BLOCK_ROWS
     return [(r0, min(n, r0 + rows), min(n, r0 + rows) if causal else n) for r0 in range(0, n, rows)]

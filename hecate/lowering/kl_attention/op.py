@@ -138,6 +138,54 @@ def temperature_gradient(grad_inverse_kappa: torch.Tensor, kappa: float, tempera
     return (-grad_inverse_kappa * kappa * inverse * inverse).to(temperature.dtype)
 
 
+def _finite(mu: torch.Tensor, var: torch.Tensor) -> bool:
+    """Whether every belief is finite (μ finite, v finite and > 0), where the matmul form's dot product
+    c_i + a_i·b_j + d_j is the per-pair KL. An infinite μ or v makes it inf − inf = NaN on pairs whose KL is
+    ±inf or finite in the per-pair form (a key at μ = inf is at KL = inf from every other belief: β = 0 there,
+    not NaN). Traced (the decomposition, export) it is taken to be finite: a graph cannot branch on values."""
+    if matmul_form.tracing():
+        return True
+    return bool(torch.isfinite(mu).all()) and bool(torch.isfinite(var).all()) and bool((var > 0).all())
+
+
+def _per_pair(mu, var, row_values, col_values, kappa, temperature, inverse_temperature, causal, mask_diagonal,
+              masked, inverse_kappa=None):
+    """The seven outputs in the per-pair form of the reference (its [B, N, N, K] broadcast: taken only for
+    beliefs that are not finite, where the matmul form's cancellation would spread NaN), in the op's dtypes."""
+    from hecate.lowering.kl_attention.naive import kl_attention_naive
+
+    dtype = matmul_form.softmax_dtype(mu.dtype)
+    if inverse_kappa is None:
+        inverse_kappa = 1.0 / torch.as_tensor(effective_kappa(kappa, temperature, inverse_temperature), dtype=dtype)
+    outputs = kl_attention_naive(mu.to(dtype), var.to(dtype), row_values.to(dtype), col_values.to(dtype), 1.0,
+                                 causal, mask_diagonal, None if masked is None else ~masked,
+                                 inverse_kappa=inverse_kappa)
+    return tuple(o.to(mu.dtype) for o in outputs)
+
+
+def _per_pair_backward(mu, var, row_values, col_values, grads, kappa, temperature, inverse_temperature, causal,
+                       mask_diagonal, masked):
+    """(dμ, dv, d row_values, d col_values, d(1/κ)) of :func:`_per_pair`, by ``torch.func.vjp`` through it (an op's
+    body runs below autograd; functorch's transform works there)."""
+    dtype = matmul_form.softmax_dtype(mu.dtype)
+    inverse_kappa = 1.0 / torch.as_tensor(effective_kappa(kappa, temperature, inverse_temperature), dtype=dtype,
+                                          device=mu.device)
+    # only the outputs the graph reads (a gradient not all 0), as eager computes only those: an unread β·KL at a key
+    # of KL = inf (β = 0) would give β the gradient inf · 0 = NaN, and lse's backward is 0 · NaN on a row with no
+    # allowed key
+    read = [i for i, g in enumerate(grads) if bool(g.any())]
+    if not read:
+        return tuple(torch.zeros_like(x) for x in (mu, var, row_values, col_values, inverse_kappa))
+
+    def outputs(mu, var, row_values, col_values, inverse_kappa):
+        every = _per_pair(mu, var, row_values, col_values, kappa, temperature, inverse_temperature, causal,
+                          mask_diagonal, masked, inverse_kappa)
+        return tuple(every[i] for i in read)
+
+    primals, vjp = torch.func.vjp(outputs, mu, var, row_values, col_values, inverse_kappa)
+    return vjp(tuple(grads[i].to(o.dtype) for i, o in zip(read, primals)))
+
+
 @torch.library.custom_op("hecate::kl_attention", mutates_args=())
 def kl_attention(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, col_values: torch.Tensor,
                  kappa: float, causal: bool, mask_diagonal: bool, temperature: torch.Tensor | None = None,
@@ -152,6 +200,9 @@ def kl_attention(mu: torch.Tensor, var: torch.Tensor, row_values: torch.Tensor, 
                                          _kappa_value(kappa, temperature, inverse_temperature), causal, mask_diagonal))
         except KernelDoesNotFit as error:
             _warn_matmul_form(error)
+    if not _finite(mu, var):
+        return dense(_per_pair(mu, var, row_values, col_values, kappa, temperature, inverse_temperature, causal,
+                               mask_diagonal, masked))
     return dense(matmul_form.forward(mu, var, row_values, col_values,
                                      effective_kappa(kappa, temperature, inverse_temperature), causal,
                                      mask_diagonal, masked=masked))
@@ -189,6 +240,9 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
                                    with_kappa)
         except KernelDoesNotFit as error:
             _warn_matmul_form(error)
+    if out is None and not _finite(mu, var):
+        out = _per_pair_backward(mu, var, row_values, col_values, grads, kappa, temperature, inverse_temperature,
+                                 causal, mask_diagonal, masked)
     if out is None:
         out = matmul_form.backward(mu, var, row_values, col_values, grads,
                                    effective_kappa(kappa, temperature, inverse_temperature),
@@ -324,6 +378,10 @@ def _triton_forward(mu, var, row_values, col_values, kappa, causal, mask_diagona
     if dw:
         _launch(kernels._fwd_cols, (triton.cdiv(n, bn), bsz),
                 *beliefs, lse, cv, col, col_kl, n, k, 2 * dw, _neg_inv(kappa), BLOCK_W=_block(2 * dw), **config)
+        # a query whose lse is NaN has β NaN at every key, masked ones too (a softmax over a row holding NaN), and
+        # so reaches every column sum of its sequence; the column kernels visit allowed pairs only
+        nan_rows = torch.isnan(lse).any(1)[:, None, None]
+        col, col_kl = (torch.where(nan_rows, float("nan"), t) for t in (col, col_kl))
     return row, row_kl, energy, col[..., :dw].clone(), col_kl[..., :dw].clone(), col[..., dw:].clone(), lse
 
 
@@ -383,6 +441,9 @@ def _triton_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energ
             *operands, grad_mu_k, grad_var_k, grad_rv if dv else a, n, k, dv, 2 * dw, _neg_inv(kappa), **flags)
     gq_mu, gq_var, gk_mu, gk_var = grad_mu_q, grad_var_q, grad_mu_k, grad_var_k
     grad_cv = grad_cols[..., :dw] + energy32.unsqueeze(-1) * grad_cols[..., dw:]
+    # a query whose lse is NaN has β NaN at masked keys too (see the forward): ∂/∂V_j = Σ_i β_ij (…) reads it at
+    # every key j
+    grad_rv = torch.where(torch.isnan(lse).any(1)[:, None, None], float("nan"), grad_rv)
     # ∂L/∂(1/κ) (the rows' sums are κ² ∂L/∂κ): finite at κ = inf, where ∂L/∂κ would be 0 and its chain NaN
     grad_inverse_kappa = -kappa_rows.sum(dtype=torch.float64) if kappa_grad else torch.zeros((), device=mu.device)
     return ((gq_mu + gk_mu).to(mu.dtype), (gq_var + gk_var).to(var.dtype), grad_rv,
