@@ -20,8 +20,11 @@ import torch
 
 def center(mu: torch.Tensor, dim: int) -> torch.Tensor:
     """μ minus the mean over ``dim`` of its finite entries (KL is shift-invariant; this keeps a · b
-    well-conditioned, and a NaN or ±inf belief stays its own, as in the per-pair form)."""
-    return mu - mu.nan_to_num(0.0, 0.0, 0.0).mean(dim=dim, keepdim=True)
+    well-conditioned, and a NaN or ±inf belief stays its own, as in the per-pair form). The mean is
+    detached: the KL's gradient with respect to a common shift is 0, and through the mean autograd would
+    give every belief the sum of all their gradients, a NaN of one belief's gradient (a β read by
+    ``xlogy(β, β)`` at a masked key, say) reaching all."""
+    return mu - mu.nan_to_num(0.0, 0.0, 0.0).mean(dim=dim, keepdim=True).detach()
 
 
 def query_features(mu: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -584,6 +584,30 @@ def test_a_belief_that_is_not_finite_gives_what_eager_gives(belief, value, fresh
         assert_close(name, g.detach().nan_to_num(0.0), r.detach().nan_to_num(0.0), 1e-5)
 
 
+def test_an_entropy_of_beta_by_xlogy_gives_eager_gradients(fresh_dynamo):
+    """β read whole by −xlogy(β, β).sum(-1), causal: xlogy's backward is 0/0 = NaN at every masked key, so every
+    row but the last is NaN in eager's backward and the last belief's gradient finite. Compiled, the same (the
+    formed β centres the means; through a centring mean autograd gave every belief every NaN)."""
+    def fn(mu, var, v):
+        beta = F.softmax((-kl_spec(mu, var)).masked_fill(~_causal(mu.shape[1]), float("-inf")), dim=-1)
+        return beta @ v, -torch.special.xlogy(beta, beta).sum(-1)
+
+    mu, var, v = torch.randn(B, N + 2, K), _var((B, N + 2, K)), torch.randn(B, N + 2, 4)
+
+    def run(f):
+        x = [mu.clone().requires_grad_(), var.clone().requires_grad_()]
+        out = f(*x, v)
+        return list(out) + list(torch.autograd.grad(sum(o.sum() for o in out), x))
+
+    got = run(torch.compile(fn, backend="hecate", options={"fallback": "eager"}))
+    assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
+    ref = run(fn)
+    assert torch.isfinite(ref[2][:, -1]).all() and torch.isnan(ref[2][:, 0]).all()  # what the test is about
+    for name, g, r in zip(("values", "entropy", "d mu", "d var"), got, ref):
+        assert torch.equal(torch.isnan(g), torch.isnan(r)), name
+        assert_close(name, g.detach().nan_to_num(0.0), r.detach().nan_to_num(0.0), 1e-5)
+
+
 def _no_key_for_row_0(n):
     return torch.tril(torch.ones(n, n, dtype=torch.bool), -1)  # causal without self: row 0 sees nothing
 
