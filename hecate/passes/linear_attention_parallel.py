@@ -16,7 +16,10 @@ points and compared with the formula above, D read off the subgraph itself (its 
 q = k = e₁, where every q_t · k_s is 1). A mask that reads one tensor of the graph (a buffer or
 parameter of γ or log γ per head, RetNet's decay) is checked at random draws of it to be
 γ^(t−s) with γ that tensor's values, and γ is read from it at run time (so it may change or
-learn). A normaliser ``y / (A.sum(-1, keepdim=True) + eps)``
+learn). A mask of a gate per step, D_ts = Π_{s<r≤t} g_r (Mamba-2's exp(segsum(a)), gated linear
+attention's cumulative products), is found the same way from D's first subdiagonal (g_t) at random
+gates, and the op takes the gates as its keep factors at run time. A normaliser
+``y / (A.sum(-1, keepdim=True) + eps)``
 is recognised the same way. The products are ``@``/``bmm`` or einsums with their letters in any
 order; once each operand is permuted to [*L, T, D] (L: none, a batch, or a batch and heads) the
 replacement feeds the op's [B, T, H, D] and permutes the result back to y's layout.
@@ -294,7 +297,9 @@ _GAMMA_DRAW = {"γ": lambda u: u, "log γ": torch.log}
 class _Decay:
     """The mask D [*L, T, T] at the draw, D_ts = c·γ^(t−s): the scale c of the score (``(q @ kᵀ) * d**-0.5 * m``);
     γ per head (or one) when constant, else read at run time from ``tensor`` (γ or log γ per head, ``form``);
-    ``drawn`` the tensor's value at the draw."""
+    ``drawn`` the tensor's value at the draw. With ``per_token`` a gate per step instead, D_ts = c·Π_{s<r≤t} g_r
+    (Mamba-2's exp(segsum(a)), gated linear attention's parallel form): g [*L, T] is γ(tensor) with the tensor's
+    dims permuted by ``per_token`` and broadcast over the rest of L."""
 
     d: torch.Tensor
     scale: float
@@ -302,6 +307,7 @@ class _Decay:
     tensor: fx.Node | None = None
     form: str = "γ"
     drawn: torch.Tensor | None = None
+    per_token: tuple[int, ...] | None = None
 
 
 def _decays(form: _Form, size=size_hint) -> _Decay:
@@ -326,9 +332,9 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
     why = (f"its mask D reads {named}, taken by the graph as input (a buffer, parameter or argument), "
            "whose values are not known when compiling; the mask must be computed from sizes and constants, "
            "or be γ^(t−s) with γ (or log γ) per head read from one tensor, or computed from such tensors "
-           "(sigmoid(p), say)")
+           "(sigmoid(p), say), or Π_{s<r≤t} g_r with a gate g (or log g) per step read so (exp(segsum(a)), say)")
     candidates = [inputs[0]] if len(inputs) == 1 else []
-    candidates += [n for n in [_per_head_value(form, inputs)] if n is not None and n not in candidates]
+    candidates += [n for n in _values_computed_from(form, inputs) if n not in candidates]
     for tensor in candidates:
         if not tensor.meta["val"].is_floating_point():
             continue
@@ -337,9 +343,9 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
             found = None
             for _ in range(2):
                 drawn = draw(0.5 + 0.5 * torch.rand(_sizes(tensor, size), dtype=torch.float64, generator=generator))
-                d = _decay_values(form, {**values, tensor: drawn}, size)
                 gammas = _GAMMA_FROM[gamma_form](drawn).flatten()
                 try:
+                    d = _decay_values(form, {**values, tensor: drawn}, size)  # NotFused: it reads more than this
                     scale = _scale(d)
                     if _gammas(d / scale, gammas) is None or found is not None and found.scale != scale:
                         break
@@ -351,13 +357,74 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
                 found = found or _Decay(d, scale, None, tensor, gamma_form, drawn)
             else:
                 return found
+        found = _per_token_decay(form, values, tensor, size)
+        if found is not None:
+            return found
     raise NotFused(why)
 
 
-def _per_head_value(form: _Form, inputs: list[fx.Node]) -> fx.Node | None:
-    """The one value through which the mask's graph inputs reach it, computed from them (and constants) with no
-    more elements than they have: γ or log γ per head computed from a parameter (``sigmoid(p)``,
-    ``-softplus(p)``) before it is raised to the powers t − s. None where there is not exactly one."""
+def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay | None:
+    """The mask as c·Π_{s<r≤t} g_r, a gate g_r per step read from ``tensor`` (g itself, or log g: Mamba-2's
+    exp(segsum(a)) with a = Δt·A, a cumulative product of gates, their log-sigmoids summed), or None.
+
+    At two draws of the tensor (gates in (0.5, 1)), D's first subdiagonal D_{t,t−1} = c·g_t gives the gates of
+    steps 1..T−1 (g_0 multiplies nothing); a permutation of the tensor's dims, broadcast to [*L, T], must give
+    them, and D must be the products of those gates (0 above the diagonal)."""
+    generator = torch.Generator().manual_seed(1)
+    rank = len(_sizes(tensor, size))
+    for gamma_form, draw in _GAMMA_DRAW.items():
+        found = None
+        for _ in range(2):
+            gates = 0.5 + 0.5 * torch.rand(_sizes(tensor, size), dtype=torch.float64, generator=generator)
+            try:
+                d = _decay_values(form, {**values, tensor: draw(gates)}, size)
+            except NotFused:  # the mask reads more than this tensor
+                return None
+            if d.dim() < 2 or d.shape[-1] < 3 or d.shape[-1] != d.shape[-2]:
+                return None
+            diagonal = d.diagonal(dim1=-2, dim2=-1)
+            scale = float(diagonal.flatten()[0])
+            if scale == 0.0 or not bool((diagonal == scale).all()):
+                return None
+            perm = _gate_layout(gates, d / scale)
+            if perm is None or found is not None and (found.per_token != perm or found.scale != scale):
+                break
+            found = found or _Decay(d, scale, None, tensor, gamma_form, draw(gates), perm)
+        else:
+            return found
+    return None
+
+
+def _gate_layout(gates: torch.Tensor, d: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation of the gates' dims that, broadcast to D's [*L, T], makes D_ts = Π_{s<r≤t} g_r, or None."""
+    import itertools
+
+    lead_t = d.shape[:-1]
+    steps = torch.arange(d.shape[-1])
+    below = steps[:, None] >= steps[None, :]
+    for perm in itertools.permutations(range(gates.dim())):
+        g = gates.permute(perm)
+        if g.dim() > len(lead_t) or g.shape[-1] != lead_t[-1]:
+            continue
+        g = g.reshape((1,) * (len(lead_t) - g.dim()) + tuple(g.shape))
+        try:
+            g = g.expand(lead_t)
+        except RuntimeError:
+            continue
+        logs = torch.log(g).clone()
+        logs[..., 0] = 0.0
+        total = logs.cumsum(-1)
+        expected = torch.where(below, torch.exp(total[..., :, None] - total[..., None, :]), 0.0)
+        if torch.allclose(d, expected, rtol=1e-6, atol=1e-30):
+            return perm
+    return None
+
+
+def _values_computed_from(form: _Form, inputs: list[fx.Node], most: int = 8) -> list[fx.Node]:
+    """The values the mask's graph inputs may reach it through, nearest the mask first (at most ``most``): those
+    computed from them (and constants) with no more elements than they have, γ or log γ per head computed from a
+    parameter (``sigmoid(p)``, ``-softplus(p)``), or log gates per step (Mamba-2's Δt·A) before they are summed
+    and raised to the pairs. Each is tried: one the mask reads its inputs around is not known there and fails."""
     stop = {form.score, form.q, form.k, form.v}
     ancestors, stack = set(), [form.a]
     while stack:
@@ -373,9 +440,9 @@ def _per_head_value(form: _Form, inputs: list[fx.Node]) -> fx.Node | None:
         return isinstance(val, torch.Tensor) and val.numel() <= largest and set(tensors_read([node])) <= set(inputs) \
             and not any(isinstance(a, fx.Node) and not isinstance(a.meta.get("val"), torch.Tensor)
                         for a in node.all_input_nodes)  # no size read: the same value at every length
-    frontier = [n for n in ancestors if n.op == "call_function" and small(n)
-                and any(u in ancestors and not small(u) for u in n.users)]
-    return frontier[0] if len(frontier) == 1 else None
+    order = {n: i for i, n in enumerate(form.a.graph.nodes)}
+    found = [n for n in ancestors if n.op == "call_function" and small(n)]
+    return sorted(found, key=order.__getitem__, reverse=True)[:most]
 
 
 def _decay_values(form: _Form, values: dict, size=size_hint) -> torch.Tensor:
@@ -461,7 +528,7 @@ def _same_at_other_sizes(decay: _Decay, other: _Decay | None) -> None:
     the mask is none of the op's there; dynamic shapes): a scale 1/√D or a decay 1 − 1/T read from sizes is
     another number at every size, and the op takes numbers."""
     same = other is not None and math.isclose(decay.scale, other.scale, rel_tol=1e-9) \
-        and decay.tensor is other.tensor and decay.form == other.form \
+        and decay.tensor is other.tensor and decay.form == other.form and decay.per_token == other.per_token \
         and (decay.gammas is None) == (other.gammas is None) \
         and (decay.gammas is None or len(decay.gammas) == len(other.gammas)
              and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(decay.gammas, other.gammas)))
@@ -572,7 +639,7 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     _, between = _score_product(form.a, _shape(form.a))
     gammas = decay.gammas if decay.tensor is None else _GAMMA_FROM[decay.form]
     replace_with_function(gm, replaced, _linear_attention_of(form.perms, gammas, decay.scale, normaliser is not None,
-                                                             eps),
+                                                             eps, decay.per_token),
                           [form.k, form.v, form.q] + ([decay.tensor] if decay.tensor is not None else []),
                           outputs=[out])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -582,8 +649,8 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     report.add_fusion("linear_attention", "hecate.linear_attention", len(replaced) + 1,
                       "causal (φ(Q)φ(K)ᵀ ⊙ D) V, parallel form"
                       + (f", decay γ={'/'.join(f'{g:g}' for g in gammas)}" if decay.tensor is None and gammas != [1.0]
-                         else f", decay {decay.form} per head {_source(decay.tensor)} at run time"
-                         if decay.tensor is not None else "")
+                         else f", decay {decay.form} per {'step' if decay.per_token else 'head'} "
+                              f"{_source(decay.tensor)} at run time" if decay.tensor is not None else "")
                       + (f", score scaled by {decay.scale:g}" if decay.scale != 1.0 else "")
                       + (", normalised" if normaliser is not None else ""))
 
@@ -596,10 +663,12 @@ def _source(value: fx.Node) -> str:
     return f"read from {names}" if inputs == [value] else f"computed from {names}"
 
 
-def _linear_attention_of(perms: dict, gammas, scale: float, normalise: bool, eps: float):
+def _linear_attention_of(perms: dict, gammas, scale: float, normalise: bool, eps: float,
+                         per_token: tuple[int, ...] | None = None):
     """The replacement: the op over [B, T, H, D] views of the canonical [T, D] / [B, T, D] /
     [B, H, T, D] inputs, with the per-head (or one) decay γ as the keep factor of every step:
-    ``gammas`` the numbers, or the function giving them from the tensor the mask reads. The score's
+    ``gammas`` the numbers, or the function giving them from the tensor the mask reads (with ``per_token``,
+    a gate per step: the tensor's dims permuted so, broadcast to the canonical [*L, T]). The score's
     scale c multiplies the queries (the normaliser's too, as the mask's c does)."""
     def parallel_form_with_decay_read(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
                                       read: torch.Tensor) -> torch.Tensor:
@@ -614,8 +683,13 @@ def _linear_attention_of(perms: dict, gammas, scale: float, normalise: bool, eps
             return x[None, :, None] if rank == 2 else x[:, :, None] if rank == 3 else x.transpose(1, 2)
 
         k_, v_, q_ = to_op(k), to_op(v), to_op(q if scale == 1.0 else q * scale)
-        if read is not None:  # γ per head (or one) from the tensor, its gradient summed back through the expand
-            alpha: Any = gammas(read).reshape(-1).to(k_.dtype).expand(k_.shape[:3]).contiguous()
+        if read is not None and per_token is not None:  # a gate per step: [*L, T] → the op's [B, T, H]
+            g = gammas(read).permute(per_token)
+            g = g.reshape((1,) * (rank - 1 - g.dim()) + tuple(g.shape)).expand(k.shape[:-1])
+            alpha: Any = (g[None, :, None] if rank == 2 else g[:, :, None] if rank == 3 else g.transpose(1, 2))
+            alpha = alpha.to(k_.dtype).contiguous()
+        elif read is not None:  # γ per head (or one) from the tensor, its gradient summed back through the expand
+            alpha = gammas(read).reshape(-1).to(k_.dtype).expand(k_.shape[:3]).contiguous()
         else:
             alpha = None if gammas == [1.0] else \
                 torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()

@@ -731,3 +731,118 @@ def test_decay_buffer_per_head_against_dynamic_head_inputs_fuses(fresh_dynamo):
         args = [torch.randn(2, 2, length, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
         assert_close(f"output at T = {length}", compiled(*args), model(*args), TOL)
         assert hecate.last_report().count("linear_attention") == 1, str(hecate.last_report())
+
+
+# --- a gate per step: Mamba-2's exp(segsum(a)), gated linear attention's parallel form ----------------------------
+
+
+def _segsum_by_differences(a):  # a [..., T] → [..., T, T]: Σ_{s<r≤t} a_r below the diagonal, −inf above
+    n = a.shape[-1]
+    total = torch.cumsum(a, -1)
+    pairs = total[..., :, None] - total[..., None, :]
+    return pairs.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool)), float("-inf"))
+
+
+def _segsum_by_masked_cumsum(a):  # the Mamba-2 reference's: a repeated over a new axis, masked, summed down it
+    n = a.shape[-1]
+    a = a[..., None].expand(*a.shape, n)
+    a = a.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-1), 0)
+    return torch.cumsum(a, dim=-2).masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool)), -torch.inf)
+
+
+def ssd_segsum_by_differences(c, b, x, a):  # C, B [B, H, T, N], X [B, H, T, P], a = log gates [B, H, T]
+    return ((c @ b.transpose(-1, -2)) * torch.exp(_segsum_by_differences(a))) @ x
+
+
+def ssd_segsum_by_masked_cumsum(c, b, x, a):
+    return torch.einsum("bhts,bhsp->bhtp", torch.einsum("bhtn,bhsn->bhts", c, b) * _segsum_by_masked_cumsum(a).exp(),
+                        x)
+
+
+def gla_cumulative_product_ratio(q, k, v, f):  # one head [B, T, D], gates sigmoid(f) [B, T]: Π g by a ratio
+    g = torch.sigmoid(f).cumprod(-1)
+    decay = torch.tril(g[:, :, None] / g[:, None, :])
+    return ((phi(q) @ phi(k).mT) * decay) @ v
+
+
+def gla_log_sigmoid_heads_last_gates(q, k, v, f):  # [B, H, T, D], gates [B, T, H] as log-sigmoids summed in time
+    total = F.logsigmoid(f).transpose(1, 2).cumsum(-1)  # [B, H, T]
+    n = q.shape[-2]
+    below = torch.ones(n, n, dtype=torch.bool).tril()
+    decay = torch.where(below, torch.exp(total.unsqueeze(-1) - total.unsqueeze(-2)), 0.0)
+    return (q @ k.mT * decay) @ v
+
+
+class Mamba2Mixer(nn.Module):
+    """The SSD mixer's quadratic form: A = −exp(A_log) per head, a = Δt·A per step [B, T, H], L = exp(segsum(a))."""
+
+    def __init__(self, heads=3):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.linspace(-1.0, 0.5, heads))
+
+    def forward(self, c, b, x, dt):
+        a = (F.softplus(dt) * -torch.exp(self.A_log)).transpose(1, 2)  # [B, H, T]
+        return ((c @ b.mT) * torch.exp(_segsum_by_differences(a))) @ x
+
+
+def _gated_inputs(layout):
+    g = torch.Generator().manual_seed(0)
+    if layout == "ssd":  # C, B, X [B, H, T, ·] and log gates a < 0 [B, H, T]
+        return [torch.randn(B, 3, T, 4, generator=g), torch.randn(B, 3, T, 4, generator=g),
+                torch.randn(B, 3, T, 5, generator=g), -F.softplus(torch.randn(B, 3, T, generator=g))]
+    if layout == "one_head":
+        return [torch.randn(B, T, D, generator=g) for _ in range(3)] + [torch.randn(B, T, generator=g) + 2]
+    return [torch.randn(B, 3, T, D, generator=g) for _ in range(3)] + [torch.randn(B, T, 3, generator=g) + 1]
+
+
+def gla_clamped_gates(q, k, v, f):  # the gates clamped before their products: the clamped values are the gates
+    g = torch.sigmoid(f).clamp(max=0.9).cumprod(-1)
+    return ((q @ k.mT) * torch.tril(g[:, :, None] / g[:, None, :])) @ v
+
+
+GATED = [(ssd_segsum_by_differences, "ssd"), (ssd_segsum_by_masked_cumsum, "ssd"),
+         (gla_cumulative_product_ratio, "one_head"), (gla_log_sigmoid_heads_last_gates, "heads"),
+         (gla_clamped_gates, "one_head")]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn,layout", GATED, ids=[f.__name__ for f, _ in GATED])
+def test_a_gate_per_step_fuses_and_equals_eager(fn, layout, dynamic, fresh_dynamo):
+    """D_ts = Π_{s<r≤t} g_r, a gate per step (and head, and sequence) read from an input: recognised from D's
+    first subdiagonal (g_t) and its products at two draws; the op takes the gates as its keep factors at run time,
+    and the gates get their gradient through it."""
+    report = _check(fn, _gated_inputs(layout), dynamic)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    assert "per step" in report.fusions[0].detail and "at run time" in report.fusions[0].detail, report.fusions[0]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_mamba2_mixer_fuses_and_equals_eager(dynamic, fresh_dynamo):
+    """Δt per step and A_log per head reach the mask through Δt·A: that product is the gate's log, read at run time
+    (A_log gets its gradient)."""
+    model = Mamba2Mixer()
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(B, 3, T, 4, generator=g), torch.randn(B, 3, T, 4, generator=g),
+            torch.randn(B, 3, T, 5, generator=g), torch.randn(B, T, 3, generator=g)]
+    report = _check(model, args, dynamic, list(model.parameters()))
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+
+
+def gates_of_the_queries_alone(q, k, v, f):  # D_ts = g_t: its subdiagonal is g_t, but not its products
+    n = q.shape[1]
+    return ((q @ k.mT) * torch.tril(torch.sigmoid(f)[:, :, None].expand(-1, -1, n))) @ v
+
+
+def gates_of_the_keys_alone(q, k, v, f):  # D_ts = g_s: not a product of gates between s and t
+    n = q.shape[1]
+    return ((q @ k.mT) * torch.tril(torch.sigmoid(f)[:, None, :].expand(-1, n, -1))) @ v
+
+
+@pytest.mark.parametrize("fn", [gates_of_the_queries_alone, gates_of_the_keys_alone], ids=lambda f: f.__name__)
+def test_a_mask_read_from_an_input_that_is_not_gates_per_step_is_reported(fn, fresh_dynamo):
+    """What is not D_ts = Π_{s<r≤t} g_r of values read from the input stays as written, with a reason, and equal."""
+    args = _gated_inputs("one_head")
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*args)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 0 and report.misses, str(report)
+    assert_close("output", got, fn(*args), TOL)
