@@ -308,6 +308,7 @@ class _Decay:
     form: str = "γ"
     drawn: torch.Tensor | None = None
     per_token: tuple[int, ...] | None = None
+    row_scale: torch.Tensor | None = None  # c_t per query (and head), [T] or [H, T]: D_ts = c_t·γ^(t−s)
 
 
 def _decays(form: _Form, size=size_hint) -> _Decay:
@@ -326,7 +327,14 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
     inputs = tensors_read([form.a], stop=[form.score, form.q, form.k, form.v])  # beside the score
     if not inputs:
         d = _decay_values(form, dict(values), size)
-        scale = _scale(d)
+        try:
+            scale = _scale(d)
+        except _ScaledPerQuery:  # RetNet's D / sqrt(Σ_s D_ts): the op's rows scaled after it
+            rows = d.diagonal(dim1=-2, dim2=-1)  # [*L, T]
+            if rows.dim() > 1 and not torch.equal(rows, rows[:1].expand_as(rows)):
+                raise NotFused("its mask D has a scale per query that differs between sequences") from None
+            return _Decay(d, 1.0, _gammas(d / rows.unsqueeze(-1), None),
+                          row_scale=rows[0] if rows.dim() > 1 else rows)
         return _Decay(d, scale, _gammas(d / scale, None))
     named = ", ".join(f"{n.name} of shape {list(_sizes(n))}" for n in inputs)
     why = (f"its mask D reads {named}, taken by the graph as input (a buffer, parameter or argument), "
@@ -473,8 +481,9 @@ def _scale(d: torch.Tensor) -> float:
                 pass
             else:
                 raise _ScaledPerQuery("its mask D is causal with D_ts = c_t·γ^(t−s), a scale c_t per query (a row "
-                                      "normalisation such as D / sqrt(Σ_s D_ts)): the op takes one c; scale the "
-                                      "product's rows by c_t after it, (φ(Q)φ(K)ᵀ ⊙ γ^(t−s)) V · c_t, which fuses")
+                                      "normalisation such as D / sqrt(Σ_s D_ts)) computed from what the graph reads "
+                                      "at run time; the op takes one c; scale the product's rows by c_t after it, "
+                                      "(φ(Q)φ(K)ᵀ ⊙ γ^(t−s)) V · c_t, which fuses")
         raise why
     return scale
 
@@ -529,6 +538,7 @@ def _same_at_other_sizes(decay: _Decay, other: _Decay | None) -> None:
     another number at every size, and the op takes numbers."""
     same = other is not None and math.isclose(decay.scale, other.scale, rel_tol=1e-9) \
         and decay.tensor is other.tensor and decay.form == other.form and decay.per_token == other.per_token \
+        and _same_row_scale(decay.row_scale, other.row_scale) \
         and (decay.gammas is None) == (other.gammas is None) \
         and (decay.gammas is None or len(decay.gammas) == len(other.gammas)
              and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(decay.gammas, other.gammas)))
@@ -537,6 +547,11 @@ def _same_at_other_sizes(decay: _Decay, other: _Decay | None) -> None:
                        "j ≤ i + (T − 6), say) and is another at other sizes, which torch.compile's dynamic "
                        "shapes run this graph at; "
                        "the op takes one causal mask and numbers")
+
+
+def _same_row_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is None and b is None or a is not None and b is not None and a.shape == b.shape \
+        and torch.allclose(a, b, rtol=1e-9, atol=0.0)
 
 
 def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor, size=size_hint) -> tuple[fx.Node, float] | None:
@@ -625,6 +640,10 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
         raise NotFused(f"q, k, v have dtypes {sorted(map(str, dtypes))}; linear_attention needs one floating dtype")
     normaliser = _normaliser(y, dict(values), form.as_y(scores.sum(-1, keepdim=True)))
+    if normaliser is not None and decay.row_scale is not None:
+        raise NotFused("its mask D has a scale c_t per query and the product is normalised by the masked score's "
+                       "row sums: (c_t·y_t)/(c_t·z_t + ε) is the op's normaliser with ε/c_t, one ε per query; the "
+                       "op takes one number")
     if normaliser is not None and dynamic:
         _same_eps_at_other_sizes(y, form, normaliser[1])
     replaced, out = [y, form.a], y
@@ -638,8 +657,9 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     eps = normaliser[1] if normaliser is not None else 1e-6
     _, between = _score_product(form.a, _shape(form.a))
     gammas = decay.gammas if decay.tensor is None else _GAMMA_FROM[decay.form]
+    row_scale = None if decay.row_scale is None else decay.row_scale.tolist()
     replace_with_function(gm, replaced, _linear_attention_of(form.perms, gammas, decay.scale, normaliser is not None,
-                                                             eps, decay.per_token),
+                                                             eps, decay.per_token, row_scale),
                           [form.k, form.v, form.q] + ([decay.tensor] if decay.tensor is not None else []),
                           outputs=[out])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -652,6 +672,7 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
                          else f", decay {decay.form} per {'step' if decay.per_token else 'head'} "
                               f"{_source(decay.tensor)} at run time" if decay.tensor is not None else "")
                       + (f", score scaled by {decay.scale:g}" if decay.scale != 1.0 else "")
+                      + (", rows scaled per query (c_t·γ^(t−s))" if decay.row_scale is not None else "")
                       + (", normalised" if normaliser is not None else ""))
 
 
@@ -664,12 +685,13 @@ def _source(value: fx.Node) -> str:
 
 
 def _linear_attention_of(perms: dict, gammas, scale: float, normalise: bool, eps: float,
-                         per_token: tuple[int, ...] | None = None):
+                         per_token: tuple[int, ...] | None = None, row_scale: list | None = None):
     """The replacement: the op over [B, T, H, D] views of the canonical [T, D] / [B, T, D] /
     [B, H, T, D] inputs, with the per-head (or one) decay γ as the keep factor of every step:
     ``gammas`` the numbers, or the function giving them from the tensor the mask reads (with ``per_token``,
     a gate per step: the tensor's dims permuted so, broadcast to the canonical [*L, T]). The score's
-    scale c multiplies the queries (the normaliser's too, as the mask's c does)."""
+    scale c multiplies the queries (the normaliser's too, as the mask's c does); a scale c_t per query
+    (``row_scale``, [T] or [H, T]) the op's rows."""
     def parallel_form_with_decay_read(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
                                       read: torch.Tensor) -> torch.Tensor:
         return parallel_form_as_recurrence(k, v, q, read)
@@ -695,6 +717,8 @@ def _linear_attention_of(perms: dict, gammas, scale: float, normalise: bool, eps
                 torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()
         y = torch.ops.hecate.linear_attention(k_, v_, q_, alpha, None, None, normalise, eps, True)[0]
         y = y[0, :, 0] if rank == 2 else y[:, :, 0] if rank == 3 else y.transpose(1, 2)
+        if row_scale is not None:
+            y = y * torch.tensor(row_scale, dtype=y.dtype, device=y.device)[..., None]
         return y if perms["y"] is None else y.permute(perms["y"])
 
     # make_fx traces every parameter of the function it is given: the tensor read is one only where there is one

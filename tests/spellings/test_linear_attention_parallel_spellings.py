@@ -299,15 +299,41 @@ def test_a_decay_of_zero_is_reported_as_an_elementwise_product(fresh_dynamo):
     assert not report.fusions and "its mask D is diagonal" in report.misses[0].reason, str(report)
 
 
-def test_a_decay_mask_scaled_per_query_is_reported_with_what_fuses(fresh_dynamo):
-    """D_ts = c_t·γ^(t−s) (a row normalisation of the decay): reported as a scale per query, not as a mask that is
-    not causal (probe r18), and the rewrite the reason suggests fuses."""
+@pytest.mark.parametrize("fn", [decay_normalised_per_row, decay_with_the_row_scale_after_the_product],
+                         ids=lambda f: f.__name__)
+def test_a_decay_mask_scaled_per_query_fuses(fn, fresh_dynamo):
+    """D_ts = c_t·γ^(t−s) (RetNet's row normalisation of the decay, from sizes and constants): the op's rows scaled
+    by c_t after it (reported as not causal in probe r18, then as a scale per query with this rewrite suggested)."""
     torch.manual_seed(0)
-    args = [torch.randn(B, T, D) for _ in range(3)]
-    report = _check(decay_normalised_per_row, args, False)
-    assert not report.fusions and "a scale c_t per query" in report.misses[0].reason, str(report)
-    report = _check(decay_with_the_row_scale_after_the_product, args, False)
-    assert report.count("linear_attention") == 1, str(report)
+    report = _check(fn, [torch.randn(B, T, D) for _ in range(3)], False)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+
+
+def retention_per_head_normalised(q, k, v):  # [B, H, T, D]: torchscale's γ per head, D / sqrt(Σ_s D_ts)
+    gammas = 1 - 2.0 ** (-5 - torch.arange(q.shape[1], dtype=q.dtype))
+    t = torch.arange(q.shape[2], dtype=q.dtype)
+    d = torch.tril(gammas[:, None, None] ** (t[:, None] - t[None, :]).clamp(min=0))
+    return ((q @ k.mT) * (d / d.sum(-1, keepdim=True).sqrt())) @ v
+
+
+def test_a_decay_mask_per_head_scaled_per_query_fuses(fresh_dynamo):
+    """c_t per head and query ([H, T]) and γ per head: the op runs with the heads' γ, its rows scaled by c."""
+    torch.manual_seed(0)
+    report = _check(retention_per_head_normalised, [torch.randn(B, 3, T, D) for _ in range(3)], False)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    assert "rows scaled per query" in report.fusions[0].detail, report.fusions[0].detail
+
+
+def test_a_decay_mask_scaled_per_query_under_dynamic_shapes_is_reported(fresh_dynamo):
+    """c_t depends on the length (another at every length under dynamic=True), and there on γ too: the default
+    γ = 0.9 of the helper making the mask becomes an input of the graph, so c_t is known only at run time."""
+    compiled = torch.compile(decay_normalised_per_row, backend="hecate", dynamic=True, options={"fallback": "eager"})
+    for length in (T, T + 2):
+        args = [torch.randn(B, length, D, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        assert_close(f"output at T = {length}", compiled(*args), decay_normalised_per_row(*args), TOL)
+        report = hecate.last_report()
+        assert not report.fusions and report.misses, str(report)
+        assert "computed from sizes" in report.misses[0].reason or "a scale c_t per query" in report.misses[0].reason
 
 
 @pytest.mark.parametrize("fn,reason", [
