@@ -291,6 +291,8 @@ def _draw(node: fx.Node, generator: torch.Generator) -> torch.Tensor:
 # how a tensor the mask reads may hold the decay per head: γ itself, or log γ (RetNet's exp((t−s) log γ))
 _GAMMA_FROM = {"γ": lambda x: x, "log γ": torch.exp}
 _GAMMA_DRAW = {"γ": lambda u: u, "log γ": torch.log}
+# how one number read at run time may scale the score: by itself (a learned scale) or its reciprocal (a temperature)
+_SCALE_FROM = {"c": lambda x: x, "1/c": torch.reciprocal}
 
 
 @dataclass
@@ -309,6 +311,7 @@ class _Decay:
     drawn: torch.Tensor | None = None
     per_token: tuple[int, ...] | None = None
     row_scale: torch.Tensor | None = None  # c_t per query (and head), [T] or [H, T]: D_ts = c_t·γ^(t−s)
+    scale_form: str | None = None  # c read at run time from ``tensor`` (one number), γ the numbers in ``gammas``
 
 
 def _decays(form: _Form, size=size_hint) -> _Decay:
@@ -365,10 +368,33 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
                 found = found or _Decay(d, scale, None, tensor, gamma_form, drawn)
             else:
                 return found
-        found = _per_token_decay(form, values, tensor, size)
+        found = _per_token_decay(form, values, tensor, size) or _scale_read(form, values, tensor, size)
         if found is not None:
             return found
     raise NotFused(why)
+
+
+def _scale_read(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay | None:
+    """The score scaled by one number read at run time, ``tensor`` or its reciprocal (a learned scale, a learned
+    temperature ``s / exp(log τ)``), over a mask of constant γ: D = c·γ^(t−s) at two draws of it, or None."""
+    if math.prod(_sizes(tensor, size)) != 1:
+        return None
+    generator = torch.Generator().manual_seed(2)
+    for scale_form, of in _SCALE_FROM.items():
+        found = None
+        for _ in range(2):
+            drawn = 0.5 + torch.rand(_sizes(tensor, size), dtype=torch.float64, generator=generator)
+            try:
+                d = _decay_values(form, {**values, tensor: drawn}, size)
+                gammas = _gammas(d / float(of(drawn).flatten()[0]), None)
+            except NotFused:
+                break
+            if found is not None and found.gammas != gammas:
+                break
+            found = found or _Decay(d, 1.0, gammas, tensor, drawn=drawn, scale_form=scale_form)
+        else:
+            return found
+    return None
 
 
 def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay | None:
@@ -378,8 +404,9 @@ def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay
     At two draws of the tensor (gates in (0.5, 1)), D's first subdiagonal D_{t,t−1} = c·g_t gives the gates of
     steps 1..T−1 (g_0 multiplies nothing); a permutation of the tensor's dims, broadcast to [*L, T], must give
     them, and D must be the products of those gates (0 above the diagonal)."""
+    if not _sizes(tensor, size):
+        return None  # one number: a gate per step has a dim of steps
     generator = torch.Generator().manual_seed(1)
-    rank = len(_sizes(tensor, size))
     for gamma_form, draw in _GAMMA_DRAW.items():
         found = None
         for _ in range(2):
@@ -656,9 +683,10 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
         raise NotFused(bound_reason(bound, "it"))
     eps = normaliser[1] if normaliser is not None else 1e-6
     _, between = _score_product(form.a, _shape(form.a))
-    gammas = decay.gammas if decay.tensor is None else _GAMMA_FROM[decay.form]
+    gammas = decay.gammas if decay.tensor is None or decay.scale_form else _GAMMA_FROM[decay.form]
+    scale = _SCALE_FROM[decay.scale_form] if decay.scale_form else decay.scale
     row_scale = None if decay.row_scale is None else decay.row_scale.tolist()
-    replace_with_function(gm, replaced, _linear_attention_of(form.perms, gammas, decay.scale, normaliser is not None,
+    replace_with_function(gm, replaced, _linear_attention_of(form.perms, gammas, scale, normaliser is not None,
                                                              eps, decay.per_token, row_scale),
                           [form.k, form.v, form.q] + ([decay.tensor] if decay.tensor is not None else []),
                           outputs=[out])
@@ -668,10 +696,12 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
             gm.graph.erase_node(node)
     report.add_fusion("linear_attention", "hecate.linear_attention", len(replaced) + 1,
                       "causal (φ(Q)φ(K)ᵀ ⊙ D) V, parallel form"
-                      + (f", decay γ={'/'.join(f'{g:g}' for g in gammas)}" if decay.tensor is None and gammas != [1.0]
+                      + (f", decay γ={'/'.join(f'{g:g}' for g in gammas)}" if not callable(gammas) and gammas != [1.0]
                          else f", decay {decay.form} per {'step' if decay.per_token else 'head'} "
-                              f"{_source(decay.tensor)} at run time" if decay.tensor is not None else "")
+                              f"{_source(decay.tensor)} at run time" if callable(gammas) else "")
                       + (f", score scaled by {decay.scale:g}" if decay.scale != 1.0 else "")
+                      + (f", score scaled by {decay.scale_form} {_source(decay.tensor)} at run time"
+                         if decay.scale_form else "")
                       + (", rows scaled per query (c_t·γ^(t−s))" if decay.row_scale is not None else "")
                       + (", normalised" if normaliser is not None else ""))
 
@@ -684,13 +714,14 @@ def _source(value: fx.Node) -> str:
     return f"read from {names}" if inputs == [value] else f"computed from {names}"
 
 
-def _linear_attention_of(perms: dict, gammas, scale: float, normalise: bool, eps: float,
+def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float,
                          per_token: tuple[int, ...] | None = None, row_scale: list | None = None):
     """The replacement: the op over [B, T, H, D] views of the canonical [T, D] / [B, T, D] /
     [B, H, T, D] inputs, with the per-head (or one) decay γ as the keep factor of every step:
     ``gammas`` the numbers, or the function giving them from the tensor the mask reads (with ``per_token``,
     a gate per step: the tensor's dims permuted so, broadcast to the canonical [*L, T]). The score's
-    scale c multiplies the queries (the normaliser's too, as the mask's c does); a scale c_t per query
+    scale c multiplies the queries (the normaliser's too, as the mask's c does): a number, or the function
+    giving it from the tensor read (then ``gammas`` are numbers); a scale c_t per query
     (``row_scale``, [T] or [H, T]) the op's rows."""
     def parallel_form_with_decay_read(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
                                       read: torch.Tensor) -> torch.Tensor:
@@ -704,11 +735,17 @@ def _linear_attention_of(perms: dict, gammas, scale: float, normalise: bool, eps
         def to_op(x):  # [T, D] / [B, T, D] / [B, H, T, D] → [B, T, H, D]
             return x[None, :, None] if rank == 2 else x[:, :, None] if rank == 3 else x.transpose(1, 2)
 
-        k_, v_, q_ = to_op(k), to_op(v), to_op(q if scale == 1.0 else q * scale)
-        if read is not None and per_token is not None:  # a gate per step: [*L, T] → the op's [B, T, H]
+        if callable(scale):  # one number read at run time, its gradient through the product
+            k_, v_, q_ = to_op(k), to_op(v), to_op(q * scale(read).reshape(()).to(q.dtype))
+        else:
+            k_, v_, q_ = to_op(k), to_op(v), to_op(q if scale == 1.0 else q * scale)
+        if callable(scale):
+            alpha: Any = None if gammas == [1.0] else \
+                torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()
+        elif read is not None and per_token is not None:  # a gate per step: [*L, T] → the op's [B, T, H]
             g = gammas(read).permute(per_token)
             g = g.reshape((1,) * (rank - 1 - g.dim()) + tuple(g.shape)).expand(k.shape[:-1])
-            alpha: Any = (g[None, :, None] if rank == 2 else g[:, :, None] if rank == 3 else g.transpose(1, 2))
+            alpha = (g[None, :, None] if rank == 2 else g[:, :, None] if rank == 3 else g.transpose(1, 2))
             alpha = alpha.to(k_.dtype).contiguous()
         elif read is not None:  # γ per head (or one) from the tensor, its gradient summed back through the expand
             alpha = gammas(read).reshape(-1).to(k_.dtype).expand(k_.shape[:3]).contiguous()
@@ -722,7 +759,8 @@ def _linear_attention_of(perms: dict, gammas, scale: float, normalise: bool, eps
         return y if perms["y"] is None else y.permute(perms["y"])
 
     # make_fx traces every parameter of the function it is given: the tensor read is one only where there is one
-    return parallel_form_with_decay_read if callable(gammas) else lambda k, v, q: parallel_form_as_recurrence(k, v, q)
+    return parallel_form_with_decay_read if callable(gammas) or callable(scale) else \
+        lambda k, v, q: parallel_form_as_recurrence(k, v, q)
 
 
 # ---------------------------------------------------------------- the cumulative-sum form, any layout
