@@ -106,11 +106,21 @@ class FusionReport:
             lines += ["", "Dynamo graph breaks (each piece is compiled as its own graph: a pattern split across "
                       "pieces cannot be fused):"]
             lines += [f"  {reason}" for reason in self.graph_breaks]
+            lines += [f"  {hint}" for text, hint in _BREAK_HINTS.items() if any(text in r for r in self.graph_breaks)]
             if not self.graphs:
                 lines += ["  Dynamo compiled no graph: it ran the code eagerly around these breaks (a break inside a "
                           "loop does this), so nothing in it was fused; move the break (graph_break(), print, "
                           ".item(), float(tensor)) out of the loop"]
         return "\n".join(lines)
+
+
+# what a user can do about a graph break Dynamo names, where a fusion depends on it
+_BREAK_HINTS = {
+    "torch.autograd.grad": "torch.autograd.grad is not traced (torch._dynamo.config.trace_autograd_ops is off): a "
+                           "memory updated by the gradient of its loss runs eagerly; write the gradient in closed "
+                           "form, 2 (M k − v) kᵀ for ‖M k − v‖² (p·|e|^(p−1)·sign(e) kᵀ for the l_p loss), and "
+                           "the loop fuses as memory_scan",
+}
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep  # torch's own frames

@@ -106,3 +106,24 @@ def test_the_same_reason_at_the_same_line_is_shown_once_with_its_count():
     assert text.count("not a memory step (3 places)") == 1 and text.count("at model.py:7") == 1
     assert "graph nodes: scan_0, scan_1, scan_2" in text
     assert text.count("not a memory step\n") == 2  # the two without a source line, apart
+
+
+def _memory_by_autograd_grad(k, v, q):
+    """Titans' memory as researchers first write it: the step is the autograd gradient of the memory's loss."""
+    m, ys = torch.zeros(k.shape[0], k.shape[-1], k.shape[-1], requires_grad=True), []
+    for t in range(k.shape[1]):
+        loss = ((m @ k[:, t, :, None]).squeeze(-1) - v[:, t]).pow(2).sum()
+        (g,) = torch.autograd.grad(loss, m, create_graph=True)
+        m = m - 0.1 * g
+        ys.append((m @ q[:, t, :, None]).squeeze(-1))
+    return torch.stack(ys, 1)
+
+
+def test_a_memory_stepped_by_autograd_grad_is_told_what_fuses(fresh_dynamo):
+    """Dynamo does not trace torch.autograd.grad: the loop runs eagerly, and the report says to write the gradient
+    in closed form (which fuses), besides Dynamo's own message."""
+    report = hecate.explain(_memory_by_autograd_grad, *[torch.randn(2, 5, 4) for _ in range(3)])
+    assert any("torch.autograd.grad" in r for r in report.graph_breaks), report.graph_breaks
+    assert "write the gradient in closed form" in str(report) and "memory_scan" in str(report), str(report)
+    assert "closed form" not in str(hecate.explain(_memory_loop_broken_at_every_step,
+                                                   *[torch.randn(2, 2, 7, 4) for _ in range(3)]))
