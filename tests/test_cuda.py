@@ -122,6 +122,30 @@ def test_kl_decode(m, v, k, poison_allocations):
     _compare(("logits",), got, kl_decode_logits_naive(*ref_in, 1.3), grad_names, dev_in, ref_in, TOL)
 
 
+@pytest.mark.parametrize("belief,value", [("mu", float("inf")), ("var", float("inf")), ("var", 0.0),
+                                          ("mu", float("nan"))])
+def test_kl_attention_belief_not_finite(belief, value):
+    """One belief at μ = inf, v = inf, v = 0 or NaN: the kernels' outputs and gradients are NaN and ±inf where the
+    reference's are, and equal elsewhere (a NaN query row reaches every column sum and ∂/∂V, as eager's does)."""
+    b, n, k = 2, 37, 5
+    mu, var, rv, cv = torch.randn(b, n, k), 0.5 + torch.rand(b, n, k), torch.randn(b, n, 3), torch.randn(b, n, 4)
+    (mu if belief == "mu" else var)[0, 20, 1] = value
+    weights = [torch.randn(b, n, 3), torch.randn(b, n, 3), torch.randn(b, n)] + [torch.randn(b, n, 4)] * 3
+
+    def run(fn, device, dtype):
+        x = [t.to(device, dtype).requires_grad_() for t in (mu, var, rv, cv)]
+        out = fn(*x, 0.8, True, False)
+        total = sum((o * w.to(device, dtype)).sum() for o, w in zip(out[:6], weights))
+        return [t.detach().cpu().double() for t in list(out) + list(torch.autograd.grad(total, x))]
+
+    got = run(torch.ops.hecate.kl_attention, "cuda", torch.float32)
+    ref = run(kl_attention_naive, "cpu", torch.float64)
+    for name, g, r in zip(list(OUTPUT_NAMES) + ["d mu", "d var", "d row_values", "d col_values"], got, ref):
+        assert torch.equal(torch.isnan(g), torch.isnan(r)) and torch.equal(torch.isinf(g), torch.isinf(r)), name
+        finite = torch.isfinite(r)
+        assert_close(name, g[finite], r[finite], TOL)
+
+
 def test_kl_decode_targets_out_of_range():
     params = [t.cuda() for t in (torch.randn(4, 3), torch.rand(4, 3) + 0.5, torch.randn(5, 3), torch.rand(5, 3) + 0.5)]
     for bad in (5, -1):
