@@ -28,6 +28,7 @@ from hecate.lowering.linear_attention.naive import linear_attention_naive
 from hecate.lowering.memory_scan.naive import memory_scan_naive
 from hecate.models import EXAMPLES
 from hecate.testing import assert_close
+from tests.lowering.test_kl_decode import wide_belief_case
 
 pytestmark = pytest.mark.cuda
 
@@ -230,13 +231,7 @@ def test_memory_scan_keeps_decays_near_zero(T, decay_first, poison_allocations):
 def test_kl_decode_ce_wide_belief_keeps_its_gradients():
     """A belief of variance e^6.5 against priors near 1 (logits near −550): the kernels' float64 lse, split into two
     fp32 parts, keeps every gradient within 10× eager fp32's own error against float64 (and 1e-5)."""
-    g = torch.Generator().manual_seed(2)
-    m, v, k = 12, 7, 4
-    log_var = 0.5 * torch.randn(m, k, generator=g)
-    log_var[11] += 6.0
-    params = [torch.randn(m, k, generator=g), log_var.exp(), torch.randn(v, k, generator=g),
-              (0.1 * torch.randn(v, k, generator=g)).exp()]
-    targets = torch.randint(0, v, (m,), generator=g)
+    params, targets = wide_belief_case()
 
     def grads(fn, dtype, device):
         x = [p.to(device, dtype).requires_grad_() for p in params]

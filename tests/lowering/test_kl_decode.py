@@ -54,19 +54,24 @@ def test_ce_equals_cross_entropy_on_materialised_logits(path, m, v, k):
         assert_close(name, a, b.float(), 1e-5)
 
 
-@pytest.mark.parametrize("path", ["cpu", "triton"])
-def test_a_wide_belief_keeps_the_gradients_as_accurate_as_eager(path):
-    """A belief of variance e^6.5 against priors of variance near 1: logits near −550, where an fp32 lse rounds by
-    3e-5 and every probability with it; Σ_v p_v ≠ 1 then multiplies the large v/σ²_v terms of ∂/∂var (probe r19:
-    1e-4 off float64 where eager's fp32 is 1e-6). The lse is float64 and the softmax exact to fp32: each gradient
-    within 10× eager fp32's own error against float64 (and 1e-5)."""
+def wide_belief_case() -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(μ, v, prior μ, prior v), targets: 12 beliefs near unit variance but one of variance e^6.5, 7 tokens."""
     g = torch.Generator().manual_seed(2)
     m, v, k = 12, 7, 4
     log_var = 0.5 * torch.randn(m, k, generator=g)
     log_var[11] += 6.0
     params = [torch.randn(m, k, generator=g), log_var.exp(), torch.randn(v, k, generator=g),
               (0.1 * torch.randn(v, k, generator=g)).exp()]
-    targets = torch.randint(0, v, (m,), generator=g)
+    return params, torch.randint(0, v, (m,), generator=g)
+
+
+@pytest.mark.parametrize("path", ["cpu", "triton"])
+def test_a_wide_belief_keeps_the_gradients_as_accurate_as_eager(path):
+    """A belief of variance e^6.5 against priors of variance near 1: logits near −550, where an fp32 lse rounds by
+    3e-5 and every probability with it; Σ_v p_v ≠ 1 then multiplies the large v/σ²_v terms of ∂/∂var (probe r19:
+    1e-4 off float64 where eager's fp32 is 1e-6). The lse is float64 and the softmax exact to fp32: each gradient
+    within 10× eager fp32's own error against float64 (and 1e-5)."""
+    params, targets = wide_belief_case()
 
     def eager(*p):
         return F.cross_entropy(kl_decode_logits_naive(*p, 1.0), targets)
