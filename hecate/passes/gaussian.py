@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused, written_in_place
+from hecate.passes.matching import NotFused, made_in_forward, written_in_place
 
 aten = torch.ops.aten
 
@@ -200,6 +200,10 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
             memo[n] = size_hint(val)
             return memo[n]
         if n.op != "call_function":
+            constant = made_in_forward(n)
+            if constant is not None:  # known: a float64 copy, as factory ops are evaluated
+                memo[n] = constant.double() if constant.is_floating_point() else constant.clone()
+                return memo[n]
             if isinstance(val, (torch.SymFloat, float)):
                 raise NotFused(f"it reads {n.name}, a Python float (an attribute such as self.kappa) that "
                                "torch.compile passes in at run time under dynamic=True, not known when compiling")

@@ -36,8 +36,8 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.gaussian import evaluate
-from hecate.passes.matching import (NotFused, bound_reason, descendants, first_threshold, nodes_between,
-                                    replace_with_function, shifted_size, size_hint, tensors_read)
+from hecate.passes.matching import (NotFused, bound_reason, descendants, first_threshold, made_in_forward,
+                                    nodes_between, replace_with_function, shifted_size, size_hint, tensors_read)
 from hecate.passes.report import FusionReport
 
 aten = torch.ops.aten
@@ -292,7 +292,7 @@ def _draw(node: fx.Node, generator: torch.Generator) -> torch.Tensor:
 _GAMMA_FROM = {"γ": lambda x: x, "log γ": torch.exp}
 _GAMMA_DRAW = {"γ": lambda u: u, "log γ": torch.log}
 # how one number read at run time may scale the score: by itself (a learned scale) or its reciprocal (a temperature)
-_SCALE_FROM = {"c": lambda x: x, "1/c": torch.reciprocal}
+_SCALE_FROM = {"c": lambda x: x, "1/c": torch.reciprocal, "exp c": torch.exp}
 
 
 @dataclass
@@ -301,7 +301,7 @@ class _Decay:
     γ per head (or one) when constant, else read at run time from ``tensor`` (γ or log γ per head, ``form``);
     ``drawn`` the tensor's value at the draw. With ``per_token`` a gate per step instead, D_ts = c·Π_{s<r≤t} g_r
     (Mamba-2's exp(segsum(a)), gated linear attention's parallel form): g [*L, T] is γ(tensor) with the tensor's
-    dims permuted by ``per_token`` and broadcast over the rest of L."""
+    dims permuted and placed by ``per_token`` (permutation, dims of [*L, T]) and broadcast over the rest."""
 
     d: torch.Tensor
     scale: float
@@ -309,9 +309,10 @@ class _Decay:
     tensor: fx.Node | None = None
     form: str = "γ"
     drawn: torch.Tensor | None = None
-    per_token: tuple[int, ...] | None = None
+    per_token: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     row_scale: torch.Tensor | None = None  # c_t per query (and head), [T] or [H, T]: D_ts = c_t·γ^(t−s)
     scale_form: str | None = None  # c read at run time from ``tensor`` (one number), γ the numbers in ``gammas``
+    causal: bool = True  # False: no mask at all, D = c everywhere (φ(Q)φ(K)ᵀ V = φ(Q)(φ(K)ᵀ V))
 
 
 def _decays(form: _Form, size=size_hint) -> _Decay:
@@ -328,6 +329,7 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
         values[node] = ones
     values[form.v] = torch.zeros(_sizes(form.v, size), dtype=torch.float64)
     inputs = tensors_read([form.a], stop=[form.score, form.q, form.k, form.v])  # beside the score
+    inputs = [n for n in inputs if not made_in_forward(n)]  # (a torch.tensor(-inf) fill: evaluate reads it)
     if not inputs:
         d = _decay_values(form, dict(values), size)
         try:
@@ -338,6 +340,8 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
                 raise NotFused("its mask D has a scale per query that differs between sequences") from None
             return _Decay(d, 1.0, _gammas(d / rows.unsqueeze(-1), None),
                           row_scale=rows[0] if rows.dim() > 1 else rows)
+        if d.shape[-1] > 1 and bool((d == scale).all()):
+            return _Decay(d, scale, [1.0], causal=False)
         return _Decay(d, scale, _gammas(d / scale, None))
     named = ", ".join(f"{n.name} of shape {list(_sizes(n))}" for n in inputs)
     why = (f"its mask D reads {named}, taken by the graph as input (a buffer, parameter or argument), "
@@ -375,10 +379,9 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
 
 
 def _scale_read(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay | None:
-    """The score scaled by one number read at run time, ``tensor`` or its reciprocal (a learned scale, a learned
-    temperature ``s / exp(log τ)``), over a mask of constant γ: D = c·γ^(t−s) at two draws of it, or None."""
-    if math.prod(_sizes(tensor, size)) != 1:
-        return None
+    """The score scaled by a number read at run time, one or one per head ([H], [H, 1, 1]), ``tensor``, its
+    reciprocal or its exp (a learned scale, a learned temperature ``s / exp(log τ)``, a bias in log space
+    ``exp((t−s) log γ + b)``), over a mask of constant γ: D = c·γ^(t−s) at two draws of it, or None."""
     generator = torch.Generator().manual_seed(2)
     for scale_form, of in _SCALE_FROM.items():
         found = None
@@ -386,10 +389,13 @@ def _scale_read(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay | No
             drawn = 0.5 + torch.rand(_sizes(tensor, size), dtype=torch.float64, generator=generator)
             try:
                 d = _decay_values(form, {**values, tensor: drawn}, size)
-                gammas = _gammas(d / float(of(drawn).flatten()[0]), None)
+                c = of(drawn).reshape(-1)
+                if c.numel() != 1 and not (d.dim() == 4 and c.numel() == d.shape[1]):
+                    return None  # not one number, nor one per head of [B, H, T, T]
+                gammas = _gammas(d / (c.reshape(()) if c.numel() == 1 else c.view(1, -1, 1, 1)), None)
             except NotFused:
                 break
-            if found is not None and found.gammas != gammas:
+            if found is not None and not all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(found.gammas, gammas)):
                 break
             found = found or _Decay(d, 1.0, gammas, tensor, drawn=drawn, scale_form=scale_form)
         else:
@@ -415,7 +421,7 @@ def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay
                 d = _decay_values(form, {**values, tensor: draw(gates)}, size)
             except NotFused:  # the mask reads more than this tensor
                 return None
-            if d.dim() < 2 or d.shape[-1] < 3 or d.shape[-1] != d.shape[-2]:
+            if d.dim() < 2 or d.shape[-1] < 2 or d.shape[-1] != d.shape[-2]:
                 return None
             diagonal = d.diagonal(dim1=-2, dim2=-1)
             scale = float(diagonal.flatten()[0])
@@ -430,28 +436,29 @@ def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay
     return None
 
 
-def _gate_layout(gates: torch.Tensor, d: torch.Tensor) -> tuple[int, ...] | None:
-    """The permutation of the gates' dims that, broadcast to D's [*L, T], makes D_ts = Π_{s<r≤t} g_r, or None."""
+def _gate_layout(gates: torch.Tensor, d: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(the permutation of the gates' dims, the dims of D's [*L, T] they take, the last T) that, broadcast over the
+    others (a gate [B, T] shared by the heads of [B, H, T]), make D_ts = Π_{s<r≤t} g_r; or None."""
     import itertools
 
     lead_t = d.shape[:-1]
     steps = torch.arange(d.shape[-1])
     below = steps[:, None] >= steps[None, :]
-    for perm in itertools.permutations(range(gates.dim())):
+    for perm, places in ((p, c + (len(lead_t) - 1,)) for p in itertools.permutations(range(gates.dim()))
+                         for c in itertools.combinations(range(len(lead_t) - 1), gates.dim() - 1)):
         g = gates.permute(perm)
-        if g.dim() > len(lead_t) or g.shape[-1] != lead_t[-1]:
+        if g.shape[-1] != lead_t[-1] or any(g.shape[i] not in (1, lead_t[p]) for i, p in enumerate(places)):
             continue
-        g = g.reshape((1,) * (len(lead_t) - g.dim()) + tuple(g.shape))
-        try:
-            g = g.expand(lead_t)
-        except RuntimeError:
-            continue
+        view = [1] * len(lead_t)
+        for i, p in enumerate(places):
+            view[p] = g.shape[i]
+        g = g.reshape(view).expand(lead_t)
         logs = torch.log(g).clone()
         logs[..., 0] = 0.0
         total = logs.cumsum(-1)
         expected = torch.where(below, torch.exp(total[..., :, None] - total[..., None, :]), 0.0)
         if torch.allclose(d, expected, rtol=1e-6, atol=1e-30):
-            return perm
+            return perm, places
     return None
 
 
@@ -565,7 +572,7 @@ def _same_at_other_sizes(decay: _Decay, other: _Decay | None) -> None:
     another number at every size, and the op takes numbers."""
     same = other is not None and math.isclose(decay.scale, other.scale, rel_tol=1e-9) \
         and decay.tensor is other.tensor and decay.form == other.form and decay.per_token == other.per_token \
-        and _same_row_scale(decay.row_scale, other.row_scale) \
+        and _same_row_scale(decay.row_scale, other.row_scale) and decay.causal == other.causal \
         and (decay.gammas is None) == (other.gammas is None) \
         and (decay.gammas is None or len(decay.gammas) == len(other.gammas)
              and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(decay.gammas, other.gammas)))
@@ -687,7 +694,7 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     scale = _SCALE_FROM[decay.scale_form] if decay.scale_form else decay.scale
     row_scale = None if decay.row_scale is None else decay.row_scale.tolist()
     replace_with_function(gm, replaced, _linear_attention_of(form.perms, gammas, scale, normaliser is not None,
-                                                             eps, decay.per_token, row_scale),
+                                                             eps, decay.per_token, row_scale, decay.causal),
                           [form.k, form.v, form.q] + ([decay.tensor] if decay.tensor is not None else []),
                           outputs=[out])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -695,7 +702,7 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
         if not node.users:  # the score and its mask, now read by nothing
             gm.graph.erase_node(node)
     report.add_fusion("linear_attention", "hecate.linear_attention", len(replaced) + 1,
-                      "causal (φ(Q)φ(K)ᵀ ⊙ D) V, parallel form"
+                      ("causal (φ(Q)φ(K)ᵀ ⊙ D) V" if decay.causal else "non-causal (φ(Q)φ(K)ᵀ) V") + ", parallel form"
                       + (f", decay γ={'/'.join(f'{g:g}' for g in gammas)}" if not callable(gammas) and gammas != [1.0]
                          else f", decay {decay.form} per {'step' if decay.per_token else 'head'} "
                               f"{_source(decay.tensor)} at run time" if callable(gammas) else "")
@@ -715,7 +722,9 @@ def _source(value: fx.Node) -> str:
 
 
 def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float,
-                         per_token: tuple[int, ...] | None = None, row_scale: list | None = None):
+                         per_token: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                         row_scale: list | None = None,
+                         causal: bool = True):
     """The replacement: the op over [B, T, H, D] views of the canonical [T, D] / [B, T, D] /
     [B, H, T, D] inputs, with the per-head (or one) decay γ as the keep factor of every step:
     ``gammas`` the numbers, or the function giving them from the tensor the mask reads (with ``per_token``,
@@ -735,16 +744,22 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
         def to_op(x):  # [T, D] / [B, T, D] / [B, H, T, D] → [B, T, H, D]
             return x[None, :, None] if rank == 2 else x[:, :, None] if rank == 3 else x.transpose(1, 2)
 
-        if callable(scale):  # one number read at run time, its gradient through the product
-            k_, v_, q_ = to_op(k), to_op(v), to_op(q * scale(read).reshape(()).to(q.dtype))
+        if callable(scale):  # one number (or one per head) read at run time, its gradient through the product
+            c = scale(read).reshape(-1)
+            c = c.reshape(()) if c.numel() == 1 else c.view(1, -1, 1, 1)  # [B, H, T, D]: one per head
+            k_, v_, q_ = to_op(k), to_op(v), to_op(q * c.to(q.dtype))
         else:
             k_, v_, q_ = to_op(k), to_op(v), to_op(q if scale == 1.0 else q * scale)
         if callable(scale):
             alpha: Any = None if gammas == [1.0] else \
                 torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()
         elif read is not None and per_token is not None:  # a gate per step: [*L, T] → the op's [B, T, H]
-            g = gammas(read).permute(per_token)
-            g = g.reshape((1,) * (rank - 1 - g.dim()) + tuple(g.shape)).expand(k.shape[:-1])
+            perm, places = per_token
+            g = gammas(read).permute(perm)
+            view = [1] * (rank - 1)
+            for i, p in enumerate(places):
+                view[p] = g.shape[i]
+            g = g.reshape(view).expand(k.shape[:-1])
             alpha = (g[None, :, None] if rank == 2 else g[:, :, None] if rank == 3 else g.transpose(1, 2))
             alpha = alpha.to(k_.dtype).contiguous()
         elif read is not None:  # γ per head (or one) from the tensor, its gradient summed back through the expand
@@ -752,7 +767,7 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
         else:
             alpha = None if gammas == [1.0] else \
                 torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()
-        y = torch.ops.hecate.linear_attention(k_, v_, q_, alpha, None, None, normalise, eps, True)[0]
+        y = torch.ops.hecate.linear_attention(k_, v_, q_, alpha, None, None, normalise, eps, causal)[0]
         y = y[0, :, 0] if rank == 2 else y[:, :, 0] if rank == 3 else y.transpose(1, 2)
         if row_scale is not None:
             y = y * torch.tensor(row_scale, dtype=y.dtype, device=y.device)[..., None]
@@ -791,22 +806,38 @@ def _operands(node: fx.Node) -> list:
 
 def _noncausal_product(read: fx.Node) -> tuple | None:
     """(k, v, q, kv) when ``read`` [*L, T, Dv] reads q [*L, T, Dk] and kv [*L, Dk, Dv] (or [*L, Dv, Dk]), a product
-    of two [*L, T, ·] tensors summed over T that nothing else reads."""
+    of two [*L, T, ·] tensors summed over T (by the product, or an outer product then ``sum`` over T) that nothing
+    else reads. Keys of another length than the queries (two symbols after a recompile) are NotFused."""
     shape = _sizes_of(read)
     if shape is None or len(shape) < 3:
         return None
     for kv in _operands(read):
         others = [x for x in _operands(read) if x is not kv]
-        if not isinstance(kv, fx.Node) or len(others) != 1 or len(kv.users) != 1 or kv.op != "call_function" \
-                or kv.target not in _PRODUCTS + (aten.einsum.default,):
+        if not isinstance(kv, fx.Node) or len(others) != 1 or len(kv.users) != 1 or kv.op != "call_function":
             continue
-        q, (a, b) = others[0], (list(_operands(kv)) + [None, None])[:2]
-        while isinstance(a, fx.Node) and a.target in (aten.transpose.int, aten.permute.default) and len(a.users) == 1:
-            a = a.args[0]  # k.mT @ v reads k itself
+        product = kv
+        if kv.target is aten.sum.dim_IntList and len(kv.args[1]) == 1 and isinstance(kv.args[0], fx.Node) \
+                and len(kv.args[0].users) == 1:
+            product = kv.args[0]  # Σ_t k_t ⊗ v_t: the outer products, then their sum over time
+        if product.target not in _PRODUCTS + (aten.einsum.default, aten.mul.Tensor):
+            continue
+        q, (a, b) = others[0], (list(_operands(product)) + [None, None])[:2]
+        for _ in range(2):  # k.mT @ v reads k itself; an outer product by broadcasting reads k[..., None] and v
+            a, b = (x.args[0] if isinstance(x, fx.Node) and len(x.users) == 1 and x.target in (
+                aten.transpose.int, aten.permute.default, aten.unsqueeze.default) else x for x in (a, b))
         lead, t = shape[:-2], shape[-2]
-        if not all(isinstance(x, fx.Node) and _same_sizes(_sizes_of(x), lead + (t,), drop=1) for x in (q, a, b)) \
-                or not _same_sizes(_sizes_of(kv), lead, drop=2):
+        if not _same_sizes(_sizes_of(kv), lead, drop=2) or not isinstance(q, fx.Node) \
+                or not _same_sizes(_sizes_of(q), lead + (t,), drop=1):
             continue
+        keys = [_sizes_of(x) for x in (a, b)]
+        if any(k is None or len(k) != len(shape) or not _same_sizes(k[:-2], lead) for k in keys) \
+                or not statically_known_true(keys[0][-2] == keys[1][-2]):
+            continue
+        if not statically_known_true(keys[0][-2] == t):
+            raise NotFused(f"its keys have length {keys[0][-2]} and its queries {t}: torch.compile gave them two "
+                           "symbols (a recompile, or dynamic=True, makes each input's length its own), and the op "
+                           "takes queries and keys of one length; compute q and k from one tensor, or compile with "
+                           "dynamic=False")
         return a, b, q, kv
     return None
 

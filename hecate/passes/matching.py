@@ -273,6 +273,15 @@ def constant_tensor(node: Any) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) else None
 
 
+def made_in_forward(node: Any) -> torch.Tensor | None:
+    """The value of a tensor the model makes in forward that Dynamo lifted into a constant of the graph
+    (``torch.tensor(float("-inf"))``, a ``get_attr`` named ``_tensor_constant*``), else None. Not a buffer or
+    parameter: those may change between calls."""
+    if isinstance(node, fx.Node) and node.op == "get_attr" and node.target.startswith("_tensor_constant"):
+        return constant_tensor(node)
+    return None
+
+
 _ONE_ELEMENT_VIEWS = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.view.default,
                       aten.reshape.default, aten.unsqueeze.default, aten.select.int)
 

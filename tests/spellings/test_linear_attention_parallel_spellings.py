@@ -811,11 +811,18 @@ class Mamba2Mixer(nn.Module):
         return ((c @ b.mT) * torch.exp(_segsum_by_differences(a))) @ x
 
 
-def _gated_inputs(layout):
+def gla_gate_shared_by_the_heads(q, k, v, f):  # [B, H, T, D] with one gate per sequence and step, [B, T]
+    total = F.logsigmoid(f).cumsum(-1)[:, None]  # [B, 1, T]
+    return ((q @ k.mT) * torch.exp(total[..., :, None] - total[..., None, :]).tril()) @ v
+
+
+def _gated_inputs(layout, steps=T):
     g = torch.Generator().manual_seed(0)
     if layout == "ssd":  # C, B, X [B, H, T, ·] and log gates a < 0 [B, H, T]
-        return [torch.randn(B, 3, T, 4, generator=g), torch.randn(B, 3, T, 4, generator=g),
-                torch.randn(B, 3, T, 5, generator=g), -F.softplus(torch.randn(B, 3, T, generator=g))]
+        return [torch.randn(B, 3, steps, 4, generator=g), torch.randn(B, 3, steps, 4, generator=g),
+                torch.randn(B, 3, steps, 5, generator=g), -F.softplus(torch.randn(B, 3, steps, generator=g))]
+    if layout == "shared":
+        return [torch.randn(B, 3, T, D, generator=g) for _ in range(3)] + [torch.randn(B, T, generator=g) + 1]
     if layout == "one_head":
         return [torch.randn(B, T, D, generator=g) for _ in range(3)] + [torch.randn(B, T, generator=g) + 2]
     return [torch.randn(B, 3, T, D, generator=g) for _ in range(3)] + [torch.randn(B, T, 3, generator=g) + 1]
@@ -828,7 +835,7 @@ def gla_clamped_gates(q, k, v, f):  # the gates clamped before their products: t
 
 GATED = [(ssd_segsum_by_differences, "ssd"), (ssd_segsum_by_masked_cumsum, "ssd"),
          (gla_cumulative_product_ratio, "one_head"), (gla_log_sigmoid_heads_last_gates, "heads"),
-         (gla_clamped_gates, "one_head")]
+         (gla_clamped_gates, "one_head"), (gla_gate_shared_by_the_heads, "shared")]
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
@@ -840,6 +847,13 @@ def test_a_gate_per_step_fuses_and_equals_eager(fn, layout, dynamic, fresh_dynam
     report = _check(fn, _gated_inputs(layout), dynamic)
     assert report.count("linear_attention") == 1 and not report.misses, str(report)
     assert "per step" in report.fusions[0].detail and "at run time" in report.fusions[0].detail, report.fusions[0]
+
+
+def test_a_gate_per_step_over_two_steps_fuses(fresh_dynamo):
+    """At T = 2 the mask has one gate below the diagonal, D_10 = g_1: still the products of the gates (it was reported
+    as a tensor whose values are not known, probe r20)."""
+    report = _check(ssd_segsum_by_differences, _gated_inputs("ssd", steps=2), False)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
@@ -912,3 +926,117 @@ def test_a_learned_score_scale_fuses_and_equals_eager(module, dynamic, fresh_dyn
     report = _check(model, [torch.randn(B, T, D) for _ in range(3)], dynamic, list(model.parameters()))
     assert report.count("linear_attention") == 1 and not report.misses, str(report)
     assert "at run time" in report.fusions[0].detail and "score scaled by" in report.fusions[0].detail
+
+
+def noncausal_by_summed_outer_products(q, k, v):  # Σ_t k_t ⊗ v_t by an einsum's outer products and sum over t
+    kv = torch.einsum("bhtk,bhtv->bhtkv", phi(k), v).sum(dim=2)
+    return torch.einsum("bhtk,bhkv->bhtv", phi(q), kv)
+
+
+@pytest.mark.parametrize("fn", [noncausal_by_matmul, noncausal_by_summed_outer_products], ids=lambda f: f.__name__)
+def test_noncausal_form_recompiled_at_a_second_length_is_reported(fn, fresh_dynamo):
+    """A second length makes Dynamo recompile with the queries' and the keys' lengths two symbols: the op takes one
+    length, so the form is reported there (it was silent: no fusion and no miss, probe r20); the first compile
+    fuses, and both equal eager."""
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})
+    for length, fused in ((T, True), (T + 2, False)):
+        args = [torch.randn(B, 2, length, D, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        assert_close(f"output at T = {length}", compiled(*args), fn(*args), TOL)
+        report = hecate.last_report()
+        if fused:
+            assert report.count("linear_attention") == 1 and not report.misses, str(report)
+        else:
+            assert not report.fusions and "two symbols" in report.misses[0].reason, str(report)
+
+
+def noncausal_scores_first(q, k, v):  # (φ(Q) φ(K)ᵀ) V: the [T, T] score formed, no mask
+    return (phi(q) @ phi(k).transpose(-1, -2)) @ v
+
+
+def noncausal_scores_first_normalised(q, k, v):  # each row of the unmasked score's product over its sum (+ ε)
+    a = phi(q) @ phi(k).mT
+    return (a @ v) / (a.sum(-1, keepdim=True) + 1e-6)
+
+
+def noncausal_scaled_scores_by_einsum(q, k, v):  # scaled, the score and the read by einsums
+    a = torch.einsum("btd,bsd->bts", phi(q), phi(k)) * 0.5
+    return torch.einsum("bts,bse->bte", a, v)
+
+
+NONCAUSAL_SCORES = [noncausal_scores_first, noncausal_scores_first_normalised, noncausal_scaled_scores_by_einsum]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn", NONCAUSAL_SCORES, ids=lambda f: f.__name__)
+def test_noncausal_scores_formed_first_fuse_and_equal_eager(fn, dynamic, fresh_dynamo):
+    """No mask at all, D = c everywhere: the op's non-causal form φ(Q)(φ(K)ᵀ V), which never forms the [T, T]
+    score (it was reported as a mask that is not causal, probe r20)."""
+    torch.manual_seed(0)
+    report = _check(fn, [torch.randn(B, T, D) for _ in range(3)], dynamic)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    assert report.fusions[0].detail.startswith("non-causal"), report.fusions[0].detail
+
+
+class DecayTimesLearnedScale(nn.Module):
+    """γ^(t−s) below the diagonal (γ = 0.9 in float32) times a learned number c."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, q, k, v):
+        i = torch.arange(q.shape[-2])
+        n = (i[:, None] - i[None, :]).float()
+        return ((q @ k.mT) * (torch.where(n >= 0, 0.9 ** n, 0.0) * self.c)) @ v
+
+
+class LogDecayWithABias(nn.Module):
+    """The mask in log space with a learned bias: exp((t−s) log γ + b), the future at −inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.tensor(-0.3))
+
+    def forward(self, q, k, v):
+        i = torch.arange(q.shape[-2])
+        n = (i[:, None] - i[None, :]).float()
+        return ((q @ k.mT) * (n * math.log(0.9) + self.b).masked_fill(n < 0, float("-inf")).exp()) @ v
+
+
+class ScalePerHead(nn.Module):
+    """A learned scale per head [H, 1, 1] on the causal score of [B, H, T, D]."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor([0.5, 2.0]).view(2, 1, 1))
+
+    def forward(self, q, k, v):
+        return ((q @ k.mT) * self.s * torch.tril(torch.ones(q.shape[-2], q.shape[-2]))) @ v
+
+
+class LogDecayPerHeadFilledByATensor(nn.Module):
+    """log γ per head from a parameter, the future filled with torch.tensor(-inf), a constant made in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor([2.0, 0.5]))
+
+    def forward(self, q, k, v):
+        i = torch.arange(q.shape[-2])
+        n = (i[:, None] - i[None, :]).float()
+        logd = torch.where(n >= 0, F.logsigmoid(self.p)[:, None, None] * n, torch.tensor(float("-inf")))
+        return ((q @ k.mT) * logd.exp()) @ v
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("module", [DecayTimesLearnedScale, LogDecayWithABias, ScalePerHead,
+                                    LogDecayPerHeadFilledByATensor], ids=lambda m: m.__name__)
+def test_learned_scales_and_constant_fills_beside_a_decay_fuse(module, dynamic, fresh_dynamo):
+    """A learned scale beside a decay, one or per head, or in log space as a bias; a fill made by torch.tensor in
+    forward (known when compiling): each fuses and equals eager, parameters' gradients included (probe r20: each
+    was reported as a tensor whose values are not known, or as a scale per query)."""
+    torch.manual_seed(0)
+    model = module()
+    args = [torch.randn(B, 2, T, D) for _ in range(3)]
+    report = _check(model, args, dynamic, list(model.parameters()))
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
