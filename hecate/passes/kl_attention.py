@@ -1659,6 +1659,58 @@ def _in_dtype_of(node: fx.Node, value: torch.Tensor) -> torch.Tensor:
     return value if value.dtype == dtype else value.to(dtype)
 
 
+def _rows_of_no_finite_score(score, lse, unfold, empty_rows, allowed, mean, var):
+    """For a softmax β: the function making NaN what eager's softmax makes NaN on a row whose allowed keys all
+    score −inf (a query of variance 0 against keys of variance > 0: KL = +inf to each), where the op gives 0 (its
+    lse is −inf, as on a row the mask leaves empty, which the caller handles); else None.
+
+    Eager's row of β is NaN at every key, so the row's sums are NaN, and every column sum of its sequence; in the
+    backward the NaN reaches the values f_j of every key, the row's column values, and through the row's scores
+    the beliefs of the row and of its allowed keys (all beliefs of the sequence where the term reads the KL). The
+    NaN is added with ``where`` (whose backward gives the other rows 0, not 0 · NaN); found at run time from lse."""
+    if score.beta is not score.softmax:
+        return None  # (a zero-filled β keeps 0 at the masked keys: not followed here)
+    from hecate.lowering.kl_attention.naive import allowed_keys
+
+    n = mean.shape[-2]
+    rows = torch.isneginf(unfold(lse))  # [*L, N]
+    if empty_rows is not None:
+        rows = rows & ~empty_rows
+    belief = (mean + var).sum(-1)  # [*L, N]
+    if allowed is not None:  # the row's belief and its allowed keys'
+        keys = allowed_keys(n, score.causal, score.mask_diagonal, mean.device)
+        keys = keys & (allowed if allowed.dim() == 2 else unfold(allowed))
+        reach = belief + (keys.to(belief.dtype) @ belief.unsqueeze(-1)).squeeze(-1)
+    else:  # (no [N, N] formed for the masks made from sizes: sums up to the row, or over all)
+        keys = belief.cumsum(-1) if score.causal else belief.sum(-1, keepdim=True)
+        reach = belief + keys - (belief if score.mask_diagonal else 0.0)
+    every_belief = belief.sum(-1, keepdim=True)
+    any_row = rows.any(-1)[..., None]  # [*L, 1]
+    nan = float("nan")
+
+    def with_nan(total, terms, v, v_spans, w, w_spans):
+        reached = torch.zeros_like(reach)
+        column = False
+        for term in terms:
+            if term.output != "energy":
+                start, end = (v_spans if term.output.startswith("row") else w_spans)[term.feature]
+                feature = (v if term.output.startswith("row") else w)[..., start:end]
+                if term.output.startswith("row"):  # every key's value, through the row's β
+                    reached = reached + feature.sum((-1, -2))[..., None]
+                else:  # the row's own column values
+                    reached = reached + feature.sum(-1)
+                    column = True
+            reached = reached + (every_belief if "kl" in term.output or term.output == "energy" else reach)
+        # (× NaN only where selected: elsewhere × 1, so that the zero gradient ``where`` gives is not 0 · NaN)
+        if column:  # a column sum adds up every row: NaN in every column of the sequence
+            per_sequence = torch.where(rows, reached, 0.0).sum(-1, keepdim=True) * torch.where(any_row, nan, 1.0)
+            return total + torch.where(any_row, per_sequence, 0.0).unsqueeze(-1).to(total.dtype)
+        return torch.where(rows.unsqueeze(-1), (reached * torch.where(rows, nan, 1.0)).unsqueeze(-1).to(total.dtype),
+                           total)
+
+    return with_nan
+
+
 def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale, temperature=None, mask_values=()):
     """The roots' values (then β / γ·KL for the nodes read whole) from one ``hecate.kl_attention`` call;
     ``temperature`` the value of the 0-d tensor a run-time κ is read from, ``mask_values`` those of the masks
@@ -1754,6 +1806,8 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
         per_sequence = sum(x.flatten(len(lead)).sum(-1) for x in reached) if reached else mean.new_zeros(lead)
         return (per_sequence * nan_scale)[..., None, None]
 
+    no_score = _rows_of_no_finite_score(score, sums[6], unfold, empty_rows, allowed, mean, var)
+
     for root in roots:
         total, nan = None, None
         for term in plan.terms[root]:
@@ -1779,6 +1833,8 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
                 total = total + nan  # a column sum adds up every row, the empty one too
             else:
                 total = torch.where(empty_rows.unsqueeze(-1), nan.to(total.dtype), total)
+        if no_score is not None:
+            total = no_score(total, plan.terms[root], v, v_spans, w, w_spans)
         # the root is [*L, N] + tail, tail (), (1,), (W,) or (1, W); a symbolic W is the terms' width (sizes
         # are read off the traced tensors, never the graph's SymInts)
         tail = root.meta["val"].shape[len(lead) + 1:]

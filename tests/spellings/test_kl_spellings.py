@@ -626,6 +626,48 @@ EMPTY_ROW_READS = {
 }
 
 
+NO_FINITE_SCORE_MASKS = {
+    "causal": lambda n: _causal(n),
+    "no_self": lambda n: ~torch.eye(n, dtype=torch.bool),
+    "all_keys": lambda n: torch.ones(n, n, dtype=torch.bool),
+}
+
+
+# (causal with Σ β·KL over an unzeroed KL: the token is also a key, at KL = −inf + inf = NaN from every query, and
+# eager's 0 · NaN at the masked keys makes the energy NaN on rows the op, reading allowed keys only, keeps finite)
+@pytest.mark.parametrize("mask,read", [(m, r) for m in NO_FINITE_SCORE_MASKS for r in EMPTY_ROW_READS
+                                       if (m, r) != ("causal", "energy")])
+def test_a_query_of_zero_variance_is_nan_as_in_eager(mask, read, fresh_dynamo):
+    """A query of variance 0 (a zero-filled padded token) is at KL = +inf from every key of variance > 0: eager's
+    softmax of its row of −inf is NaN, though the mask allows keys, and its backward takes that NaN to every key's
+    values and to the beliefs of the row and its keys. Compiled, the same, outputs and gradients (the op gave 0 and
+    finite gradients, probe r20)."""
+    def fn(mu, var, v):
+        allowed = NO_FINITE_SCORE_MASKS[mask](mu.shape[1])
+        beta = F.softmax((-kl_spec(mu, var)).masked_fill(~allowed, float("-inf")), dim=-1)
+        return EMPTY_ROW_READS[read](beta, mu, var, v)
+
+    g = torch.Generator().manual_seed(0)
+    mu, var, v = torch.randn(B, N + 1, K, generator=g), _var((B, N + 1, K)), torch.randn(B, N + 1, 2, generator=g)
+    mu[1, 3], var[1, 3] = 0.0, 0.0
+
+    def run(f):
+        x = [mu.clone().requires_grad_(), var.clone().requires_grad_(), v.clone().requires_grad_()]
+        out = f(*x)
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        return [out] + list(torch.autograd.grad((out * weight).sum(), x, allow_unused=True))
+
+    got = run(torch.compile(fn, backend="hecate", options={"fallback": "eager"}))
+    assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
+    ref = run(fn)
+    assert torch.isnan(ref[0][1]).any() and not torch.isnan(ref[0][0]).any()  # what the test is about
+    for name, a, b in zip(("output", "d mu", "d var", "d values"), got, ref):
+        if b is None:
+            continue
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), (name, torch.isnan(a).sum(), torch.isnan(b).sum())
+        assert_close(name, a.detach().nan_to_num(0.0), b.detach().nan_to_num(0.0), 1e-5)
+
+
 @pytest.mark.parametrize("read", list(EMPTY_ROW_READS))
 @pytest.mark.parametrize("mask", list(EMPTY_ROW_MASKS))
 def test_a_row_with_no_key_is_nan_as_in_eager_forward_and_backward(mask, read, fresh_dynamo):
