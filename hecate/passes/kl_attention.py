@@ -495,6 +495,12 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     # the masks built from sizes at the example's length and, where it is symbolic, at another: one kind at both
     lengths = _lengths(shape)
     alloweds, run_time_masks = zip(*(_allowed(masks, shape, size) for size in lengths))
+    if _mask_kind_or_none(alloweds[0]) is None and all(_run_time_mask(node, kind, shape, made_here=True)
+                                                        for node, kind in masks):
+        # a bool mask made from sizes that is none of the kernels' (a sliding window): the op takes the graph's
+        # own mask at run time, as it takes one passed in
+        alloweds = tuple(torch.ones_like(a) for a in alloweds)
+        run_time_masks = tuple(list(masks) for _ in lengths)
     kinds = [_mask_kind(alloweds[0])] + [_mask_kind_or_none(a) for a in alloweds[1:]]
     if len(set(kinds)) > 1:
         raise NotFused(f"the attention mask built from sizes allows {int(alloweds[0].sum())} of "
@@ -823,13 +829,13 @@ def _allowed(masks, shape, size=size_hint) -> tuple[torch.Tensor, list]:
     return allowed, run_time
 
 
-def _run_time_mask(node: fx.Node, kind: str, shape) -> bool:
-    """Whether ``node`` is a bool mask read from the graph's inputs that the op can take at run time: over the
-    queries and keys (or the keys alone), the same for every sequence and head or one per sequence or head (a
-    key-padding mask [B, 1, N]), its leading dims 1 or the score's."""
+def _run_time_mask(node: fx.Node, kind: str, shape, made_here: bool = False) -> bool:
+    """Whether ``node`` is a bool mask read from the graph's inputs (or, ``made_here``, one the graph makes) that
+    the op can take at run time: over the queries and keys (or the keys alone), the same for every sequence and
+    head or one per sequence or head (a key-padding mask [B, 1, N]), its leading dims 1 or the score's."""
     value = node.meta.get("val")
     if kind not in ("masked", "allowed") or not isinstance(value, torch.Tensor) or value.dtype != torch.bool \
-            or not tensors_read([node]) or value.dim() > len(shape):
+            or not (made_here or tensors_read([node])) or value.dim() > len(shape):
         return False
     lead, pairs = value.shape[:-2], value.shape[-2:]
     n = shape[-1]
@@ -1461,7 +1467,9 @@ def _fuse(gm: fx.GraphModule, score: _Score, report: FusionReport) -> bool:
     _rewrite(gm, algebra, roots, plan, score)
     mode = ("causal" if score.causal else "full") + (", diagonal masked" if score.mask_diagonal else "")
     if score.run_time_masks:
-        mode += (", mask read at run time from " + ", ".join(_source_names(m) for m, _ in score.run_time_masks)
+        sources = ", ".join(filter(None, (_source_names(m) for m, _ in score.run_time_masks)))
+        mode += (", mask read at run time " + (f"from {sources}" if sources else "as the graph makes it (none of "
+                                                "the kernels' patterns at this length)")
                  + " (the kernels run where it is all keys, causal, no self or causal without self)")
     if score.empty_rows_nan and not score.run_time_masks:  # (a run-time mask's empty rows are NaN, as in eager)
         mode += ", NaN on rows with no key"

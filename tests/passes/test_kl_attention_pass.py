@@ -114,7 +114,6 @@ def _fused(mu, var):
 
 @pytest.mark.parametrize("fn,reason", [
     (_softmax_over_queries, "over the queries (dim −2), for each key"),
-    (_upper_triangular_mask, "none of: all keys, causal (j ≤ i), no self (j ≠ i)"),
     (_not_separable, "exp of shape [2, 4, 4, 3] is neither per-query nor per-key"),
 ])
 def test_near_misses_are_reported_and_left_unfused(fn, reason, fresh_dynamo):
@@ -125,6 +124,21 @@ def test_near_misses_are_reported_and_left_unfused(fn, reason, fresh_dynamo):
     compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
     for got, ref in zip(torch.utils._pytree.tree_leaves(compiled(mu, var)), torch.utils._pytree.tree_leaves(fn(mu, var))):
         assert_close("output", got, ref, 1e-6)
+
+
+def test_a_mask_of_none_of_the_kernels_patterns_is_read_at_run_time(fresh_dynamo):
+    """An anti-causal mask made from sizes is none of the kernels' patterns: the op takes the graph's own mask at
+    run time (its matmul form), as it takes one passed in."""
+    mu = torch.randn(2, 4, 3, requires_grad=True)
+    var = (torch.rand(2, 4, 3) + 0.5).requires_grad_()
+    got = torch.compile(_upper_triangular_mask, backend="hecate", options={"fallback": "eager"})(mu, var)
+    report = hecate.last_report()
+    assert report.count("kl_attention") == 1 and "as the graph makes it" in report.fusions[0].detail, str(report)
+    ref = _upper_triangular_mask(mu, var)
+    assert_close("output", got, ref, 1e-5)
+    for name, a, b in zip(("d mu", "d var"), torch.autograd.grad(got.sum(), [mu, var]),
+                          torch.autograd.grad(ref.sum(), [mu, var])):
+        assert_close(name, a, b, 1e-5)
 
 
 def test_returned_beta_is_formed_in_matmul_form_beside_the_op(fresh_dynamo):

@@ -1633,7 +1633,6 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
     (m_score_bias, (), "not a mask of 0 and −inf"),
-    (m_window_mask, (), "none of: all keys, causal (j ≤ i), no self (j ≠ i)"),
     (m_additive_mask_read_at_run_time, (torch.full((N, N), float("-inf")).triu(1),),
      "read from l_bias_ at run time and added to the score"),
 ], ids=lambda x: getattr(x, "__name__", None))
@@ -1646,6 +1645,26 @@ def test_near_miss_is_reported_with_the_users_line(fn, extra, reason, fresh_dyna
     assert "test_kl_spellings.py" in misses[0].source, misses[0]
     compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
     assert_close("output", compiled(mu, var, *extra), fn(mu, var, *extra), 1e-6)
+
+
+def a_sliding_window_from_arange(mu, var):  # causal, each query sees its last 3 keys: none of the kernels' masks
+    i = torch.arange(mu.shape[1])
+    window = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 3)
+    beta = F.softmax((-kl_spec(mu, var)).masked_fill(~window, float("-inf")), dim=-1)
+    return beta @ mu, (beta * kl_spec(mu, var)).sum(-1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn", [a_sliding_window_from_arange, m_window_mask], ids=lambda f: f.__name__)
+def test_a_mask_made_in_forward_of_none_of_the_kernels_patterns_fuses(fn, dynamic, fresh_dynamo):
+    """A sliding window or a band made from sizes: the op takes the graph's own mask at run time, as it takes a
+    mask held in a buffer or passed in (it was reported as a mask the op does not support, probe r20)."""
+    inputs = [torch.randn(B, N + 2, K).requires_grad_(), _var((B, N + 2, K)).requires_grad_()]
+    ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    compiled = torch.compile(fn, backend="hecate", dynamic=dynamic, options={"fallback": "eager", "strict": True})
+    assert_outputs_and_gradients_close(compiled(*inputs), fn(*ref_inputs), inputs, ref_inputs, 1e-5)
+    report = hecate.last_report()
+    assert report.count("kl_attention") == 1 and not report.misses, str(report)
 
 
 def _kl_with_keys(mu, var, mu_keys, var_keys):  # the KL with the key side read from other tensors
