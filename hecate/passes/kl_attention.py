@@ -1696,18 +1696,18 @@ def _rows_of_no_finite_score(score, lse, unfold, empty_rows, allowed, mean, var)
     any_row = rows.any(-1)[..., None]  # [*L, 1]
     nan = float("nan")
 
-    def with_nan(total, terms, v, v_spans, w, w_spans):
+    def with_nan(total, terms, v, w):
+        """(every row value v and column value w read, not the term's slice of them: the NaN of a row reaches
+        each value its β weighs, whichever sum reads it, and slices of the features' cat would look like a
+        hand-written conv's windows to the report's signatures)"""
         reached = torch.zeros_like(reach)
         column = False
         for term in terms:
-            if term.output != "energy":
-                start, end = (v_spans if term.output.startswith("row") else w_spans)[term.feature]
-                feature = (v if term.output.startswith("row") else w)[..., start:end]
-                if term.output.startswith("row"):  # every key's value, through the row's β
-                    reached = reached + feature.sum((-1, -2))[..., None]
-                else:  # the row's own column values
-                    reached = reached + feature.sum(-1)
-                    column = True
+            if term.output.startswith("row"):  # every key's value, through the row's β
+                reached = reached + v.sum((-1, -2))[..., None]
+            elif term.output.startswith("col"):  # the row's own column values
+                reached = reached + w.sum(-1)
+                column = True
             reached = reached + (every_belief if "kl" in term.output or term.output == "energy" else reach)
         # (× NaN only where selected: elsewhere × 1, so that the zero gradient ``where`` gives is not 0 · NaN)
         if column:  # a column sum adds up every row: NaN in every column of the sequence
@@ -1842,7 +1842,7 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
             else:
                 total = torch.where(empty_rows.unsqueeze(-1), nan.to(total.dtype), total)
         if no_score is not None:
-            total = no_score(total, plan.terms[root], v, v_spans, w, w_spans)
+            total = no_score(total, plan.terms[root], v, w)
         # the root is [*L, N] + tail, tail (), (1,), (W,) or (1, W); a symbolic W is the terms' width (sizes
         # are read off the traced tensors, never the graph's SymInts)
         tail = root.meta["val"].shape[len(lead) + 1:]
