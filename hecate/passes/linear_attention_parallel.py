@@ -162,8 +162,14 @@ def _parallel_form(y: fx.Node) -> _Form | None:
     if sq is None or sq[-1] != sk[-1] or sk[:-1] != sv[:-1] or len(sv) > 4 or pa != _inverse(ps):
         return None  # (A is the masked score: the same layout)
     if sa[-1] != sa[-2]:
-        if score is a or sq[:-2] != sk[:-2]:
-            return None  # no mask: a cross-attention of other lengths
+        if sq[:-2] != sk[:-2]:
+            return None
+        if score is a:  # no mask: the non-causal form, over queries and keys of other lengths
+            raise NotFused(f"its score is [..., {sa[-2]}, {sa[-1]}] with no mask: queries and keys of "
+                           + ("two length symbols (a recompile, or dynamic=True, makes each input's length its own; "
+                              "compute q and k from one tensor, or compile with dynamic=False)"
+                              if all(_symbolic(d) for d in (sa[-1], sa[-2])) else "other lengths")
+                           + "; the op's non-causal form takes one length")
         if not all(_symbolic(d) for d in (sa[-1], sa[-2])):
             raise NotFused(f"its masked score is [..., {sa[-2]}, {sa[-1]}]: queries and keys of other lengths (a "
                            "cache of earlier keys, say); the op's causal mask is over one length, T queries against "

@@ -1040,3 +1040,15 @@ def test_learned_scales_and_constant_fills_beside_a_decay_fuse(module, dynamic, 
     args = [torch.randn(B, 2, T, D) for _ in range(3)]
     report = _check(model, args, dynamic, list(model.parameters()))
     assert report.count("linear_attention") == 1 and not report.misses, str(report)
+
+
+def test_noncausal_scores_recompiled_at_a_second_length_are_reported(fresh_dynamo):
+    """(φ(Q)φ(K)ᵀ) V with no mask at a second length: the queries' and keys' lengths are two symbols, the op's
+    non-causal form takes one; reported (it was silent, probe r20), and equal to eager."""
+    compiled = torch.compile(noncausal_scores_first, backend="hecate", options={"fallback": "eager", "strict": True})
+    for length, fused in ((T, True), (T + 2, False)):
+        args = [torch.randn(B, length, D, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        assert_close(f"output at T = {length}", compiled(*args), noncausal_scores_first(*args), TOL)
+        report = hecate.last_report()
+        assert report.count("linear_attention") == int(fused) and (fused or "two length symbols" in
+                                                                   report.misses[0].reason), str(report)
