@@ -27,6 +27,7 @@ replacement feeds the op's [B, T, H, D] and permutes the result back to y's layo
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -445,8 +446,6 @@ def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay
 def _gate_layout(gates: torch.Tensor, d: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(the permutation of the gates' dims, the dims of D's [*L, T] they take, the last T) that, broadcast over the
     others (a gate [B, T] shared by the heads of [B, H, T]), make D_ts = Π_{s<r≤t} g_r; or None."""
-    import itertools
-
     lead_t = d.shape[:-1]
     steps = torch.arange(d.shape[-1])
     below = steps[:, None] >= steps[None, :]
@@ -752,14 +751,13 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
 
         if callable(scale):  # one number (or one per head) read at run time, its gradient through the product
             c = scale(read).reshape(-1)
-            c = c.reshape(()) if c.numel() == 1 else c.view(1, -1, 1, 1)  # [B, H, T, D]: one per head
-            k_, v_, q_ = to_op(k), to_op(v), to_op(q * c.to(q.dtype))
-        else:
-            k_, v_, q_ = to_op(k), to_op(v), to_op(q if scale == 1.0 else q * scale)
-        if callable(scale):
-            alpha: Any = None if gammas == [1.0] else \
-                torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()
-        elif read is not None and per_token is not None:  # a gate per step: [*L, T] → the op's [B, T, H]
+            q = q * (c.reshape(()) if c.numel() == 1 else c.view(1, -1, 1, 1)).to(q.dtype)  # [B, H, T, D]: per head
+        elif scale != 1.0:
+            q = q * scale
+        k_, v_, q_ = to_op(k), to_op(v), to_op(q)
+        read = None if callable(scale) else read  # (then the tensor read is the scale's, and γ are numbers)
+        alpha: Any
+        if read is not None and per_token is not None:  # a gate per step: [*L, T] → the op's [B, T, H]
             perm, places = per_token
             g = gammas(read).permute(perm)
             view = [1] * (rank - 1)

@@ -148,6 +148,12 @@ def _finite(mu: torch.Tensor, var: torch.Tensor) -> bool:
     return bool(torch.isfinite(mu).all()) and bool(torch.isfinite(var).all()) and bool((var > 0).all())
 
 
+def _inverse_kappa(kappa, temperature, inverse_temperature, mu) -> torch.Tensor:
+    """1/κ as a 0-d tensor in the softmax's dtype on mu's device (what the per-pair form takes, and differentiates)."""
+    return 1.0 / torch.as_tensor(effective_kappa(kappa, temperature, inverse_temperature),
+                                 dtype=matmul_form.softmax_dtype(mu.dtype), device=mu.device)
+
+
 def _per_pair(mu, var, row_values, col_values, kappa, temperature, inverse_temperature, causal, mask_diagonal,
               masked, inverse_kappa=None):
     """The seven outputs in the per-pair form of the reference (its [B, N, N, K] broadcast: taken only for
@@ -156,7 +162,7 @@ def _per_pair(mu, var, row_values, col_values, kappa, temperature, inverse_tempe
 
     dtype = matmul_form.softmax_dtype(mu.dtype)
     if inverse_kappa is None:
-        inverse_kappa = 1.0 / torch.as_tensor(effective_kappa(kappa, temperature, inverse_temperature), dtype=dtype)
+        inverse_kappa = _inverse_kappa(kappa, temperature, inverse_temperature, mu)
     outputs = kl_attention_naive(mu.to(dtype), var.to(dtype), row_values.to(dtype), col_values.to(dtype), 1.0,
                                  causal, mask_diagonal, None if masked is None else ~masked,
                                  inverse_kappa=inverse_kappa)
@@ -167,9 +173,7 @@ def _per_pair_backward(mu, var, row_values, col_values, grads, kappa, temperatur
                        mask_diagonal, masked):
     """(dμ, dv, d row_values, d col_values, d(1/κ)) of :func:`_per_pair`, by ``torch.func.vjp`` through it (an op's
     body runs below autograd; functorch's transform works there)."""
-    dtype = matmul_form.softmax_dtype(mu.dtype)
-    inverse_kappa = 1.0 / torch.as_tensor(effective_kappa(kappa, temperature, inverse_temperature), dtype=dtype,
-                                          device=mu.device)
+    inverse_kappa = _inverse_kappa(kappa, temperature, inverse_temperature, mu)
     # only the outputs the graph reads (a gradient not all 0), as eager computes only those: an unread β·KL at a key
     # of KL = inf (β = 0) would give β the gradient inf · 0 = NaN, and lse's backward is 0 · NaN on a row with no
     # allowed key
