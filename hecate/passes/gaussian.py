@@ -46,7 +46,9 @@ class Temperature:
     power: int
 
     def __str__(self) -> str:
-        return f"{self.scale:g}·{self.node.name}" if self.power == 1 else f"{self.scale:g}/{self.node.name}"
+        # (a 0-d tensor of a number computed from sizes at run time, √K under dynamic=True: named by what it is)
+        t = "(a number computed from sizes)" if self.node.target is torch.ops.aten.scalar_tensor.default else self.node.name
+        return f"{self.scale:g}·{t}" if self.power == 1 else f"{self.scale:g}/{t}"
 
 
 def run_time_temperature(kappas: list[float], values: list[dict], candidates: list[fx.Node]) -> Temperature | None:

@@ -106,6 +106,9 @@ class _Score:
     run_time_masks: list = field(default_factory=list)
     # the zero-fills of β's factors that :func:`_unfill_weighted_by_beta` took out: put back unless fused
     unfilled: list = field(default_factory=list)
+    # tensors the score reads that β does not depend on (a number per query added to it): the op does not read
+    # them, but their gradient is 0, not None, and a non-finite one makes its row NaN, as in eager
+    ignored: list = field(default_factory=list)
 
 
 VANISHING_FILL = -1000.0  # exp(−1000) is 0 in float64
@@ -361,7 +364,7 @@ def _score_inputs(logits: fx.Node, rank: int) -> tuple[dict, list[fx.Node], list
     for node in nodes:
         if node in paired:
             for x in node.all_input_nodes:
-                if x not in paired and not depends_on_sizes_only(x):  # (a tuple of tensors: None)
+                if x not in paired and (not depends_on_sizes_only(x) or _made_from_size_number(x)):  # (tuple: None)
                     frames[x].add(_rank(node) if shape_of(node) is not None else None)
     shared = {x for x, fs in frames.items() if all(_shared(shape_of(x), rank, n, frame) for frame in fs)}
     others = [x for x in frames if x not in shared]
@@ -424,6 +427,36 @@ def _describe_other(node: fx.Node) -> str:
                 "the means ([..., N, K]) nor the same at every position (size 1 or absent at the position dim, "
                 "as a shared variance is)")
     return f"a value computed at run time ({node.name}) that is not a tensor"
+
+
+def _size_numbers_as_tensors(graph: fx.Graph) -> None:
+    """Multiply or divide a floating tensor by a 0-d tensor of a number computed from sizes torch.compile passes in
+    (κ = √K under dynamic=True), not by that number: the score then reads it as it reads a learned temperature,
+    drawn when the KL is checked and passed to the op at run time. Exact: ATen takes a Python number as such a
+    0-d tensor (it casts to the floating tensor's dtype either way)."""
+    for node in list(graph.nodes):
+        if node.target not in (aten.mul.Tensor, aten.div.Tensor) or len(node.args) != 2 or node.kwargs:
+            continue
+        for i, (tensor, number) in enumerate(zip(node.args, reversed(node.args))):
+            if i == 1 and node.target is aten.div.Tensor:
+                break  # (a number divided by a tensor is no temperature)
+            if _is_size_number(number) and isinstance(val := tensor.meta.get("val"), torch.Tensor) \
+                    and val.is_floating_point() and val.dim() >= 2:
+                with graph.inserting_before(node):
+                    as_tensor = emit(graph, aten.scalar_tensor.default, number, dtype=torch.float64)
+                node.args = tuple(as_tensor if a is number else a for a in node.args)
+                break
+
+
+def _is_size_number(node: Any) -> bool:
+    """Whether ``node`` is a number computed at run time from sizes (a SymInt or SymFloat, not a tensor)."""
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat))
+
+
+def _made_from_size_number(node: fx.Node) -> bool:
+    """Whether ``node`` is a 0-d tensor of a number computed at run time from sizes (see
+    :func:`_size_numbers_as_tensors`): read like a temperature tensor, not evaluated as a constant."""
+    return node.target is aten.scalar_tensor.default and _is_size_number(node.args[0])
 
 
 def _recognise(softmax: fx.Node) -> _Score | None:
@@ -523,8 +556,12 @@ def _recognise(softmax: fx.Node) -> _Score | None:
         beta, empty_rows_nan = users[0], False
     unfilled = _unfill_weighted_by_beta(beta, alloweds, lengths)
     additive = added or any(kind == "additive" for _, kind in masks)
+    read = {mean, scale} | ({kappa.node} if isinstance(kappa, Temperature) else set())
+    ignored = [b for b in independent([*bases, *shared]) if b not in read and not _computed_from(b, list(read))
+               and isinstance(b.meta.get("val"), torch.Tensor) and b.meta["val"].is_floating_point()]
     return _Score(softmax, beta, mean, scale, param, kappa, causal, mask_diagonal, empty_rows_nan, additive,
-                  kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank, run_time_masks, unfilled)
+                  kl_scales, draw, [n for n in peeled if n is not logits] + nodes, rank, run_time_masks, unfilled,
+                  ignored)
 
 
 def _stray_mask_reason(flag: fx.Node) -> str:
@@ -1265,6 +1302,7 @@ def _einsum_laid_out_as_matmul(graph: fx.Graph, node: fx.Node, beta: fx.Node) ->
 def run(gm: fx.GraphModule, report: FusionReport) -> None:
     import hecate.lowering.kl_attention  # noqa: F401  the op must exist before we insert it
 
+    _size_numbers_as_tensors(gm.graph)
     for softmax in [n for n in gm.graph.nodes if n.target == aten.softmax.int]:
         for user in list(softmax.users):
             _einsum_laid_out_as_matmul(gm.graph, user, softmax)
@@ -1646,18 +1684,31 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, score: _Score) -> No
     leaf_keys = [key for key, leaf in algebra.leaves.items() if leaf.source not in algebra.roots]
     tempered = isinstance(score.kappa, Temperature)
     masks = [node for node, _ in score.run_time_masks]
-    inputs = [score.mean, score.scale] + ([score.kappa.node] if tempered else []) + masks \
+    inputs = [score.mean, score.scale] + ([score.kappa.node] if tempered else []) + masks + score.ignored \
         + [algebra.leaves[key].source for key in leaf_keys]
     escaping = sorted({node for node, _ in algebra.escapes}, key=lambda n: n.name)
 
     def fn(mean, scale, *values):
         temperature, values = (values[0], values[1:]) if tempered else (None, values)
-        mask_values, leaf_values = values[:len(masks)], values[len(masks):]
+        mask_values, values = values[:len(masks)], values[len(masks):]
+        ignored, leaf_values = values[:len(score.ignored)], values[len(score.ignored):]
         return _replacement(algebra, roots, plan, score, dict(zip(leaf_keys, leaf_values)), escaping, mean, scale,
-                            temperature, mask_values)
+                            temperature, mask_values, ignored)
 
     replaced = list(roots) + escaping  # β / KL read whole: every reader gets the formed one
     replace_with_function(gm, replaced, fn, inputs, outputs=replaced)
+
+
+def _per_query(x: torch.Tensor, queries: list) -> torch.Tensor:
+    """``x``, a tensor the score reads that β does not depend on (a number per query added to it), as 0 where it
+    is finite, NaN elsewhere (eager's row of β is NaN there: inf − inf), per query [*L, N] where ``x`` is one
+    number per query, else summed; its gradient is 0, or NaN where ``x`` is not finite, as eager's."""
+    zero = x * torch.where(torch.isfinite(x), 0.0, float("nan"))
+    rank = len(queries)  # [*L, N]
+    if zero.dim() >= rank and all(s == 1 for s in zero.shape[rank:]) \
+            and all(a == 1 or a == b for a, b in zip(zero.shape[:rank], queries)):
+        return zero.reshape(zero.shape[:rank])
+    return zero.sum()
 
 
 def _in_dtype_of(node: fx.Node, value: torch.Tensor) -> torch.Tensor:
@@ -1667,7 +1718,7 @@ def _in_dtype_of(node: fx.Node, value: torch.Tensor) -> torch.Tensor:
     return value if value.dtype == dtype else value.to(dtype)
 
 
-def _rows_of_no_finite_score(score, lse, unfold, empty_rows, allowed, mean, var):
+def _rows_of_no_finite_score(score, lse, unfold, empty_rows, allowed, mean, var, nan_rows=None):
     """For a softmax β: the function making NaN what eager's softmax makes NaN on a row whose allowed keys all
     score −inf (a query of variance 0 against keys of variance > 0: KL = +inf to each), where the op gives 0 (its
     lse is −inf, as on a row the mask leaves empty, which the caller handles); else None.
@@ -1682,6 +1733,8 @@ def _rows_of_no_finite_score(score, lse, unfold, empty_rows, allowed, mean, var)
 
     n = mean.shape[-2]
     rows = torch.isneginf(unfold(lse))  # [*L, N]
+    if nan_rows is not None:  # (and the rows a number per query not finite makes NaN)
+        rows = rows | nan_rows
     if empty_rows is not None:
         rows = rows & ~empty_rows
     belief = (mean + var).sum(-1)  # [*L, N]
@@ -1719,10 +1772,11 @@ def _rows_of_no_finite_score(score, lse, unfold, empty_rows, allowed, mean, var)
     return with_nan
 
 
-def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale, temperature=None, mask_values=()):
+def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale, temperature=None, mask_values=(),
+                 ignored=()):
     """The roots' values (then β / γ·KL for the nodes read whole) from one ``hecate.kl_attention`` call;
     ``temperature`` the value of the 0-d tensor a run-time κ is read from, ``mask_values`` those of the masks
-    read at run time."""
+    read at run time, ``ignored`` those of the tensors the score reads that β does not depend on."""
     from hecate.lowering.kl_attention.matmul_form import scores_and_beta
     from hecate.lowering.kl_attention.naive import allowed_keys
 
@@ -1814,7 +1868,10 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
         per_sequence = sum(x.flatten(len(lead)).sum(-1) for x in reached) if reached else mean.new_zeros(lead)
         return (per_sequence * nan_scale)[..., None, None]
 
-    no_score = _rows_of_no_finite_score(score, sums[6], unfold, empty_rows, allowed, mean, var)
+    # 0 from what β does not depend on (NaN where not finite), so that it gets eager's gradient, not None
+    anchor = sum((_per_query(x, lead + [n]) for x in ignored), mean.new_zeros(*lead, n)) if ignored else None
+    no_score = _rows_of_no_finite_score(score, sums[6], unfold, empty_rows, allowed, mean, var,
+                                        None if anchor is None else torch.isnan(anchor))
 
     for root in roots:
         total, nan = None, None
@@ -1843,6 +1900,8 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
                 total = torch.where(empty_rows.unsqueeze(-1), nan.to(total.dtype), total)
         if no_score is not None:
             total = no_score(total, plan.terms[root], v, w)
+        if anchor is not None:
+            total = total + anchor.unsqueeze(-1).to(total.dtype)
         # the root is [*L, N] + tail, tail (), (1,), (W,) or (1, W); a symbolic W is the terms' width (sizes
         # are read off the traced tensors, never the graph's SymInts)
         tail = root.meta["val"].shape[len(lead) + 1:]
@@ -1862,6 +1921,8 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
             beta = torch.where(empty_rows.unsqueeze(-1), float("nan"), beta)
         for node in escaping:
             value = beta if node is algebra.beta else kl * algebra.kl_scales[node]
+            if anchor is not None and node is algebra.beta:
+                value = value + anchor.unsqueeze(-1).to(value.dtype)
             formed.append(_in_dtype_of(node, value))
     return [root_values[r] for r in roots] + formed
 

@@ -1,5 +1,7 @@
 """Pass kl_attention (and kl_decode) on the Pure FEP transformer: fused = eager, 40 fusions, near-misses, export."""
 
+import math
+
 import onnxruntime as ort
 import pytest
 import torch
@@ -220,6 +222,26 @@ def test_recompiles_at_new_batch_sizes_and_lengths(fallback, dynamic, fresh_dyna
         loss = lambda out: out[0].sum() + out[1].square().sum()  # noqa: E731
         for a, r in zip(torch.autograd.grad(loss(got), (mu, var)), torch.autograd.grad(loss(ref), (mu, var))):
             assert_close(f"grad b={b} n={n}", a, r, 1e-5)
+
+
+def _attention_over_root_k(mu, var):
+    n, k = mu.shape[1:]
+    s = -_kl(mu, var) / math.sqrt(k)  # κ = √K: under dynamic=True a number computed from a size at run time
+    return F.softmax(s.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool)), float("-inf")), dim=-1) @ mu
+
+
+def test_temperature_from_the_feature_size_under_dynamic_shapes(fresh_dynamo):
+    """κ = √K with K symbolic is read at run time: one graph serves every K, each with its own κ."""
+    compiled = torch.compile(_attention_over_root_k, backend="hecate", dynamic=True)
+    for b, n, k in ((2, 5, 3), (3, 7, 8)):
+        mu = torch.randn(b, n, k, requires_grad=True)
+        var = (torch.rand(b, n, k) + 0.5).requires_grad_()
+        got, ref = compiled(mu, var), _attention_over_root_k(mu, var)
+        assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
+        assert_close(f"output k={k}", got, ref, 1e-5)
+        for name, a, r in zip(("mu", "var"), torch.autograd.grad(got.square().sum(), (mu, var)),
+                              torch.autograd.grad(ref.square().sum(), (mu, var))):
+            assert_close(f"d{name} k={k}", a, r, 1e-5)
 
 
 class _MultiHeadKLAttention(torch.nn.Module):

@@ -584,6 +584,37 @@ def test_a_belief_that_is_not_finite_gives_what_eager_gives(belief, value, fresh
         assert_close(name, g.detach().nan_to_num(0.0), r.detach().nan_to_num(0.0), 1e-5)
 
 
+@pytest.mark.parametrize("bias", ["finite", "inf"])
+def test_a_number_per_query_added_to_the_score_gets_its_gradient_and_nan(bias, fresh_dynamo):
+    """softmax(−KL_ij + c_i): β does not depend on c, so the op does not read it, but c's gradient is a tensor
+    (0; eager's is float noise about 0), not None, and a c_i = inf makes row i NaN, as eager's inf − inf does."""
+    def fn(mu, var, c):
+        beta = F.softmax(-kl_spec(mu, var) + c[:, :, None], dim=-1)
+        return beta @ mu, beta
+
+    mu, var, c = torch.randn(B, N, K), _var((B, N, K)), torch.randn(B, N)
+    if bias == "inf":
+        c[1, 3] = float("inf")
+
+    def run(f):
+        x = [mu.clone().requires_grad_(), var.clone().requires_grad_(), c.clone().requires_grad_()]
+        out = f(*x)
+        finite = [o.nan_to_num(0.0) for o in out]  # (the NaN row's gradient is NaN in both: compared below)
+        weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)) for i, o in enumerate(out)]
+        return list(out) + list(torch.autograd.grad(sum((o * w).sum() for o, w in zip(finite, weights)), x))
+
+    got = run(torch.compile(fn, backend="hecate", options={"fallback": "eager"}))
+    assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
+    ref = run(fn)
+    finite = torch.isfinite(c)
+    assert got[-1] is not None and got[-1][finite].abs().max() == 0 and got[-1][~finite].isnan().all()
+    assert ref[-1][finite].abs().max() < 1e-5 and ref[-1][~finite].isnan().all()  # eager's: rounding about 0
+    for name, g, r in zip(("values", "beta", "d mu", "d var"), got, ref):
+        assert_close_nonfinite(name, g, r, 1e-5)
+    if bias == "inf":
+        assert torch.isnan(got[0][1, 3]).all() and torch.isfinite(got[0][0]).all()
+
+
 def test_an_entropy_of_beta_by_xlogy_gives_eager_gradients(fresh_dynamo):
     """β read whole by −xlogy(β, β).sum(-1), causal: xlogy's backward is 0/0 = NaN at every masked key, so every
     row but the last is NaN in eager's backward and the last belief's gradient finite. Compiled, the same (the
