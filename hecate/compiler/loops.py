@@ -548,16 +548,20 @@ def _candidates(nodes: list[fx.Node], position: dict[fx.Node, int]) -> list[tupl
         by_index: dict[int, list[int]] = {}
         for p, i in reads.items():
             by_index.setdefault(i, []).append(p)
+        # how far the index moves per step: one, or as the reads go (reversed(range(T)), range(0, T, 2))
+        indices = [i for _, i in sorted(reads.items())]
+        steps = {1} | {b - a for a, b in zip(indices, indices[1:]) if a != b and abs(b - a) <= 8}
         for p0, i0 in reads.items():
-            for p1 in by_index.get(i0 + 1, []):
-                period = p1 - p0
-                if period <= 0 or reads.get(p0 - period) == i0 - 1:
-                    continue  # not forward, or not the first step of its run
-                count = 2
-                while reads.get(p0 + count * period) == i0 + count:
-                    count += 1
-                runs.append((p0, period, count))
-    return sorted(runs)
+            for step in steps:
+                for p1 in by_index.get(i0 + step, []):
+                    period = p1 - p0
+                    if period <= 0 or reads.get(p0 - period) == i0 - step:
+                        continue  # not forward in the graph, or not the first step of its run
+                    count = 2
+                    while reads.get(p0 + count * period) == i0 + count * step:
+                        count += 1
+                    runs.append((p0, period, count))
+    return sorted(set(runs))
 
 
 # ---------------------------------------------------------------- proving a run is one loop
@@ -575,6 +579,9 @@ class _Loop:
     args: dict[tuple[int, int], tuple[str, Any]] = field(default_factory=dict)  # (offset, leaf) -> kind
     carries: dict[int, fx.Node] = field(default_factory=dict)  # offset of the next value -> init
     slices: dict[int, tuple[fx.Node, int, int, Any]] = field(default_factory=dict)  # offset -> (x, dim, start, rest)
+    # offset -> how far its index moves per step where not 1 (−1: a loop over reversed(range(T)); 2: every other)
+    steps: dict[int, int] = field(default_factory=dict)
+    flipped: set = field(default_factory=set)  # stacks of the steps' values last step first (``stack(ys[::-1])``)
     stacks: dict[fx.Node, int] = field(default_factory=dict)  # torch.stack after the loop -> offset
     finals: dict[fx.Node, int] = field(default_factory=dict)  # last block's carry read after -> offset
     bad: int | None = None  # after a failed verify(): the first block that differs, if one was found
@@ -598,7 +605,8 @@ class _Loop:
     def verify(self) -> bool:
         """Whether the T blocks are one loop; if not, ``bad`` may name the first block that differs."""
         self.bad = None
-        self.args, self.carries, self.slices, self.stacks, self.finals = {}, {}, {}, {}, {}
+        self.args, self.carries, self.slices, self.stacks, self.finals, self.steps = {}, {}, {}, {}, {}, {}
+        self.flipped = set()
         if self.L < 1 or self.T < 2 or self.end > len(self.nodes):
             return False
         # blocks 0 and 1 first: a wrong block boundary fails here, cheaply
@@ -620,7 +628,7 @@ class _Loop:
     def _same_as_block0(self, o: int, n0: fx.Node, t: int) -> bool:
         if o in self.slices:
             x, dim, start, rest = self.slices[o]
-            return (x, dim, start + t, rest) in _time_slices(self.at(t, o))
+            return (x, dim, start + self.steps.get(o, 1) * t, rest) in _time_slices(self.at(t, o))
         nt = self.at(t, o)
         if nt.op != n0.op or nt.target != n0.target:
             return False
@@ -635,13 +643,20 @@ class _Loop:
         return self.flat0[o]
 
     def _find_time_slice(self, o: int) -> None:
-        """Record node o as a per-step slice if its index advances by one per block (else it is ordinary)."""
+        """Record node o as a per-step slice if its index moves by the same step per block, one first (else it
+        is ordinary): forward, backward (``reversed(range(T))``) or strided, within the tensor for every size."""
         later = _time_slices(self.at(1, o))
         for s0 in _time_slices(self.at(0, o)):
-            if self.block(s0[0]) is None and (s0[0], s0[1], s0[2] + 1, s0[3]) in later \
-                    and statically_known_true(s0[2] + self.T <= _value(s0[0]).shape[s0[1]]):
-                self.slices[o] = s0
-                return
+            x, dim, start, rest = s0
+            steps = sorted({i - start for y, d, i, r in later if (y, d, r) == (x, dim, rest) and i != start},
+                           key=lambda step: (step != 1, abs(step)))
+            for step in steps if self.block(x) is None else ():
+                last = start + step * (self.T - 1)
+                if last >= 0 and statically_known_true(max(start, last) < _value(x).shape[dim]):
+                    self.slices[o] = s0
+                    if step != 1:
+                        self.steps[o] = step
+                    return
 
     def _same_leaf(self, o: int, j: int, t: int, a0: Any, a: Any) -> bool:
         if not isinstance(a0, fx.Node):
@@ -694,9 +709,10 @@ class _Loop:
         return True
 
     def _is_stack_of(self, node: fx.Node, o: int) -> bool:
-        """``torch.stack`` of node o of every block in order, or ``torch.cat`` of them along a size-1 dim; other
-        tensors from outside the loop may come before and after them (``ys = [read(M, q[:, 0])]`` of a first step
-        written before the loop): :func:`_stacked` joins the pieces."""
+        """``torch.stack`` of node o of every block in order (or in reverse: ``ys[::-1]`` of a loop backwards in
+        time), or ``torch.cat`` of them along a size-1 dim; other tensors from outside the loop may come before and
+        after them (``ys = [read(M, q[:, 0])]`` of a first step written before the loop): :func:`_stacked` joins
+        the pieces."""
         if node.op != "call_function" or node.target not in _STACKS + _CATS or not node.args:
             return False
         items = node.args[0]
@@ -704,6 +720,8 @@ class _Loop:
             return False
         run = [self.at(t, o) for t in range(self.T)]
         start = _run_start(items, run)
+        if start is None and (start := _run_start(items, run[::-1])) is not None:
+            self.flipped.add(node)
         if start is None or any(self.block(x) is not None for x in items[:start] + items[start + self.T:]):
             return False
         if node.target in _CATS:
@@ -923,7 +941,9 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> tuple[fx.GraphModule, li
             skip.update(loop.nodes[loop.s:loop.end])
             for stack, o in loop.stacks.items():
                 run = [loop.at(t, o) for t in range(loop.T)]
-                stacks.setdefault(stack, {})[_run_start(stack.args[0], run)] = (loop.T, outs[("y", o)])
+                flipped = stack in loop.flipped
+                stacks.setdefault(stack, {})[_run_start(stack.args[0], run[::-1] if flipped else run)] = \
+                    (loop.T, outs[("y", o)], flipped)
             env.update({node: outs[("carry", o)] for node, o in loop.finals.items()})
         if node in skip:
             continue
@@ -940,13 +960,16 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> tuple[fx.GraphModule, li
 
 def _stacked(graph: fx.Graph, env: dict, node: fx.Node, runs: dict[int, tuple[int, fx.Node]]) -> fx.Node:
     """The stack (or cat) ``node`` of the new graph: each run of its items that a loop's steps computed, from
-    ``runs`` (first item -> (steps, the scan's output, stacked along dim 0)), the other items as they are;
+    ``runs`` (first item -> (steps, the scan's output, stacked along dim 0, whether the items are in reverse
+    order)), the other items as they are;
     the pieces joined along the stack's dim. Exact: the same elements in the same order."""
     dim = _stack_dim(node) % _value(node).dim()
     items, pieces, i = list(node.args[0]), [], 0
     while i < len(items):
         if i in runs:
-            steps, out = runs[i]
+            steps, out, flipped = runs[i]
+            if flipped:
+                out = graph.call_function(torch.flip, (out, (0,)))
             out = graph.call_function(torch.movedim, (out, 0, dim))
             if node.target in _CATS:  # cat of [.., 1, ..] pieces: stack them, then drop the size-1 dim
                 out = graph.call_function(torch.squeeze, (out, dim + 1))
@@ -1034,13 +1057,18 @@ def _parts(loop: _Loop) -> tuple[list[_Part], dict[int, list[int]]]:
 def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str, part: _Part) -> dict[tuple[str, int], fx.Node]:
     carries, ys, invariants = part.carries, part.ys, _invariants(loop, part)
     xs = []
-    for x, dim, start in _sources(loop, part):
+    for x, dim, start, step in _sources(loop, part):
         size = _value(x).shape[dim]
         x = env[x]
         if dim != 0:
             x = graph.call_function(torch.movedim, (x, dim, 0))
-        if start != 0 or size != loop.T:
-            x = graph.call_function(torch.narrow, (x, 0, start, loop.T))
+        first, span = min(start, start + step * (loop.T - 1)), abs(step) * (loop.T - 1) + 1  # the indices read
+        if first != 0 or size != span:
+            x = graph.call_function(torch.narrow, (x, 0, first, span))
+        if abs(step) != 1:
+            x = graph.call_function(operator.getitem, (x, slice(None, None, abs(step))))
+        if step < 0:  # read from the last index down
+            x = graph.call_function(torch.flip, (x, (0,)))
         xs.append(x)
     inits = []
     for o in carries:  # carries that start from one tensor (CSE merged two torch.zeros) start from copies of it:
@@ -1059,10 +1087,14 @@ def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str, part: _P
     return outs
 
 
-def _sources(loop: _Loop, part: _Part) -> list[tuple[fx.Node, int, int]]:
-    """The distinct ``(x, dim, start)`` the part slices, one scan input each (``k[:, t]`` read at
+def _sources(loop: _Loop, part: _Part) -> list[tuple[fx.Node, int, int, int]]:
+    """The distinct ``(x, dim, start, step)`` the part slices, one scan input each (``k[:, t]`` read at
     every use is one input)."""
-    return list(dict.fromkeys(loop.slices[o][:3] for o in part.offsets if o in loop.slices))
+    return list(dict.fromkeys(_source(loop, o) for o in part.offsets if o in loop.slices))
+
+
+def _source(loop: _Loop, o: int) -> tuple[fx.Node, int, int, int]:
+    return (*loop.slices[o][:3], loop.steps.get(o, 1))
 
 
 def _io(loop: _Loop) -> tuple[list[int], list[int]]:
@@ -1126,7 +1158,7 @@ def _body(loop: _Loop, part: _Part) -> fx.GraphModule:
     env = {}
     for o in sorted(set(loop.slices) & set(part.offsets)):  # x.select(dim, t) is the scan's x_t; then the user's slice
         x, dim, _, rest = loop.slices[o]
-        x_t = xs_in[loop.slices[o][:3]]
+        x_t = xs_in[_source(loop, o)]
         if rest is not None and rest[0] == "index":
             x_t = body.call_function(operator.getitem, (x_t, rest[1]))
         elif rest is not None:  # ("keep",): the size-1 time dim stays

@@ -536,11 +536,12 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
     """``out = torch.empty(B, T, D)`` (or zeros), then ``out[:, t] = y_t`` (or ``out[:, t].copy_(y_t)``) for
     every t → ``out = torch.stack([y_0, .., y_{T−1}], 1)``, made where out is first read.
 
-    Exact where: out is made fresh, each of its T slots along one dim is written exactly once, by a
-    value of the slot's shape, dtype and device (no broadcast, no cast), out is read only after the last
-    write, no y_t is written to afterwards, and grad mode and autocast stay as they are throughout. Then
-    out holds the y_t, and stack makes the same values (and gradients); a loop's steps then no longer write
-    into one tensor, and collect their outputs as a loop rolled up does."""
+    Exact where: out is made fresh, each of its T slots along one dim is written exactly once (or, where out
+    is made of zeros, at most once: a slot left unwritten is ``zeros_like`` a written one, as a loop over
+    ``range(1, T)`` leaves slot 0, is read from out), by a value of the slot's shape, dtype and device (no broadcast, no cast),
+    out is read only after the last write, no y_t is written to afterwards, and grad mode and autocast stay
+    as they are throughout. Then out holds the y_t, and stack makes the same values (and gradients); a loop's
+    steps then no longer write into one tensor, and collect their outputs as a loop rolled up does."""
     from hecate.compiler.loops import _getitem_slices, _time_slice
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
@@ -576,7 +577,8 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
             continue
         (dim,) = dims
         size = value.shape[dim]
-        if not is_concrete_int(size) or set(slots) != {(dim, t) for t in range(int(size))}:
+        every = {(dim, t) for t in range(int(size))} if is_concrete_int(size) else None
+        if every is None or not set(slots) <= every or set(slots) != every and not _zeros_made(out):
             continue
         last = max(order[w] for w in writes)
         readers = [u for u in out.users if u not in writes]
@@ -584,16 +586,29 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
                 or any(n.target in _MODE_CHANGES for n in graph.nodes if order[out] < order[n] < last):
             continue
         first_reader = min(readers, key=order.__getitem__, default=next(iter(reversed(graph.nodes))))
+        unwritten = []  # the slots left as made (zeros), read from out (not from a step's value: a loop's own)
         with graph.inserting_before(first_reader):
+            for t in range(int(size)):
+                if (dim, t) not in slots:
+                    slots[(dim, t)] = graph.call_function(torch.select, (out, dim, t))
+                    slots[(dim, t)].meta["example_value"] = _val(out).select(dim, t)
+                    unwritten.append(slots[(dim, t)])
             stack = graph.call_function(torch.stack, ([slots[(dim, t)] for t in range(int(size))], dim))
         stack.meta.update(out.meta)
-        out.replace_all_uses_with(stack, delete_user_cb=lambda u: u not in writes)
+        out.replace_all_uses_with(stack, delete_user_cb=lambda u: u not in writes and u not in unwritten)
         for node in sorted(writes, key=order.__getitem__, reverse=True):
             graph.erase_node(node)
-        while out is not None:  # the allocation, and what it was cast or copied from
+        while out is not None and not out.users:  # the allocation, and what it was cast or copied from
             source = out.args[0] if out.op == "call_method" and out.target in _STILL_FRESH else None
             graph.erase_node(out)
             out = source if isinstance(source, fx.Node) and not source.users else None
+
+
+def _zeros_made(node: fx.Node) -> bool:
+    """Whether ``node`` (fresh, :func:`_fresh`) is made of zeros, or is a cast or copy of such a tensor."""
+    while node.op == "call_method" and node.target in _STILL_FRESH:
+        node = node.args[0]
+    return node.target in (torch.zeros, torch.zeros_like, "new_zeros")
 
 
 def _written_after(graph: fx.Graph, values: list[fx.Node], order: dict[fx.Node, int], start: int) -> bool:

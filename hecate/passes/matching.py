@@ -502,12 +502,21 @@ def check_gradients_flow(args: Sequence[Any], outputs: Sequence[fx.Node]) -> Non
             continue  # a detached input read by the replaced outputs alone (β @ mu.detach()): the op reads it so
         stop = _gradient_stop(node, inputs)
         if stop is None:
-            stop = next((s for body in _bodies(node) for s in (_gradient_stop(n, set(body.graph.find_nodes(
-                op="placeholder"))) for n in body.graph.nodes) if s is not None), None)
+            stop = next((s for body in _bodies(node) if (s := first_gradient_stop(body)) is not None), None)
         if stop is not None:
-            raise NotFused(f"gradients stop inside it at {source_line([stop]) or stop.name} (detach, or a value "
-                           "computed under torch.no_grad()); the fused op would let them through; compiled as "
-                           "written")
+            raise NotFused(gradient_stop_reason(stop))
+
+
+def first_gradient_stop(body: fx.GraphModule) -> fx.Node | None:
+    """The first detach in a loop body of what its inputs compute (``M.detach()`` at every step; what is computed
+    under torch.no_grad() reaches the rest through one), or None."""
+    inputs = set(body.graph.find_nodes(op="placeholder"))
+    return next((s for n in body.graph.nodes if (s := _gradient_stop(n, inputs)) is not None), None)
+
+
+def gradient_stop_reason(stop: fx.Node) -> str:
+    return (f"gradients stop inside it at {source_line([stop]) or stop.name} (detach, or a value computed under "
+            "torch.no_grad()); the fused op would let them through; compiled as written")
 
 
 def _gradient_stop(node: fx.Node, inputs: set[fx.Node]) -> fx.Node | None:

@@ -51,8 +51,8 @@ from typing import Any, Iterator
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused, bound_reason, first_threshold, free_attribute, is_zeros, op_name, \
-    replace_with_function
+from hecate.passes.matching import NotFused, bound_reason, first_gradient_stop, first_threshold, free_attribute, \
+    gradient_stop_reason, is_zeros, op_name, replace_with_function
 
 aten = torch.ops.aten
 
@@ -191,9 +191,11 @@ class _Product:
     coef: float = 1.0
     factors: list[fx.Node] = field(default_factory=list)
     divisors: list[fx.Node] = field(default_factory=list)
+    read_as: dict = field(default_factory=dict)  # a factor reached through views -> the outermost of them
 
 
-def _product(node: Any, out: _Product | None = None, invert: bool = False, views: bool = True) -> _Product:
+def _product(node: Any, out: _Product | None = None, invert: bool = False, views: bool = True,
+             top: fx.Node | None = None) -> _Product:
     """``node`` as coef · Π factors / Π divisors, through mul/div/neg and (``views``) views; without views the
     factors multiply back to the node's value as they broadcast."""
     out = out or _Product()
@@ -216,9 +218,26 @@ def _product(node: Any, out: _Product | None = None, invert: bool = False, views
             out.coef = -out.coef
             return _product(a[0], out, invert, views)
         if views and t in _VIEWS and isinstance(a[0], fx.Node):
-            return _product(a[0], out, invert, views)
+            return _product(a[0], out, invert, views, top or node)
     (out.divisors if invert else out.factors).append(node)
+    if top is not None:
+        out.read_as[node] = top
     return out
+
+
+def _gates_as_read(b: "_Body", prod: _Product, lead: tuple) -> _Product:
+    """``prod`` with each factor read through views as [..., 1, 1] against the memory [*lead, A, C] taken as so
+    read: the views say which leading dims it spans, which its values alone do not (α[:, t, None, None, None] of
+    an α [B, T] and λ[:, None, None] of a λ [H] both reach [2] through the views)."""
+    def as_read(f):
+        top = prod.read_as.get(f)
+        value = b.env.get(top) if top is not None else None
+        spans_leading = isinstance(value, torch.Tensor) and value.dim() == len(lead) + 2 \
+            and tuple(value.shape[-2:]) == (1, 1)
+        return top if spans_leading else f
+
+    prod.factors, prod.divisors = [as_read(f) for f in prod.factors], [as_read(f) for f in prod.divisors]
+    return prod
 
 
 # ---------------------------------------------------------------- what was recognised
@@ -428,7 +447,10 @@ def analyse(body: fx.GraphModule, n_carries: int, n_xs: int | None = None) -> Re
     except (RuntimeError, TypeError, ValueError) as why:  # an op that does not run on float64 sample points
         raise NotFused(f"the loop body could not be evaluated at sample points ({type(why).__name__}: "
                        f"{str(why).splitlines()[0] if str(why) else ''})") from None
-    if len(b.ys) != 1:
+    stop = first_gradient_stop(body)
+    if stop is not None:  # (M.detach() every step, a write under torch.no_grad(): said so, not what it reads as)
+        raise NotFused(gradient_stop_reason(stop))
+    if len(b.ys) > 1:
         raise NotFused(f"the loop produces {len(b.ys)} per-step outputs; a memory loop produces its reads y_t")
     matrices = [i for i, c in enumerate(b.carries)
                 if isinstance(b.env[c], torch.Tensor) and b.env[c].is_floating_point() and b.env[c].dim() >= 2]
@@ -519,6 +541,14 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
     Mv = b.env[M_in]
     lead, (A, C) = tuple(Mv.shape[:-2]), tuple(Mv.shape[-2:])
     q_norm, lq_eps, W_in = _state_transform(b, m)
+    if not b.ys:  # only the final memory is read (a prefill): no read tells the layout; the update does
+        first = None
+        for layout in ("vk", "kv"):
+            try:
+                return _analyse_step(b, m, ((layout, None, None, None), False), None, q_norm, lq_eps, W_in)
+            except NotFused as why:
+                first = first or why
+        raise first
     found, read_node = _find_read(b, m, b.ys[0], q_norm, lq_eps), None
     if found is None and (after := _read_then_per_step(b, m, q_norm, lq_eps)) is not None:
         read_node, found = after
@@ -526,16 +556,27 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
         raise NotFused("the per-step output is not the memory read y = M·q of the new or the old state, nor "
                        "y / (z·q + eps) of the new state, nor a function of such a read and the step's inputs "
                        "alone, for any per-step input q (a normalised read fuses after the write, not before it)")
+    return _analyse_step(b, m, found, read_node, q_norm, lq_eps, W_in)
+
+
+def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_norm: float, lq_eps: float,
+                  W_in: fx.Node) -> Recurrence:
+    """The memory step of state ``m`` read as ``found`` (see :func:`_find_read`; its q None where no step reads
+    the memory: the op then reads with the keys, and its reads are dropped)."""
+    M_in, M_out = b.carries[m], b.carry_out[m]
+    Mv = b.env[M_in]
+    lead, (A, C) = tuple(Mv.shape[:-2]), tuple(Mv.shape[-2:])
     (layout, qn, z_index, norm_eps), before = found
     dv, dk = (A, C) if layout == "vk" else (C, A)
     rec = Recurrence("lp", layout, lead, dv, dk, m, params={"q_norm": q_norm}, read_before_update=before,
                      read_node=read_node)
-    rec.per_step["q"] = PerStep(1.0, [qn])
+    if qn is not None:
+        rec.per_step["q"] = PerStep(1.0, [qn])
     # M_out = Σ terms: a·M (retention), the update, and with momentum the new buffer c·S (any number c ≠ 0:
     # M ← a·M − S with S ← β·S + η·g kᵀ, as torch.optim.SGD writes it, is the op's S' = c·S)
     retention, update, momentum = [], [], None
     for sign, term in _terms(M_out, stop=frozenset(b.carry_out) - {M_out}):
-        prod = _product(term)
+        prod = _gates_as_read(b, _product(term), lead)
         prod.coef *= sign
         if prod.factors.count(M_in) == 1 and all(not b.depends[f] for f in prod.factors + prod.divisors
                                                  if f is not M_in):
@@ -604,6 +645,8 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
         if z_index is not None:
             raise NotFused("a normalised read with an error-driven update")
         _lp(b, rec, update, keep, W_in, lq_eps)
+    if qn is None:
+        rec.per_step["q"] = rec.per_step["k"]
     others = set(range(len(b.carries))) - {m, rec.momentum_state, rec.normaliser_state}
     if others:
         raise NotFused("the loop also carries " + ", ".join(b.carries[i].name for i in sorted(others)) +
@@ -1043,7 +1086,8 @@ def _verify(b: _Body, rec: Recurrence) -> None:
             M_new = (1 - alpha) * M - eta * U
         y = (_lq(M if rec.read_before_update else M_new, qn, eps) @ q.unsqueeze(-1)).squeeze(-1)
     expect[b.carry_out[rec.state]] = M_new.transpose(-1, -2) if rec.layout == "kv" else M_new
-    expect[rec.read_node or b.ys[0]] = y
+    if b.ys:
+        expect[rec.read_node or b.ys[0]] = y
     for node, value in expect.items():
         got = _as(env[node], tuple(value.shape))
         if got is None or not _close(got, value):

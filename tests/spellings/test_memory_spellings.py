@@ -708,6 +708,70 @@ def hebbian_per_head_decay_tensor(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_gates_shared_by_the_heads(k, v, q, alpha, eta):
+    """α_t and η_t one per sequence ([B, T], the first head's) for every head, read as a[:, t, None, None, None]
+    against M [B, H, Dv, Dk]: with B = H their values alone do not tell a batch from a head."""
+    a, lr = alpha[..., 0], eta[..., 0]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = (1 - a[:, t, None, None, None]) * M - lr[:, t, None, None, None] * 2 * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_from_the_second_step_into_zeros(k, v, q, alpha, eta):
+    """Steps 1..T−1 written into a zeros buffer (slot 0 left 0; probe r21: the partly written buffer kept the
+    steps from rolling up)."""
+    M = _m0(k, v)
+    out = torch.zeros(k.shape[0], k.shape[1], k.shape[2], v.shape[-1])
+    for t in range(1, k.shape[1]):
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - 2 * eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        out[:, t] = (M @ q[:, t, :, :, None])[..., 0]
+    return out, M
+
+
+def delta_rule_backwards_in_time(k, v, q, alpha, eta):
+    """The loop over reversed(range(T)), its reads stacked back in time order (probe r21: "the steps differ")."""
+    M, ys = _m0(k, v), []
+    for t in reversed(range(k.shape[1])):
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - 2 * eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys[::-1], 1), M
+
+
+def hebbian_backwards_in_time_by_insert(k, v, q, alpha, eta):
+    """A Hebbian memory run from the last token to the first, each read put in front."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1] - 1, -1, -1):
+        M = (1 - alpha[:, t, :, None, None]) * M + v[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.insert(0, torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_over_every_other_token(k, v, q, alpha, eta):
+    """range(0, T, 2): the steps read every other token (their reads stacked as they come)."""
+    M, ys = _m0(k, v), []
+    for t in range(0, k.shape[1], 2):
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - 2 * eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_gate_shared_by_the_heads(k, v, q, alpha, eta):
+    """A decay per sequence and step [B, T] shared by the heads, a write strength likewise, by einsum."""
+    a, b = 1 - alpha.mean(-1), eta.mean(-1)
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = a[:, t, None, None, None] * M + b[:, t, None, None, None] * torch.einsum("bhv,bhk->bhvk", v[:, t],
+                                                                                    k[:, t])
+        ys.append(torch.einsum("bhvk,bhk->bhv", M, q[:, t]))
+    return torch.stack(ys, 1), M
+
+
 def hebbian_heads_flattened_into_the_batch(k, v, q, alpha, eta):
     """Heads flattened into the batch before the loop: B·H memories [B·H, Dv, Dk]."""
     Bn, Tn, Hn, Dk = k.shape
@@ -1181,6 +1245,12 @@ SPELLINGS = {
     "hebbian_outputs_copied_into_zeros": (hebbian_outputs_copied_into_zeros, "linear_attention"),
     "hebbian_per_head_decay_tensor": (hebbian_per_head_decay_tensor, "linear_attention"),
     "hebbian_heads_flattened_into_the_batch": (hebbian_heads_flattened_into_the_batch, "linear_attention"),
+    "delta_rule_gates_shared_by_the_heads": (delta_rule_gates_shared_by_the_heads, "memory_scan"),
+    "delta_rule_backwards_in_time": (delta_rule_backwards_in_time, "memory_scan"),
+    "hebbian_backwards_in_time_by_insert": (hebbian_backwards_in_time_by_insert, "linear_attention"),
+    "delta_rule_over_every_other_token": (delta_rule_over_every_other_token, "memory_scan"),
+    "delta_rule_from_the_second_step_into_zeros": (delta_rule_from_the_second_step_into_zeros, "memory_scan"),
+    "hebbian_gate_shared_by_the_heads": (hebbian_gate_shared_by_the_heads, "linear_attention"),
     "hebbian_lerp": (hebbian_lerp, "linear_attention"),
     "hebbian_ema_written_out": (hebbian_ema_written_out, "linear_attention"),
     "hebbian_torch_outer_one_sequence": (hebbian_torch_outer_one_sequence, "linear_attention"),
@@ -1216,6 +1286,46 @@ def _compile_and_compare(fn):
     for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
         assert_close(f"grad {what}", a, b, TOL)
     return report
+
+
+def delta_rule_final_state_only(k, v, q, alpha, eta):
+    """A prefill: no step reads the memory, only the final M is returned (the layout is found from the update)."""
+    M = _m0(k, v)
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - 2 * eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+    return M
+
+
+def hebbian_final_state_only_stored_key_major(k, v, q, alpha, eta):
+    """The same for a Hebbian memory stored [Dk, Dv], M ← α M + k vᵀ."""
+    M = _m0(k, v, layout="kv")
+    for t in range(k.shape[1]):
+        M = (1 - alpha[:, t, :, None, None]) * M + k[:, t, :, :, None] * v[:, t, :, None, :]
+    return M
+
+
+@pytest.mark.parametrize("fn, op", [(delta_rule_final_state_only, "memory_scan"),
+                                    (hebbian_final_state_only_stored_key_major, "linear_attention")],
+                         ids=lambda x: getattr(x, "__name__", x))
+def test_a_loop_read_only_through_its_final_state_fuses(fn, op, fresh_dynamo):
+    """The op returns the final state: a loop whose steps read nothing fuses (it was reported as "0 per-step
+    outputs", probe r21); the memory and the gradients of every input equal eager's."""
+    inputs = _inputs()
+    weight = torch.linspace(-1, 1, B * H * DV * DK)
+
+    def run(f):
+        M = f(*inputs)
+        return M, torch.autograd.grad((M * weight.view_as(M)).sum(), [inputs[i] for i in (0, 1, 3, 4)],
+                                      allow_unused=True, materialize_grads=True)
+
+    M_ref, g_ref = run(fn)
+    M, g = run(torch.compile(fn, backend="hecate", options={"fallback": "eager"}))
+    report = hecate.last_report()
+    assert report.count(op) == 1 and not report.misses, str(report)
+    assert_close("M", M, M_ref, TOL)
+    for what, a, b in zip(("k", "v", "alpha", "eta"), g, g_ref):
+        assert_close(f"grad {what}", a, b, TOL)
 
 
 @pytest.mark.parametrize("name", list(SPELLINGS))
@@ -2164,7 +2274,32 @@ def momentum_with_the_error_of_the_decayed_memory(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_truncated_backpropagation(k, v, q, alpha, eta):
+    """M.detach() at every step (truncated backpropagation through time): not fused, and said so (it was reported
+    as "2 update terms", probe r21)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = M.detach()
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - 2 * eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_written_under_no_grad(k, v, q, alpha, eta):
+    """The memory written under torch.no_grad(), read with gradients."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        with torch.no_grad():
+            e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+            M = (1 - alpha[:, t, :, None, None]) * M - 2 * eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 REPORTED = {
+    "delta_rule_truncated_backpropagation": (delta_rule_truncated_backpropagation, ["gradients stop inside it"]),
+    "delta_rule_written_under_no_grad": (delta_rule_written_under_no_grad, ["gradients stop inside it"]),
     "momentum_with_the_error_of_the_decayed_memory": (momentum_with_the_error_of_the_decayed_memory,
                                                       ["formed from the decayed memory", "in a step with momentum"]),
     "momentum_step_size_per_token_outside_the_buffer": (momentum_step_size_per_token_outside_the_buffer,
