@@ -27,15 +27,17 @@ replacement feeds the op's [B, T, H, D] and permutes the result back to y's layo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from hecate.compiler.normalize import emit
 from hecate.passes.gaussian import evaluate
 from hecate.passes.matching import (NotFused, bound_reason, descendants, first_threshold, made_in_forward,
                                     nodes_between, replace_with_function, shifted_size, size_hint, tensors_read)
@@ -274,10 +276,18 @@ def _reads(node: fx.Node, source: fx.Node, within: set) -> bool:
 
 
 def _untransposed(node: fx.Node) -> fx.Node | None:
-    """X for a node that is X with its last two dims swapped (``.mT``, ``transpose(-1, -2)``, ``permute``)."""
+    """X for a node that is X with its last two dims swapped (``.mT``, ``transpose(-1, -2)``, ``permute``; a
+    leading dim added after the swap, ``k.T[None]``, is added before it instead: the same values)."""
     if node.op != "call_function":
         return None
     rank = len(_shape(node) or ())
+    if node.target == aten.unsqueeze.default and isinstance(node.args[0], fx.Node) \
+            and node.args[1] % rank < rank - 2 and (x := _untransposed(node.args[0])) is not None:
+        with node.graph.inserting_before(node):
+            unsqueezed = emit(node.graph, aten.unsqueeze.default, x, node.args[1] % rank)
+            node.replace_all_uses_with(emit(node.graph, aten.transpose.int, unsqueezed, -2, -1))
+        node.graph.erase_node(node)
+        return unsqueezed
     if node.target in (aten.mT.default, aten.t.default) or node.target == aten.numpy_T.default and rank == 2:
         return node.args[0]
     if node.target == aten.transpose.int and {d % rank for d in node.args[1:3]} == {rank - 2, rank - 1}:
@@ -320,6 +330,24 @@ class _Decay:
     row_scale: torch.Tensor | None = None  # c_t per query (and head), [T] or [H, T]: D_ts = c_t·γ^(t−s)
     scale_form: str | None = None  # c read at run time from ``tensor`` (one number), γ the numbers in ``gammas``
     causal: bool = True  # False: no mask at all, D = c everywhere (φ(Q)φ(K)ᵀ V = φ(Q)(φ(K)ᵀ V))
+    # D_ts = c·γ^(t−s) for s < t alone (tril(·, -1)): each query reads the state before its own step, whose
+    # mask D[1:, :-1] = (c·γ)·γ^(t−s) for s ≤ t is the op's (c, γ above are that one's)
+    strict: bool = False
+    # with ``per_token``: a factor w_s per key as well, D_ts = c·w_s·Π_{s<r≤t} g_r (mLSTM's input gate,
+    # exp(F_t − F_s + i_s); the inclusive product Π_{s≤r≤t} g_r = g_s·Π_{s<r≤t} g_r), which scales the keys
+    strength: "_Strength | None" = None
+    # the values drawn at the draw for the other tensors the mask reads (a strength's)
+    others: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Strength:
+    """A factor w per key read at run time: w = form(tensor), the tensor's dims permuted and placed by ``layout``
+    (as a gate's, :func:`_gate_layout`) and broadcast to the keys' [*L, T]."""
+
+    tensor: fx.Node
+    form: str  # a key of _GAMMA_FROM: "γ" (w itself) or "log γ" (log w)
+    layout: tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _decays(form: _Form, size=size_hint) -> _Decay:
@@ -335,12 +363,20 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
         form.canonical(name, ones)[..., 0] = 1.0  # a view: the feature dim in the node's own layout
         values[node] = ones
     values[form.v] = torch.zeros(_sizes(form.v, size), dtype=torch.float64)
-    inputs = tensors_read([form.a], stop=[form.score, form.q, form.k, form.v])  # beside the score
+    # beside the score (the mask may read the queries too: gates computed from them, drawn as any gate tensor)
+    inputs = tensors_read([form.a], stop=[form.score])
     inputs = [n for n in inputs if not made_in_forward(n)]  # (a torch.tensor(-inf) fill: evaluate reads it)
     if not inputs:
-        d = _decay_values(form, dict(values), size)
+        full = _decay_values(form, dict(values), size)
+        strict = _strictly_below(full)
+        d = full[..., 1:, :-1] if strict else full  # (strict: the mask of the state before each step)
         try:
+            if strict and d.shape[-1] < 2:
+                raise NotFused("its mask D is strictly causal (s < t) over two tokens: the γ of its decay is not "
+                               "known from one pair")
             scale = _scale(d)
+            if strict:
+                return _Decay(full, scale, _gammas(d / scale, None), strict=True)
         except _ScaledPerQuery:  # RetNet's D / sqrt(Σ_s D_ts): the op's rows scaled after it
             rows = d.diagonal(dim1=-2, dim2=-1)  # [*L, T]
             if rows.dim() > 1 and not torch.equal(rows, rows[:1].expand_as(rows)):
@@ -357,6 +393,7 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
            "(sigmoid(p), say), or Π_{s<r≤t} g_r with a gate g (or log g) per step read so (exp(segsum(a)), say)")
     candidates = [inputs[0]] if len(inputs) == 1 else []
     candidates += [n for n in _values_computed_from(form, inputs) if n not in candidates]
+    candidates += [n for n in inputs if n not in candidates]  # (read beside another: a γ beside a learned scale)
     for tensor in candidates:
         if not tensor.meta["val"].is_floating_point():
             continue
@@ -379,7 +416,7 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
                 found = found or _Decay(d, scale, None, tensor, gamma_form, drawn)
             else:
                 return found
-        found = _per_token_decay(form, values, tensor, size) or _scale_read(form, values, tensor, size)
+        found = _per_token_decay(form, values, tensor, size, inputs) or _scale_read(form, values, tensor, size)
         if found is not None:
             return found
     raise NotFused(why)
@@ -410,54 +447,114 @@ def _scale_read(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay | No
     return None
 
 
-def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay | None:
+def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size, inputs: list[fx.Node]) -> _Decay | None:
     """The mask as c·Π_{s<r≤t} g_r, a gate g_r per step read from ``tensor`` (g itself, or log g: Mamba-2's
-    exp(segsum(a)) with a = Δt·A, a cumulative product of gates, their log-sigmoids summed), or None.
+    exp(segsum(a)) with a = Δt·A, a cumulative product of gates, their log-sigmoids summed), or None; times a
+    strength w_s per key read from another of the mask's ``inputs`` or the gates themselves (:class:`_Strength`).
 
-    At two draws of the tensor (gates in (0.5, 1)), D's first subdiagonal D_{t,t−1} = c·g_t gives the gates of
-    steps 1..T−1 (g_0 multiplies nothing); a permutation of the tensor's dims, broadcast to [*L, T], must give
-    them, and D must be the products of those gates (0 above the diagonal)."""
-    if not _sizes(tensor, size):
-        return None  # one number: a gate per step has a dim of steps
+    At two draws of the tensor (gates in (0.5, 1)), and of the mask's other inputs, D's diagonal gives c·w_s and
+    D_ts / D_ss the gate mask, whose first subdiagonal gives the gates of steps 1..T−1 (g_0 multiplies nothing);
+    a permutation of the tensor's dims, broadcast to [*L, T], must give them, and D / D_ss must be the products of
+    those gates (0 above the diagonal). A tensor with no dim of steps is one gate for every step (γ per head, or
+    one: γ^(t−s)), as read beside a learned scale of the score, which is then a strength the same for every key."""
+    sources = set(tensors_read([tensor]))
+    others = [n for n in inputs if n not in sources]
+    if any(not n.meta["val"].is_floating_point() for n in others):
+        return None
     generator = torch.Generator().manual_seed(1)
     for gamma_form, draw in _GAMMA_DRAW.items():
         found = None
         for _ in range(2):
             gates = 0.5 + 0.5 * torch.rand(_sizes(tensor, size), dtype=torch.float64, generator=generator)
+            drawn = {n: 0.5 + 0.5 * torch.rand(_sizes(n, size), dtype=torch.float64, generator=generator)
+                     for n in others}
+            memo = {**values, tensor: draw(gates), **drawn}
             try:
-                d = _decay_values(form, {**values, tensor: draw(gates)}, size)
-            except NotFused:  # the mask reads more than this tensor
+                d = _decay_values(form, memo, size)  # (memo: every node of the mask evaluated, for the strength)
+            except NotFused:  # the mask reads more than these tensors
                 return None
             if d.dim() < 2 or d.shape[-1] < 2 or d.shape[-1] != d.shape[-2]:
                 return None
-            diagonal = d.diagonal(dim1=-2, dim2=-1)
+            diagonal = d.diagonal(dim1=-2, dim2=-1)  # [*L, T]: c·w_s
             scale = float(diagonal.flatten()[0])
-            if scale == 0.0 or not bool((diagonal == scale).all()):
-                return None
-            perm = _gate_layout(gates, d / scale)
-            if perm is None or found is not None and (found.per_token != perm or found.scale != scale):
+            if scale == 0.0 or not bool((diagonal != 0).all()):
                 break
-            found = found or _Decay(d, scale, None, tensor, gamma_form, draw(gates), perm)
+            strength, constant = None, bool((diagonal == scale).all())
+            if not constant or others:  # (a diagonal the other tensors read may set: a learned scale)
+                computed = _values_computed_from(form, others) if others else []
+                strength, c = _key_strength(diagonal, [*others, *computed, tensor], memo, gamma_form, draw(gates))
+                if strength is None and not constant:
+                    break  # (the tensor read in another form may be: log γ where γ was tried)
+                scale = c if strength is not None else scale
+            perm = _gate_layout(gates, d / diagonal.unsqueeze(-2))
+            if perm is None or found is not None and (found.per_token != perm or found.strength != strength
+                                                      or not math.isclose(found.scale, scale, rel_tol=1e-9)):
+                break
+            found = found or _Decay(d, scale, None, tensor, gamma_form, draw(gates), perm, strength=strength,
+                                    others=drawn)
         else:
             return found
     return None
 
 
+def _key_strength(diagonal: torch.Tensor, candidates: list[fx.Node], memo: dict, gate_form: str,
+                  gate_read: torch.Tensor) -> tuple[_Strength | None, float]:
+    """(w, c) with D's diagonal c·w_s, w read from one of ``candidates`` (the mask's other inputs, then the gates'
+    tensor, whose read and form are ``gate_read`` and ``gate_form``) as w or log w; (None, 0) if none gives it."""
+    for node in candidates:
+        value = memo.get(node)  # (a node of the mask not evaluated: not what it reads)
+        if not isinstance(value, torch.Tensor) or value.dim() > diagonal.dim():
+            continue
+        for strength_form, of in _GAMMA_FROM.items():
+            if node is candidates[-1] and strength_form != gate_form:
+                continue  # (the gates' own tensor: in the gates' form)
+            layout, ratio = _layout(of(value), diagonal)
+            if layout is not None:
+                return _Strength(node, strength_form, layout), ratio
+    return None, 0.0
+
+
+def _layouts(x: torch.Tensor, lead_t: tuple):
+    """Each (permutation of x's dims, the dims of [*L, T] they take, x so placed and broadcast to [*L, T]): a
+    tensor per step (its last dim the steps'), shared by what it has no dim of (a gate [B, T] shared by the heads
+    of [B, H, T]); or one with no dim of steps, the same at every step (γ per head [H], or one)."""
+    lead = len(lead_t) - 1
+    placements = [(p, c + (lead,)) for p in itertools.permutations(range(x.dim()))
+                  for c in itertools.combinations(range(lead), x.dim() - 1)] if x.dim() else []
+    placements += [(p, c) for p in itertools.permutations(range(x.dim())) for c in itertools.combinations(range(lead),
+                                                                                                           x.dim())]
+    for perm, places in placements:
+        g = x.permute(perm)
+        if any(g.shape[i] not in (1, lead_t[p]) for i, p in enumerate(places)):
+            continue
+        yield perm, places, _placed(g, places, lead_t)
+
+
+def _placed(g: torch.Tensor, places: tuple, lead_t) -> torch.Tensor:
+    """``g`` (dims already permuted) viewed with its dims at ``places`` of [*L, T] and broadcast to it."""
+    view = [1] * len(lead_t)
+    for i, p in enumerate(places):
+        view[p] = g.shape[i]
+    return g.reshape(view).expand(*lead_t)
+
+
+def _layout(x: torch.Tensor, target: torch.Tensor) -> tuple[tuple | None, float]:
+    """((permutation, places), c) such that x placed so is ``target`` [*L, T] divided by one number c; else
+    (None, 0)."""
+    for perm, places, placed in _layouts(x, tuple(target.shape)):
+        ratio = target / placed
+        c = float(ratio.flatten()[0])
+        if c != 0.0 and torch.allclose(ratio, torch.full_like(ratio, c), rtol=1e-9, atol=0.0):
+            return (perm, places), c
+    return None, 0.0
+
+
 def _gate_layout(gates: torch.Tensor, d: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(the permutation of the gates' dims, the dims of D's [*L, T] they take, the last T) that, broadcast over the
     others (a gate [B, T] shared by the heads of [B, H, T]), make D_ts = Π_{s<r≤t} g_r; or None."""
-    lead_t = d.shape[:-1]
     steps = torch.arange(d.shape[-1])
     below = steps[:, None] >= steps[None, :]
-    for perm, places in ((p, c + (len(lead_t) - 1,)) for p in itertools.permutations(range(gates.dim()))
-                         for c in itertools.combinations(range(len(lead_t) - 1), gates.dim() - 1)):
-        g = gates.permute(perm)
-        if g.shape[-1] != lead_t[-1] or any(g.shape[i] not in (1, lead_t[p]) for i, p in enumerate(places)):
-            continue
-        view = [1] * len(lead_t)
-        for i, p in enumerate(places):
-            view[p] = g.shape[i]
-        g = g.reshape(view).expand(lead_t)
+    for perm, places, g in _layouts(gates, d.shape[:-1]):
         logs = torch.log(g).clone()
         logs[..., 0] = 0.0
         total = logs.cumsum(-1)
@@ -481,15 +578,26 @@ def _values_computed_from(form: _Form, inputs: list[fx.Node], most: int = 8) -> 
         ancestors.add(node)
         stack += node.all_input_nodes
     largest = max(math.prod(_sizes(n)) for n in inputs)
+    length = size_hint(form.a.meta["val"].shape[-1])
 
     def small(node: fx.Node) -> bool:  # computed from the inputs and constants alone, at most their size
         val = node.meta.get("val")
-        return isinstance(val, torch.Tensor) and val.numel() <= largest and set(tensors_read([node])) <= set(inputs) \
+        pairwise = isinstance(val, torch.Tensor) and val.dim() >= 2 and all(
+            size_hint(s) == length for s in val.shape[-2:])  # (the mask's own [.., T, T]: never what it reads)
+        return isinstance(val, torch.Tensor) and not pairwise and val.numel() <= largest \
+            and set(tensors_read([node])) <= set(inputs) \
             and not any(isinstance(a, fx.Node) and not isinstance(a.meta.get("val"), torch.Tensor)
                         for a in node.all_input_nodes)  # no size read: the same value at every length
     order = {n: i for i, n in enumerate(form.a.graph.nodes)}
     found = [n for n in ancestors if n.op == "call_function" and small(n)]
     return sorted(found, key=order.__getitem__, reverse=True)[:most]
+
+
+def _strictly_below(d: torch.Tensor) -> bool:
+    """Whether the mask D is 0 on its diagonal and not below it (``tril(·, diagonal=-1)``: each query reads the
+    keys before its own)."""
+    return d.shape[-1] > 1 and bool((d.diagonal(dim1=-2, dim2=-1) == 0).all()) \
+        and bool((d.diagonal(offset=-1, dim1=-2, dim2=-1) != 0).any())
 
 
 def _decay_values(form: _Form, values: dict, size=size_hint) -> torch.Tensor:
@@ -578,6 +686,7 @@ def _same_at_other_sizes(decay: _Decay, other: _Decay | None) -> None:
     same = other is not None and math.isclose(decay.scale, other.scale, rel_tol=1e-9) \
         and decay.tensor is other.tensor and decay.form == other.form and decay.per_token == other.per_token \
         and _same_row_scale(decay.row_scale, other.row_scale) and decay.causal == other.causal \
+        and decay.strict == other.strict and decay.strength == other.strength \
         and (decay.gammas is None) == (other.gammas is None) \
         and (decay.gammas is None or len(decay.gammas) == len(other.gammas)
              and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(decay.gammas, other.gammas)))
@@ -634,6 +743,7 @@ def _same_eps_at_other_sizes(y: fx.Node, form: _Form, eps: float) -> None:
                       for n in (form.q, form.k, form.v)}
             if decay.tensor is not None:
                 values[decay.tensor] = decay.drawn
+            values.update(decay.others)
             q, k, v = (form.canonical(name, values[getattr(form, name)]) for name in ("q", "k", "v"))
             other = _normaliser(y, values, form.as_y(((q @ k.mT) * decay.d).sum(-1, keepdim=True)), size)
         except (NotFused, RuntimeError):
@@ -670,6 +780,7 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     values = {n: _draw(n, generator) for n in (form.q, form.k, form.v)}
     if decay.tensor is not None:
         values[decay.tensor] = decay.drawn
+    values.update(decay.others)
     q, k, v = (form.canonical(name, values[getattr(form, name)]) for name in ("q", "k", "v"))
     scores = (q @ k.mT) * decay.d
     memo = dict(values)  # every node's value at the points (the bounds check reads them)
@@ -689,7 +800,9 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     if normaliser is not None:
         out = normaliser[0]
         replaced.append(out)
-    inputs = [form.q, form.k, form.v] + ([decay.tensor] if decay.tensor is not None else [])
+    reads = ([decay.tensor] if decay.tensor is not None else []) + \
+        ([decay.strength.tensor] if decay.strength is not None else [])
+    inputs = [form.q, form.k, form.v] + reads + list(decay.others)
     bound = first_threshold(nodes_between(inputs, [out]), memo)
     if bound is not None:
         raise NotFused(bound_reason(bound, "it"))
@@ -699,23 +812,41 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     scale = _SCALE_FROM[decay.scale_form] if decay.scale_form else decay.scale
     row_scale = None if decay.row_scale is None else decay.row_scale.tolist()
     replace_with_function(gm, replaced, _linear_attention_of(form.perms, gammas, scale, normaliser is not None,
-                                                             eps, decay.per_token, row_scale, decay.causal),
-                          [form.k, form.v, form.q] + ([decay.tensor] if decay.tensor is not None else []),
+                                                             eps, decay.per_token, row_scale, decay.causal,
+                                                             decay.strict, decay.strength),
+                          [form.k, form.v, form.q] + reads,
                           outputs=[out])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sorted((n for n in between | {form.score} if not n._erased), key=order.__getitem__, reverse=True):
         if not node.users:  # the score and its mask, now read by nothing
             gm.graph.erase_node(node)
     report.add_fusion("linear_attention", "hecate.linear_attention", len(replaced) + 1,
-                      ("causal (φ(Q)φ(K)ᵀ ⊙ D) V" if decay.causal else "non-causal (φ(Q)φ(K)ᵀ) V") + ", parallel form"
+                      ("strictly causal (s < t) (φ(Q)φ(K)ᵀ ⊙ D) V" if decay.strict else
+                       "causal (φ(Q)φ(K)ᵀ ⊙ D) V" if decay.causal else "non-causal (φ(Q)φ(K)ᵀ) V") + ", parallel form"
                       + (f", decay γ={'/'.join(f'{g:g}' for g in gammas)}" if not callable(gammas) and gammas != [1.0]
-                         else f", decay {decay.form} per {'step' if decay.per_token else 'head'} "
+                         else f", decay {decay.form} per {'step' if _per_step(decay, form) else 'head'} "
                               f"{_source(decay.tensor)} at run time" if callable(gammas) else "")
                       + (f", score scaled by {decay.scale:g}" if decay.scale != 1.0 else "")
                       + (f", score scaled by {decay.scale_form} {_source(decay.tensor)} at run time"
                          if decay.scale_form else "")
                       + (", rows scaled per query (c_t·γ^(t−s))" if decay.row_scale is not None else "")
+                      + (f", keys scaled by {'a factor' if decay.strength.form == 'γ' else 'exp of a factor'} "
+                         f"{_source(decay.strength.tensor)} at run time" if decay.strength is not None else "")
                       + (", normalised" if normaliser is not None else ""))
+
+
+def _step_shifted(x: torch.Tensor, dim: int, by: int) -> torch.Tensor:
+    """``x`` moved one step along its time dim ``dim``, zeros where nothing moved in: ``by`` = −1 gives each step
+    the next one's value (the query each state before a step is read with), 1 the previous one's."""
+    n = x.shape[dim]
+    zeros = torch.zeros_like(x.narrow(dim, 0, 1))
+    return torch.cat([x.narrow(dim, 1, n - 1), zeros], dim) if by < 0 else \
+        torch.cat([zeros, x.narrow(dim, 0, n - 1)], dim)
+
+
+def _per_step(decay: _Decay, form: _Form) -> bool:
+    """Whether the decay read at run time is a gate per step (its tensor placed at the steps' dim of [*L, T])."""
+    return decay.per_token is not None and (len(_sizes(form.k)) - 2) in decay.per_token[1]
 
 
 def _source(value: fx.Node) -> str:
@@ -729,22 +860,33 @@ def _source(value: fx.Node) -> str:
 def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float,
                          per_token: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
                          row_scale: list | None = None,
-                         causal: bool = True):
+                         causal: bool = True, strict: bool = False, strength: _Strength | None = None):
     """The replacement: the op over [B, T, H, D] views of the canonical [T, D] / [B, T, D] /
     [B, H, T, D] inputs, with the per-head (or one) decay γ as the keep factor of every step:
     ``gammas`` the numbers, or the function giving them from the tensor the mask reads (with ``per_token``,
     a gate per step: the tensor's dims permuted so, broadcast to the canonical [*L, T]). The score's
     scale c multiplies the queries (the normaliser's too, as the mask's c does): a number, or the function
     giving it from the tensor read (then ``gammas`` are numbers); a scale c_t per query
-    (``row_scale``, [T] or [H, T]) the op's rows."""
+    (``row_scale``, [T] or [H, T]) the op's rows. A ``strict`` mask (s < t) reads, for each query, the state
+    before its step: the op's read at step t − 1 with the query of step t, and 0 at t = 0. A ``strength`` w per
+    key (read from the tensor after the gates') scales the keys."""
     def parallel_form_with_decay_read(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
                                       read: torch.Tensor) -> torch.Tensor:
         return parallel_form_as_recurrence(k, v, q, read)
 
+    def parallel_form_with_gates_and_strengths(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                                               read: torch.Tensor, strength_read: torch.Tensor) -> torch.Tensor:
+        return parallel_form_as_recurrence(k, v, q, read, strength_read)
+
     def parallel_form_as_recurrence(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
-                                    read: torch.Tensor | None = None) -> torch.Tensor:
+                                    read: torch.Tensor | None = None,
+                                    strength_read: torch.Tensor | None = None) -> torch.Tensor:
         k, v, q = (x if perms[name] is None else x.permute(perms[name]) for x, name in ((k, "k"), (v, "v"), (q, "q")))
         rank = q.dim()
+        if strength is not None:  # w_s [*L, T] times the keys (its gradient through the product)
+            perm, places = strength.layout
+            w = _placed(_GAMMA_FROM[strength.form](strength_read).permute(perm), places, k.shape[:-1])
+            k = k * w.unsqueeze(-1).to(k.dtype)
 
         def to_op(x):  # [T, D] / [B, T, D] / [B, H, T, D] → [B, T, H, D]
             return x[None, :, None] if rank == 2 else x[:, :, None] if rank == 3 else x.transpose(1, 2)
@@ -754,16 +896,14 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
             q = q * (c.reshape(()) if c.numel() == 1 else c.view(1, -1, 1, 1)).to(q.dtype)  # [B, H, T, D]: per head
         elif scale != 1.0:
             q = q * scale
+        if strict:  # [.., T, D]: the query of step t read after step t − 1
+            q = _step_shifted(q, -2, -1)
         k_, v_, q_ = to_op(k), to_op(v), to_op(q)
         read = None if callable(scale) else read  # (then the tensor read is the scale's, and γ are numbers)
         alpha: Any
         if read is not None and per_token is not None:  # a gate per step: [*L, T] → the op's [B, T, H]
             perm, places = per_token
-            g = gammas(read).permute(perm)
-            view = [1] * (rank - 1)
-            for i, p in enumerate(places):
-                view[p] = g.shape[i]
-            g = g.reshape(view).expand(k.shape[:-1])
+            g = _placed(gammas(read).permute(perm), places, k.shape[:-1])
             alpha = (g[None, :, None] if rank == 2 else g[:, :, None] if rank == 3 else g.transpose(1, 2))
             alpha = alpha.to(k_.dtype).contiguous()
         elif read is not None:  # γ per head (or one) from the tensor, its gradient summed back through the expand
@@ -773,11 +913,15 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
                 torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()
         y = torch.ops.hecate.linear_attention(k_, v_, q_, alpha, None, None, normalise, eps, causal)[0]
         y = y[0, :, 0] if rank == 2 else y[:, :, 0] if rank == 3 else y.transpose(1, 2)
+        if strict:  # y_0 reads no key
+            y = _step_shifted(y, -2, 1)
         if row_scale is not None:
             y = y * torch.tensor(row_scale, dtype=y.dtype, device=y.device)[..., None]
         return y if perms["y"] is None else y.permute(perms["y"])
 
     # make_fx traces every parameter of the function it is given: the tensor read is one only where there is one
+    if strength is not None:
+        return parallel_form_with_gates_and_strengths
     return parallel_form_with_decay_read if callable(gammas) or callable(scale) else \
         lambda k, v, q: parallel_form_as_recurrence(k, v, q)
 
@@ -963,15 +1107,21 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
             continue
         heads_first = values[q].dim() == 3 or time == 2  # [B, T, D] or [B, H, T, D]: time next to the features
         kk, vv, qq = (values[n] if heads_first else values[n].transpose(1, 2) for n in (k, v, q))
-        expected = (qq @ kk.mT).tril() @ vv
-        if not heads_first:
-            expected = expected.transpose(1, 2)
-        if torch.allclose(got, expected, rtol=1e-6, atol=1e-9):
-            break
+        # y_t = M_t q_t, or M_{t−1} q_t (the states shifted a step: an exclusive prefix sum)
+        for strict in (False, True):
+            expected = (qq @ kk.mT).tril(-1 if strict else 0) @ vv
+            if not heads_first:
+                expected = expected.transpose(1, 2)
+            if torch.allclose(got, expected, rtol=1e-6, atol=1e-9):
+                break
+        else:
+            continue
+        break
     else:
-        raise NotFused("its read differs from y_t = M_t q_t at random points")
+        raise NotFused("its read differs from y_t = M_t q_t, and from M_{t−1} q_t, at random points")
     _check_read_by_meaning(k, v, q, read, memo)
-    replace_with_function(gm, [read], _cumulated_as_op if time == 1 else _heads_first_cumulated_as_op, [k, v, q],
+    as_op = _cumulated_as_op if time == 1 else _heads_first_cumulated_as_op
+    replace_with_function(gm, [read], functools.partial(as_op, strict=True) if strict else as_op, [k, v, q],
                           outputs=[read])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sorted((n for n in inside | {cumsum.args[0], *cumsum.args[0].all_input_nodes} if not n._erased),
@@ -979,16 +1129,23 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
         if not node.users and node.op == "call_function":
             gm.graph.erase_node(node)
     report.add_fusion("linear_attention", "hecate.linear_attention", len(inside) + 3,
-                      "causal M_t = Σ_{s≤t} v_s φ(k_s)ᵀ by cumsum, y_t = M_t φ(q_t), read by meaning")
+                      "causal M_t = Σ_{s≤t} v_s φ(k_s)ᵀ by cumsum, "
+                      + ("y_t = M_{t−1} φ(q_t)" if strict else "y_t = M_t φ(q_t)") + ", read by meaning")
 
 
-def _cumulated_as_op(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def _cumulated_as_op(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, strict: bool = False) -> torch.Tensor:
+    """[B, T, (H,) D] → the op; ``strict``: each query reads the state before its step (an exclusive prefix sum)."""
+    if strict:
+        q = _step_shifted(q, 1, -1)
     if q.dim() == 3:  # one head: the op's head dim added and taken away
-        return torch.ops.hecate.linear_attention(k[:, :, None], v[:, :, None], q[:, :, None], None, None, None,
-                                                 False, 1e-6, True)[0][:, :, 0]
-    return torch.ops.hecate.linear_attention(k, v, q, None, None, None, False, 1e-6, True)[0]
+        y = torch.ops.hecate.linear_attention(k[:, :, None], v[:, :, None], q[:, :, None], None, None, None,
+                                              False, 1e-6, True)[0][:, :, 0]
+    else:
+        y = torch.ops.hecate.linear_attention(k, v, q, None, None, None, False, 1e-6, True)[0]
+    return _step_shifted(y, 1, 1) if strict else y
 
 
-def _heads_first_cumulated_as_op(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def _heads_first_cumulated_as_op(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                                 strict: bool = False) -> torch.Tensor:
     """[B, H, T, D] → the op's [B, T, H, D] and back."""
-    return _cumulated_as_op(k.transpose(1, 2), v.transpose(1, 2), q.transpose(1, 2)).transpose(1, 2)
+    return _cumulated_as_op(k.transpose(1, 2), v.transpose(1, 2), q.transpose(1, 2), strict).transpose(1, 2)

@@ -63,6 +63,12 @@ def one_sequence(q, k, v):  # [T, D]: no batch
     return torch.tril(phi(q[0]) @ phi(k[0]).T) @ v[0]
 
 
+def one_sequence_given_a_batch_dim_after_the_transpose(q, k, v):  # k.T[None]: the batch dim added after .T
+    n = torch.arange(q.shape[1])
+    decay = torch.tril(0.8 ** (n[:, None] - n[None, :]).float())
+    return ((phi(q[0])[None] @ phi(k[0]).T[None]) * decay) @ v[0][None]
+
+
 class MultiHead(nn.Module):
     """[B, H, T, Dh] heads, projections, the heads merged back."""
 
@@ -227,13 +233,38 @@ def normalised_on_the_score_by_reciprocal(q, k, v):  # times 1 / (Σ + ε), the 
     return (a * torch.reciprocal(a.sum(-1) + 1e-6).unsqueeze(-1)) @ v
 
 
+def cumsum_exclusive_states(q, k, v):  # y_t = M_{t−1} q_t: the states shifted a step, zeros first (probe r21)
+    states = (phi(k).unsqueeze(-1) * v.unsqueeze(-2)).cumsum(1)
+    states = torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], 1)
+    return (phi(q).unsqueeze(-1) * states).sum(-2)
+
+
+def strictly_causal(q, k, v):  # each query reads the keys before its own (s < t): the state before its step
+    n = q.shape[-2]
+    return ((phi(q) @ phi(k).mT) * torch.tril(torch.ones(n, n), diagonal=-1)) @ v
+
+
+def strictly_causal_retention_by_where(q, k, v):  # γ^(t−s) for s < t, 0 elsewhere, the score scaled
+    n = torch.arange(q.shape[-2])
+    dist = n[:, None] - n[None, :]
+    decay = torch.where(dist > 0, 0.8 ** dist.clamp(min=0).float(), 0.0)
+    return ((q @ k.mT) * 0.5 * decay) @ v
+
+
+def strictly_causal_normalised(q, k, v):  # the strict mask's row sums: the first row's 0 / (0 + ε) is 0
+    a = (phi(q) @ phi(k).mT).tril(-1)
+    return (a @ v) / (a.sum(-1, keepdim=True) + 1e-3)
+
+
 FUNCTIONS = [normalised_on_the_score, normalised_on_the_score_heads_by_einsum, normalised_on_the_score_by_reciprocal, einsum_with_an_ellipsis, mask_made_like_the_scores, cumsum_key_value_layout_einsum_read, cumsum_outer_by_einsum_read_by_product_and_sum,
              cumsum_heads_method_row_vector_read, tril_method, times_tril_of_ones, masked_fill_bmm, normalised, where_arange_relu_features, retention,
              one_sequence, einsum_scores_and_read, einsum_heads_in_place, einsum_time_major_scores,
              triu_bool_masked_fill_einsum, arange_comparison_float_mask, normalised_by_reciprocal, normalised_by_clamp,
              retention_linspace_gammas, scaled_scores_times_tril, scaled_scores_masked_fill,
              scaled_retention_normalised, einsum_with_the_mask_as_an_operand, einsum_with_the_mask_first,
-             scaled_and_masked_in_place]
+             scaled_and_masked_in_place, strictly_causal, strictly_causal_retention_by_where,
+             strictly_causal_normalised, one_sequence_given_a_batch_dim_after_the_transpose,
+             cumsum_exclusive_states]
 
 
 def _check(fn, args, dynamic, params=()):
@@ -648,13 +679,32 @@ class LogSigmoidDecay(_PerHeadDecay):
         return torch.exp((t[:, None] - t[None, :]).clamp(min=0) * F.logsigmoid(self.p).view(-1, 1, 1)).tril()
 
 
+class LearnedScaleOverAGammaBuffer(nn.Module):
+    """A learned 0-d scale of the score beside γ in a buffer, one or per head (the mask reads both: probe r21)."""
+
+    def __init__(self, gamma=(0.85,)):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.7))
+        self.register_buffer("gamma", torch.tensor(gamma) if len(gamma) > 1 else torch.tensor(gamma[0]))
+
+    def forward(self, q, k, v):
+        b, n, _ = q.shape
+        heads = 1 if self.gamma.dim() == 0 else self.gamma.shape[0]
+        q, k, v = (z.view(b, n, heads, -1).transpose(1, 2) for z in (q, k, v))
+        t = torch.arange(n)
+        gamma = self.gamma if self.gamma.dim() == 0 else self.gamma[:, None, None]
+        decay = torch.tril(gamma ** (t[:, None] - t[None, :]).float())
+        return ((q @ k.mT) * self.scale * decay @ v).transpose(1, 2).reshape(b, n, -1)
+
+
 DECAY_READ = [RetNetLogDecayBuffer, ScaledRetNetLogDecayBuffer, GammaBufferHeadsLast, LearnedDecay, ScalarGammaBuffer,
-              lambda: MultiScaleRetention(decay_in_a_buffer=True), SigmoidGamma, LogSigmoidDecay]
+              lambda: MultiScaleRetention(decay_in_a_buffer=True), SigmoidGamma, LogSigmoidDecay,
+              LearnedScaleOverAGammaBuffer, lambda: LearnedScaleOverAGammaBuffer((0.9, 0.6))]
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("make", DECAY_READ, ids=[m.__name__ if isinstance(m, type) else "MultiScaleRetentionBuffer"
-                                                  for m in DECAY_READ])
+@pytest.mark.parametrize("make", DECAY_READ, ids=[m.__name__ if isinstance(m, type) else f"lambda_{i}"
+                                                  for i, m in enumerate(DECAY_READ)])
 def test_decay_read_from_a_buffer_or_parameter_fuses_and_equals_eager(make, dynamic, fresh_dynamo):
     """γ is read from the tensor at run time: a buffer changed between calls, or a learned γ, is honoured."""
     torch.manual_seed(0)
@@ -811,6 +861,24 @@ class Mamba2Mixer(nn.Module):
         return ((c @ b.mT) * torch.exp(_segsum_by_differences(a))) @ x
 
 
+class Mamba2JointProjection(nn.Module):
+    """Mamba-2's layout: one projection gives C, B and Δt, split apart (the mask reads the same tensor as the
+    queries and keys; its gates were crowded out of the tensors tried by the mask's own [T, T] nodes, probe r21)."""
+
+    def __init__(self, width=6, heads=3, state=4):
+        super().__init__()
+        self.heads, self.state = heads, state
+        self.in_proj = nn.Linear(width, 2 * heads * state + heads)
+        self.A_log = nn.Parameter(torch.linspace(-1.0, 0.5, heads))
+
+    def forward(self, u, x):  # u [B, T, width], x [B, H, T, P]
+        b, n, _ = u.shape
+        c, bb, dt = torch.split(self.in_proj(u), [self.heads * self.state, self.heads * self.state, self.heads], -1)
+        c, bb = (t.view(b, n, self.heads, self.state).transpose(1, 2) for t in (c, bb))
+        a = (F.softplus(dt) * -torch.exp(self.A_log)).transpose(1, 2)  # [B, H, T]
+        return ((c @ bb.mT) * torch.exp(_segsum_by_differences(a))) @ x
+
+
 def gla_gate_shared_by_the_heads(q, k, v, f):  # [B, H, T, D] with one gate per sequence and step, [B, T]
     total = F.logsigmoid(f).cumsum(-1)[:, None]  # [B, 1, T]
     return ((q @ k.mT) * torch.exp(total[..., :, None] - total[..., None, :]).tril()) @ v
@@ -836,6 +904,58 @@ def gla_clamped_gates(q, k, v, f):  # the gates clamped before their products: t
 GATED = [(ssd_segsum_by_differences, "ssd"), (ssd_segsum_by_masked_cumsum, "ssd"),
          (gla_cumulative_product_ratio, "one_head"), (gla_log_sigmoid_heads_last_gates, "heads"),
          (gla_clamped_gates, "one_head"), (gla_gate_shared_by_the_heads, "shared")]
+
+
+def mlstm_input_gate(q, k, v, f, i):  # mLSTM's D_ts = exp(F_t − F_s + i_s): forget gates per step, input gate per key
+    total = F.logsigmoid(f).cumsum(-1)  # [B, H, T]
+    n = total.shape[-1]
+    log_d = (total[..., :, None] - total[..., None, :] + i[..., None, :]).masked_fill(
+        ~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return ((q @ k.mT / 2.0) * log_d.exp()) @ v
+
+
+def gates_inclusive_of_the_key(q, k, v, f):  # D_ts = Π_{s≤r≤t} g_r: the key's own gate too, by a ratio
+    g = torch.sigmoid(f)
+    total = g.cumprod(-1)
+    return ((q @ k.mT) * torch.tril(total[..., :, None] / total[..., None, :] * g[..., None, :])) @ v
+
+
+def gates_inclusive_of_the_key_in_log_space(q, k, v, f):  # the same as exp of sums of log-sigmoids
+    log_g = F.logsigmoid(f)
+    total = log_g.cumsum(-1)
+    return ((q @ k.mT) * torch.exp(total[..., :, None] - total[..., None, :] + log_g[..., None, :]).tril()) @ v
+
+
+def gates_computed_from_the_queries(q, k, v, f, i):  # g_t = σ(Σ_d q_td): the mask reads q beside the score
+    total = F.logsigmoid(q.sum(-1)).cumsum(-1)
+    return ((q @ k.mT) * torch.exp(total[..., :, None] - total[..., None, :]).tril()) @ v
+
+
+STRENGTHS = [mlstm_input_gate, gates_inclusive_of_the_key, gates_inclusive_of_the_key_in_log_space]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_gates_computed_from_the_queries_fuse(dynamic, fresh_dynamo):
+    """The gates read from a node computed from q (it was reported as differing from the formula at random points,
+    probe r21: the mask was evaluated with the queries of the score's check)."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(B, 3, T, D, generator=g) for _ in range(3)]
+    report = _check(lambda q, k, v: gates_computed_from_the_queries(q, k, v, None, None), args, dynamic)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn", STRENGTHS, ids=[f.__name__ for f in STRENGTHS])
+def test_gates_per_step_with_a_factor_per_key_fuse_and_equal_eager(fn, dynamic, fresh_dynamo):
+    """D_ts = w_s·Π_{s<r≤t} g_r: the factor per key (mLSTM's exp(i_s), the key's own gate) is read off D's
+    diagonal at random draws, from an input or the gates' own tensor; the op's keys are scaled by it at run time,
+    and both gates get their gradient."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(B, 3, T, D, generator=g) for _ in range(3)] + [torch.randn(B, 3, T, generator=g) + 2,
+                                                                       0.5 * torch.randn(B, 3, T, generator=g)]
+    report = _check(fn, args[:5 if fn is mlstm_input_gate else 4], dynamic)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    assert "keys scaled by" in report.fusions[0].detail and "per step" in report.fusions[0].detail, report.fusions[0]
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
@@ -864,6 +984,15 @@ def test_mamba2_mixer_fuses_and_equals_eager(dynamic, fresh_dynamo):
     g = torch.Generator().manual_seed(0)
     args = [torch.randn(B, 3, T, 4, generator=g), torch.randn(B, 3, T, 4, generator=g),
             torch.randn(B, 3, T, 5, generator=g), torch.randn(B, T, 3, generator=g)]
+    report = _check(model, args, dynamic, list(model.parameters()))
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_mamba2_with_one_projection_split_into_queries_keys_and_gates_fuses(dynamic, fresh_dynamo):
+    model = Mamba2JointProjection()
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(B, T, 6, generator=g), torch.randn(B, 3, T, 5, generator=g)]
     report = _check(model, args, dynamic, list(model.parameters()))
     assert report.count("linear_attention") == 1 and not report.misses, str(report)
 
