@@ -582,6 +582,9 @@ class _Loop:
     # offset -> how far its index moves per step where not 1 (−1: a loop over reversed(range(T)); 2: every other)
     steps: dict[int, int] = field(default_factory=dict)
     flipped: set = field(default_factory=set)  # stacks of the steps' values last step first (``stack(ys[::-1])``)
+    # (offset, leaf) of a number that differs between steps where a floating tensor is multiplied by it, divided
+    # by it or added to it (η_t = 0.5 / (t + 1) of a Python schedule, x * t): read per step, as the scan's inputs are
+    literals: set = field(default_factory=set)
     stacks: dict[fx.Node, int] = field(default_factory=dict)  # torch.stack after the loop -> offset
     finals: dict[fx.Node, int] = field(default_factory=dict)  # last block's carry read after -> offset
     bad: int | None = None  # after a failed verify(): the first block that differs, if one was found
@@ -606,7 +609,7 @@ class _Loop:
         """Whether the T blocks are one loop; if not, ``bad`` may name the first block that differs."""
         self.bad = None
         self.args, self.carries, self.slices, self.stacks, self.finals, self.steps = {}, {}, {}, {}, {}, {}
-        self.flipped = set()
+        self.flipped, self.literals = set(), set()
         if self.L < 1 or self.T < 2 or self.end > len(self.nodes):
             return False
         # blocks 0 and 1 first: a wrong block boundary fails here, cheaply
@@ -660,7 +663,14 @@ class _Loop:
 
     def _same_leaf(self, o: int, j: int, t: int, a0: Any, a: Any) -> bool:
         if not isinstance(a0, fx.Node):
-            return not isinstance(a, fx.Node) and type(a) is type(a0) and a == a0
+            if isinstance(a, fx.Node) or type(a) is not type(a0):
+                return False
+            if a == a0 and (o, j) not in self.literals:
+                return True
+            if type(a0) in (int, float) and _number_of_a_step(self.at(0, o), j):
+                self.literals.add((o, j))
+                return True
+            return False
         if not isinstance(a, fx.Node):
             return False
         kind = self.args.get((o, j))
@@ -733,6 +743,31 @@ class _Loop:
 
 _STACKS = (torch.stack, torch.ops.aten.stack.default)
 _CATS = (torch.cat, torch.concat, torch.ops.aten.cat.default)
+
+
+_ARITHMETIC = (operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div, torch.add, torch.sub,
+               "mul", "div", "add", "sub", "__mul__", "__rmul__", "__truediv__", "__add__", "__radd__", "__sub__",
+               "__rsub__")
+
+
+def _number_of_a_step(node: fx.Node, j: int) -> bool:
+    """Whether leaf ``j`` of ``node`` is a Python number one operand of a product, quotient, sum or difference
+    whose other operand is a float32 or float64 tensor: there a 0-d tensor of that dtype holding the number
+    computes the same values (ATen casts the number to the tensor's dtype; the dtype of the result is the
+    tensor's either way)."""
+    if node.target not in _ARITHMETIC or node.kwargs or len(node.args) != 2 or j > 1:
+        return False
+    other = _value(node.args[1 - j]) if isinstance(node.args[1 - j], fx.Node) else None
+    return isinstance(other, torch.Tensor) and other.dtype in (torch.float32, torch.float64)
+
+
+def _literal_values(loop: "_Loop", o: int, j: int) -> list[float]:
+    return [_flatten(loop.at(t, o))[0][j] for t in range(loop.T)]
+
+
+def _literals(loop: "_Loop", part: "_Part") -> list[tuple[int, int]]:
+    """The numbers of a step the part reads (see ``_Loop.literals``), one scan input each."""
+    return sorted((o, j) for o, j in loop.literals if o in part.offsets)
 
 
 def _stack_dim(node: fx.Node) -> int:
@@ -1070,6 +1105,10 @@ def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str, part: _P
         if step < 0:  # read from the last index down
             x = graph.call_function(torch.flip, (x, (0,)))
         xs.append(x)
+    for o, j in _literals(loop, part):  # the step's number as a [T] tensor of its operand's dtype
+        node = loop.at(0, o)
+        dtype = _value(node.args[1 - j]).dtype
+        xs.append(graph.call_function(torch.tensor, (_literal_values(loop, o, j),), {"dtype": dtype}))
     inits = []
     for o in carries:  # carries that start from one tensor (CSE merged two torch.zeros) start from copies of it:
         init = env[loop.carries[o]]  # tracing the scan keys its inputs by tensor, and would read one carry for both
@@ -1149,6 +1188,7 @@ def _body(loop: _Loop, part: _Part) -> fx.GraphModule:
     body = fx.Graph()
     carry_in = {o: body.placeholder(f"carry_{i}") for i, o in enumerate(carries)}
     xs_in = {source: body.placeholder(f"x_{i}") for i, source in enumerate(_sources(loop, part))}
+    numbers_in = {leaf: body.placeholder(f"x_{len(xs_in) + i}") for i, leaf in enumerate(_literals(loop, part))}
     invariant_in = {a: body.placeholder(f"invariant_{i}") for i, a in enumerate(invariants)}
     for a in _read_invariants(loop, part):  # an invariant that views one of them: that view, in the body
         root, chain = _viewed(a, loop, part)
@@ -1170,6 +1210,8 @@ def _body(loop: _Loop, part: _Part) -> fx.GraphModule:
             continue
         leaves, spec = _flatten(node)
         for j, leaf in enumerate(leaves):
+            if (o, j) in numbers_in:
+                leaves[j] = numbers_in[(o, j)]
             if not isinstance(leaf, fx.Node):
                 continue
             what, ref = loop.args[(o, j)]

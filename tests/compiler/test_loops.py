@@ -157,10 +157,17 @@ def test_state_read_midway_splits_the_loop_in_two():
     _check_rolled(intermediate_read, torch.randn(3, 6), steps=[3, 3])
 
 
-def step_differs(x):
+def number_differs(x):
     h = x[:, 0] * 0
     for t in range(x.shape[1]):
         h = h * (0.5 if t == 3 else 0.9) + x[:, t]
+    return h
+
+
+def step_differs(x):
+    h = x[:, 0] * 0
+    for t in range(x.shape[1]):
+        h = (torch.tanh(h) if t == 3 else h) * 0.9 + x[:, t]
     return h
 
 
@@ -177,8 +184,38 @@ def test_what_is_not_one_loop_stays_unrolled():
 
 
 def test_a_step_that_differs_ends_one_loop_and_the_rest_is_rolled_again():
-    """Step 3 multiplies by 0.5, the others by 0.9: steps 0-2 and 4-5 are two loops, step 3 stays as written."""
-    _check_rolled(step_differs, torch.randn(3, 6), steps=[3, 2])
+    """Step 3 takes tanh of the state first: steps 0-2 are one loop, the tanh stays as written, and steps 3-5 from
+    the decay on are another."""
+    _check_rolled(step_differs, torch.randn(3, 6), steps=[3, 3])
+
+
+def test_a_number_that_differs_between_steps_is_read_per_step():
+    """Step 3 multiplies by 0.5, the others by 0.9: one loop, the factor a [T] input of the scan."""
+    _check_rolled(number_differs, torch.randn(3, 6), steps=[6])
+
+
+def python_schedule(x):
+    h = x[:, 0] * 0
+    for t in range(x.shape[1]):
+        h = h * (1 - 1 / (t + 2)) + x[:, t] / (t + 1)
+    return h
+
+
+def test_numbers_of_a_python_schedule_are_read_per_step():
+    _check_rolled(python_schedule, torch.randn(3, 6), steps=[6])
+
+
+def int_exponent_differs(x):
+    h = x[:, 0] * 0
+    for t in range(x.shape[1]):
+        h = h * 0.9 + x[:, t] ** (1 if t < 3 else 2)
+    return h
+
+
+def test_a_number_that_is_no_factor_or_term_still_ends_the_loop():
+    """An exponent that differs is not read per step (only a product's, quotient's, sum's or difference's
+    number is): steps 0-2 and 3-5 are two loops."""
+    _check_rolled(int_exponent_differs, torch.randn(3, 6), steps=[3, 3])
 
 
 def _outer(v, k):
@@ -190,20 +227,21 @@ def _read(M, q):
 
 
 def decay_differs_at_step_three(q, k, v):
-    """A Hebbian memory whose step 3 decays by 0.5, the others by 0.9."""
+    """A Hebbian memory whose step 3 writes twice as strongly (a product more than the others)."""
     M, ys = torch.zeros(q.shape[0], v.shape[-1], k.shape[-1]), []
     for t in range(q.shape[1]):
-        M = (0.5 if t == 3 else 0.9) * M + v[:, t, :, None] * k[:, t, None, :]
+        write = v[:, t, :, None] * k[:, t, None, :]
+        M = 0.9 * M + (2.0 * write if t == 3 else write)
         ys.append((M @ q[:, t, :, None])[..., 0])
     return torch.stack(ys, 1), M
 
 
 def decay_differs_at_step_three_with_helpers(q, k, v):
-    """The same, the outer product and the read written as helpers (another order of the step's ops)."""
+    """The same, the outer product and the read written as helpers."""
     M, ys = torch.zeros(q.shape[0], v.shape[-1], k.shape[-1]), []
     for t in range(q.shape[1]):
-        c = 0.5 if t == 3 else 0.9
-        M = c * M + _outer(v[:, t], k[:, t])
+        write = _outer(v[:, t], k[:, t])
+        M = 0.9 * M + (2.0 * write if t == 3 else write)
         ys.append(_read(M, q[:, t]))
     return torch.stack(ys, 1), M
 
@@ -211,9 +249,10 @@ def decay_differs_at_step_three_with_helpers(q, k, v):
 @pytest.mark.parametrize("fn", [decay_differs_at_step_three, decay_differs_at_step_three_with_helpers],
                          ids=["inline", "helpers"])
 def test_the_run_after_a_step_that_differs_starts_its_blocks_as_the_run_before(fn, fresh_dynamo):
-    """Blocks starting right after step 3's decay also prove a loop over steps 3-5 (its blocks rotated: the update,
-    the read, the next step's decay), which is no memory step; the run after the step is rolled with its blocks
-    starting as the run before did, so both runs fuse and step 3 alone is left as written (and reported)."""
+    """Blocks starting inside step 3 may also prove a loop over the steps after it (its blocks rotated), which is
+    no memory step; the run after the step is rolled with its blocks starting as the run before did, so both runs
+    fuse, and what of step 3 is left as written is reported. (A step that differs from the others by a number
+    alone is no longer one: the number is read per step.)"""
     args = [torch.randn(2, 7, 4) for _ in range(3)]
     got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*args)
     report = hecate.last_report()
@@ -248,11 +287,12 @@ def test_the_loops_that_fuse_stay_fused_beside_one_that_does_not(fresh_dynamo):
 
 
 def momentum_decay_differs_at_step_three(q, k, v):
-    """Momentum whose step 3 decays the buffer by 0.5, the others by 0.9."""
+    """Momentum whose step 3 writes the buffer twice as strongly (a product more than the others)."""
     M, S, ys = torch.zeros(q.shape[0], 4, 4), torch.zeros(q.shape[0], 4, 4), []
     for t in range(q.shape[1]):
         e = (M @ k[:, t, :, None])[..., 0] - v[:, t]
-        S = (0.5 if t == 3 else 0.9) * S + e[..., None] * k[:, t, None, :]
+        gradient = e[..., None] * k[:, t, None, :]
+        S = 0.9 * S + (2.0 * gradient if t == 3 else gradient)
         M = 0.95 * M - 0.1 * S
         ys.append((M @ q[:, t, :, None])[..., 0])
     return torch.stack(ys, 1), M

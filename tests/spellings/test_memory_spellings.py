@@ -708,6 +708,16 @@ def hebbian_per_head_decay_tensor(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_output_slot_left_unwritten(k, v, q, alpha, eta):
+    """out[:, 0] keeps its zeros, read from out (it was reported as no stack of the steps' outputs)."""
+    M = _m0(k, v)
+    out = v.new_zeros(v.shape)
+    for t in range(1, k.shape[1]):
+        M = alpha[:, t, :, None, None] * M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        out[:, t] = (M @ q[:, t].unsqueeze(-1)).squeeze(-1)
+    return out, M
+
+
 def delta_rule_gates_shared_by_the_heads(k, v, q, alpha, eta):
     """α_t and η_t one per sequence ([B, T], the first head's) for every head, read as a[:, t, None, None, None]
     against M [B, H, Dv, Dk]: with B = H their values alone do not tell a batch from a head."""
@@ -757,6 +767,26 @@ def delta_rule_over_every_other_token(k, v, q, alpha, eta):
     for t in range(0, k.shape[1], 2):
         e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
         M = (1 - alpha[:, t, :, None, None]) * M - 2 * eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_with_a_python_step_size_schedule(k, v, q, alpha, eta):
+    """η_t = 0.5 / (t + 1) computed in Python: a number that differs between the steps, read per step (probe r21:
+    "the steps differ")."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - (0.5 / (t + 1)) * 2 * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_decay_by_the_step_index(k, v, q, alpha, eta):
+    """A decay 1 − 1/(t + 2) of the step's index, t an int in the product."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = (1 - 1 / (t + 2)) * M + v[:, t, :, :, None] * k[:, t, :, None, :]
         ys.append((M @ q[:, t, :, :, None])[..., 0])
     return torch.stack(ys, 1), M
 
@@ -1246,6 +1276,9 @@ SPELLINGS = {
     "hebbian_per_head_decay_tensor": (hebbian_per_head_decay_tensor, "linear_attention"),
     "hebbian_heads_flattened_into_the_batch": (hebbian_heads_flattened_into_the_batch, "linear_attention"),
     "delta_rule_gates_shared_by_the_heads": (delta_rule_gates_shared_by_the_heads, "memory_scan"),
+    "hebbian_output_slot_left_unwritten": (hebbian_output_slot_left_unwritten, "linear_attention"),
+    "delta_rule_with_a_python_step_size_schedule": (delta_rule_with_a_python_step_size_schedule, "memory_scan"),
+    "hebbian_decay_by_the_step_index": (hebbian_decay_by_the_step_index, "linear_attention"),
     "delta_rule_backwards_in_time": (delta_rule_backwards_in_time, "memory_scan"),
     "hebbian_backwards_in_time_by_insert": (hebbian_backwards_in_time_by_insert, "linear_attention"),
     "delta_rule_over_every_other_token": (delta_rule_over_every_other_token, "memory_scan"),
@@ -1898,16 +1931,6 @@ def test_vector_as_long_as_the_heads_is_read_by_what_it_scales(scale_per, fresh_
 
 # ---------------------------------------------------------------- what stays unfused, and says why
 
-def hebbian_output_slot_left_unwritten(k, v, q, alpha, eta):
-    """out[:, 0] keeps its zeros: out is no stack of the steps' outputs."""
-    M = _m0(k, v)
-    out = v.new_zeros(v.shape)
-    for t in range(1, k.shape[1]):
-        M = alpha[:, t, :, None, None] * M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
-        out[:, t] = (M @ q[:, t].unsqueeze(-1)).squeeze(-1)
-    return out, M
-
-
 def hebbian_outputs_read_while_written(k, v, q, alpha, eta):
     """Each step reads what the earlier steps wrote into out."""
     M = _m0(k, v)
@@ -2326,9 +2349,6 @@ REPORTED = {
                                          ["applies clamp", "a bound or branch on data"]),
     "hebbian_normaliser_capped": (hebbian_normaliser_capped, ["applies clamp", "a bound or branch on data"]),
     "lp_memory_indexed_per_head": (lp_memory_indexed_per_head, HEADS_LOOP),
-    "hebbian_output_slot_left_unwritten": (hebbian_output_slot_left_unwritten,
-                                           ["could not be rolled up", "write into a tensor in place",
-                                            "every slot is written exactly once"]),
     "hebbian_outputs_read_while_written": (hebbian_outputs_read_while_written,
                                            ["could not be rolled up", "write into a tensor in place",
                                             "read after the last write alone"]),
