@@ -1304,6 +1304,8 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
 
     _size_numbers_as_tensors(gm.graph)
     for softmax in [n for n in gm.graph.nodes if n.target == aten.softmax.int]:
+        if _renormalised(softmax):
+            continue  # softmax(s) · mask / Σ (softmax(s) · mask): the softmax written out, fused below
         for user in list(softmax.users):
             _einsum_laid_out_as_matmul(gm.graph, user, softmax)
         score = None
@@ -1443,10 +1445,21 @@ def _erase_unread(nodes: list[fx.Node]) -> None:
         pending.extend(inputs)
 
 
+def _renormalised(softmax: fx.Node) -> bool:
+    """Whether ``softmax`` is read only as e in e · mask / Σ (e · mask) (a softmax over every key masked and
+    normalised again): exp(s − max) / Z whose Z cancels, the softmax written out with a mask."""
+    if len(softmax.users) != 1:
+        return False
+    (masked,) = softmax.users
+    return any(d.target == aten.div.Tensor and d.args[0] is masked and _unshifted_softmax_of(d) is not None
+               for d in masked.users)
+
+
 def _unshifted_softmax_of(node: fx.Node) -> tuple[fx.Node, fx.Node | None, str] | None:
     """(s, mask, how) for ``e / e.sum(-1, keepdim=True)`` with e = exp(s) (the normal form made e = exp(s − max) a
-    softmax already), or e = exp(s) or exp(s − s's row max) times a mask (``how`` "times"), zeroed where a bool
-    mask is True (``masked_fill(m, 0)``: "filled") or False (``where(m, e, 0)``: "kept"); mask None: none."""
+    softmax already), or e = exp(s), exp(s − s's row max) or softmax(s) over the last dim (exp(s − max) / Z, whose
+    Z cancels) times a mask (``how`` "times"), zeroed where a bool mask is True (``masked_fill(m, 0)``: "filled")
+    or False (``where(m, e, 0)``: "kept"); mask None: none."""
     if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
         return None
     e, total = node.args
@@ -1458,8 +1471,11 @@ def _unshifted_softmax_of(node: fx.Node) -> tuple[fx.Node, fx.Node | None, str] 
     while e.target in (aten.mul.Tensor, aten.div.Tensor) and len(e.args) == 2 and isinstance(e.args[0], fx.Node) \
             and (c := number_of(e.args[1])) is not None and c != 0 and math.isfinite(c):
         e = e.args[0]  # c · exp(s) · m: c cancels in the ratio
+    def exp_of(a):  # exp(s), or a softmax over the last dim
+        return a.target == aten.exp.default or a.target == aten.softmax.int and a.args[1] % rank == rank - 1
+
     if e.target == aten.mul.Tensor and len(e.args) == 2 and all(isinstance(a, fx.Node) for a in e.args):
-        exps = [i for i, a in enumerate(e.args) if a.target == aten.exp.default]
+        exps = [i for i, a in enumerate(e.args) if exp_of(a)]
         if len(exps) != 1:
             return None
         e, mask = e.args[exps[0]], e.args[1 - exps[0]]
@@ -1468,7 +1484,8 @@ def _unshifted_softmax_of(node: fx.Node) -> tuple[fx.Node, fx.Node | None, str] 
     elif e.target in (aten.where.ScalarOther, aten.where.self) and number_of(e.args[2]) == 0 \
             and isinstance(e.args[1], fx.Node):
         e, mask, how = e.args[1], e.args[0], "kept"
-    if not (isinstance(e, fx.Node) and e.target == aten.exp.default and isinstance(e.args[0], fx.Node)):
+    if not (isinstance(e, fx.Node) and (e.target == aten.exp.default or mask is not None and exp_of(e))
+            and isinstance(e.args[0], fx.Node)):
         return None
     s = e.args[0]
     if mask is not None and s.target == aten.sub.Tensor and s.kwargs.get("alpha", 1) == 1 \

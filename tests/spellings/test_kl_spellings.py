@@ -327,6 +327,17 @@ def a_softmax_by_hand_times_a_causal_mask(mu, var):  # the row max (of every key
     return (e / e.sum(-1, keepdim=True)) @ mu
 
 
+def a_softmax_masked_after_and_renormalised(mu, var):  # softmax over every key, times causal, normalised again
+    beta = F.softmax(-kl_spec(mu, var), -1) * torch.tril(torch.ones(mu.shape[1], mu.shape[1]))
+    return (beta / beta.sum(-1, keepdim=True)) @ mu, beta / beta.sum(-1, keepdim=True)
+
+
+def a_softmax_zeroed_by_masked_fill_and_renormalised(mu, var):  # the future zeroed by masked_fill
+    future = torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool).triu(1)
+    beta = F.softmax(-kl_spec(mu, var) / 2.0, -1).masked_fill(future, 0.0)
+    return beta @ var / beta.sum(-1, keepdim=True)
+
+
 def a_softmax_by_hand_zeroed_by_masked_fill(mu, var):  # the future's exp zeroed by masked_fill, then the row sum
     future = torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool).triu(1)
     e = torch.exp(-kl_spec(mu, var)).masked_fill(future, 0.0)
@@ -359,6 +370,7 @@ def a_kl_plus_an_inf_mask(mu, var):  # +inf added to the future's KL, the sum ne
 ATTENTION = [
     (a_kl_kept_where_causal_else_inf, _var), (a_kl_plus_an_inf_mask, _var),
     (a_softmax_by_hand_without_the_max, _var), (a_softmax_by_hand_times_a_causal_mask, _var),
+    (a_softmax_masked_after_and_renormalised, _var), (a_softmax_zeroed_by_masked_fill_and_renormalised, _var),
     (a_log_precisions, _logvar), (a_softmax_by_hand_zeroed_by_masked_fill, _var), (a_softmax_by_hand_kept_by_where, _var),
     (a_constants_of_the_softmax_dropped, _var), (a_softmax_in_its_own_dtype, _logvar),
     (a_energy_of_the_zeroed_kl, _var),
