@@ -537,9 +537,9 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
     every t → ``out = torch.stack([y_0, .., y_{T−1}], 1)``, made where out is first read.
 
     Exact where: out is made fresh, each of its T slots along one dim is written exactly once (or, where out
-    is made of zeros, at most once: a slot left unwritten is ``zeros_like`` a written one, as a loop over
-    ``range(1, T)`` leaves slot 0, is read from out), by a value of the slot's shape, dtype and device (no broadcast, no cast),
-    out is read only after the last write, no y_t is written to afterwards, and grad mode and autocast stay
+    is made of zeros, at most once: a slot left unwritten, as a loop over ``range(1, T)`` leaves slot 0, is
+    read from out), by a value of the slot's shape, dtype and device (no broadcast, no cast), out is read
+    only after the last write, no y_t is written to afterwards, and grad mode and autocast stay
     as they are throughout. Then out holds the y_t, and stack makes the same values (and gradients); a loop's
     steps then no longer write into one tensor, and collect their outputs as a loop rolled up does."""
     from hecate.compiler.loops import _getitem_slices, _time_slice

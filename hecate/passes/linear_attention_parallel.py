@@ -394,6 +394,7 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
     candidates = [inputs[0]] if len(inputs) == 1 else []
     candidates += [n for n in _values_computed_from(form, inputs) if n not in candidates]
     candidates += [n for n in inputs if n not in candidates]  # (read beside another: a γ beside a learned scale)
+    candidates = [n for n in candidates if n not in (form.q, form.k, form.v)]  # (their values are the score's)
     for tensor in candidates:
         if not tensor.meta["val"].is_floating_point():
             continue
