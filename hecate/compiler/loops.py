@@ -968,6 +968,11 @@ def _rebuild(gm: fx.GraphModule, loops: list[_Loop]) -> tuple[fx.GraphModule, li
                 indices.append(loop.index)
             for o, items in mixed.items():  # per step a stack over the parts: stack the parts' stacked pieces
                 combine = loop.at(0, o)
+                if combine.target not in _STACKS + _CATS:  # a sum (...) of the parts' values: of their stacks
+                    outs[("y", o)] = graph.call_function(combine.target, tuple(
+                        outs[("y", loop.block(a)[1])] if isinstance(a, fx.Node) and loop.block(a) is not None
+                        else env[a] if isinstance(a, fx.Node) else a for a in combine.args))
+                    continue
                 rank = _value(loop.at(0, items[0])).dim()
                 dim = _stack_dim(combine) % (rank + (combine.target in _STACKS))
                 outs[("y", o)] = graph.call_function(
@@ -1031,9 +1036,12 @@ def _parts(loop: _Loop) -> tuple[list[_Part], dict[int, list[int]]]:
 
     Carries are grouped by what they read (transitively within the block); each group is a part, with the
     values only it reads and those that read no carry (the step's inputs, copied into every part that needs
-    them). A value reading several groups must be a stack or cat, read only by a stack after the loop, of
-    values each reading one group; it is returned as ``{offset: its items' offsets}`` and each item becomes a
-    stacked output of its part. Anything else reading several groups keeps the loop whole.
+    them). A value reading several groups must be read only by a stack after the loop, and be a stack or cat
+    of values each reading one group, or a sum, difference, product or quotient of such values of its own
+    shape (two memories' reads added: y_t = M_t q_t + W_t k_t) and of tensors from before the loop; it is
+    returned as ``{offset: its items' offsets}``, each item a stacked output of its part, and is computed after
+    the scans from their outputs (stacked along a new first dim: the same values, right-aligned as before).
+    Anything else reading several groups keeps the loop whole.
     """
     carries, ys = _io(loop)
     whole = [_Part(list(range(loop.L)), carries, ys)], {}
@@ -1063,19 +1071,20 @@ def _parts(loop: _Loop) -> tuple[list[_Part], dict[int, list[int]]]:
         if len(of[o]) < 2:
             continue
         node = loop.at(0, o)
-        items = node.args[0] if node.target in _STACKS + _CATS and node.args else None
+        items = node.args[0] if node.target in _STACKS + _CATS and node.args else _combined_items(loop, o)
         if (o not in ys or o in carries or not isinstance(items, (list, tuple))
                 or any(loop.block(u) is not None for u in node.users)):
             return whole
         offsets = [loop.block(item) for item in items]
-        if any(b is None or b[0] != 0 or len(of[b[1]]) != 1 for b in offsets):
+        if any(b is None or b[0] != 0 or len(of[b[1]]) > 1 for b in offsets):
             return whole
         mixed[o] = [b[1] for b in offsets]
     parts = []
     for g in groups:
         roots = [c for c in carries if find(c) == g]
         part_ys = [o for o in ys if o not in mixed and (of[o] == {g} or (not of[o] and g == groups[0]))]
-        part_ys += [item for items in mixed.values() for item in items if of[item] == {g} and item not in part_ys]
+        part_ys += [item for items in mixed.values() for item in items
+                    if (of[item] == {g} or not of[item] and g == groups[0]) and item not in part_ys]
         needed, todo = set(), roots + part_ys
         while todo:
             o = todo.pop()
@@ -1087,6 +1096,29 @@ def _parts(loop: _Loop) -> tuple[list[_Part], dict[int, list[int]]]:
                          for what, ref in [loop.args[(o, j)]] if what == "internal"]
         parts.append(_Part(sorted(needed), roots, sorted(part_ys)))
     return parts, mixed
+
+
+_COMBINED = (operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul, torch.div)
+
+
+def _combined_items(loop: _Loop, o: int) -> list[fx.Node] | None:
+    """The step's values node ``o`` adds, subtracts, multiplies or divides, where each has the node's shape and
+    the rest are numbers the steps share or tensors from before the loop of no more dims (so that, stacked along
+    a new first dim, the operation gives the stack of its per-step results); else None."""
+    node = loop.at(0, o)
+    if node.target not in _COMBINED or node.kwargs or len(node.args) != 2 or any((o, j) in loop.literals
+                                                                                   for j in range(2)):
+        return None
+    shape, items = getattr(_value(node), "shape", None), []
+    for a in node.args:
+        if isinstance(a, fx.Node) and loop.block(a) is not None:
+            if getattr(_value(a), "shape", None) != shape:
+                return None
+            items.append(a)
+        elif isinstance(a, fx.Node) and not (isinstance(_value(a), torch.Tensor) and shape is not None
+                                             and _value(a).dim() <= len(shape)):
+            return None
+    return items or None
 
 
 def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str, part: _Part) -> dict[tuple[str, int], fx.Node]:

@@ -116,18 +116,30 @@ def two_states_stacked_apart(x):
 
 
 def two_states_summed(x):
-    """Two independent states whose per-step output reads both as a sum, not a stack: one loop."""
+    """Two independent states whose per-step output is their values added (2·s + u): two loops, the sum taken
+    after them on their stacked outputs."""
     s, u, ys = x[:, 0] * 0, x[:, 0] * 0, []
     for t in range(x.shape[1]):
         s = s * 0.5 + x[:, t]
         u = u + x[:, t].exp()
-        ys.append(s + u)
+        ys.append(s * 2 + u)
     return torch.stack(ys, 1), s, u
 
 
-def test_states_split_only_where_nothing_but_a_stack_reads_both():
+def two_states_through_maximum(x):
+    """Two independent states whose per-step output reads both through ``maximum``: one loop."""
+    s, u, ys = x[:, 0] * 0, x[:, 0] * 0, []
+    for t in range(x.shape[1]):
+        s = s * 0.5 + x[:, t]
+        u = u + x[:, t].exp()
+        ys.append(torch.maximum(s, u))
+    return torch.stack(ys, 1), s, u
+
+
+def test_states_split_only_where_a_stack_or_a_sum_reads_both():
     _check_rolled(two_states_stacked_apart, torch.randn(3, 5), steps=[5, 5])
-    _check_rolled(two_states_summed, torch.randn(3, 5), steps=[5])
+    _check_rolled(two_states_summed, torch.randn(3, 5), steps=[5, 5])
+    _check_rolled(two_states_through_maximum, torch.randn(3, 5), steps=[5])
 
 
 def two_loops(x):

@@ -1361,6 +1361,24 @@ def test_a_loop_read_only_through_its_final_state_fuses(fn, op, fresh_dynamo):
         assert_close(f"grad {what}", a, b, TOL)
 
 
+def two_memories_in_one_loop(k, v, q, alpha, eta):
+    """A delta-rule memory and a Hebbian one updated in the same loop, their reads added (probe r21: "not a memory
+    step"): each is its own loop, the sum taken after them."""
+    M, W, ys = _m0(k, v), _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - 2 * eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        W = 0.9 * W + v[:, t, :, :, None] * q[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0] + (W @ k[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M + W
+
+
+def test_two_memories_in_one_loop_each_fuse(fresh_dynamo):
+    report = _compile_and_compare(two_memories_in_one_loop)
+    assert report.count("memory_scan") == 1 and report.count("linear_attention") == 1, str(report)
+    assert not report.misses, str(report)
+
+
 @pytest.mark.parametrize("name", list(SPELLINGS))
 def test_spelling_fuses_and_matches_eager(name, fresh_dynamo):
     fn, op = SPELLINGS[name]
