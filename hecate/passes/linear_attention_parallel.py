@@ -795,6 +795,10 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
         raise NotFused("its mask D has a scale c_t per query and the product is normalised by the masked score's "
                        "row sums: (c_t·y_t)/(c_t·z_t + ε) is the op's normaliser with ε/c_t, one ε per query; the "
                        "op takes one number")
+    if normaliser is not None and decay.strict and not normaliser[1] > 0:
+        raise NotFused(f"its strictly causal mask leaves the first query no key, and the normaliser's ε is "
+                       f"{normaliser[1]:g}: y_0 = 0 / (0 + ε) is 0/0 there (NaN, which its backward spreads as the "
+                       "masked product does); with ε > 0 it fuses")
     if normaliser is not None and dynamic:
         _same_eps_at_other_sizes(y, form, normaliser[1])
     replaced, out = [y, form.a], y

@@ -499,6 +499,23 @@ def test_softmax_attention_over_one_token_is_not_reported_as_linear_attention(fr
     assert report.count("linear_attention") == 0 and not report.misses, str(report)
 
 
+def strictly_causal_normalised_without_eps(q, k, v):  # row 0 sums to 0: 0/0 there
+    a = (phi(q) @ phi(k).mT).tril(-1)
+    return (a @ v) / a.sum(-1, keepdim=True)
+
+
+def test_a_strictly_causal_form_normalised_without_eps_is_reported(fresh_dynamo):
+    """Eager's first row is 0/0 = NaN; the op's read before the first step would be 0 (probe r22): reported."""
+    args = [torch.randn(B, T, D) for _ in range(3)]
+    got = torch.compile(strictly_causal_normalised_without_eps, backend="hecate", options={"strict": True})(*args)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 0, str(report)
+    [miss] = report.misses
+    assert "leaves the first query no key" in miss.reason, miss
+    ref = strictly_causal_normalised_without_eps(*args)
+    assert torch.equal(got.isnan(), ref.isnan()) and got.isnan()[:, 0].all()
+
+
 def test_anticausal_mask_is_reported_with_its_reason(fresh_dynamo):
     report = _check(anticausal, [torch.randn(B, T, D) for _ in range(3)], False)
     assert report.count("linear_attention") == 0, str(report)
