@@ -1088,7 +1088,8 @@ def _cumulated_form(cumsum: fx.Node):
     region = [n for n in region if n is read or read in descendants(n, 6)]  # on the way to the read only
     if any(u not in region for n in [cumsum, *region] if n is not read for u in n.users):
         return None  # the states are read elsewhere too: the pattern pass or the signatures say so
-    inputs = {i for n in region for i in n.all_input_nodes} - set(region) - {cumsum}
+    # (the outer products themselves may be read too: Σ_{s<t} as the cumsum minus the step's own, cumsum − kv)
+    inputs = {i for n in region for i in n.all_input_nodes} - set(region) - {cumsum, product}
     if len(inputs) != 1:
         return None
     (q,) = inputs

@@ -1616,6 +1616,8 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
             continue
         terms = [t for _, t in _terms(node)]
         outer = [t for t in terms if _is_outer_product(t)]
+        if any(isinstance(t, fx.Node) and t.target == aten.cumsum.default and t.args[0] in outer for t in terms):
+            continue  # every step's state at once, cumsum(v kᵀ) − v kᵀ: an exclusive prefix sum, no step
         if outer and (any(isinstance(t, fx.Node) and not _is_outer_product(t) and isinstance(t.meta.get("val"),
                                                                                               torch.Tensor)
                           and t.meta["val"].shape == value.shape for t in terms) or _steps_apart(outer)):

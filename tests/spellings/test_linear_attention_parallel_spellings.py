@@ -239,6 +239,11 @@ def cumsum_exclusive_states(q, k, v):  # y_t = M_{t−1} q_t: the states shifted
     return (phi(q).unsqueeze(-1) * states).sum(-2)
 
 
+def cumsum_minus_the_step_own(q, k, v):  # Σ_{s<t} as the inclusive cumsum minus the step's own (probe r22)
+    outer = phi(k).unsqueeze(-1) * v.unsqueeze(-2)
+    return (phi(q).unsqueeze(-1) * (outer.cumsum(1) - outer)).sum(-2)
+
+
 def strictly_causal(q, k, v):  # each query reads the keys before its own (s < t): the state before its step
     n = q.shape[-2]
     return ((phi(q) @ phi(k).mT) * torch.tril(torch.ones(n, n), diagonal=-1)) @ v
@@ -264,7 +269,7 @@ FUNCTIONS = [normalised_on_the_score, normalised_on_the_score_heads_by_einsum, n
              scaled_retention_normalised, einsum_with_the_mask_as_an_operand, einsum_with_the_mask_first,
              scaled_and_masked_in_place, strictly_causal, strictly_causal_retention_by_where,
              strictly_causal_normalised, one_sequence_given_a_batch_dim_after_the_transpose,
-             cumsum_exclusive_states]
+             cumsum_exclusive_states, cumsum_minus_the_step_own]
 
 
 def _check(fn, args, dynamic, params=()):
