@@ -1098,7 +1098,7 @@ def _parts(loop: _Loop) -> tuple[list[_Part], dict[int, list[int]]]:
     return parts, mixed
 
 
-_COMBINED = (operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul, torch.div)
+_COMBINED = tuple(t for t in _ARITHMETIC if callable(t))  # (what the graph can call after the scans)
 
 
 def _combined_items(loop: _Loop, o: int) -> list[fx.Node] | None:

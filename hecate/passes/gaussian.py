@@ -47,7 +47,8 @@ class Temperature:
 
     def __str__(self) -> str:
         # (a 0-d tensor of a number computed from sizes at run time, √K under dynamic=True: named by what it is)
-        t = "(a number computed from sizes)" if self.node.target is torch.ops.aten.scalar_tensor.default else self.node.name
+        t = ("(a number computed from sizes)" if self.node.target is torch.ops.aten.scalar_tensor.default
+             else self.node.name)
         return f"{self.scale:g}·{t}" if self.power == 1 else f"{self.scale:g}/{t}"
 
 

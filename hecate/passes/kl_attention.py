@@ -1716,7 +1716,7 @@ def _rewrite(gm, algebra: _PairAlgebra, roots, plan: _Plan, score: _Score) -> No
     replace_with_function(gm, replaced, fn, inputs, outputs=replaced)
 
 
-def _per_query(x: torch.Tensor, queries: list) -> torch.Tensor:
+def _zero_per_query(x: torch.Tensor, queries: list) -> torch.Tensor:
     """``x``, a tensor the score reads that β does not depend on (a number per query added to it), as 0 where it
     is finite, NaN elsewhere (eager's row of β is NaN there: inf − inf), per query [*L, N] where ``x`` is one
     number per query, else summed; its gradient is 0, or NaN where ``x`` is not finite, as eager's."""
@@ -1886,7 +1886,7 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
         return (per_sequence * nan_scale)[..., None, None]
 
     # 0 from what β does not depend on (NaN where not finite), so that it gets eager's gradient, not None
-    anchor = sum((_per_query(x, lead + [n]) for x in ignored), mean.new_zeros(*lead, n)) if ignored else None
+    anchor = sum((_zero_per_query(x, lead + [n]) for x in ignored), mean.new_zeros(*lead, n)) if ignored else None
     no_score = _rows_of_no_finite_score(score, sums[6], unfold, empty_rows, allowed, mean, var,
                                         None if anchor is None else torch.isnan(anchor))
 

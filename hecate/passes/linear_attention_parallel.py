@@ -483,7 +483,7 @@ def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size, inputs: l
             strength, constant = None, bool((diagonal == scale).all())
             if not constant or others:  # (a diagonal the other tensors read may set: a learned scale)
                 computed = _values_computed_from(form, others) if others else []
-                strength, c = _key_strength(diagonal, [*others, *computed, tensor], memo, gamma_form, draw(gates))
+                strength, c = _key_strength(diagonal, [*others, *computed, tensor], memo, gamma_form)
                 if strength is None and not constant:
                     break  # (the tensor read in another form may be: log γ where γ was tried)
                 scale = c if strength is not None else scale
@@ -498,10 +498,11 @@ def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size, inputs: l
     return None
 
 
-def _key_strength(diagonal: torch.Tensor, candidates: list[fx.Node], memo: dict, gate_form: str,
-                  gate_read: torch.Tensor) -> tuple[_Strength | None, float]:
+def _key_strength(diagonal: torch.Tensor, candidates: list[fx.Node], memo: dict,
+                  gate_form: str) -> tuple[_Strength | None, float]:
     """(w, c) with D's diagonal c·w_s, w read from one of ``candidates`` (the mask's other inputs, then the gates'
-    tensor, whose read and form are ``gate_read`` and ``gate_form``) as w or log w; (None, 0) if none gives it."""
+    tensor, read in the gates' form ``gate_form``) as w or log w, at the values ``memo`` drew; (None, 0) if none
+    gives it."""
     for node in candidates:
         value = memo.get(node)  # (a node of the mask not evaluated: not what it reads)
         if not isinstance(value, torch.Tensor) or value.dim() > diagonal.dim():
@@ -519,12 +520,11 @@ def _layouts(x: torch.Tensor, lead_t: tuple):
     """Each (permutation of x's dims, the dims of [*L, T] they take, x so placed and broadcast to [*L, T]): a
     tensor per step (its last dim the steps'), shared by what it has no dim of (a gate [B, T] shared by the heads
     of [B, H, T]); or one with no dim of steps, the same at every step (γ per head [H], or one)."""
-    lead = len(lead_t) - 1
-    placements = [(p, c + (lead,)) for p in itertools.permutations(range(x.dim()))
-                  for c in itertools.combinations(range(lead), x.dim() - 1)] if x.dim() else []
-    placements += [(p, c) for p in itertools.permutations(range(x.dim())) for c in itertools.combinations(range(lead),
-                                                                                                           x.dim())]
-    for perm, places in placements:
+    lead, perms = len(lead_t) - 1, list(itertools.permutations(range(x.dim())))
+    steps_last = [(p, c + (lead,)) for p in perms for c in itertools.combinations(range(lead), x.dim() - 1)] \
+        if x.dim() else []
+    no_steps = [(p, c) for p in perms for c in itertools.combinations(range(lead), x.dim())]
+    for perm, places in steps_last + no_steps:
         g = x.permute(perm)
         if any(g.shape[i] not in (1, lead_t[p]) for i, p in enumerate(places)):
             continue
@@ -1127,8 +1127,7 @@ def _fuse_cumulated(gm: fx.GraphModule, cumsum: fx.Node, x: fx.Node, y: fx.Node,
         raise NotFused("its read differs from y_t = M_t q_t, and from M_{t−1} q_t, at random points")
     _check_read_by_meaning(k, v, q, read, memo)
     as_op = _cumulated_as_op if time == 1 else _heads_first_cumulated_as_op
-    replace_with_function(gm, [read], functools.partial(as_op, strict=True) if strict else as_op, [k, v, q],
-                          outputs=[read])
+    replace_with_function(gm, [read], functools.partial(as_op, strict=strict), [k, v, q], outputs=[read])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sorted((n for n in inside | {cumsum.args[0], *cumsum.args[0].all_input_nodes} if not n._erased),
                        key=order.__getitem__, reverse=True):

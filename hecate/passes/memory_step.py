@@ -537,9 +537,6 @@ def _upstream(y: fx.Node, via: fx.Node) -> set[fx.Node]:
 
 
 def _analyse_state(b: _Body, m: int) -> Recurrence:
-    M_in, M_out = b.carries[m], b.carry_out[m]
-    Mv = b.env[M_in]
-    lead, (A, C) = tuple(Mv.shape[:-2]), tuple(Mv.shape[-2:])
     q_norm, lq_eps, W_in = _state_transform(b, m)
     if not b.ys:  # only the final memory is read (a prefill): no read tells the layout; the update does
         first = None
