@@ -140,12 +140,16 @@ def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx
             constant = [a for a in args if depends_on_sizes_only(a)]
             fills = [(a, fill) for a in args if (fill := _neg_inf_fill(a)) is not None]
             if len(constant) == 1:
-                masks.append((constant[0], "additive"))
+                masks.append((constant[0], _additive_kind(constant[0])))
                 x = args[1] if constant[0] is args[0] else args[0]
             elif len(fills) == 1:  # s + where(m, 0, -inf) read at run time: masked_fill(s, ~m, -inf) for s < +inf
                 (a, fill), added = fills[0], True
                 masks.append(fill)
                 x = args[1] if a is args[0] else args[0]
+            elif len(finite := [a for a in args if _scaled_by_vanishing_number(a)]) == 1:
+                # s + (1 − m)·finfo.min read at run time: reported by _allowed, as a finite fill read so
+                masks.append((finite[0], "vanishing_added"))
+                x = args[1] if finite[0] is args[0] else args[0]
             else:
                 break
         elif t == aten.sub.Tensor and x.kwargs.get("alpha", 1) == 1 and all(isinstance(a, fx.Node) for a in args) \
@@ -196,6 +200,31 @@ def _fill_kind(value: float, kind: str) -> str:
     if value > VANISHING_FILL:
         return "finite"
     return "vanishing" if kind == "masked" else "vanishing_allowed"
+
+
+def _additive_kind(mask: fx.Node) -> str:
+    """The kind of a mask made from sizes that is added to the score: "vanishing_added" when it holds 0 and finite
+    numbers at or below VANISHING_FILL (``(1 − causal) * -1e9``, ``finfo.min``), as a finite fill; else
+    "additive" (0 and −inf, or what :func:`_allowed` reports)."""
+    try:
+        value = evaluate(mask, {}, size_hint=size_hint)
+    except NotFused:
+        return "additive"
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return "additive"
+    finite = value[torch.isfinite(value) & (value != 0)]
+    below = bool(((value == 0) | (value <= VANISHING_FILL)).all())
+    return "vanishing_added" if finite.numel() and below else "additive"
+
+
+def _scaled_by_vanishing_number(node: fx.Node) -> bool:
+    """Whether ``node`` is a tensor times a finite number at or below VANISHING_FILL (an additive mask
+    ``(1 − m) * torch.finfo(dtype).min``, ``m * -1e9``)."""
+    node = strip_noops(node)
+    if node.target not in (aten.mul.Tensor, aten.mul.Scalar):
+        return False
+    numbers = [c for a in node.args if (c := number_of(a)) is not None]
+    return len(numbers) == 1 and math.isfinite(numbers[0]) and numbers[0] <= VANISHING_FILL
 
 
 def _neg_inf_fill(node: fx.Node) -> tuple[fx.Node, str] | None:
@@ -544,7 +573,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if (mask_diagonal or run_time_masks) and any(kind.startswith("vanishing") for _, kind in masks):
         drops = "drops each query's own key" if mask_diagonal else \
             "is combined with one read at run time, which may drop a query's own key"
-        raise NotFused(f"the KL score is masked by masked_fill with a finite number (-1e9, say) and the mask {drops}: "
+        raise NotFused(f"the KL score is masked with a finite number (masked_fill with -1e9, or an added (1 − mask)·-1e9, say) and the mask {drops}: "
                        "it equals the op's −inf masking only where every query keeps its own key (whose score, 0, "
                        "bounds the row from below); a row with no allowed key gets uniform weights where the op "
                        "gives NaN; masked_fill with float('-inf') fuses")
@@ -555,7 +584,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if len(users) == 1 and all(_zero_fill_of_masked(users[0], softmax, a, size) for a, size in zip(alloweds, lengths)):
         beta, empty_rows_nan = users[0], False
     unfilled = _unfill_weighted_by_beta(beta, alloweds, lengths)
-    additive = added or any(kind == "additive" for _, kind in masks)
+    additive = added or any(kind in ("additive", "vanishing_added") for _, kind in masks)
     read = {mean, scale} | ({kappa.node} if isinstance(kappa, Temperature) else set())
     ignored = [b for b in independent([*bases, *shared]) if b not in read and not _computed_from(b, list(read))
                and isinstance(b.meta.get("val"), torch.Tensor) and b.meta["val"].is_floating_point()]
@@ -845,7 +874,7 @@ def _allowed(masks, shape, size=size_hint) -> tuple[torch.Tensor, list]:
                 run_time.append((node, kind))
                 continue
             if kind.startswith("vanishing"):
-                raise NotFused("the KL score is masked by masked_fill with a finite number (-1e9, say) by a mask read "
+                raise NotFused("the KL score is masked with a finite number (masked_fill with -1e9, or an added (1 − mask)·-1e9, say) by a mask read "
                                "at run time: that equals the op's −inf masking only where every query keeps its own "
                                "key, which a mask known at run time alone does not promise; masked_fill with "
                                "float('-inf') fuses") from None
@@ -855,10 +884,12 @@ def _allowed(masks, shape, size=size_hint) -> tuple[torch.Tensor, list]:
                            "score (between sequences or heads); the op's masks are the same for every sequence")
         value = value.reshape(value.shape[-2:]) if value.dim() >= 2 else value
         value = value.expand(n, n)
-        if kind == "additive":
-            if not bool(((value == 0) | (value == _NEG_INF)).all()):
-                raise NotFused(f"{node.name} is added to the scores but is not a mask of 0 and −inf (a score "
-                               "bias); the op takes no bias")
+        if kind in ("additive", "vanishing_added"):
+            kept = value[~((value == 0) | (value <= VANISHING_FILL))]
+            if kept.numel():
+                raise NotFused(f"a tensor made from sizes is added to the scores and holds {float(kept[0]):g}, "
+                               f"neither 0 nor a mask value (−inf, or {VANISHING_FILL:g} and below, whose exp "
+                               "vanishes): a score bias, which the op does not take")
             value = value == 0
         elif kind in ("masked", "vanishing"):
             value = ~value.bool()
@@ -1887,8 +1918,16 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
 
     # 0 from what β does not depend on (NaN where not finite), so that it gets eager's gradient, not None
     anchor = sum((_zero_per_query(x, lead + [n]) for x in ignored), mean.new_zeros(*lead, n)) if ignored else None
-    no_score = _rows_of_no_finite_score(score, sums[6], unfold, empty_rows, allowed, mean, var,
-                                        None if anchor is None else torch.isnan(anchor))
+    nan_rows = None if anchor is None else torch.isnan(anchor)
+    if score.additive_mask:  # a NaN belief makes its scores NaN at masked pairs too, which the added mask keeps:
+        # eager's every row of the sequence is NaN; so does a key's variance of 0 (KL_ij = −inf + inf), where the
+        # user's formula is written in the variances (or standard deviations) themselves
+        bad = torch.isnan(mean + var)
+        if score.parameterisation in ("variance", "standard deviation"):
+            bad = bad | (var == 0)
+        any_nan = bad.flatten(-2).any(-1)[..., None].expand(*lead, n)
+        nan_rows = any_nan if nan_rows is None else nan_rows | any_nan
+    no_score = _rows_of_no_finite_score(score, sums[6], unfold, empty_rows, allowed, mean, var, nan_rows)
 
     for root in roots:
         total, nan = None, None

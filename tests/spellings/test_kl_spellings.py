@@ -445,6 +445,56 @@ def test_a_finite_fill_where_every_query_keeps_its_own_key_fuses(fn, fresh_dynam
     assert report.count("kl_attention") == 1 and not report.misses, str(report)
 
 
+def an_added_causal_mask_of_the_float32_minimum(mu, var):  # HF style: (1 − allowed) · finfo.min added to the score
+    n = mu.shape[1]
+    s = -kl_spec(mu, var)
+    return torch.softmax(s + (1.0 - torch.tril(torch.ones(n, n))) * torch.finfo(s.dtype).min, -1) @ mu
+
+
+def an_added_causal_mask_of_minus_1e9(mu, var):  # the future's −1e9 added, the mask made by triu
+    n = mu.shape[1]
+    return torch.softmax(-kl_spec(mu, var) / 0.7 + torch.ones(n, n).triu(1) * -1e9, -1) @ mu
+
+
+@pytest.mark.parametrize("fn", [an_added_causal_mask_of_the_float32_minimum, an_added_causal_mask_of_minus_1e9],
+                         ids=lambda f: f.__name__)
+def test_a_finite_mask_added_where_every_query_keeps_its_own_key_fuses(fn, fresh_dynamo):
+    """A mask of 0 and a number ≤ −1000 made from sizes and added to the score is the finite fill above written as
+    a sum (probe r23: reported as a score bias)."""
+    report = _compare(fn, (torch.randn(B, N, K), _var((B, N, K))), "kl_attention")
+    assert report.count("kl_attention") == 1 and not report.misses, str(report)
+
+
+def _a_causal_mask_added(fill):
+    def fn(mu, var, v):
+        n = mu.shape[1]
+        return torch.softmax(-kl_spec(mu, var) + torch.zeros(n, n).masked_fill(_causal(n).logical_not(), fill), -1) @ v
+    return fn
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), -1e9], ids=["inf", "finite"])
+@pytest.mark.parametrize("where,value", [((0, 3, 1), "nan"), ((1, 0, 2), "nan"), ((0, 2, 0), "zero variance")],
+                         ids=["nan_mean", "nan_first_mean", "zero_variance"])
+def test_a_non_finite_belief_under_an_added_mask_is_nan_where_eager_is(fill, where, value, fresh_dynamo):
+    """An added mask keeps a NaN score at a masked pair NaN (NaN + −inf is NaN), where masked_fill replaces it:
+    a NaN belief, or a key's variance of 0 (log 0 − … + x/0), makes every row of its sequence NaN in eager, and
+    the fused op's rows are NaN there too, forward and backward (probe r23: the op gave the masked rows finite)."""
+    fn = _a_causal_mask_added(fill)
+    mu, var, v = torch.randn(B, N, K), _var((B, N, K)), torch.randn(B, N, 4)
+    (mu if value == "nan" else var)[where] = float("nan") if value == "nan" else 0.0
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in (mu, var, v)] for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
+    assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
+    ref = fn(*ref_inputs)
+    assert torch.isnan(ref[where[0]]).all() and not torch.isnan(ref[1 - where[0]]).any()  # what the test is about
+    assert_close_nonfinite("output", got, ref, 1e-5)
+    weight = torch.randn(ref.shape)
+    grads = torch.autograd.grad((got.nan_to_num(0.0) * weight).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref.nan_to_num(0.0) * weight).sum(), ref_inputs)
+    for name, g, r in zip(("mu", "var", "values"), grads, ref_grads):
+        assert_close_nonfinite(f"d/d{name}", g, r, 1e-5)
+
+
 def a_causal_bias_minus_the_kl(mu, var):  # an additive 0/−inf mask made from sizes, the KL subtracted from it
     n = mu.shape[1]
     bias = torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
@@ -469,6 +519,15 @@ def _padding(b, n):  # the first two keys of the last sequence are padding: its 
     keep = torch.ones(b, n, dtype=torch.bool)
     keep[-1, :2] = False
     return keep
+
+
+def m_added_mask_of_minus_1e9_without_self(mu, var):  # −1e9 added on and above the diagonal: no query keeps its key
+    n = mu.shape[1]
+    return torch.softmax(-kl_spec(mu, var) + (1.0 - torch.ones(n, n).tril(-1)) * -1e9, -1) @ mu
+
+
+def m_added_padding_mask_of_the_float32_minimum(mu, var, keep):  # HF's extended mask: (1 − keep)·finfo.min per key
+    return torch.softmax(-kl_spec(mu, var) + (1.0 - keep[:, None, :]) * torch.finfo(torch.float32).min, -1) @ mu
 
 
 def m_causal_fill_that_does_not_vanish(mu, var):  # −10: the masked keys keep a weight exp(−10 − max)
@@ -1670,12 +1729,14 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_softmax_by_hand_of_the_kl_multiplied_out, (), "multiplied out into matrix products"),
     (m_mask_filled_with_a_value_passed_in, (torch.ones(N, N, dtype=torch.bool).tril(), torch.tensor(float("-inf"))),
      "(from l_keep_) through masked_fill (masked_fill.Tensor)"),
-    (m_finite_fill_in_float64, (), "masked_fill with a finite number"),
+    (m_finite_fill_in_float64, (), "masked with a finite number"),
     (m_causal_fill_that_does_not_vanish, (), "masked with -10, whose exp does not vanish"),
     (m_causal_fill_beside_a_padding_mask, (_padding(B, N),), "combined with one read at run time"),
+    (m_added_mask_of_minus_1e9_without_self, (), "and the mask drops each query's own key"),
+    (m_added_padding_mask_of_the_float32_minimum, (_padding(B, N).float(),), "by a mask read at run time"),
     (m_reversed_kl, (), "KL(q_j ‖ q_i)"),
     (m_symmetrised, (), "is not −KL(q_i ‖ q_j)/κ"),
-    (m_score_bias, (), "not a mask of 0 and −inf"),
+    (m_score_bias, (), "holds 1, neither 0 nor a mask value"),
     (m_additive_mask_read_at_run_time, (torch.full((N, N), float("-inf")).triu(1),),
      "read from l_bias_ at run time and added to the score"),
 ], ids=lambda x: getattr(x, "__name__", None))
