@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import math
 import operator
 from typing import Any, Callable, Iterator
@@ -76,8 +77,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from hecate.passes.matching import (aliases, depends_on_sizes_only, mutates, number_of, written_in_place,
-                                    zero_pad_amounts, zero_padded_dims)
+from hecate.passes.matching import (aliases, computed_from, depends_on_sizes_only, mutates, number_of,
+                                    written_in_place, zero_pad_amounts, zero_padded_dims)
 
 aten = torch.ops.aten
 
@@ -116,6 +117,8 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
             node.replace_all_uses_with(replacement)
             graph.erase_node(node)
     eliminate_common_subexpressions(graph)
+    layout_chains_as_permutes(graph)
+    shifted_copies_as_windows(graph)
     hand_written_convs(graph)  # after CSE: a pad written at each window is one pad
     graph.eliminate_dead_code()
     graph.lint()
@@ -153,6 +156,7 @@ def hand_written_convs(graph: fx.Graph) -> None:
             other = user.args[1] if user.args[0] is out else user.args[0]
             if isinstance(other, fx.Node) and _per_channel(other, channels, _val(pad).dtype, 0, time):
                 out, bias = user, other
+        before = out.prev
         with graph.inserting_before(out):
             weight = weights[0] if len(weights) == 1 else emit(
                 graph, aten.stack.default, [emit(graph, aten.reshape.default, w, [channels]) for w in weights], -1)
@@ -164,7 +168,203 @@ def hand_written_convs(graph: fx.Graph) -> None:
             conv = emit(graph, aten.conv1d.default, padded_input, weight, bias, [1], [0], [1], channels)
             if time == 1:
                 conv = emit(graph, aten.transpose.int, conv, 1, 2)
+        _keep_source(before, out)  # (the sum's line: a near-miss at the conv points at the user's code)
         out.replace_all_uses_with(conv)
+
+
+def layout_chains_as_permutes(graph: fx.Graph) -> None:
+    """A chain of views and permutes that, in the end, only moves x's dims (heads split, moved, merged back:
+    ``u.view(B, T, H, Dh).permute(0, 2, 3, 1).reshape(B, D, T)`` is ``u.transpose(1, 2)``) → ``x.permute(p)``.
+    Read by values: the chain applied to x = arange (float64, exact), equal to one permutation of x, at a second
+    length too where a size is symbolic. The chain's inner nodes are read by the chain alone."""
+    from hecate.passes.gaussian import evaluate
+    from hecate.passes.matching import NotFused, shifted_size, size_hint
+
+    layout = (*_RESHAPES, aten.permute.default, aten.transpose.int)
+    outputs = _output_nodes(graph)  # (a view the graph returns stays one: its aliasing is the user's)
+    for end in list(graph.nodes):
+        if end.target not in layout or any(u.target in layout for u in end.users) or end in outputs:
+            continue
+        chain, x = [end], end.args[0]
+        while isinstance(x, fx.Node) and x.target in layout and len(x.users) == 1:
+            chain.append(x)
+            x = x.args[0]
+        value = _val(x)
+        if len(chain) < 2 or not any(n.target in _RESHAPES for n in chain) or not isinstance(value, torch.Tensor) \
+                or value.dim() != _val(end).dim() or not 2 <= value.dim() <= 5:
+            continue
+        sizes = [size_hint] + ([shifted_size] if any(isinstance(d, torch.SymInt) for d in value.shape) else [])
+        found = None
+        for size in sizes:
+            shape = [size(d) for d in value.shape]
+            source = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+            try:
+                got = evaluate(end, {x: source}, size_hint=size)
+            except (NotFused, RuntimeError):
+                found = None
+                break
+            moves = [p for p in itertools.permutations(range(value.dim()))
+                     if isinstance(got, torch.Tensor) and torch.equal(got, source.permute(p))]
+            if not moves or found is not None and found != moves[0]:
+                found = None
+                break
+            found = moves[0]
+        if found is None:
+            continue
+        if list(found) == list(range(len(found))):
+            moved = x  # (the dims back where they were: x itself)
+        else:
+            with graph.inserting_before(end):
+                moved = emit(graph, aten.permute.default, x, list(found))
+        if moved is not x and "stack_trace" in end.meta:
+            moved.meta["stack_trace"] = end.meta["stack_trace"]
+        end.replace_all_uses_with(moved)
+        for node in chain:
+            if not node.users:
+                graph.erase_node(node)
+
+
+# the ops a copy of h shifted in time with zeros in front is written with (and the size-only masks, zeros and
+# numbers they read): F.pad and a slice either side of it, torch.cat of zeros, torch.roll times a mask of t ≥ s,
+# and the transposes the normal form moves a slice or pad through
+_SHIFTING = {aten.pad.default, aten.constant_pad_nd.default, aten.slice.Tensor, aten.cat.default, aten.roll.default,
+             aten.mul.Tensor, aten.where.self, aten.where.ScalarOther, aten.masked_fill.Scalar, aten.transpose.int}
+
+
+def shifted_copies_as_windows(graph: fx.Graph) -> None:
+    """Copies of one u [B, D, T] (or [B, T, D]) shifted in time by s ≥ 0 with zeros in front, each written its own
+    way and multiplied by a weight (``F.pad(u[..., :-s], (s, 0))``, ``F.pad(u, (s, 0))[..., :T]``,
+    ``torch.cat([zeros, u[:, :-s]], 1)``, ``torch.roll(u, s, -1) * (t >= s)``, u itself for s = 0) → the windows
+    ``P[..., S−s:S−s+T]`` of one pad P = ``F.pad(u, (S, 0))``, S the largest shift, which
+    :func:`hand_written_convs` reads as the causal conv they are. A copy is recognised by its values: computed from
+    one h (u, or h = uᵀ where the normal form moved the slice or pad through u's transpose) and sizes alone, it
+    equals u shifted by s at a random h (float64: copies and zeros are exact), at a second length too where the
+    length is symbolic."""
+    groups: dict[tuple[fx.Node, bool, int], dict[fx.Node, int]] = {}  # (h, u = hᵀ, time dim) → {copy: s}
+    unshifted_copies = []  # (h, u = hᵀ, copy): u itself, along either dim
+    for mul in graph.find_nodes(op="call_function", target=aten.mul.Tensor):
+        for copy in mul.args:
+            found = _shifted_copy(copy) if isinstance(copy, fx.Node) else None
+            if found is not None and found[2] is None:
+                unshifted_copies.append((found[0], found[1], copy))
+            elif found is not None:
+                groups.setdefault(found[:3], {})[copy] = found[3]
+    for h, swapped, copy in unshifted_copies:
+        (key, *more) = [key for key in groups if key[:2] == (h, swapped)] or [None]
+        if key is not None and not more:
+            groups[key][copy] = 0
+    for (h, swapped, time), copies in groups.items():
+        u = h
+        if swapped:  # u = h.transpose(1, 2): the graph's own, which the tap of shift 0 reads, or a new one
+            u = next((t for t in h.users if t.target is aten.transpose.int and {d % 3 for d in t.args[1:3]} == {1, 2}),
+                     None)
+            if u is None:
+                with graph.inserting_after(h):
+                    u = emit(graph, aten.transpose.int, h, 1, 2)
+        unshifted = [m for m in u.users if m.target is aten.mul.Tensor and u in m.args and m not in copies]
+        if not _sum_of(copies, unshifted, h):
+            continue
+        largest = max(copies.values())
+        with graph.inserting_after(u):
+            pad = emit(graph, aten.pad.default, u, [largest, 0] if time == 2 else [0, 0, largest, 0])
+        with graph.inserting_after(pad):
+            windows = {s: emit(graph, aten.slice.Tensor, pad, time, largest - s, -s if s else _END)
+                       for s in sorted(set(copies.values()) | {0})}
+        source = next((c.meta["stack_trace"] for c in copies if c.meta.get("stack_trace")), None)
+        for node in [pad, *windows.values()]:
+            if source and not node.meta.get("stack_trace"):
+                node.meta["stack_trace"] = source
+        for copy, s in copies.items():
+            copy.replace_all_uses_with(windows[s])
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for copy in sorted(copies, key=order.__getitem__, reverse=True):  # (a copy of a copy reads a window)
+            if not copy.users:
+                graph.erase_node(copy)
+        if len(unshifted) == 1:  # u itself, the tap of shift 0
+            unshifted[0].replace_input_with(u, windows[0])
+        for node in [*windows.values(), pad, u]:
+            if not node.users:
+                graph.erase_node(node)
+
+
+def _sum_of(copies: dict[fx.Node, int], unshifted: list[fx.Node], h: fx.Node) -> bool:
+    """Whether the weighted copies (and the one product of u itself) are summed by one tree of adds whose other
+    terms are not computed from h (a bias, zeros): a conv of their own, not part of a longer sum (the causal half of
+    a centred conv's windows)."""
+    products = {m for c in copies for m in c.users if m.target is aten.mul.Tensor} | set(unshifted[:1])
+    roots, adds = set(), set()
+    for node in products:
+        while len(node.users) == 1 and (user := next(iter(node.users))).target is aten.add.Tensor:
+            adds.add(user)
+            node = user
+        roots.add(node)
+    terms = {a for add in adds for a in add.args if isinstance(a, fx.Node)} - adds - products
+    return len(roots) == 1 and not any(computed_from([t], {h}) for t in terms)
+
+
+_END = 2 ** 63 - 1  # a slice to the end (Python's x[..., s:])
+_MOVING = {aten.pad.default, aten.constant_pad_nd.default, aten.cat.default, aten.roll.default}  # (one makes a shift)
+_LARGEST_DRAW = 1 << 22  # elements of h drawn to evaluate a copy (float64: 32 MiB)
+
+
+def _shifted_copy(copy: fx.Node) -> tuple[fx.Node, bool, int, int] | None:
+    """(h, whether u = hᵀ, time dim, s) when ``copy`` [B, ·, ·] is u shifted by s ≥ 0 along dim 1 or 2 (dim None
+    for u itself), zeros in front, u = h or h.transpose(1, 2), computed from h by the ops of _SHIFTING and from
+    sizes alone; else None."""
+    from hecate.passes.gaussian import evaluate
+    from hecate.passes.matching import NotFused, shifted_size, size_hint
+
+    if copy.target not in _SHIFTING - {aten.transpose.int} or getattr(_val(copy), "dim", lambda: 0)() != 3 \
+            or not _val(copy).is_floating_point() or depends_on_sizes_only(copy):
+        return None
+    sources, stack, seen = set(), [copy], set()
+    while stack:  # the one tensor the copy is made from, through shifting ops
+        node = stack.pop()
+        if node in seen or not isinstance(node, fx.Node) or depends_on_sizes_only(node):
+            continue
+        seen.add(node)
+        if node.target in _SHIFTING and len(seen) < 12:
+            stack += node.all_input_nodes
+        else:
+            sources.add(node)
+    if len(sources) != 1 or not any(n.target in _MOVING for n in seen):
+        return None
+    (h,) = sources
+    if getattr(_val(h), "dim", lambda: 0)() != 3:
+        return None
+    sizes = [size_hint] + ([shifted_size] if any(isinstance(d, torch.SymInt) for d in _val(h).shape) else [])
+    found = None
+    for size in sizes:
+        shape = [size(d) for d in _val(h).shape]
+        if math.prod(shape) > _LARGEST_DRAW:
+            return None
+        x = torch.rand(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0  # no zero
+        try:
+            got = evaluate(copy, {h: x}, size_hint=size)
+        except (NotFused, RuntimeError):
+            return None
+        shifts = []
+        for swapped, u in ((False, x), (True, x.transpose(1, 2))):
+            if not isinstance(got, torch.Tensor) or got.shape != u.shape:
+                continue
+            for time in (1, 2):  # s: the steps of zeros in front (u has no zero), then u itself
+                s = int((got == 0).movedim(time, 0).flatten(1).all(-1).int().cumprod(0).sum())
+                length = u.shape[time]
+                if s < length and torch.equal(got.narrow(time, s, length - s), u.narrow(time, 0, length - s)):
+                    shifts.append((swapped, time, s))
+        if len(shifts) == 2 and shifts[0][2] == shifts[1][2] == 0:  # u itself: shifted by 0 along either dim
+            shifts = [(shifts[0][0], None, 0)]
+        if len(shifts) != 1 or found is not None and found != shifts[0]:
+            return None
+        found = shifts[0]
+        _, time, s = found
+        try:  # zeros in front whatever h holds: not a product with a mask (torch.roll(h) * m is NaN there at an inf)
+            front = evaluate(copy, {h: torch.full(shape, math.inf, dtype=torch.float64)}, size_hint=size)
+        except (NotFused, RuntimeError):
+            return None
+        if s and bool(front.narrow(time, 0, s).any()):
+            return None
+    return (h, *found)
 
 
 def _per_channel(w: Any, d: int, dtype: torch.dtype, taps: int, time: int) -> bool:
@@ -545,8 +745,8 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
     from hecate.compiler.loops import _getitem_slices, _time_slice
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-    order = {n: i for i, n in enumerate(graph.nodes)}
     for out in [n for n in graph.nodes if _fresh(n) and not (len(n.users) == 1 and _fresh(next(iter(n.users))))]:
+        order = {n: i for i, n in enumerate(graph.nodes)}  # (again for each: a rewrite before adds nodes)
         value = _val(out)
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue

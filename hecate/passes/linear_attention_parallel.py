@@ -976,8 +976,8 @@ def _noncausal_product(read: fx.Node) -> tuple | None:
             continue
         q, (a, b) = others[0], (list(_operands(product)) + [None, None])[:2]
         for _ in range(2):  # k.mT @ v reads k itself; an outer product by broadcasting reads k[..., None] and v
-            a, b = (x.args[0] if isinstance(x, fx.Node) and len(x.users) == 1 and x.target in (
-                aten.transpose.int, aten.permute.default, aten.unsqueeze.default) else x for x in (a, b))
+            a, b = (x.args[0] if isinstance(x, fx.Node) and len(x.users) == 1 and (
+                x.target is aten.unsqueeze.default or _swaps_last_two(x)) else x for x in (a, b))
         lead, t = shape[:-2], shape[-2]
         if not _same_sizes(_sizes_of(kv), lead, drop=2) or not isinstance(q, fx.Node) \
                 or not _same_sizes(_sizes_of(q), lead + (t,), drop=1):
@@ -993,6 +993,18 @@ def _noncausal_product(read: fx.Node) -> tuple | None:
                            "dynamic=False")
         return a, b, q, kv
     return None
+
+
+def _swaps_last_two(node: fx.Node) -> bool:
+    """Whether ``node`` is ``x.mT`` (a transpose or permute of the last two dims alone): not a head split's
+    ``transpose(1, 2)``, which makes the [*L, T, D] operand itself."""
+    rank = len(_sizes_of(node) or ())
+    if node.target is aten.transpose.int:
+        return {d % rank for d in node.args[1:3]} == {rank - 1, rank - 2} if rank else False
+    if node.target is aten.permute.default:
+        return list(node.args[1]) == [*range(rank - 2), rank - 1, rank - 2] or \
+            [d % rank for d in node.args[1]] == [*range(rank - 2), rank - 1, rank - 2]
+    return False
 
 
 def _sizes_of(node) -> tuple | None:

@@ -51,8 +51,8 @@ from typing import Any, Iterator
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused, bound_reason, first_gradient_stop, first_threshold, free_attribute, \
-    gradient_stop_reason, is_zeros, op_name, replace_with_function
+from hecate.passes.matching import NotFused, bound_reason, computed_from, first_gradient_stop, first_threshold, \
+    free_attribute, gradient_stop_reason, is_zeros, op_name, replace_with_function
 
 aten = torch.ops.aten
 
@@ -500,7 +500,7 @@ def _find_read(b: _Body, m: int, y: fx.Node, q_norm: float, lq_eps: float) -> tu
             if normalised is not None:
                 return (layout, qn) + normalised, False
     if q_norm == 2.0:  # retrieve, then write: y_t = M_{t−1}·q_t
-        read = _plain_read(b, y, b.env[M_in], lead, A, C)
+        read = _plain_read(b, m, y, b.env[M_in], lead, A, C)
         if read is not None:
             return read, True
     return None
@@ -676,15 +676,20 @@ def _nonlinear_pointwise(f: Any) -> bool:
         and f.target not in (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default)
 
 
-def _plain_read(b: _Body, y: fx.Node, W: torch.Tensor, lead: tuple, A: int, C: int) -> tuple | None:
-    """(layout, q, None, None) when ``y`` is read(W, q) for a per-step q, else None."""
+def _plain_read(b: _Body, m: int, y: fx.Node, W: torch.Tensor, lead: tuple, A: int, C: int) -> tuple | None:
+    """(layout, q, None, None) when ``y`` is read(W, q) of the old state W for a per-step q, (layout, q, z index,
+    eps) when it is that read normalised by the old z·q + eps; else None."""
     for layout, d_in, d_out in (("vk", C, A), ("kv", A, C)):
         y_val = _as(b.env[y], lead + (d_out,))
         if y_val is None:
             continue
         for qn in b.per_step_nodes(lead + (d_in,)):
-            if _close(y_val, _read(W, _as(b.env[qn], lead + (d_in,)), layout)):
+            r = _read(W, _as(b.env[qn], lead + (d_in,)), layout)
+            if _close(y_val, r):
                 return layout, qn, None, None
+            normalised = _normaliser(b, m, r, y_val, _as(b.env[qn], lead + (d_in,)), b.env, old=True)
+            if normalised is not None:
+                return (layout, qn) + normalised
     return None
 
 
@@ -728,16 +733,21 @@ def _state_transform(b: _Body, m: int) -> tuple[float, float, fx.Node]:
 
 
 def _normaliser(b: _Body, m: int, r: torch.Tensor, y: torch.Tensor, q: torch.Tensor,
-                env: dict[fx.Node, Any]) -> tuple[int, float] | None:
-    """(index of z, eps) when y = r / (z_new·q + eps) for a carried z, at the point ``env``."""
+                env: dict[fx.Node, Any], old: bool = False) -> tuple[int, float] | None:
+    """(index of z, eps) when y = r / (z_new·q + eps) (``old``: z_old, a read before the update) for a carried z,
+    at the point ``env``: eps a number, or the index among the body's inputs of the one number every step reads it
+    from (a float argument that ``dynamic=True`` passes in as a tensor)."""
     for i, z_out in enumerate(b.carry_out):
-        z = _as(env[z_out], q.shape)
+        z = _as(env[b.carries[i] if old else z_out], q.shape)
         if i == m or z is None:
             continue
         eps = r / y - (z * q).sum(-1, keepdim=True)
         eps0 = float(eps.flatten()[0])
         if _close(eps, torch.full_like(eps, eps0)):
-            return i, eps0
+            read = [j for j, ph in enumerate(b.placeholders) if b.invariant[ph] and isinstance(env[ph], torch.Tensor)
+                    and env[ph].numel() == 1 and env[ph].is_floating_point()
+                    and _close(env[ph].reshape(()).to(eps.dtype), eps.flatten()[0])]
+            return i, (("input", read[0]) if read else eps0)
     return None
 
 
@@ -1061,7 +1071,9 @@ def _verify(b: _Body, rec: Recurrence) -> None:
             z_in = _as(env[b.carries[rec.normaliser_state]], lead + (rec.dk,))
             z = alpha[..., 0] * z_in + k
             expect[b.carry_out[rec.normaliser_state]] = z
-            y = y / ((z * q).sum(-1, keepdim=True) + rec.params["eps"])
+            eps = rec.params["eps"]
+            y = y / (((z_in if rec.read_before_update else z) * q).sum(-1, keepdim=True)
+                     + (env[b.placeholders[eps[1]]].reshape(()) if isinstance(eps, tuple) else eps))
     else:
         eta = rec.per_step["eta"].value(env, lead)[..., None, None]
         p, a, eps, qn = rec.params["p"], rec.params["a"], rec.params["eps"], rec.params["q_norm"]
@@ -1089,10 +1101,11 @@ def _verify(b: _Body, rec: Recurrence) -> None:
         got = _as(env[node], tuple(value.shape))
         if got is None or not _close(got, value):
             if node is b.ys[0] and rec.normaliser_state is not None and got is not None \
-                    and _normaliser(b, rec.state, y_read, got, q, env) is not None:
+                    and _normaliser(b, rec.state, y_read, got, q, env, rec.read_before_update) is not None:
                 raise NotFused("the read is normalised as y / (z·q + eps) with an eps that is another number at "
-                               "each draw: memory_scan takes eps as a Python number, not a tensor read at run "
-                               "time (a buffer, parameter or input)")
+                               "each draw, computed in the loop from what it reads: the op takes eps as a number, or "
+                               "reads it at run time from one tensor (a buffer, parameter or input) the loop reads "
+                               "as it is")
             raise NotFused(f"the step differs from the {rec.name} equations at random points "
                            f"({node.name} does not match)")
 
@@ -1206,6 +1219,20 @@ def forms_outer_product(body: fx.Graph) -> bool:
     """Whether a loop body forms an outer product ([.., D, 1] times [.., 1, K], however written: the normal form
     makes einsum, ``torch.outer`` and size-1 matmuls that product), as a memory update does. A loop without one
     (a Q-flow's belief updates) is no memory loop, and its report says nothing of it."""
+    return bool(_outer_products(body))
+
+
+def _family(body: fx.Graph, n_carries: int) -> str:
+    """The family a loop that is no memory step is reported under: memory_scan where an outer product it forms reads
+    the carried state (an error e = M k − v written into it), linear_attention where none does (Hebbian)."""
+    carries = [n for n in body.nodes if n.op == "placeholder"][:n_carries]
+    reads_state = any(computed_from([a for a in node.args[:2] if isinstance(a, fx.Node)], set(carries))
+                      for node in _outer_products(body))
+    return "memory_scan" if reads_state else "linear_attention"
+
+
+def _outer_products(body: fx.Graph) -> list[fx.Node]:
+    found = []
     for node in body.find_nodes(op="call_function", target=aten.mul.Tensor) + \
             body.find_nodes(op="call_function", target=aten.matmul.default) + \
             body.find_nodes(op="call_function", target=aten.bmm.default):
@@ -1215,10 +1242,10 @@ def forms_outer_product(body: fx.Graph) -> bool:
         a, b = shapes
         if node.target is aten.mul.Tensor and (_is_one(a[-1]) and _is_one(b[-2])
                                                or _is_one(a[-2]) and _is_one(b[-1])):
-            return True
-        if node.target is not aten.mul.Tensor and _is_one(a[-1]):  # a product that sums over one element
-            return True
-    return False
+            found.append(node)
+        elif node.target is not aten.mul.Tensor and _is_one(a[-1]):  # a product that sums over one element
+            found.append(node)
+    return found
 
 
 def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
@@ -1231,7 +1258,8 @@ def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
                     and forms_outer_product(getattr(gm, node.args[0].target).graph):
                 node.meta["hecate_memory_step_reported"] = True
                 heads = _HEADS_ADVICE if _reads_per_head(getattr(gm, node.args[0].target)) else ""
-                report.add_miss(op, f"{_form(node)} of {_over(node)} is not a memory step: {rec}{heads}", node.name,
+                family = _family(getattr(gm, node.args[0].target).graph, len(node.args[1]))
+                report.add_miss(family, f"{_form(node)} of {_over(node)} is not a memory step: {rec}{heads}", node.name,
                                 nodes=_body_nodes(gm, node))
             continue
         if rec.kind != kind:
@@ -1286,7 +1314,8 @@ def describe(rec: Recurrence) -> str:
     if rec.kind == "hebbian":
         what = "Hebbian M ← α M + v φ(k)ᵀ"
         if rec.normaliser_state is not None:
-            what += ", normalised by z ← α z + φ(k)"
+            what += ", normalised by z ← α z + φ(k)" + (", ε read at run time" if isinstance(rec.params.get("eps"),
+                                                                                               tuple) else "")
         return (what + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
                 + (", read before the update" if rec.read_before_update else ""))
     p = rec.params["p"]
@@ -1417,8 +1446,14 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
         if "M0" in initial:
             m0 = M0.transpose(-1, -2) if rec.layout == "kv" else M0
             m0 = m0.reshape(B, H, *m0.shape[-2:])
-        if rec.read_before_update:  # y_t = M_{t−1} q_t: the op's read after step t − 1 with the query of t
+        if rec.read_before_update:  # y_t = M_{t−1} q_t: the op's read after step t − 1 with the query of t, and
+            # y_0 = M0 q_0 (0 from zeros), normalised by z0·q_0 + ε (0 from zeros)
             q_first, q = q[:, :1], torch.cat([q[:, 1:], torch.zeros_like(q[:, :1])], 1)
+            first = v.new_zeros(B, 1, H, v.shape[-1]) if m0 is None else \
+                (m0.unsqueeze(1) @ q_first.unsqueeze(-1)).squeeze(-1)
+            if rec.normaliser_state is not None:
+                z_first = (x["z0"].reshape(B, 1, H, -1) * q_first).sum(-1, keepdim=True) if "z0" in initial else 0.0
+                first = first / (z_first + (x["eps"].reshape(()) if "eps" in x else p["eps"]))
         if rec.kind == "lp":
             s0 = None
             if "S0" in initial:  # the op's buffer is the model's times its scale (M ← a·M + c·S)
@@ -1429,14 +1464,22 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
                                                    p.get("bias", ""), s0, bthd(x["beta"]) if "beta" in x else None,
                                                    bool(p.get("decay_first")))
             z = None
+        elif "eps" in x:  # ε read at run time: z·q is the op's read of a value column of ones, divided after
+            dv = v.shape[-1]
+            if m0 is not None or "z0" in initial:  # the state [M; zᵀ]: [B, H, Dv + 1, Dk]
+                zeros = M0.new_zeros(B, H, 1, k.shape[-1])
+                z0 = x["z0"].reshape(B, H, 1, -1).to(M0.dtype) if "z0" in initial else zeros
+                m0 = torch.cat([zeros.expand(B, H, dv, -1) if m0 is None else m0, z0], -2)
+            y, m, _ = torch.ops.hecate.linear_attention(k, torch.cat([v, torch.ones_like(v[..., :1])], -1), q,
+                                                        bthd(x["alpha"]), m0, None, False, 1e-6, True)
+            y = y[..., :dv] / (y[..., dv:] + x["eps"].reshape(()).to(y.dtype))
+            m, z = m[..., :dv, :], m[..., dv, :]
         else:
             z0 = x["z0"].reshape(B, H, -1) if "z0" in initial else None
             y, m, z = torch.ops.hecate.linear_attention(k, v, q, bthd(x["alpha"]), m0, z0,
                                                         rec.normaliser_state is not None, p.get("eps", 1e-6), True)
-        if rec.read_before_update:  # y_0 = M0 q_0 (0 from zeros); the op's last read is of no step
-            first = (torch.zeros_like(y[:, :1]) if m0 is None
-                     else (m0.unsqueeze(1) @ q_first.unsqueeze(-1)).squeeze(-1).to(y.dtype))
-            y = torch.cat([first, y[:, :-1]], 1)
+        if rec.read_before_update:  # the op's last read is of no step
+            y = torch.cat([first.to(y.dtype), y[:, :-1]], 1)
         results = []
         if "y" in reads:  # [B, T, H, Dv] → [T, *lead, Dv], with the size-1 dims the body's y has
             y = y.movedim(1, 0)
@@ -1480,6 +1523,8 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
     inputs["M0"] = M0  # its shape is the final memory's, even when the op starts from zeros
     if rec.normaliser_state is not None:
         inputs["z0"] = init[rec.normaliser_state]
+        if isinstance(rec.params.get("eps"), tuple):  # the body's input it is read from, the scan's operand
+            inputs["eps"] = (list(init) + list(xs) + list(invariants))[rec.params["eps"][1]]
     if rec.momentum_state is not None:  # a buffer carried in from a previous chunk, and out to the next
         inputs["S0"] = init[rec.momentum_state]
     initial = {name for name in ("M0", "z0", "S0") if name in inputs and not is_zeros(inputs[name])}

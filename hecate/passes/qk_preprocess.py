@@ -22,7 +22,7 @@ PyTorch function traced to a pattern and found with :func:`find_matches`:
   ``z = Σ_k window[:, k] · w[:, k]`` (+ b) in any spelling (einsum, a product and a sum, ...), read
   by evaluating it; the op runs on the one token and its [B, 1, D] result is squeezed;
 * tail stages, each at most once, SiLU before φ: the swap back to [B,T,D]
-  (required: the op returns [B,T,D]); SiLU (``F.silu``, ``z * sigmoid(z)``,
+  (without it the chain's [B,D,T] output is the op's [B,T,D] transposed back); SiLU (``F.silu``, ``z * sigmoid(z)``,
   ``sigmoid(z) * z``); a head split [B,T,D] → [B,T,H,Dh] after the swap back
   (``view``/``reshape``/``unflatten``; re-emitted after the op, since SiLU and φ
   act per channel or per head); φ: any elementwise function of the activation
@@ -584,6 +584,7 @@ class _Chain:
     state: _State | None = None
     window: _Window | None = None
     batch_swap: fx.Node | None = None   # the [T, B, D] → [B, T, D] transpose between the projection and swap_in
+    channels_first: bool = False  # no swap back: the chain's output is [B, D, T], the op's result transposed
 
     @property
     def parts(self) -> list[_Found]:
@@ -592,7 +593,7 @@ class _Chain:
     @property
     def output(self) -> fx.Node:
         """The last node the op stands for."""
-        return self.tail[-1].output if self.tail else self.window.output
+        return self.tail[-1].output if self.tail else self.window.output if self.window else self.conv.output
 
     @property
     def kernel_size(self) -> int:
@@ -684,11 +685,10 @@ def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Ch
             projection = None
 
     tail = _walk_tail(conv.output, index, report)
-    if not any(p.piece.stage == "swap" for p in tail):
-        users = ", ".join(u.name for u in conv.output.users) or "nothing"
-        return (f"the conv output stays [B, D, T] (read by {users}); the fused op returns [B, T, D], so the chain "
-                f"needs the transpose back")
-    chain = _Chain(projection, swap_in, conv, tail, _state_of(conv, index), batch_swap=batch_swap)
+    # (no swap back: the chain stays [B, D, T], SiLU and an elementwise φ per channel alike; the op's [B, T, D]
+    # result transposed back is what it computes)
+    chain = _Chain(projection, swap_in, conv, tail, _state_of(conv, index), batch_swap=batch_swap,
+                   channels_first=not any(p.piece.stage == "swap" for p in tail))
     reason = _check_dtypes(chain)
     return reason or chain
 
@@ -1045,6 +1045,8 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
     if heads is not None:
         layout.append((aten.unflatten.int, (-1, list(result.shape[-2:]))))
         nodes_replaced -= 1  # a head split is still there
+    if chain.channels_first:
+        layout.append((aten.transpose.int, (1, 2)))
     last = call
     for target, literals in layout:
         with gm.graph.inserting_after(last):
@@ -1108,7 +1110,8 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
         steps.append(f"{_PHI_NAMES[phi_kind]}(d_phi={d_phi})")
     elif phi_kind != "identity":
         steps.append(_PHI_NAMES.get(phi_kind, f"φ = {phi_kind}"))
-    layout = "[B,T,H,Dh]" if chain.stage("heads") else "[B,T,D]"
+    layout = "[B,T,H,Dh]" if chain.stage("heads") else "[B,D,T], the op's [B,T,D] transposed" \
+        if chain.channels_first else "[B,T,D]"
     if chain.window is not None:
         layout = layout.replace("T,", "")
     text = " → ".join(steps) + " " + layout

@@ -586,11 +586,14 @@ def _shifted_copies(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                     = node
     for (how, source, dim), by in shifts.items():
         if len(by) >= 2:
+            rolled = " (torch.roll then a product with a 0/1 mask is NaN where an inf or NaN wraps around to " \
+                "the front, 0·inf, where a conv's padding gives 0: torch.where(t >= s, torch.roll(h, s, dim), 0) " \
+                "is exact)" if how == "torch.roll" else ""
             yield (f"a conv written by hand as shifted copies of one tensor {list(_shape(source) or ())} ({how} by "
                    f"{sorted(by)} on dim {dim}, "
-                   "each its own shift) not fused: qk_preprocess reads a causal conv as the windows of one pad, "
-                   "Σ_k w_k · F.pad(h, (K-1, 0))[..., k:k+T] (on time, channels first or last), or F.conv1d; "
-                   "compiled as written", list(by.values()))
+                   "each its own shift) not fused: qk_preprocess reads a causal conv as copies shifted with zeros in "
+                   "front (F.pad and slices, torch.cat of zeros, torch.where of a roll), or F.conv1d" + rolled +
+                   "; compiled as written", list(by.values()))
 
 
 def _first(value):

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch._higher_order_ops.scan import scan
 
 import hecate
+from hecate.testing import assert_close
 
 
 def pairwise_l1_attention(mu, v):
@@ -95,7 +96,8 @@ def test_unrolled_outer_product_state_is_reported_once_with_its_line():
     report = hecate.explain(tanh_retention_memory, torch.randn(2, 6, 3), torch.randn(2, 6, 3))
     assert len(report.misses) == 1, str(report)  # the loop's note and the chain are one miss
     [miss] = report.misses
-    assert miss.pattern == "memory_scan" and "6 steps is not a memory step" in miss.reason
+    # (reported under linear_attention: its outer product v ⊗ k does not read the state, a Hebbian update)
+    assert miss.pattern == "linear_attention" and "6 steps is not a memory step" in miss.reason
     assert "compiled unrolled" in miss.reason
     assert miss.source.startswith("test_signatures.py:") and "torch.einsum" in miss.source
 
@@ -112,7 +114,7 @@ def test_unrolled_outer_product_state_is_reported_when_loops_are_not_rolled(monk
 
 def test_scan_body_with_outer_product_state_is_reported():
     report = hecate.explain(tanh_retention_scan, torch.randn(2, 6, 3), torch.randn(2, 6, 3))
-    miss = _only_miss(report, "memory_scan")
+    miss = _only_miss(report, "linear_attention")
     assert "6 steps is not a memory step" in miss.reason  # the memory pass's own reason
 
 
@@ -241,17 +243,33 @@ def test_cumulated_outer_products_are_reported():
 
 
 def test_hand_written_conv_missing_a_window_is_reported():
-    """Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T] over k = 1..K−1 only: not the causal conv of kernel K (its first
-    window is missing), and said so."""
-    def missing_first_window(h, w):
+    """Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T] over k = 0..K−2 only: h shifted by K−1..1, never h itself, which
+    is not a causal conv (its last window is missing), and said so."""
+    def missing_last_window(h, w):
         padded, t = F.pad(h, (3, 0)), h.shape[-1]
-        return F.silu(sum(w[:, k, None] * padded[..., k:k + t] for k in range(1, 4)))
+        return F.silu(sum(w[:, k, None] * padded[..., k:k + t] for k in range(3)))
 
     h, w = torch.randn(2, 6, 7), torch.randn(6, 4)
-    miss = _only_miss(hecate.explain(missing_first_window, h, w), "qk_preprocess")
-    assert "reads 3 of its 4 shifted windows (offsets [1, 2, 3])" in miss.reason, miss
-    got = torch.compile(missing_first_window, backend="hecate", options={"fallback": "eager"})(h, w)
-    assert torch.equal(got, missing_first_window(h, w))
+    miss = _only_miss(hecate.explain(missing_last_window, h, w), "qk_preprocess")
+    assert "reads 3 of its 4 shifted windows (offsets [0, 1, 2])" in miss.reason, miss
+    got = torch.compile(missing_last_window, backend="hecate", options={"fallback": "eager"})(h, w)
+    assert torch.equal(got, missing_last_window(h, w))
+
+
+def test_the_last_windows_of_a_longer_pad_are_the_conv_of_their_own_kernel():
+    """Σ_{k=1..K−1} w_k · F.pad(h, (K−1, 0))[..., k:k+T]: the copies of h shifted by K−2..0, a causal conv of kernel
+    K−1 (read by their values), fused; the miss it was ("reads 3 of its 4 windows") was not what it computes."""
+    def first_window_left_out(x, w):
+        h = x.transpose(1, 2)
+        padded, t = F.pad(h, (3, 0)), h.shape[-1]
+        return F.silu(sum(w[:, k, None] * padded[..., k:k + t] for k in range(1, 4))).transpose(1, 2)
+
+    x, w = torch.randn(2, 7, 6), torch.randn(6, 4)
+    got = torch.compile(first_window_left_out, backend="hecate", options={"fallback": "eager"})(x, w)
+    report = hecate.last_report()
+    assert report.count("qk_preprocess") == 1 and not report.misses, str(report)
+    assert "conv(K=3)" in report.fusions[0].detail, str(report)
+    assert_close("output", got, first_window_left_out(x, w), 1e-5)
 
 
 class BufferWrittenBeforeALoop(torch.nn.Module):

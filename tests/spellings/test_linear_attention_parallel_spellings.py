@@ -480,6 +480,30 @@ def test_heads_first_layouts_fuse_and_equal_eager(fn, dynamic, fresh_dynamo):
     assert report.count("linear_attention") == 1 and not report.misses, str(report)
 
 
+def noncausal_over_split_heads(q, k, v):  # [B, T, H, D] split into heads by transpose(1, 2), as projections are
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return phi(q) @ (phi(k).transpose(-1, -2) @ v)
+
+
+def noncausal_over_heads_split_from_a_projection(q, k, v):  # [B, T, H·D] viewed [B, T, H, D], heads first
+    def heads(x):
+        return x.view(x.shape[0], x.shape[1], 2, -1).transpose(1, 2)
+    return (phi(heads(q)) @ (phi(heads(k)).mT @ heads(v))).transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn,shape", [(noncausal_over_split_heads, (B, T, 2, D)),
+                                      (noncausal_over_heads_split_from_a_projection, (B, T, 2 * D))],
+                         ids=["split_heads", "projection"])
+def test_noncausal_products_over_heads_split_by_a_transpose_fuse(fn, shape, dynamic, fresh_dynamo):
+    """A head split's transpose(1, 2) makes the [B, H, T, D] operands: only a transpose of the last two dims (k.mT)
+    is the product's own (probe r23: the split's transpose was taken for it, and nothing was fused or said)."""
+    torch.manual_seed(0)
+    report = _check(fn, [torch.randn(shape) for _ in range(3)], dynamic)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    assert report.fusions[0].detail.startswith("non-causal"), report.fusions[0].detail
+
+
 def test_softmax_attention_is_not_linear_attention(fresh_dynamo):
     report = _check(softmax_attention, [torch.randn(B, T, D) for _ in range(3)], False)
     assert report.count("linear_attention") == 0 and not report.misses, str(report)

@@ -639,6 +639,18 @@ def hebbian_normalised(k, v, q, alpha, eta):
     return torch.stack(ys, dim=1), M
 
 
+def hebbian_normalised_read_before_the_write(k, v, q, alpha, eta):
+    """y_t = M_{t−1} q_t / (z_{t−1}·q_t + ε): the old state and normaliser read, then the token written (probe
+    r23: "a normalised read fuses after the write"); y_0 = 0 / (0 + ε)."""
+    k, q = torch.nn.functional.elu(k) + 1, torch.nn.functional.elu(q) + 1
+    M, z, ys = _m0(k, v), torch.zeros_like(k[:, 0]), []
+    for t in range(k.shape[1]):
+        ys.append((M @ q[:, t, ..., None])[..., 0] / ((z * q[:, t]).sum(-1, keepdim=True) + 1e-2))
+        M = alpha[:, t, :, None, None] * M + v[:, t, ..., None] * k[:, t, :, None, :]
+        z = alpha[:, t, :, None] * z + k[:, t]
+    return torch.stack(ys, 1), M
+
+
 def hebbian_single_head_bmm(k, v, q, alpha, eta):
     """One head, [B, Dv, Dk] state, bmm for the read and the outer product, a gate scaling the write."""
     k, v, q, alpha, eta = k[:, :, 0], v[:, :, 0], q[:, :, 0], alpha[:, :, 0], eta[:, :, 0]
@@ -1291,6 +1303,7 @@ SPELLINGS = {
     "hebbian_gates_split_by_indexing": (hebbian_gates_split_by_indexing, "linear_attention"),
     "hebbian_in_place_on_a_clone_read_through_a_transpose": (hebbian_in_place_on_a_clone_read_through_a_transpose,
                                                              "linear_attention"),
+    "hebbian_normalised_read_before_the_write": (hebbian_normalised_read_before_the_write, "linear_attention"),
 }
 
 
@@ -1528,6 +1541,63 @@ def test_spelling_fuses_under_dynamic_shapes(name, fresh_dynamo):
     assert_close("y", y, y_ref, TOL)
     assert_close("M", m, m_ref, TOL)
     for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
+        assert_close(f"grad {what}", a, b, TOL)
+
+
+def _normalised_loop(k, v, q, alpha, eps, read_before, M, z):
+    ys = []
+    for t in range(k.shape[1]):
+        if read_before:
+            ys.append((M @ q[:, t, ..., None])[..., 0] / ((z * q[:, t]).sum(-1, keepdim=True) + eps))
+        M = alpha[:, t, :, None, None] * M + v[:, t, ..., None] * k[:, t, :, None, :]
+        z = alpha[:, t, :, None] * z + k[:, t]
+        if not read_before:
+            ys.append((M @ q[:, t, ..., None])[..., 0] / ((z * q[:, t]).sum(-1, keepdim=True) + eps))
+    return torch.stack(ys, 1), M, z
+
+
+class NormaliserWithALearnedEps(torch.nn.Module):
+    """y / (z·q + ε) with ε a parameter, from states carried in: ε is read at run time, and gets its gradient."""
+
+    def __init__(self, read_before):
+        super().__init__()
+        self.eps, self.read_before = torch.nn.Parameter(torch.tensor(0.3)), read_before
+
+    def forward(self, k, v, q, alpha, M0, z0):
+        return _normalised_loop(F.elu(k) + 1, v, F.elu(q) + 1, alpha, self.eps, self.read_before, M0, z0)
+
+
+def normaliser_with_a_default_eps(k, v, q, alpha, M0, z0, eps=1e-3):  # dynamic=True passes the float in as a tensor
+    return _normalised_loop(F.elu(k) + 1, v, F.elu(q) + 1, alpha, eps, False, M0, z0)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("make", [lambda: NormaliserWithALearnedEps(False), lambda: NormaliserWithALearnedEps(True),
+                                  lambda: normaliser_with_a_default_eps], ids=["learned", "learned_read_before",
+                                                                               "default_argument"])
+def test_a_normaliser_eps_read_at_run_time_fuses(make, dynamic, fresh_dynamo):
+    """ε of y / (z·q + ε) held in a tensor (a parameter, or a float argument under dynamic=True; probe r23: reported
+    as "another number at each draw"): the op reads z·q as the memory's read of a value column of ones, and the
+    division follows it; outputs, final states and every gradient (ε's too) equal eager's."""
+    fn = make()
+    inputs = [torch.randn(B, T, H, DK), torch.randn(B, T, H, DV), torch.randn(B, T, H, DK), torch.rand(B, T, H),
+              torch.randn(B, H, DV, DK), torch.rand(B, H, DK)]
+    inputs = [x.requires_grad_() for x in inputs]
+    params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+
+    def run(f):
+        outs = f(*inputs)
+        loss = sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs)
+        return outs, torch.autograd.grad(loss, inputs + params)
+
+    ref, g_ref = run(fn)
+    got, g = run(torch.compile(fn, backend="hecate", dynamic=dynamic, options={"fallback": "eager"}))
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    assert "ε read at run time" in report.fusions[0].detail or not params and not dynamic, str(report)
+    for what, a, b in zip(("y", "M", "z"), got, ref):
+        assert_close(what, a, b, TOL)
+    for what, a, b in zip(("k", "v", "q", "alpha", "M0", "z0", "eps"), g, g_ref):
         assert_close(f"grad {what}", a, b, TOL)
 
 
@@ -2429,7 +2499,7 @@ class NormalisedLinearAttention(torch.nn.Module):
 
 
 class NormaliserEpsInABuffer(NormalisedLinearAttention):
-    """The normaliser's eps held in a 0-d buffer: a value read at run time, which the op cannot take."""
+    """The normaliser's eps held in a 0-d buffer: a value read at run time."""
 
     def __init__(self, d=4):
         super().__init__(d)
@@ -2437,14 +2507,39 @@ class NormaliserEpsInABuffer(NormalisedLinearAttention):
         self.register_buffer("eps", torch.tensor(1e-6))
 
 
-def test_normaliser_eps_read_at_run_time_is_reported(fresh_dynamo):
+class NormaliserEpsComputedInTheLoop(NormaliserEpsInABuffer):
+    """eps = softplus(buffer), computed in every step from the buffer: not one tensor the op can read as it is."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        M, z, ys = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), x.new_zeros(x.shape[0], x.shape[-1]), []
+        for t in range(x.shape[1]):
+            M = M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+            z = z + k[:, t]
+            ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1) / ((z * q[:, t]).sum(-1, keepdim=True)
+                                                                + F.softplus(self.eps)))
+        return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("make,fused", [(NormaliserEpsInABuffer, True), (NormaliserEpsComputedInTheLoop, False)],
+                         ids=["buffer", "computed_in_the_loop"])
+def test_normaliser_eps_read_at_run_time(make, fused, fresh_dynamo):
+    """eps in a buffer is read at run time by the fused op (the buffer changed after compiling is honoured); eps
+    computed from it inside each step is reported with that reason."""
     torch.manual_seed(0)
-    model, x = NormaliserEpsInABuffer(), torch.randn(2, 5, 4)
-    got = torch.compile(model, backend="hecate")(x)
+    model, x = make(), torch.randn(2, 5, 4)
+    compiled = torch.compile(model, backend="hecate")
+    got = compiled(x)
     report = hecate.last_report()
-    assert not report.fusions and report.misses, str(report)
-    assert "eps that is another number at each draw" in report.misses[0].reason, str(report)
     assert_close("y", got, model(x), TOL)
+    if fused:
+        assert report.count("linear_attention") == 1 and not report.misses, str(report)
+        model.eps.fill_(0.5)
+        assert_close("y after the buffer changed", compiled(x), model(x), TOL)
+    else:
+        assert not report.fusions and report.misses, str(report)
+        assert "eps that is another number at each draw, computed in the loop" in report.misses[0].reason, str(report)
 
 
 def test_autocast_keeps_the_dtype_eager_gives(fresh_dynamo):

@@ -80,6 +80,24 @@ def _rolled_copies(m, h):   # [B, T, D]: torch.roll, the wrapped tokens zeroed
     return z
 
 
+def _pads_of_slices(m, u):   # [B, D, T]: each tap's copy its own F.pad of a slice, h·w + shift(h, 1)·w + ...
+    def shift(x, s):
+        return F.pad(x[..., :-s], (s, 0))
+    return u * m.kernel[:, K - 1, None] + sum(shift(u, i) * m.kernel[:, K - 1 - i, None] for i in range(1, K))
+
+
+def _cats_of_zeros(m, h):   # [B, T, D]: each shift joins its own zeros in front, the taps in a loop
+    z = h * m.kernel[:, K - 1]
+    for i in range(1, K):
+        z = z + torch.cat([torch.zeros_like(h[:, :i]), h[:, :-i]], 1) * m.kernel[:, K - 1 - i]
+    return z
+
+
+def _rolled_copies_kept_by_where(m, h):   # [B, T, D]: torch.roll, the wrapped tokens replaced by torch.where
+    t = torch.arange(h.shape[1])[None, :, None]
+    return sum(torch.where(t >= i, torch.roll(h, i, 1), 0.0) * m.kernel[:, K - 1 - i] for i in range(K))
+
+
 def _windows_of_cat_zeros(m, h):   # [B, T, D]: padded by joining K-1 zero tokens in front, one window per tap
     padded = torch.cat([torch.zeros(h.shape[0], K - 1, h.shape[2]), h], dim=1)
     return sum(m.kernel[:, k] * padded[:, k:k + h.shape[1]] for k in range(K))
@@ -260,6 +278,23 @@ SPELLINGS = {
     "by hand from the bias: z = b[:, None].expand(-1, T), then z + w[:, k:k+1] · window in a loop": (
         lambda m, x: F.silu(_windows_from_the_bias(m, m.proj(x).transpose(1, 2)).transpose(1, 2)),
         "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand, shift-and-add: each tap its own F.pad(h, (0, 0, i, 0))[:, :T]": (
+        lambda m, x: F.silu(_shifted_copies(m, m.proj(x))), "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand, shift-and-add: each tap's copy F.pad(u[..., :-i], (i, 0)) after the transpose": (
+        lambda m, x: F.silu(_pads_of_slices(m, m.proj(x).transpose(1, 2))).transpose(1, 2),
+        "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand, shift-and-add: each tap's copy torch.cat([zeros, h[:, :-i]], 1)": (
+        lambda m, x: F.silu(_cats_of_zeros(m, m.proj(x))), "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand, torch.where(t >= i, torch.roll(h, i, 1), 0)": (
+        lambda m, x: F.silu(_rolled_copies_kept_by_where(m, m.proj(x))), "linear → conv(K=4) → silu [B,T,D]"),
+    "channels first by a head split moved and merged back: view(B, T, H, Dh).permute(0, 2, 3, 1).reshape(B, D, T)": (
+        lambda m, x: F.silu(_pad_conv(m, m.proj(x).view(*x.shape[:2], H, D // H).permute(0, 2, 3, 1)
+                                      .reshape(x.shape[0], D, x.shape[1])).transpose(1, 2)),
+        "linear → conv(K=4) → silu [B,T,D]"),
+    "a per-channel gain g[:, None] on [B, D, T], then SiLU, kept channels first": (
+        lambda m, x: F.silu(_pad_conv(m, m.proj(x).transpose(1, 2)) * m.phase[:D, None]).transpose(1, 2),
+        "linear → conv(K=4) [B,D,T], the op's [B,T,D] transposed; read by aten.mul.Tensor, left to the fallback (not "
+        "a φ the op fuses)"),
     "by hand channels last from zeros: z = zeros_like(h), then z + w[:, k] · window in a loop": (
         lambda m, x: F.silu(_windows_from_zeros(m, m.proj(x))),
         "linear → conv(K=4) → silu [B,T,D]"),
@@ -349,8 +384,25 @@ def test_spelling_fuses_and_matches_eager(name):
     spelling, detail = SPELLINGS[name]
     _fuses_and_matches_eager(Block(spelling), (torch.randn(B, T, D_IN),), detail, ("x",))
 
+SHIFTED_COPIES = ["by hand, shift-and-add: each tap's copy F.pad(u[..., :-i], (i, 0)) after the transpose",
+                  "by hand, shift-and-add: each tap's copy torch.cat([zeros, h[:, :-i]], 1)",
+                  "by hand, torch.where(t >= i, torch.roll(h, i, 1), 0)"]
+
+
+@pytest.mark.parametrize("name", SHIFTED_COPIES)
+def test_copies_shifted_by_hand_fuse_at_two_lengths_under_dynamic_shapes(name, fresh_dynamo):
+    """Each copy is recognised by its values as h shifted with zeros in front, at the example's length and at
+    another (probe r23: these spellings were neither fused nor reported); one graph serves both lengths."""
+    model = Block(SPELLINGS[name][0])
+    compiled = torch.compile(model, backend="hecate", dynamic=True, options={"fallback": "eager"})
+    for length in (T, T + 4):
+        x = torch.randn(B, length, D_IN)
+        assert_close(f"output at T = {length}", compiled(x), model(x), TOL)
+        assert hecate.last_report().count("qk_preprocess") == 1, str(hecate.last_report())
+
+
 def test_corpus_size():
-    assert len(SPELLINGS) >= 32
+    assert len(SPELLINGS) >= 38
 
 
 def test_hand_written_conv_keeps_the_dtype_of_its_zeros_and_reads_its_input_before_a_write():
@@ -448,12 +500,11 @@ NOT_FUSED = {
         lambda m, x: F.silu(sum(m.kernel[:, k] * torch.cat([m.proj(x[:, :K - 1]) * 0.5, m.proj(x)], 1)[:, k:k + x.shape[1]]
                                 for k in range(K))),
         "qk_preprocess takes a carried state as F.conv1d(torch.cat([state, x], -1), w, groups=D)"),
-    "by hand, shift-and-add: each tap its own F.pad(h, (0, 0, i, 0))[:, :T]": (
-        lambda m, x: F.silu(_shifted_copies(m, m.proj(x))),
-        "a conv written by hand as shifted copies of one tensor [2, 7, 6] (F.pad by [1, 2, 3] on dim 1"),
-    "by hand, torch.roll(h, i, 1) with the wrapped tokens zeroed": (
+    "by hand, torch.roll(h, i, 1) with the wrapped tokens zeroed by a product with a mask": (
         lambda m, x: F.silu(_rolled_copies(m, m.proj(x))),
-        "a conv written by hand as shifted copies of one tensor [2, 7, 6] (torch.roll by [1, 2, 3] on dim 1"),
+        "(torch.roll by [1, 2, 3] on dim 1, each its own shift) not fused: qk_preprocess reads a causal conv as "
+        "copies shifted with zeros in front (F.pad and slices, torch.cat of zeros, torch.where of a roll), or "
+        "F.conv1d (torch.roll then a product with a 0/1 mask is NaN where an inf or NaN wraps around"),
 }
 
 
