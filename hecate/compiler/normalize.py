@@ -200,7 +200,7 @@ def layout_chains_as_permutes(graph: fx.Graph) -> None:
             source = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
             try:
                 got = evaluate(end, {x: source}, size_hint=size)
-            except (NotFused, RuntimeError):
+            except (NotFused, RuntimeError, TypeError, ValueError, IndexError):  # not evaluable: not read so
                 found = None
                 break
             moves = [p for p in itertools.permutations(range(value.dim()))
@@ -341,7 +341,7 @@ def _shifted_copy(copy: fx.Node) -> tuple[fx.Node, bool, int, int] | None:
         x = torch.rand(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0  # no zero
         try:
             got = evaluate(copy, {h: x}, size_hint=size)
-        except (NotFused, RuntimeError):
+        except (NotFused, RuntimeError, TypeError, ValueError, IndexError):  # not evaluable: not read so
             return None
         shifts = []
         for swapped, u in ((False, x), (True, x.transpose(1, 2))):
@@ -360,7 +360,7 @@ def _shifted_copy(copy: fx.Node) -> tuple[fx.Node, bool, int, int] | None:
         _, time, s = found
         try:  # zeros in front whatever h holds: not a product with a mask (torch.roll(h) * m is NaN there at an inf)
             front = evaluate(copy, {h: torch.full(shape, math.inf, dtype=torch.float64)}, size_hint=size)
-        except (NotFused, RuntimeError):
+        except (NotFused, RuntimeError, TypeError, ValueError, IndexError):  # not evaluable: not read so
             return None
         if s and bool(front.narrow(time, 0, s).any()):
             return None
@@ -1172,6 +1172,21 @@ def softmax_spellings(graph: fx.Graph) -> None:
                 _keep_source(before, node)
                 graph.erase_node(node)
                 break
+    for node in list(graph.nodes):
+        if node.target in (aten.softmax.int, aten.log_softmax.int) and len(node.args) == 2 and not node.kwargs \
+                and isinstance(_val(node.args[0]), torch.Tensor) and (rank := _val(node.args[0]).dim()) >= 4 \
+                and 2 <= (d := node.args[1] % rank) < rank - 1 \
+                and statically_known_true(_val(node.args[0]).shape[d - 1] == _val(node.args[0]).shape[d]):
+            # over the key dim of pairs with other dims after them ([B, i, j, H] over j): over the last dim of the
+            # pairs permuted last, [B, H, i, j], then permuted back (each row's softmax is the same)
+            order = [*range(d - 1), *range(d + 1, rank), d - 1, d]
+            before = node.prev
+            with graph.inserting_before(node):
+                moved = emit(graph, node.target, emit(graph, aten.permute.default, node.args[0], order), -1)
+                node.replace_all_uses_with(emit(graph, aten.permute.default, moved,
+                                                [order.index(i) for i in range(rank)]))
+            _keep_source(before, node)
+            graph.erase_node(node)
 
 
 def _keep_source(before: fx.Node, node: fx.Node) -> None:
@@ -1304,8 +1319,9 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
     if target is aten.einsum.default and (scaled := _einsum_of_row_scaled(graph, node, outputs)) is not None:
         return scaled
     if target is aten.einsum.default:
-        explicit = _einsum_without_ellipsis(graph, node)
-        return (_einsum(graph, explicit, outputs) or explicit) if explicit is not None else _einsum(graph, node, outputs)
+        explicit = _einsum_without_ellipsis(graph, node) or node
+        explicit = _einsum_of_permuted(graph, explicit) or explicit
+        return _einsum(graph, node, outputs) if explicit is node else (_einsum(graph, explicit, outputs) or explicit)
     if target in (aten.outer.default, aten.ger.default) and not node.kwargs:
         with graph.inserting_before(node):  # torch.outer(a, b): a[:, None] * b, as the other spellings are
             return emit(graph, aten.mul.Tensor, emit(graph, aten.unsqueeze.default, args[0], -1), args[1])
@@ -1349,6 +1365,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         return _masked_fill_of_a_number(graph, node)
     if target is aten.cat.default and not node.kwargs and (padded := _cat_of_zeros(graph, node)) is not None:
         return padded
+    if target is aten.stack.default and not node.kwargs and (unfolded := _stacked_windows(graph, node)) is not None:
+        return unfolded
     if target is aten.transpose.int and isinstance(args[0], fx.Node) and args[0].target is aten.cat.default \
             and isinstance(_val(args[0]), torch.Tensor) and not args[0].kwargs:
         return _cat_transposed(graph, node)
@@ -1520,6 +1538,25 @@ def _moved_axes(node: fx.Node) -> list[int]:
         order[d % rank] = s % rank
     rest = iter(d for d in range(rank) if d not in {s % rank for s in source})
     return [next(rest) if o is None else o for o in order]
+
+
+def _stacked_windows(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """``torch.stack([P[..., k:k+L] for k in range(K)], -1)``, the K windows of P along one dim, each of length
+    L = P's − (K − 1), stacked on a new last dim: ``P.unfold(dim, K, 1)``, the same elements in the same places."""
+    windows = node.args[0]
+    rank = _val(node).dim() if isinstance(_val(node), torch.Tensor) else 0
+    if len(node.args) < 2 or node.args[1] % max(rank, 1) != rank - 1 or len(windows) < 2 \
+            or not all(isinstance(w, fx.Node) and w.target is aten.slice.Tensor for w in windows):
+        return None
+    source, dim = windows[0].args[0], windows[0].args[1] % (rank - 1)
+    size = _val(source).shape[dim]
+    for k, w in enumerate(windows):
+        start = (w.args[2] if len(w.args) > 2 else None) or 0
+        if w.args[0] is not source or w.args[1] % (rank - 1) != dim or (w.args[4] if len(w.args) > 4 else 1) != 1 \
+                or start != k or not statically_known_true(_val(w).shape[dim] == size - (len(windows) - 1)):
+            return None
+    with graph.inserting_before(node):
+        return emit(graph, aten.unfold.default, source, dim, len(windows), 1)
 
 
 def _cat_transposed(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
@@ -1767,6 +1804,27 @@ def _einsum_without_ellipsis(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
     out = output.replace("...", "".join(free))
     with graph.inserting_before(node):
         return emit(graph, aten.einsum.default, ",".join(named) + "->" + out, operands)
+
+
+def _einsum_of_permuted(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """``einsum("bijh,…", x.permute(p), …)`` → ``einsum(eq', x, …)`` with the permuted operand's letters put back
+    in x's order: the same contraction of the same elements (β of heads-last pairs read as laid out)."""
+    equation, operands = node.args[0], list(node.args[1])
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    terms, changed = inputs.split(","), False
+    for i, x in enumerate(operands):
+        if isinstance(x, fx.Node) and x.target is aten.permute.default and len(terms[i]) == len(x.args[1]):
+            order = [d % len(terms[i]) for d in x.args[1]]
+            letters = [""] * len(order)
+            for position, d in enumerate(order):  # result dim `position` is x's dim d
+                letters[d] = terms[i][position]
+            terms[i], operands[i], changed = "".join(letters), x.args[0], True
+    if not changed:
+        return None
+    with graph.inserting_before(node):
+        return emit(graph, aten.einsum.default, ",".join(terms) + "->" + output, operands)
 
 
 def _einsum_of_row_scaled(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:

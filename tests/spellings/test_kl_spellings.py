@@ -549,14 +549,38 @@ def a_heads_after_the_positions_read_by_einsum(mu, logvar):  # the same, β read
     return torch.einsum("bhij,bjhd->bihd", torch.softmax(-kl.permute(0, 3, 1, 2), -1), mu)
 
 
-@pytest.mark.parametrize("fn", [a_heads_after_the_positions, a_heads_after_the_positions_read_by_einsum])
+def a_heads_last_softmax_over_the_keys(mu, logvar):  # pairs [B, i, j, H] never permuted: softmax over dim 2
+    var = logvar.exp()
+    kl = 0.5 * (logvar.unsqueeze(1) - logvar.unsqueeze(2)
+                + (var.unsqueeze(2) + (mu.unsqueeze(2) - mu.unsqueeze(1)) ** 2) / var.unsqueeze(1) - 1).sum(-1)
+    return torch.einsum("bijh,bjhd->bihd", torch.softmax(-kl, dim=2), mu)
+
+
+def a_heads_last_energy(mu, logvar):  # the same, Σ_j β_ij KL_ij per head, [B, N, H]
+    var = logvar.exp()
+    kl = 0.5 * (logvar.unsqueeze(1) - logvar.unsqueeze(2)
+                + (var.unsqueeze(2) + (mu.unsqueeze(2) - mu.unsqueeze(1)) ** 2) / var.unsqueeze(1) - 1).sum(-1)
+    return (F.softmax(-kl / 2.0, dim=-2) * kl).sum(2)
+
+
+@pytest.mark.parametrize("fn", [a_heads_after_the_positions, a_heads_after_the_positions_read_by_einsum,
+                                a_heads_last_softmax_over_the_keys])
 def test_pairs_built_before_the_heads_fuse(fn, fresh_dynamo):
     """The score built [B, i, j, H] from beliefs [B, N, H, K] and permuted to [B, H, i, j] before the softmax is
     computed in that layout from the start (the normal form moves the permute to the beliefs): fused, with its
-    β-weighted sum (an einsum over the [B, N, H, K] layout read as the matmul it is), equal to eager."""
+    β-weighted sum (an einsum over the [B, N, H, K] layout read as the matmul it is), equal to eager. So is a
+    softmax over the keys' dim 2 of [B, i, j, H] never permuted (probe r22: reported as pairs with heads after them),
+    β read by einsum in that layout."""
     report = _compare(fn, (torch.randn(B, N, 3, K), _logvar((B, N, 3, K))), "kl_attention")
     assert report.count("kl_attention") == 1 and not report.misses, str(report)
     assert "1 β-weighted sums" in report.fusions[0].detail, str(report)
+
+
+def test_a_heads_last_energy_fuses_with_beta_formed(fresh_dynamo):
+    """Σ_j β_ij KL_ij over [B, i, j, H] pairs: fused, equal to eager; β is formed [B, H, N, N] for the product with
+    the KL laid out [B, i, j, H] (the normal form does not move a permute through a product and a sum)."""
+    report = _compare(a_heads_last_energy, (torch.randn(B, N, 3, K), _logvar((B, N, 3, K))), "kl_attention")
+    assert report.count("kl_attention") == 1 and not report.misses, str(report)
 
 
 @pytest.mark.parametrize("fn", [a_view_baked_sizes, a_flattened_pairs])

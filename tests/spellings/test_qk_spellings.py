@@ -295,6 +295,11 @@ SPELLINGS = {
         lambda m, x: F.silu(_pad_conv(m, m.proj(x).transpose(1, 2)) * m.phase[:D, None]).transpose(1, 2),
         "linear → conv(K=4) [B,D,T], the op's [B,T,D] transposed; read by aten.mul.Tensor, left to the fallback (not "
         "a φ the op fuses)"),
+    "by hand, the K windows of one pad stacked on a last dim and weighted by einsum('bdtk,dk->bdt')": (
+        lambda m, x: F.silu(torch.einsum("bdtk,dk->bdt", torch.stack(
+            [(p := F.pad(m.proj(x).transpose(1, 2), (K - 1, 0)))[..., k:k + x.shape[1]] for k in range(K)], -1),
+            m.kernel)).transpose(1, 2),
+        "linear → conv(K=4) → silu [B,T,D]"),
     "by hand channels last from zeros: z = zeros_like(h), then z + w[:, k] · window in a loop": (
         lambda m, x: F.silu(_windows_from_zeros(m, m.proj(x))),
         "linear → conv(K=4) → silu [B,T,D]"),
@@ -402,7 +407,7 @@ def test_copies_shifted_by_hand_fuse_at_two_lengths_under_dynamic_shapes(name, f
 
 
 def test_corpus_size():
-    assert len(SPELLINGS) >= 38
+    assert len(SPELLINGS) >= 39
 
 
 def test_hand_written_conv_keeps_the_dtype_of_its_zeros_and_reads_its_input_before_a_write():
