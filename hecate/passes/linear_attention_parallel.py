@@ -476,6 +476,17 @@ def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size, inputs: l
                 return None
             if d.dim() < 2 or d.shape[-1] < 2 or d.shape[-1] != d.shape[-2]:
                 return None
+            strict = _strictly_below(d)
+            if strict:  # D_ts for s < t alone: D[1:, :-1] = c·w_s·g_t·Π_{s<r≤t−1} g_r, the row's own gate g_t
+                found_strict = _strictly_causal_gates(form, d, gates, memo, others, tensor, gamma_form)
+                if found_strict is None or found is not None and (
+                        found.per_token != found_strict[0] or found.strength != found_strict[1]
+                        or not math.isclose(found.scale, found_strict[2], rel_tol=1e-9)):
+                    break
+                perm, strength, scale = found_strict
+                found = found or _Decay(d, scale, None, tensor, gamma_form, draw(gates), perm, strength=strength,
+                                        others=drawn, strict=True)
+                continue
             diagonal = d.diagonal(dim1=-2, dim2=-1)  # [*L, T]: c·w_s
             scale = float(diagonal.flatten()[0])
             if scale == 0.0 or not bool((diagonal != 0).all()):
@@ -498,11 +509,39 @@ def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size, inputs: l
     return None
 
 
+def _strictly_causal_gates(form: _Form, d: torch.Tensor, gates: torch.Tensor, memo: dict, others: list[fx.Node],
+                           tensor: fx.Node, gamma_form: str) -> tuple | None:
+    """(gate layout, strength, c) of a strictly causal mask D_ts = c·w_s·Π_{s<r≤t} g_r (s < t), or None. Its rows
+    from step 1, E = D[1:, :-1], are E_ts = c·w_s·g_{t+1}·Π_{s<r≤t} g_r: E over its diagonal is the gates' mask from
+    step 1 on, the diagonal over g_{s+1} is c·w_s for s < T − 1 (w_{T−1} is read by no query)."""
+    if d.shape[-1] < 3:
+        return None  # (one pair: its gate and its key's factor are one number)
+    e = d[..., 1:, :-1]
+    diagonal = e.diagonal(dim1=-2, dim2=-1)  # [*L, T − 1]
+    if not bool((diagonal != 0).all()):
+        return None
+    perm = _gate_layout(gates, e / diagonal.unsqueeze(-2), first=1)
+    if perm is None:
+        return None
+    lead_t = (*d.shape[:-2], d.shape[-1])
+    g = _placed(gates.permute(perm[0]), perm[1], lead_t)
+    weights = torch.cat([diagonal / g[..., 1:], torch.ones_like(diagonal[..., :1])], -1)  # c·w_s; w_{T−1} unread
+    scale, known = float(weights.flatten()[0]), d.shape[-1] - 1
+    constant = torch.allclose(weights[..., :known], torch.full_like(weights[..., :known], scale), rtol=1e-9, atol=0.0)
+    if constant and not others:
+        return perm, None, scale
+    computed = _values_computed_from(form, others) if others else []
+    strength, c = _key_strength(weights, [*others, *computed, tensor], memo, gamma_form, known)
+    if strength is None:
+        return (perm, None, scale) if constant else None
+    return perm, strength, c
+
+
 def _key_strength(diagonal: torch.Tensor, candidates: list[fx.Node], memo: dict,
-                  gate_form: str) -> tuple[_Strength | None, float]:
-    """(w, c) with D's diagonal c·w_s, w read from one of ``candidates`` (the mask's other inputs, then the gates'
-    tensor, read in the gates' form ``gate_form``) as w or log w, at the values ``memo`` drew; (None, 0) if none
-    gives it."""
+                  gate_form: str, known: int | None = None) -> tuple[_Strength | None, float]:
+    """(w, c) with D's diagonal c·w_s (its first ``known`` steps), w read from one of ``candidates`` (the mask's
+    other inputs, then the gates' tensor, read in the gates' form ``gate_form``) as w or log w, at the values
+    ``memo`` drew; (None, 0) if none gives it."""
     for node in candidates:
         value = memo.get(node)  # (a node of the mask not evaluated: not what it reads)
         if not isinstance(value, torch.Tensor) or value.dim() > diagonal.dim():
@@ -510,7 +549,7 @@ def _key_strength(diagonal: torch.Tensor, candidates: list[fx.Node], memo: dict,
         for strength_form, of in _GAMMA_FROM.items():
             if node is candidates[-1] and strength_form != gate_form:
                 continue  # (the gates' own tensor: in the gates' form)
-            layout, ratio = _layout(of(value), diagonal)
+            layout, ratio = _layout(of(value), diagonal, known)
             if layout is not None:
                 return _Strength(node, strength_form, layout), ratio
     return None, 0.0
@@ -539,28 +578,31 @@ def _placed(g: torch.Tensor, places: tuple, lead_t) -> torch.Tensor:
     return g.reshape(view).expand(*lead_t)
 
 
-def _layout(x: torch.Tensor, target: torch.Tensor) -> tuple[tuple | None, float]:
-    """((permutation, places), c) such that x placed so is ``target`` [*L, T] divided by one number c; else
-    (None, 0)."""
+def _layout(x: torch.Tensor, target: torch.Tensor, known: int | None = None) -> tuple[tuple | None, float]:
+    """((permutation, places), c) such that x placed so is ``target`` [*L, T] divided by one number c (on its first
+    ``known`` steps, where the rest is read by nothing); else (None, 0)."""
     for perm, places, placed in _layouts(x, tuple(target.shape)):
-        ratio = target / placed
+        ratio = (target / placed)[..., :known]
         c = float(ratio.flatten()[0])
         if c != 0.0 and torch.allclose(ratio, torch.full_like(ratio, c), rtol=1e-9, atol=0.0):
             return (perm, places), c
     return None, 0.0
 
 
-def _gate_layout(gates: torch.Tensor, d: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def _gate_layout(gates: torch.Tensor, d: torch.Tensor,
+                 first: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(the permutation of the gates' dims, the dims of D's [*L, T] they take, the last T) that, broadcast over the
-    others (a gate [B, T] shared by the heads of [B, H, T]), make D_ts = Π_{s<r≤t} g_r; or None."""
-    steps = torch.arange(d.shape[-1])
+    others (a gate [B, T] shared by the heads of [B, H, T]), make D_ts = Π_{s<r≤t} g_r; or None. ``first`` = 1: D
+    is that mask from step 1 on, [*L, T − 1, T − 1] (a strictly causal one's, whose gate g_0 nothing reads)."""
+    steps = torch.arange(d.shape[-1] + first)
     below = steps[:, None] >= steps[None, :]
-    for perm, places, g in _layouts(gates, d.shape[:-1]):
+    lead_t = (*d.shape[:-2], d.shape[-1] + first)
+    for perm, places, g in _layouts(gates, lead_t):
         logs = torch.log(g).clone()
         logs[..., 0] = 0.0
         total = logs.cumsum(-1)
         expected = torch.where(below, torch.exp(total[..., :, None] - total[..., None, :]), 0.0)
-        if torch.allclose(d, expected, rtol=1e-6, atol=1e-30):
+        if torch.allclose(d, expected[..., first:, first:], rtol=1e-6, atol=1e-30):
             return perm, places
     return None
 
@@ -901,14 +943,16 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
             q = q * (c.reshape(()) if c.numel() == 1 else c.view(1, -1, 1, 1)).to(q.dtype)  # [B, H, T, D]: per head
         elif scale != 1.0:
             q = q * scale
-        if strict:  # [.., T, D]: the query of step t read after step t − 1
-            q = _step_shifted(q, -2, -1)
-        k_, v_, q_ = to_op(k), to_op(v), to_op(q)
         read = None if callable(scale) else read  # (then the tensor read is the scale's, and γ are numbers)
-        alpha: Any
-        if read is not None and per_token is not None:  # a gate per step: [*L, T] → the op's [B, T, H]
+        g = None
+        if read is not None and per_token is not None:  # a gate per step, [*L, T]
             perm, places = per_token
             g = _placed(gammas(read).permute(perm), places, k.shape[:-1])
+        if strict:  # [.., T, D]: the query of step t read after step t − 1 (and its own step's gate: D_ts holds g_t)
+            q = _step_shifted(q if g is None else q * g.unsqueeze(-1).to(q.dtype), -2, -1)
+        k_, v_, q_ = to_op(k), to_op(v), to_op(q)
+        alpha: Any
+        if g is not None:  # the gates, [*L, T] → the op's [B, T, H]
             alpha = (g[None, :, None] if rank == 2 else g[:, :, None] if rank == 3 else g.transpose(1, 2))
             alpha = alpha.to(k_.dtype).contiguous()
         elif read is not None:  # γ per head (or one) from the tensor, its gradient summed back through the expand

@@ -1015,6 +1015,52 @@ def test_a_gate_per_step_fuses_and_equals_eager(fn, layout, dynamic, fresh_dynam
     assert "per step" in report.fusions[0].detail and "at run time" in report.fusions[0].detail, report.fusions[0]
 
 
+def strictly_causal_ssd(c, b, x, a):  # exp(segsum(a)) for s < t alone: each query reads the state before its step
+    return ((c @ b.mT) * torch.exp(_segsum_by_differences(a)).tril(-1)) @ x
+
+
+def strictly_causal_gla_normalised(q, k, v, f):  # Π_{s<r≤t} σ(f_r) by a ratio of cumprods, s < t, row sums + ε
+    total = torch.sigmoid(f).cumprod(-1)
+    a = (phi(q) @ phi(k).mT) * torch.tril(total[..., :, None] / total[..., None, :], -1)
+    return (a @ v) / (a.sum(-1, keepdim=True) + 1e-2)
+
+
+def strictly_causal_mlstm(q, k, v, f, i):  # exp(F_t − F_s + i_s) for s < t: an input gate per key beside the gates
+    total = F.logsigmoid(f).cumsum(-1)
+    n = total.shape[-1]
+    log_d = (total[..., :, None] - total[..., None, :] + i[..., None, :]).masked_fill(
+        ~torch.ones(n, n, dtype=torch.bool).tril(-1), float("-inf"))
+    return ((q @ k.mT) * log_d.exp()) @ v
+
+
+STRICT_GATED = [strictly_causal_ssd, strictly_causal_gla_normalised, strictly_causal_mlstm]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn", STRICT_GATED, ids=lambda f: f.__name__)
+def test_strictly_causal_gates_per_step_fuse_and_equal_eager(fn, dynamic, fresh_dynamo):
+    """D_ts = w_s·Π_{s<r≤t} g_r for s < t alone: the rows from step 1 carry their own gate g_t, which scales each
+    query before it reads the state of the step before (probe r22: reported as an input not known when compiling);
+    the gates, the factor per key and every input get eager's gradient."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(B, 3, T, D, generator=g) for _ in range(3)] + [torch.randn(B, 3, T, generator=g) + 1,
+                                                                       0.5 * torch.randn(B, 3, T, generator=g)]
+    if fn is strictly_causal_ssd:
+        args[3] = -torch.rand(B, 3, T, generator=g)  # log gates
+    report = _check(fn, args[:5 if fn is strictly_causal_mlstm else 4], dynamic)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    assert report.fusions[0].detail.startswith("strictly causal") and "per step" in report.fusions[0].detail, \
+        report.fusions[0]
+
+
+def test_strictly_causal_gates_over_two_steps_are_reported(fresh_dynamo):
+    """At T = 2 a strictly causal gated mask has one pair, D_10 = w_0·g_1: the gate and the key's factor are one
+    number, which draws cannot tell apart; reported, and equal to eager."""
+    args = [torch.randn(B, 3, 2, D) for _ in range(3)] + [-torch.rand(B, 3, 2)]
+    report = _check(strictly_causal_ssd, args, False)
+    assert report.count("linear_attention") == 0 and report.misses, str(report)
+
+
 def test_a_gate_per_step_over_two_steps_fuses(fresh_dynamo):
     """At T = 2 the mask has one gate below the diagonal, D_10 = g_1: still the products of the gates (it was reported
     as a tensor whose values are not known, probe r20)."""
