@@ -551,8 +551,8 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
         read_node, found = after
     if found is None:
         raise NotFused("the per-step output is not the memory read y = M·q of the new or the old state, nor "
-                       "y / (z·q + eps) of the new state, nor a function of such a read and the step's inputs "
-                       "alone, for any per-step input q (a normalised read fuses after the write, not before it)")
+                       "y / (z·q + eps) of the new or the old state and normaliser, nor a function of such a read "
+                       "and the step's inputs alone, for any per-step input q")
     return _analyse_step(b, m, found, read_node, q_norm, lq_eps, W_in)
 
 
