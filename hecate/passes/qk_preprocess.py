@@ -667,15 +667,17 @@ def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Ch
         return reason
 
     swap_in = index.producer("swap", _conv_input_node(conv))
-    if swap_in is None:
+    if swap_in is None and _state_of(conv, index) is not None:
         return (f"conv1d input {_conv_input_node(conv).name} is not a [B, T, D] → [B, D, T] transpose used only by "
-                f"the conv; the fused op reads [B, T, D]")
-    reason = swap_in.piece.check(swap_in.match)
+                f"the conv; the fused op reads [B, T, D] and its carried state [B, K−1, D]")
+    reason = swap_in.piece.check(swap_in.match) if swap_in is not None else None
     if reason:
         return reason
 
-    batch_swap = _batch_swap(swap_in.input) if len(swap_in.input.users) == 1 else None
-    projection = index.producer("projection", batch_swap.args[0] if batch_swap is not None else swap_in.input)
+    # (no swap in: the conv reads a [B, D, T] tensor as it is, which the op reads transposed)
+    batch_swap = _batch_swap(swap_in.input) if swap_in is not None and len(swap_in.input.users) == 1 else None
+    projection = index.producer("projection", batch_swap.args[0] if batch_swap is not None else swap_in.input) \
+        if swap_in is not None else None
     if projection is None:
         batch_swap = None
     if projection is not None:
@@ -854,7 +856,7 @@ def _op_tensor_args(chain: _Chain) -> list:
         x = chain.projection.input
         weight, bias = _projection_weight(chain.projection.match), _projection_bias(chain.projection.match)
     else:
-        x, weight, bias = chain.swap_in.input, None, None
+        x, weight, bias = chain.swap_in.input if chain.swap_in is not None else _conv_input_node(chain.conv), None, None
     return [x, weight, bias, conv_node.args[1], _arg(conv_node, 2, "bias")]
 
 
@@ -1018,6 +1020,11 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
             args[0] = gm.graph.call_function(aten.transpose.int, (x, 0, 1))
         args[0].meta["val"] = val(x).transpose(0, 1)
     nodes_replaced = len(covered)
+    if chain.swap_in is None and chain.window is None:  # x [B, D, T] read as it is: the op's [B, T, D] its transpose
+        with gm.graph.inserting_after(args[0]):
+            transposed = gm.graph.call_function(aten.transpose.int, (args[0], 1, 2))
+        transposed.meta["val"] = val(args[0]).transpose(1, 2)
+        args[0] = transposed
     if chain.state is not None:
         args.append(_state_argument(gm, chain.state))
         covered.update({node: node for node in chain.state.covered})
@@ -1112,6 +1119,8 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
         steps.append(_PHI_NAMES.get(phi_kind, f"φ = {phi_kind}"))
     layout = "[B,T,H,Dh]" if chain.stage("heads") else "[B,D,T], the op's [B,T,D] transposed" \
         if chain.channels_first else "[B,T,D]"
+    if chain.swap_in is None and chain.window is None:
+        layout += " from x [B,D,T] read transposed"
     if chain.window is not None:
         layout = layout.replace("T,", "")
     text = " → ".join(steps) + " " + layout

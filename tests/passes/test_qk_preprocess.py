@@ -311,6 +311,19 @@ def test_conv_output_kept_channels_first_fuses_transposed_back():
     assert "silu [B,D,T], the op's [B,T,D] transposed" in report.fusions[0].detail, str(report)
 
 
+@pytest.mark.parametrize("back", [False, True], ids=["kept_channels_first", "transposed_back"])
+def test_a_channels_first_input_fuses_read_transposed(back):
+    """x [B, D, T] given to the conv as it is (a Hyena-style channels-first stack, no transpose in): the op reads x
+    transposed (it was reported as an input that is not a transpose)."""
+    def spelling(m, u):
+        z = F.silu(_causal(m, u))
+        return z.transpose(1, 2) if back else z
+
+    report = _compare_with_eager(Chain(spelling, d_in=6), torch.randn(2, 6, 7))
+    assert report.count("qk_preprocess") == 1 and not report.misses, str(report)
+    assert "from x [B,D,T] read transposed" in report.fusions[0].detail, str(report)
+
+
 # ---------------------------------------------------------------- φ as any elementwise function
 
 def _with_phi(phi):
