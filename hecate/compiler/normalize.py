@@ -175,8 +175,9 @@ def hand_written_convs(graph: fx.Graph) -> None:
 def layout_chains_as_permutes(graph: fx.Graph) -> None:
     """A chain of views and permutes that, in the end, only moves x's dims (heads split, moved, merged back:
     ``u.view(B, T, H, Dh).permute(0, 2, 3, 1).reshape(B, D, T)`` is ``u.transpose(1, 2)``) → ``x.permute(p)``.
-    Read by values: the chain applied to x = arange (float64, exact), equal to one permutation of x, at a second
-    length too where a size is symbolic. The chain's inner nodes are read by the chain alone."""
+    Read off the chain run on a meta tensor of x's sizes (at a second length too where a size is symbolic): a view
+    of it (no reshape copied) whose sizes and strides are x's permuted. The chain's inner nodes are read by the
+    chain alone."""
     from hecate.passes.gaussian import evaluate
     from hecate.passes.matching import NotFused, shifted_size, size_hint
 
@@ -191,37 +192,52 @@ def layout_chains_as_permutes(graph: fx.Graph) -> None:
             x = x.args[0]
         value = _val(x)
         if len(chain) < 2 or not any(n.target in _RESHAPES for n in chain) or not isinstance(value, torch.Tensor) \
-                or value.dim() != _val(end).dim() or not 2 <= value.dim() <= 5:
+                or value.dim() != _val(end).dim():
             continue
         sizes = [size_hint] + ([shifted_size] if any(isinstance(d, torch.SymInt) for d in value.shape) else [])
         found = None
         for size in sizes:
-            shape = [size(d) for d in value.shape]
-            source = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+            source = torch.empty([size(d) for d in value.shape], dtype=value.dtype, device="meta")
             try:
                 got = evaluate(end, {x: source}, size_hint=size)
             except (NotFused, RuntimeError, TypeError, ValueError, IndexError):  # not evaluable: not read so
                 found = None
                 break
-            moves = [p for p in itertools.permutations(range(value.dim()))
-                     if isinstance(got, torch.Tensor) and torch.equal(got, source.permute(p))]
-            if not moves or found is not None and found != moves[0]:
+            move = _dims_moved(source, got)
+            if move is None or found is not None and found != move:
                 found = None
                 break
-            found = moves[0]
+            found = move
         if found is None:
             continue
-        if list(found) == list(range(len(found))):
+        if found == list(range(len(found))):
             moved = x  # (the dims back where they were: x itself)
         else:
             with graph.inserting_before(end):
-                moved = emit(graph, aten.permute.default, x, list(found))
-        if moved is not x and "stack_trace" in end.meta:
-            moved.meta["stack_trace"] = end.meta["stack_trace"]
+                moved = emit(graph, aten.permute.default, x, found)
+            if "stack_trace" in end.meta:
+                moved.meta["stack_trace"] = end.meta["stack_trace"]
         end.replace_all_uses_with(moved)
         for node in chain:
             if not node.users:
                 graph.erase_node(node)
+
+
+def _dims_moved(source: torch.Tensor, got: Any) -> list[int] | None:
+    """p with ``got`` = ``source.permute(p)``, ``got`` a view of ``source`` (contiguous) read off sizes and strides
+    (dims of size 1 in order: moving them moves no element); None if it is none."""
+    if not isinstance(got, torch.Tensor) or got._base is not source or got.storage_offset() != 0 \
+            or got.dim() != source.dim() or 0 in source.shape:
+        return None
+    free = list(range(source.dim()))
+    move = []
+    for size, stride in zip(got.shape, got.stride()):
+        j = next((j for j in free if source.shape[j] == size and (size == 1 or source.stride(j) == stride)), None)
+        if j is None:
+            return None
+        free.remove(j)
+        move.append(j)
+    return move
 
 
 # the ops a copy of h shifted in time with zeros in front is written with (and the size-only masks, zeros and

@@ -51,7 +51,7 @@ def _check_exact(fn, args, gm, rel_tol=0.0):
 
 
 def inplace_updates(M, a, k):
-    M = M * 1.0
+    M = M * 2.0
     M.mul_(a)
     M -= k.unsqueeze(-1) * k.unsqueeze(-2)
     M.add_(k.unsqueeze(-1), alpha=-0.5)
@@ -71,7 +71,7 @@ def inplace_on_input(M, a):
 
 
 def inplace_through_a_view(M, a):
-    M = M * 1.0
+    M = M * 2.0
     row = M[0]
     M.mul_(a)
     return row + 1  # the view sees the mutation
@@ -264,7 +264,7 @@ def test_scan_bodies_are_normalised_too():
 
     def fn(M0, xs):
         def body(M, x):
-            M = M * 1.0
+            M = M * 2.0
             M.mul_(0.5)
             return M + x.unsqueeze(-1) @ x.unsqueeze(-2), M.sum()
         return scan(body, M0, xs)
@@ -536,7 +536,7 @@ def test_dynamo_graph_with_nothing_to_change_is_not_copied():
 
 
 def updated_in_place_then_read_twice(x):
-    h = x * 1.0
+    h = x * 2.0
     h.add_(1.0)
     return h.sin() + h.sin()
 
@@ -697,6 +697,69 @@ def test_windowed_sums_that_are_not_the_causal_depthwise_conv_stay(fn):
     _check_exact(fn, args, gm)
 
 
+def conv_by_shifted_copies(h, w, b):  # each tap's copy its own F.pad of a slice
+    return h * w[:, 2:3] + sum(torch.nn.functional.pad(h[..., :-s], (s, 0)) * w[:, 2 - s:3 - s] for s in (1, 2))
+
+
+def conv_by_rolls_kept_by_where(h, w, b):  # torch.where(t >= s, roll, 0): zeros in front whatever h holds
+    t = torch.arange(h.shape[-1])
+    return sum(torch.where(t >= s, torch.roll(h, s, -1), 0.0) * w[:, 2 - s:3 - s] for s in range(3))
+
+
+def conv_by_stacked_windows(h, w, b):  # the windows of one pad stacked on a last dim, weighted by einsum
+    p = torch.nn.functional.pad(h, (2, 0))
+    return torch.einsum("bdtk,dk->bdt", torch.stack([p[..., k:k + h.shape[-1]] for k in range(3)], -1), w[:, :3])
+
+
+def rolls_times_a_mask(h, w, b):  # torch.roll(h, s) * (t >= s): 0·inf is NaN where an inf wraps around
+    t = torch.arange(h.shape[-1])
+    return sum(torch.roll(h, s, -1) * (t >= s) * w[:, 2 - s:3 - s] for s in range(3))
+
+
+def shifted_copies_in_a_longer_sum(h, w, b):  # the causal half of a centred window set: not a conv of its own
+    p = torch.nn.functional.pad(h, (1, 1))
+    return sum(p[..., k:k + h.shape[-1]] * w[:, k:k + 1] for k in range(3))
+
+
+@pytest.mark.parametrize("fn", [conv_by_shifted_copies, conv_by_rolls_kept_by_where, conv_by_stacked_windows],
+                         ids=lambda f: f.__name__)
+def test_copies_shifted_each_its_own_way_are_the_windows_of_one_pad(fn):
+    """Each copy recognised by its values as h shifted with zeros in front (or the windows stacked: unfold),
+    then read as the conv (1e-6 relative: the conv's order of the sums)."""
+    args = (torch.randn(2, 5, 9), torch.randn(5, 4), torch.randn(5))
+    gm = normalize(_traced(fn, *args))
+    assert aten.conv1d.default in _targets(gm), gm.graph
+    _check_exact(fn, args, gm, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [rolls_times_a_mask, shifted_copies_in_a_longer_sum], ids=lambda f: f.__name__)
+def test_copies_that_are_not_a_conv_of_their_own_stay(fn):
+    args = (torch.randn(2, 5, 9), torch.randn(5, 4), torch.randn(5))
+    gm = normalize(_traced(fn, *args))
+    assert aten.conv1d.default not in _targets(gm), gm.graph
+    _check_exact(fn, args, gm)
+
+
+def heads_moved_and_merged_back(u):  # [B, T, D] → [B, D, T] through a head split: u.transpose(1, 2)
+    return u.view(2, 7, 3, 2).permute(0, 2, 3, 1).reshape(2, 6, 7).cumsum(-1)
+
+
+def heads_interleaved(u):  # the head dims swapped before the merge: not a move of u's dims
+    return u.view(2, 7, 3, 2).permute(0, 3, 2, 1).reshape(2, 6, 7).cumsum(-1)
+
+
+def test_a_layout_chain_that_only_moves_dims_is_one_permute():
+    args = (torch.randn(2, 7, 6),)
+    gm = normalize(_traced(heads_moved_and_merged_back, *args))
+    targets = _targets(gm)
+    assert aten.view.default not in targets and aten.reshape.default not in targets, gm.graph
+    _check_exact(heads_moved_and_merged_back, args, gm)
+    gm = normalize(_traced(heads_interleaved, *args))
+    assert any(t in _targets(gm) for t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)), \
+        gm.graph
+    _check_exact(heads_interleaved, args, gm)
+
+
 def softmax_spelled_with_logsumexp(s):
     return torch.exp(s - s.logsumexp(-1, keepdim=True)), s - s.logsumexp(-1, keepdim=True)
 
@@ -835,7 +898,7 @@ def test_a_write_under_no_grad_keeps_the_gradient_eager_gives(fn):
 
 
 def raised_in_place(h):
-    y = h * 1.0 + 1.5
+    y = h * 2.0 + 1.5
     a = y.sum(1)
     y **= 2  # aten.pow_.Scalar: its out-of-place twin is pow.Tensor_Scalar, not pow.Scalar (a number's power)
     y.add_(h, alpha=2.0)
