@@ -352,12 +352,18 @@ def _shifted_copy(copy: fx.Node) -> tuple[fx.Node, bool, int, int] | None:
     found = None
     for size in sizes:
         shape = [size(d) for d in _val(h).shape]
-        if math.prod(shape) > _LARGEST_DRAW:
-            return None
-        x = torch.rand(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0  # no zero
-        try:
-            got = evaluate(copy, {h: x}, size_hint=size)
-        except (NotFused, RuntimeError, TypeError, ValueError, IndexError):  # not evaluable: not read so
+        # one sequence first (a copy is made the same in each; where the graph baked the batch in, all of them)
+        for shape in ([1, *shape[1:]], shape) if shape[0] > 1 else (shape,):
+            if math.prod(shape) > _LARGEST_DRAW:
+                continue
+            x = torch.rand(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0  # no zero
+            try:
+                got = evaluate(copy, {h: x}, size_hint=size)
+            except (NotFused, RuntimeError, TypeError, ValueError, IndexError):  # not evaluable: not read so
+                continue
+            if isinstance(got, torch.Tensor) and got.shape[0] == shape[0]:
+                break
+        else:
             return None
         shifts = []
         for swapped, u in ((False, x), (True, x.transpose(1, 2))):
