@@ -40,7 +40,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from hecate.compiler.normalize import emit
 from hecate.passes.gaussian import evaluate
 from hecate.passes.matching import (NotFused, bound_reason, descendants, first_threshold, made_in_forward,
-                                    nodes_between, replace_with_function, shifted_size, size_hint, tensors_read)
+                                    nodes_between, replace_with_function, shifted_size, size_hint, snapped,
+                                    tensors_read)
 from hecate.passes.report import FusionReport
 
 aten = torch.ops.aten
@@ -770,7 +771,7 @@ def _normaliser(y: fx.Node, values: dict, expected_den: torch.Tensor, size=size_
     eps = (den - expected_den).flatten()
     if not torch.allclose(eps, eps[0].expand_as(eps), rtol=0.0, atol=1e-12):
         return None
-    return div, float(eps[0])
+    return div, snapped(float(eps[0]))
 
 
 def _same_eps_at_other_sizes(y: fx.Node, form: _Form, eps: float) -> None:

@@ -286,6 +286,13 @@ _ONE_ELEMENT_VIEWS = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
                       aten.reshape.default, aten.unsqueeze.default, aten.select.int)
 
 
+def snapped(value: float) -> float:
+    """A number found by evaluation (an eps as the difference of two float64 values), without the rounding it
+    picked up: 0 where it is within 1e-12 of it (an eps of 0 evaluates to ±1e-16), else 12 significant digits
+    (1e-6 evaluates to 1e-6 ± 1e-17)."""
+    return 0.0 if abs(value) < 1e-12 else float(f"{value:.12g}")
+
+
 def number_of(arg: Any) -> float | None:
     """The number ``arg`` holds: a Python number, a one-element constant tensor of the graph
     (``torch.tensor(float("-inf"))`` written in the model, ``full([], v)``), or zeros; else None."""

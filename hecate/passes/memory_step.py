@@ -52,7 +52,7 @@ import torch
 from torch import fx
 
 from hecate.passes.matching import NotFused, bound_reason, computed_from, first_gradient_stop, first_threshold, \
-    free_attribute, gradient_stop_reason, is_zeros, op_name, replace_with_function
+    free_attribute, gradient_stop_reason, is_zeros, op_name, replace_with_function, snapped
 
 aten = torch.ops.aten
 
@@ -742,7 +742,7 @@ def _normaliser(b: _Body, m: int, r: torch.Tensor, y: torch.Tensor, q: torch.Ten
         if i == m or z is None:
             continue
         eps = r / y - (z * q).sum(-1, keepdim=True)
-        eps0 = float(eps.flatten()[0])
+        eps0 = snapped(float(eps.flatten()[0]))
         if _close(eps, torch.full_like(eps, eps0)):
             read = [j for j, ph in enumerate(b.placeholders) if b.invariant[ph] and isinstance(env[ph], torch.Tensor)
                     and env[ph].numel() == 1 and env[ph].is_floating_point()
@@ -1447,13 +1447,18 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
             m0 = M0.transpose(-1, -2) if rec.layout == "kv" else M0
             m0 = m0.reshape(B, H, *m0.shape[-2:])
         if rec.read_before_update:  # y_t = M_{t−1} q_t: the op's read after step t − 1 with the query of t, and
-            # y_0 = M0 q_0 (0 from zeros), normalised by z0·q_0 + ε (0 from zeros)
-            q_first, q = q[:, :1], torch.cat([q[:, 1:], torch.zeros_like(q[:, :1])], 1)
-            first = v.new_zeros(B, 1, H, v.shape[-1]) if m0 is None else \
-                (m0.unsqueeze(1) @ q_first.unsqueeze(-1)).squeeze(-1)
-            if rec.normaliser_state is not None:
-                z_first = (x["z0"].reshape(B, 1, H, -1) * q_first).sum(-1, keepdim=True) if "z0" in initial else 0.0
-                first = first / (z_first + (x["eps"].reshape(()) if "eps" in x else p["eps"]))
+            # y_0 = M0 q_0 (0 from zeros), normalised by z0·q_0 + ε (0 from zeros: eager's 0/0 at ε = 0, NaN
+            # forward and in q_0's gradient, as here). The op's last read is of no step: its query is zeros, or the
+            # last query again where the read is normalised (a zero one would be 0/0 at ε = 0, and NaN in the
+            # backward through the read nothing uses)
+            normalised = rec.normaliser_state is not None
+            q_first, q = q[:, :1], torch.cat([q[:, 1:], q[:, -1:] if normalised else torch.zeros_like(q[:, :1])], 1)
+            m_first = m0 if m0 is not None else q.new_zeros(B, H, v.shape[-1], k.shape[-1])
+            first = (m_first.unsqueeze(1) @ q_first.unsqueeze(-1).to(m_first.dtype)).squeeze(-1)
+            if normalised:
+                z_first = x["z0"].reshape(B, 1, H, -1) if "z0" in initial else q.new_zeros(B, 1, H, k.shape[-1])
+                first = first / ((z_first * q_first).sum(-1, keepdim=True)
+                                 + (x["eps"].reshape(()) if "eps" in x else p["eps"]))
         if rec.kind == "lp":
             s0 = None
             if "S0" in initial:  # the op's buffer is the model's times its scale (M ← a·M + c·S)

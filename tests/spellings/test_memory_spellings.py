@@ -1556,6 +1556,35 @@ def _normalised_loop(k, v, q, alpha, eps, read_before, M, z):
     return torch.stack(ys, 1), M, z
 
 
+@pytest.mark.parametrize("initial", [True, False], ids=["states_carried_in", "zero_states"])
+def test_a_normalised_read_before_the_write_with_eps_0_is_nan_where_eager_is(initial, fresh_dynamo):
+    """ε = 0: from zero states y_0 = 0/0, NaN forward and in q_0's gradient alone; from states carried in nothing is
+    NaN. The op's read after the last step, which nothing uses, must not be 0/0 either (probe r24: its backward
+    turned every gradient NaN)."""
+    from hecate.testing import assert_close_nonfinite
+
+    def fn(k, v, q, alpha, M0, z0):
+        return _normalised_loop(F.elu(k) + 1, v, F.elu(q) + 1, alpha, 0.0, True, M0, z0)
+
+    inputs = [torch.randn(B, T, H, DK), torch.randn(B, T, H, DV), torch.randn(B, T, H, DK), torch.rand(B, T, H),
+              torch.randn(B, H, DV, DK) if initial else torch.zeros(B, H, DV, DK),
+              torch.rand(B, H, DK) + 0.5 if initial else torch.zeros(B, H, DK)]
+
+    def run(f):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        y, M, z = f(*xs)
+        loss = (y[:, 1:] * torch.linspace(-1, 1, y[:, 1:].numel()).view_as(y[:, 1:])).sum() + M.sum() + z.sum()
+        return y, torch.autograd.grad(loss + y[:, :1].sum(), xs)
+
+    y_ref, g_ref = run(fn)
+    y, g = run(torch.compile(fn, backend="hecate", options={"fallback": "eager"}))
+    assert hecate.last_report().count("linear_attention") == 1, str(hecate.last_report())
+    assert bool(torch.isnan(y_ref).any()) != initial  # what the test is about
+    assert_close_nonfinite("y", y, y_ref, TOL)
+    for what, a, b in zip(("k", "v", "q", "alpha", "M0", "z0"), g, g_ref):
+        assert_close_nonfinite(f"grad {what}", a, b, TOL)
+
+
 class NormaliserWithALearnedEps(torch.nn.Module):
     """y / (z·q + ε) with ε a parameter, from states carried in: ε is read at run time, and gets its gradient."""
 
