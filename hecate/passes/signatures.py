@@ -36,6 +36,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.matching import aliases, descendants, mutates, pad_fill, padded_dims, zero_padded_dims
 from hecate.passes.report import FusionReport, source_line
+from hecate.passes.shifts import shifted_copy
 
 aten = torch.ops.aten
 
@@ -566,8 +567,10 @@ def _padded_tensors(graph: fx.Graph) -> Iterator[tuple[fx.Node, tuple, dict[int,
 
 
 def _shifted_copies(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
-    """A conv written by hand as shift-and-add: copies of one tensor shifted along one dim by two amounts or more,
-    each by its own zero pad cut back to the length (``F.pad(h, (0, 0, i, 0))[:, :T]``) or by ``torch.roll``."""
+    """A conv written by hand as shift-and-add that the normal form did not make a conv: copies of one tensor shifted
+    along one dim by two amounts or more, each by its own zero pad cut back to the length
+    (``F.pad(h, (0, 0, i, 0))[:, :T]``) or by ``torch.roll``, or any copies :func:`shifted_copy` reads as shifted
+    with zeros in front (and the tensor itself) multiplied by weights."""
     shifts: dict[tuple, dict[int, fx.Node]] = {}
     for node in graph.nodes:
         if node.target is aten.pad.default:
@@ -584,11 +587,29 @@ def _shifted_copies(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
             if shape is not None and node.args[1][0] > 0:
                 shifts.setdefault(("torch.roll", node.args[0], node.args[2][0] % len(shape)), {})[node.args[1][0]] \
                     = node
+    written = {source for _, source, _ in shifts}
+    for mul in graph.find_nodes(op="call_function", target=aten.mul.Tensor):
+        for copy in mul.args:
+            found = shifted_copy(copy) if isinstance(copy, fx.Node) else None
+            if found is not None and found[0] not in written:
+                h, swapped, time, s = found
+                # (u itself, shifted by 0, on whichever dim the others are)
+                shifts.setdefault(("copies shifted", h, swapped), {})[(time, s)] = copy
+    for (how, source, dim), by in list(shifts.items()):
+        if how == "copies shifted":  # (h, u = hᵀ): one dim of time
+            del shifts[(how, source, dim)]
+            times = {t for t, s in by if s}
+            if len(times) == 1:
+                (time,) = times
+                shifts[(how, source, time)] = {s: node for (t, s), node in by.items() if t in (time, None)}
     for (how, source, dim), by in shifts.items():
         if len(by) >= 2:
             rolled = " (torch.roll then a product with a 0/1 mask is NaN where an inf or NaN wraps around to " \
                 "the front, 0·inf, where a conv's padding gives 0: torch.where(t >= s, torch.roll(h, s, dim), 0) " \
-                "is exact)" if how == "torch.roll" else ""
+                "is exact)" if how == "torch.roll" else \
+                ": these are such copies, but each must be weighted by one value per channel and the products added " \
+                "in one sum (a copy scaled before its weight, or weighted twice, is not)" \
+                if how == "copies shifted" else ""
             yield (f"a conv written by hand as shifted copies of one tensor {list(_shape(source) or ())} ({how} by "
                    f"{sorted(by)} on dim {dim}, "
                    "each its own shift) not fused: qk_preprocess reads a causal conv as copies shifted with zeros in "

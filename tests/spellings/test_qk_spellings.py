@@ -98,6 +98,24 @@ def _rolled_copies_kept_by_where(m, h):   # [B, T, D]: torch.roll, the wrapped t
     return sum(torch.where(t >= i, torch.roll(h, i, 1), 0.0) * m.kernel[:, K - 1 - i] for i in range(K))
 
 
+def _stacked_windows(m, u):   # [B, D, T]: the K windows of one pad stacked on a last dim, weighted by einsum
+    padded = F.pad(u, (K - 1, 0))
+    windows = torch.stack([padded[..., k:k + u.shape[-1]] for k in range(K)], -1)
+    return torch.einsum("bdtk,dk->bdt", windows, m.kernel)
+
+
+def _rolled_copies_by_where_of_zeros(m, h):   # [B, T, D]: where(t < i, zeros_like(h), roll(h, i, 1))
+    t = torch.arange(h.shape[1])[None, :, None]
+    return sum(torch.where(t < i, torch.zeros_like(h), torch.roll(h, i, 1)) * m.kernel[:, K - 1 - i] for i in range(K))
+
+
+def _a_copy_scaled_before_its_weight(m, u):   # [B, D, T]: 2 · shift(u, 1) · w — the conv of 2·w_1, not read so
+    def shift(x, s):
+        return F.pad(x[..., :-s], (s, 0))
+    return u * m.kernel[:, K - 1, None] + 2.0 * shift(u, 1) * m.kernel[:, K - 2, None] \
+        + sum(shift(u, i) * m.kernel[:, K - 1 - i, None] for i in range(2, K))
+
+
 def _windows_of_cat_zeros(m, h):   # [B, T, D]: padded by joining K-1 zero tokens in front, one window per tap
     padded = torch.cat([torch.zeros(h.shape[0], K - 1, h.shape[2]), h], dim=1)
     return sum(m.kernel[:, k] * padded[:, k:k + h.shape[1]] for k in range(K))
@@ -285,6 +303,8 @@ SPELLINGS = {
         "linear → conv(K=4) → silu [B,T,D]"),
     "by hand, shift-and-add: each tap's copy torch.cat([zeros, h[:, :-i]], 1)": (
         lambda m, x: F.silu(_cats_of_zeros(m, m.proj(x))), "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand, torch.where(t < i, zeros_like(h), torch.roll(h, i, 1))": (
+        lambda m, x: F.silu(_rolled_copies_by_where_of_zeros(m, m.proj(x))), "linear → conv(K=4) → silu [B,T,D]"),
     "by hand, torch.where(t >= i, torch.roll(h, i, 1), 0)": (
         lambda m, x: F.silu(_rolled_copies_kept_by_where(m, m.proj(x))), "linear → conv(K=4) → silu [B,T,D]"),
     "channels first by a head split moved and merged back: view(B, T, H, Dh).permute(0, 2, 3, 1).reshape(B, D, T)": (
@@ -296,9 +316,7 @@ SPELLINGS = {
         "linear → conv(K=4) [B,D,T], the op's [B,T,D] transposed; read by aten.mul.Tensor, left to the fallback (not "
         "a φ the op fuses)"),
     "by hand, the K windows of one pad stacked on a last dim and weighted by einsum('bdtk,dk->bdt')": (
-        lambda m, x: F.silu(torch.einsum("bdtk,dk->bdt", torch.stack(
-            [(p := F.pad(m.proj(x).transpose(1, 2), (K - 1, 0)))[..., k:k + x.shape[1]] for k in range(K)], -1),
-            m.kernel)).transpose(1, 2),
+        lambda m, x: F.silu(_stacked_windows(m, m.proj(x).transpose(1, 2))).transpose(1, 2),
         "linear → conv(K=4) → silu [B,T,D]"),
     "by hand channels last from zeros: z = zeros_like(h), then z + w[:, k] · window in a loop": (
         lambda m, x: F.silu(_windows_from_zeros(m, m.proj(x))),
@@ -407,7 +425,7 @@ def test_copies_shifted_by_hand_fuse_at_two_lengths_under_dynamic_shapes(name, f
 
 
 def test_corpus_size():
-    assert len(SPELLINGS) >= 39
+    assert len(SPELLINGS) >= 40
 
 
 def test_hand_written_conv_keeps_the_dtype_of_its_zeros_and_reads_its_input_before_a_write():
@@ -505,6 +523,9 @@ NOT_FUSED = {
         lambda m, x: F.silu(sum(m.kernel[:, k] * torch.cat([m.proj(x[:, :K - 1]) * 0.5, m.proj(x)], 1)[:, k:k + x.shape[1]]
                                 for k in range(K))),
         "qk_preprocess takes a carried state as F.conv1d(torch.cat([state, x], -1), w, groups=D)"),
+    "by hand, one copy scaled before its weight, 2 · F.pad(u[..., :-1], (1, 0)) · w": (
+        lambda m, x: F.silu(_a_copy_scaled_before_its_weight(m, m.proj(x).transpose(1, 2))).transpose(1, 2),
+        "(copies shifted by [1, 2, 3] on dim 2, each its own shift) not fused"),
     "by hand, torch.roll(h, i, 1) with the wrapped tokens zeroed by a product with a mask": (
         lambda m, x: F.silu(_rolled_copies(m, m.proj(x))),
         "(torch.roll by [1, 2, 3] on dim 1, each its own shift) not fused: qk_preprocess reads a causal conv as "
