@@ -514,9 +514,18 @@ def _strictly_causal_gates(form: _Form, d: torch.Tensor, gates: torch.Tensor, me
                            tensor: fx.Node, gamma_form: str) -> tuple | None:
     """(gate layout, strength, c) of a strictly causal mask D_ts = c·w_s·Π_{s<r≤t} g_r (s < t), or None. Its rows
     from step 1, E = D[1:, :-1], are E_ts = c·w_s·g_{t+1}·Π_{s<r≤t} g_r: E over its diagonal is the gates' mask from
-    step 1 on, the diagonal over g_{s+1} is c·w_s for s < T − 1 (w_{T−1} is read by no query)."""
-    if d.shape[-1] < 3:
-        return None  # (one pair: its gate and its key's factor are one number)
+    step 1 on, the diagonal over g_{s+1} is c·w_s for s < T − 1 (w_{T−1} is read by no query). Over two steps the
+    one pair is c·g_1 where the mask reads the gates alone (a factor per key would be that same number)."""
+    lead_t = (*d.shape[:-2], d.shape[-1])
+    if d.shape[-1] == 2:  # one pair, D_10 = c·w_0·g_1: the gate alone (no other tensor read), by its layout
+        if others:
+            return None
+        for perm, places, g in _layouts(gates, lead_t):
+            ratio = d[..., 1, 0] / g[..., 1]
+            c = float(ratio.flatten()[0])
+            if c != 0.0 and torch.allclose(ratio, torch.full_like(ratio, c), rtol=1e-9, atol=0.0):
+                return (perm, places), None, c
+        return None
     e = d[..., 1:, :-1]
     diagonal = e.diagonal(dim1=-2, dim2=-1)  # [*L, T − 1]
     if not bool((diagonal != 0).all()):
@@ -524,7 +533,6 @@ def _strictly_causal_gates(form: _Form, d: torch.Tensor, gates: torch.Tensor, me
     perm = _gate_layout(gates, e / diagonal.unsqueeze(-2), first=1)
     if perm is None:
         return None
-    lead_t = (*d.shape[:-2], d.shape[-1])
     g = _placed(gates.permute(perm[0]), perm[1], lead_t)
     weights = torch.cat([diagonal / g[..., 1:], torch.ones_like(diagonal[..., :1])], -1)  # c·w_s; w_{T−1} unread
     scale, known = float(weights.flatten()[0]), d.shape[-1] - 1

@@ -1053,11 +1053,14 @@ def test_strictly_causal_gates_per_step_fuse_and_equal_eager(fn, dynamic, fresh_
         report.fusions[0]
 
 
-def test_strictly_causal_gates_over_two_steps_are_reported(fresh_dynamo):
-    """At T = 2 a strictly causal gated mask has one pair, D_10 = w_0·g_1: the gate and the key's factor are one
-    number, which draws cannot tell apart; reported, and equal to eager."""
-    args = [torch.randn(B, 3, 2, D) for _ in range(3)] + [-torch.rand(B, 3, 2)]
-    report = _check(strictly_causal_ssd, args, False)
+def test_strictly_causal_gates_over_two_steps(fresh_dynamo):
+    """At T = 2 a strictly causal gated mask has one pair, D_10 = w_0·g_1: read as the gate g_1 where the mask reads
+    the gates alone (probe r24: reported, though it fuses at T = 3); with an input gate per key beside them the two
+    are one number, which draws cannot tell apart: reported, and equal to eager."""
+    args = [torch.randn(B, 3, 2, D) for _ in range(3)] + [-torch.rand(B, 3, 2), 0.5 * torch.randn(B, 3, 2)]
+    report = _check(strictly_causal_ssd, args[:4], False)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    report = _check(strictly_causal_mlstm, args, False)
     assert report.count("linear_attention") == 0 and report.misses, str(report)
 
 
