@@ -677,38 +677,18 @@ def windows_weighted_per_sequence(h, w, b):  # weights [B, D, 1]: not one kernel
     return sum(h[:, :, :1] * p[..., k:k + h.shape[-1]] for k in range(3))
 
 
-@pytest.mark.parametrize("fn", [conv_by_windows, conv_by_unfold], ids=lambda f: f.__name__)
-def test_causal_conv_written_by_hand_is_a_conv1d(fn):
-    """Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T] (a bias after it) and the unfold form read as F.conv1d with
-    groups=D: the same products, summed in the conv's order (1e-6 relative)."""
-    args = (torch.randn(2, 5, 9), torch.randn(5, 4), torch.randn(5))
-    gm = normalize(_traced(fn, *args))
-    targets = _targets(gm)
-    assert aten.conv1d.default in targets and aten.unfold.default not in targets, gm.graph
-    assert aten.slice.Tensor not in targets and aten.sum.dim_IntList not in targets, gm.graph
-    _check_exact(fn, args, gm, rel_tol=1e-6)
-
-
-@pytest.mark.parametrize("fn", [windows_not_causal, windows_weighted_per_sequence], ids=lambda f: f.__name__)
-def test_windowed_sums_that_are_not_the_causal_depthwise_conv_stay(fn):
-    args = (torch.randn(2, 5, 9), torch.randn(5, 3), torch.randn(5))
-    gm = normalize(_traced(fn, *args))
-    assert aten.conv1d.default not in _targets(gm), gm.graph
-    _check_exact(fn, args, gm)
-
-
 def conv_by_shifted_copies(h, w, b):  # each tap's copy its own F.pad of a slice
-    return h * w[:, 2:3] + sum(torch.nn.functional.pad(h[..., :-s], (s, 0)) * w[:, 2 - s:3 - s] for s in (1, 2))
+    return h * w[:, 3, None] + sum(torch.nn.functional.pad(h[..., :-s], (s, 0)) * w[:, 3 - s, None] for s in (1, 2, 3))
 
 
 def conv_by_rolls_kept_by_where(h, w, b):  # torch.where(t >= s, roll, 0): zeros in front whatever h holds
     t = torch.arange(h.shape[-1])
-    return sum(torch.where(t >= s, torch.roll(h, s, -1), 0.0) * w[:, 2 - s:3 - s] for s in range(3))
+    return sum(torch.where(t >= s, torch.roll(h, s, -1), 0.0) * w[:, 3 - s, None] for s in range(4))
 
 
 def conv_by_stacked_windows(h, w, b):  # the windows of one pad stacked on a last dim, weighted by einsum
-    p = torch.nn.functional.pad(h, (2, 0))
-    return torch.einsum("bdtk,dk->bdt", torch.stack([p[..., k:k + h.shape[-1]] for k in range(3)], -1), w[:, :3])
+    p = torch.nn.functional.pad(h, (3, 0))
+    return torch.einsum("bdtk,dk->bdt", torch.stack([p[..., k:k + h.shape[-1]] for k in range(4)], -1), w)
 
 
 def rolls_times_a_mask(h, w, b):  # torch.roll(h, s) * (t >= s): 0·inf is NaN where an inf wraps around
@@ -721,20 +701,24 @@ def shifted_copies_in_a_longer_sum(h, w, b):  # the causal half of a centred win
     return sum(p[..., k:k + h.shape[-1]] * w[:, k:k + 1] for k in range(3))
 
 
-@pytest.mark.parametrize("fn", [conv_by_shifted_copies, conv_by_rolls_kept_by_where, conv_by_stacked_windows],
-                         ids=lambda f: f.__name__)
-def test_copies_shifted_each_its_own_way_are_the_windows_of_one_pad(fn):
-    """Each copy recognised by its values as h shifted with zeros in front (or the windows stacked: unfold),
-    then read as the conv (1e-6 relative: the conv's order of the sums)."""
+@pytest.mark.parametrize("fn", [conv_by_windows, conv_by_unfold, conv_by_shifted_copies, conv_by_rolls_kept_by_where,
+                                conv_by_stacked_windows], ids=lambda f: f.__name__)
+def test_causal_conv_written_by_hand_is_a_conv1d(fn):
+    """Σ_k w_k · F.pad(h, (K−1, 0))[..., k:k+T] (a bias after it) and the unfold form read as F.conv1d with
+    groups=D: the same products, summed in the conv's order (1e-6 relative); so are copies of h shifted each its
+    own way (recognised by their values) and the windows stacked on a last dim (unfold)."""
     args = (torch.randn(2, 5, 9), torch.randn(5, 4), torch.randn(5))
     gm = normalize(_traced(fn, *args))
-    assert aten.conv1d.default in _targets(gm), gm.graph
+    targets = _targets(gm)
+    assert aten.conv1d.default in targets and aten.unfold.default not in targets, gm.graph
+    assert aten.slice.Tensor not in targets and aten.sum.dim_IntList not in targets, gm.graph
     _check_exact(fn, args, gm, rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("fn", [rolls_times_a_mask, shifted_copies_in_a_longer_sum], ids=lambda f: f.__name__)
-def test_copies_that_are_not_a_conv_of_their_own_stay(fn):
-    args = (torch.randn(2, 5, 9), torch.randn(5, 4), torch.randn(5))
+@pytest.mark.parametrize("fn", [windows_not_causal, windows_weighted_per_sequence, rolls_times_a_mask,
+                                shifted_copies_in_a_longer_sum], ids=lambda f: f.__name__)
+def test_windowed_sums_that_are_not_the_causal_depthwise_conv_stay(fn):
+    args = (torch.randn(2, 5, 9), torch.randn(5, 3), torch.randn(5))
     gm = normalize(_traced(fn, *args))
     assert aten.conv1d.default not in _targets(gm), gm.graph
     _check_exact(fn, args, gm)
