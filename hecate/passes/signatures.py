@@ -166,6 +166,13 @@ def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                 n = out[dims[0]]
                 built = (f"a softmax over a pairwise [{n}, {n}] score, built by broadcasting "
                          f"[.., {n}, 1, ..] against [.., 1, {n}, ..] and reducing a feature axis,")
+                over = softmax.args[1] % len(score) if len(softmax.args) > 1 and isinstance(softmax.args[1], int) \
+                    else None
+                if over == dims[0]:  # (the pair dims keep their places in the score: its features are summed last)
+                    yield (f"{built} is normalised over its queries' dim {over} (i), not its keys' dim {dims[1]} (j): "
+                           "kl_attention is a softmax over the keys for each query; compiled as written",
+                           [softmax, node])
+                    break
                 if dims != (len(out) - 3, len(out) - 2):  # the pair dims not just before the features
                     yield (f"{built} has its pair dims at {dims} of the {len(out)}-dim pair space {list(out)}, "
                            "other dims (heads, say) after them: kl_attention reads scores [..., N, N] of beliefs "

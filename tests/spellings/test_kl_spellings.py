@@ -576,6 +576,24 @@ def test_pairs_built_before_the_heads_fuse(fn, fresh_dynamo):
     assert "1 β-weighted sums" in report.fusions[0].detail, str(report)
 
 
+def m_heads_last_softmax_over_the_queries(mu, logvar):  # [B, i, j, H] normalised over i (dim 1): not attention
+    var = logvar.exp()
+    kl = 0.5 * (logvar.unsqueeze(1) - logvar.unsqueeze(2)
+                + (var.unsqueeze(2) + (mu.unsqueeze(2) - mu.unsqueeze(1)) ** 2) / var.unsqueeze(1) - 1).sum(-1)
+    return torch.einsum("bijh,bjhd->bihd", torch.softmax(-kl, dim=1), mu)
+
+
+def test_a_softmax_over_the_queries_dim_says_so(fresh_dynamo):
+    """β normalised over the queries (probe r24: the report blamed the heads after the pairs, a layout that fuses)."""
+    args = (torch.randn(B, N, 3, K), _logvar((B, N, 3, K)))
+    report = hecate.explain(m_heads_last_softmax_over_the_queries, *args)
+    assert report.count("kl_attention") == 0, str(report)
+    [miss] = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert "normalised over its queries' dim 1 (i), not its keys' dim 2 (j)" in miss.reason, miss
+    compiled = torch.compile(m_heads_last_softmax_over_the_queries, backend="hecate", options={"fallback": "eager"})
+    assert_close("output", compiled(*args), m_heads_last_softmax_over_the_queries(*args), 1e-6)
+
+
 def test_a_heads_last_energy_fuses_with_beta_formed(fresh_dynamo):
     """Σ_j β_ij KL_ij over [B, i, j, H] pairs: fused, equal to eager; β is formed [B, H, N, N] for the product with
     the KL laid out [B, i, j, H] (the normal form does not move a permute through a product and a sum)."""
