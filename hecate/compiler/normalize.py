@@ -120,6 +120,7 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     eliminate_common_subexpressions(graph)
     layout_chains_as_permutes(graph)
     shifted_copies_as_windows(graph)
+    graph.eliminate_dead_code()  # (what the rewrites left unread: a window's reader must be its only one)
     hand_written_convs(graph)  # after CSE: a pad written at each window is one pad
     graph.eliminate_dead_code()
     graph.lint()
@@ -1489,22 +1490,36 @@ def _moved_axes(node: fx.Node) -> list[int]:
 
 
 def _stacked_windows(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
-    """``torch.stack([P[..., k:k+L] for k in range(K)], -1)``, the K windows of P along one dim, each of length
-    L = P's − (K − 1), stacked on a new last dim: ``P.unfold(dim, K, 1)``, the same elements in the same places."""
+    """``torch.stack([P[..., k:k+L] for k in range(K)], d)``, the K windows of P along one dim, each of length
+    L = P's − (K − 1), stacked on a new dim d: ``P.unfold(dim, K, 1)`` (the windows on a last dim), moved to d by a
+    permute where d is not last: the same elements in the same places."""
     windows = node.args[0]
     rank = _val(node).dim() if isinstance(_val(node), torch.Tensor) else 0
-    if len(node.args) < 2 or node.args[1] % max(rank, 1) != rank - 1 or len(windows) < 2 \
-            or not all(isinstance(w, fx.Node) and w.target is aten.slice.Tensor for w in windows):
+    if len(windows) < 2 or not all(isinstance(w, fx.Node) and w.target is aten.slice.Tensor for w in windows):
         return None
+    stacked = (node.args[1] if len(node.args) > 1 else 0) % rank
     source, dim = windows[0].args[0], windows[0].args[1] % (rank - 1)
     size = _val(source).shape[dim]
     for k, w in enumerate(windows):
         start = (w.args[2] if len(w.args) > 2 else None) or 0
-        if w.args[0] is not source or w.args[1] % (rank - 1) != dim or (w.args[4] if len(w.args) > 4 else 1) != 1 \
+        if not _same_call(w.args[0], source) or w.args[1] % (rank - 1) != dim \
+                or (w.args[4] if len(w.args) > 4 else 1) != 1 \
                 or start != k or not statically_known_true(_val(w).shape[dim] == size - (len(windows) - 1)):
             return None
     with graph.inserting_before(node):
-        return emit(graph, aten.unfold.default, source, dim, len(windows), 1)
+        unfolded = emit(graph, aten.unfold.default, source, dim, len(windows), 1)
+        if stacked == rank - 1:
+            return unfolded
+        order = [*range(rank - 1)]
+        order.insert(stacked, rank - 1)  # the windows' dim (unfold's last) where the stack put it
+        return emit(graph, aten.permute.default, unfolded, order)
+
+
+def _same_call(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are one node, or the same pure call of the same arguments (a pad written at each
+    window, before common subexpressions are merged)."""
+    return a is b or isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.op == b.op == "call_function" \
+        and a.target == b.target and a.args == b.args and a.kwargs == b.kwargs and not mutates(a)
 
 
 def _cat_transposed(graph: fx.Graph, node: fx.Node) -> fx.Node | None:

@@ -116,6 +116,11 @@ def _a_copy_scaled_before_its_weight(m, u):   # [B, D, T]: 2 · shift(u, 1) · w
         + sum(shift(u, i) * m.kernel[:, K - 1 - i, None] for i in range(2, K))
 
 
+def _windows_stacked_in_front(m, u):   # [B, D, T]: the windows stacked on dim 1, [B, K, D, T], a pad written per window
+    windows = torch.stack([F.pad(u, (K - 1, 0))[..., k:k + u.shape[-1]] for k in range(K)], 1)
+    return torch.einsum("bkdt,dk->bdt", windows, m.kernel)
+
+
 def _windows_of_cat_zeros(m, h):   # [B, T, D]: padded by joining K-1 zero tokens in front, one window per tap
     padded = torch.cat([torch.zeros(h.shape[0], K - 1, h.shape[2]), h], dim=1)
     return sum(m.kernel[:, k] * padded[:, k:k + h.shape[1]] for k in range(K))
@@ -318,6 +323,9 @@ SPELLINGS = {
     "by hand, the K windows of one pad stacked on a last dim and weighted by einsum('bdtk,dk->bdt')": (
         lambda m, x: F.silu(_stacked_windows(m, m.proj(x).transpose(1, 2))).transpose(1, 2),
         "linear → conv(K=4) → silu [B,T,D]"),
+    "by hand, the windows stacked on dim 1, F.pad written per window, read by einsum('bkdt,dk->bdt')": (
+        lambda m, x: F.silu(_windows_stacked_in_front(m, m.proj(x).transpose(1, 2))).transpose(1, 2),
+        "linear → conv(K=4) → silu [B,T,D]"),
     "by hand channels last from zeros: z = zeros_like(h), then z + w[:, k] · window in a loop": (
         lambda m, x: F.silu(_windows_from_zeros(m, m.proj(x))),
         "linear → conv(K=4) → silu [B,T,D]"),
@@ -425,7 +433,7 @@ def test_copies_shifted_by_hand_fuse_at_two_lengths_under_dynamic_shapes(name, f
 
 
 def test_corpus_size():
-    assert len(SPELLINGS) >= 40
+    assert len(SPELLINGS) >= 41
 
 
 def test_hand_written_conv_keeps_the_dtype_of_its_zeros_and_reads_its_input_before_a_write():
