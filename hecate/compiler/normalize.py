@@ -245,12 +245,13 @@ def _dims_moved(source: torch.Tensor, got: Any) -> list[int] | None:
 def shifted_copies_as_windows(graph: fx.Graph) -> None:
     """Copies of one u [B, D, T] (or [B, T, D]) shifted in time by s ≥ 0 with zeros in front, each written its own
     way and multiplied by a weight (``F.pad(u[..., :-s], (s, 0))``, ``F.pad(u, (s, 0))[..., :T]``,
-    ``torch.cat([zeros, u[:, :-s]], 1)``, ``torch.roll(u, s, -1) * (t >= s)``, u itself for s = 0) → the windows
-    ``P[..., S−s:S−s+T]`` of one pad P = ``F.pad(u, (S, 0))``, S the largest shift, which
+    ``torch.cat([zeros, u[:, :-s]], 1)``, ``torch.where(t >= s, torch.roll(u, s, -1), 0)``, u itself for s = 0)
+    → the windows ``P[..., S−s:S−s+T]`` of one pad P = ``F.pad(u, (S, 0))``, S the largest shift, which
     :func:`hand_written_convs` reads as the causal conv they are. A copy is recognised by its values: computed from
     one h (u, or h = uᵀ where the normal form moved the slice or pad through u's transpose) and sizes alone, it
     equals u shifted by s at a random h (float64: copies and zeros are exact), at a second length too where the
-    length is symbolic."""
+    length is symbolic, and zeros in front at an h of inf (``torch.roll(u, s) * (t >= s)`` is NaN
+    there, 0·inf, so it is no copy)."""
     groups: dict[tuple[fx.Node, bool, int], dict[fx.Node, int]] = {}  # (h, u = hᵀ, time dim) → {copy: s}
     unshifted_copies = []  # (h, u = hᵀ, copy): u itself, along either dim
     for mul in graph.find_nodes(op="call_function", target=aten.mul.Tensor):

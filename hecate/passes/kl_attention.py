@@ -573,7 +573,8 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if (mask_diagonal or run_time_masks) and any(kind.startswith("vanishing") for _, kind in masks):
         drops = "drops each query's own key" if mask_diagonal else \
             "is combined with one read at run time, which may drop a query's own key"
-        raise NotFused(f"the KL score is masked with a finite number (masked_fill with -1e9, or an added (1 − mask)·-1e9, say) and the mask {drops}: "
+        raise NotFused("the KL score is masked with a finite number (masked_fill with -1e9, or an added "
+                       f"(1 − mask)·-1e9, say) and the mask {drops}: "
                        "it equals the op's −inf masking only where every query keeps its own key (whose score, 0, "
                        "bounds the row from below); a row with no allowed key gets uniform weights where the op "
                        "gives NaN; masked_fill with float('-inf') fuses")
@@ -874,7 +875,8 @@ def _allowed(masks, shape, size=size_hint) -> tuple[torch.Tensor, list]:
                 run_time.append((node, kind))
                 continue
             if kind.startswith("vanishing"):
-                raise NotFused("the KL score is masked with a finite number (masked_fill with -1e9, or an added (1 − mask)·-1e9, say) by a mask read "
+                raise NotFused("the KL score is masked with a finite number (masked_fill with -1e9, or an added "
+                               "(1 − mask)·-1e9, say) by a mask read "
                                "at run time: that equals the op's −inf masking only where every query keeps its own "
                                "key, which a mask known at run time alone does not promise; masked_fill with "
                                "float('-inf') fuses") from None
