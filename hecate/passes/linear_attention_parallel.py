@@ -458,9 +458,23 @@ def _per_token_decay(form: _Form, values: dict, tensor: fx.Node, size, inputs: l
     D_ts / D_ss the gate mask, whose first subdiagonal gives the gates of steps 1..T−1 (g_0 multiplies nothing);
     a permutation of the tensor's dims, broadcast to [*L, T], must give them, and D / D_ss must be the products of
     those gates (0 above the diagonal). A tensor with no dim of steps is one gate for every step (γ per head, or
-    one: γ^(t−s)), as read beside a learned scale of the score, which is then a strength the same for every key."""
+    one: γ^(t−s)), as read beside a learned scale of the score, which is then a strength the same for every key.
+
+    The other inputs are first those the gates are not computed from; then all of them, the gates' own sources
+    drawn apart from the gates (mLSTM's i = f(x) beside F = cumsum(logsigmoid(x))): D, proved for gates and
+    strength drawn independently, holds for the values the graph computes them from."""
     sources = set(tensors_read([tensor]))
-    others = [n for n in inputs if n not in sources]
+    apart = [n for n in inputs if n not in sources]
+    for others in (apart, list(inputs)) if len(apart) < len(inputs) else (apart,):
+        found = _per_token_decay_reading(form, values, tensor, size, others)
+        if found is not None:
+            return found
+    return None
+
+
+def _per_token_decay_reading(form: _Form, values: dict, tensor: fx.Node, size,
+                             others: list[fx.Node]) -> _Decay | None:
+    """:func:`_per_token_decay` with ``others`` the mask's inputs drawn beside the gates."""
     if any(not n.meta["val"].is_floating_point() for n in others):
         return None
     generator = torch.Generator().manual_seed(1)
@@ -533,7 +547,7 @@ def _strictly_causal_gates(form: _Form, d: torch.Tensor, gates: torch.Tensor, me
     perm = _gate_layout(gates, e / diagonal.unsqueeze(-2), first=1)
     if perm is None:
         return None
-    g = _placed(gates.permute(perm[0]), perm[1], lead_t)
+    g = _placed(_squeezed(gates).permute(perm[0]), perm[1], lead_t)
     weights = torch.cat([diagonal / g[..., 1:], torch.ones_like(diagonal[..., :1])], -1)  # c·w_s; w_{T−1} unread
     scale, known = float(weights.flatten()[0]), d.shape[-1] - 1
     constant = torch.allclose(weights[..., :known], torch.full_like(weights[..., :known], scale), rtol=1e-9, atol=0.0)
@@ -553,7 +567,7 @@ def _key_strength(diagonal: torch.Tensor, candidates: list[fx.Node], memo: dict,
     ``memo`` drew; (None, 0) if none gives it."""
     for node in candidates:
         value = memo.get(node)  # (a node of the mask not evaluated: not what it reads)
-        if not isinstance(value, torch.Tensor) or value.dim() > diagonal.dim():
+        if not isinstance(value, torch.Tensor) or _squeezed(value).dim() > diagonal.dim():
             continue
         for strength_form, of in _GAMMA_FROM.items():
             if node is candidates[-1] and strength_form != gate_form:
@@ -568,6 +582,7 @@ def _layouts(x: torch.Tensor, lead_t: tuple):
     """Each (permutation of x's dims, the dims of [*L, T] they take, x so placed and broadcast to [*L, T]): a
     tensor per step (its last dim the steps'), shared by what it has no dim of (a gate [B, T] shared by the heads
     of [B, H, T]); or one with no dim of steps, the same at every step (γ per head [H], or one)."""
+    x = _squeezed(x)
     lead, perms = len(lead_t) - 1, list(itertools.permutations(range(x.dim())))
     steps_last = [(p, c + (lead,)) for p in perms for c in itertools.combinations(range(lead), x.dim() - 1)] \
         if x.dim() else []
@@ -577,6 +592,12 @@ def _layouts(x: torch.Tensor, lead_t: tuple):
         if any(g.shape[i] not in (1, lead_t[p]) for i, p in enumerate(places)):
             continue
         yield perm, places, _placed(g, places, lead_t)
+
+
+def _squeezed(x: torch.Tensor) -> torch.Tensor:
+    """``x`` without its dims of size 1 (a factor per key raised to the pairs' [.., 1, T] before it is scaled), the
+    dims :func:`_layouts` permutes. A size Dynamo left symbolic is never 1 (it specialises 1)."""
+    return x.squeeze(tuple(i for i, s in enumerate(x.shape) if isinstance(s, int) and s == 1))
 
 
 def _placed(g: torch.Tensor, places: tuple, lead_t) -> torch.Tensor:
@@ -941,7 +962,7 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
         rank = q.dim()
         if strength is not None:  # w_s [*L, T] times the keys (its gradient through the product)
             perm, places = strength.layout
-            w = _placed(_GAMMA_FROM[strength.form](strength_read).permute(perm), places, k.shape[:-1])
+            w = _placed(_squeezed(_GAMMA_FROM[strength.form](strength_read)).permute(perm), places, k.shape[:-1])
             k = k * w.unsqueeze(-1).to(k.dtype)
 
         def to_op(x):  # [T, D] / [B, T, D] / [B, H, T, D] → [B, T, H, D]
@@ -956,7 +977,7 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
         g = None
         if read is not None and per_token is not None:  # a gate per step, [*L, T]
             perm, places = per_token
-            g = _placed(gammas(read).permute(perm), places, k.shape[:-1])
+            g = _placed(_squeezed(gammas(read)).permute(perm), places, k.shape[:-1])
         if strict:  # [.., T, D]: the query of step t read after step t − 1 (and its own step's gate: D_ts holds g_t)
             q = _step_shifted(q if g is None else q * g.unsqueeze(-1).to(q.dtype), -2, -1)
         k_, v_, q_ = to_op(k), to_op(v), to_op(q)

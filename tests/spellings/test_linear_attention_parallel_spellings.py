@@ -977,7 +977,16 @@ def gates_computed_from_the_queries(q, k, v, f, i):  # g_t = σ(Σ_d q_td): the 
     return ((q @ k.mT) * torch.exp(total[..., :, None] - total[..., None, :]).tril()) @ v
 
 
-STRENGTHS = [mlstm_input_gate, gates_inclusive_of_the_key, gates_inclusive_of_the_key_in_log_space]
+def mlstm_gates_from_one_input(q, k, v, f):  # i_s = tanh(f_s) / 3 from the forget gates' own input
+    total = F.logsigmoid(f).cumsum(-1)
+    n = total.shape[-1]
+    log_d = (total[..., :, None] - total[..., None, :] + (torch.tanh(f) / 3)[..., None, :]).masked_fill(
+        ~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return ((q @ k.mT) * log_d.exp()) @ v
+
+
+STRENGTHS = [mlstm_input_gate, gates_inclusive_of_the_key, gates_inclusive_of_the_key_in_log_space,
+             mlstm_gates_from_one_input]
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
@@ -1033,7 +1042,16 @@ def strictly_causal_mlstm(q, k, v, f, i):  # exp(F_t − F_s + i_s) for s < t: a
     return ((q @ k.mT) * log_d.exp()) @ v
 
 
-STRICT_GATED = [strictly_causal_ssd, strictly_causal_gla_normalised, strictly_causal_mlstm]
+def strictly_causal_mlstm_from_one_input(q, k, v, f):  # as above, i = 0.3·tanh(f) (probe r24 l03: reported)
+    total = F.logsigmoid(f).cumsum(-1)
+    n = total.shape[-1]
+    log_d = (total[..., :, None] - total[..., None, :] + 0.3 * torch.tanh(f)[..., None, :]).masked_fill(
+        ~torch.ones(n, n, dtype=torch.bool).tril(-1), float("-inf"))
+    return ((q @ k.mT) * log_d.exp()) @ v
+
+
+STRICT_GATED = [strictly_causal_ssd, strictly_causal_gla_normalised, strictly_causal_mlstm,
+                strictly_causal_mlstm_from_one_input]
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
