@@ -531,6 +531,9 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     if others:  # a matrix product first: the KL expanded into products says most
         raise NotFused(f"the pairwise score also reads {_describe_other(min(others, key=_not_a_product))}")
     k = {size_hint(shape_of(b)[-1]) for b in bases if len(shape_of(b)) == rank}
+    both = {size_hint(shape_of(b)[-1]) for b, sides in bases.items() if len(shape_of(b)) == rank and len(sides) == 2}
+    if len(k) > 1 and len(both) == 1:  # (the beliefs, read on both sides, under features joined from them:
+        k = both                       # the KL expanded by hand into [v + μ², μ]·[1/2v, −μ/v])
     if len(k) != 1:
         raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
     kappa, mean, scale, param, memo = _match_kl(logits, list(bases), shared, rank - 2, k.pop())

@@ -367,7 +367,17 @@ def a_kl_plus_an_inf_mask(mu, var):  # +inf added to the future's KL, the sum ne
     return torch.softmax(-(kl_spec(mu, var) + torch.triu(torch.full((n, n), float("inf")), 1)) / 2.0, -1) @ mu
 
 
+def a_features_joined_for_one_product(mu, var):  # c_i + [v + μ², μ]_i · [1/2v, −μ/v]_j + d_j: one matmul (r25 k19)
+    a = torch.cat([var + mu ** 2, mu], -1)
+    b = torch.cat([0.5 / var, -mu / var], -1)
+    c = -0.5 * (var.log() + 1).sum(-1)
+    d = 0.5 * (var.log() + mu ** 2 / var).sum(-1)
+    kl = c[:, :, None] + a @ b.transpose(1, 2) + d[:, None, :]
+    return torch.softmax(-kl, -1) @ mu
+
+
 ATTENTION = [
+    (a_features_joined_for_one_product, _var),
     (a_kl_kept_where_causal_else_inf, _var), (a_kl_plus_an_inf_mask, _var),
     (a_softmax_by_hand_without_the_max, _var), (a_softmax_by_hand_times_a_causal_mask, _var),
     (a_softmax_masked_after_and_renormalised, _var), (a_softmax_zeroed_by_masked_fill_and_renormalised, _var),
@@ -810,6 +820,28 @@ def test_a_query_of_zero_variance_is_nan_as_in_eager(mask, read, fresh_dynamo):
             continue
         assert torch.equal(torch.isnan(a), torch.isnan(b)), (name, torch.isnan(a).sum(), torch.isnan(b).sum())
         assert_close(name, a.detach().nan_to_num(0.0), b.detach().nan_to_num(0.0), 1e-5)
+
+
+@pytest.mark.parametrize("read", list(EMPTY_ROW_READS))
+def test_an_output_read_with_a_gradient_of_zero_takes_nan_as_in_eager(read, fresh_dynamo):
+    """A NaN belief with its output read by a loss weighted by 0 (``(out * 0).sum()``): eager's backward is 0 · NaN =
+    NaN in the beliefs' gradients. The op told an output the graph reads from one it does not by its gradient being
+    all 0, and gave 0 (probe r25 k29); it now asks autograd which outputs have a gradient at all."""
+    def fn(mu, var, v):
+        return EMPTY_ROW_READS[read](F.softmax(-kl_spec(mu, var), -1), mu, var, v)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(B, N, K, generator=g), _var((B, N, K)), torch.randn(B, N, 3, generator=g)]
+    args[0][1, 2, 0] = float("nan")
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
+    assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
+    ref = fn(*ref_inputs)
+    grads = torch.autograd.grad((got * 0).sum(), inputs[:2])
+    ref_grads = torch.autograd.grad((ref * 0).sum(), ref_inputs[:2])
+    assert torch.isnan(ref_grads[0]).any()  # what the test is about
+    for name, a, b in zip(("d mu", "d var"), grads, ref_grads):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), (name, torch.isnan(a).sum(), torch.isnan(b).sum())
 
 
 @pytest.mark.parametrize("read", list(EMPTY_ROW_READS))

@@ -170,14 +170,14 @@ def _per_pair(mu, var, row_values, col_values, kappa, temperature, inverse_tempe
 
 
 def _per_pair_backward(mu, var, row_values, col_values, grads, kappa, temperature, inverse_temperature, causal,
-                       mask_diagonal, masked):
+                       mask_diagonal, masked, read_outputs):
     """(dμ, dv, d row_values, d col_values, d(1/κ)) of :func:`_per_pair`, by ``torch.func.vjp`` through it (an op's
     body runs below autograd; functorch's transform works there)."""
     inverse_kappa = _inverse_kappa(kappa, temperature, inverse_temperature, mu)
-    # only the outputs the graph reads (a gradient not all 0), as eager computes only those: an unread β·KL at a key
-    # of KL = inf (β = 0) would give β the gradient inf · 0 = NaN, and lse's backward is 0 · NaN on a row with no
-    # allowed key
-    read = [i for i, g in enumerate(grads) if bool(g.any())]
+    # only the outputs the graph reads (bit i of ``read_outputs``), as eager computes only those: an unread β·KL at a
+    # key of KL = inf (β = 0) would give β the gradient inf · 0 = NaN, and lse's backward is 0 · NaN on a row with no
+    # allowed key. An output read with a gradient of 0 is read: 0 · NaN is eager's NaN there.
+    read = [i for i in range(len(grads)) if read_outputs >> i & 1]
     if not read:
         return tuple(torch.zeros_like(x) for x in (mu, var, row_values, col_values, inverse_kappa))
 
@@ -230,9 +230,11 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
                           grad_col_sum: torch.Tensor, grad_col_kl_sum: torch.Tensor, grad_col_energy_sum: torch.Tensor,
                           grad_lse: torch.Tensor,
                           kappa: float, causal: bool, mask_diagonal: bool, temperature: torch.Tensor | None = None,
-                          allowed: torch.Tensor | None = None, inverse_temperature: bool = False
+                          allowed: torch.Tensor | None = None, inverse_temperature: bool = False,
+                          read_outputs: int = 127
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dμ, dv, d row_values, d col_values, d temperature): the last a 0-d tensor, 0 without a temperature."""
+    """(dμ, dv, d row_values, d col_values, d temperature): the last a 0-d tensor, 0 without a temperature.
+    ``read_outputs``: bit i set where the forward's output i has a gradient (is read by the graph)."""
     grads = (grad_row_sum, grad_row_kl_sum, grad_energy, grad_col_sum, grad_col_kl_sum, grad_col_energy_sum, grad_lse)
     with_kappa = temperature is not None
     causal, mask_diagonal, masked = resolve_mask(mu.shape[1], causal, mask_diagonal, allowed)
@@ -246,7 +248,7 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
             _warn_matmul_form(error)
     if out is None and not _finite(mu, var):
         out = _per_pair_backward(mu, var, row_values, col_values, grads, kappa, temperature, inverse_temperature,
-                                 causal, mask_diagonal, masked)
+                                 causal, mask_diagonal, masked, read_outputs)
     if out is None:
         out = matmul_form.backward(mu, var, row_values, col_values, grads,
                                    effective_kappa(kappa, temperature, inverse_temperature),
@@ -259,7 +261,7 @@ def kl_attention_backward(mu: torch.Tensor, var: torch.Tensor, row_values: torch
 
 @kl_attention_backward.register_fake
 def _(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, g1, g2, g3, g4, g5, g6, g7,
-      kappa, causal, mask_diagonal, temperature=None, allowed=None, inverse_temperature=False):
+      kappa, causal, mask_diagonal, temperature=None, allowed=None, inverse_temperature=False, read_outputs=127):
     grad_temperature = temperature.new_empty(()) if temperature is not None else mu.new_empty(())
     return tuple(t.new_empty(t.shape) for t in (mu, var, row_values, col_values)) + (grad_temperature,)
 
@@ -271,18 +273,20 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, temperature, allowed)
     ctx.config = (kappa, causal, mask_diagonal)
     ctx.inverse_temperature = inverse_temperature
+    ctx.set_materialize_grads(False)  # an output the graph does not read gets None, told apart from a gradient of 0
 
 
 def _backward(ctx, *grads):
     mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, temperature, allowed = ctx.saved_tensors
     col_shape = row_sum.new_empty(col_values.shape)
     outputs = (row_sum, row_kl_sum, energy, col_shape, col_shape, col_shape, lse)
+    read_outputs = sum(1 << i for i, g in enumerate(grads) if g is not None)
     grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs)]
     # a row with no allowed key has lse = −inf and no dependence on anything
     grads[6] = torch.where(torch.isinf(lse), 0.0, grads[6])
     grad_mu, grad_var, grad_rv, grad_cv, grad_temperature = torch.ops.hecate.kl_attention_backward(
         mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, *grads, *ctx.config, temperature, allowed,
-        ctx.inverse_temperature)
+        ctx.inverse_temperature, read_outputs)
     wanted = temperature is not None and ctx.needs_input_grad[7]
     return grad_mu, grad_var, grad_rv, grad_cv, None, None, None, (grad_temperature if wanted else None), None, None
 
