@@ -119,6 +119,7 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
             graph.erase_node(node)
     eliminate_common_subexpressions(graph)
     layout_chains_as_permutes(graph)
+    pointwise_before_permutes(graph)
     shifted_copies_as_windows(graph)
     graph.eliminate_dead_code()  # (what the rewrites left unread: a window's reader must be its only one)
     hand_written_convs(graph)  # after CSE: a pad written at each window is one pad
@@ -223,6 +224,38 @@ def layout_chains_as_permutes(graph: fx.Graph) -> None:
         for node in chain:
             if not node.users:
                 graph.erase_node(node)
+
+
+def pointwise_before_permutes(graph: fx.Graph) -> None:
+    """A pointwise op of a permuted tensor → the op, then the permute::
+
+        F.silu(h.view(B, T, H, Dh).transpose(1, 2))   →   F.silu(h.view(B, T, H, Dh)).transpose(1, 2)
+
+    so the pointwise functions a chain computes (SiLU, φ after a head split) stay next to what computes their
+    input, wherever the user wrote the layout moves. Exact: each element is computed from the same elements. The
+    op's tensor operands must be permutes by the same dims of tensors of one shape, or 0-d; ops drawing random
+    numbers keep their layout (the draws would land elsewhere)."""
+    for node in list(graph.nodes):
+        if not _is_pointwise(node) or torch.Tag.nondeterministic_seeded in node.target.tags \
+                or not isinstance(_val(node), torch.Tensor):
+            continue
+        operands = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor) and _val(a).dim() > 0]
+        orders = {tuple(o) if (o := _permutation(a)) is not None else None for a in operands}
+        if len(orders) != 1 or None in orders or len({tuple(_val(a).shape) for a in operands}) != 1 \
+                or _val(node).dim() != _val(operands[0]).dim():
+            continue
+        (order,) = orders
+        if list(order) == sorted(order):
+            continue
+        with graph.inserting_before(node):
+            inner = emit(graph, node.target, *fx.node.map_arg(node.args, lambda a: a.args[0] if a in operands else a),
+                         **fx.node.map_arg(node.kwargs, lambda a: a.args[0] if a in operands else a))
+            moved = emit(graph, aten.permute.default, inner, list(order))
+        for new in (inner, moved):
+            if "stack_trace" in node.meta:
+                new.meta["stack_trace"] = node.meta["stack_trace"]
+        node.replace_all_uses_with(moved)
+        graph.erase_node(node)
 
 
 def _dims_moved(source: torch.Tensor, got: Any) -> list[int] | None:
