@@ -234,8 +234,24 @@ def pointwise_before_permutes(graph: fx.Graph) -> None:
     so the pointwise functions a chain computes (SiLU, φ after a head split) stay next to what computes their
     input, wherever the user wrote the layout moves. Exact: each element is computed from the same elements. The
     op's tensor operands must be permutes by the same dims of tensors of one shape, or 0-d; ops drawing random
-    numbers keep their layout (the draws would land elsewhere)."""
+    numbers keep their layout (the draws would land elsewhere). A permute of a permute so made (or written) is
+    one permute, none where the two undo each other (``f(x.mT).mT`` is ``f(x)``). What the graph returns stays as
+    it is (its layout and aliasing are the user's)."""
+    outputs = _output_nodes(graph)
     for node in list(graph.nodes):
+        if node in outputs:
+            continue
+        outer, inner_order = _permutation(node), _permutation(node.args[0] if node.args else None)
+        if outer is not None and inner_order is not None:
+            order = [inner_order[d] for d in outer]
+            with graph.inserting_before(node):
+                moved = node.args[0].args[0] if order == sorted(order) else \
+                    emit(graph, aten.permute.default, node.args[0].args[0], order)
+            if moved is not node.args[0].args[0] and "stack_trace" in node.meta:
+                moved.meta["stack_trace"] = node.meta["stack_trace"]
+            node.replace_all_uses_with(moved)
+            graph.erase_node(node)
+            continue
         if not _is_pointwise(node) or torch.Tag.nondeterministic_seeded in node.target.tags \
                 or not isinstance(_val(node), torch.Tensor):
             continue

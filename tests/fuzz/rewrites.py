@@ -3,8 +3,9 @@
 Each rewrite turns one spelling into another that computes exactly the same values:
 commuted operands of ``+``/``*``, ``x + x`` ↔ ``2 * x``, ``unsqueeze`` ↔ ``None``
 indexing, ``bmm`` ↔ ``einsum`` ↔ ``matmul``, ``square`` ↔ ``** 2``, ``a - b`` →
-``a + (-b)``, and an expression bound once written again at each use (the graph form of
-splitting it into temporaries or not). A rewrite is applied to every node of one *site*,
+``a + (-b)``, a pointwise function applied under a transpose undone after it, and an
+expression bound once written again at each use (the graph form of splitting it into
+temporaries or not). A rewrite is applied to every node of one *site*,
 the nodes one source line produced (its copies in an unrolled loop included), as editing
 that line of the model would.
 """
@@ -159,6 +160,23 @@ def _sub_to_add_neg(node):
     _replace(node, "call_function", operator.add, (a, negated))
 
 
+_POINTWISE_FUNCTIONS = (torch.sigmoid, torch.exp, torch.tanh, torch.nn.functional.silu, torch.nn.functional.elu,
+                        torch.nn.functional.relu, torch.nn.functional.softplus)
+_POINTWISE_METHODS = ("sigmoid", "exp", "tanh", "relu")
+
+
+def _pointwise_of_a_matrix(node):
+    return _is_call(node, _POINTWISE_FUNCTIONS, _POINTWISE_METHODS) and node.args and _is_tensor(node.args[0]) \
+        and _value(node.args[0]).dim() >= 2 and _is_tensor(node)
+
+
+def _under_a_transpose(node):
+    """f(x) → f(x.transpose(0, -1)).transpose(0, -1): the layout moved before the op and back after it."""
+    moved = _emit(node, "call_method", "transpose", (node.args[0], 0, -1))
+    applied = _emit(node, node.op, node.target, (moved, *node.args[1:]), dict(node.kwargs))
+    _replace(node, "call_method", "transpose", (applied, 0, -1))
+
+
 _PURE_FUNCTIONS = (operator.getitem, operator.add, operator.sub, operator.mul, operator.truediv, operator.neg)
 _PURE_METHODS = ("unsqueeze", "transpose", "square", "view", "reshape", "squeeze", "exp")
 
@@ -190,6 +208,7 @@ REWRITES = {r.name: r for r in [
     Rewrite("square <-> pow 2", _squares, _square_pow),
     Rewrite("a-b -> a+(-b)", _subtracts, _sub_to_add_neg),
     Rewrite("written at each use", _shared, _write_at_each_use),
+    Rewrite("pointwise under a transpose", _pointwise_of_a_matrix, _under_a_transpose),
 ]}
 
 

@@ -123,3 +123,16 @@ def test_every_expression_written_at_each_use(name):
     random draws above rewrite one site at a time): equal subexpressions collapse before matching."""
     done = _check(name, [("written at each use", None)])
     assert done, f"{name} has no expression read twice: the case tests nothing"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_pointwise_function_under_a_transpose(name):
+    """Every sigmoid, exp, tanh, SiLU, ELU, ReLU and softplus of a matrix applied to its transpose and transposed
+    back (one compile): the normal form computes pointwise ops before permutes and joins the two transposes, so
+    every fusion covers what it covered before (a chain cut at the transpose would still count one fusion)."""
+    gm, inputs, _, _ = _captured(name)
+    _compile(gm, inputs)
+    before = sorted(f.detail for f in hecate.last_report().fusions)
+    done = _check(name, [("pointwise under a transpose", None)])
+    assert done, f"{name} has no pointwise function of a matrix: the case tests nothing"
+    assert sorted(f.detail for f in hecate.last_report().fusions) == before, (done, str(hecate.last_report()))
