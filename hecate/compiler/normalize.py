@@ -102,6 +102,7 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     detach_no_grad_results(graph)
     unbind_as_selects(graph)
     softmax_spellings(graph)
+    pointwise_before_permutes(graph)
     pairs_after_other_dims(graph)
     outputs = _output_nodes(graph)
     # storages an in-place op still writes (functionalize leaves those a view reads): their copies are copies
@@ -119,7 +120,6 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
             graph.erase_node(node)
     eliminate_common_subexpressions(graph)
     layout_chains_as_permutes(graph)
-    pointwise_before_permutes(graph)
     shifted_copies_as_windows(graph)
     graph.eliminate_dead_code()  # (what the rewrites left unread: a window's reader must be its only one)
     hand_written_convs(graph)  # after CSE: a pad written at each window is one pad
@@ -235,14 +235,14 @@ def pointwise_before_permutes(graph: fx.Graph) -> None:
     input, wherever the user wrote the layout moves. Exact: each element is computed from the same elements. The
     op's tensor operands must be permutes by the same dims of tensors of one shape, or 0-d; ops drawing random
     numbers keep their layout (the draws would land elsewhere). A permute of a permute so made (or written) is
-    one permute, none where the two undo each other (``f(x.mT).mT`` is ``f(x)``). What the graph returns stays as
-    it is (its layout and aliasing are the user's)."""
+    one permute, none where the two undo each other (``f(x.mT).mT`` is ``f(x)``), but for a view the graph returns
+    (its aliasing is the user's).
+
+    It runs before :func:`pairs_after_other_dims`, which moves the permute of a pairwise score up to the beliefs."""
     outputs = _output_nodes(graph)
     for node in list(graph.nodes):
-        if node in outputs:
-            continue
         outer, inner_order = _permutation(node), _permutation(node.args[0] if node.args else None)
-        if outer is not None and inner_order is not None:
+        if outer is not None and inner_order is not None and node not in outputs:
             order = [inner_order[d] for d in outer]
             with graph.inserting_before(node):
                 moved = node.args[0].args[0] if order == sorted(order) else \
@@ -257,7 +257,7 @@ def pointwise_before_permutes(graph: fx.Graph) -> None:
             continue
         operands = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor) and _val(a).dim() > 0]
         orders = {tuple(o) if (o := _permutation(a)) is not None else None for a in operands}
-        if len(orders) != 1 or None in orders or len({tuple(_val(a).shape) for a in operands}) != 1 \
+        if len(orders) != 1 or None in orders or not all(_same_shape(a, operands[0]) for a in operands) \
                 or _val(node).dim() != _val(operands[0]).dim():
             continue
         (order,) = orders
@@ -1934,10 +1934,13 @@ def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | 
 
 
 def _permutation(node: Any) -> list[int] | None:
-    """The dims of ``node``'s input that ``node``'s dims are, when it is a ``transpose`` or ``permute``."""
+    """The dims of ``node``'s input that ``node``'s dims are, when it is a ``transpose`` or ``permute`` (or
+    ``swapaxes`` / ``movedim``, before the rewrites make them permutes)."""
     if not isinstance(node, fx.Node) or node.op != "call_function" or not isinstance(_val(node), torch.Tensor):
         return None
     rank = _val(node).dim()
+    if node.target in _AXIS_MOVES and not node.kwargs:
+        return _moved_axes(node)
     if node.target is aten.permute.default:
         return [d % rank for d in node.args[1]]
     if node.target is aten.transpose.int:

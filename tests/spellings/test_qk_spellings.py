@@ -445,6 +445,24 @@ def test_copies_shifted_by_hand_fuse_at_two_lengths_under_dynamic_shapes(name, f
         assert hecate.last_report().count("qk_preprocess") == 1, str(hecate.last_report())
 
 
+HEADS_SPLIT_FIRST = ["heads split by view + transpose(1, 2), SiLU and ELU+1 after the split (probe r25)",
+                     "heads split by view + permute(0, 2, 1, 3) after SiLU, then z * sigmoid(z) + 1",
+                     "heads moved by unflatten + movedim(2, 1), relu² after"]
+
+
+@pytest.mark.parametrize("name", HEADS_SPLIT_FIRST)
+def test_pointwise_after_a_head_split_fuses_at_two_sizes_under_dynamic_shapes(name, fresh_dynamo):
+    """SiLU and φ after the heads are moved by a permute are computed before it in the normal form, with the sizes
+    symbolic too (probe r25: the shapes compared as a set of SymInts crashed the compile)."""
+    model = Block(SPELLINGS[name][0])
+    compiled = torch.compile(model, backend="hecate", dynamic=True, options={"fallback": "eager", "strict": True})
+    for batch, length in ((B, T), (B + 1, T + 4)):
+        x = torch.randn(batch, length, D_IN)
+        assert_close(f"output at B = {batch}, T = {length}", compiled(x), model(x), TOL)
+        report = hecate.last_report()
+        assert [f.detail for f in report.fusions] == [SPELLINGS[name][1]], str(report)
+
+
 def test_corpus_size():
     assert len(SPELLINGS) >= 44
 
