@@ -234,9 +234,9 @@ def pointwise_before_permutes(graph: fx.Graph) -> None:
     so the pointwise functions a chain computes (SiLU, φ after a head split) stay next to what computes their
     input, wherever the user wrote the layout moves. Exact: each element is computed from the same elements. The
     op's tensor operands must be permutes by the same dims of tensors of one shape, or 0-d; ops drawing random
-    numbers keep their layout (the draws would land elsewhere). A permute of a permute so made (or written) is
-    one permute, none where the two undo each other (``f(x.mT).mT`` is ``f(x)``), but for a view the graph returns
-    (its aliasing is the user's).
+    numbers keep their layout (the draws would land elsewhere), and so does a clone (its memory format). A permute
+    of a permute so made (or written) is one permute, none where the two undo each other (``f(x.mT).mT`` is
+    ``f(x)``), but for a view the graph returns (its aliasing is the user's).
 
     It runs before :func:`pairs_after_other_dims`, which moves the permute of a pairwise score up to the beliefs."""
     outputs = _output_nodes(graph)
@@ -253,8 +253,8 @@ def pointwise_before_permutes(graph: fx.Graph) -> None:
             graph.erase_node(node)
             continue
         if not _is_pointwise(node) or torch.Tag.nondeterministic_seeded in node.target.tags \
-                or not isinstance(_val(node), torch.Tensor):
-            continue
+                or node.target is aten.clone.default or not isinstance(_val(node), torch.Tensor):
+            continue  # (a clone of a permute lays it out: `.transpose(1, 2).contiguous().view(...)`)
         operands = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor) and _val(a).dim() > 0]
         orders = {tuple(o) if (o := _permutation(a)) is not None else None for a in operands}
         if len(orders) != 1 or None in orders or not all(_same_shape(a, operands[0]) for a in operands) \

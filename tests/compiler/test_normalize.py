@@ -16,6 +16,7 @@ import operator
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hecate.compiler.normalize import (collapse_captured, eliminate_common_subexpressions, functionalize, normalize,
                                       normalize_graph)
@@ -899,3 +900,28 @@ def test_an_in_place_op_is_made_out_of_place_with_the_overload_of_its_arguments(
     (g,), (r,) = torch.autograd.grad(got.sum(), [h]), torch.autograd.grad(ref.sum(), [h_ref])
     assert torch.allclose(g, r, rtol=1e-6, atol=1e-7)
     torch._dynamo.reset()
+
+
+def silu_after_a_head_split(h):
+    """SiLU and ELU+1 of heads moved by a permute; a sigmoid of the heads moved back; a clone that lays the heads
+    out for a view."""
+    heads = h.view(2, 5, 2, 3).permute(0, 2, 1, 3)
+    phi = F.elu(F.silu(heads)) + 1
+    back = torch.sigmoid(heads.transpose(1, 2))  # the heads moved back: no permute at all
+    laid_out = heads.clone(memory_format=torch.contiguous_format).view(2, 2, 15)  # copied contiguous for the view
+    return phi, back, laid_out * 2
+
+
+def test_pointwise_ops_of_a_permute_are_computed_before_it():
+    """SiLU, ELU and + 1 read the view, the permute after them; the two moves that undo each other are none (the
+    sigmoid reads the view); the clone that makes the last view possible keeps its permute. Bit for bit the same
+    values."""
+    args = (torch.randn(2, 5, 6),)
+    gm = normalize_graph(_traced(silu_after_a_head_split, *args))
+    permutes = [n for n in gm.graph.nodes if n.target is aten.permute.default]
+    assert sorted(str(p.args[0].target) for p in permutes) == ["aten.add.Tensor", "aten.view.default"], gm.graph
+    (sigmoid,) = [n for n in gm.graph.nodes if n.target is aten.sigmoid.default]
+    assert sigmoid.args[0].target is aten.view.default, gm.graph
+    (clone,) = [n for n in gm.graph.nodes if n.target is aten.clone.default]
+    assert clone.args[0].target is aten.permute.default, gm.graph
+    _check_exact(silu_after_a_head_split, args, gm)
