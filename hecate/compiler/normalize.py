@@ -227,51 +227,101 @@ def layout_chains_as_permutes(graph: fx.Graph) -> None:
 
 
 def pointwise_before_permutes(graph: fx.Graph) -> None:
-    """A pointwise op of a permuted tensor → the op, then the permute::
+    """Pointwise ops of a permuted tensor → the ops, then the permute::
 
         F.silu(h.view(B, T, H, Dh).transpose(1, 2))   →   F.silu(h.view(B, T, H, Dh)).transpose(1, 2)
 
     so the pointwise functions a chain computes (SiLU, φ after a head split) stay next to what computes their
-    input, wherever the user wrote the layout moves. Exact: each element is computed from the same elements. The
-    op's tensor operands must be permutes by the same dims of tensors of one shape, or 0-d; ops drawing random
-    numbers keep their layout (the draws would land elsewhere), and so does a clone (its memory format). A permute
-    of a permute so made (or written) is one permute, none where the two undo each other (``f(x.mT).mT`` is
-    ``f(x)``), but for a view the graph returns (its aliasing is the user's).
+    input, wherever the user wrote the layout moves. Exact: each element is computed from the same elements.
+
+    The ops moved are the region of pointwise ops that read the permute (:func:`_pointwise_region`), taken only
+    where it holds every reader of the permute (a permute also read by a matrix product, a FAVOR+ φ's ``z @ Wᵀ``
+    beside its ``z ** 2``, stays where it is, so the chain is not split). A permute of a permute (so made or
+    written) is one permute, none where the two undo each other (``f(x.mT).mT`` is ``f(x)``), but for a view the
+    graph returns (its aliasing is the user's).
 
     It runs before :func:`pairs_after_other_dims`, which moves the permute of a pairwise score up to the beliefs."""
     outputs = _output_nodes(graph)
+    _join_permutes(graph, outputs)
+    while _moved_below_pointwise(graph):  # (a permute moved down may meet another: joined, then moved on)
+        _join_permutes(graph, outputs)
+
+
+def _join_permutes(graph: fx.Graph, outputs: set[fx.Node]) -> None:
+    """``x.permute(p).permute(q)`` → ``x.permute(p∘q)``, or ``x`` where they undo each other; not for ``outputs``."""
     for node in list(graph.nodes):
         outer, inner_order = _permutation(node), _permutation(node.args[0] if node.args else None)
-        if outer is not None and inner_order is not None and node not in outputs:
-            order = [inner_order[d] for d in outer]
-            with graph.inserting_before(node):
-                moved = node.args[0].args[0] if order == sorted(order) else \
-                    emit(graph, aten.permute.default, node.args[0].args[0], order)
-            if moved is not node.args[0].args[0] and "stack_trace" in node.meta:
-                moved.meta["stack_trace"] = node.meta["stack_trace"]
-            node.replace_all_uses_with(moved)
-            graph.erase_node(node)
+        if outer is None or inner_order is None or node in outputs:
             continue
-        if not _is_pointwise(node) or torch.Tag.nondeterministic_seeded in node.target.tags \
-                or node.target is aten.clone.default or not isinstance(_val(node), torch.Tensor):
-            continue  # (a clone of a permute lays it out: `.transpose(1, 2).contiguous().view(...)`)
-        operands = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor) and _val(a).dim() > 0]
-        orders = {tuple(o) if (o := _permutation(a)) is not None else None for a in operands}
-        if len(orders) != 1 or None in orders or not all(_same_shape(a, operands[0]) for a in operands) \
-                or _val(node).dim() != _val(operands[0]).dim():
-            continue
-        (order,) = orders
-        if list(order) == sorted(order):
-            continue
+        order, x = [inner_order[d] for d in outer], node.args[0].args[0]
         with graph.inserting_before(node):
-            inner = emit(graph, node.target, *fx.node.map_arg(node.args, lambda a: a.args[0] if a in operands else a),
-                         **fx.node.map_arg(node.kwargs, lambda a: a.args[0] if a in operands else a))
-            moved = emit(graph, aten.permute.default, inner, list(order))
-        for new in (inner, moved):
-            if "stack_trace" in node.meta:
-                new.meta["stack_trace"] = node.meta["stack_trace"]
+            moved = x if order == sorted(order) else _moved(graph, x, order)
+        if moved is not x and "stack_trace" in node.meta:
+            moved.meta["stack_trace"] = node.meta["stack_trace"]
         node.replace_all_uses_with(moved)
         graph.erase_node(node)
+
+
+def _moved_below_pointwise(graph: fx.Graph) -> bool:
+    """Each permute whose readers are all in its :func:`_pointwise_region` moved below it; whether one was."""
+    erased: set[fx.Node] = set()
+    for permute in list(graph.nodes):
+        order = _permutation(permute)
+        if permute in erased or order is None or order == sorted(order) or not permute.users:
+            continue
+        region = _pointwise_region(permute, order)
+        if not region or not set(permute.users) <= set(region):
+            continue
+        unpermuted: dict[fx.Node, fx.Node] = {}
+        for node in region:  # (in graph order: operands first)
+            def inside(a):
+                return unpermuted.get(a, a.args[0] if a not in region and _permutation(a) == order else a)
+            with graph.inserting_before(node):
+                unpermuted[node] = emit(graph, node.target, *fx.node.map_arg(node.args, inside),
+                                        **fx.node.map_arg(node.kwargs, inside))
+                readers = [u for u in node.users if u not in region]
+                if readers:
+                    back = _moved(graph, unpermuted[node], order)
+                    for user in readers:
+                        user.replace_input_with(node, back)
+            for new in (unpermuted[node], *([back] if readers else [])):
+                if "stack_trace" in node.meta:
+                    new.meta["stack_trace"] = node.meta["stack_trace"]
+        for node in reversed(region):
+            graph.erase_node(node)
+            erased.add(node)
+    return bool(erased)
+
+
+def _pointwise_region(permute: fx.Node, order: list[int]) -> list[fx.Node]:
+    """The pointwise ops that read ``permute`` and what they compute together (in graph order): each reads only
+    the region, permutes by the same ``order`` of tensors of the permuted tensor's shape, and 0-d tensors or
+    numbers. Ops drawing random numbers stay (their draws would land elsewhere), and so do clones (a clone of a
+    permute lays it out for a view: ``.transpose(1, 2).clone(memory_format=...).view(...)``)."""
+    source, rank = permute.args[0], len(order)
+    region: set[fx.Node] = set()
+    pending = list(permute.users)
+    while pending:
+        node = pending.pop()
+        if node in region or not _is_pointwise(node) or torch.Tag.nondeterministic_seeded in node.target.tags \
+                or node.target is aten.clone.default or not isinstance(_val(node), torch.Tensor) \
+                or _val(node).dim() != rank:
+            continue
+        operands = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor) and _val(a).dim() > 0]
+        if all(a in region or _permutation(a) == order and _same_shape(a.args[0], source) for a in operands):
+            region.add(node)
+            pending.extend(node.users)
+    position = {n: i for i, n in enumerate(permute.graph.nodes)} if region else {}
+    return sorted(region, key=position.__getitem__)
+
+
+def _moved(graph: fx.Graph, x: fx.Node, order: list[int]) -> fx.Node:
+    """``x.permute(order)``, written ``x.transpose(a, b)`` where it swaps two dims (as passes read a swap of the
+    pair dims)."""
+    swapped = [d for d, o in enumerate(order) if d != o]
+    if len(swapped) == 2:
+        return emit(graph, aten.transpose.int, x, *swapped)
+    return emit(graph, aten.permute.default, x, order)
 
 
 def _dims_moved(source: torch.Tensor, got: Any) -> list[int] | None:
