@@ -236,9 +236,9 @@ def pointwise_before_permutes(graph: fx.Graph) -> None:
 
     The ops moved are the region of pointwise ops that read the permute (:func:`_pointwise_region`), taken only
     where it holds every reader of the permute (a permute also read by a matrix product, a FAVOR+ φ's ``z @ Wᵀ``
-    beside its ``z ** 2``, stays where it is, so the chain is not split). A permute of a permute (so made or
-    written) is one permute, none where the two undo each other (``f(x.mT).mT`` is ``f(x)``), but for a view the
-    graph returns (its aliasing is the user's).
+    beside its ``z ** 2``, stays where it is, so the chain is not split). Two permutes that undo each other (so
+    made or written) are none (``f(x.mT).mT`` is ``f(x)``), but for a view the graph returns (its aliasing is the
+    user's).
 
     It runs before :func:`pairs_after_other_dims`, which moves the permute of a pairwise score up to the beliefs."""
     outputs = _output_nodes(graph)
@@ -248,17 +248,14 @@ def pointwise_before_permutes(graph: fx.Graph) -> None:
 
 
 def _join_permutes(graph: fx.Graph, outputs: set[fx.Node]) -> None:
-    """``x.permute(p).permute(q)`` → ``x.permute(p∘q)``, or ``x`` where they undo each other; not for ``outputs``."""
+    """``x.permute(p).permute(q)`` → ``x`` where q undoes p; not for ``outputs``. Others stay two: passes read a
+    head split's ``k.transpose(1, 2)`` and then its ``.mT`` as two moves."""
     for node in list(graph.nodes):
         outer, inner_order = _permutation(node), _permutation(node.args[0] if node.args else None)
-        if outer is None or inner_order is None or node in outputs:
+        if outer is None or inner_order is None or node in outputs \
+                or [inner_order[d] for d in outer] != list(range(len(outer))):
             continue
-        order, x = [inner_order[d] for d in outer], node.args[0].args[0]
-        with graph.inserting_before(node):
-            moved = x if order == sorted(order) else _moved(graph, x, order)
-        if moved is not x and "stack_trace" in node.meta:
-            moved.meta["stack_trace"] = node.meta["stack_trace"]
-        node.replace_all_uses_with(moved)
+        node.replace_all_uses_with(node.args[0].args[0])
         graph.erase_node(node)
 
 
