@@ -293,8 +293,9 @@ def _moved_below_pointwise(graph: fx.Graph) -> bool:
 def _pointwise_region(permute: fx.Node, order: list[int]) -> list[fx.Node]:
     """The pointwise ops that read ``permute`` and what they compute together (in graph order): each reads only
     the region, permutes by the same ``order`` of tensors of the permuted tensor's shape, and 0-d tensors or
-    numbers. Ops drawing random numbers stay (their draws would land elsewhere), and so do clones (a clone of a
-    permute lays it out for a view: ``.transpose(1, 2).clone(memory_format=...).view(...)``)."""
+    numbers; it ends at a node also read outside it. Ops drawing random numbers stay (their draws would land
+    elsewhere), and so do clones (a clone of a permute lays it out for a view:
+    ``.transpose(1, 2).clone(memory_format=...).view(...)``)."""
     source, rank = permute.args[0], len(order)
     region: set[fx.Node] = set()
     pending = list(permute.users)
@@ -308,6 +309,18 @@ def _pointwise_region(permute: fx.Node, order: list[int]) -> list[fx.Node]:
         if all(a in region or _permutation(a) == order and _same_shape(a.args[0], source) for a in operands):
             region.add(node)
             pending.extend(node.users)
+    # a node read both inside and outside the region ends it there: moved on, the region's part would read it
+    # unpermuted and the rest permuted back, two layouts of one value (a FAVOR+ φ's z ** 2 beside its z @ Wᵀ)
+    split = next((n for n in region if 0 < len(set(n.users) & region) < len(n.users)), None)
+    while split is not None:
+        cut, below = set(), [u for u in split.users if u in region]
+        while below:
+            n = below.pop()
+            if n in region and n not in cut:
+                cut.add(n)
+                below.extend(n.users)
+        region -= cut
+        split = next((n for n in region if 0 < len(set(n.users) & region) < len(n.users)), None)
     position = {n: i for i, n in enumerate(permute.graph.nodes)} if region else {}
     return sorted(region, key=position.__getitem__)
 
