@@ -120,6 +120,7 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
             graph.erase_node(node)
     eliminate_common_subexpressions(graph)
     layout_chains_as_permutes(graph)
+    pointwise_before_permutes(graph)  # (again: a no-op .contiguous() after a head split is gone now)
     shifted_copies_as_windows(graph)
     graph.eliminate_dead_code()  # (what the rewrites left unread: a window's reader must be its only one)
     hand_written_convs(graph)  # after CSE: a pad written at each window is one pad
@@ -240,7 +241,9 @@ def pointwise_before_permutes(graph: fx.Graph) -> None:
     made or written) are none (``f(x.mT).mT`` is ``f(x)``), but for a view the graph returns (its aliasing is the
     user's).
 
-    It runs before :func:`pairs_after_other_dims`, which moves the permute of a pairwise score up to the beliefs."""
+    It runs before :func:`pairs_after_other_dims`, which moves the permute of a pairwise score up to the beliefs
+    (the permutes it leaves there are read by more than pointwise ops, or by its exp alone, which may move), and
+    again after the rewrites have dropped the copies that change nothing (``.contiguous()`` after a head split)."""
     outputs = _output_nodes(graph)
     _join_permutes(graph, outputs)
     while _moved_below_pointwise(graph):  # (a permute moved down may meet another: joined, then moved on)

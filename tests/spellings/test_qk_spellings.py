@@ -181,6 +181,10 @@ SPELLINGS = {
         lambda m, x: F.relu(F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2))
                             .unflatten(-1, (H, D // H)).movedim(2, 1)) ** 2,
         "linear → conv(K=4) → silu → relu² [B,T,H,Dh]"),
+    "heads by a helper, view + permute(0, 2, 1, 3).contiguous(), φ after it (probe r25 models)": (
+        lambda m, x: F.elu(F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2))
+                           .view(x.shape[0], x.shape[1], H, D // H).permute(0, 2, 1, 3).contiguous()) + 1,
+        "linear → conv(K=4) → silu → elu+1 [B,T,H,Dh]"),
     "ELU+1 by hand with torch.where": (
         lambda m, x: (lambda a: torch.where(a > 0, a + 1, torch.exp(a)))(
             F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2))),
@@ -447,7 +451,8 @@ def test_copies_shifted_by_hand_fuse_at_two_lengths_under_dynamic_shapes(name, f
 
 HEADS_SPLIT_FIRST = ["heads split by view + transpose(1, 2), SiLU and ELU+1 after the split (probe r25)",
                      "heads split by view + permute(0, 2, 1, 3) after SiLU, then z * sigmoid(z) + 1",
-                     "heads moved by unflatten + movedim(2, 1), relu² after"]
+                     "heads moved by unflatten + movedim(2, 1), relu² after",
+                     "heads by a helper, view + permute(0, 2, 1, 3).contiguous(), φ after it (probe r25 models)"]
 
 
 @pytest.mark.parametrize("name", HEADS_SPLIT_FIRST)
@@ -464,7 +469,7 @@ def test_pointwise_after_a_head_split_fuses_at_two_sizes_under_dynamic_shapes(na
 
 
 def test_corpus_size():
-    assert len(SPELLINGS) >= 44
+    assert len(SPELLINGS) >= 45
 
 
 def test_hand_written_conv_keeps_the_dtype_of_its_zeros_and_reads_its_input_before_a_write():
