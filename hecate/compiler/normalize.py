@@ -273,9 +273,12 @@ def _moved_below_pointwise(graph: fx.Graph) -> bool:
         if not region or not set(permute.users) <= set(region):
             continue
         unpermuted: dict[fx.Node, fx.Node] = {}
+
+        def inside(a):
+            return unpermuted.get(a, a.args[0] if a not in region and _permutation(a) == order else a)
+
         for node in region:  # (in graph order: operands first)
-            def inside(a):
-                return unpermuted.get(a, a.args[0] if a not in region and _permutation(a) == order else a)
+            before = node.prev
             with graph.inserting_before(node):
                 unpermuted[node] = emit(graph, node.target, *fx.node.map_arg(node.args, inside),
                                         **fx.node.map_arg(node.kwargs, inside))
@@ -284,9 +287,7 @@ def _moved_below_pointwise(graph: fx.Graph) -> bool:
                     back = _moved(graph, unpermuted[node], order)
                     for user in readers:
                         user.replace_input_with(node, back)
-            for new in (unpermuted[node], *([back] if readers else [])):
-                if "stack_trace" in node.meta:
-                    new.meta["stack_trace"] = node.meta["stack_trace"]
+            _keep_source(before, node)
         for node in reversed(region):
             graph.erase_node(node)
             erased.add(node)
@@ -314,8 +315,7 @@ def _pointwise_region(permute: fx.Node, order: list[int]) -> list[fx.Node]:
             pending.extend(node.users)
     # a node read both inside and outside the region ends it there: moved on, the region's part would read it
     # unpermuted and the rest permuted back, two layouts of one value (a FAVOR+ φ's z ** 2 beside its z @ Wᵀ)
-    split = next((n for n in region if 0 < len(set(n.users) & region) < len(n.users)), None)
-    while split is not None:
+    while (split := next((n for n in region if 0 < len(set(n.users) & region) < len(n.users)), None)) is not None:
         cut, below = set(), [u for u in split.users if u in region]
         while below:
             n = below.pop()
@@ -323,7 +323,6 @@ def _pointwise_region(permute: fx.Node, order: list[int]) -> list[fx.Node]:
                 cut.add(n)
                 below.extend(n.users)
         region -= cut
-        split = next((n for n in region if 0 < len(set(n.users) & region) < len(n.users)), None)
     position = {n: i for i, n in enumerate(permute.graph.nodes)} if region else {}
     return sorted(region, key=position.__getitem__)
 
