@@ -37,7 +37,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run unless NAME is not in $STAGES; r
 } 2>&1 | tee -a "$log"
 
 # TESTS (env) narrows the test stage to some files or node ids, e.g. the ones a previous run did not reach
-TESTS=${TESTS:-tests/test_cuda.py tests/lowering/memory_scan/test_memory_scan_kernels.py \
+TESTS=${TESTS:-tests/test_cuda.py tests/test_cuda_spellings.py tests/lowering/memory_scan/test_memory_scan_kernels.py \
     tests/lowering/memory_scan/test_chunk_kernels.py tests/lowering/qk_preprocess/test_qk_preprocess_numerics.py \
     tests/lowering/qk_preprocess/test_qk_preprocess_triton.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths

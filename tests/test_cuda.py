@@ -147,6 +147,26 @@ def test_kl_attention_belief_not_finite(belief, value):
         assert_close(name, g[finite], r[finite], TOL)
 
 
+@pytest.mark.parametrize("output", range(6), ids=OUTPUT_NAMES[:6])
+def test_kl_attention_output_read_with_a_gradient_of_zero_is_nan_as_in_eager(output):
+    """A NaN belief and one output read under a loss weighted by 0: the kernels' backward reads that output's
+    gradient (0 · NaN = NaN reaches the beliefs' gradients, as in the reference); an output given no gradient
+    is left out."""
+    b, n, k = 2, 37, 5
+    mu, var, rv, cv = torch.randn(b, n, k), 0.5 + torch.rand(b, n, k), torch.randn(b, n, 3), torch.randn(b, n, 4)
+    mu[1, 9, 2] = float("nan")
+
+    def grads(fn, device, dtype):
+        x = [t.to(device, dtype).requires_grad_() for t in (mu, var, rv, cv)]
+        out = fn(*x, 0.8, True, False)
+        return [g.detach().cpu() for g in torch.autograd.grad((out[output] * 0).sum(), x[:2])]
+
+    got, ref = grads(torch.ops.hecate.kl_attention, "cuda", torch.float32), grads(kl_attention_naive, "cpu", torch.float64)
+    assert torch.isnan(ref[0]).any()  # what the test is about
+    for name, g, r in zip(("d mu", "d var"), got, ref):
+        assert torch.equal(torch.isnan(g), torch.isnan(r)), (name, torch.isnan(g).sum(), torch.isnan(r).sum())
+
+
 def test_kl_decode_targets_out_of_range():
     params = [t.cuda() for t in (torch.randn(4, 3), torch.rand(4, 3) + 0.5, torch.randn(5, 3), torch.rand(5, 3) + 0.5)]
     for bad in (5, -1):

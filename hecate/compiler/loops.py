@@ -1137,10 +1137,10 @@ def _emit_scan(graph: fx.Graph, env: dict, loop: _Loop, body_name: str, part: _P
         if step < 0:  # read from the last index down
             x = graph.call_function(torch.flip, (x, (0,)))
         xs.append(x)
-    for o, j in _literals(loop, part):  # the step's number as a [T] tensor of its operand's dtype
-        node = loop.at(0, o)
-        dtype = _value(node.args[1 - j]).dtype
-        xs.append(graph.call_function(torch.tensor, (_literal_values(loop, o, j),), {"dtype": dtype}))
+    for o, j in _literals(loop, part):  # the step's number as a [T] tensor of its operand's dtype, on its device
+        operand = _value(loop.at(0, o).args[1 - j])  # (made on the CPU, a constant, then moved: a copy traces)
+        numbers = graph.call_function(torch.tensor, (_literal_values(loop, o, j),), {"dtype": operand.dtype})
+        xs.append(graph.call_method("to", (numbers, operand.device)))
     inits = []
     for o in carries:  # carries that start from one tensor (CSE merged two torch.zeros) start from copies of it:
         init = env[loop.carries[o]]  # tracing the scan keys its inputs by tensor, and would read one carry for both

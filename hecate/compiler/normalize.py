@@ -1722,6 +1722,8 @@ def _masked_fill_of_a_number(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
                 or _val(mask).dtype != torch.bool or len(lead) + _val(mask).dim() != _val(x).dim():
             return None
     with graph.inserting_before(node):
+        if _val(mask).device != _val(x).device:  # index_put reads a CPU index for a CUDA tensor; masked_fill does not
+            mask = emit(graph, aten._to_copy.default, mask, device=_val(x).device)
         return emit(graph, aten.masked_fill.Scalar, x, mask, number)
 
 
@@ -1833,22 +1835,32 @@ def _views_need_copy(copy: fx.Node) -> bool:
 
 def _einsum_pairs(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | None:
     """``einsum("bhts,ts,bhsd->bhtd", A, M, V)`` → ``einsum("bhts,bhsd->bhtd", einsum("bhts,ts->bhts", A, M), V)``:
-    each step keeps the indices a later operand or the output reads, each step then in its normal form."""
-    equation, operands = node.args
+    two operands at a time in torch's order, each step keeping the indices a later operand or the output reads,
+    each step then in its normal form. The order: the contraction path opt_einsum chose, where torch.einsum
+    passed one (pairs of positions; the two leave the list and their product joins its end), else left to right.
+    Each pair is written in the user's order of its operands (a product at its first operand's place)."""
+    equation, operands = node.args[:2]
+    path = node.kwargs.get("path", node.args[2] if len(node.args) > 2 else None)
     inputs, output = equation.replace(" ", "").split("->")
     terms = inputs.split(",")
-    if len(terms) != len(operands) or len({_val(x).dtype for x in operands if isinstance(x, fx.Node)}) != 1:
+    if len(terms) != len(operands) or len({_val(x).dtype for x in operands if isinstance(x, fx.Node)}) != 1 \
+            or (path is not None and (len(path) != 2 * (len(terms) - 1) or any(not isinstance(i, int) for i in path))):
         return None
-    left, left_term = operands[0], terms[0]
-    for i in range(1, len(terms)):
-        later = set(output).union(*terms[i + 1:])
-        wider, narrower = sorted((left_term, terms[i]), key=len, reverse=True)  # the wider operand's layout
-        kept = output if i == len(terms) - 1 else "".join(dict.fromkeys(c for c in wider + narrower if c in later))
+    pending = list(zip(range(len(terms)), terms, operands))  # (place in the user's equation, indices, operand)
+    pairs = [tuple(path[i:i + 2]) for i in range(0, len(path), 2)] if path else [(0, 1)] * (len(terms) - 1)
+    for first, second in pairs:
+        if first == second or not 0 <= min(first, second) <= max(first, second) < len(pending):
+            return None
+        (place, a_term, a), (_, b_term, b) = sorted((pending[first], pending[second]), key=lambda p: p[0])
+        pending = [p for i, p in enumerate(pending) if i not in (first, second)]
+        later = set(output).union(*(term for _, term, _ in pending))
+        wider, narrower = sorted((a_term, b_term), key=len, reverse=True)  # the wider operand's layout
+        kept = output if not pending else "".join(dict.fromkeys(c for c in wider + narrower if c in later))
         with graph.inserting_before(node):
-            pair = emit(graph, aten.einsum.default, f"{left_term},{terms[i]}->{kept}", [left, operands[i]])
-            left = _einsum(graph, pair, outputs) or pair
-        left_term = kept
-    return left
+            pair = emit(graph, aten.einsum.default, f"{a_term},{b_term}->{kept}", [a, b])
+            product = (place, kept, _einsum(graph, pair, outputs) or pair)
+        pending = pending + [product] if path else [product] + pending
+    return pending[0][2]
 
 
 def _einsum_without_ellipsis(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
@@ -1941,10 +1953,9 @@ def _einsum(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node | 
       elsewhere (``"btd,ed->bet"``, channels first) is that product, then one ``permute``.
 
     Other contractions (batched ones, ``"bthk,bthv->bhvk"``) stay einsums: passes read them by meaning.
-    Three operands or more are contracted two at a time, left to right, as torch does without opt_einsum."""
+    Three operands or more are contracted two at a time, in the order torch contracts them (:func:`_einsum_pairs`)."""
     equation, operands = node.args[0], node.args[1]
-    if isinstance(equation, str) and "->" in equation and "." not in equation and len(operands) > 2 \
-            and not torch.backends.opt_einsum.enabled:
+    if isinstance(equation, str) and "->" in equation and "." not in equation and len(operands) > 2:
         return _einsum_pairs(graph, node, outputs)
     if not isinstance(equation, str) or "->" not in equation or "." in equation or len(operands) != 2:
         return None

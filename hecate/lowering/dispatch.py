@@ -36,6 +36,13 @@ def use_triton_kernels(x: torch.Tensor) -> bool:
     return use_triton(x) and x.dtype != torch.float64
 
 
+def check_devices(op: str, name: str, first: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """Every tensor of ``others`` on ``first``'s device: the kernels read them all from there."""
+    for other, x in others.items():
+        if x is not None and x.device != first.device:
+            raise ValueError(f"{op}: {other} is on {x.device}, expected {name}'s device {first.device}")
+
+
 @contextlib.contextmanager
 def triton_on_cpu() -> Iterator[None]:
     """Run Hecate's Triton kernels on CPU tensors (needs ``TRITON_INTERPRET=1``)."""

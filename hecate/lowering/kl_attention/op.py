@@ -59,7 +59,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from hecate.lowering.dispatch import dense, use_triton
+from hecate.lowering.dispatch import check_devices, dense, use_triton
 from hecate.lowering.kl_attention import matmul_form
 
 OUTPUT_NAMES = ("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum", "lse")
@@ -76,6 +76,7 @@ def check_inputs(mu, var, row_values, col_values, kappa, temperature=None, allow
         raise ValueError(f"kl_attention: var must have mu's shape {tuple(mu.shape)}, got {tuple(var.shape)}")
     if var.dtype != mu.dtype:
         raise ValueError(f"kl_attention: var must have mu's dtype {mu.dtype}, got {var.dtype}")
+    check_devices("kl_attention", "mu", mu, var=var, row_values=row_values, col_values=col_values, allowed=allowed)
     for name, t in (("row_values", row_values), ("col_values", col_values)):
         if t.dim() != 3 or t.shape[:2] != mu.shape[:2]:
             raise ValueError(f"kl_attention: {name} must be [B, N, D] with B, N = {tuple(mu.shape[:2])}, "

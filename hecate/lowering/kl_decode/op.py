@@ -29,7 +29,7 @@ import math
 import torch
 import triton
 
-from hecate.lowering.dispatch import dense, interpreting, use_triton
+from hecate.lowering.dispatch import check_devices, dense, interpreting, use_triton
 from hecate.lowering.kl_decode import matmul_form
 
 
@@ -48,6 +48,7 @@ def check_inputs(mu, var, prior_mu, prior_var, tau, targets=None) -> None:
                          f"got {tuple(prior_var.shape)} {prior_var.dtype}")
     if prior_mu.shape[0] == 0:
         raise ValueError("kl_decode: the prior bank is empty (V = 0)")
+    check_devices("kl_decode", "mu", mu, var=var, prior_mu=prior_mu, prior_var=prior_var, targets=targets)
     if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
         raise ValueError(f"kl_decode: tau must be a finite number > 0, got {tau!r}")
     if targets is not None and (targets.shape != mu.shape[:1] or targets.dtype != torch.int64):

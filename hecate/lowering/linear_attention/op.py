@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from hecate.lowering.autocast import register_autocast
-from hecate.lowering.dispatch import dense, use_triton_kernels
+from hecate.lowering.dispatch import check_devices, dense, use_triton_kernels
 from hecate.lowering.memory_scan import chunked, cpu
 from hecate.lowering.memory_scan.op import check_kvq_shapes
 
@@ -41,6 +41,7 @@ from hecate.lowering.memory_scan.op import check_kvq_shapes
 def check_inputs(k, v, q, alpha, m0, z0, normalize, eps, causal) -> None:
     """Shape and argument checks (no data reads: also run at trace time)."""
     check_kvq_shapes("linear_attention", k, v, q)
+    check_devices("linear_attention", "k", k, v=v, q=q, alpha=alpha, m0=m0, z0=z0)
     B, T, H, Dk = k.shape
     if v.dtype != k.dtype or q.dtype != k.dtype or not k.is_floating_point():
         raise TypeError(f"linear_attention: k, v and q must share one floating dtype, got k {k.dtype}, "

@@ -64,7 +64,7 @@ from torch import Tensor
 
 from hecate.lowering import pointwise
 from hecate.lowering.autocast import register_autocast
-from hecate.lowering.dispatch import dense, use_triton_kernels
+from hecate.lowering.dispatch import check_devices, dense, use_triton_kernels
 from hecate.lowering.memory_scan import chunked, cpu
 
 
@@ -102,6 +102,7 @@ def check_shapes(k, v, q, alpha, eta, m0, cu_seqlens, p, a, eps, momentum, q_nor
     if not math.isfinite(momentum):
         raise ValueError(f"memory_scan: momentum must be finite, got {momentum!r}")
     check_kvq_shapes("memory_scan", k, v, q)
+    check_devices("memory_scan", "k", k, v=v, q=q, alpha=alpha, eta=eta, beta=beta, m0=m0, s0=s0, cu_seqlens=cu_seqlens)
     B, T, H, Dk = k.shape
     for name, gate in (("alpha", alpha), ("eta", eta), ("beta", beta)):
         if gate is None:
