@@ -1124,8 +1124,9 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
     if chain.window is not None:
         layout = layout.replace("T,", "")
     text = " → ".join(steps) + " " + layout
-    if phi_kind == "identity":
-        readers = sorted({str(u.target) for u in chain.output.users if u.op == "call_function"})
+    if phi_kind == "identity":  # what reads the output where φ would be (a view of it, a head split, is no φ)
+        readers = sorted({str(u.target) for u in chain.output.users
+                          if u.op == "call_function" and not getattr(u.target, "is_view", False)})
         if readers:
             text += f"; read by {', '.join(readers)}, left to the fallback (not a φ the op fuses)"
     return text

@@ -198,6 +198,16 @@ def test_projection_read_elsewhere_is_left_out_of_the_fusion():
                                 "(not a φ the op fuses)"]
 
 
+def test_an_output_read_only_through_a_view_is_described_without_a_phi_left_out():
+    """φ = identity and the output read by a permute (heads or time moved first for the memory): a view is no
+    φ, so the detail names no reader "left to the fallback" (it did, and read like a near-miss)."""
+    def spelling(m, x):
+        return F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2))).permute(2, 0, 1)  # [T, B, D]
+
+    report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
+    assert _details(report) == ["linear → conv(K=4) → silu [B,T,D]"], str(report)
+
+
 def test_intermediate_read_elsewhere_stops_the_chain_there():
     def spelling(m, x):
         a = F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2)).transpose(1, 2))
