@@ -7,6 +7,7 @@ captured graph.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import pathlib
@@ -56,7 +57,8 @@ def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
         from torch._inductor import list_mode_options
 
         mode_config = list_mode_options(mode)  # raises for a mode Inductor does not know
-    aten_gm, report = fuse_or_original(gm, example_inputs, opts)
+    with _saved_tensors_hooks_paused():
+        aten_gm, report = fuse_or_original(gm, example_inputs, opts)
     check_ddp_split(gm, opts, report)
     _REPORTS.append(report)
     if opts.print_report:
@@ -75,6 +77,14 @@ def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
         report.add_miss("hecate", reason)
         warn_once("fallback compile", e, reason)
         return _compile_rest(gm, example_inputs, opts, mode_config)
+
+
+def _saved_tensors_hooks_paused():
+    """The user's saved-tensor hooks do not see the passes' tracing (fake tensors that require grad save
+    some): a first call inside ``torch.utils.checkpoint`` would otherwise save more tensors than its
+    recomputation does, a ``CheckpointError`` in backward. Dynamo pauses them so for its own tracing."""
+    pause = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", contextlib.nullcontext)
+    return pause()
 
 
 def _compile_rest(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], opts: Options,

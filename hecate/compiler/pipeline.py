@@ -119,6 +119,8 @@ def _retrace(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> fx.G
             traced = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
     _check_traced_through(traced)
     _keep_input_names(gm, traced)
+    for node, x in zip(traced.graph.find_nodes(op="placeholder"), example_inputs):  # (fake values drop it)
+        node.meta["requires_grad"] = isinstance(x, torch.Tensor) and x.requires_grad
     return normalize(traced)
 
 

@@ -522,8 +522,8 @@ def first_gradient_stop(body: fx.GraphModule) -> fx.Node | None:
 
 
 def gradient_stop_reason(stop: fx.Node) -> str:
-    return (f"gradients stop inside it at {source_line([stop]) or stop.name} (detach, or a value computed under "
-            "torch.no_grad()); the fused op would let them through; compiled as written")
+    return (f"gradients stop inside it at {source_line([stop]) or stop.name} (detach, a value computed under "
+            "torch.no_grad(), or a number read by .item()); the fused op would let them through; compiled as written")
 
 
 def _gradient_stop(node: fx.Node, inputs: set[fx.Node]) -> fx.Node | None:
@@ -531,7 +531,13 @@ def _gradient_stop(node: fx.Node, inputs: set[fx.Node]) -> fx.Node | None:
     if node.target is torch.ops.aten.detach.default and inputs & _differentiable_ancestors(node.args, inputs) \
             and any(n.op == "placeholder" for n in tensors_read(node.args[:1])):
         return node  # (torch.tensor(0.9) in forward is a get_attr constant, detached: no gradient to stop)
+    if node.target in _READ_AS_A_NUMBER and inputs & _differentiable_ancestors(node.args, inputs) \
+            and any(n.op == "placeholder" and n.meta.get("requires_grad", True) for n in tensors_read(node.args[:1])):
+        return node  # (Dynamo's 0-d input for a float attribute under dynamic=True requires no gradient)
     return None
+
+
+_READ_AS_A_NUMBER = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)  # .item()
 
 
 def _bodies(node: fx.Node) -> list[fx.GraphModule]:
@@ -549,7 +555,8 @@ def _differentiable_ancestors(nodes: Sequence[Any], stop: set[fx.Node]) -> set[f
     while stack:
         node = stack.pop()
         values = pytree.tree_leaves(node.meta.get("val"))  # a loop's results come as a tuple
-        if node in seen or not any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in values):
+        if node in seen or not any(isinstance(v, torch.Tensor) and v.is_floating_point() or isinstance(v, torch.SymFloat)
+                                   for v in values):  # (a number read by .item() is one: no gradient passes it)
             continue
         seen.add(node)
         if node not in stop:

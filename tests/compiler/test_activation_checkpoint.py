@@ -78,3 +78,22 @@ def test_checkpointed_family_is_fused_and_equals_eager(name, fallback, selective
     # the region is still a checkpoint: the fused graph calls tag_activation_checkpoint on its body
     dumps = list(tmp_path.glob("*_after_*.txt"))
     assert any("tag_activation_checkpoint" in f.read_text() for f in dumps), [f.name for f in dumps]
+
+
+@pytest.mark.parametrize("fallback", ["inductor", "eager"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_compiled_model_first_called_inside_a_checkpoint_equals_eager(name, fallback, fresh_dynamo):
+    """The compiled model checkpointed from outside (``checkpoint(compiled, x)``), its first call there: the
+    compile runs inside the checkpoint's forward, whose saved-tensor hooks count what autograd saves. The
+    passes' tracing saved fake tensors there, the recomputation did not: ``CheckpointError`` in backward
+    (probe r26, any model, nothing fused or not). Now it runs, fused, and equals eager."""
+    make, shape, pattern = CASES[name]
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(*shape)
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    compiled = torch.compile(model, backend="hecate", options={"fallback": fallback, "strict": True})
+    got = checkpoint(compiled, xc, use_reentrant=False)
+    assert hecate.last_report().count(pattern) == 1, str(hecate.last_report())
+    params = list(model.parameters())
+    assert_outputs_and_gradients_close(got, model(xe), [xc, *params], [xe, *params], TOL)

@@ -327,6 +327,33 @@ def decay_of_zero(q, k, v):  # γ = 0: D is the identity, each token reads itsel
     return ((phi(q) @ phi(k).mT) * _decay(q.shape[-2], 0.0)) @ v
 
 
+class DecayReadByItem(nn.Module):
+    """γ a parameter read as a number by ``.item()``: no gradient reaches it in eager."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.tensor(0.8))
+
+    def forward(self, q, k, v):
+        t = torch.arange(q.shape[1])
+        dist = t[:, None] - t[None, :]
+        decay = torch.where(dist >= 0, self.gamma.item() ** dist.clamp(min=0).float(), 0.0)
+        return ((phi(q) @ phi(k).mT) * decay) @ v
+
+
+def test_a_decay_read_by_item_is_reported_and_its_parameter_gets_no_gradient(monkeypatch, fresh_dynamo):
+    """With ``capture_scalar_outputs`` Dynamo keeps ``gamma.item()`` in the graph: eager gives γ no gradient
+    (a number carries none). The op would read γ from the parameter and give it one (31.9 here, probe r26):
+    a gradient stop, reported; compiled as written, γ's gradient None as in eager."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    model = DecayReadByItem()
+    args = [torch.randn(B, T, D, requires_grad=True) for _ in range(3)]
+    torch.compile(model, backend="hecate", options={"fallback": "eager"})(*args).sum().backward()
+    report = hecate.last_report()
+    assert not report.fusions and "a number read by .item()" in report.misses[0].reason, str(report)
+    assert model.gamma.grad is None
+
+
 def test_a_decay_of_zero_is_reported_as_an_elementwise_product(fresh_dynamo):
     """γ = 0 makes D the identity, whose rows also sum to 1: reported as the elementwise product it is, not as a score
     divided by its row sums (probe r19)."""
