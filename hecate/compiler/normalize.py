@@ -1838,14 +1838,20 @@ def _einsum_pairs(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.N
     two operands at a time in torch's order, each step keeping the indices a later operand or the output reads,
     each step then in its normal form. The order: the contraction path opt_einsum chose, where torch.einsum
     passed one (pairs of positions; the two leave the list and their product joins its end), else left to right.
-    Each pair is written in the user's order of its operands (a product at its first operand's place)."""
+    Each pair is written in the user's order of its operands (a product at its first operand's place). Under
+    autocast the operands may differ in dtype: each is cast to the einsum's, as autocast casts them before torch
+    contracts."""
     equation, operands = node.args[:2]
     path = node.kwargs.get("path", node.args[2] if len(node.args) > 2 else None)
     inputs, output = equation.replace(" ", "").split("->")
     terms = inputs.split(",")
-    if len(terms) != len(operands) or len({_val(x).dtype for x in operands if isinstance(x, fx.Node)}) != 1 \
+    dtype = _val(node).dtype
+    if len(terms) != len(operands) or not all(isinstance(x, fx.Node) and _val(x).is_floating_point() for x in operands) \
             or (path is not None and (len(path) != 2 * (len(terms) - 1) or any(not isinstance(i, int) for i in path))):
         return None
+    with graph.inserting_before(node):  # operands of other dtypes (under autocast): cast first, as autocast does
+        operands = [x if _val(x).dtype == dtype else emit(graph, aten._to_copy.default, x, dtype=dtype)
+                    for x in operands]
     pending = list(zip(range(len(terms)), terms, operands))  # (place in the user's equation, indices, operand)
     pairs = [tuple(path[i:i + 2]) for i in range(0, len(path), 2)] if path else [(0, 1)] * (len(terms) - 1)
     for first, second in pairs:

@@ -327,6 +327,22 @@ def decay_of_zero(q, k, v):  # γ = 0: D is the identity, each token reads itsel
     return ((phi(q) @ phi(k).mT) * _decay(q.shape[-2], 0.0)) @ v
 
 
+@pytest.mark.parametrize("fn", [einsum_with_the_mask_as_an_operand, einsum_with_the_mask_first], ids=lambda f: f.__name__)
+def test_an_einsum_of_three_operands_under_autocast_is_reported(fn, fresh_dynamo):
+    """Under autocast(bf16) the einsum's operands differ in dtype (the scores bf16, the mask and the values fp32):
+    the normal form casts each to the einsum's dtype, as autocast does, before contracting two at a time. The
+    einsum was left whole and the family unreported (probe r26); now it is reported, and equals eager."""
+    args = [torch.randn(B, T, D, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*args)
+        ref = fn(*args)
+    report = hecate.last_report()
+    assert report.count("linear_attention") + len([m for m in report.misses if m.pattern == "linear_attention"]) == 1, \
+        str(report)
+    assert got.dtype == ref.dtype == torch.bfloat16
+    assert_close("output", got.float(), ref.float(), 1e-2)
+
+
 class DecayReadByItem(nn.Module):
     """γ a parameter read as a number by ``.item()``: no gradient reaches it in eager."""
 
