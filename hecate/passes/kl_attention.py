@@ -676,6 +676,33 @@ def _draws(logits, bases, shape, constants, own_sizes: bool = False) -> list:
 
 
 def _match_kl(logits, bases, shared, lead, k):
+    """:func:`_match_kl_drawing` the tensors the beliefs are computed from; where that fails, drawing instead the
+    value each is turned into before the score reads it in several places (``var = softplus(raw) + 1e-3``, read
+    as ``1/var``, ``var + μ²`` and ``log var`` by a KL multiplied out): the variance a parameterisation of
+    ``raw`` gives. The first attempt's reason stands where neither matches."""
+    try:
+        return _match_kl_drawing(logits, bases, shared, lead, k, lift=False)
+    except NotFused as first:
+        try:
+            return _match_kl_drawing(logits, bases, shared, lead, k, lift=True)
+        except NotFused:
+            raise first from None
+
+
+def _where_read_apart(node: fx.Node, within: set) -> fx.Node:
+    """The last of ``node``'s chain of single-reader pointwise ops of its own shape within ``within`` (the first
+    value read in two places), or ``node``."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user not in within or shape_of(user) != shape_of(node) \
+                or not (user.op == "call_function" and torch.Tag.pointwise in getattr(user.target, "tags", ())) \
+                or any(i is not node and not depends_on_sizes_only(i) for i in user.all_input_nodes):
+            break
+        node = user
+    return node
+
+
+def _match_kl_drawing(logits, bases, shared, lead, k, lift):
     """(κ, mean, scale, parameterisation, evaluated values) with logits = −KL/κ; else NotFused.
 
     ``bases`` the per-position tensors [*L, N, K] (``lead`` = len(L)), ``shared`` those the same at
@@ -692,6 +719,11 @@ def _match_kl(logits, bases, shared, lead, k):
     sources = [s for b in numbers if not _computed_from_any(b, bases) for s in _feature_sources(b, lead, k)]
     bases = bases + [s for s in dict.fromkeys(sources) if s not in bases]
     drawn = [b for b in independent(bases + shared) if b not in constants]
+    if lift:
+        lifted = [_where_read_apart(b, set(bases)) for b in drawn]
+        if lifted == drawn:
+            raise NotFused("nothing to draw in its place")
+        bases, drawn = bases + [b for b in lifted if b not in bases], lifted
     means = [b for b in bases if b in drawn and b not in numbers]
     scales = [b for b in drawn if b not in shared and b not in numbers] + [b for b in shared
                                                                           if len(shape_of(b)) <= lead + 2]

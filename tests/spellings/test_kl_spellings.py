@@ -253,6 +253,14 @@ def a_multiplied_out_into_matrix_products(mu, logvar):  # no pair tensor: Σ_k a
     return torch.softmax(-kl, -1) @ mu
 
 
+def a_multiplied_out_of_a_softplus_variance(mu, raw):  # v = softplus(raw) + ε, read as 1/v, v + μ² and log v (r26)
+    var = F.softplus(raw) + 1e-3
+    quad = (var + mu ** 2) @ (1.0 / var).transpose(1, 2) - 2 * mu @ (mu / var).transpose(1, 2) \
+        + (mu ** 2 / var).sum(-1)[:, None, :]
+    log_det = var.log().sum(-1)
+    return torch.softmax(-0.5 * (quad + log_det[:, None, :] - log_det[:, :, None] - mu.shape[-1]), -1) @ mu
+
+
 def a_squared_distance_multiplied_out(mu, var):  # RBF ‖μ_i‖² + ‖μ_j‖² − 2 μ_i·μ_j, the cross term by einsum
     sq = (mu * mu).sum(-1)
     return torch.softmax(-0.5 * (sq[:, :, None] + sq[:, None, :] - 2 * torch.einsum("bik,bjk->bij", mu, mu)), -1) @ var
@@ -377,7 +385,7 @@ def a_features_joined_for_one_product(mu, var):  # c_i + [v + μ², μ]_i · [1/
 
 
 ATTENTION = [
-    (a_features_joined_for_one_product, _var),
+    (a_features_joined_for_one_product, _var), (a_multiplied_out_of_a_softplus_variance, _logvar),
     (a_kl_kept_where_causal_else_inf, _var), (a_kl_plus_an_inf_mask, _var),
     (a_softmax_by_hand_without_the_max, _var), (a_softmax_by_hand_times_a_causal_mask, _var),
     (a_softmax_masked_after_and_renormalised, _var), (a_softmax_zeroed_by_masked_fill_and_renormalised, _var),
