@@ -357,14 +357,14 @@ class DecayReadByItem(nn.Module):
         return ((phi(q) @ phi(k).mT) * decay) @ v
 
 
-def test_a_decay_read_by_item_is_reported_and_its_parameter_gets_no_gradient(monkeypatch, fresh_dynamo):
+def test_a_decay_read_by_item_is_reported_and_its_parameter_gets_no_gradient(fresh_dynamo):
     """With ``capture_scalar_outputs`` Dynamo keeps ``gamma.item()`` in the graph: eager gives γ no gradient
     (a number carries none). The op would read γ from the parameter and give it one (31.9 here, probe r26):
     a gradient stop, reported; compiled as written, γ's gradient None as in eager."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
     model = DecayReadByItem()
     args = [torch.randn(B, T, D, requires_grad=True) for _ in range(3)]
-    torch.compile(model, backend="hecate", options={"fallback": "eager"})(*args).sum().backward()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # (monkeypatch's undo deletes a config entry)
+        torch.compile(model, backend="hecate", options={"fallback": "eager"})(*args).sum().backward()
     report = hecate.last_report()
     assert not report.fusions and "a number read by .item()" in report.misses[0].reason, str(report)
     assert model.gamma.grad is None
