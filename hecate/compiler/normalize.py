@@ -78,8 +78,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hecate.passes.shifts import shifted_copy
-from hecate.passes.matching import (aliases, computed_from, depends_on_sizes_only, mutates, number_of,
-                                    written_in_place, zero_pad_amounts, zero_padded_dims)
+from hecate.passes.matching import (aliases, computed_from, depends_on_sizes_only, is_pointwise, mutates,
+                                    number_of, written_in_place, zero_pad_amounts, zero_padded_dims)
 
 aten = torch.ops.aten
 
@@ -305,7 +305,7 @@ def _pointwise_region(permute: fx.Node, order: list[int]) -> list[fx.Node]:
     pending = list(permute.users)
     while pending:
         node = pending.pop()
-        if node in region or not _is_pointwise(node) or torch.Tag.nondeterministic_seeded in node.target.tags \
+        if node in region or not is_pointwise(node) or torch.Tag.nondeterministic_seeded in node.target.tags \
                 or node.target is aten.clone.default or not isinstance(_val(node), torch.Tensor) \
                 or _val(node).dim() != rank:
             continue
@@ -1124,15 +1124,10 @@ def _pointwise_cone(x: fx.Node, rank: int) -> set[fx.Node]:
         if _sums_last_dim(n):
             cone.add(n)
             todo.append((n.args[0], r + 1))
-        elif _is_pointwise(n):
+        elif is_pointwise(n):
             cone.add(n)
             todo.extend((a, r) for a in n.all_input_nodes)
     return cone
-
-
-def _is_pointwise(n: fx.Node) -> bool:
-    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
-        and torch.Tag.pointwise in n.target.tags
 
 
 def _sums_last_dim(n: fx.Node) -> bool:
@@ -1157,7 +1152,7 @@ def _permuted(graph: fx.Graph, x: Any, order: list[int], cone: set[fx.Node], don
         if x in cone and _sums_last_dim(x):
             done[key] = emit(graph, aten.sum.dim_IntList,
                               _permuted(graph, x.args[0], order + [len(order)], cone, done), [-1])
-        elif x in cone or _is_pointwise(x):
+        elif x in cone or is_pointwise(x):
             done[key] = emit(graph, x.target, *fx.node.map_arg(
                 x.args, lambda a: _permuted(graph, a, order, cone, done)), **x.kwargs)
         elif unsqueezed is not None:  # the permute moved through the size-1 dim to the tensor unsqueezed

@@ -579,7 +579,7 @@ def extract(input_node: fx.Node, output_node: fx.Node) -> str:
     return serialise(e)
 
 
-def is_pointwise(node: fx.Node) -> bool:
+def _generated(node: fx.Node) -> bool:
     """Whether ``node`` is an ATen call :func:`extract` reads (its operands aside)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
@@ -603,7 +603,7 @@ def grow(input_node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     while frontier:                                   # forward closure over pointwise readers
         node = frontier.pop()
         for user in node.users:
-            if user in region or not is_pointwise(user):
+            if user in region or not _generated(user):
                 continue
             tensor_operands = [a for a in user.all_input_nodes if _literal_node(a) is None]
             if all(a is input_node or a in region for a in tensor_operands):

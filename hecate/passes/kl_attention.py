@@ -70,8 +70,8 @@ from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals
                                     gaussian_kl, independent, nearest_sources, proportion, run_time_temperature,
                                     shape_of, short, sources_shaped, strip_noops)
 from hecate.passes.matching import (NotFused, bound_reason, constant_tensor, depends_on_sizes_only, first_threshold,
-                                    is_zeros, nodes_between, number_of, replace_with_function, shifted_size,
-                                    size_hint, tensors_read, written_in_place)
+                                    is_pointwise, is_zeros, nodes_between, number_of, replace_with_function,
+                                    shifted_size, size_hint, tensors_read, written_in_place)
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -695,7 +695,7 @@ def _where_read_apart(node: fx.Node, within: set) -> fx.Node:
     while len(node.users) == 1:
         (user,) = node.users
         if user not in within or shape_of(user) != shape_of(node) \
-                or not (user.op == "call_function" and torch.Tag.pointwise in getattr(user.target, "tags", ())) \
+                or not is_pointwise(user) \
                 or any(i is not node and not depends_on_sizes_only(i) for i in user.all_input_nodes):
             break
         node = user

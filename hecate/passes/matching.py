@@ -243,6 +243,12 @@ def bound_reason(node: fx.Node, what: str) -> str:
             "the fused op would drop it")
 
 
+def is_pointwise(node: fx.Node) -> bool:
+    """An ATen op computing each output element from the elements at its position (``torch.Tag.pointwise``)."""
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and torch.Tag.pointwise in node.target.tags
+
+
 def depends_on_sizes_only(node: fx.Node) -> bool:
     """Whether ``node`` reads no tensor input of the graph: its value is made of sizes and constants (a causal
     mask)."""

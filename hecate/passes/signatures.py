@@ -34,7 +34,8 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hecate.passes.matching import aliases, descendants, mutates, pad_fill, padded_dims, zero_padded_dims
+from hecate.passes.matching import (aliases, descendants, is_pointwise, mutates, pad_fill, padded_dims,
+                                    zero_padded_dims)
 from hecate.passes.report import FusionReport, source_line
 from hecate.passes.shifts import shifted_copy
 
@@ -119,13 +120,9 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes if _shape(a) is not None]
 
 
-def _is_pointwise(node: fx.Node) -> bool:
-    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
-
-
 def _pair_dims(node: fx.Node) -> tuple[int, int] | None:
     """The output dims (i, j) of a pointwise op broadcasting [.., N, 1, ..] against [.., 1, M, ..]."""
-    if not _is_pointwise(node):
+    if not is_pointwise(node):
         return None
     out, args = _shape(node), _tensor_args(node)
     if out is None or len(args) != 2:
@@ -409,7 +406,7 @@ def _unrolled_states(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
     """Chains of matrix updates ``S' = f(S, u ⊗ w)``, each reading the previous one."""
     updates = {}  # pointwise node combining an outer product into a matrix -> that outer product
     for node in graph.nodes:
-        if _is_pointwise(node) and _is_matrix(_shape(node)) and len(_tensor_args(node)) == 2 \
+        if is_pointwise(node) and _is_matrix(_shape(node)) and len(_tensor_args(node)) == 2 \
                 and not _is_outer_product(node):
             outer = next((n for n in _ancestors(node, limit=4)
                           if _is_outer_product(n) and _shape(n) == _shape(node)), None)
