@@ -363,7 +363,7 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
         ones = torch.zeros(_sizes(node, size), dtype=torch.float64)
         form.canonical(name, ones)[..., 0] = 1.0  # a view: the feature dim in the node's own layout
         values[node] = ones
-    values[form.v] = torch.zeros(_sizes(form.v, size), dtype=torch.float64)
+    values.setdefault(form.v, torch.zeros(_sizes(form.v, size), dtype=torch.float64))  # (v may be k itself)
     # beside the score (the mask may read the queries too: gates computed from them, drawn as any gate tensor)
     inputs = tensors_read([form.a], stop=[form.score])
     inputs = [n for n in inputs if not made_in_forward(n)]  # (a torch.tensor(-inf) fill: evaluate reads it)

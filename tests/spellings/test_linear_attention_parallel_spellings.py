@@ -434,6 +434,26 @@ def test_a_decay_whose_far_powers_underflow_fuses(fresh_dynamo):
         ["causal (φ(Q)φ(K)ᵀ ⊙ D) V, parallel form, decay γ=0.05"], str(report)
 
 
+def keys_read_as_values(q, k):  # the keys are the values: (QKᵀ ⊙ D) K (probe r27)
+    n = q.shape[-2]
+    return ((q @ k.mT) * torch.ones(n, n).tril()) @ k
+
+
+def one_tensor_as_queries_keys_and_values(x):  # x attends to itself: (x xᵀ ⊙ D) x, a decay γ = 0.8
+    t = torch.arange(x.shape[-2])
+    return ((x @ x.mT) * torch.tril(0.8 ** (t[:, None] - t[None, :]).float())) @ x
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn", [keys_read_as_values, one_tensor_as_queries_keys_and_values], ids=lambda f: f.__name__)
+def test_one_tensor_read_in_two_roles_fuses(fn, dynamic, fresh_dynamo):
+    """The mask is found at q = k = e₁ whatever else reads those tensors: the values being the keys gave a
+    mask of zeros off the diagonal ("D is diagonal, nothing to fuse")."""
+    torch.manual_seed(0)
+    args = [torch.randn(B, T, D) for _ in range(fn.__code__.co_argcount)]
+    assert _check(fn, args, dynamic).count("linear_attention") == 1
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("fn", FUNCTIONS, ids=[f.__name__ for f in FUNCTIONS])
 def test_parallel_form_fuses_and_equals_eager(fn, dynamic, fresh_dynamo):
