@@ -44,6 +44,7 @@ import torch
 from torch import fx
 from torch.fx import traceback as fx_traceback
 from torch._guards import detect_fake_mode
+from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -51,6 +52,7 @@ from hecate.compiler.logs import log, stage
 from hecate.compiler.loops import RolledGraph, roll_loops
 from hecate.compiler.normalize import collapse_captured, normalize
 from hecate.compiler.options import Options
+from hecate.passes.matching import free_attribute, is_register_hook
 from hecate.passes.memory_step import forms_outer_product
 from hecate.passes.report import FusionReport, source_line
 
@@ -116,12 +118,37 @@ def _retrace(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> fx.G
                        for x in example_inputs]
         # run node by node so each ATen node keeps the user's source line (meta["stack_trace"])
         with fx_traceback.preserve_node_meta():
-            traced = make_fx(fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
+            traced = make_fx(_Retrace(gm).run, pre_dispatch=True)(*fake_inputs)
     _check_traced_through(traced)
     _keep_input_names(gm, traced)
     for node, x in zip(traced.graph.find_nodes(op="placeholder"), example_inputs):  # (fake values drop it)
         node.meta["requires_grad"] = isinstance(x, torch.Tensor) and x.requires_grad
     return normalize(traced)
+
+
+class _Retrace(fx.Interpreter):
+    """Runs Dynamo's graph node by node under make_fx.
+
+    A gradient hook registered inside the compiled code (``y.register_hook(fn)``) is a
+    ``register_hook`` call in Dynamo's graph; run as it is, it would register ``fn`` on a fake
+    tensor and leave nothing in the trace. It is written into the trace as the same call instead,
+    so the fallback registers it at run time (eager) or while tracing the backward (Inductor)."""
+
+    def call_function(self, target, args, kwargs):
+        if not is_register_hook(target):
+            return super().call_function(target, args, kwargs)
+        tensor, body, *free = args
+        tracer = proxy_tensor.get_proxy_mode().tracer
+        name = free_attribute(tracer.root, "hook_body")
+        tracer.root.register_module(name, body)
+        proxies = [proxy_tensor.get_proxy_slot(a, tracer).proxy if isinstance(a, torch.Tensor) else a
+                   for a in (tensor, *free)]
+        hooked = tracer.create_proxy("call_function", torch.ops.higher_order.register_hook,
+                                     (proxies[0], tracer.create_proxy("get_attr", name, (), {}), *proxies[1:]), {})
+        with proxy_tensor.disable_proxy_modes_tracing():
+            out = torch.ops.aten.alias.default(tensor)
+        # what reads the tensor from here on reads it hooked, as in Dynamo's graph
+        return proxy_tensor.track_tensor_tree(out, hooked, constant=None, tracer=tracer)
 
 
 def _keep_input_names(gm: fx.GraphModule, traced: fx.GraphModule) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused, made_in_forward, written_in_place
+from hecate.passes.matching import NotFused, hook_reason, is_register_hook, made_in_forward, written_in_place
 
 aten = torch.ops.aten
 
@@ -198,6 +198,8 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
             return n
         if n in memo:
             return memo[n]
+        if is_register_hook(n.target):
+            raise NotFused(hook_reason(n))
         val = n.meta.get("val")
         if size_hint is not None and isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
             memo[n] = size_hint(val)

@@ -513,6 +513,8 @@ def check_gradients_flow(args: Sequence[Any], outputs: Sequence[fx.Node]) -> Non
     for node in region:
         if node in inputs and all(u in replaced or u not in region for u in node.users):
             continue  # a detached input read by the replaced outputs alone (β @ mu.detach()): the op reads it so
+        if is_register_hook(node.target):
+            raise NotFused(hook_reason(node))
         stop = _gradient_stop(node, inputs)
         if stop is None:
             stop = next((s for body in _bodies(node) if (s := first_gradient_stop(body)) is not None), None)
@@ -525,6 +527,17 @@ def first_gradient_stop(body: fx.GraphModule) -> fx.Node | None:
     under torch.no_grad() reaches the rest through one), or None."""
     inputs = set(body.graph.find_nodes(op="placeholder"))
     return next((s for n in body.graph.nodes if (s := _gradient_stop(n, inputs)) is not None), None)
+
+
+def is_register_hook(target: Any) -> bool:
+    """``target`` is torch's ``register_hook`` operator, a gradient hook registered inside the compiled code
+    (``y.register_hook(fn)``), or a copy of it (deep-copying a graph copies it)."""
+    return isinstance(target, torch._ops.HigherOrderOperator) and target.name() == "register_hook"
+
+
+def hook_reason(hook: fx.Node) -> str:
+    return (f"a gradient hook is registered at {source_line([hook]) or hook.name} on a value the fused op would "
+            "compute inside: its backward would not call the hook; compiled as written")
 
 
 def gradient_stop_reason(stop: fx.Node) -> str:

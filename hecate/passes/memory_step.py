@@ -52,7 +52,8 @@ import torch
 from torch import fx
 
 from hecate.passes.matching import NotFused, bound_reason, computed_from, first_gradient_stop, first_threshold, \
-    free_attribute, gradient_stop_reason, is_zeros, op_name, replace_with_function, snapped
+    free_attribute, gradient_stop_reason, is_register_hook, is_zeros, op_name, replace_with_function, snapped
+from hecate.passes.report import source_line
 
 aten = torch.ops.aten
 
@@ -1688,6 +1689,11 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
             if any(_written_at_two_indices(w) for w in writes):
                 why += (", and at one integer index: here slots are written at two (out[:, h, t] = y, a loop over "
                         "heads inside the loop over time); collect each head's outputs in a list and stack them")
+        hooks = [n for n in gm.graph.nodes if is_register_hook(n.target) and computed_from([n.args[0]], {updates[0]})
+                 and computed_from([updates[-1]], {n})]  # between two steps
+        if hooks:
+            why = (f"a gradient hook is registered inside the steps ({source_line(hooks[:1]) or hooks[0].name}), "
+                   "which a fused loop's backward would not call")
         report.add_miss(op, f"{len(updates)} memory update step(s) M ← a·M + (outer product) are written out step by "
                         f"step and could not be rolled up into one loop: {why}; compiled as written",
                         f"{updates[0].name} .. {updates[-1].name}", nodes=updates)

@@ -65,8 +65,8 @@ from torch.fx.passes.utils.matcher_utils import InternalMatch
 from hecate.passes.report import FusionReport
 from hecate.lowering import pointwise
 from hecate.passes.gaussian import evaluate
-from hecate.passes.matching import (Match, NotFused, computed_from, descendants, find_matches, pad_fill,
-                                    pattern_graph, replace_with_op, val)
+from hecate.passes.matching import (Match, NotFused, computed_from, descendants, find_matches, is_register_hook,
+                                    pad_fill, pattern_graph, replace_with_op, val)
 
 PATTERN = "qk_preprocess"
 OP_NAME = "hecate.qk_preprocess"
@@ -793,7 +793,7 @@ def _matrix_phi_by_value(node: fx.Node) -> _Found | None:
     pending = list(node.users)
     while pending and len(region) <= _PHI_SEARCH:
         user = pending.pop(0)
-        if user in region or user.op != "call_function":
+        if user in region or user.op != "call_function" or is_register_hook(user.target):
             continue
         ins = user.all_input_nodes
         if not all(x is node or x in region or not computed_from([x], {node}) for x in ins):
