@@ -94,11 +94,14 @@ def _product_sides(node: fx.Node, score: tuple) -> tuple[fx.Node, fx.Node] | Non
                 or terms[1] != out[-1] + terms[0][-1] or terms[0][-1] in out:
             return None
         x, y = node.args[1]
-    elif node.target in (aten.matmul.default, aten.mm.default) and len(node.args) == 2 \
+    elif node.target in (aten.matmul.default, aten.mm.default, aten.mul.Tensor) and len(node.args) == 2 \
             and isinstance(node.args[1], fx.Node) \
             and strip_noops(node.args[1]).target in (aten.transpose.int, aten.permute.default, aten.numpy_T.default) \
             and len(shape_of(node.args[1]) or ()) == 2:  # (a rank-2 permute, or y.T, is the transpose)
+        # (a product over K = 1 is written, or normalised, as the broadcast x [..., N, 1] * yᵀ [1, V])
         x, y = node.args[0], strip_noops(node.args[1]).args[0]
+        if node.target is aten.mul.Tensor and not _is((shape_of(x) or (0,))[-1], 1):
+            return None
     else:
         return None
     x, y = strip_noops(x), strip_noops(y)
@@ -171,9 +174,12 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
 
 
 def _per_position_sources(node: fx.Node, lead: tuple) -> list[fx.Node]:
-    """The nearest per-position tensors [..., N, K] (``lead`` = [..., N]) ``node`` is computed from."""
-    return nearest_sources(node, lambda shape: len(shape) == len(lead) + 1 and not _is(shape[-1], 1)
-                           and all(_is(a, b) for a, b in zip(shape, lead)))
+    """The nearest per-position tensors [..., N, K] (``lead`` = [..., N]) ``node`` is computed from; those of
+    [..., N, 1] where there are none (K = 1, or an isotropic variance)."""
+    def per_position(k_is_one):
+        return lambda shape: len(shape) == len(lead) + 1 and _is(shape[-1], 1) == k_is_one \
+            and all(_is(a, b) for a, b in zip(shape, lead))
+    return nearest_sources(node, per_position(False)) or nearest_sources(node, per_position(True))
 
 
 def _is(size, other) -> bool:
@@ -202,7 +208,8 @@ def _recognise(logits: fx.Node) -> _Decode | None:
         return None
     queries, priors, scalars = found
     v = size_hint(shape[-1])
-    k = {size_hint(shape_of(x)[-1]) for x in queries} - {1}  # a variance [..., N, 1] is isotropic
+    k = {size_hint(shape_of(x)[-1]) for x in queries}
+    k = k - {1} or k  # a variance [..., N, 1] beside means [..., N, K] is isotropic; all [..., N, 1]: K = 1
     if len(k) != 1:
         return None
     k = k.pop()

@@ -10,6 +10,7 @@ leading dims of the score: [B, N, N], one sequence [N, N], heads [B, H, N, N] an
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -1156,6 +1157,18 @@ def test_decode_spelling_fuses_and_equals_eager(fn, fresh_dynamo):
     report = _compare(lambda *a: fn(*a, targets), args, "kl_decode")
     assert report.count("kl_decode") == 1, str(report)
     assert not [m for m in report.misses if m.pattern == "kl_decode"], str(report)
+
+
+@pytest.mark.parametrize("v", [V, 2], ids=lambda v: f"V={v}")
+@pytest.mark.parametrize("fn", [f for f in DECODE if f is not d_sizes_baked_into_views], ids=lambda f: f.__name__)
+def test_decode_with_one_belief_dimension_fuses(fn, v, monkeypatch, fresh_dynamo):
+    """K = 1: every tensor of the beliefs is [..., N, 1], which a variance beside K > 1 means is too, and a product
+    over K is the broadcast x [..., N, 1] * yᵀ [1, V]; the decode was reported not fused (V = 7) or not at all
+    (V = 2; probe r27)."""
+    monkeypatch.setattr(sys.modules[__name__], "K", 1)  # the spellings' own sizes
+    monkeypatch.setattr(sys.modules[__name__], "V", v)
+    torch.manual_seed(0)
+    test_decode_spelling_fuses_and_equals_eager(fn, fresh_dynamo)
 
 
 def d_view_then_log_softmax_nll_sum(mu, var, prior_mu, prior_var, targets):  # flattened first, summed, an ignored id
