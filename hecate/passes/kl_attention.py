@@ -587,7 +587,7 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     users = list(softmax.users)
     if len(users) == 1 and all(_zero_fill_of_masked(users[0], softmax, a, size) for a, size in zip(alloweds, lengths)):
         beta, empty_rows_nan = users[0], False
-    unfilled = _unfill_weighted_by_beta(beta, alloweds, lengths)
+    unfilled = [] if has_empty_row else _unfill_weighted_by_beta(beta, alloweds, lengths)
     additive = added or any(kind in ("additive", "vanishing_added") for _, kind in masks)
     read = {mean, scale} | ({kappa.node} if isinstance(kappa, Temperature) else set())
     ignored = [b for b in independent([*bases, *shared]) if b not in read and not _computed_from(b, list(read))
@@ -974,7 +974,7 @@ def _mask_kind_or_none(allowed: torch.Tensor) -> tuple[bool, bool] | None:
 def _unfill_weighted_by_beta(beta: fx.Node, alloweds, lengths) -> list:
     """β · x.masked_fill(m, 0) → β · x where m fills only pairs the attention masks (``kl.masked_fill(mask, 0)``,
     written to keep 0 · inf out of Σ β·KL): the fused op's sums read x at the allowed pairs alone, as the fill
-    does. Only for the fusion: a product left unfused gets its fill back (:func:`_refill`), as 0 · inf is NaN
+    does. Not where a query may have no allowed key (see :func:`_zero_fill_reason`). Only for the fusion: a product left unfused gets its fill back (:func:`_refill`), as 0 · inf is NaN
     where x is infinite at a masked pair (a log-probability there). Returns what :func:`_refill` puts back."""
     unfilled = []
     for product in list(beta.users):
@@ -1001,6 +1001,13 @@ def _zero_fill(node: Any) -> tuple[fx.Node, fx.Node, bool] | None:
     if isinstance(node, fx.Node) and node.target is aten.where.ScalarOther and node.args[2] == 0:
         return node.args[1], node.args[0], False
     return None
+
+
+def _zero_fill_reason(fill: fx.Node) -> str:
+    return (f"β is read times {fill.name}, a pair tensor zeroed by a mask (x.masked_fill(m, 0)) that is not the "
+            "attention's, or the attention may leave a query no key (a mask read at run time, or one dropping each "
+            "query's own key): at such a query's pairs eager's gradients through the zeroed x are 0 and the op's NaN; "
+            "Σ β·x without the fill fuses")
 
 
 def _filled_pairs(cond: fx.Node, filled_where: bool, shape, size) -> torch.Tensor | None:
@@ -1236,6 +1243,8 @@ class _PairAlgebra:
                 return self._leaf(node, "i", "as_is", False)
             if shape[-2] == 1:
                 return self._leaf(node, "j", "transpose", False)
+        if _zero_fill(node) is not None:
+            raise NotFused(_zero_fill_reason(node))
         raise NotFused(f"{node.name} of shape {list(shape)} is neither per-query nor per-key")
 
 

@@ -2391,3 +2391,54 @@ def test_a_kappa_per_head_is_reported_as_such(fresh_dynamo):
     assert not report.fusions and misses, str(report)
     assert "with a κ of its own for each head" in misses[0].reason, str(report)
     assert_close("output", torch.compile(attend, backend="hecate")(*args), attend(*args), 1e-6)
+
+
+def energy_zeroed_by_a_padded_causal_mask(mu, var, padded):  # Σ β·KL.masked_fill(m, 0), m causal | padded key
+    blocked = torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool).triu(1) | padded[:, None, :]
+    kl = kl_spec(mu, var)
+    beta = torch.softmax((-kl).masked_fill(blocked, float("-inf")), -1)
+    return beta @ mu, (beta * kl.masked_fill(blocked, 0.0)).sum(-1)
+
+
+def energy_zeroed_where_a_mask_passed_in_disallows(mu, var, allowed):  # torch.where(allowed, kl, 0), allowed [N, N]
+    kl = kl_spec(mu, var)
+    beta = torch.softmax(torch.where(allowed, -kl, float("-inf")), -1)
+    return beta @ mu, (beta * torch.where(allowed, kl, 0.0)).sum(-1)
+
+
+def energy_zeroed_without_self(mu, var, unused):  # causal without self: the first query has no key
+    blocked = torch.ones(mu.shape[1], mu.shape[1], dtype=torch.bool).triu(0)
+    kl = kl_spec(mu, var)
+    beta = torch.softmax((-kl).masked_fill(blocked, float("-inf")), -1)
+    return beta @ mu, (beta * kl.masked_fill(blocked, 0.0)).sum(-1)
+
+
+@pytest.mark.parametrize("fn", [energy_zeroed_by_a_padded_causal_mask, energy_zeroed_where_a_mask_passed_in_disallows,
+                                energy_zeroed_without_self], ids=lambda f: f.__name__)
+def test_an_energy_zeroed_where_a_query_may_have_no_key_is_reported_and_equals_eager(fn, fresh_dynamo):
+    """Σ β·KL.masked_fill(m, 0) with m the attention's mask, where a query may be left no key (a mask read at run
+    time, or causal without self): at such a query eager's gradients through the zeroed pairs are 0, the op's
+    NaN. It is left unfused with that reason (probe r27: reported as "neither per-query nor per-key"; causal
+    without self fused, and the gradient of the variances was NaN where eager's is 0). Outputs and gradients equal
+    eager's, NaN where eager has NaN."""
+    torch.manual_seed(0)
+    if fn is energy_zeroed_by_a_padded_causal_mask:
+        mask = torch.zeros(B, N, dtype=torch.bool)
+        mask[0, 0] = mask[1, 2] = True  # sequence 0's first query has no key left
+    else:
+        mask = torch.rand(N, N) > 0.4
+        mask[1] = False
+    mu, var = torch.randn(B, N, K), _var((B, N, K))
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in (mu, var)] for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})(*inputs, mask)
+    (miss,) = [m for m in hecate.last_report().misses if m.pattern == "kl_attention"]
+    assert "may leave a query no key" in miss.reason, miss.reason
+    ref = fn(*ref_inputs, mask)
+    assert torch.isnan(ref[1]).any()  # (the case the test is about)
+    weights = [torch.randn(r.shape) for r in ref]
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_close_nonfinite(f"output {i}", g, r, 1e-5)
+    loss = lambda outs: sum((o.nan_to_num(0.0) * w).sum() for o, w in zip(outs, weights))  # noqa: E731
+    for name, g, r in zip(("mu", "var"), torch.autograd.grad(loss(got), inputs),
+                          torch.autograd.grad(loss(ref), ref_inputs)):
+        assert_close_nonfinite(f"d/d{name}", g, r, 1e-5)
