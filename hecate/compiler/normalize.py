@@ -78,8 +78,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hecate.passes.shifts import shifted_copy
-from hecate.passes.matching import (aliases, computed_from, depends_on_sizes_only, is_pointwise, mutates,
-                                    number_of, written_in_place, zero_pad_amounts, zero_padded_dims)
+from hecate.passes.matching import (aliases, computed_from, depends_on_sizes_only, eliminate_dead_code, is_pointwise,
+                                    mutates, number_of, written_in_place, zero_pad_amounts, zero_padded_dims)
 
 aten = torch.ops.aten
 
@@ -122,9 +122,9 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     layout_chains_as_permutes(graph)
     pointwise_before_permutes(graph)  # (again: a no-op .contiguous() after a head split is gone now)
     shifted_copies_as_windows(graph)
-    graph.eliminate_dead_code()  # (what the rewrites left unread: a window's reader must be its only one)
+    eliminate_dead_code(graph)  # (what the rewrites left unread: a window's reader must be its only one)
     hand_written_convs(graph)  # after CSE: a pad written at each window is one pad
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     graph.lint()
     graph_module.recompile()
     return graph_module

@@ -52,7 +52,7 @@ from hecate.compiler.logs import log, stage
 from hecate.compiler.loops import RolledGraph, roll_loops
 from hecate.compiler.normalize import collapse_captured, normalize
 from hecate.compiler.options import Options
-from hecate.passes.matching import free_attribute, is_register_hook
+from hecate.passes.matching import eliminate_dead_code, free_attribute, is_register_hook
 from hecate.passes.memory_step import forms_outer_product
 from hecate.passes.report import FusionReport, source_line
 
@@ -367,7 +367,7 @@ def _run_isolated(name: str, run, gm: fx.GraphModule, options: Options, report: 
     recorded = len(report.fusions), len(report.misses)
     try:
         run(gm, report)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         gm.graph.lint()
         gm.recompile()
     except Exception as e:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from hecate.passes.matching import is_zeros
+from hecate.passes.matching import eliminate_dead_code, is_zeros
 
 
 @dataclass
@@ -137,7 +137,7 @@ def without_derived(body: fx.GraphModule, n_carries: int, derived: list[Derived]
     output.args = ([o for i, o in enumerate(outputs) if i not in dropped or i >= n_carries],) + tuple(output.args[1:])
     for d in derived:
         graph.erase_node(placeholders[d.w])
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     graph.lint()
     new.recompile()
     return new

@@ -535,6 +535,12 @@ def is_register_hook(target: Any) -> bool:
     return isinstance(target, torch._ops.HigherOrderOperator) and target.name() == "register_hook"
 
 
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """``graph.eliminate_dead_code()`` keeping the gradient hooks registered in it: a hook on a value read before
+    it is registered (or not at all afterwards) has no reader, and still acts in backward."""
+    graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or is_register_hook(node.target))
+
+
 def hook_reason(hook: fx.Node) -> str:
     return (f"a gradient hook is registered at {source_line([hook]) or hook.name} on a value the fused op would "
             "compute inside: its backward would not call the hook; compiled as written")

@@ -1689,8 +1689,9 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
             if any(_written_at_two_indices(w) for w in writes):
                 why += (", and at one integer index: here slots are written at two (out[:, h, t] = y, a loop over "
                         "heads inside the loop over time); collect each head's outputs in a list and stack them")
-        hooks = [n for n in gm.graph.nodes if is_register_hook(n.target) and computed_from([n.args[0]], {updates[0]})
-                 and computed_from([updates[-1]], {n})]  # between two steps
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        hooks = [n for n in gm.graph.nodes if is_register_hook(n.target) and order[n] < order[updates[-1]]
+                 and computed_from([n.args[0]], {updates[0]})]  # on a value of the steps, before the last
         if hooks:
             why = (f"a gradient hook is registered inside the steps ({source_line(hooks[:1]) or hooks[0].name}), "
                    "which a fused loop's backward would not call")

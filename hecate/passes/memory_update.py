@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from hecate.compiler.normalize import emit
-from hecate.passes.matching import written_in_place
+from hecate.passes.matching import eliminate_dead_code, written_in_place
 from hecate.passes.memory_step import _VIEWS, _Product, _product, _terms
 
 aten = torch.ops.aten
@@ -64,7 +64,7 @@ def combined(body: fx.GraphModule, state: int, identities: set[int]) -> fx.Graph
         return None
     new = build.sum(kept + ([(1.0, factored)] if factored is not None else update))
     M_out.replace_all_uses_with(new)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     body.recompile()
     return body
 

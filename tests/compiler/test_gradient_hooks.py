@@ -67,21 +67,24 @@ class HookedBeforeAndAfterItsUse(nn.Module):
 
 
 class DeltaRule(nn.Module):
-    """M_t = M_{t−1} − η (M_{t−1} k_t − v_t) k_tᵀ, y_t = M_t k_t; a hook on the error at every step."""
+    """M_t = M_{t−1} − η (M_{t−1} k_t − v_t) k_tᵀ, y_t = M_t k_t; a hook at every step on the error, or on the
+    state after the step's read (the last state's hook has no reader after it, and acts)."""
 
-    def __init__(self, d=6, hook_on_errors=False):
+    def __init__(self, d=6, hook_on=None):
         super().__init__()
-        self.k, self.v, self.hook_on_errors = nn.Linear(d, d), nn.Linear(d, d), hook_on_errors
+        self.k, self.v, self.hook_on = nn.Linear(d, d), nn.Linear(d, d), hook_on
 
     def forward(self, x):
         k, v = F.normalize(self.k(x), dim=-1), self.v(x)
         memory, ys = x.new_zeros(x.shape[0], x.shape[2], x.shape[2]), []
         for t in range(x.shape[1]):
             error = torch.einsum("bij,bj->bi", memory, k[:, t]) - v[:, t]
-            if self.hook_on_errors:
+            if self.hook_on == "errors":
                 error.register_hook(lambda g: g * 0.5)
             memory = memory - 0.1 * torch.einsum("bi,bj->bij", error, k[:, t])
             ys.append(torch.einsum("bij,bj->bi", memory, k[:, t]))
+            if self.hook_on == "states":
+                memory.register_hook(lambda g: g * 0.5)
         return torch.stack(ys, 1)
 
 
@@ -115,8 +118,9 @@ def test_a_hook_on_a_fused_output_is_called(name, fallback, fresh_dynamo):
 
 @pytest.mark.parametrize("model,pattern", [
     (lambda: KLBlock(hook_on_scores=True), "kl_attention"),
-    (lambda: DeltaRule(hook_on_errors=True), "memory_scan"),
-], ids=["on_the_kl_scores", "on_a_memory_error_at_every_step"])
+    (lambda: DeltaRule(hook_on="errors"), "memory_scan"),
+    (lambda: DeltaRule(hook_on="states"), "memory_scan"),
+], ids=["on_the_kl_scores", "on_a_memory_error_at_every_step", "on_the_memory_after_each_read"])
 def test_a_hook_inside_a_family_leaves_it_unfused_and_is_reported(model, pattern, fresh_dynamo):
     report = _compile_and_compare(model(), (2, 5, 6), "eager")
     assert report.count(pattern) == 0, str(report)
