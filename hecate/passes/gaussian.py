@@ -181,7 +181,7 @@ def strip_noops(node: Any) -> Any:
 
 
 def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None = None,
-             expand: bool = False) -> Any:
+             expand: bool = False, as_made: bool = False) -> Any:
     """The value of ``node`` computed from ``values`` (graph nodes → real values), recursively.
 
     ``values`` is extended in place with every node computed. Factory ops (``ones``,
@@ -189,7 +189,8 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
     value is a size is replaced by ``size_hint(value)`` (when given); any other input not in ``values``
     raises :class:`NotFused`. An expand is a no-op (values drawn at other sizes than the graph's
     broadcast as they are) unless ``expand`` (values at the graph's own sizes: the expanded pairs may be
-    flattened, ``mu.unsqueeze(2).expand(b, n, n, k).reshape(-1, k)``).
+    flattened, ``mu.unsqueeze(2).expand(b, n, n, k).reshape(-1, k)``). ``as_made``: ``node``'s value as its op
+    makes it, even where the code writes into it later (after the subgraph that is replaced).
     """
     memo = values
 
@@ -216,7 +217,7 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
                 raise NotFused(f"it reads {n.name}, a size torch.compile passes in at run time (dynamic shapes), "
                                "not known when compiling")
             raise NotFused(f"it reads {n.name}, an input of the graph whose value is not known when compiling")
-        writer = written_in_place(n)
+        writer = None if as_made and n is node else written_in_place(n)
         if writer is not None:
             raise NotFused(f"it reads {n.name}, written in place after it is made (by {writer.name}): its value "
                            "is not the one what computes it gives")

@@ -857,7 +857,7 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     q, k, v = (form.canonical(name, values[getattr(form, name)]) for name in ("q", "k", "v"))
     scores = (q @ k.mT) * decay.d
     memo = dict(values)  # every node's value at the points (the bounds check reads them)
-    if not torch.allclose(evaluate(y, memo, size_hint), form.as_y(scores @ v), rtol=1e-6, atol=1e-9):
+    if not torch.allclose(evaluate(y, memo, size_hint, as_made=True), form.as_y(scores @ v), rtol=1e-6, atol=1e-9):
         raise NotFused("A @ V differs from Σ_s D_ts (q_t·k_s) v_s at random points")
     dtypes = {n.meta["val"].dtype for n in (form.q, form.k, form.v)}
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:

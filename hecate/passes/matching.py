@@ -399,8 +399,7 @@ def written_in_place(node: fx.Node) -> fx.Node | None:
 
 def writes_into(node: fx.Node) -> list[fx.Node]:
     """Every op that writes into ``node``'s values (see :func:`written_in_place`)."""
-    while node.args and isinstance(node.args[0], fx.Node) and aliases(node):
-        node = node.args[0]  # a view sees what is written into its base
+    node = _base(node)  # a view sees what is written into its base
     stack, seen, writers = [node], set(), []
     while stack:
         n = stack.pop()
@@ -589,17 +588,51 @@ def _differentiable_ancestors(nodes: Sequence[Any], stop: set[fx.Node]) -> set[f
     return seen
 
 
-def check_nothing_written_in_place(args: Sequence[Any], replaced: Sequence[fx.Node]) -> None:
+def check_nothing_written_in_place(args: Sequence[Any], replaced: Sequence[fx.Node],
+                                   outputs: Sequence[fx.Node] = ()) -> list[fx.Node]:
     """NotFused where a tensor the fused op reads is written in place among the nodes it replaces, or one it
     replaces is written at all: the op runs where the replaced outputs were, after any write in between, and would
-    see the tensor at another point than the code. A write done before the first replaced node both see."""
+    see the tensor at another point than the code. A write done before the first replaced node both see. Returns
+    the ``outputs`` written in place after the last replaced node (``y[:, 0] = 0`` after the family, also through a
+    view): those are fine, on a copy of the op's result (:func:`_copies_for_writers`), unless two outputs share
+    their values."""
     order = {n: i for i, n in enumerate(replaced[0].graph.nodes)} if replaced else {}
     first = min((order[n] for n in replaced), default=0)
+    last = max((order[n] for n in replaced), default=0)
+    late = {w for n in replaced for w in writes_into(n) if order[w] > last}  # (reach them through the outputs)
+    written = [o for o in outputs if late & set(writes_into(o))]
+    bases = [_base(o) for o in outputs]
+    shared = [o for o in written if bases.count(_base(o)) > 1]
     for node, read in [(n, True) for a in args for n in _nodes_in(a)] + [(n, False) for n in replaced]:
-        writer = next((w for w in writes_into(node) if not read or order.get(w, first) >= first), None)
+        writer = next((w for w in writes_into(node)
+                       if (w not in late or shared or not written) and (not read or order.get(w, first) >= first)),
+                      None)
         if writer is not None:
             raise NotFused(f"{node.name}, read or replaced by it, is written in place ({writer.name}): the fused "
                            "op would see it at another point than the code does")
+    return written
+
+
+def _base(node: fx.Node) -> fx.Node:
+    while node.args and isinstance(node.args[0], fx.Node) and aliases(node):
+        node = node.args[0]
+    return node
+
+
+def _copies_for_writers(graph: fx.Graph, old_outputs: Sequence[fx.Node], new_outputs: Sequence[fx.Node],
+                        written: Sequence[fx.Node]) -> list[fx.Node]:
+    """``new_outputs``, each of those standing for a ``written`` output cloned: what the code writes into
+    afterwards is a tensor of its own, as the replaced output was, never the op's result (which its backward
+    may have saved)."""
+    copies = []
+    for old, new in zip(old_outputs, new_outputs):
+        if old in written:
+            with graph.inserting_after(new):
+                copy = graph.call_function(torch.ops.aten.clone.default, (new,))
+            copy.meta = {**old.meta, "val": new.meta["val"].clone()}
+            new = copy
+        copies.append(new)
+    return copies
 
 
 def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
@@ -612,7 +645,7 @@ def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
     its shape. Returns the new call node.
     """
     check_gradients_flow(args, match.outputs)
-    check_nothing_written_in_place(args, match.nodes)
+    written = check_nothing_written_in_place(args, match.nodes, match.outputs)
     graph = gm.graph
     with graph.inserting_before(_last(graph, match.nodes)):
         call = graph.call_function(op, tuple(args))
@@ -628,7 +661,7 @@ def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
             new = graph.call_function(operator.getitem, (call, index))
         new.meta["val"] = call.meta["val"][index]
         new_outputs.append(new)
-    _substitute(graph, match.nodes, match.outputs, new_outputs)
+    _substitute(graph, match.nodes, match.outputs, _copies_for_writers(graph, match.outputs, new_outputs, written))
     return call
 
 
@@ -651,7 +684,7 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
         raise ValueError(f"replace_with_function: no outputs to replace among {[n.name for n in nodes]}; "
                          "pass a Match or outputs=[the replaced nodes read afterwards]")
     check_gradients_flow(args, old_outputs)
-    check_nothing_written_in_place(args, nodes)
+    written = check_nothing_written_in_place(args, nodes, old_outputs)
     if computed_from([n for a in args for n in _nodes_in(a)], set(old_outputs)):
         raise NotFused("the replacement would read values computed from what it replaces (a cycle); "
                        "the graph is left as it was")
@@ -685,6 +718,7 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
     if len(new_outputs) != len(old_outputs):
         raise ValueError(f"replace_with_function: {getattr(fn, '__name__', fn)} returned {len(new_outputs)} "
                          f"tensor(s) for {len(old_outputs)} output(s) of the replaced subgraph")
+    new_outputs = _copies_for_writers(graph, old_outputs, new_outputs, written)
     _substitute(graph, nodes, old_outputs, new_outputs)
     return new_outputs
 
