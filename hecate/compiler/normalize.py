@@ -1832,7 +1832,8 @@ def _einsum_pairs(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.N
     """``einsum("bhts,ts,bhsd->bhtd", A, M, V)`` → ``einsum("bhts,bhsd->bhtd", einsum("bhts,ts->bhts", A, M), V)``:
     two operands at a time in torch's order, each step keeping the indices a later operand or the output reads,
     each step then in its normal form. The order: the contraction path opt_einsum chose, where torch.einsum
-    passed one (pairs of positions; the two leave the list and their product joins its end), else left to right.
+    passed one (pairs of positions; the two leave the list and their product joins its end), else left to right
+    (:func:`_first_pair_summing`).
     Each pair is written in the user's order of its operands (a product at its first operand's place). Under
     autocast the operands may differ in dtype: each is cast to the einsum's, as autocast casts them before torch
     contracts."""
@@ -1848,8 +1849,9 @@ def _einsum_pairs(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.N
         operands = [x if _val(x).dtype == dtype else emit(graph, aten._to_copy.default, x, dtype=dtype)
                     for x in operands]
     pending = list(zip(range(len(terms)), terms, operands))  # (place in the user's equation, indices, operand)
-    pairs = [tuple(path[i:i + 2]) for i in range(0, len(path), 2)] if path else [(0, 1)] * (len(terms) - 1)
-    for first, second in pairs:
+    pairs = [tuple(path[i:i + 2]) for i in range(0, len(path), 2)] if path else [None] * (len(terms) - 1)
+    for pair in pairs:
+        first, second = pair or _first_pair_summing(pending, output)
         if first == second or not 0 <= min(first, second) <= max(first, second) < len(pending):
             return None
         (place, a_term, a), (_, b_term, b) = sorted((pending[first], pending[second]), key=lambda p: p[0])
@@ -1860,8 +1862,24 @@ def _einsum_pairs(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.N
         with graph.inserting_before(node):
             pair = emit(graph, aten.einsum.default, f"{a_term},{b_term}->{kept}", [a, b])
             product = (place, kept, _einsum(graph, pair, outputs) or pair)
-        pending = pending + [product] if path else [product] + pending
+        if path:
+            pending.append(product)
+        else:
+            pending.insert(min(first, second), product)
     return pending[0][2]
+
+
+def _first_pair_summing(pending: list, output: str) -> tuple[int, int]:
+    """Without opt_einsum's path: the first two operands, left to right, unless their product sums no index
+    (``"ts,bhtd"``: the mask times the queries, a [B, H, T, S, D] broadcast) and a later pair does (the queries
+    and keys, over d); then that pair. So the mask multiplies the scores, as it does where it is written after
+    them. The order of the products changes their rounding alone."""
+    def sums(i, j):
+        later = set(output).union(*(term for k, (_, term, _) in enumerate(pending) if k not in (i, j)))
+        return any(c not in later for c in pending[i][1] + pending[j][1])
+    if sums(0, 1):
+        return 0, 1
+    return next(((i, j) for i in range(len(pending)) for j in range(i + 1, len(pending)) if sums(i, j)), (0, 1))
 
 
 def _einsum_without_ellipsis(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
