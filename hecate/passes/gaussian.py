@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from hecate.passes.matching import NotFused, hook_reason, is_register_hook, made_in_forward, written_in_place
+from hecate.passes.matching import (NotFused, depends_on_sizes_only, hook_reason, is_pointwise, is_register_hook,
+                                    made_in_forward, written_in_place)
 
 aten = torch.ops.aten
 
@@ -267,6 +268,19 @@ def sources_shaped(node: fx.Node, keep: Callable[[tuple], bool]) -> list[fx.Node
                 found.append(x)
                 stack.append(x)
     return found
+
+
+def where_read_apart(node: fx.Node, within: set | None = None) -> fx.Node:
+    """The last of ``node``'s chain of single-reader pointwise ops of its own shape (within ``within``, if given):
+    the first value read in two places (v = softplus(raw) + ε, var = −0.5 / η₂), or ``node``. Drawn there, the
+    value keeps the sign and range the KL needs whatever it is computed from."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        if within is not None and user not in within or shape_of(user) != shape_of(node) or not is_pointwise(user) \
+                or any(i is not node and not depends_on_sizes_only(i) for i in user.all_input_nodes):
+            break
+        node = user
+    return node
 
 
 def independent(bases: Sequence[fx.Node], depth: int = 16) -> list[fx.Node]:

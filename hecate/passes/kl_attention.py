@@ -68,9 +68,9 @@ from hecate.compiler.normalize import emit, exp_factor, is_row_max, undetached
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals_scaled, evaluate, far_draw,
                                     gaussian_kl, independent, nearest_sources, proportion, run_time_temperature,
-                                    shape_of, short, sources_shaped, strip_noops)
+                                    shape_of, short, sources_shaped, strip_noops, where_read_apart)
 from hecate.passes.matching import (NotFused, bound_reason, constant_tensor, depends_on_sizes_only, first_threshold,
-                                    is_pointwise, is_zeros, nodes_between, number_of, replace_with_function,
+                                    is_zeros, nodes_between, number_of, replace_with_function,
                                     shifted_size, size_hint, tensors_read, written_in_place)
 
 PATTERN = "kl_attention"
@@ -689,19 +689,6 @@ def _match_kl(logits, bases, shared, lead, k):
             raise first from None
 
 
-def _where_read_apart(node: fx.Node, within: set) -> fx.Node:
-    """The last of ``node``'s chain of single-reader pointwise ops of its own shape within ``within`` (the first
-    value read in two places), or ``node``."""
-    while len(node.users) == 1:
-        (user,) = node.users
-        if user not in within or shape_of(user) != shape_of(node) \
-                or not is_pointwise(user) \
-                or any(i is not node and not depends_on_sizes_only(i) for i in user.all_input_nodes):
-            break
-        node = user
-    return node
-
-
 def _match_kl_drawing(logits, bases, shared, lead, k, lift):
     """(κ, mean, scale, parameterisation, evaluated values) with logits = −KL/κ; else NotFused.
 
@@ -720,7 +707,7 @@ def _match_kl_drawing(logits, bases, shared, lead, k, lift):
     bases = bases + [s for s in dict.fromkeys(sources) if s not in bases]
     drawn = [b for b in independent(bases + shared) if b not in constants]
     if lift:
-        lifted = [_where_read_apart(b, set(bases)) for b in drawn]
+        lifted = [where_read_apart(b, set(bases)) for b in drawn]
         if lifted == drawn:
             raise NotFused("nothing to draw in its place")
         bases, drawn = bases + [b for b in lifted if b not in bases], lifted

@@ -38,8 +38,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, equals_scaled, evaluate, far_draw, gaussian_kl,
                                     independent, nearest_sources, proportion, run_time_temperature, shape_of, short,
-                                    sources_shaped, strip_noops)
-from hecate.passes.matching import (NotFused, bound_reason, first_threshold, nodes_between, number_of,
+                                    sources_shaped, strip_noops, where_read_apart)
+from hecate.passes.matching import (NotFused, bound_reason, computed_from, first_threshold, nodes_between, number_of,
                                     replace_with_function, size_hint)
 
 PATTERN = "kl_decode"
@@ -231,6 +231,10 @@ def _recognise(logits: fx.Node) -> _Decode | None:
                  if (c := number_of(x)) is not None}  # torch.tensor(K) in the model: read, not drawn
     scalars = [x for x in scalars if x not in constants]
     decode = _match(logits, queries, priors + scalars, k, v, shape, constants or None)
+    if decode is None:  # drawn where each value is first read apart (var = −0.5/η₂ of natural parameters)
+        lifted_queries, lifted_priors = _read_apart(queries), _read_apart(priors)
+        if lifted_queries != queries or lifted_priors != priors:
+            decode = _match(logits, lifted_queries, lifted_priors + scalars, k, v, shape, constants or None)
     if decode is not None:
         inputs = [decode.mu, decode.scale, decode.prior_mu, decode.prior_scale] + (
             [decode.tau.node] if isinstance(decode.tau, Temperature) else [])
@@ -246,6 +250,16 @@ def _recognise(logits: fx.Node) -> _Decode | None:
         raise NotFused(f"the logits read {names}, a 0-d tensor, besides the beliefs and priors, and are "
                        "−KL(q_i‖π_v) where it is 1, but not −KL/τ for τ = c·t or c/t of it")
     return None
+
+
+def _read_apart(tensors: list) -> list:
+    """``tensors`` with each drawn one (see :func:`independent`) replaced by where its value is first read apart,
+    and what lies between dropped: the draw is then of the variance itself, whatever sign what it is computed from
+    has."""
+    lifted = {x: y for x in independent(tensors) if (y := where_read_apart(x)) is not x}
+    on_the_way = {t for x, y in lifted.items() for t in tensors
+                  if t is not y and computed_from([t], {x}) and computed_from([y], {t})}
+    return list(dict.fromkeys([t for t in tensors if t not in on_the_way] + list(lifted.values())))
 
 
 def _with_sources(priors: list, k: int, v: int) -> list:

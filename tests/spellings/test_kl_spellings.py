@@ -2442,3 +2442,38 @@ def test_an_energy_zeroed_where_a_query_may_have_no_key_is_reported_and_equals_e
     for name, g, r in zip(("mu", "var"), torch.autograd.grad(loss(got), inputs),
                           torch.autograd.grad(loss(ref), ref_inputs)):
         assert_close_nonfinite(f"d/d{name}", g, r, 1e-5)
+
+
+def _kl_logits(mu, var, prior_mu, prior_var):  # −KL(q_i ‖ π_v) [B, N, V]
+    return -0.5 * (prior_var.log() - var.log()[:, :, None] + (var[:, :, None] + (mu[:, :, None] - prior_mu) ** 2)
+                   / prior_var - 1).sum(-1)
+
+
+def d_beliefs_in_natural_parameters(eta1, eta2, prior_mu, prior_var, targets):  # var = −1/(2η₂), μ = η₁·var
+    var = -0.5 / eta2
+    return F.cross_entropy(_kl_logits(eta1 * var, var, prior_mu, prior_var).flatten(0, 1), targets.flatten())
+
+
+def d_priors_in_natural_parameters(mu, var, prior_eta1, prior_eta2, targets):  # the token priors so
+    prior_var = -0.5 / prior_eta2
+    return F.cross_entropy(_kl_logits(mu, var, prior_eta1 * prior_var, prior_var).flatten(0, 1), targets.flatten())
+
+
+def d_negated_variances(mu, neg_var, prior_mu, neg_prior_var, targets):  # variances held negated: −q, q.neg()
+    return F.cross_entropy(_kl_logits(mu, -neg_var, prior_mu, neg_prior_var.neg()).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("fn", [d_beliefs_in_natural_parameters, d_priors_in_natural_parameters,
+                                d_negated_variances], ids=lambda f: f.__name__)
+def test_decode_of_variances_computed_through_a_negation_fuses(fn, fresh_dynamo):
+    """A variance computed from a tensor of the other sign (natural parameters, var = −0.5/η₂; a negated one):
+    the draw is of the variance, where its value is first read apart, not of what it is computed from (probe
+    r28: reported not fused, where KL attention fused the same beliefs)."""
+    torch.manual_seed(0)
+    mu, var, prior_mu, prior_var = torch.randn(B, N, K), _var((B, N, K)), torch.randn(V, K), _var((V, K))
+    args = {d_beliefs_in_natural_parameters: (mu / var, -0.5 / var, prior_mu, prior_var),
+            d_priors_in_natural_parameters: (mu, var, prior_mu / prior_var, -0.5 / prior_var),
+            d_negated_variances: (mu, -var, prior_mu, -prior_var)}[fn]
+    targets = torch.randint(0, V, (B, N))
+    report = _compare(lambda *a: fn(*a, targets), args, "kl_decode")
+    assert [f.op for f in report.fusions] == ["hecate.kl_decode_ce"], str(report)
