@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -134,9 +134,20 @@ def roll_loops(gm: fx.GraphModule, only: set[int] | None = None) -> RolledGraph 
     changed = _peeled_first_steps(gm.graph) or changed
     changed = _cats_joined(gm.graph) or changed
     changed = _cats_of_unsqueezed(gm.graph) or changed
+    undo = _outputs_returned_apart(gm.graph)  # (for the rolled copy alone: undone in gm below)
     changed = _outputs_read_through_their_stack(gm.graph) or changed
-    if _hoist_invariants(gm.graph) or changed:
+    if _hoist_invariants(gm.graph) or changed or undo:
         gm.recompile()
+    try:
+        return _rolled(gm, only)
+    finally:
+        if undo is not None:
+            undo()
+            gm.recompile()
+
+
+def _rolled(gm: fx.GraphModule, only: set[int] | None) -> RolledGraph | None:
+    """:func:`roll_loops` on a graph in its rolling form."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     loops: list[_Loop] = []
@@ -361,6 +372,52 @@ def _cats_of_unsqueezed(graph: fx.Graph) -> bool:
             graph.erase_node(y)
         changed = True
     return changed
+
+
+def _outputs_returned_apart(graph: fx.Graph) -> Callable[[], None] | None:
+    """Per-step outputs returned as they are (``return ys``, a list of a loop's reads): a run of two or more
+    returned tensors of one shape and dtype, each computed in the graph, is returned as ``stack(ys).select(0, t)``,
+    so a loop's steps are read by a stack as where the code stacks them. Exact: a stack's slice is its item.
+    Returns what undoes it (the rolled graph is a copy: the unrolled one is left returning its tensors as they
+    are), or None where nothing changed."""
+    (output,) = graph.find_nodes(op="output")
+    returned = output.args[0]
+    if not isinstance(returned, (list, tuple)):
+        return None
+
+    def same(a, b):
+        va, vb = _value(a), _value(b)
+        return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype \
+            and va.shape == vb.shape and a is not b
+
+    runs, start = [], 0
+    for i in range(1, len(returned) + 1):
+        if i == len(returned) or not (all(isinstance(x, fx.Node) and x.op in ("call_function", "call_method")
+                                          for x in returned[i - 1:i + 1]) and same(returned[i - 1], returned[i])):
+            if i - start >= 2 and len(set(returned[start:i])) == i - start:
+                runs.append((start, i))
+            start = i
+    if not runs:
+        return None
+    new, added = list(returned), []
+    for start, end in runs:
+        items = list(returned[start:end])
+        with graph.inserting_before(output):
+            stack = graph.call_function(torch.stack, (items, 0))
+        stack.meta["example_value"] = torch.stack([_value(y) for y in items])
+        added.append(stack)
+        for t in range(len(items)):
+            with graph.inserting_before(output):
+                new[start + t] = graph.call_function(torch.select, (stack, 0, t))
+            new[start + t].meta["example_value"] = _value(items[t])
+            added.append(new[start + t])
+    output.args = (type(returned)(new),)
+
+    def undo():
+        output.args = (returned,)
+        for node in reversed(added):
+            graph.erase_node(node)
+    return undo
 
 
 def _outputs_read_through_their_stack(graph: fx.Graph) -> bool:

@@ -575,3 +575,54 @@ def test_one_token_memory_forward_with_momentum_is_reported_as_a_single_step(fre
     assert "a single step" in miss.reason and "compiled as written" in miss.reason
     for name, a, b in zip(("out", "M"), got, model(x)):
         assert_close(name, a, b, 1e-6)
+
+
+def _delta_rule_reads(q, k, v):  # each step's read returned apart, as a list
+    memory, ys = q.new_zeros(q.shape[0], v.shape[-1], k.shape[-1]), []
+    for qt, kt, vt in zip(q.unbind(1), k.unbind(1), v.unbind(1)):
+        memory = memory - 0.3 * torch.einsum("bv,bk->bvk", torch.einsum("bvk,bk->bv", memory, kt) - vt, kt)
+        ys.append(memory @ qt[..., None])
+    return ys
+
+
+def _hebbian_reads(q, k, v):
+    q, k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+    memory, ys = q.new_zeros(q.shape[0], v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        memory = memory + torch.einsum("be,bd->bed", v[:, t], k[:, t])
+        ys.append(torch.einsum("bed,bd->be", memory, q[:, t]))
+    return tuple(ys)
+
+
+@pytest.mark.parametrize("fn,pattern", [(_delta_rule_reads, "memory_scan"), (_hebbian_reads, "linear_attention")],
+                         ids=["delta_rule", "hebbian"])
+def test_a_loop_whose_reads_are_returned_apart_is_fused(fn, pattern, fresh_dynamo):
+    """``return ys`` (a list or tuple of the steps' reads, not stacked): the rolled copy returns the scan's stacked
+    reads sliced, ``stack(ys).select(0, t)`` (probe r28: reported as an intermediate state read outside the loop)."""
+    torch.manual_seed(0)
+    args = [torch.randn(2, 6, 4), torch.randn(2, 6, 4), torch.randn(2, 6, 5)]
+    got_args, ref_args = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})(*got_args)
+    report = hecate.last_report()
+    assert report.count(pattern) == 1 and not report.misses, str(report)
+    ref = fn(*ref_args)
+    assert len(got) == len(ref) == 6
+    for t, (g, r) in enumerate(zip(got, ref)):
+        assert_close(f"read {t}", g, r, 1e-5)
+    weights = [torch.randn(r.shape) for r in ref]
+    loss = lambda ys: sum((y * w).sum() for y, w in zip(ys, weights))  # noqa: E731
+    for name, g, r in zip("qkv", torch.autograd.grad(loss(got), got_args), torch.autograd.grad(loss(ref), ref_args)):
+        assert_close(f"d/d{name}", g, r, 1e-5)
+
+
+def test_tensors_returned_apart_outside_a_loop_are_returned_as_computed(fresh_dynamo, tmp_path):
+    """Two returned tensors of one shape that no loop computes: the graph compiled returns them as they are (the
+    stack the rolling tries is undone)."""
+    def fn(x, w):
+        return x @ w, (x @ w.T).relu()
+
+    torch.compile(fn, backend="hecate", options={"fallback": "eager", "dump_dir": str(tmp_path)})(
+        torch.randn(3, 4), torch.randn(4, 4))
+    dumps = sorted(tmp_path.glob("*.txt"))
+    assert dumps and not any("stack" in d.read_text() or "select" in d.read_text() for d in dumps), \
+        [d.name for d in dumps]
