@@ -155,7 +155,7 @@ def _final_state_reads(states: fx.Node, match: Match) -> list[fx.Node]:
 def run(gm: fx.GraphModule, report: FusionReport) -> None:
     """Fuse the loop and scan forms (as memory_scan does), then the cumsum and non-causal forms."""
     fuse_scans(gm, report, "linear_attention")
-    report_unrolled_updates(gm, report, "linear_attention")
+    report_unrolled_updates(gm, report)
     fuse_parallel_forms(gm, report)
     deferred = []  # the patterns' misses: the form may still be read by meaning below
     for form, normalise, with_m0, pattern in _forms():

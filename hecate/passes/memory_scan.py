@@ -22,4 +22,4 @@ from hecate.passes.memory_step import fuse_scans, report_unrolled_updates
 def run(gm: fx.GraphModule, report: FusionReport) -> None:
     """Replace every scan whose body is an l_p memory step by one hecate.memory_scan; report unrolled updates."""
     fuse_scans(gm, report, "memory_scan")
-    report_unrolled_updates(gm, report, "memory_scan")
+    report_unrolled_updates(gm, report)

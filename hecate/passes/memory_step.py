@@ -1646,10 +1646,23 @@ def _written_at_two_indices(write: fx.Node) -> bool:
         and target.args[0].target is aten.select.int
 
 
-def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
-    """Report (once per graph) memory updates ``M ← a·M ± outer product`` left in the graph unrolled.
+def _reads_the_state(update: fx.Node) -> bool:
+    """Whether the outer product of ``update`` (a·M ± outer product) is computed from the state M it updates (the
+    error M k − v of a delta rule), not only from the step's tokens (a Hebbian v kᵀ)."""
+    terms = [t for _, t in _terms(update) if isinstance(t, fx.Node)]
+    outer = [t for t in terms if _is_outer_product(t)]
+    shape = update.meta["val"].shape
+    states = {x for t in terms if t not in outer for x in (t, *t.all_input_nodes)
+              if isinstance(x.meta.get("val"), torch.Tensor) and x.meta["val"].shape == shape}
+    return bool(states) and computed_from(outer, states)
 
-    Not when the report already says why ``op`` did not fuse (a loop rolled up, analysed and
+
+def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
+    """Report (once per graph) memory updates ``M ← a·M ± outer product`` left in the graph unrolled: under
+    memory_scan where a step's outer product is computed from the state before it (an error M k − v), else under
+    linear_attention (a Hebbian v kᵀ).
+
+    Not when the report already says why either did not fuse (a loop rolled up, analysed and
     found no memory step is then compiled unrolled: its reason is the analysis's).
     """
     if gm.meta.get("hecate_unrolled_reported") or any(m.pattern in ("memory_scan", "linear_attention")
@@ -1695,6 +1708,7 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any, op: str) -> None:
         if hooks:
             why = (f"a gradient hook is registered inside the steps ({source_line(hooks[:1]) or hooks[0].name}), "
                    "which a fused loop's backward would not call")
+        op = "memory_scan" if any(map(_reads_the_state, updates)) else "linear_attention"
         report.add_miss(op, f"{len(updates)} memory update step(s) M ← a·M + (outer product) are written out step by "
                         f"step and could not be rolled up into one loop: {why}; compiled as written",
                         f"{updates[0].name} .. {updates[-1].name}", nodes=updates)

@@ -45,6 +45,7 @@ aten = torch.ops.aten
 _FAMILIES = {
     "kl_attention": ("kl_attention",),
     "memory_scan": ("memory_scan", "linear_attention", "loops"),
+    "linear_attention": ("memory_scan", "linear_attention", "loops"),
     "qk_preprocess": ("qk_preprocess",),
     "kl_decode": ("kl_decode",),
 }
@@ -66,7 +67,7 @@ def report_unfused_signatures(gm: fx.GraphModule, enabled: Iterable[str], report
         # the pipeline's note on each loop it rolled up but no pass fused, in loop order, is about
         # the same loop as each unrolled chain: it gets the chain's source line instead of a twin
         loops = [i for i, m in enumerate(report.misses) if m.pattern == "loops" and not m.source]
-        found += [("memory_scan", reason, nodes) for reason, nodes in _cumulated_outer_products(gm.graph)]
+        found += [("linear_attention", reason, nodes) for reason, nodes in _cumulated_outer_products(gm.graph)]
         for reason, nodes in _unrolled_states(gm.graph):
             if loops:
                 i = loops.pop(0)

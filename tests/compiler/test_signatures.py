@@ -107,8 +107,9 @@ def test_unrolled_outer_product_state_is_reported_when_loops_are_not_rolled(monk
 
     monkeypatch.setattr(pipeline, "roll_loops", lambda gm, only=None: None)
     report = hecate.explain(tanh_retention_memory, torch.randn(2, 4, 3), torch.randn(2, 4, 3))
-    miss = _only_miss(report, "memory_scan")
-    # the normal form reads the einsum as the outer product v_t ⊗ k_t, so the memory pass names the steps
+    miss = _only_miss(report, "linear_attention")
+    # the normal form reads the einsum as the outer product v_t ⊗ k_t, so the steps are named (a Hebbian update:
+    # under linear_attention)
     assert "4 memory update step(s) M ← a·M + (outer product)" in miss.reason
 
 
@@ -181,7 +182,7 @@ def gated_two_steps_first_written_out(q, k, v):
 def test_a_single_step_after_a_first_state_written_as_its_update_is_reported():
     """0.9·v_0 k_0ᵀ + v_1 k_1ᵀ: both terms are outer products, of one tensor's steps 0 and 1 (probe r14a: silent)."""
     report = hecate.explain(gated_two_steps_first_written_out, *(torch.randn(2, 2, 4) for _ in range(3)))
-    miss = _only_miss(report, "memory_scan")
+    miss = _only_miss(report, "linear_attention")
     assert "1 memory update step(s)" in miss.reason, miss
     # a rank-2 matrix of two unrelated outer products is no memory step
     rank_two = lambda a, b, c, d: a[:, :, None] * b[:, None, :] + c[:, :, None] * d[:, None, :]  # noqa: E731
@@ -236,7 +237,7 @@ def hebbian_states_by_cumsum_summed_whole(k, v, q):
 
 def test_cumulated_outer_products_are_reported():
     k, v, q = torch.randn(2, 5, 3), torch.randn(2, 5, 4), torch.randn(2, 5, 3)
-    miss = _only_miss(hecate.explain(hebbian_states_by_cumsum_summed_whole, k, v, q), "memory_scan")
+    miss = _only_miss(hecate.explain(hebbian_states_by_cumsum_summed_whole, k, v, q), "linear_attention")
     assert "cumulative sum of outer products" in miss.reason and "torch.cumsum(k.unsqueeze(-1)" in miss.source, miss
     # a cumulative sum of vectors (a running mean) is not a state
     assert hecate.explain(lambda x: torch.cumsum(x, 1) / 3, q).misses == []
@@ -303,5 +304,5 @@ def anti_causal_cumsum(q, k, v):  # M_t = Σ_{s≥t} k_s v_sᵀ by flipping: the
 def test_a_cumulative_sum_of_outer_products_from_the_end_is_reported():
     """Summed from the end (probe r10b found it silent): not fused, and reported as a cumulated state."""
     args = [torch.randn(2, 6, 4) for _ in range(3)]
-    miss = _only_miss(hecate.explain(anti_causal_cumsum, *args), "memory_scan")
+    miss = _only_miss(hecate.explain(anti_causal_cumsum, *args), "linear_attention")
     assert "a cumulative sum of outer products" in miss.reason and "flip(1).cumsum(1)" in miss.source, miss
