@@ -556,8 +556,10 @@ class _State:
 @dataclass
 class _Window:
     """A decode step's conv written as its window product: z [B, D] = Σ_k window[:, k] · w[:, k] (+ b) over
-    window = cat([state [B, K−1, D], x_t [B, 1, D]], 1). ``weight`` is the tensor the product reads, in
-    ``layout`` "D1K" (the nn.Conv1d weight), "DK" or "KD"; ``nodes`` the product (and the bias add)."""
+    window = cat([state [B, K−1, D], x_t [B, 1, D]], 1), or ``channels_first`` over a rolling window
+    cat([state [B, D, K−1], x_t [B, D, 1]], 2) (``cache[..., 1:]`` and the new column). ``weight`` is the tensor
+    the product reads, in ``layout`` "D1K" (the nn.Conv1d weight), "DK" or "KD"; ``nodes`` the product (and the
+    bias add)."""
 
     cat: fx.Node
     weight: fx.Node
@@ -565,6 +567,7 @@ class _Window:
     bias: fx.Node | None
     nodes: list[fx.Node]
     output: fx.Node
+    channels_first: bool = False
 
     @property
     def state(self) -> fx.Node:
@@ -598,7 +601,7 @@ class _Chain:
     @property
     def kernel_size(self) -> int:
         if self.window is not None:
-            return val(self.window.cat).shape[1]
+            return val(self.window.cat).shape[2 if self.window.channels_first else 1]
         return val(self.conv.match.node(aten.conv1d.default).args[1]).shape[2]
 
     def stage(self, name: str) -> _Found | None:
@@ -873,24 +876,26 @@ def _window_step(cat: fx.Node) -> _Window | None:
     read by evaluating the product at random float64 points (a private generator); None if ``cat`` is not one."""
     parts, dim = cat.args[0], _arg(cat, 1, "dim", 0)
     window = val(cat)
-    if window.dim() != 3 or len(parts) != 2 or dim % 3 != 1 or val(parts[1]).shape[1] != 1 \
+    if window.dim() != 3 or len(parts) != 2 or dim % 3 not in (1, 2) or val(parts[1]).shape[dim % 3] != 1 \
             or not window.dtype.is_floating_point:
         return None
-    batch, _, channels = window.shape
+    channels_first = dim % 3 == 2
+    batch, channels = window.shape[0], window.shape[1 if channels_first else 2]
     for z in descendants(cat, depth=3):
         if tuple(val(z).shape) != (batch, channels) or val(z).dtype != window.dtype:
             continue
-        found = _window_product(cat, z)
+        found = _window_product(cat, z, channels_first)
         if found is not None:
             nodes, weight, layout = found
             bias, output = _bias_add(z, channels)
-            return _Window(cat, weight, layout, bias, nodes + ([output] if bias is not None else []), output)
+            return _Window(cat, weight, layout, bias, nodes + ([output] if bias is not None else []), output,
+                           channels_first)
     return None
 
 
-def _window_product(cat: fx.Node, z: fx.Node) -> tuple[list[fx.Node], fx.Node, str] | None:
+def _window_product(cat: fx.Node, z: fx.Node, channels_first: bool) -> tuple[list[fx.Node], fx.Node, str] | None:
     """(the nodes computing z from the window and one weight tensor, that tensor, its layout) when z is
-    Σ_k window[:, k] · w[:, k] at random points; None otherwise."""
+    Σ_k window[:, k] · w[:, k] (window[:, :, k] where ``channels_first``) at random points; None otherwise."""
     region, leaves, stack = [], [], [z]
     while stack:
         node = stack.pop()
@@ -911,7 +916,7 @@ def _window_product(cat: fx.Node, z: fx.Node) -> tuple[list[fx.Node], fx.Node, s
     if any(u not in region for n in reads_window - {z} for u in n.users):
         return None                                   # an intermediate someone else reads
     window = val(cat)
-    k, channels = window.shape[1], window.shape[2]
+    k, channels = (window.shape[2], window.shape[1]) if channels_first else (window.shape[1], window.shape[2])
     layouts = [name for name, shape in (("D1K", (channels, 1, k)), ("DK", (channels, k)), ("KD", (k, channels)))
                if tuple(val(weight).shape) == shape]
     if not layouts or not all(isinstance(d, int) for d in val(weight).shape):
@@ -922,6 +927,8 @@ def _window_product(cat: fx.Node, z: fx.Node) -> tuple[list[fx.Node], fx.Node, s
     batch = window.shape[0] if isinstance(window.shape[0], int) else 2
     points = {cat: torch.randn(batch, k, channels, generator=generator, dtype=torch.float64),
               weight: torch.randn(tuple(val(weight).shape), generator=generator, dtype=torch.float64)}
+    if channels_first:
+        points[cat] = points[cat].transpose(1, 2)
     try:
         for node in region:
             points[node] = node.target(*fx.node.map_arg(node.args, points.__getitem__),
@@ -929,7 +936,8 @@ def _window_product(cat: fx.Node, z: fx.Node) -> tuple[list[fx.Node], fx.Node, s
     except Exception:  # noqa: BLE001 - a region that does not run on these points is not the product
         return None
     for layout in layouts:
-        expected = torch.einsum("bkd,dk->bd", points[cat], _WINDOW_LAYOUTS[layout][0](points[weight]))
+        expected = torch.einsum("bdk,dk->bd" if channels_first else "bkd,dk->bd", points[cat],
+                                _WINDOW_LAYOUTS[layout][0](points[weight]))
         if points[z].shape == expected.shape and torch.allclose(points[z], expected, rtol=1e-9, atol=1e-12):
             return region, weight, layout
     return None
@@ -1033,6 +1041,12 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
     if chain.window is not None:
         args[3] = _window_weight(gm, chain.window)
         args.append(chain.window.state)
+        if chain.window.channels_first:  # the op's x [B, 1, D] and state [B, K−1, D]
+            for i in (0, -1):
+                with gm.graph.inserting_before(chain.window.cat):
+                    swapped = gm.graph.call_function(aten.transpose.int, (args[i], 1, 2))
+                swapped.meta["val"] = val(args[i]).transpose(1, 2)
+                args[i] = swapped
         # the window itself stays when the step also returns window[:, 1:] as its next state
         window_nodes = [chain.window.cat, *chain.window.nodes]
         covered.update({node: node for node in window_nodes})

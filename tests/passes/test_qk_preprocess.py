@@ -746,6 +746,37 @@ def test_window_step_with_as_many_taps_as_channels_finds_its_layout():
         assert _details(report) == ["window step conv(K=4, carried state) → silu [B,D]"], str(report)
 
 
+class RollingWindow(nn.Module):
+    """The conv over a rolling window kept channels first, [B, D, K]: the oldest column dropped, the new token's
+    appended, ``cat([cache[..., 1:], h[..., None]], -1)``, weighted per channel and summed over the last dim; one
+    decode step, or ``steps`` of them in a loop with SiLU and φ after the steps' outputs are stacked."""
+
+    def __init__(self, steps=None, d=6, k=3):
+        super().__init__()
+        self.proj, self.kernel, self.steps = nn.Linear(d, d), nn.Parameter(torch.randn(d, k) * 0.5), steps
+
+    def forward(self, x, cache):
+        if self.steps is None:  # x [B, D]: one token
+            cache = torch.cat([cache[:, :, 1:], self.proj(x)[:, :, None]], -1)
+            return F.elu(F.silu((cache * self.kernel).sum(-1))) + 1, cache
+        h, outs = self.proj(x), []
+        for t in range(self.steps):
+            cache = torch.cat([cache[..., 1:], h[:, t].unsqueeze(-1)], dim=-1)
+            outs.append(torch.einsum("bdk,dk->bd", cache, self.kernel))
+        return F.elu(F.silu(torch.stack(outs, 1))) + 1, cache
+
+
+@pytest.mark.parametrize("steps", [None, 5], ids=["one-step", "a-loop-of-steps"])
+def test_a_rolling_window_kept_channels_first_fuses(steps):
+    """A decode step's window laid out [B, D, K] (probe r28: silent), each step one window-step fusion; equal to
+    eager, outputs, the last window and the gradients of every input and weight."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6) if steps is None else torch.randn(2, steps, 6)
+    report = _compare_with_eager(RollingWindow(steps), x, torch.randn(2, 6, 3))
+    assert report.count("qk_preprocess") == (1 if steps is None else steps) and not report.misses, str(report)
+    assert all("window step conv(K=3, carried state)" in f.detail for f in report.fusions), str(report)
+
+
 def test_memory_layer_streams_in_chunks_with_its_convs_fused_with_their_state():
     """LpMemory.forward_chunk carries (the convs' states, M): compiled chunk by chunk, both short convs are
     qk_preprocess with their state and the recurrence memory_scan from M, and the chunks equal eager on the
