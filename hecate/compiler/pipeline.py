@@ -141,8 +141,9 @@ class _Retrace(fx.Interpreter):
         tracer = proxy_tensor.get_proxy_mode().tracer
         name = free_attribute(tracer.root, "hook_body")
         tracer.root.register_module(name, body)
-        proxies = [proxy_tensor.get_proxy_slot(a, tracer).proxy if isinstance(a, torch.Tensor) else a
-                   for a in (tensor, *free)]
+        proxies = [proxy_tensor.get_proxy_slot(a, tracer).proxy if isinstance(a, torch.Tensor)
+                   else proxy_tensor.fetch_sym_proxy(tracer)(a) if isinstance(a, proxy_tensor.py_sym_types) else a
+                   for a in (tensor, *free)]  # (a size under dynamic shapes: its node)
         hooked = tracer.create_proxy("call_function", torch.ops.higher_order.register_hook,
                                      (proxies[0], tracer.create_proxy("get_attr", name, (), {}), *proxies[1:]), {})
         with proxy_tensor.disable_proxy_modes_tracing():
@@ -164,7 +165,12 @@ def _keep_input_names(gm: fx.GraphModule, traced: fx.GraphModule) -> None:
 
 
 class UntraceableGraph(Exception):
-    """Dynamo's graph calls something the re-trace to ATen cannot follow: it is compiled as captured."""
+    """Dynamo's graph calls something the re-trace to ATen cannot follow: it is compiled as captured. ``what``
+    names it in the report, ``nodes`` are the calls."""
+
+    def __init__(self, reason: str, what: str = "functorch transform", nodes: Sequence[fx.Node] = ()):
+        super().__init__(reason)
+        self.what, self.nodes = what, list(nodes)
 
 
 def _check_traced_through(traced: fx.GraphModule) -> None:
@@ -201,7 +207,7 @@ def fuse_or_original(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
     except UntraceableGraph as e:  # a limit, not a fault: said, never raised
         report = FusionReport(graphs=1)
         report.add_miss("hecate", f"{e}; the graph is compiled as Dynamo captured it, without fusions",
-                        "functorch transform", transform_calls(gm))
+                        e.what, e.nodes)
         return gm, report
     except Exception as e:
         if options.strict:
@@ -218,7 +224,11 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
          options: Options) -> tuple[fx.GraphModule, FusionReport]:
     """Dynamo's graph → the ATen graph with Hecate's ops in it, and what was fused and why."""
     if transform_calls(gm):
-        raise UntraceableGraph(_TRANSFORMS)
+        raise UntraceableGraph(_TRANSFORMS, nodes=transform_calls(gm))
+    hooked = _hooks_in_checkpoints(gm)
+    if hooked:
+        raise UntraceableGraph("a gradient hook is registered inside a torch.utils.checkpoint region, which the "
+                               "re-trace of the region would drop", "hook in a checkpoint", hooked)
     report = FusionReport(graphs=1)
     with stage("common subexpressions", options.progress):
         gm = collapse_captured(gm)
@@ -229,6 +239,13 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
     with stage("re-trace to ATen", options.progress):
         aten_gm = canonicalize(gm, example_inputs)
     return run_passes(aten_gm, options, report), report
+
+
+def _hooks_in_checkpoints(gm: fx.GraphModule) -> list[fx.Node]:
+    """The ``register_hook`` calls in ``gm``'s checkpoint bodies: torch re-traces a body through its own rule
+    for the checkpoint, which runs such a call on a fake tensor and keeps nothing."""
+    return [n for node in gm.graph.find_nodes(op="call_function", target=_CHECKPOINT)
+            for n in getattr(gm, node.args[0].target).graph.nodes if is_register_hook(n.target)]
 
 
 def _fuse_checkpointed(gm: fx.GraphModule, options: Options, report: FusionReport) -> fx.GraphModule:

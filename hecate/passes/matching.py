@@ -534,6 +534,25 @@ def is_register_hook(target: Any) -> bool:
     return isinstance(target, torch._ops.HigherOrderOperator) and target.name() == "register_hook"
 
 
+def check_no_hook_on_what_is_read_inside(replaced: Sequence[fx.Node], outputs: Sequence[fx.Node]) -> None:
+    """NotFused where a gradient hook is registered on a replaced output that the replaced nodes also read (a
+    loop's final state, read by its last step; a value read by a later op of the subgraph): the hook changes the
+    whole gradient of that tensor, the fused op's backward would apply it to the part leaving the op alone."""
+    inside = set(replaced)
+    for output in outputs:
+        hooks = [u for u in output.users if is_register_hook(u.target)]
+        if hooks and (any(u in inside for u in output.users) or _final_carry(output, inside)):
+            raise NotFused(hook_reason(hooks[0]))
+
+
+def _final_carry(node: fx.Node, inside: set[fx.Node]) -> bool:
+    """Whether ``node`` is a carried value a replaced ``scan`` returns (its last step computed and read it)."""
+    if node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return False
+    scan = node.args[0]
+    return scan in inside and scan.target is torch.ops.higher_order.scan and node.args[1] < len(scan.args[1])
+
+
 def eliminate_dead_code(graph: fx.Graph) -> None:
     """``graph.eliminate_dead_code()`` keeping the gradient hooks registered in it: a hook on a value read before
     it is registered (or not at all afterwards) has no reader, and still acts in backward."""
@@ -542,7 +561,7 @@ def eliminate_dead_code(graph: fx.Graph) -> None:
 
 def hook_reason(hook: fx.Node) -> str:
     return (f"a gradient hook is registered at {source_line([hook]) or hook.name} on a value the fused op would "
-            "compute inside: its backward would not call the hook; compiled as written")
+            "compute (or read) inside: its backward would not apply the hook there; compiled as written")
 
 
 def gradient_stop_reason(stop: fx.Node) -> str:
@@ -645,6 +664,7 @@ def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
     its shape. Returns the new call node.
     """
     check_gradients_flow(args, match.outputs)
+    check_no_hook_on_what_is_read_inside(match.nodes, match.outputs)
     written = check_nothing_written_in_place(args, match.nodes, match.outputs)
     graph = gm.graph
     with graph.inserting_before(_last(graph, match.nodes)):
@@ -684,6 +704,7 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
         raise ValueError(f"replace_with_function: no outputs to replace among {[n.name for n in nodes]}; "
                          "pass a Match or outputs=[the replaced nodes read afterwards]")
     check_gradients_flow(args, old_outputs)
+    check_no_hook_on_what_is_read_inside(nodes, old_outputs)
     written = check_nothing_written_in_place(args, nodes, old_outputs)
     if computed_from([n for a in args for n in _nodes_in(a)], set(old_outputs)):
         raise NotFused("the replacement would read values computed from what it replaces (a cycle); "

@@ -130,3 +130,69 @@ def test_a_hook_inside_a_family_leaves_it_unfused_and_is_reported(model, pattern
 
 def test_the_same_loop_without_hooks_fuses(fresh_dynamo):  # (what the test above leaves unfused is the hook's doing)
     assert _compile_and_compare(DeltaRule(), (2, 5, 6), "eager").count("memory_scan") == 1
+
+
+class HookedFinalState(nn.Module):
+    """The loop's final state returned with the reads, a hook on it: the last step read that state too, so the hook
+    acts on that read's gradient as well (probe r29: fused, the hook saw only the returned state's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.loop = DeltaRule()
+
+    def forward(self, x):
+        k, v = F.normalize(self.loop.k(x), dim=-1), self.loop.v(x)
+        memory, ys = x.new_zeros(x.shape[0], x.shape[2], x.shape[2]), []
+        for t in range(x.shape[1]):
+            error = torch.einsum("bij,bj->bi", memory, k[:, t]) - v[:, t]
+            memory = memory - 0.1 * torch.einsum("bi,bj->bij", error, k[:, t])
+            ys.append(torch.einsum("bij,bj->bi", memory, k[:, t]))
+        memory.register_hook(lambda g: g * 0.1)
+        return torch.stack(ys, 1), memory
+
+
+def test_a_hook_on_a_loops_final_state_leaves_it_unfused_and_is_reported(fresh_dynamo):
+    report = _compare_and_check_reason(HookedFinalState(), "memory_scan")
+    assert report.count("memory_scan") == 0
+
+
+def _compare_and_check_reason(model, pattern):
+    report = _compile_and_compare(model, (2, 5, 6), "eager")
+    (miss,) = [m for m in report.misses if m.pattern == pattern]
+    assert "gradient hook" in miss.reason and "register_hook" in miss.reason, miss.reason
+    return report
+
+
+class CheckpointedHook(nn.Module):
+    """A hook inside a torch.utils.checkpoint region: torch re-traces the region's body through the checkpoint's
+    own rule, which dropped the hook (probe r29: gradients of the opposite sign under a hook g ↦ −g)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = KLBlock()
+
+    def forward(self, x):
+        def region(x):
+            y = self.inner(x)
+            y.register_hook(lambda g: -g)
+            return y
+        return torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False) + x.sum(-1, keepdim=True)
+
+
+def test_a_hook_inside_a_checkpoint_is_called_and_reported(fresh_dynamo):
+    report = _compile_and_compare(CheckpointedHook(), (2, 7, 6), "eager")
+    (miss,) = report.misses
+    assert miss.pattern == "hecate" and "inside a torch.utils.checkpoint region" in miss.reason, miss.reason
+
+
+def test_a_hook_on_a_fused_output_under_dynamic_shapes(fresh_dynamo):
+    """Under dynamic=True the hook's body reads the sizes, which the re-trace passes as symbols (probe r29: an
+    internal error)."""
+    torch.manual_seed(0)
+    model = HookedOutput(KLBlock())
+    x = torch.randn(2, 7, 6)
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = torch.compile(model, backend="hecate", dynamic=True, options={"fallback": "eager", "strict": True})(xc)
+    assert hecate.last_report().count("kl_attention") == 1, str(hecate.last_report())
+    params = list(model.parameters())
+    assert_outputs_and_gradients_close(got, model(xe), [xc, *params], [xe, *params], TOL)
