@@ -1870,16 +1870,24 @@ def _einsum_pairs(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.N
 
 
 def _first_pair_summing(pending: list, output: str) -> tuple[int, int]:
-    """Without opt_einsum's path: the first two operands, left to right, unless their product sums no index
-    (``"ts,bhtd"``: the mask times the queries, a [B, H, T, S, D] broadcast) and a later pair does (the queries
-    and keys, over d); then that pair. So the mask multiplies the scores, as it does where it is written after
-    them. The order of the products changes their rounding alone."""
-    def sums(i, j):
+    """Without opt_einsum's path: the first two operands, left to right, unless their product is a broadcast
+    that sums no index and is larger than either (``"ts,bhtd"``: the mask times the queries, [B, H, T, S, D]);
+    then the first pair that sums an index (the queries and keys, over d), else the first that does not grow (the
+    scores times the mask last in ``"btd,bsd,bse,ts"``, before the values). So the mask multiplies the scores,
+    as where it is written next to them. The order of the products changes their rounding alone."""
+    def kept(i, j):
         later = set(output).union(*(term for k, (_, term, _) in enumerate(pending) if k not in (i, j)))
-        return any(c not in later for c in pending[i][1] + pending[j][1])
-    if sums(0, 1):
+        return {c for c in pending[i][1] + pending[j][1] if c in later}
+
+    def sums(i, j):
+        return len(kept(i, j)) < len(set(pending[i][1] + pending[j][1]))
+
+    def grows(i, j):  # the product has indices neither operand has alone (a broadcast outer product)
+        return not (kept(i, j) <= set(pending[i][1]) or kept(i, j) <= set(pending[j][1]))
+    pairs = [(i, j) for i in range(len(pending)) for j in range(i + 1, len(pending))]
+    if sums(0, 1) or not grows(0, 1):
         return 0, 1
-    return next(((i, j) for i in range(len(pending)) for j in range(i + 1, len(pending)) if sums(i, j)), (0, 1))
+    return next((p for p in pairs if sums(*p)), next((p for p in pairs if not grows(*p)), (0, 1)))
 
 
 def _einsum_without_ellipsis(graph: fx.Graph, node: fx.Node) -> fx.Node | None:

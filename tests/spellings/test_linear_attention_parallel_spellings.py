@@ -203,6 +203,11 @@ def einsum_of_four_with_the_mask_first(q, k, v):  # mask, q, k, v in one einsum:
     return torch.einsum("ts,btd,bsd,bse->bte", torch.ones(n, n).tril(), phi(q), phi(k), v)
 
 
+def einsum_of_four_with_the_mask_last(q, k, v):  # q, k, v, mask: left to right the scores times v would be a
+    n = q.shape[1]  # [B, T, S, E] broadcast; the mask multiplies the scores first
+    return torch.einsum("btd,bsd,bse,ts->bte", phi(q), phi(k), v, torch.ones(n, n).tril())
+
+
 def scaled_and_masked_in_place(q, k, v):  # the score scaled, then its future zeroed, both in place
     s = phi(q) @ phi(k).mT
     s.mul_(0.5)
@@ -272,7 +277,7 @@ FUNCTIONS = [normalised_on_the_score, normalised_on_the_score_heads_by_einsum, n
              triu_bool_masked_fill_einsum, arange_comparison_float_mask, normalised_by_reciprocal, normalised_by_clamp,
              retention_linspace_gammas, scaled_scores_times_tril, scaled_scores_masked_fill,
              scaled_retention_normalised, einsum_with_the_mask_as_an_operand, einsum_with_the_mask_first,
-             einsum_of_four_with_the_mask_first,
+             einsum_of_four_with_the_mask_first, einsum_of_four_with_the_mask_last,
              scaled_and_masked_in_place, strictly_causal, strictly_causal_retention_by_where,
              strictly_causal_normalised, one_sequence_given_a_batch_dim_after_the_transpose,
              cumsum_exclusive_states, cumsum_minus_the_step_own]
