@@ -222,6 +222,7 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
             _install_graph(program, gm)
         else:
             run_passes(program.graph_module, opts, report, dump_name="export")
+        _lift_constants(program)
         return program, report, fixed
 
     program, report, fixed = fused(flat_args)
@@ -237,6 +238,23 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
                       "the fused graph still depends on it; write the loop with torch's scan to keep it dynamic)",
                       stacklevel=3)
     return program, report, (flat_args, input_names, output_names)
+
+
+def _lift_constants(program: torch.export.ExportedProgram) -> None:
+    """The tensors a fusion made constants of the graph (a decay mask's γ, as ``get_attr``) become the program's
+    lifted constants, as torch.export keeps every constant: its verifier refuses a graph reading others."""
+    from torch._export.passes.lift_constants_pass import ConstantAttrMap, lift_constants_pass
+
+    gm = program.graph_module
+    nodes = [n for n in gm.graph.find_nodes(op="get_attr") if isinstance(getattr(gm, n.target, None), torch.Tensor)
+             and n.target not in program.state_dict and n.target not in program.constants]
+    made = [n.target for n in nodes]
+    for node in nodes:
+        node.meta.setdefault("nn_module_stack", {})  # (made by Hecate, in no module of the user's)
+    if made:
+        program.constants.update(lift_constants_pass(gm, program.graph_signature, ConstantAttrMap()))
+        for name in made:
+            delattr(gm, name)
 
 
 def _install_graph(program: torch.export.ExportedProgram, gm: torch.fx.GraphModule) -> None:

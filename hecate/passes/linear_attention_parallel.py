@@ -597,7 +597,8 @@ def _layouts(x: torch.Tensor, lead_t: tuple):
 def _squeezed(x: torch.Tensor) -> torch.Tensor:
     """``x`` without its dims of size 1 (a factor per key raised to the pairs' [.., 1, T] before it is scaled), the
     dims :func:`_layouts` permutes. A size Dynamo left symbolic is never 1 (it specialises 1)."""
-    return x.squeeze(tuple(i for i, s in enumerate(x.shape) if isinstance(s, int) and s == 1))
+    ones = tuple(i for i, s in enumerate(x.shape) if isinstance(s, int) and s == 1)
+    return x.squeeze(ones) if ones else x  # (an empty squeeze is traced as a view_of no ONNX exporter translates)
 
 
 def _placed(g: torch.Tensor, places: tuple, lead_t) -> torch.Tensor:

@@ -374,3 +374,47 @@ def test_retention_over_token_ids_is_fused_on_export(tmp_path):
         tokens = torch.randint(0, 11, shape)
         (got,) = session.run(None, {session.get_inputs()[0].name: tokens.numpy()})
         assert_close(f"y {shape}", torch.from_numpy(got), model(tokens), 1e-5)
+
+
+class _ParallelDecay(torch.nn.Module):
+    """(QKᵀ ⊙ D) V with one constant decay γ^(t−s): the fused op reads γ as a constant the fusion makes, which
+    the exported program must hold among its own (probe r29: the export raised SpecViolationError)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        i = torch.arange(x.shape[1])
+        decay = (0.8 ** (i[:, None] - i[None, :]).clamp(min=0).float()) * torch.ones(x.shape[1], x.shape[1]).tril()
+        return (q @ k.mT * decay) @ v
+
+
+class _Mamba2Parallel(torch.nn.Module):
+    """Mamba-2's parallel form, exp(segsum(a)) with a = −softplus(·) per step: the fusion's gate layout had an
+    empty squeeze, which torch.onnx cannot translate (probe r29)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.proj, self.gate = torch.nn.Linear(d, 3 * d, bias=False), torch.nn.Linear(d, 1)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, -1)
+        cs = torch.cumsum(-torch.nn.functional.softplus(self.gate(x)).squeeze(-1), dim=-1)  # [B, T]
+        t = x.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        decay = torch.exp((cs[:, :, None] - cs[:, None, :]).masked_fill(~causal, float("-inf")))
+        return ((q @ k.mT) * decay) @ v
+
+
+@pytest.mark.parametrize("model", [_ParallelDecay, _Mamba2Parallel], ids=lambda m: m.__name__.strip("_"))
+def test_parallel_forms_export_fused(model, tmp_path):
+    torch.manual_seed(0)
+    _export_and_check(tmp_path, model(), _x(8, 0.5), expect_op="hecate.linear_attention")
+
+
+def test_a_constant_a_fusion_makes_is_lifted_for_mlir_too():
+    pytest.importorskip("torch_mlir")
+    text = hecate.export_mlir(_ParallelDecay().eval(), (torch.randn(2, 5, 8),), output_type="torch")
+    assert "func.func" in text and "hecate" not in text and "torch.operator" not in text, text[:500]
