@@ -39,8 +39,8 @@ from hecate.passes.report import FusionReport
 from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, equals_scaled, evaluate, far_draw, gaussian_kl,
                                     independent, nearest_sources, proportion, run_time_temperature, shape_of, short,
                                     sources_shaped, strip_noops, where_read_apart)
-from hecate.passes.matching import (NotFused, bound_reason, computed_from, first_threshold, nodes_between, number_of,
-                                    replace_with_function, size_hint)
+from hecate.passes.matching import (NotFused, bound_reason, computed_from, first_threshold, is_register_hook,
+                                    nodes_between, number_of, replace_with_function, size_hint)
 
 PATTERN = "kl_decode"
 aten = torch.ops.aten
@@ -289,7 +289,8 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
             env.update({x: low + (high - low) * torch.rand(own(x), generator=gen, dtype=torch.float64)
                         for x in independent(priors)})
             memo = {**(fixed or {}), **env}
-            draws.append((env, memo, evaluate(logits, memo, expand=expand)))  # memo: what is computed from those
+            # (memo: what is computed from those; the logits as made, whatever the code writes into them later)
+            draws.append((env, memo, evaluate(logits, memo, expand=expand, as_made=True)))
         return draws
 
     try:  # at small sizes of the draw's own, else (sizes baked into a reshape) at the graph's, if small
@@ -349,7 +350,7 @@ def _far_from_one(logits, env, memo, fixed, gamma, queries, mu, scale, param, pr
     scales = {x: p for x, p in ((scale, param), (prior_scale, prior_param)) if x is not None}
     memo = {**(fixed or {}), **far_draw(env, [mu, prior_mu], scales, seed=20251126, computed=memo)}
     try:
-        value = evaluate(logits, memo)  # memo: a variance computed from what was drawn, too
+        value = evaluate(logits, memo, as_made=True)  # memo: a variance computed from what was drawn, too
         kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries)
     except Exception:  # noqa: BLE001  (an op undefined there: not the KL, which is)
         return False
@@ -374,8 +375,9 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
 
     for node in list(gm.graph.nodes):
         # the last node of the score: something other than an elementwise step of it reads it
-        if node.op != "call_function" or not any(u.op == "output" or u.target in _CONSUMERS
-                                                 or shape_of(u) != shape_of(node) for u in node.users):
+        if node.op != "call_function" or not any(
+                u.op == "output" or u.target in _CONSUMERS or is_register_hook(u.target)
+                or shape_of(u) != shape_of(node) for u in node.users):
             continue
         try:
             decode = _recognise(node)

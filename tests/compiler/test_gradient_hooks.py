@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import hecate
 from hecate.testing import assert_outputs_and_gradients_close
+from tests.compiler.test_output_written_in_place import KLDecodeLogits
 
 TOL = 1e-5
 
@@ -103,6 +104,7 @@ OUTPUT_HOOKED = {
     "kl_attention": (lambda: HookedOutput(KLBlock()), (2, 7, 6), "kl_attention"),
     "memory_loop": (lambda: HookedOutput(DeltaRule()), (2, 5, 6), "memory_scan"),
     "kl_attention_read_before_the_hook": (lambda: HookedBeforeAndAfterItsUse(KLBlock()), (2, 7, 6), "kl_attention"),
+    "kl_decode_logits": (lambda: HookedOutput(KLDecodeLogits()), (2, 7, 6), "kl_decode"),
     "linear": (lambda: HookedOutput(nn.Linear(6, 6)), (2, 7, 6), None),
 }
 

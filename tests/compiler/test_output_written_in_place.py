@@ -84,6 +84,20 @@ class KLAttention(nn.Module):
         return (-kl).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).softmax(-1) @ mu
 
 
+class KLDecodeLogits(nn.Module):  # −KL(q_t ‖ π_v) / 0.8 against 7 token priors
+    def __init__(self):
+        super().__init__()
+        self.enc, self.prior_mu, self.prior_raw = nn.Linear(D, 2 * 4), nn.Parameter(torch.randn(7, 4)), \
+            nn.Parameter(torch.randn(7, 4))
+
+    def forward(self, x):
+        mu, raw = self.enc(x).chunk(2, -1)
+        var, prior_var = F.softplus(raw) + 1e-2, F.softplus(self.prior_raw) + 1e-2
+        kl = 0.5 * (torch.log(prior_var / var[..., None, :]) + (var[..., None, :] + (mu[..., None, :] - self.prior_mu)
+                                                                  ** 2) / prior_var - 1).sum(-1)
+        return -kl / 0.8
+
+
 class WrittenAfter(nn.Module):
     def __init__(self, family, write):
         super().__init__()
@@ -99,7 +113,7 @@ class WrittenAfter(nn.Module):
 
 
 FAMILIES = {QK: "qk_preprocess", DeltaRule: "memory_scan", Hebbian: "linear_attention",
-            ParallelForm: "linear_attention", KLAttention: "kl_attention"}
+            ParallelForm: "linear_attention", KLAttention: "kl_attention", KLDecodeLogits: "kl_decode"}
 
 
 @pytest.mark.parametrize("write", ["slice assigned", "slice added to in place"])
