@@ -61,6 +61,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from hecate.compiler.normalize import functional_op, functionalize, mutates
 from hecate.passes.matching import aliases, written_in_place
@@ -385,10 +386,12 @@ def _outputs_returned_apart(graph: fx.Graph) -> Callable[[], None] | None:
     if not isinstance(returned, (list, tuple)):
         return None
 
-    def same(a, b):
+    inputs = {_storage_of(n) for n in graph.find_nodes(op="placeholder")} - {None}
+
+    def same(a, b):  # (a view of an input is returned as one: a stack's slice is none)
         va, vb = _value(a), _value(b)
         return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype \
-            and va.shape == vb.shape and a is not b
+            and va.shape == vb.shape and a is not b and not {_storage_of(a), _storage_of(b)} & inputs
 
     runs, start = [], 0
     for i in range(1, len(returned) + 1):
@@ -418,6 +421,14 @@ def _outputs_returned_apart(graph: fx.Graph) -> Callable[[], None] | None:
         for node in reversed(added):
             graph.erase_node(node)
     return undo
+
+
+def _storage_of(node: fx.Node) -> StorageWeakRef | None:
+    value = _value(node)
+    try:
+        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+    except Exception:  # (a tensor subclass without a storage)
+        return None
 
 
 def _outputs_read_through_their_stack(graph: fx.Graph) -> bool:

@@ -626,3 +626,19 @@ def test_tensors_returned_apart_outside_a_loop_are_returned_as_computed(fresh_dy
     dumps = sorted(tmp_path.glob("*.txt"))
     assert dumps and not any("stack" in d.read_text() or "select" in d.read_text() for d in dumps), \
         [d.name for d in dumps]
+
+
+def test_views_of_an_input_returned_beside_a_rolled_loop_stay_views(fresh_dynamo):
+    """Returned views of an input are left out of the stack the rolling makes of returned tensors: a view is
+    returned as one (writing into it writes into the input), as in eager."""
+    def fn(x, k):
+        memory, ys = x.new_zeros(2, 4, 4), []
+        for t in range(x.shape[1]):
+            memory = memory + x[:, t, :, None] * k[:, t, None, :]
+            ys.append(memory @ k[:, t, :, None])
+        return torch.stack(ys, 1), x[:, 0], x[:, 1]
+
+    x, k = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    _, first, second = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})(x, k)
+    assert hecate.last_report().count("linear_attention") == 1, str(hecate.last_report())
+    assert first._base is x and second._base is x
