@@ -99,6 +99,7 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``graph_module`` (not the graphs it calls) into the normal form, in place; return it."""
     graph = graph_module.graph
     functionalize(graph)
+    rolled_windows_as_cats(graph)
     detach_no_grad_results(graph)
     unbind_as_selects(graph)
     softmax_spellings(graph)
@@ -351,6 +352,44 @@ def _dims_moved(source: torch.Tensor, got: Any) -> list[int] | None:
         free.remove(j)
         move.append(j)
     return move
+
+
+def rolled_windows_as_cats(graph: fx.Graph) -> None:
+    """A window rolled one step in place and its last slot written (Mamba's ``causal_conv1d_update`` reference:
+    ``w = cache.clone(); w.copy_(torch.roll(w, -1, d)); w[..., -1] = x``) → ``torch.cat([w0[1:], x.unsqueeze(d)],
+    d)`` along d, w0 the window before: the same values (the roll's first slot, moved last, is overwritten), as
+    the window of a decode step is written functionally, which the qk pass reads."""
+    for roll in list(graph.find_nodes(op="call_function", target=aten.roll.default)):  # (w: a fresh clone)
+        window, shifts, dims = (*roll.args, [])[:3]
+        users = list(window.users) if isinstance(window, fx.Node) else []
+        if window.target is not aten.clone.default or len(users) != 2 or list(shifts) != [-1] or len(dims) != 1:
+            continue
+        (rolled,) = [u for u in users if u is not roll] or [None]
+        if rolled is None or rolled.target is not aten.copy_.default or rolled.args[:2] != (window, roll) \
+                or rolled.kwargs or _val(roll).shape != _val(window).shape:
+            continue
+        dim, size = dims[0] % _val(window).dim(), _val(window).shape[dims[0]]
+        last = [u for u in rolled.users if u.target is aten.select.int and u.args[1] % _val(window).dim() == dim
+                and isinstance(u.args[2], int) and statically_known_true(u.args[2] % size == size - 1)]
+        if len(last) != 1 or len(last[0].users) != 1:
+            continue
+        (write,) = last[0].users
+        if write.target is not aten.copy_.default or write.args[0] is not last[0] or write.kwargs \
+                or not isinstance(write.args[1], fx.Node) or _val(write.args[1]).shape != _val(last[0]).shape \
+                or _val(write.args[1]).dtype != _val(window).dtype:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        readers = [u for u in rolled.users if u not in (last[0],)]
+        if any(order[u] < order[write] for u in readers):
+            continue  # the rolled window read before its last slot is written
+        with graph.inserting_before(write.next):
+            kept = emit(graph, aten.slice.Tensor, window, dim, 1, size)  # (the clone: no longer written)
+            new = emit(graph, aten.unsqueeze.default, write.args[1], dim)
+            cat = emit(graph, aten.cat.default, [kept, new], dim)
+        for reader in readers:
+            reader.replace_input_with(rolled, cat)
+        for node in (write, last[0], rolled, roll):
+            graph.erase_node(node)
 
 
 def shifted_copies_as_windows(graph: fx.Graph) -> None:

@@ -766,6 +766,27 @@ class RollingWindow(nn.Module):
         return F.elu(F.silu(torch.stack(outs, 1))) + 1, cache
 
 
+class RolledInPlace(nn.Module):
+    """Mamba's causal_conv1d_update reference on a copy of the cache: rolled one step in place, its last slot
+    written (probe r29: silent)."""
+
+    def __init__(self, d=6, k=3):
+        super().__init__()
+        self.proj, self.kernel = nn.Linear(d, d), nn.Parameter(torch.randn(d, k) * 0.5)
+
+    def forward(self, x, cache):
+        cache = cache.clone()
+        cache.copy_(torch.roll(cache, shifts=-1, dims=-1))
+        cache[:, :, -1] = self.proj(x)
+        return F.silu((cache * self.kernel).sum(-1)), cache
+
+
+def test_a_window_rolled_in_place_fuses():
+    torch.manual_seed(0)
+    report = _compare_with_eager(RolledInPlace(), torch.randn(2, 6), torch.randn(2, 6, 3))
+    assert _details(report) == ["window step conv(K=3, carried state) → silu [B,D]"], str(report)
+
+
 @pytest.mark.parametrize("steps", [None, 5], ids=["one-step", "a-loop-of-steps"])
 def test_a_rolling_window_kept_channels_first_fuses(steps):
     """A decode step's window laid out [B, D, K] (probe r28: silent), each step one window-step fusion; equal to
