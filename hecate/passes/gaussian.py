@@ -136,8 +136,8 @@ def short(target) -> str:
 
 
 def proportion(value: torch.Tensor, reference: torch.Tensor, tol: float = 1e-9) -> float | None:
-    """γ with ``value = γ · reference`` to ``tol`` (relative), or None."""
-    if value.shape != reference.shape or not torch.isfinite(value).all() or not torch.isfinite(reference).all():
+    """γ with ``value = γ · reference`` to ``tol`` (relative), or None (also for a value that is no float tensor)."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != reference.shape or not torch.isfinite(value).all() or not torch.isfinite(reference).all():
         return None
     norm = reference.square().sum()
     if norm == 0:

@@ -62,6 +62,7 @@ class _Decode:
     prior_param: str
     tau: "float | Temperature"  # a number, or read from a 0-d tensor at run time
     values: dict | None = None  # every node's value at the first draw (the bounds check reads them)
+    featureless: bool = False  # K = 1 written without its dim: beliefs [..., N], priors [V]
 
 
 def _query_side(node: fx.Node) -> fx.Node | None:
@@ -124,8 +125,9 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
         if node in seen:
             continue
         seen.add(node)
-        q = _query_side(node)
         shape = shape_of(node)
+        # (a query side is the score's rank + 1: p[None, None, :] of [V] priors, [1, 1, V], is not [.., N=1, 1, K=V])
+        q = _query_side(node) if len(shape or ()) == len(score) + 1 else None
         product = _product_sides(node, score)
         if product is not None:  # the KL multiplied out: Σ_k x_ik y_vk of a belief's and a prior's tensors
             queries.append(product[0]) if product[0] not in queries else None
@@ -136,6 +138,10 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
                 and _is(shape[-1], 1) and not _is(score[-1], 1):
             numbers.append(node)  # [..., N, 1]: a number per position (−Σ_k log v_k summed apart); before the
             # priors' [V, K] below, which [N, 1] of one sequence's [N, V] logits would otherwise be taken for
+        elif _is(score[-1], 1) and shape is not None and len(shape) == len(score) - 1 >= 2 \
+                and all(map(_is, shape, score[:-1])):
+            queries.append(node) if node not in queries else None  # V = 1, K = 1 without its dim: the beliefs
+            # [..., N] (their [..., N, 1] broadcast is the logits' own shape, which the walk goes through)
         elif shape is not None and len(shape) in (1, 2) and not _in_score(shape, score):
             node = strip_noops(node)
             while node.target is aten.neg.default and shape_of(node.args[0]) == shape:
@@ -161,9 +167,11 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
     # and the per-position tensors [..., N, K] of their own K they are computed from (s² and log s read apart)
     lead = score[:-1]
 
-    def per_position(k):
-        return lambda shape: len(shape) == len(lead) + 1 and _is(shape[-1], k) and all(map(_is, shape, lead))
-    sources = [x for q in queries for x in sources_shaped(q, per_position(shape_of(q)[-1]))]
+    def per_position(q):  # [..., N, K] of q's K, or [..., N] of a q without a feature dim
+        own = len(lead) + (len(shape_of(q)) != len(lead))
+        return lambda shape: len(shape) == own and all(map(_is, shape, lead)) \
+            and (own == len(lead) or _is(shape[-1], shape_of(q)[-1]))
+    sources = [x for q in queries for x in sources_shaped(q, per_position(q))]
     queries = list(dict.fromkeys(queries + sources))
     # a 0-d tensor read through several 0-d values (s² = exp(log s²) beside K·log s²): what they are computed
     # from is drawn, and they evaluated from it, so that they keep their relation; all of them are candidates
@@ -175,11 +183,13 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
 
 def _per_position_sources(node: fx.Node, lead: tuple) -> list[fx.Node]:
     """The nearest per-position tensors [..., N, K] (``lead`` = [..., N]) ``node`` is computed from; those of
-    [..., N, 1] where there are none (K = 1, or an isotropic variance)."""
+    [..., N, 1] where there are none (K = 1, or an isotropic variance); those of [..., N] where there are none of
+    either (K = 1 written without its dim: ``mu[..., None] - prior_mu`` of [V] priors)."""
     def per_position(k_is_one):
         return lambda shape: len(shape) == len(lead) + 1 and _is(shape[-1], 1) == k_is_one \
             and all(_is(a, b) for a, b in zip(shape, lead))
-    return nearest_sources(node, per_position(False)) or nearest_sources(node, per_position(True))
+    return nearest_sources(node, per_position(False)) or nearest_sources(node, per_position(True)) \
+        or nearest_sources(node, lambda shape: len(shape) == len(lead) and all(map(_is, shape, lead)))
 
 
 def _is(size, other) -> bool:
@@ -190,10 +200,11 @@ def _is(size, other) -> bool:
 
 def _in_score(shape, logits_shape) -> bool:
     """Whether a tensor of ``shape`` lives in the [..., N, V, K] score of [..., N, V] logits: the logits'
-    shape, or a shape broadcasting into [..., N, V, K] (a query's [..., N, 1, K], a prior's [1, V, K])."""
+    shape (or one broadcasting to it), or a shape broadcasting into [..., N, V, K] (a query's [..., N, 1, K], a
+    prior's [1, V, K])."""
     *lead, v = logits_shape
-    if len(shape) == len(logits_shape) and all(_is(a, b) for a, b in zip(shape, logits_shape)):
-        return True
+    if len(shape) == len(logits_shape) and all(_is(a, 1) or _is(a, b) for a, b in zip(shape, logits_shape)):
+        return True  # (or broadcast to it: [V] priors of K = 1 written without its dim, p[None, None, :])
     if len(shape) == len(lead) + 2:
         return all(_is(a, 1) or _is(a, b) for a, b in zip(shape, (*lead, v)))
     return 2 < len(shape) < len(lead) + 2 and _is(shape[-2], v) and all(_is(a, 1) for a in shape[:-2])
@@ -208,11 +219,26 @@ def _recognise(logits: fx.Node) -> _Decode | None:
         return None
     queries, priors, scalars = found
     v = size_hint(shape[-1])
-    k = {size_hint(shape_of(x)[-1]) for x in queries}
+    # K = 1 written without its dim: beliefs [..., N] broadcast against priors [V] (mu[..., None] - prior_mu); a
+    # [..., N, 1] read twice (lv = logvar[..., None]) is found as a query too, and is what it adds the dim to
+    if any(len(shape_of(x)) == len(shape) - 1 for x in queries):
+        queries = list(dict.fromkeys(map(_without_unit_dims, queries)))
+        lifted = {x for x in queries if len(shape_of(x)) == len(shape) - 1}
+        # (s / var[..., None] read by a log: a [..., N, 1] number, evaluated from the beliefs, not drawn)
+        queries = [x for x in queries if x in lifted or not computed_from([x], lifted)]
+    featureless = all(len(shape_of(x)) == len(shape) - 1 for x in queries)
+    k = {1} if featureless else {size_hint(shape_of(x)[-1]) for x in queries}
     k = k - {1} or k  # a variance [..., N, 1] beside means [..., N, K] is isotropic; all [..., N, 1]: K = 1
     if len(k) != 1:
         return None
     k = k.pop()
+    if featureless:
+        priors = list(dict.fromkeys(map(_without_unit_dims, priors)))  # p[None, None, :] of [1, 1, V]
+        priors = list(dict.fromkeys(priors + [x for p in priors for x in sources_shaped(
+            p, lambda shape: len(shape) == 1 and size_hint(shape[0]) in (v, 1))]))
+        if any(len(shape_of(x)) != 1 for x in priors):
+            return None
+        return _matched(logits, queries, priors, scalars, k, v, shape, featureless)
     # a number per token [V] (Σ_k log s_vk summed apart) is drawn through the [V, K] tensors it is computed from
     numbers = [x for x in priors if len(shape_of(x)) == 1 and size_hint(shape_of(x)[0]) == v and k != v]
     priors = _with_sources([x for x in priors if x not in numbers], k, v)
@@ -227,14 +253,20 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     if any(size_hint(shape_of(x)[-1]) not in (k, 1) for x in priors) \
             or len(queries) + len(priors) < 2:  # means on each side (a variance each, or unit ones)
         return None
+    return _matched(logits, queries, priors, scalars, k, v, shape, featureless)
+
+
+def _matched(logits, queries, priors, scalars, k, v, shape, featureless) -> _Decode | None:
+    """The decode the logits are, of these candidates for the beliefs, priors and 0-d tensors; None if none."""
     constants = {x: torch.tensor(c, dtype=torch.float64) for x in scalars
                  if (c := number_of(x)) is not None}  # torch.tensor(K) in the model: read, not drawn
     scalars = [x for x in scalars if x not in constants]
-    decode = _match(logits, queries, priors + scalars, k, v, shape, constants or None)
+    decode = _match(logits, queries, priors + scalars, k, v, shape, constants or None, featureless)
     if decode is None:  # drawn where each value is first read apart (var = −0.5/η₂ of natural parameters)
         lifted_queries, lifted_priors = _read_apart(queries), _read_apart(priors)
         if lifted_queries != queries or lifted_priors != priors:
-            decode = _match(logits, lifted_queries, lifted_priors + scalars, k, v, shape, constants or None)
+            decode = _match(logits, lifted_queries, lifted_priors + scalars, k, v, shape, constants or None,
+                            featureless)
     if decode is not None:
         inputs = [decode.mu, decode.scale, decode.prior_mu, decode.prior_scale] + (
             [decode.tau.node] if isinstance(decode.tau, Temperature) else [])
@@ -245,11 +277,24 @@ def _recognise(logits: fx.Node) -> _Decode | None:
         return decode
     # the KL when the 0-d tensors are 1: it is read besides the beliefs and priors, as a temperature
     if _match(logits, queries, priors, k, v, shape,
-              {**constants, **{x: torch.ones((), dtype=torch.float64) for x in scalars}}):
+              {**constants, **{x: torch.ones((), dtype=torch.float64) for x in scalars}}, featureless):
         names = ", ".join(x.name for x in scalars)
         raise NotFused(f"the logits read {names}, a 0-d tensor, besides the beliefs and priors, and are "
                        "−KL(q_i‖π_v) where it is 1, but not −KL/τ for τ = c·t or c/t of it")
     return None
+
+
+def _without_unit_dims(node: fx.Node) -> fx.Node:
+    """What ``node`` adds dims of 1 to (``x[..., None]``, ``p[None, None, :]``, ``x.unsqueeze(-1)``), or ``node``."""
+    def kept(shape):
+        return [s for s in shape if not _is(s, 1)]
+    while node.op == "call_function" and node.target in (aten.unsqueeze.default, aten.view.default,
+                                                         aten.reshape.default) \
+            and isinstance(node.args[0], fx.Node) and shape_of(node.args[0]) is not None \
+            and len(shape_of(node.args[0])) < len(shape_of(node)) \
+            and kept(shape_of(node.args[0])) == kept(shape_of(node)):
+        node = node.args[0]
+    return node
 
 
 def _read_apart(tensors: list) -> list:
@@ -274,17 +319,21 @@ def _with_sources(priors: list, k: int, v: int) -> list:
 _MAX_OWN_SIZE_DRAW = 2 ** 18
 
 
-def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
+def _match(logits, queries, priors, k, v, shape, fixed=None, featureless=False) -> _Decode | None:
     """The decode whose KL the logits are at two random draws of the beliefs [2, .., 3, K] and the
-    priors (at their own sizes: [V, K], shared [1, K] / [K] / 0-d), the tensors ``fixed`` held."""
+    priors (at their own sizes: [V, K], shared [1, K] / [K] / 0-d), the tensors ``fixed`` held. ``featureless``:
+    K = 1 without its dim, beliefs [2, .., 3] and priors [V] (or shared [1], 0-d)."""
     def own(x):  # a prior's own size: per token [V, K], or shared by the tokens
+        if featureless:
+            return tuple(1 if _is(s, 1) else v for s in shape_of(x))
         return tuple(1 if _is(s, 1) else v if i == len(shape_of(x)) - 2 else k for i, s in enumerate(shape_of(x)))
+    feature = () if featureless else (k,)
 
     def draw(positions, expand):
         gen = torch.Generator().manual_seed(20251123)
         draws = []
         for low, high in ((0.3, 2.0), (0.05, 4.0)):
-            env = {x: low + (high - low) * torch.rand(*positions, k, generator=gen, dtype=torch.float64)
+            env = {x: low + (high - low) * torch.rand(*positions, *feature, generator=gen, dtype=torch.float64)
                    for x in independent(queries)}
             env.update({x: low + (high - low) * torch.rand(own(x), generator=gen, dtype=torch.float64)
                         for x in independent(priors)})
@@ -306,7 +355,7 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
     priors = [x for x in priors if isinstance(draws[0][1].get(x), torch.Tensor)]
     queries = [x for x in queries if isinstance(draws[0][1].get(x), torch.Tensor)]  # drawn, or computed from those
     near_one_only = None
-    per_token = [x for x in priors if own(x) == (v, k)]  # the means differ per token
+    per_token = [x for x in priors if own(x) == (v, *feature)]  # the means differ per token
     shared = [x for x in priors if x not in per_token]  # [K], [1, K], 0-d: a variance of the beliefs' or the priors'
     for mu in queries:
         for scale in queries + shared + [None]:  # the beliefs' variance per position, the same at every one, or 1
@@ -318,7 +367,8 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
                         for prior_param in (_UNIT if prior_scale is None else VARIANCE_FROM):
                             alphas = []
                             for _, memo, value in draws:
-                                kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries)
+                                kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries,
+                                                featureless)
                                 alphas.append(proportion(value, kl) if kl is not None else None)
                             if not all(a is not None and a < 0 for a in alphas):
                                 continue
@@ -327,11 +377,12 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
                                                      [x for x in priors if x not in (prior_mu, prior_scale)])
                             if tau is not None:
                                 if not _far_from_one(logits, draws[0][0], draws[0][1], fixed, alphas[0], queries,
-                                                     mu, scale, param, prior_mu, prior_scale, prior_param):
+                                                     mu, scale, param, prior_mu, prior_scale, prior_param,
+                                                     featureless):
                                     near_one_only = (mu, prior_mu)
                                     continue
                                 return _Decode(logits, mu, scale, param, prior_mu, prior_scale, prior_param, tau,
-                                               draws[0][1])
+                                               draws[0][1], featureless)
     if near_one_only is not None:
         mu, prior_mu = near_one_only
         raise NotFused(f"the logits are −KL(q_i ‖ π_v)/τ of {mu.name} and {prior_mu.name} where the means and "
@@ -342,7 +393,7 @@ def _match(logits, queries, priors, k, v, shape, fixed=None) -> _Decode | None:
 
 
 def _far_from_one(logits, env, memo, fixed, gamma, queries, mu, scale, param, prior_mu, prior_scale,
-                  prior_param) -> bool:
+                  prior_param, featureless) -> bool:
     """Whether the logits are still γ · KL at means of either sign and variances far from 1 (:func:`far_draw`).
     A variance computed from what was drawn (``v = lv.exp().clamp(min=0.5)``) is drawn far itself (its value at
     the draw, ``memo``, gives its shape): where one term reads it and another what it is computed from (the log
@@ -351,15 +402,18 @@ def _far_from_one(logits, env, memo, fixed, gamma, queries, mu, scale, param, pr
     memo = {**(fixed or {}), **far_draw(env, [mu, prior_mu], scales, seed=20251126, computed=memo)}
     try:
         value = evaluate(logits, memo, as_made=True)  # memo: a variance computed from what was drawn, too
-        kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries)
+        kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries, featureless)
     except Exception:  # noqa: BLE001  (an op undefined there: not the KL, which is)
         return False
     return kl is not None and equals_scaled(value, kl, gamma)
 
 
-def _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries) -> torch.Tensor | None:
+def _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries,
+               featureless=False) -> torch.Tensor | None:
     """KL(q_i ‖ π_v) [..., N, V] of the beliefs and priors drawn or evaluated (``memo``) in these roles; None
-    where their values do not broadcast so."""
+    where their values do not broadcast so. ``featureless``: their K = 1 is added."""
+    if featureless:
+        memo = {x: memo[x][..., None] for x in (mu, scale, prior_mu, prior_scale) if x is not None}
     belief_var = (_UNIT if scale is None else VARIANCE_FROM)[param](memo.get(scale, memo[mu]))
     belief_var = belief_var.unsqueeze(-2) if scale in queries or scale is None else belief_var
     prior_to_var = (_UNIT if prior_scale is None else VARIANCE_FROM)[prior_param]
@@ -398,7 +452,7 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
         inputs.append(tau.node)
 
     def beliefs(*values):  # the op reads the positions flat: [M, K]
-        values = iter(values)
+        values = iter(v[..., None] if d.featureless else v for v in values)
         mu = next(values)
         scale = None if d.scale is None else next(values)
         prior_mu = next(values)
@@ -423,8 +477,9 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
             flat = torch.ops.hecate.kl_decode_logits(mu2, var2, prior_mu, prior_var, tau.scale if run_time else tau)
             if run_time:  # autograd carries the temperature's gradient through this product
                 flat = flat / t if tau.power == 1 else flat * t
-            if logits.meta["val"].dim() == values[0].dim():  # else the positions were flattened, as the op's
-                flat = flat.reshape(*values[0].shape[:-1], prior_mu.shape[0])
+            lead = values[0].shape if d.featureless else values[0].shape[:-1]
+            if logits.meta["val"].dim() == len(lead) + 1:  # else the positions were flattened, as the op's
+                flat = flat.reshape(*lead, prior_mu.shape[0])
             return flat.to(logits.meta["val"].dtype)  # the graph's dtype (under autocast, not the op's)
 
         replace_with_function(gm, [logits], logits_fn, inputs, outputs=[logits])

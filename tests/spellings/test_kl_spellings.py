@@ -10,6 +10,7 @@ leading dims of the score: [B, N, N], one sequence [N, N], heads [B, H, N, N] an
 """
 
 import copy
+import inspect
 import sys
 
 import pytest
@@ -1169,6 +1170,77 @@ def test_decode_with_one_belief_dimension_fuses(fn, v, monkeypatch, fresh_dynamo
     monkeypatch.setattr(sys.modules[__name__], "V", v)
     torch.manual_seed(0)
     test_decode_spelling_fuses_and_equals_eager(fn, fresh_dynamo)
+
+
+def f_logits_returned(mu, var, prior_mu, prior_var, targets):  # the textbook 1-d KL, per pair
+    return -0.5 * (torch.log(prior_var / var[..., None]) + (var[..., None] + (mu[..., None] - prior_mu) ** 2)
+                   / prior_var - 1)
+
+
+def f_log_variances_cross_entropy(mu, logvar, prior_mu, prior_logvar, targets):
+    m, lv = mu.unsqueeze(-1), logvar.unsqueeze(-1)
+    kl = 0.5 * (prior_logvar - lv + (lv.exp() + (m - prior_mu).square()) / prior_logvar.exp() - 1)
+    return F.cross_entropy((-kl / 0.8).reshape(-1, V), targets.reshape(-1))
+
+
+def f_shared_prior_variance_one_sequence(mu, var, prior_mu, prior_var, targets):  # [N] beliefs, one prior variance
+    s = prior_var.mean()  # (the logits, not a cross-entropy: its gradient in var is 0 where s is shared)
+    return -0.5 * (torch.log(s / var[0, :, None]) + (var[0, :, None] + (mu[0, :, None] - prior_mu) ** 2) / s - 1)
+
+
+def f_unit_priors_by_distance(mu, var, prior_mu, targets):  # N(π_v, 1): ½(v + (μ−π)² − 1 − log v)
+    d = mu[:, :, None] - prior_mu[None, None, :]
+    return -0.5 * (var[:, :, None] + d * d - 1 - var.log()[:, :, None])
+
+
+FEATURELESS = [f_logits_returned, f_log_variances_cross_entropy, f_shared_prior_variance_one_sequence,
+               f_unit_priors_by_distance]
+_FEATURELESS_DRAW = {f_log_variances_cross_entropy: _logvar}
+
+
+# (one sequence at V = 1, [N] beliefs and [N, 1] logits, is not taken: its [N] is a [K] prior's shape there)
+@pytest.mark.parametrize("fn,v", [(f, v) for f in FEATURELESS for v in (V, 1)
+                                  if (f, v) != (f_shared_prior_variance_one_sequence, 1)],
+                         ids=lambda x: f"V={x}" if isinstance(x, int) else x.__name__)
+def test_decode_of_one_belief_dimension_written_without_it_fuses(fn, v, monkeypatch, fresh_dynamo):
+    """K = 1 written without its dim: beliefs [B, N] against priors [V], ``mu[..., None] - prior_mu`` (probe r29:
+    neither fused nor reported)."""
+    monkeypatch.setattr(sys.modules[__name__], "V", v)
+    torch.manual_seed(0)
+    draw = _FEATURELESS_DRAW.get(fn, _var)
+    targets = torch.randint(0, v, (B, N))
+    args = (torch.randn(B, N), draw((B, N)), torch.randn(v), draw((v,)))
+    args = args[:len(inspect.signature(fn).parameters) - 1]  # (unit priors: no prior variance)
+    report = _compare(lambda *a: fn(*a, targets), args, "kl_decode")
+    assert report.count("kl_decode") == 1, str(report)
+    assert ("kl_decode_ce" in report.fusions[0].op) == ("cross_entropy" in inspect.getsource(fn)), str(report)
+
+
+def test_decode_without_a_feature_dim_fuses_at_dynamic_sizes(fresh_dynamo):
+    """The featureless decode traced with symbolic batch and length, then run at two other sizes."""
+    compiled = torch.compile(f_logits_returned, backend="hecate", dynamic=True, options={"fallback": "eager"})
+    for b, n in ((3, 4), (2, 9)):
+        args = [torch.randn(b, n), _var((b, n)), torch.randn(V), _var((V,))]
+        args = [a.requires_grad_() for a in args]
+        got = compiled(*args, None)
+        assert hecate.last_report().count("kl_decode") == 1, str(hecate.last_report())
+        ref_args = [a.detach().clone().requires_grad_() for a in args]
+        ref = f_logits_returned(*ref_args, None)
+        assert_close("logits", got, ref, 1e-5)
+        w = torch.randn(ref.shape)
+        for i, (g, r) in enumerate(zip(torch.autograd.grad((got * w).sum(), args),
+                                       torch.autograd.grad((ref * w).sum(), ref_args))):
+            assert_close(f"grad {i}", g, r, 1e-5)
+
+
+def test_elementwise_score_of_featureless_means_that_is_no_kl_is_not_fused(fresh_dynamo):
+    """[B, N] against [V] read as the KL's terms but squared where the KL is not (a near-miss): not a decode."""
+    def fn(mu, var, prior_mu, prior_var):
+        return -0.5 * (torch.log(prior_var / var[..., None]) + (var[..., None] + (mu[..., None] - prior_mu) ** 4)
+                       / prior_var - 1)
+
+    report = _compare(fn, (torch.randn(B, N), _var((B, N)), torch.randn(V), _var((V,))), "kl_decode")
+    assert report.count("kl_decode") == 0, str(report)
 
 
 def d_view_then_log_softmax_nll_sum(mu, var, prior_mu, prior_var, targets):  # flattened first, summed, an ignored id
