@@ -357,6 +357,10 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
     or one for all, the same in every sequence. A mask that reads one tensor of the graph (a
     buffer or parameter of per-head γ or log γ) is checked at two random draws of it, γ in (0.5, 1),
     and its γ read from that tensor at run time. Sizes are read by ``size``."""
+    empty = [name for name in ("q", "k", "v") if 0 in _sizes(getattr(form, name), size)]
+    if empty:
+        raise NotFused(f"{empty[0]} {_sizes(getattr(form, empty[0]), size)} has no elements (a batch of 0 "
+                       "sequences, say): there is no mask to read, and nothing to compute")
     values = {}
     for name in ("q", "k"):
         node = getattr(form, name)

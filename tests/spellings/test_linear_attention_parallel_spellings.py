@@ -1399,3 +1399,22 @@ def test_noncausal_scores_recompiled_at_a_second_length_are_reported(fresh_dynam
         report = hecate.last_report()
         assert report.count("linear_attention") == int(fused) and (fused or "two length symbols" in
                                                                    report.misses[0].reason), str(report)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_batch_of_zero_sequences_is_reported_as_such(dynamic, fresh_dynamo):
+    """At batch 0 the scores have no elements, so neither has D read at them: reported with that reason, and the
+    empty result returned (probe r30: an IndexError in the pass, under strict)."""
+    def fn(q, k, v):
+        t = torch.arange(q.shape[1])
+        return ((q @ k.mT) * torch.tril(0.9 ** (t[:, None] - t[None, :]).float())) @ v
+
+    compiled = torch.compile(fn, backend="hecate", dynamic=dynamic, options={"fallback": "eager", "strict": True})
+    for b in (2, 0) if dynamic else (0,):
+        args = [torch.randn(b, T, D) for _ in range(3)]
+        got = compiled(*args)
+        assert got.shape == (b, T, D)
+        if b:
+            assert_close(f"output at B = {b}", got, fn(*args), TOL)
+    report = hecate.last_report()
+    assert not report.fusions and "has no elements (a batch of 0 sequences" in report.misses[0].reason, str(report)
