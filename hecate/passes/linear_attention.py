@@ -19,7 +19,7 @@ indices) is reported as a near-miss and left as it is.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import fx
@@ -29,7 +29,7 @@ from hecate.passes.linear_attention_parallel import fuse_cumulated_forms, fuse_n
 from hecate.passes.report import FusionReport
 from hecate.passes.memory_step import fuse_scans, report_unrolled_updates
 from hecate.passes.matching import Match, NotFused, find_matches, flat_args, literal_slots, pattern_graph, \
-    replace_with_function, replace_with_op, same_literal
+    replace_with_function, same_literal
 
 aten = torch.ops.aten
 _EPS = 3.5e-7  # a distinctive eps traced into the patterns, read back from each match
@@ -188,8 +188,11 @@ def _fuse(gm: fx.GraphModule, match: Match, pattern: fx.Graph, form: str, normal
     if k.meta["val"].dim() == 3:  # one head, [B, T, D]: the op's head dim added and taken away
         replace_with_function(gm, match, _single_head(normalise, eps), [k, v, q, *m0])
     else:
-        args: list[Any] = [k, v, q, None, m0[0] if with_m0 else None, None, normalise, eps, causal]
-        replace_with_op(gm, match, torch.ops.hecate.linear_attention.default, args, [0, 1] if causal else [0])
+        def fused(k, v, q, m0):  # y, and the final state M_T where the cumsum's last step is read
+            y, m, _ = torch.ops.hecate.linear_attention(k, v, q, None, m0, None, normalise, eps, causal)
+            return (y, m) if causal else y
+
+        replace_with_function(gm, match, fused, [k, v, q, m0[0] if with_m0 else None])
     for read in final_reads:  # select(M_t, 1, -1) now reads M_T, the op's second result, itself
         read.replace_all_uses_with(read.args[0])
         gm.graph.erase_node(read)

@@ -715,7 +715,8 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
         raise ValueError("replace_with_function: no argument has a fake value (node.meta['val']); "
                          "the graph must come from the pipeline's re-trace")
     with fake_mode:
-        traced = make_fx(_in_dtypes_of(fn, old_outputs), pre_dispatch=True)(*values)
+        traced = make_fx(_in_dtypes_of(_in_eagers_precision(fn, nodes, values), old_outputs),
+                         pre_dispatch=True)(*values)
     graph = gm.graph
     source = next((n.meta["stack_trace"] for n in reversed(nodes) if n.meta.get("stack_trace")), None)
     env: dict[fx.Node, Any] = {}
@@ -742,6 +743,24 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
     new_outputs = _copies_for_writers(graph, old_outputs, new_outputs, written)
     _substitute(graph, nodes, old_outputs, new_outputs)
     return new_outputs
+
+
+def _in_eagers_precision(fn: Callable, nodes: Sequence[fx.Node], values: Sequence[Any]) -> Callable:
+    """``fn`` run with autocast off where autocast is on and the code it replaces computes nothing in autocast's
+    lower dtype: eager runs elementwise code (a KL written out, a read by ``*`` and a sum) in float32 under
+    autocast, where an op would cast its inputs as autocast casts a matmul's (:mod:`hecate.lowering.autocast`)."""
+    device = next((v.device.type for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor)), None)
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return fn
+    lower = torch.get_autocast_dtype(device)
+    if any(getattr(val(n), "dtype", None) == lower for n in nodes):
+        return fn
+
+    def in_float32(*args):
+        with torch.autocast(device, enabled=False):
+            return fn(*args)
+
+    return in_float32
 
 
 def _in_dtypes_of(fn: Callable, outputs: Sequence[fx.Node]) -> Callable:
