@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import operator
 import os
 import re
 import warnings
@@ -229,6 +230,13 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
     if hooked:
         raise UntraceableGraph("a gradient hook is registered inside a torch.utils.checkpoint region, which the "
                                "re-trace of the region would drop", "hook in a checkpoint", hooked)
+    written = _held_tensors_written(gm, example_inputs)
+    if written:
+        names = ", ".join(sorted({n.target for n in written}))
+        raise UntraceableGraph(f"the graph writes in place into tensors it holds as constants ({names}: an "
+                               "optimizer's state and parameters under a compiled opt.step(), say); the re-trace to "
+                               "ATen would write into them while compiling", "tensors held by the graph written",
+                               written)
     report = FusionReport(graphs=1)
     with stage("common subexpressions", options.progress):
         gm = collapse_captured(gm)
@@ -239,6 +247,56 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
     with stage("re-trace to ATen", options.progress):
         aten_gm = canonicalize(gm, example_inputs)
     return run_passes(aten_gm, options, report), report
+
+
+def _held_tensors_written(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> list[fx.Node]:
+    """The ``get_attr`` nodes of the tensors ``gm`` holds (not its inputs: Dynamo lifts a module's parameters and
+    buffers to inputs, but keeps an optimizer's state, say, as constants) that it writes in place. make_fx runs an
+    op on a real tensor it does not trace for real: re-traced, ``step += 1`` would count one step more than the
+    code takes. Found by a run of ``gm`` on fake copies of them, whose version counters count the writes."""
+    held = {n: t for n in gm.graph.find_nodes(op="get_attr")
+            if isinstance(t := _attribute(gm, n.target), torch.Tensor)}
+    if not held or not any(_may_write_in_place(n) for n in gm.graph.nodes):
+        return []
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        copies = {n.target: fake_mode.from_tensor(t) for n, t in held.items()}
+        versions = {target: t._version for target, t in copies.items()}
+        inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+        class OnCopies(fx.Interpreter):
+            def fetch_attr(self, target):
+                return copies[target] if target in copies else super().fetch_attr(target)
+
+        try:
+            OnCopies(gm).run(*inputs)
+        except Exception:  # noqa: BLE001  (not runnable on fakes: the re-trace finds out, and says so)
+            return []
+    return [n for n in held if copies[n.target]._version != versions[n.target]]
+
+
+def _attribute(gm: fx.GraphModule, target: str):
+    value = gm
+    for name in target.split("."):
+        value = getattr(value, name, None)
+    return value
+
+
+_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                       operator.ipow}
+
+
+def _may_write_in_place(node: fx.Node) -> bool:
+    """Whether ``node`` calls something that may write into a tensor (``x.add_(1)``, ``torch._foreach_mul_``,
+    ``x[i] = y``): a trailing underscore, by torch's convention, or an in-place operator."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.target in _IN_PLACE_OPERATORS:
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
 
 
 def _hooks_in_checkpoints(gm: fx.GraphModule) -> list[fx.Node]:
