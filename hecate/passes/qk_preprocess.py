@@ -60,13 +60,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.utils.matcher_utils import InternalMatch
 
 from hecate.passes.report import FusionReport
 from hecate.lowering import pointwise
 from hecate.passes.gaussian import evaluate
 from hecate.passes.matching import (Match, NotFused, computed_from, descendants, find_matches, is_register_hook,
-                                    pad_fill, pattern_graph, replace_with_op, val)
+                                    pad_fill, pattern_graph, replace_with_op, size_hint, val)
 
 PATTERN = "qk_preprocess"
 OP_NAME = "hecate.qk_preprocess"
@@ -103,6 +104,18 @@ def _arg(node: fx.Node, index: int, name: str, default=None):
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def _equal(a, b) -> bool:
+    """``a == b`` for sizes, lists of them and literals, a size an argument may hold as a node (``groups=h.shape[1]``
+    under dynamic shapes: a sym_size node) read as its value; an answer not known for every size is no."""
+    a, b = (fx.node.map_aggregate(x, lambda y: y.meta.get("val") if isinstance(y, fx.Node) else y) for x in (a, b))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b) \
+            and all(map(_equal, a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return bool(statically_known_true(a == b))
 
 
 def _shape(node) -> tuple:
@@ -219,17 +232,17 @@ def _check_conv_common(conv: fx.Node) -> str | None:
         return f"conv1d input has shape {tuple(x.shape)}; the pattern needs [B, D, T]"
     channels = x.shape[1]
     groups = _arg(conv, 6, "groups", 1)
-    if groups != channels or tuple(weight.shape[:2]) != (channels, 1):
+    if not _equal(groups, channels) or not _equal(weight.shape[:2], (channels, 1)):
         return (f"conv1d has groups={groups} and weight {tuple(weight.shape)}; the pattern needs a depthwise conv "
                 f"(groups = channels = {channels}, weight [{channels}, 1, K])")
     stride = list(_arg(conv, 3, "stride", [1]))
-    if stride != [1]:
+    if not _equal(stride, [1]):
         return f"conv1d has stride={stride}; the pattern needs stride 1"
     dilation = list(_arg(conv, 5, "dilation", [1]))
-    if dilation != [1]:
+    if not _equal(dilation, [1]):
         return f"conv1d has dilation={dilation}; the fused op supports dilation 1 only"
     bias = _arg(conv, 2, "bias")
-    if bias is not None and _shape(bias) != (channels,):
+    if bias is not None and not _equal(_shape(bias), (channels,)):
         return f"conv1d bias has shape {_shape(bias)}; the pattern needs [{channels}]"
     return _padded_with_other_than_zeros(conv)
 
@@ -271,7 +284,7 @@ def _carried_state(conv: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 def _check_state(conv: fx.Node, state: fx.Node) -> str | None:
     k, steps = val(conv.args[1]).shape[2], val(state).shape[2]
-    if steps != k - 1:
+    if not _equal(steps, k - 1):
         return (f"conv1d reads cat([state, x]) with a state of {steps} steps; a causal conv of kernel {k} carries "
                 f"the K−1={k - 1} inputs before x")
     return None
@@ -284,7 +297,7 @@ def _check_conv_then_slice(match: Match) -> str | None:
         return reason
     k, seq_len = val(conv.args[1]).shape[2], val(conv.args[0]).shape[2]
     padding = list(_arg(conv, 4, "padding", [0]))
-    if padding != [k - 1]:
+    if not _equal(padding, [k - 1]):
         return (f"conv1d padding={padding} with kernel {k}: a causal conv pads K−1={k - 1} and keeps the first "
                 f"T outputs")
     dim, start, step = cut.args[1], _arg(cut, 2, "start"), _arg(cut, 4, "step", 1)
@@ -294,12 +307,12 @@ def _check_conv_then_slice(match: Match) -> str | None:
         if reason:
             return reason
         seq_len = val(carried[1]).shape[2]
-        if dim % 3 != 2 or start != k - 1 or step != 1 or val(cut).shape[2] != seq_len:
+        if dim % 3 != 2 or not _equal(start, k - 1) or step != 1 or not _equal(val(cut).shape[2], seq_len):
             return (f"conv1d over cat([state, x]) pads {k - 1} on both sides but the slice (dim={dim}, start={start}, "
                     f"step={step}) keeps {val(cut).shape[dim]} outputs, not the T={seq_len} from K−1={k - 1} "
                     f"(x's outputs)")
         return None
-    if dim % 3 != 2 or start not in (0, None) or step != 1 or val(cut).shape[2] != seq_len:
+    if dim % 3 != 2 or start not in (0, None) or step != 1 or not _equal(val(cut).shape[2], seq_len):
         return (f"conv1d pads {k - 1} on both sides but the slice (dim={dim}, start={start}, step={step}) keeps "
                 f"{val(cut).shape[dim]} outputs, not the first T={seq_len}: not causal")
     return None
@@ -312,10 +325,10 @@ def _check_pad_then_conv(match: Match) -> str | None:
         return reason
     k = val(conv.args[1]).shape[2]
     amounts = list(pad.args[1])  # its mode is zeros (_check_conv_common)
-    if amounts[:2] != [k - 1, 0] or any(amounts[2:]):
+    if not _equal(amounts[:2], [k - 1, 0]) or not all(_equal(a, 0) for a in amounts[2:]):
         return f"F.pad pads {tuple(amounts)} with kernel {k}; a causal conv pads (K−1, 0) = ({k - 1}, 0)"
     padding = list(_arg(conv, 4, "padding", [0]))
-    if padding != [0]:
+    if not _equal(padding, [0]):
         return f"conv1d after F.pad also pads {padding}; a causal conv pads only on the left"
     return None
 
@@ -918,15 +931,17 @@ def _window_product(cat: fx.Node, z: fx.Node, channels_first: bool) -> tuple[lis
     window = val(cat)
     k, channels = (window.shape[2], window.shape[1]) if channels_first else (window.shape[1], window.shape[2])
     layouts = [name for name, shape in (("D1K", (channels, 1, k)), ("DK", (channels, k)), ("KD", (k, channels)))
-               if tuple(val(weight).shape) == shape]
-    if not layouts or not all(isinstance(d, int) for d in val(weight).shape):
+               if _equal(tuple(val(weight).shape), shape)]
+    if not layouts:
         return None
     order = {n: i for i, n in enumerate(cat.graph.nodes)}
     region.sort(key=order.__getitem__)
     generator = torch.Generator().manual_seed(0)
+    k, channels = size_hint(k), size_hint(channels)  # (symbolic under dynamic=True: drawn at their values now)
     batch = window.shape[0] if isinstance(window.shape[0], int) else 2
     points = {cat: torch.randn(batch, k, channels, generator=generator, dtype=torch.float64),
-              weight: torch.randn(tuple(val(weight).shape), generator=generator, dtype=torch.float64)}
+              weight: torch.randn(tuple(map(size_hint, val(weight).shape)), generator=generator,
+                                  dtype=torch.float64)}
     if channels_first:
         points[cat] = points[cat].transpose(1, 2)
     try:

@@ -10,7 +10,7 @@ from torch import nn
 
 import hecate
 from hecate.models.short_conv import KeyQueryPreprocess
-from hecate.testing import assert_close, rel_err
+from hecate.testing import assert_close, assert_outputs_and_gradients_close, rel_err
 
 TOL = 1e-5  # fp32, compiled vs eager
 
@@ -796,6 +796,28 @@ def test_a_rolling_window_kept_channels_first_fuses(steps):
     report = _compare_with_eager(RollingWindow(steps), x, torch.randn(2, 6, 3))
     assert report.count("qk_preprocess") == (1 if steps is None else steps) and not report.misses, str(report)
     assert all("window step conv(K=3, carried state)" in f.detail for f in report.fusions), str(report)
+
+
+def _step_on_a_cache(x, cache, w, kernel, b):  # cache [B, K−1, D]; kernel [D, K]
+    window = torch.cat([cache, (x @ w.T)[:, None]], 1)
+    return F.elu(F.silu(torch.einsum("bkd,dk->bd", window, kernel) + b)) + 1, window[:, 1:]
+
+
+def test_a_window_step_fuses_with_its_width_symbolic():
+    """Under dynamic=True the window's width K and the channels are symbols: the product is drawn at their values
+    now, and the step fuses for every K (probe r30: neither fused nor reported under dynamic=True)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_step_on_a_cache, backend="hecate", dynamic=True,
+                             options={"fallback": "eager", "strict": True})
+    for batch, d, k in ((2, 6, 4), (3, 5, 3)):
+        args = [torch.randn(batch, 7), torch.randn(batch, k - 1, d), torch.randn(d, 7), torch.randn(d, k),
+                torch.randn(d)]
+        args = [a.requires_grad_() for a in args]
+        ref_args = [a.detach().clone().requires_grad_() for a in args]
+        assert_outputs_and_gradients_close(compiled(*args), _step_on_a_cache(*ref_args), args, ref_args, TOL)
+        report = hecate.last_report()
+        assert report.count("qk_preprocess") == 1 and not report.misses, str(report)
+    torch._dynamo.reset()
 
 
 def test_memory_layer_streams_in_chunks_with_its_convs_fused_with_their_state():

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hecate
-from hecate.testing import assert_close
+from hecate.testing import assert_close, assert_outputs_and_gradients_close
 
 TOL = 1e-5
 B, T, D_IN, D, K, H = 2, 7, 5, 6, 4, 2
@@ -466,6 +466,26 @@ def test_pointwise_after_a_head_split_fuses_at_two_sizes_under_dynamic_shapes(na
         assert_close(f"output at B = {batch}, T = {length}", compiled(x), model(x), TOL)
         report = hecate.last_report()
         assert [f.detail for f in report.fusions] == [SPELLINGS[name][1]], str(report)
+
+
+def _conv_with_sizes_read_from_tensors(x, w, conv_weight):  # groups and the left pad read off the tensors
+    h = (x @ w.T).transpose(1, 2)
+    return F.silu(F.conv1d(F.pad(h, (conv_weight.shape[-1] - 1, 0)), conv_weight, groups=h.shape[1])).transpose(1, 2)
+
+
+def test_a_conv_whose_groups_and_pad_are_read_off_its_tensors_fuses_under_dynamic_shapes(fresh_dynamo):
+    """``groups=h.shape[1]``, ``F.pad(h, (w.shape[-1] - 1, 0))``: under dynamic=True these are sizes of the graph
+    (nodes), equal to the channels and K − 1 for every size; they were compared as numbers and reported with
+    reasons that contradict themselves ("groups=s55 … needs groups = channels = s55", probe r30)."""
+    compiled = torch.compile(_conv_with_sizes_read_from_tensors, backend="hecate", dynamic=True,
+                             options={"fallback": "eager", "strict": True})
+    for batch, length, d, k in ((B, T, D, K), (B + 1, T + 3, D + 2, K - 1)):
+        args = [torch.randn(batch, length, D_IN), torch.randn(d, D_IN), torch.randn(d, 1, k)]
+        args = [a.requires_grad_() for a in args]
+        ref_args = [a.detach().clone().requires_grad_() for a in args]
+        assert_outputs_and_gradients_close(compiled(*args), _conv_with_sizes_read_from_tensors(*ref_args), args,
+                                           ref_args, TOL)
+        assert hecate.last_report().count("qk_preprocess") == 1, str(hecate.last_report())
 
 
 def test_corpus_size():
