@@ -99,7 +99,7 @@ def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``graph_module`` (not the graphs it calls) into the normal form, in place; return it."""
     graph = graph_module.graph
     functionalize(graph)
-    rolled_windows_as_cats(graph)
+    windows_shifted_in_place_as_cats(graph)
     detach_no_grad_results(graph)
     unbind_as_selects(graph)
     softmax_spellings(graph)
@@ -354,42 +354,129 @@ def _dims_moved(source: torch.Tensor, got: Any) -> list[int] | None:
     return move
 
 
-def rolled_windows_as_cats(graph: fx.Graph) -> None:
-    """A window rolled one step in place and its last slot written (Mamba's ``causal_conv1d_update`` reference:
-    ``w = cache.clone(); w.copy_(torch.roll(w, -1, d)); w[..., -1] = x``) → ``torch.cat([w0[1:], x.unsqueeze(d)],
-    d)`` along d, w0 the window before: the same values (the roll's first slot, moved last, is overwritten), as
-    the window of a decode step is written functionally, which the qk pass reads."""
-    for roll in list(graph.find_nodes(op="call_function", target=aten.roll.default)):  # (w: a fresh clone)
-        window, shifts, dims = (*roll.args, [])[:3]
-        users = list(window.users) if isinstance(window, fx.Node) else []
-        if window.target is not aten.clone.default or len(users) != 2 or list(shifts) != [-1] or len(dims) != 1:
+def windows_shifted_in_place_as_cats(graph: fx.Graph) -> None:
+    """A window c [..., K] along a dim d shifted one step and its last slot written in place, however the shift is
+    spelt, → ``torch.cat([c[..., 1:], x.unsqueeze(d)], d)`` for what reads it afterwards, as a decode step's window
+    is written functionally, which the qk pass reads. The spellings: Mamba's ``causal_conv1d_update`` reference
+    (``w = c.clone(); w.copy_(torch.roll(w, -1, d)); w[..., -1] = x``), a rolled copy (``w = c.roll(-1, d)``,
+    ``.clone()``), the slots moved by a slice assignment (``w[..., :-1] = w[..., 1:].clone()``); on a tensor made
+    here, or on the cache passed in. Recognised by its values: the writes, run on a random c and x in float64,
+    leave exactly c shifted with x last. A tensor made here is no longer written; the cache passed in still is,
+    where the code writes it, and the window's state is read from a copy taken before the writes."""
+    for last in list(graph.find_nodes(op="call_function", target=aten.select.int)):
+        if last._erased or len(last.users) != 1:
             continue
-        (rolled,) = [u for u in users if u is not roll] or [None]
-        if rolled is None or rolled.target is not aten.copy_.default or rolled.args[:2] != (window, roll) \
-                or rolled.kwargs or _val(roll).shape != _val(window).shape:
+        (write,) = last.users
+        window = last.args[0]
+        shape = tuple(getattr(_val(window), "shape", ()))
+        if write.target is not aten.copy_.default or write.args[0] is not last or write.kwargs or len(shape) < 2 \
+                or not isinstance(write.args[1], fx.Node) or _val(write.args[1]).shape != _val(last).shape \
+                or _val(write.args[1]).dtype != _val(window).dtype or not isinstance(last.args[2], int):
             continue
-        dim, size = dims[0] % _val(window).dim(), _val(window).shape[dims[0]]
-        last = [u for u in rolled.users if u.target is aten.select.int and u.args[1] % _val(window).dim() == dim
-                and isinstance(u.args[2], int) and statically_known_true(u.args[2] % size == size - 1)]
-        if len(last) != 1 or len(last[0].users) != 1:
+        dim, size = last.args[1] % len(shape), shape[last.args[1] % len(shape)]
+        if not statically_known_true(last.args[2] % size == size - 1) or not isinstance(size, int) or size < 2:
             continue
-        (write,) = last[0].users
-        if write.target is not aten.copy_.default or write.args[0] is not last[0] or write.kwargs \
-                or not isinstance(write.args[1], fx.Node) or _val(write.args[1]).shape != _val(last[0]).shape \
-                or _val(write.args[1]).dtype != _val(window).dtype:
+        found = _window_shifted_in_place(graph, window, write, dim)
+        if found is None:
             continue
+        cache, base, writes, read = found
+        fresh = base is not cache  # (else the cache passed in, still written where the code writes it)
         order = {n: i for i, n in enumerate(graph.nodes)}
-        readers = [u for u in rolled.users if u not in (last[0],)]
-        if any(order[u] < order[write] for u in readers):
-            continue  # the rolled window read before its last slot is written
-        with graph.inserting_before(write.next):
-            kept = emit(graph, aten.slice.Tensor, window, dim, 1, size)  # (the clone: no longer written)
-            new = emit(graph, aten.unsqueeze.default, write.args[1], dim)
-            cat = emit(graph, aten.cat.default, [kept, new], dim)
+        held = _aliases_of(base)
+        readers = [u for n in held for u in n.users
+                   if order[u] > order[write] and (fresh or u.op != "output" and not aliases(u))]
+        after = write.next
+        with graph.inserting_before(read):  # (the cache's values as the shift reads them)
+            kept = emit(graph, aten.slice.Tensor, cache, dim, 1, size)
+            if not fresh or any(mutates(n) for n in _aliases_of(cache) if n is not cache):
+                kept = emit(graph, aten.clone.default, kept)  # (the cache is written: the window keeps its values)
+        with graph.inserting_before(after):
+            cat = emit(graph, aten.cat.default, [kept, emit(graph, aten.unsqueeze.default, write.args[1], dim)], dim)
         for reader in readers:
-            reader.replace_input_with(rolled, cat)
-        for node in (write, last[0], rolled, roll):
-            graph.erase_node(node)
+            for n in reader.all_input_nodes:
+                if n in held and tuple(_val(n).shape) == shape:
+                    reader.replace_input_with(n, cat)
+        if fresh:
+            for node in reversed(writes):
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
+
+
+def _aliases_of(base: fx.Node) -> set[fx.Node]:
+    """``base`` and every node holding its values: its views and the results of in-place ops on them."""
+    found, stack = set(), [base]
+    while stack:
+        n = stack.pop()
+        if n not in found:
+            found.add(n)
+            stack += [u for u in n.users if u.args and u.args[0] is n and (aliases(u) or mutates(u))]
+    return found
+
+
+def _window_shifted_in_place(graph: fx.Graph, window: fx.Node, write: fx.Node,
+                             dim: int) -> tuple[fx.Node, fx.Node, list[fx.Node], fx.Node] | None:
+    """(the cache c before the step, the tensor written, the writes into it in order, the first node reading c
+    for the shift) when the writes into
+    ``window``'s base up to ``write`` (its last slot along ``dim``) leave c shifted one step with ``write``'s value
+    last, and nothing else reads the tensor between them (nor, for a tensor made here, a view of it taken before
+    them afterwards); None otherwise."""
+    base = window
+    while base.op == "call_function" and base.args and isinstance(base.args[0], fx.Node) \
+            and (aliases(base) or mutates(base)):
+        base = base.args[0]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    held = _aliases_of(base)
+    writes = sorted((n for n in held if n is not base and mutates(n) and n.args[0] in held), key=order.__getitem__)
+    if not writes or writes[-1] is not write:
+        return None
+    chain = [base]  # the tensor written, and what it is copied or rolled from: candidates for the cache
+    while chain[-1].op == "call_function" and chain[-1].target in _COPIED_OR_ROLLED \
+            and isinstance(chain[-1].args[0], fx.Node):
+        chain.append(chain[-1].args[0])
+    x = write.args[1]
+    for cache in chain[1:] + chain[:1]:  # what it is made from first: a tensor made here is then no longer written
+        if tuple(_val(cache).shape) != tuple(_val(base).shape) or computed_from([x], {cache}):
+            continue
+        steps, stack = set(), list(writes)  # what the writes read, from the cache on
+        while stack:
+            n = stack.pop()
+            if n not in steps and n is not cache and n is not x and computed_from([n], {cache}):
+                steps.add(n)
+                stack += n.all_input_nodes
+        steps = sorted(steps, key=order.__getitem__)
+        between = [u for n in held for u in n.users if order[writes[0]] < order[u] < order[write] and u not in steps]
+        views_read_later = [n for n in held if order[n] < order[write] and n not in steps and n is not base
+                            and any(order[u] > order[write] for u in n.users)]
+        if between or (cache is not base and views_read_later) or not _shifts(cache, x, base, steps, dim):
+            continue
+        return cache, base, writes, chain[chain.index(cache) - 1] if cache is not base else writes[0]
+    return None
+
+
+_COPIED_OR_ROLLED = {aten.clone.default, aten.roll.default, aten.contiguous.default, aten.alias.default}
+
+
+def _shifts(cache: fx.Node, x: fx.Node, base: fx.Node, steps: list[fx.Node], dim: int) -> bool:
+    """Whether running ``steps`` (in place, as written) on a random float64 cache and x leaves ``base`` equal to
+    cat([cache[..., 1:], x.unsqueeze(dim)], dim)."""
+    generator = torch.Generator().manual_seed(20261128)
+    shape, token_shape = tuple(_val(cache).shape), tuple(_val(x).shape)
+    if not all(isinstance(s, int) for s in shape + token_shape):
+        return False  # (a symbolic size: not drawn)
+    drawn = torch.randn(shape, generator=generator, dtype=torch.float64)
+    token = torch.randn(token_shape, generator=generator, dtype=torch.float64)
+    env = {cache: drawn.clone(), x: token}
+    try:
+        for node in steps:
+            if node in env:
+                continue
+            args = fx.node.map_arg(node.args, lambda n: env[n])
+            kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+            env[node] = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001  (reads something else, or does not run at these values: no shift)
+        return False
+    expected = torch.cat([drawn.narrow(dim, 1, shape[dim] - 1), token.unsqueeze(dim)], dim)
+    return base in env and torch.equal(env[base], expected)
 
 
 def shifted_copies_as_windows(graph: fx.Graph) -> None:

@@ -781,10 +781,84 @@ class RolledInPlace(nn.Module):
         return F.silu((cache * self.kernel).sum(-1)), cache
 
 
-def test_a_window_rolled_in_place_fuses():
+class ShiftedOnACopy(nn.Module):
+    """The window shifted on a tensor made in the step, each of its ways (probe r30: each silent)."""
+
+    def __init__(self, shift, d=6, k=3):
+        super().__init__()
+        self.proj, self.kernel, self.shift = nn.Linear(d, d), nn.Parameter(torch.randn(d, k) * 0.5), shift
+
+    def forward(self, x, cache):
+        window = self.shift(cache)
+        window[:, :, -1] = self.proj(x)
+        return F.silu((window * self.kernel).sum(-1)), window
+
+
+def _slots_moved(cache):
+    window = cache.clone()
+    window[:, :, :-1] = window[:, :, 1:].clone()
+    return window
+
+
+SHIFTS_ON_A_COPY = {"a rolled copy, cache.roll(-1, -1).clone()": lambda c: c.roll(-1, dims=-1).clone(),
+                    "the roll itself, torch.roll(cache, -1, 2)": lambda c: torch.roll(c, -1, 2),
+                    "slots moved by a slice assignment on a clone": _slots_moved}
+
+
+@pytest.mark.parametrize("module", [RolledInPlace, *SHIFTS_ON_A_COPY], ids=lambda m: getattr(m, "__name__", m))
+def test_a_window_shifted_in_place_fuses(module):
     torch.manual_seed(0)
-    report = _compare_with_eager(RolledInPlace(), torch.randn(2, 6), torch.randn(2, 6, 3))
+    model = module() if module is RolledInPlace else ShiftedOnACopy(SHIFTS_ON_A_COPY[module])
+    report = _compare_with_eager(model, torch.randn(2, 6), torch.randn(2, 6, 3))
     assert _details(report) == ["window step conv(K=3, carried state) → silu [B,D]"], str(report)
+
+
+def _mamba_reference_update(x, cache, w, kernel):  # causal_conv1d_update's reference: the cache passed in written
+    cache.copy_(torch.roll(cache, shifts=-1, dims=-1))
+    cache[:, :, -1] = x @ w.T
+    return F.silu((cache * kernel).sum(-1))
+
+
+def _slots_moved_in_the_cache(x, cache, w, kernel):  # the cache passed in, shifted by a slice assignment, returned
+    cache[:, :, :-1] = cache[:, :, 1:].clone()
+    cache[:, :, -1] = x @ w.T
+    return F.silu(torch.einsum("bdk,dk->bd", cache, kernel)), cache
+
+
+def _rolled_then_copied_back(x, cache, w, kernel):  # transformers' slow path: a rolled copy, copied back
+    window = torch.roll(cache, shifts=-1, dims=-1)
+    window[:, :, -1] = x @ w.T
+    cache.copy_(window)
+    return F.silu(torch.sum(window * kernel, dim=-1))
+
+
+@pytest.mark.parametrize("step", [_mamba_reference_update, _slots_moved_in_the_cache, _rolled_then_copied_back],
+                         ids=lambda f: f.__name__)
+def test_a_window_shifted_in_the_cache_passed_in_fuses_and_writes_the_cache(step):
+    """The cache passed in is still written, as the code writes it, and the step reads a copy of its columns taken
+    before (probe r29, r30: silent). Outputs, the cache after, and the gradients of x and the weights equal eager's."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    x, cache, w, kernel = torch.randn(2, 6), torch.randn(2, 6, 3), torch.randn(6, 6), torch.randn(6, 3)
+    leaves = [x.requires_grad_(), w.requires_grad_(), kernel.requires_grad_()]
+    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    ref_cache = cache.clone()
+    got = torch.compile(
+        step, backend="hecate", options={"fallback": "eager", "strict": True})(leaves[0], cache, *leaves[1:])
+    report = hecate.last_report()
+    ref = step(ref_leaves[0], ref_cache, *ref_leaves[1:])
+    assert_close("the cache after the step", cache, ref_cache, 0.0)
+    assert_outputs_and_gradients_close(got, ref, leaves, ref_leaves, TOL)
+    assert _details(report) == ["window step conv(K=3, carried state) → silu [B,D]"], str(report)
+    torch._dynamo.reset()
+
+
+def test_a_window_shifted_by_two_is_left_as_written():
+    """roll(-2) then the last slot written is no decode step's window (the slot before it holds a column from two
+    steps back): nothing is rewritten, nothing fused."""
+    report = _compare_with_eager(ShiftedOnACopy(lambda c: c.roll(-2, dims=-1).clone()), torch.randn(2, 6),
+                                 torch.randn(2, 6, 3))
+    assert report.count("qk_preprocess") == 0, str(report)
 
 
 @pytest.mark.parametrize("steps", [None, 5], ids=["one-step", "a-loop-of-steps"])
