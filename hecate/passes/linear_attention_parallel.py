@@ -137,10 +137,12 @@ class _Form:
     k: fx.Node
     v: fx.Node
     perms: dict[str, list[int] | None]
+    shared: bool = False  # q, k [B, T, D] shared by the heads of v [B, H, T, E] (Mamba-2's B and C, one group)
 
     def canonical(self, name: str, value: torch.Tensor) -> torch.Tensor:
         perm = self.perms[name]
-        return value if perm is None else value.permute(perm)
+        value = value if perm is None else value.permute(perm)
+        return value.unsqueeze(1) if self.shared and name in ("q", "k") else value  # (broadcast over the heads)
 
     def as_y(self, value: torch.Tensor) -> torch.Tensor:
         """A canonical [*L, T, E] value in y's own layout."""
@@ -163,7 +165,10 @@ def _parallel_form(y: fx.Node) -> _Form | None:
         return None
     q, k, pq, pk, ps = inner
     sq, sk = _permuted(_shape(q), pq), _permuted(_shape(k), pk)
-    if sq is None or sq[-1] != sk[-1] or sk[:-1] != sv[:-1] or len(sv) > 4 or pa != _inverse(ps):
+    # a score [B, T, T] shared by the heads of A [B, H, T, T]: q and k are, and the op reads them per head
+    shared = len(_shape(score)) == 3 < len(sa) and pa is None and ps is None
+    if sq is None or sq[-1] != sk[-1] or sk[:-1] != (sv[:1] + sv[2:-1] if shared else sv[:-1]) or len(sv) > 4 \
+            or pa != _inverse(ps):
         return None  # (A is the masked score: the same layout)
     if sa[-1] != sa[-2]:
         if sq[:-2] != sk[:-2]:
@@ -185,7 +190,7 @@ def _parallel_form(y: fx.Node) -> _Form | None:
                        "with dynamic=False")
     if sq != sk:
         return None
-    return _Form(a, score, q, k, v, {"a": pa, "q": pq, "k": pk, "v": pv, "y": py})
+    return _Form(a, score, q, k, v, {"a": pa, "q": pq, "k": pk, "v": pv, "y": py}, shared)
 
 
 def _symbolic(size: str) -> bool:
@@ -240,7 +245,8 @@ def _matrix_product(node: fx.Node, key_major: bool):
 
 def _score_product(a: fx.Node, shape: tuple) -> tuple[fx.Node | None, set]:
     """The one [..., T, T] product A is computed from (through pointwise ops and masks), if any,
-    and the nodes between them."""
+    and the nodes between them; for A [B, H, T, T], a [B, T, T] one shared by the heads too."""
+    shapes = (shape, shape[:1] + shape[2:]) if len(shape) == 4 else (shape,)
     frontier, seen, products, exps = [a], set(), [], []
     for _ in range(_SEARCH):
         nxt = []
@@ -248,7 +254,7 @@ def _score_product(a: fx.Node, shape: tuple) -> tuple[fx.Node | None, set]:
             if node in seen or not isinstance(node, fx.Node) or node.op != "call_function":
                 continue
             seen.add(node)
-            if node.target in _PRODUCTS + (aten.einsum.default,) and _shape(node) == shape:
+            if node.target in _PRODUCTS + (aten.einsum.default,) and _shape(node) in shapes:
                 products.append(node)
             else:
                 if node.target in (aten.softmax.int, aten._softmax.default, aten.exp.default):
@@ -855,7 +861,7 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
             break
         _same_at_other_sizes(decay, other)
     generator = torch.Generator().manual_seed(0)
-    values = {n: _draw(n, generator) for n in (form.q, form.k, form.v)}
+    values = {n: _draw(n, generator) for n in (form.q, form.k, form.v)}  # (form.canonical: q, k per head)
     if decay.tensor is not None:
         values[decay.tensor] = decay.drawn
     values.update(decay.others)
@@ -895,7 +901,7 @@ def _fuse(gm: fx.GraphModule, y: fx.Node, form: _Form, report: FusionReport) -> 
     row_scale = None if decay.row_scale is None else decay.row_scale.tolist()
     replace_with_function(gm, replaced, _linear_attention_of(form.perms, gammas, scale, normaliser is not None,
                                                              eps, decay.per_token, row_scale, decay.causal,
-                                                             decay.strict, decay.strength),
+                                                             decay.strict, decay.strength, form.shared),
                           [form.k, form.v, form.q] + reads,
                           outputs=[out])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -942,7 +948,8 @@ def _source(value: fx.Node) -> str:
 def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float,
                          per_token: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
                          row_scale: list | None = None,
-                         causal: bool = True, strict: bool = False, strength: _Strength | None = None):
+                         causal: bool = True, strict: bool = False, strength: _Strength | None = None,
+                         shared: bool = False):
     """The replacement: the op over [B, T, H, D] views of the canonical [T, D] / [B, T, D] /
     [B, H, T, D] inputs, with the per-head (or one) decay γ as the keep factor of every step:
     ``gammas`` the numbers, or the function giving them from the tensor the mask reads (with ``per_token``,
@@ -964,6 +971,8 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
                                     read: torch.Tensor | None = None,
                                     strength_read: torch.Tensor | None = None) -> torch.Tensor:
         k, v, q = (x if perms[name] is None else x.permute(perms[name]) for x, name in ((k, "k"), (v, "v"), (q, "q")))
+        if shared:  # q, k [B, T, D] → [B, H, T, D]: each head reads them (their gradients sum over the heads)
+            k, q = (x.unsqueeze(1).expand(*v.shape[:-1], x.shape[-1]) for x in (k, q))
         rank = q.dim()
         if strength is not None:  # w_s [*L, T] times the keys (its gradient through the product)
             perm, places = strength.layout

@@ -986,6 +986,16 @@ def ssd_segsum_by_masked_cumsum(c, b, x, a):
                         x)
 
 
+def ssd_shared_by_the_heads(c, b, x, a):  # Mamba-2's one group: C, B [B, T, N] for every head, X [B, T, H, P]
+    scores = c @ b.transpose(1, 2)  # [B, T, T]
+    return torch.einsum("bhls,bshp->blhp", scores[:, None] * torch.exp(_segsum_by_masked_cumsum(a)), x)
+
+
+def ssd_shared_by_the_heads_in_one_einsum(c, b, x, a):  # the Mamba-2 reference's three-operand contraction
+    return torch.einsum("bls,bhls,bshp->blhp", torch.einsum("bln,bsn->bls", c, b),
+                        torch.exp(_segsum_by_differences(a)), x)
+
+
 def gla_cumulative_product_ratio(q, k, v, f):  # one head [B, T, D], gates sigmoid(f) [B, T]: Π g by a ratio
     g = torch.sigmoid(f).cumprod(-1)
     decay = torch.tril(g[:, :, None] / g[:, None, :])
@@ -1037,6 +1047,9 @@ def gla_gate_shared_by_the_heads(q, k, v, f):  # [B, H, T, D] with one gate per 
 
 def _gated_inputs(layout, steps=T):
     g = torch.Generator().manual_seed(0)
+    if layout == "ssd_shared":  # C, B [B, T, N] shared by the heads, X [B, T, H, P], log gates a < 0 [B, H, T]
+        return [torch.randn(B, steps, 4, generator=g), torch.randn(B, steps, 4, generator=g),
+                torch.randn(B, steps, 3, 5, generator=g), -F.softplus(torch.randn(B, 3, steps, generator=g))]
     if layout == "ssd":  # C, B, X [B, H, T, ·] and log gates a < 0 [B, H, T]
         return [torch.randn(B, 3, steps, 4, generator=g), torch.randn(B, 3, steps, 4, generator=g),
                 torch.randn(B, 3, steps, 5, generator=g), -F.softplus(torch.randn(B, 3, steps, generator=g))]
@@ -1053,6 +1066,7 @@ def gla_clamped_gates(q, k, v, f):  # the gates clamped before their products: t
 
 
 GATED = [(ssd_segsum_by_differences, "ssd"), (ssd_segsum_by_masked_cumsum, "ssd"),
+         (ssd_shared_by_the_heads, "ssd_shared"), (ssd_shared_by_the_heads_in_one_einsum, "ssd_shared"),
          (gla_cumulative_product_ratio, "one_head"), (gla_log_sigmoid_heads_last_gates, "heads"),
          (gla_clamped_gates, "one_head"), (gla_gate_shared_by_the_heads, "shared")]
 
