@@ -137,7 +137,11 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _as(value: Any, shape: tuple[int, ...]) -> torch.Tensor | None:
     """``value`` viewed as ``shape`` when it holds that many elements, its dims those of ``shape`` with size-1 dims
     moved freely and consecutive dims merged (a step's k_t [B, H, D] read as [B·H, D], as ``k[:, t].reshape(B * H,
-    D)`` reads it for a memory of the heads flattened into the batch)."""
+    D)`` reads it for a memory of the heads flattened into the batch); or broadcast to ``shape`` where it lacks
+    some of its dims (:func:`_shared_by`: Mamba-2's B_t, C_t [B, N] shared by the heads of [B, H, N])."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() != math.prod(shape):
+        placed = _shared_by(value, shape)
+        return None if placed is None else placed.expand(shape)
     if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != math.prod(shape):
         return None
     have, want = [s for s in value.shape if s != 1], [s for s in shape if s != 1]
@@ -312,6 +316,22 @@ def _is_feature(value: Any, shape: tuple[int, ...]) -> bool:
         return False
 
 
+def _shared_by(value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``value`` with dims of 1 where it lacks dims of ``shape`` [*lead, D] but has the first and the last (a step's
+    C_t [B, N] as [B, 1, N] against [B, H, N]: one per sequence, shared by the heads), or None."""
+    have = list(value.shape)
+    if not 2 <= len(have) < len(shape) or have[0] != shape[0] or have[-1] != shape[-1]:
+        return None
+    placed, i = [], 0
+    for j, size in enumerate(shape):  # (its last dim placed at the last: the features)
+        if i < len(have) and have[i] == size and (i < len(have) - 1) == (j < len(shape) - 1):
+            placed.append(size)
+            i += 1
+        else:
+            placed.append(1)
+    return value.reshape(placed) if i == len(have) else None
+
+
 def _broadcastable(value: Any, shape: tuple[int, ...], lead: tuple[int, ...]) -> Any:
     """A factor's value viewed to broadcast against ``shape`` ([*lead] or [*lead, D]): whole, one per batch and
     head ([*lead, 1]), one number, or one per head (:func:`_heads`, broadcast over the batch)."""
@@ -324,6 +344,8 @@ def _broadcastable(value: Any, shape: tuple[int, ...], lead: tuple[int, ...]) ->
     tail = (1,) * (len(shape) - len(lead))
     if value.numel() == math.prod(lead):
         return value.reshape(tuple(lead) + tail)
+    if (shared := _shared_by(value, shape)) is not None:
+        return shared
     heads = _heads(value)
     return heads.reshape(tuple(heads.shape) + tail)
 

@@ -814,6 +814,28 @@ def hebbian_gate_shared_by_the_heads(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def mamba2_recurrence_with_keys_and_queries_shared_by_the_heads(k, v, q, alpha, eta):
+    """Mamba-2's recurrence with one group: B_t, C_t [B, N] read by every head (head 0's k and q here),
+    h ← a_t h + x_t B_tᵀ, y_t = h C_t (probe r30: reported as no memory read)."""
+    b, c = k[:, :, 0], q[:, :, 0]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = (1 - alpha[:, t, :, None, None]) * M + v[:, t, :, :, None] * b[:, t, None, None, :]
+        ys.append(torch.einsum("bhpn,bn->bhp", M, c[:, t]))
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_with_keys_shared_by_the_heads(k, v, q, alpha, eta):
+    """A delta rule whose unit keys [B, Dk] every head writes with, read per head."""
+    keys = F.normalize(k[:, :, 0], dim=-1)
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ keys[:, t, None, :, None])[..., 0] - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - 2 * eta[:, t, :, None, None] * e[..., None] * keys[:, t, None, None]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def hebbian_heads_flattened_into_the_batch(k, v, q, alpha, eta):
     """Heads flattened into the batch before the loop: B·H memories [B·H, Dv, Dk]."""
     Bn, Tn, Hn, Dk = k.shape
@@ -1296,6 +1318,9 @@ SPELLINGS = {
     "delta_rule_over_every_other_token": (delta_rule_over_every_other_token, "memory_scan"),
     "delta_rule_from_the_second_step_into_zeros": (delta_rule_from_the_second_step_into_zeros, "memory_scan"),
     "hebbian_gate_shared_by_the_heads": (hebbian_gate_shared_by_the_heads, "linear_attention"),
+    "mamba2_recurrence_with_keys_and_queries_shared_by_the_heads": (
+        mamba2_recurrence_with_keys_and_queries_shared_by_the_heads, "linear_attention"),
+    "delta_rule_with_keys_shared_by_the_heads": (delta_rule_with_keys_shared_by_the_heads, "memory_scan"),
     "hebbian_lerp": (hebbian_lerp, "linear_attention"),
     "hebbian_ema_written_out": (hebbian_ema_written_out, "linear_attention"),
     "hebbian_torch_outer_one_sequence": (hebbian_torch_outer_one_sequence, "linear_attention"),
