@@ -1367,6 +1367,7 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
     import hecate.lowering.kl_attention  # noqa: F401  the op must exist before we insert it
 
     _size_numbers_as_tensors(gm.graph)
+    users_code = set(gm.graph.nodes)  # (what a fusion writes, β as exp(s − lse) / …, is no candidate below)
     for softmax in [n for n in gm.graph.nodes if n.target == aten.softmax.int]:
         if _renormalised(softmax):
             continue  # softmax(s) · mask / Σ (softmax(s) · mask): the softmax written out, fused below
@@ -1388,7 +1389,7 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
                              "every score is KL_ii = 0 and β = 1, so the attention is its values; nothing to fuse, "
                              "compiled as written; other lengths compile their own graph")
             report.add_miss(PATTERN, str(e), softmax.name, nodes=[softmax])
-    for beta in [n for n in gm.graph.nodes if n.target == aten.div.Tensor]:
+    for beta in [n for n in gm.graph.nodes if n.target == aten.div.Tensor and n in users_code]:
         written = _unshifted_softmax_of(beta)
         rank = len(shape_of(beta) or ())
         if written is not None and rank >= 2 and _pairwise(written[0], rank):

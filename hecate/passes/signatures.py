@@ -271,8 +271,9 @@ def _decode_scores_by_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.N
         vocab = logits[-1]
         ancestors = list(_ancestors(sink))
         products = [a for a in ancestors if a.target in _PRODUCTS + (aten.einsum.default,)
-                    and _is((_shape(a) or (None,))[-1], vocab)
-                    and any(_is(s, vocab) for x in a.all_input_nodes for s in (_shape(x) or ()))]
+                    and _is((_shape(a) or (None,))[-1], vocab)  # (the per-token operand: [V, K] or its transpose)
+                    and any(len(_shape(x) or ()) == 2 and any(_is(s, vocab) for s in _shape(x))
+                            for x in a.all_input_nodes)]
         # (sizes may be symbolic: compared by _is, never hashed)
         widths = [w for p in products for x in p.all_input_nodes if (w := (_shape(x) or (None,))[-1]) is not None
                   and not _is(w, vocab)]

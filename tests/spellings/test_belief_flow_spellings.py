@@ -48,6 +48,27 @@ class MeansFollowAttention(nn.Module):
         return mu
 
 
+class GradientOfTheAlignmentByEinsum(nn.Module):
+    """μ ← μ − λ Σ_j β_ij (μ_i − μ_j)/σ²_j by an einsum over the pair differences, beside the energy Σ β·KL (probe
+    r30: every step fused, and each later step's softmax also reported as a ratio of exps that is no softmax)."""
+
+    def __init__(self, steps=3):
+        super().__init__()
+        self.steps, self.enc = steps, nn.Linear(D, 2 * D)
+
+    def forward(self, x):
+        mu, rho = self.enc(x).chunk(2, -1)
+        var, energy = F.softplus(rho) + 0.05, 0.0
+        for _ in range(self.steps):
+            d = mu.unsqueeze(2) - mu.unsqueeze(1)
+            kl = 0.5 * (var.unsqueeze(2) / var.unsqueeze(1) + d ** 2 / var.unsqueeze(1) - 1
+                        + var.unsqueeze(1).log() - var.unsqueeze(2).log()).sum(-1)
+            beta = F.softmax(-kl / 2.0, dim=-1)
+            energy = energy + (beta * kl).sum((-1, -2)).mean()
+            mu = mu - 0.3 * torch.einsum("bij,bijk->bik", beta, d / var.unsqueeze(1))
+        return mu, energy
+
+
 class MeansAndVariancesMove(nn.Module):
     """Both parameters move each step (β read by ``@`` and by ``torch.bmm``)."""
 
@@ -169,6 +190,7 @@ def test_decode_after_a_step_moving_means_and_variances_fuses(fresh_dynamo):
 FLOWS = {
     "means_follow_attention": (MeansFollowAttention, 3),
     "means_and_variances_move": (MeansAndVariancesMove, 3),
+    "gradient_of_the_alignment_by_einsum": (GradientOfTheAlignmentByEinsum, 3),
     "layer_per_step": (LayerPerStep, 2),
     "centred_alignment": (CentredAlignment, 2),
     **{f"free_energy_{name}": ((lambda e=e: FreeEnergyAlongTheFlow(e)), 3) for name, e in ENERGIES.items()},
