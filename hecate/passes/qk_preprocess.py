@@ -581,6 +581,7 @@ class _Window:
     nodes: list[fx.Node]
     output: fx.Node
     channels_first: bool = False
+    keepdim: bool = False  # z [B, 1, D] (summed with keepdim=True over a [B, K, D] window), the op's own layout
 
     @property
     def state(self) -> fx.Node:
@@ -894,15 +895,17 @@ def _window_step(cat: fx.Node) -> _Window | None:
         return None
     channels_first = dim % 3 == 2
     batch, channels = window.shape[0], window.shape[1 if channels_first else 2]
-    for z in descendants(cat, depth=3):
-        if tuple(val(z).shape) != (batch, channels) or val(z).dtype != window.dtype:
+    # (a product by matmul: unsqueeze, matmul, squeeze, squeeze; a z [B, 1, D] only where none is [B, D])
+    for z in sorted(descendants(cat, depth=5), key=lambda n: tuple(getattr(val(n), "shape", ())) != (batch, channels)):
+        keepdim = not channels_first and tuple(val(z).shape) == (batch, 1, channels)
+        if tuple(val(z).shape) != (batch, channels) and not keepdim or val(z).dtype != window.dtype:
             continue
         found = _window_product(cat, z, channels_first)
         if found is not None:
             nodes, weight, layout = found
             bias, output = _bias_add(z, channels)
             return _Window(cat, weight, layout, bias, nodes + ([output] if bias is not None else []), output,
-                           channels_first)
+                           channels_first, keepdim)
     return None
 
 
@@ -924,16 +927,28 @@ def _window_product(cat: fx.Node, z: fx.Node, channels_first: bool) -> tuple[lis
         stack.extend(node.all_input_nodes)
     if len(leaves) != 1 or not isinstance(val(leaves[0]), torch.Tensor):
         return None
-    weight = leaves[0]
     reads_window = {n for n in region if cat in _ancestors_in(n, region)}
     if any(u not in region for n in reads_window - {z} for u in n.users):
         return None                                   # an intermediate someone else reads
     window = val(cat)
     k, channels = (window.shape[2], window.shape[1]) if channels_first else (window.shape[1], window.shape[2])
-    layouts = [name for name, shape in (("D1K", (channels, 1, k)), ("DK", (channels, k)), ("KD", (k, channels)))
-               if _equal(tuple(val(weight).shape), shape)]
-    if not layouts:
-        return None
+    # the taps: the one tensor read, or what the product reads computed from it alone (w.flip(-1), w[:, 1:])
+    for weight in [leaves[0]] + [n for n in region if n not in reads_window]:
+        layouts = [name for name, shape in (("D1K", (channels, 1, k)), ("DK", (channels, k)), ("KD", (k, channels)))
+                   if _equal(tuple(val(weight).shape), shape)]
+        product = [n for n in region if n not in _ancestors_in(weight, region) and n is not weight]
+        found = _product_reads_as_conv(cat, z, weight, layouts, product, channels_first) if layouts else None
+        if found is not None:
+            return found
+    return None
+
+
+def _product_reads_as_conv(cat: fx.Node, z: fx.Node, weight: fx.Node, layouts: list[str], region: list[fx.Node],
+                           channels_first: bool) -> tuple[list[fx.Node], fx.Node, str] | None:
+    """(region, weight, its layout) when ``region`` computes z = Σ_k window[:, k] · w[:, k] from the window and
+    ``weight`` in one of ``layouts``, at random float64 points; None otherwise."""
+    window = val(cat)
+    k, channels = (window.shape[2], window.shape[1]) if channels_first else (window.shape[1], window.shape[2])
     order = {n: i for i, n in enumerate(cat.graph.nodes)}
     region.sort(key=order.__getitem__)
     generator = torch.Generator().manual_seed(0)
@@ -953,7 +968,8 @@ def _window_product(cat: fx.Node, z: fx.Node, channels_first: bool) -> tuple[lis
     for layout in layouts:
         expected = torch.einsum("bdk,dk->bd" if channels_first else "bkd,dk->bd", points[cat],
                                 _WINDOW_LAYOUTS[layout][0](points[weight]))
-        if points[z].shape == expected.shape and torch.allclose(points[z], expected, rtol=1e-9, atol=1e-12):
+        got = points[z].reshape(expected.shape) if points[z].numel() == expected.numel() else None
+        if got is not None and torch.allclose(got, expected, rtol=1e-9, atol=1e-12):  # (z [B, D], or [B, 1, D])
             return region, weight, layout
     return None
 
@@ -1073,7 +1089,7 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
     # the op returns [B, T, C]: a window step squeezes its one token; SiLU and φ ran after the head split, and
     # as they act per channel (per head for a matrix φ) the op's [B, T, H·Dh] result is split instead.
     layout = []
-    if chain.window is not None:
+    if chain.window is not None and not chain.window.keepdim:
         layout.append((aten.squeeze.dim, (1,)))
     if chain.stage("batch") is not None:
         layout.append((aten.transpose.int, (0, 1)))

@@ -731,12 +731,45 @@ class WindowProduct(nn.Module):
 
 @pytest.mark.parametrize("product", [
     lambda m, w: (w.square() * m.kernel.T).sum(1),            # not linear in the window
-    lambda m, w: (w * m.kernel.T.softmax(0)).sum(1),           # a function of the weight, not the weight
-    lambda m, w: (w[:, 1:] * m.kernel.T[1:]).sum(1),           # K−1 of the kernel's K taps
-], ids=["squared-window", "softmax-weight", "first-tap-dropped"])
+    lambda m, w: (w[:, 1:] * m.kernel.T[1:]).sum(1),           # K−1 of the window's K columns
+], ids=["squared-window", "first-column-dropped"])
 def test_a_window_product_that_is_not_a_conv_is_left_alone(product):
     report = _compare_with_eager(WindowProduct(product), torch.randn(2, 6), torch.randn(2, 3, 6))
     assert report.fusions == [] and report.misses == [], str(report)
+
+
+@pytest.mark.parametrize("product", [
+    lambda m, w: torch.einsum("bkd,dk->bd", w, m.kernel.flip(-1)),             # taps stored newest first
+    lambda m, w: (w * m.kernel.T.softmax(0)).sum(1),                           # taps a function of the parameter
+    lambda m, w: (w.transpose(1, 2).unsqueeze(-2) @ m.kernel.unsqueeze(-1)).squeeze(-1).squeeze(-1),  # by matmul
+    lambda m, w: (w * m.kernel.T).sum(1, keepdim=True).squeeze(1),             # summed with keepdim, then squeezed
+], ids=["flipped-taps", "softmax-taps", "batched-matmul", "keepdim-sum"])
+def test_a_window_product_of_taps_computed_from_the_parameter_fuses(product):
+    """The taps the product reads may be computed from the parameter (flipped, a softmax of it): the op reads them
+    as the graph computes them; the product may be a batched matmul (probe r30: each silent)."""
+    torch.manual_seed(0)
+    report = _compare_with_eager(WindowProduct(product), torch.randn(2, 6), torch.randn(2, 3, 6))
+    assert _details(report) == ["window step conv(K=4, carried state) → silu [B,D]"], str(report)
+
+
+class TokenKeptAsASequenceOfOne(nn.Module):
+    """A decode step on a token [B, 1, D], its window product summed with keepdim=True: z [B, 1, D], the taps the
+    nn.Conv1d's own weight (probe r30: silent)."""
+
+    def __init__(self, d=6, k=3):
+        super().__init__()
+        self.proj, self.conv = nn.Linear(d, d), nn.Conv1d(d, d, k, groups=d, padding=k - 1)
+
+    def forward(self, x, cache):
+        window = torch.cat([cache, self.proj(x)], 1)
+        z = (window * self.conv.weight[:, 0].T).sum(1, keepdim=True) + self.conv.bias
+        return F.elu(F.silu(z)) + 1, window[:, 1:]
+
+
+def test_a_token_kept_as_a_sequence_of_one_fuses():
+    torch.manual_seed(0)
+    report = _compare_with_eager(TokenKeptAsASequenceOfOne(), torch.randn(2, 1, 6), torch.randn(2, 2, 6))
+    assert _details(report) == ["window step conv(K=3, carried state) → silu → elu+1 [B,D]"], str(report)
 
 
 def test_window_step_with_as_many_taps_as_channels_finds_its_layout():
