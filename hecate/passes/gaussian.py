@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from hecate.passes.matching import (NotFused, depends_on_sizes_only, hook_reason, is_pointwise, is_register_hook,
-                                    made_in_forward, written_in_place)
+                                    made_in_forward, writes_into)
 
 aten = torch.ops.aten
 
@@ -193,7 +193,7 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
     flattened, ``mu.unsqueeze(2).expand(b, n, n, k).reshape(-1, k)``). ``as_made``: ``node``'s value as its op
     makes it, even where the code writes into it later (after the subgraph that is replaced).
     """
-    memo = values
+    memo, order = values, {}  # (order: the graph's, made once a write is found)
 
     def run(n):
         if not isinstance(n, fx.Node):
@@ -218,9 +218,12 @@ def evaluate(node: fx.Node, values: dict, size_hint: Callable[[Any], int] | None
                 raise NotFused(f"it reads {n.name}, a size torch.compile passes in at run time (dynamic shapes), "
                                "not known when compiling")
             raise NotFused(f"it reads {n.name}, an input of the graph whose value is not known when compiling")
-        writer = None if as_made and n is node else written_in_place(n)
-        if writer is not None:
-            raise NotFused(f"it reads {n.name}, written in place after it is made (by {writer.name}): its value "
+        writers = [] if as_made and n is node else writes_into(n)
+        if writers:  # (a write after ``node`` is made does not change its value: k.add_(1) after the family)
+            order.update({} if order else {x: i for i, x in enumerate(node.graph.nodes)})
+            writers = [w for w in writers if order[w] < order[node]]
+        if writers:
+            raise NotFused(f"it reads {n.name}, written in place after it is made (by {writers[0].name}): its value "
                            "is not the one what computes it gives")
         if _is_noop(n) and not (expand and n.target == aten.expand.default):
             memo[n] = run(n.args[0])

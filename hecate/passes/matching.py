@@ -608,13 +608,15 @@ def _differentiable_ancestors(nodes: Sequence[Any], stop: set[fx.Node]) -> set[f
 
 
 def check_nothing_written_in_place(args: Sequence[Any], replaced: Sequence[fx.Node],
-                                   outputs: Sequence[fx.Node] = ()) -> list[fx.Node]:
+                                   outputs: Sequence[fx.Node] = ()) -> tuple[list[fx.Node], dict]:
     """NotFused where a tensor the fused op reads is written in place among the nodes it replaces, or one it
     replaces is written at all: the op runs where the replaced outputs were, after any write in between, and would
     see the tensor at another point than the code. A write done before the first replaced node both see. Returns
     the ``outputs`` written in place after the last replaced node (``y[:, 0] = 0`` after the family, also through a
     view): those are fine, on a copy of the op's result (:func:`_copies_for_writers`), unless two outputs share
-    their values."""
+    their values; and the tensors read that are written only after the replaced nodes that read them (``k.add_(1)``
+    after the loop, a cache written back after the window is made from it), each with the node before which the op
+    reads a copy of it (:func:`_read_from_copies`): the values the code read, which the op's backward may save."""
     order = {n: i for i, n in enumerate(replaced[0].graph.nodes)} if replaced else {}
     first = min((order[n] for n in replaced), default=0)
     last = max((order[n] for n in replaced), default=0)
@@ -622,14 +624,35 @@ def check_nothing_written_in_place(args: Sequence[Any], replaced: Sequence[fx.No
     written = [o for o in outputs if late & set(writes_into(o))]
     bases = [_base(o) for o in outputs]
     shared = [o for o in written if bases.count(_base(o)) > 1]
+    copies = {}
+    # the replaced nodes and what they read: where the code reads what the op takes (a conv's cat([state, x]))
+    near = set(replaced) | {i for n in replaced for i in n.all_input_nodes if i.op == "call_function"}
     for node, read in [(n, True) for a in args for n in _nodes_in(a)] + [(n, False) for n in replaced]:
-        writer = next((w for w in writes_into(node)
-                       if (w not in late or shared or not written) and (not read or order.get(w, first) >= first)),
-                      None)
-        if writer is not None:
-            raise NotFused(f"{node.name}, read or replaced by it, is written in place ({writer.name}): the fused "
+        writers = [w for w in writes_into(node)
+                   if (w not in late or shared or not written) and (not read or order.get(w, first) >= first)]
+        viewed = [node]  # (it, and what it is a view of: a transpose a pass made of what the replaced nodes read)
+        while viewed[-1].args and isinstance(viewed[-1].args[0], fx.Node) and aliases(viewed[-1]):
+            viewed.append(viewed[-1].args[0])
+        readers = sorted((r for r in near if any(v in r.all_input_nodes for v in viewed)), key=order.__getitem__)
+        read_last = max(order[readers[-1]] if readers else last, order.get(node, first))
+        if read and writers and all(order.get(w, first) > read_last for w in writers):  # (read, then written)
+            at = readers[0] if readers and order[readers[0]] > order.get(node, first) else node.next
+            copies.setdefault(node, at if readers else _last(replaced[0].graph, replaced))
+        elif writers:
+            raise NotFused(f"{node.name}, read or replaced by it, is written in place ({writers[0].name}): the fused "
                            "op would see it at another point than the code does")
-    return written
+    return written, copies
+
+
+def _read_from_copies(graph: fx.Graph, args: Sequence[Any], copies: dict) -> list:
+    """``args`` with each tensor of ``copies`` (node → where: tensors the code writes in place after reading them)
+    read from a clone taken there: the op sees the values the code read, and what its backward saves stays so."""
+    made = {}
+    for node, before in copies.items():
+        with graph.inserting_before(before):
+            made[node] = graph.call_function(torch.ops.aten.clone.default, (node,))
+        made[node].meta = {**node.meta, "val": node.meta["val"].clone()}
+    return [fx.node.map_arg(a, lambda n: made.get(n, n)) for a in args]
 
 
 def _base(node: fx.Node) -> fx.Node:
@@ -665,8 +688,9 @@ def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
     """
     check_gradients_flow(args, match.outputs)
     check_no_hook_on_what_is_read_inside(match.nodes, match.outputs)
-    written = check_nothing_written_in_place(args, match.nodes, match.outputs)
+    written, copies = check_nothing_written_in_place(args, match.nodes, match.outputs)
     graph = gm.graph
+    args = _read_from_copies(graph, args, copies)
     with graph.inserting_before(_last(graph, match.nodes)):
         call = graph.call_function(op, tuple(args))
     call.meta["val"] = _fake_run(op, args)
@@ -705,10 +729,11 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
                          "pass a Match or outputs=[the replaced nodes read afterwards]")
     check_gradients_flow(args, old_outputs)
     check_no_hook_on_what_is_read_inside(nodes, old_outputs)
-    written = check_nothing_written_in_place(args, nodes, old_outputs)
+    written, copies = check_nothing_written_in_place(args, nodes, old_outputs)
     if computed_from([n for a in args for n in _nodes_in(a)], set(old_outputs)):
         raise NotFused("the replacement would read values computed from what it replaces (a cycle); "
                        "the graph is left as it was")
+    args = _read_from_copies(gm.graph, args, copies)
     values = [fx.node.map_aggregate(a, val) for a in args]
     fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     if fake_mode is None:

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hecate
-from hecate.testing import assert_outputs_and_gradients_close
+from hecate.testing import assert_close, assert_outputs_and_gradients_close
 
 TOL = 1e-5
 D = 6
@@ -128,3 +128,58 @@ def test_an_output_written_in_place_after_the_family_fuses(family, write, fresh_
     assert report.count(FAMILIES[family]) == 1 and not report.misses, str(report)
     params = list(model.parameters())
     assert_outputs_and_gradients_close(got, model(xe), [xc, *params], [xe, *params], TOL)
+
+
+def delta_rule_then_keys_written(q, k, v):
+    memory, ys = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        error = torch.einsum("bvk,bk->bv", memory, k[:, t]) - v[:, t]
+        memory = memory - 0.4 * torch.einsum("bv,bk->bvk", error, k[:, t])
+        ys.append(torch.einsum("bvk,bk->bv", memory, q[:, t]))
+    k.add_(1.0)  # after the loop's last read
+    return torch.stack(ys, 1)
+
+
+def parallel_form_then_keys_written(q, k, v):
+    n = q.shape[1]
+    y = ((q @ k.mT) * torch.tril(torch.ones(n, n))) @ v
+    k[:, 0] = 0.0
+    return y
+
+
+def kl_attention_then_values_written(q, k, v):  # beliefs (μ = q, var = softplus(k)), β read against v
+    var = F.softplus(k)
+    kl = 0.5 * (torch.log(var[:, None] / var[:, :, None]) + (var[:, :, None] + (q[:, :, None] - q[:, None]) ** 2)
+                / var[:, None] - 1).sum(-1)
+    y = torch.softmax(-kl, -1) @ v
+    v.mul_(2.0)
+    return y
+
+
+# (with q's gradient where eager's backward does not read the tensor written: the memory is read, not the keys)
+WRITTEN_INPUTS = {delta_rule_then_keys_written: ("memory_scan", True),
+                  parallel_form_then_keys_written: ("linear_attention", False),
+                  kl_attention_then_values_written: ("kl_attention", False)}
+
+
+@pytest.mark.parametrize("fn", list(WRITTEN_INPUTS), ids=lambda f: f.__name__)
+def test_an_input_written_in_place_after_the_family_fuses(fn, fresh_dynamo):
+    """A tensor the family reads, written in place after its last read: the op reads a copy taken before (its
+    backward may save what it reads), and the caller's tensor is written as eager writes it (probe r29: reported
+    as written at another point). Where eager's own backward reads the tensor written it cannot differentiate
+    (it finds the tensor modified): those run under no_grad."""
+    pattern, with_grad = WRITTEN_INPUTS[fn]
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 5, D), torch.randn(2, 5, D), torch.randn(2, 5, D)
+    qc, qe = q.clone().requires_grad_(with_grad), q.clone().requires_grad_(with_grad)
+    kc, vc, ke, ve = k.clone(), v.clone(), k.clone(), v.clone()
+    with torch.set_grad_enabled(with_grad):
+        got = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})(qc, kc, vc)
+        report = hecate.last_report()
+        ref = fn(qe, ke, ve)
+    assert report.count(pattern) == 1 and not report.misses, str(report)
+    if with_grad:
+        assert_outputs_and_gradients_close(got, ref, [qc], [qe], TOL)
+    else:
+        assert_close("output", got, ref, TOL)
+    assert torch.equal(kc, ke) and torch.equal(vc, ve)
