@@ -79,7 +79,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from hecate.passes.shifts import shifted_copy
 from hecate.passes.matching import (aliases, computed_from, depends_on_sizes_only, eliminate_dead_code, is_pointwise,
-                                    mutates, number_of, written_in_place, zero_pad_amounts, zero_padded_dims)
+                                    mutates, number_of, size_hint, written_in_place, zero_pad_amounts, zero_padded_dims)
 
 aten = torch.ops.aten
 
@@ -374,7 +374,8 @@ def windows_shifted_in_place_as_cats(graph: fx.Graph) -> None:
                 or _val(write.args[1]).dtype != _val(window).dtype or not isinstance(last.args[2], int):
             continue
         dim, size = last.args[1] % len(shape), shape[last.args[1] % len(shape)]
-        if not statically_known_true(last.args[2] % size == size - 1) or not isinstance(size, int) or size < 2:
+        if last.args[2] != -1 and not statically_known_true(last.args[2] == size - 1) \
+                or not statically_known_true(size >= 2):
             continue
         found = _window_shifted_in_place(graph, window, write, dim)
         if found is None:
@@ -387,7 +388,7 @@ def windows_shifted_in_place_as_cats(graph: fx.Graph) -> None:
                    if order[u] > order[write] and (fresh or u.op != "output" and not aliases(u))]
         after = write.next
         with graph.inserting_before(read):  # (the cache's values as the shift reads them)
-            kept = emit(graph, aten.slice.Tensor, cache, dim, 1, size)
+            kept = emit(graph, aten.slice.Tensor, cache, dim, 1)
             if not fresh or any(mutates(n) for n in _aliases_of(cache) if n is not cache):
                 kept = emit(graph, aten.clone.default, kept)  # (the cache is written: the window keeps its values)
         with graph.inserting_before(after):
@@ -460,18 +461,20 @@ def _shifts(cache: fx.Node, x: fx.Node, base: fx.Node, steps: list[fx.Node], dim
     """Whether running ``steps`` (in place, as written) on a random float64 cache and x leaves ``base`` equal to
     cat([cache[..., 1:], x.unsqueeze(dim)], dim)."""
     generator = torch.Generator().manual_seed(20261128)
-    shape, token_shape = tuple(_val(cache).shape), tuple(_val(x).shape)
-    if not all(isinstance(s, int) for s in shape + token_shape):
-        return False  # (a symbolic size: not drawn)
+    shape, token_shape = (tuple(size_hint(s) for s in _val(n).shape) for n in (cache, x))  # (symbols: their values)
     drawn = torch.randn(shape, generator=generator, dtype=torch.float64)
     token = torch.randn(token_shape, generator=generator, dtype=torch.float64)
     env = {cache: drawn.clone(), x: token}
+
+    def value(n):  # (a size node of the graph read as its value now)
+        return env[n] if n in env else size_hint(_val(n)) if isinstance(_val(n), torch.SymInt) else env[n]
+
     try:
         for node in steps:
             if node in env:
                 continue
-            args = fx.node.map_arg(node.args, lambda n: env[n])
-            kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+            args = fx.node.map_arg(node.args, value)
+            kwargs = fx.node.map_arg(node.kwargs, value)
             env[node] = node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001  (reads something else, or does not run at these values: no shift)
         return False

@@ -297,11 +297,17 @@ def _check_conv_then_slice(match: Match) -> str | None:
         return reason
     k, seq_len = val(conv.args[1]).shape[2], val(conv.args[0]).shape[2]
     padding = list(_arg(conv, 4, "padding", [0]))
+    dim, start, step = cut.args[1], _arg(cut, 2, "start"), _arg(cut, 4, "step", 1)
+    carried = _carried_state(conv)
+    if carried is not None and _equal(padding, [0]):  # causal_conv1d_update's reference: out[..., -T:] of all T
+        reason = _check_state(conv, carried[0])
+        if reason is None and (dim % 3 != 2 or step != 1 or not _equal(val(cut).shape[2], val(conv).shape[2])):
+            reason = (f"conv1d over cat([state, x]) without padding, sliced (dim={dim}, start={start}, step={step}) "
+                      f"to {val(cut).shape[dim]} of its {val(conv).shape[2]} outputs: not x's T outputs")
+        return reason
     if not _equal(padding, [k - 1]):
         return (f"conv1d padding={padding} with kernel {k}: a causal conv pads K−1={k - 1} and keeps the first "
                 f"T outputs")
-    dim, start, step = cut.args[1], _arg(cut, 2, "start"), _arg(cut, 4, "step", 1)
-    carried = _carried_state(conv)
     if carried is not None:   # output K−1+t is x[t]'s: its window ends at index K−1+t of cat([state, x])
         reason = _check_state(conv, carried[0])
         if reason:
@@ -1012,11 +1018,32 @@ def _window_weight(gm: fx.GraphModule, window: _Window) -> fx.Node:
 
 # ---------------------------------------------------------------- the pass
 
+def _tokens_as_transposed_steps(graph: fx.Graph) -> None:
+    """One token x_t [B, D] joined to a conv state [B, D, S] as ``x_t.unsqueeze(-1)`` [B, D, 1] (causal_conv1d_update's
+    reference) → ``x_t.unsqueeze(1).transpose(1, 2)``: the same view, the [B, T, D] → [B, D, T] swap of a sequence
+    of one step, which a streaming conv reads."""
+    for cat in graph.find_nodes(op="call_function", target=aten.cat.default):
+        parts, dim = cat.args[0], _arg(cat, 1, "dim", 0)
+        token = parts[-1] if len(parts) == 2 and isinstance(parts[-1], fx.Node) else None
+        if token is None or token.target != aten.unsqueeze.default or val(cat).dim() != 3 or dim % 3 != 2 \
+                or token.args[1] % 3 != 2 or val(token.args[0]).dim() != 2 \
+                or not any(u.target in CONV1D_OPS for u in cat.users):
+            continue
+        with graph.inserting_before(token):
+            step = graph.call_function(aten.unsqueeze.default, (token.args[0], 1))
+            step.meta = {**token.meta, "val": val(token.args[0]).unsqueeze(1)}
+            swapped = graph.call_function(aten.transpose.int, (step, 1, 2))
+            swapped.meta = {**token.meta, "val": val(step).transpose(1, 2)}
+        token.replace_all_uses_with(swapped)
+        graph.erase_node(token)
+
+
 def run(gm: fx.GraphModule, report: FusionReport) -> None:
     """Replace every projection → causal conv → SiLU → φ chain (or partial chain) by one op."""
     import hecate.lowering  # noqa: F401  registers torch.ops.hecate.qk_preprocess
 
     op = torch.ops.hecate.qk_preprocess.default
+    _tokens_as_transposed_steps(gm.graph)
     index = _Index(gm)
     chains = []
     for node in gm.graph.nodes:

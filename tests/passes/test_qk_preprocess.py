@@ -865,24 +865,64 @@ def _rolled_then_copied_back(x, cache, w, kernel):  # transformers' slow path: a
     return F.silu(torch.sum(window * kernel, dim=-1))
 
 
-@pytest.mark.parametrize("step", [_mamba_reference_update, _slots_moved_in_the_cache, _rolled_then_copied_back],
-                         ids=lambda f: f.__name__)
-def test_a_window_shifted_in_the_cache_passed_in_fuses_and_writes_the_cache(step):
+def _window_made_then_copied_into_the_cache(x, cache, w, kernel):  # the window functional, the cache written back
+    window = torch.cat([cache[..., 1:], (x @ w.T)[..., None]], -1)
+    cache.copy_(window)
+    return F.silu((window * kernel).sum(-1))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("step", [_mamba_reference_update, _slots_moved_in_the_cache, _rolled_then_copied_back,
+                                  _window_made_then_copied_into_the_cache], ids=lambda f: f.__name__)
+def test_a_window_shifted_in_the_cache_passed_in_fuses_and_writes_the_cache(step, dynamic):
     """The cache passed in is still written, as the code writes it, and the step reads a copy of its columns taken
-    before (probe r29, r30: silent). Outputs, the cache after, and the gradients of x and the weights equal eager's."""
+    before (probe r29, r30: silent; r31: silent under dynamic=True, at every size). Outputs, the cache after, and
+    the gradients of x and the weights equal eager's."""
     torch.manual_seed(0)
     torch._dynamo.reset()
-    x, cache, w, kernel = torch.randn(2, 6), torch.randn(2, 6, 3), torch.randn(6, 6), torch.randn(6, 3)
-    leaves = [x.requires_grad_(), w.requires_grad_(), kernel.requires_grad_()]
-    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
-    ref_cache = cache.clone()
-    got = torch.compile(
-        step, backend="hecate", options={"fallback": "eager", "strict": True})(leaves[0], cache, *leaves[1:])
-    report = hecate.last_report()
-    ref = step(ref_leaves[0], ref_cache, *ref_leaves[1:])
-    assert_close("the cache after the step", cache, ref_cache, 0.0)
-    assert_outputs_and_gradients_close(got, ref, leaves, ref_leaves, TOL)
-    assert _details(report) == ["window step conv(K=3, carried state) → silu [B,D]"], str(report)
+    compiled = torch.compile(step, backend="hecate", dynamic=dynamic, options={"fallback": "eager", "strict": True})
+    for batch, d, k in ((2, 6, 3), (3, 5, 4)) if dynamic else ((2, 6, 3),):
+        x, cache, w, kernel = torch.randn(batch, d), torch.randn(batch, d, k), torch.randn(d, d), torch.randn(d, k)
+        leaves = [x.requires_grad_(), w.requires_grad_(), kernel.requires_grad_()]
+        ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        ref_cache = cache.clone()
+        got = compiled(leaves[0], cache, *leaves[1:])
+        report = hecate.last_report()
+        ref = step(ref_leaves[0], ref_cache, *ref_leaves[1:])
+        assert_close("the cache after the step", cache, ref_cache, 0.0)
+        assert_outputs_and_gradients_close(got, ref, leaves, ref_leaves, TOL)
+        assert report.count("qk_preprocess") == 1 and not report.misses, str(report)
+    torch._dynamo.reset()
+
+
+def _conv1d_update_reference(x, conv_state, weight, bias):  # causal_conv1d's reference, one token, then SiLU
+    seqlen, state_len = 1, conv_state.shape[-1]
+    x_new = torch.cat([conv_state, x.unsqueeze(-1)], dim=-1)
+    conv_state.copy_(x_new[:, :, -state_len:])
+    out = F.conv1d(x_new, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])[:, :, -seqlen:]
+    return F.silu(out.squeeze(-1))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_causal_conv1d_update_reference_fuses_and_writes_the_state(dynamic):
+    """A conv over cat([state, x_t.unsqueeze(-1)]) without padding, its last output kept by a slice, the state
+    written back in place between the cat and the conv (probe r31: reported as a conv without causal padding)."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    compiled = torch.compile(_conv1d_update_reference, backend="hecate", dynamic=dynamic,
+                             options={"fallback": "eager", "strict": True})
+    for batch, d, k in ((2, 6, 4), (3, 5, 3)) if dynamic else ((2, 6, 4),):
+        state = torch.randn(batch, d, k - 1)
+        leaves = [torch.randn(batch, d).requires_grad_(), torch.randn(d, k).requires_grad_(),
+                  torch.randn(d).requires_grad_()]
+        ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        ref_state = state.clone()
+        got = compiled(leaves[0], state, *leaves[1:])
+        report = hecate.last_report()
+        ref = _conv1d_update_reference(ref_leaves[0], ref_state, *ref_leaves[1:])
+        assert_close("the state after the step", state, ref_state, 0.0)
+        assert_outputs_and_gradients_close(got, ref, leaves, ref_leaves, TOL)
+        assert report.count("qk_preprocess") == 1 and not report.misses, str(report)
     torch._dynamo.reset()
 
 
