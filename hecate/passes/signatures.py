@@ -231,7 +231,9 @@ def _decode_scores_by_pairs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node
         if logits is None or reader in returned and len(logits) < 2:
             continue
         ancestors = list(_ancestors(reader))
-        for node in ancestors:
+        # the KL's sum over the features: the [..., N, V, K] pairs reduced to the logits' rank
+        sums = [a for a in ancestors if a.target is aten.sum.dim_IntList and len(_shape(a.args[0]) or ()) > len(logits)]
+        for node in ancestors if sums else ():
             dims, out = _pair_dims(node), _shape(node)
             if not dims or len(out) <= len(logits) or _is(out[dims[0]], out[dims[1]]):
                 continue
