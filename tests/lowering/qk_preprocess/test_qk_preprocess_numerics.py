@@ -96,3 +96,23 @@ def test_autocast_cuda_float16():
         expected, got = qk_preprocess_reference(*args), OP(*args)
     assert got.dtype == expected.dtype == torch.float16
     assert_close("out", got, expected, 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gradients_accumulate_in_float32_on_the_aten_path(dtype):
+    """The ATen path differentiates bf16/fp16 inputs in float32 (the kernels accumulate so): the projection bias's
+    gradient sums B·T terms of K taps each, which bf16 sums rounded to 5e-2 (probe r31). Against float64 at the same
+    half-precision inputs, every gradient is within half the dtype's epsilon (summed in the input dtype they were
+    1.5–2× that: 5e-3 in bf16, 6e-4 in fp16)."""
+    torch.manual_seed(0)
+    case = Case(B=3, T=33, D_in=5, D=6, K=4, phi="elu1")
+    tensors = {n: t.detach().to(dtype).requires_grad_() if t is not None else None
+               for n, t in case.tensors().items()}
+    reference_tensors = {n: t.detach().double().requires_grad_() if t is not None else None
+                         for n, t in tensors.items()}
+    grad_out = torch.randn(case.B, case.T, case.out_width, dtype=torch.float64)
+    _, grads = output_and_grads(OP, case, tensors, grad_out.to(dtype))
+    _, ref_grads = output_and_grads(qk_preprocess_reference, case, reference_tensors, grad_out)
+    for name in ref_grads:
+        assert grads[name].dtype == dtype, name
+        assert_close(f"d{name}", grads[name].double(), ref_grads[name], torch.finfo(dtype).eps / 2)
