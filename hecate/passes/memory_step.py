@@ -304,6 +304,13 @@ def _is_gate(value: Any, lead: tuple[int, ...]) -> bool:
     return len(heads) <= len(lead) and all(s in (1, n) for s, n in zip(reversed(heads), reversed(lead)))
 
 
+def _same_rank_as(value: Any, lead: tuple[int, ...]) -> bool:
+    """One number per batch [B, 1] against [B, H] (a shared key's norm ‖k_t‖, keepdim): [*lead] broadcast from
+    dims of 1, the rank kept, which :func:`_broadcastable` places as it is."""
+    return isinstance(value, torch.Tensor) and value.dim() == len(lead) \
+        and all(s == 1 or s == n for s, n in zip(value.shape, lead))
+
+
 def _is_feature(value: Any, shape: tuple[int, ...]) -> bool:
     """A tensor every step shares that scales a [*lead, D] value: it broadcasts to ``shape`` as its own shape
     does (s [D] or [H, D] by feature, w [H, 1] by head), and is not one number nor as large as a per-step vector."""
@@ -971,7 +978,8 @@ def _key_factors(b: _Body, rec: Recurrence, factors: list[fx.Node], divisors: li
     inputs: at batch 1 the norm ‖k‖ is a single number too, and taken as s it is not the same at the next draw."""
     shape = rec.lead + (rec.dk,)
     heads = [(f, False) for f in factors] + [(d, True) for d in divisors]
-    heads = [(x, div) for x, div in heads if _as(b.env[x], rec.lead) is not None or b.env[x].numel() == 1]
+    heads = [(x, div) for x, div in heads if _as(b.env[x], rec.lead) is not None or b.env[x].numel() == 1
+             or _same_rank_as(b.env[x], rec.lead)]
     heads += [(f, None) for f in factors if _is_feature(b.env[f], shape)]  # k_t ⊙ s: s scales it by feature
     draws = [b.env, _evaluate(b.graph, _random_inputs(b.placeholders, 2, set(b.carries), b.signed))]
 

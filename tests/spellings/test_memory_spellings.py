@@ -836,6 +836,18 @@ def delta_rule_with_keys_shared_by_the_heads(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_with_shared_keys_normalised_in_the_loop(k, v, q, alpha, eta):
+    """DeltaNet's usual order: each step's shared key L2-normalised inside the loop, k_t / ‖k_t‖ (probe r31: "not an
+    outer product with the key", the norm [B, 1] not read as one number per sequence)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        kt = k[:, t, 0] / k[:, t, 0].norm(dim=-1, keepdim=True)
+        e = (M * kt[:, None, None]).sum(-1) - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - 2 * eta[:, t, :, None, None] * e[..., None] * kt[:, None, None]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def hebbian_heads_flattened_into_the_batch(k, v, q, alpha, eta):
     """Heads flattened into the batch before the loop: B·H memories [B·H, Dv, Dk]."""
     Bn, Tn, Hn, Dk = k.shape
@@ -1321,6 +1333,8 @@ SPELLINGS = {
     "mamba2_recurrence_with_keys_and_queries_shared_by_the_heads": (
         mamba2_recurrence_with_keys_and_queries_shared_by_the_heads, "linear_attention"),
     "delta_rule_with_keys_shared_by_the_heads": (delta_rule_with_keys_shared_by_the_heads, "memory_scan"),
+    "delta_rule_with_shared_keys_normalised_in_the_loop": (delta_rule_with_shared_keys_normalised_in_the_loop,
+                                                           "memory_scan"),
     "hebbian_lerp": (hebbian_lerp, "linear_attention"),
     "hebbian_ema_written_out": (hebbian_ema_written_out, "linear_attention"),
     "hebbian_torch_outer_one_sequence": (hebbian_torch_outer_one_sequence, "linear_attention"),
