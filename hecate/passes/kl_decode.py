@@ -62,7 +62,8 @@ class _Decode:
     prior_param: str
     tau: "float | Temperature"  # a number, or read from a 0-d tensor at run time
     values: dict | None = None  # every node's value at the first draw (the bounds check reads them)
-    featureless: bool = False  # K = 1 written without its dim: beliefs [..., N], priors [V]
+    featureless: "bool | frozenset" = False  # K = 1 written without its dim: beliefs [..., N] (or the columns
+    # [..., N, 1] of this set), priors [V]
 
 
 def _query_side(node: fx.Node) -> fx.Node | None:
@@ -161,6 +162,8 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
             stack.extend(node.all_input_nodes)
     for number in numbers:  # drawn through what it is computed from, as the beliefs are
         sources = _per_position_sources(number, score[:-1])
+        if not sources and number.op in ("placeholder", "get_attr"):
+            sources = [number]  # an input [..., N, 1]: beliefs of one dim, a column (against priors [V])
         if not sources:
             return None
         queries += [x for x in sources if x not in queries]
@@ -227,6 +230,10 @@ def _recognise(logits: fx.Node) -> _Decode | None:
         # (s / var[..., None] read by a log: a [..., N, 1] number, evaluated from the beliefs, not drawn)
         queries = [x for x in queries if x in lifted or not computed_from([x], lifted)]
     featureless = all(len(shape_of(x)) == len(shape) - 1 for x in queries)
+    columns = frozenset()  # beliefs of one dim kept as a column [..., N, 1] against priors [V] of no feature dim
+    if not featureless and priors and all(len(shape_of(p)) == 1 for p in priors) \
+            and all(len(shape_of(x)) == len(shape) and _is(shape_of(x)[-1], 1) for x in queries):
+        featureless, columns = True, frozenset(queries)
     k = {1} if featureless else {size_hint(shape_of(x)[-1]) for x in queries}
     k = k - {1} or k  # a variance [..., N, 1] beside means [..., N, K] is isotropic; all [..., N, 1]: K = 1
     if len(k) != 1:
@@ -238,7 +245,7 @@ def _recognise(logits: fx.Node) -> _Decode | None:
             p, lambda shape: len(shape) == 1 and size_hint(shape[0]) in (v, 1))]))
         if any(len(shape_of(x)) != 1 for x in priors):
             return None
-        return _matched(logits, queries, priors, scalars, k, v, shape, featureless)
+        return _matched(logits, queries, priors, scalars, k, v, shape, columns)
     # a number per token [V] (Σ_k log s_vk summed apart) is drawn through the [V, K] tensors it is computed from
     numbers = [x for x in priors if len(shape_of(x)) == 1 and size_hint(shape_of(x)[0]) == v and k != v]
     priors = _with_sources([x for x in priors if x not in numbers], k, v)
@@ -253,7 +260,7 @@ def _recognise(logits: fx.Node) -> _Decode | None:
     if any(size_hint(shape_of(x)[-1]) not in (k, 1) for x in priors) \
             or len(queries) + len(priors) < 2:  # means on each side (a variance each, or unit ones)
         return None
-    return _matched(logits, queries, priors, scalars, k, v, shape, featureless)
+    return _matched(logits, queries, priors, scalars, k, v, shape, False)
 
 
 def _matched(logits, queries, priors, scalars, k, v, shape, featureless) -> _Decode | None:
@@ -324,16 +331,18 @@ def _match(logits, queries, priors, k, v, shape, fixed=None, featureless=False) 
     priors (at their own sizes: [V, K], shared [1, K] / [K] / 0-d), the tensors ``fixed`` held. ``featureless``:
     K = 1 without its dim, beliefs [2, .., 3] and priors [V] (or shared [1], 0-d)."""
     def own(x):  # a prior's own size: per token [V, K], or shared by the tokens
-        if featureless:
+        if featureless is not False:
             return tuple(1 if _is(s, 1) else v for s in shape_of(x))
         return tuple(1 if _is(s, 1) else v if i == len(shape_of(x)) - 2 else k for i, s in enumerate(shape_of(x)))
-    feature = () if featureless else (k,)
+
+    def feature(x):  # a belief's own last dims: K, none (featureless), or the column's 1
+        return (k,) if featureless is False else (1,) if x in featureless else ()
 
     def draw(positions, expand):
         gen = torch.Generator().manual_seed(20251123)
         draws = []
         for low, high in ((0.3, 2.0), (0.05, 4.0)):
-            env = {x: low + (high - low) * torch.rand(*positions, *feature, generator=gen, dtype=torch.float64)
+            env = {x: low + (high - low) * torch.rand(*positions, *feature(x), generator=gen, dtype=torch.float64)
                    for x in independent(queries)}
             env.update({x: low + (high - low) * torch.rand(own(x), generator=gen, dtype=torch.float64)
                         for x in independent(priors)})
@@ -355,7 +364,7 @@ def _match(logits, queries, priors, k, v, shape, fixed=None, featureless=False) 
     priors = [x for x in priors if isinstance(draws[0][1].get(x), torch.Tensor)]
     queries = [x for x in queries if isinstance(draws[0][1].get(x), torch.Tensor)]  # drawn, or computed from those
     near_one_only = None
-    per_token = [x for x in priors if own(x) == (v, *feature)]  # the means differ per token
+    per_token = [x for x in priors if own(x) == ((v,) if featureless is not False else (v, k))]  # means per token
     shared = [x for x in priors if x not in per_token]  # [K], [1, K], 0-d: a variance of the beliefs' or the priors'
     for mu in queries:
         for scale in queries + shared + [None]:  # the beliefs' variance per position, the same at every one, or 1
@@ -408,12 +417,17 @@ def _far_from_one(logits, env, memo, fixed, gamma, queries, mu, scale, param, pr
     return kl is not None and equals_scaled(value, kl, gamma)
 
 
+def _with_feature(value, node, featureless):
+    """A featureless decode's value with its K = 1 (a column [..., N, 1] of ``featureless``, a set, has it)."""
+    return value if isinstance(featureless, frozenset) and node in featureless else value[..., None]
+
+
 def _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries,
                featureless=False) -> torch.Tensor | None:
     """KL(q_i ‖ π_v) [..., N, V] of the beliefs and priors drawn or evaluated (``memo``) in these roles; None
-    where their values do not broadcast so. ``featureless``: their K = 1 is added."""
-    if featureless:
-        memo = {x: memo[x][..., None] for x in (mu, scale, prior_mu, prior_scale) if x is not None}
+    where their values do not broadcast so. ``featureless``: their K = 1 is added (the columns have it)."""
+    if featureless is not False:
+        memo = {x: _with_feature(memo[x], x, featureless) for x in (mu, scale, prior_mu, prior_scale) if x is not None}
     belief_var = (_UNIT if scale is None else VARIANCE_FROM)[param](memo.get(scale, memo[mu]))
     belief_var = belief_var.unsqueeze(-2) if scale in queries or scale is None else belief_var
     prior_to_var = (_UNIT if prior_scale is None else VARIANCE_FROM)[prior_param]
@@ -452,7 +466,9 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
         inputs.append(tau.node)
 
     def beliefs(*values):  # the op reads the positions flat: [M, K]
-        values = iter(v[..., None] if d.featureless else v for v in values)
+        nodes = [x for x in (d.mu, d.scale, d.prior_mu, d.prior_scale) if x is not None]
+        values = iter(_with_feature(v, x, d.featureless) if d.featureless is not False else v
+                      for v, x in zip(values, nodes))
         mu = next(values)
         scale = None if d.scale is None else next(values)
         prior_mu = next(values)
@@ -477,7 +493,7 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
             flat = torch.ops.hecate.kl_decode_logits(mu2, var2, prior_mu, prior_var, tau.scale if run_time else tau)
             if run_time:  # autograd carries the temperature's gradient through this product
                 flat = flat / t if tau.power == 1 else flat * t
-            lead = values[0].shape if d.featureless else values[0].shape[:-1]
+            lead = values[0].shape[:-1] if d.featureless is False or d.mu in d.featureless else values[0].shape
             if logits.meta["val"].dim() == len(lead) + 1:  # else the positions were flattened, as the op's
                 flat = flat.reshape(*lead, prior_mu.shape[0])
             return flat.to(logits.meta["val"].dtype)  # the graph's dtype (under autocast, not the op's)

@@ -1216,6 +1216,22 @@ def test_decode_of_one_belief_dimension_written_without_it_fuses(fn, v, monkeypa
     assert ("kl_decode_ce" in report.fusions[0].op) == ("cross_entropy" in inspect.getsource(fn)), str(report)
 
 
+@pytest.mark.parametrize("cross_entropy", [False, True], ids=["logits", "cross-entropy"])
+def test_decode_of_one_belief_dimension_kept_as_a_column_fuses(cross_entropy, fresh_dynamo):
+    """Beliefs [B, N, 1] passed in as they are, against priors [V]: the column broadcasts as K = 1 written without
+    its dim does (probe r31: neither fused nor reported)."""
+    targets = torch.randint(0, V, (B, N))
+
+    def fn(mu, var, prior_mu, prior_var):
+        logits = -0.5 * (torch.log(prior_var / var) + (var + (mu - prior_mu) ** 2) / prior_var - 1)
+        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1)) if cross_entropy else logits
+
+    torch.manual_seed(0)
+    report = _compare(fn, (torch.randn(B, N, 1), _var((B, N, 1)), torch.randn(V), _var((V,))), "kl_decode")
+    assert [f.op for f in report.fusions] == ["hecate.kl_decode_ce" if cross_entropy else "hecate.kl_decode_logits"], \
+        str(report)
+
+
 def test_decode_without_a_feature_dim_fuses_at_dynamic_sizes(fresh_dynamo):
     """The featureless decode traced with symbolic batch and length, then run at two other sizes."""
     compiled = torch.compile(f_logits_returned, backend="hecate", dynamic=True, options={"fallback": "eager"})
