@@ -167,8 +167,8 @@ def _parallel_form(y: fx.Node) -> _Form | None:
     sq, sk = _permuted(_shape(q), pq), _permuted(_shape(k), pk)
     # a score [B, T, T] shared by the heads of A [B, H, T, T]: q and k are, and the op reads them per head
     shared = len(_shape(score)) == 3 < len(sa) and pa is None and ps is None
-    if sq is None or sq[-1] != sk[-1] or sk[:-1] != (sv[:1] + sv[2:-1] if shared else sv[:-1]) or len(sv) > 4 \
-            or pa != _inverse(ps):
+    if sq is None or sq[-1] != sk[-1] or sk[:-1] != (sv[:1] + sv[2:-1] if shared else sv[:-1]) or len(sv) > 5 \
+            or len(sv) == 5 and shared or pa != _inverse(ps):
         return None  # (A is the masked score: the same layout)
     if sa[-1] != sa[-2]:
         if sq[:-2] != sk[:-2]:
@@ -979,8 +979,9 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
             w = _placed(_squeezed(_GAMMA_FROM[strength.form](strength_read)).permute(perm), places, k.shape[:-1])
             k = k * w.unsqueeze(-1).to(k.dtype)
 
-        def to_op(x):  # [T, D] / [B, T, D] / [B, H, T, D] → [B, T, H, D]
-            return x[None, :, None] if rank == 2 else x[:, :, None] if rank == 3 else x.transpose(1, 2)
+        def to_op(x):  # [T, D] / [B, T, D] / [B, H, T, D] / [B, C, H, T, D] (C: Mamba-2's chunks) → [B·C, T, H, D]
+            return x[None, :, None] if rank == 2 else x[:, :, None] if rank == 3 else \
+                x.transpose(1, 2) if rank == 4 else x.flatten(0, 1).transpose(1, 2)
 
         if callable(scale):  # one number (or one per head) read at run time, its gradient through the product
             c = scale(read).reshape(-1)
@@ -997,7 +998,8 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
         k_, v_, q_ = to_op(k), to_op(v), to_op(q)
         alpha: Any
         if g is not None:  # the gates, [*L, T] → the op's [B, T, H]
-            alpha = (g[None, :, None] if rank == 2 else g[:, :, None] if rank == 3 else g.transpose(1, 2))
+            alpha = (g[None, :, None] if rank == 2 else g[:, :, None] if rank == 3 else
+                     g.transpose(1, 2) if rank == 4 else g.flatten(0, 1).transpose(1, 2))
             alpha = alpha.to(k_.dtype).contiguous()
         elif read is not None:  # γ per head (or one) from the tensor, its gradient summed back through the expand
             alpha = gammas(read).reshape(-1).to(k_.dtype).expand(k_.shape[:3]).contiguous()
@@ -1005,7 +1007,8 @@ def _linear_attention_of(perms: dict, gammas, scale, normalise: bool, eps: float
             alpha = None if gammas == [1.0] else \
                 torch.tensor(gammas, dtype=k_.dtype, device=k_.device).expand(k_.shape[:3]).contiguous()
         y = torch.ops.hecate.linear_attention(k_, v_, q_, alpha, None, None, normalise, eps, causal)[0]
-        y = y[0, :, 0] if rank == 2 else y[:, :, 0] if rank == 3 else y.transpose(1, 2)
+        y = y[0, :, 0] if rank == 2 else y[:, :, 0] if rank == 3 else y.transpose(1, 2) if rank == 4 else \
+            y.transpose(1, 2).unflatten(0, q.shape[:2])
         if strict:  # y_0 reads no key
             y = _step_shifted(y, -2, 1)
         if row_scale is not None:

@@ -1432,3 +1432,32 @@ def test_a_batch_of_zero_sequences_is_reported_as_such(dynamic, fresh_dynamo):
             assert_close(f"output at B = {b}", got, fn(*args), TOL)
     report = hecate.last_report()
     assert not report.fusions and "has no elements (a batch of 0 sequences" in report.misses[0].reason, str(report)
+
+
+def ssd_in_chunks(c, b, x, a, chunks=2):  # the Mamba-2 reference's diagonal blocks: a chunk dim beside the batch
+    n, steps, h, p = x.shape
+    c, b, x = (t.reshape(n, chunks, steps // chunks, h, -1) for t in (c, b, x))
+    decay = torch.exp(_segsum_by_masked_cumsum(a.reshape(n, chunks, steps // chunks, h).permute(0, 3, 1, 2)))
+    return torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", c, b, decay, x).reshape(n, steps, h, p)
+
+
+def causal_with_a_dim_of_one_beside_the_batch(q, k, v):  # [B, 1, H, T, D]
+    n = q.shape[-2]
+    return ((q @ k.transpose(-1, -2)) * torch.tril(torch.ones(n, n))) @ v
+
+
+# (the chunks' length T / C under dynamic=True is a size expression the decay check sees change: reported)
+@pytest.mark.parametrize("fn,dynamic", [(ssd_in_chunks, False), (causal_with_a_dim_of_one_beside_the_batch, False),
+                                        (causal_with_a_dim_of_one_beside_the_batch, True)],
+                         ids=lambda x: getattr(x, "__name__", f"dynamic={x}"))
+def test_a_chunk_dim_beside_the_batch_fuses(fn, dynamic, fresh_dynamo):
+    """Queries, keys and values [B, C, H, T, D]: each chunk is its own sequence, the op's batch B·C (probe r31: the
+    Mamba-2 reference's chunked form was neither fused nor reported)."""
+    g = torch.Generator().manual_seed(0)
+    if fn is ssd_in_chunks:
+        args = [torch.randn(B, 8, 3, 4, generator=g), torch.randn(B, 8, 3, 4, generator=g),
+                torch.randn(B, 8, 3, 5, generator=g), -F.softplus(torch.randn(B, 8, 3, generator=g))]
+    else:
+        args = [torch.randn(B, 1, 3, T, D, generator=g) for _ in range(3)]
+    report = _check(fn, args, dynamic)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
