@@ -69,7 +69,7 @@ import contextlib
 import itertools
 import math
 import operator
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import fx
@@ -380,12 +380,21 @@ def windows_shifted_in_place_as_cats(graph: fx.Graph) -> None:
         found = _window_shifted_in_place(graph, window, write, dim)
         if found is None:
             continue
-        cache, base, writes, read = found
+        cache, base, writes, read, later = found
         fresh = base is not cache  # (else the cache passed in, still written where the code writes it)
         order = {n: i for i, n in enumerate(graph.nodes)}
         held = _aliases_of(base)
-        readers = [u for n in held for u in n.users
-                   if order[u] > order[write] and (fresh or u.op != "output" and not aliases(u))]
+        # what reads the window after this step and before the next step writes it (a loop of steps), other than
+        # what the later steps' writes are computed from
+        until = min((order[w] for w in later), default=len(order))
+        feeding, stack = set(), list(later)
+        while stack:  # (what the later writes are computed from)
+            n = stack.pop()
+            if n not in feeding:
+                feeding.add(n)
+                stack += n.all_input_nodes
+        readers = [u for n in held for u in n.users if order[write] < order[u] < until and u not in feeding
+                   and (fresh or u.op != "output" and not aliases(u))]
         after = write.next
         with graph.inserting_before(read):  # (the cache's values as the shift reads them)
             kept = emit(graph, aten.slice.Tensor, cache, dim, 1)
@@ -415,9 +424,9 @@ def _aliases_of(base: fx.Node) -> set[fx.Node]:
 
 
 def _window_shifted_in_place(graph: fx.Graph, window: fx.Node, write: fx.Node,
-                             dim: int) -> tuple[fx.Node, fx.Node, list[fx.Node], fx.Node] | None:
-    """(the cache c before the step, the tensor written, the writes into it in order, the first node reading c
-    for the shift) when the writes into
+                             dim: int) -> tuple[fx.Node, fx.Node, list[fx.Node], fx.Node, list[fx.Node]] | None:
+    """(the cache c before the step, the tensor written, the step's writes into it in order, the first node
+    reading c for the shift, the writes into it after the step: a loop's later steps) when the writes into
     ``window``'s base up to ``write`` (its last slot along ``dim``) leave c shifted one step with ``write``'s value
     last, and nothing else reads the tensor between them (nor, for a tensor made here, a view of it taken before
     them afterwards); None otherwise."""
@@ -428,7 +437,14 @@ def _window_shifted_in_place(graph: fx.Graph, window: fx.Node, write: fx.Node,
     order = {n: i for i, n in enumerate(graph.nodes)}
     held = _aliases_of(base)
     writes = sorted((n for n in held if n is not base and mutates(n) and n.args[0] in held), key=order.__getitem__)
-    if not writes or writes[-1] is not write:
+    if write not in writes:
+        return None
+    # the step's writes: after the last slot written by the step before (a loop of steps on one cache), up to its own
+    at = writes.index(write)
+    start = max((i + 1 for i, w in enumerate(writes[:at]) if _writes_last_slot(w, dim)), default=0)
+    writes, later = writes[start:at + 1], writes[at + 1:]
+    if later and base.op == "call_function" and not (aliases(base) or mutates(base)) \
+            and base.target not in _COPIED_OR_ROLLED:
         return None
     chain = [base]  # the tensor written, and what it is copied or rolled from: candidates for the cache
     while chain[-1].op == "call_function" and chain[-1].target in _COPIED_OR_ROLLED \
@@ -438,33 +454,48 @@ def _window_shifted_in_place(graph: fx.Graph, window: fx.Node, write: fx.Node,
     for cache in chain[1:] + chain[:1]:  # what it is made from first: a tensor made here is then no longer written
         if tuple(_val(cache).shape) != tuple(_val(base).shape) or computed_from([x], {cache}):
             continue
+        # the cache as the step finds it: held whole before the step's first write (an earlier step's copy_ into it)
+        found_as = {n for n in held if order[n] < order[writes[0]] and n is not cache and cache is base
+                    and tuple(_val(n).shape) == tuple(_val(base).shape)}
         steps, stack = set(), list(writes)  # what the writes read, from the cache on
         while stack:
             n = stack.pop()
-            if n not in steps and n is not cache and n is not x and computed_from([n], {cache}):
+            if n not in steps and n is not cache and n is not x and n not in found_as and computed_from([n], {cache}):
                 steps.add(n)
                 stack += n.all_input_nodes
         steps = sorted(steps, key=order.__getitem__)
         between = [u for n in held for u in n.users if order[writes[0]] < order[u] < order[write] and u not in steps]
         views_read_later = [n for n in held if order[n] < order[write] and n not in steps and n is not base
                             and any(order[u] > order[write] for u in n.users)]
-        if between or (cache is not base and views_read_later) or not _shifts(cache, x, base, steps, dim):
+        if between or (cache is not base and (views_read_later or later)) \
+                or not _shifts(cache, x, base, steps, dim, found_as):
             continue
-        return cache, base, writes, chain[chain.index(cache) - 1] if cache is not base else writes[0]
+        return cache, base, writes, chain[chain.index(cache) - 1] if cache is not base else writes[0], later
     return None
+
+
+def _writes_last_slot(write: fx.Node, dim: int) -> bool:
+    """Whether ``write`` copies into the last slot of a window along ``dim`` (``w[..., -1] = x``)."""
+    last = write.args[0] if write.target is aten.copy_.default else None
+    if not isinstance(last, fx.Node) or last.target is not aten.select.int:
+        return False
+    rank, size = _val(last.args[0]).dim(), _val(last.args[0]).shape[last.args[1] % _val(last.args[0]).dim()]
+    return last.args[1] % rank == dim and (last.args[2] == -1 or statically_known_true(last.args[2] == size - 1))
 
 
 _COPIED_OR_ROLLED = {aten.clone.default, aten.roll.default, aten.contiguous.default, aten.alias.default}
 
 
-def _shifts(cache: fx.Node, x: fx.Node, base: fx.Node, steps: list[fx.Node], dim: int) -> bool:
+def _shifts(cache: fx.Node, x: fx.Node, base: fx.Node, steps: list[fx.Node], dim: int,
+            found_as: Iterable[fx.Node] = ()) -> bool:
     """Whether running ``steps`` (in place, as written) on a random float64 cache and x leaves ``base`` equal to
-    cat([cache[..., 1:], x.unsqueeze(dim)], dim)."""
+    cat([cache[..., 1:], x.unsqueeze(dim)], dim); ``found_as`` hold the cache itself (its value at the step)."""
     generator = torch.Generator().manual_seed(20261128)
     shape, token_shape = (tuple(size_hint(s) for s in _val(n).shape) for n in (cache, x))  # (symbols: their values)
     drawn = torch.randn(shape, generator=generator, dtype=torch.float64)
     token = torch.randn(token_shape, generator=generator, dtype=torch.float64)
     env = {cache: drawn.clone(), x: token}
+    env.update({n: env[cache] for n in found_as})  # (the same tensor: a write into either is into both)
 
     def value(n):  # (a size node of the graph read as its value now)
         return env[n] if n in env else size_hint(_val(n)) if isinstance(_val(n), torch.SymInt) else env[n]

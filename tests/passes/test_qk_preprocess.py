@@ -895,6 +895,35 @@ def test_a_window_shifted_in_the_cache_passed_in_fuses_and_writes_the_cache(step
     torch._dynamo.reset()
 
 
+def _steps_on_the_cache_passed_in(x, cache, w, kernel):  # a loop of decode steps, each shifting the cache in place
+    outs = []
+    for t in range(x.shape[1]):
+        cache.copy_(torch.roll(cache, shifts=-1, dims=-1))
+        cache[:, :, -1] = x[:, t] @ w.T
+        outs.append(F.silu((cache * kernel).sum(-1)))
+    return torch.stack(outs, 1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_loop_of_steps_shifting_the_cache_passed_in_fuses_every_step(dynamic):
+    """Each step's writes are the ones after the step before wrote its last slot; the cache as a step finds it is
+    what the earlier steps left (probe r32: one step fused, a loop of them silent). Inference: eager's own backward
+    finds the cache it saved for a step's product modified by the next."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    x, cache, w, kernel = torch.randn(2, 5, 6), torch.randn(2, 6, 3), torch.randn(6, 6), torch.randn(6, 3)
+    ref_cache = cache.clone()
+    with torch.no_grad():
+        got = torch.compile(_steps_on_the_cache_passed_in, backend="hecate", dynamic=dynamic,
+                            options={"fallback": "eager", "strict": True})(x, cache, w, kernel)
+        report = hecate.last_report()
+        ref = _steps_on_the_cache_passed_in(x, ref_cache, w, kernel)
+    assert_close("the cache after the steps", cache, ref_cache, 0.0)
+    assert_close("outputs", got, ref, TOL)
+    assert report.count("qk_preprocess") == 5 and not report.misses, str(report)
+    torch._dynamo.reset()
+
+
 def _conv1d_update_reference(x, conv_state, weight, bias):  # causal_conv1d's reference, one token, then SiLU
     seqlen, state_len = 1, conv_state.shape[-1]
     x_new = torch.cat([conv_state, x.unsqueeze(-1)], dim=-1)
