@@ -882,17 +882,23 @@ def test_a_window_shifted_in_the_cache_passed_in_fuses_and_writes_the_cache(step
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="hecate", dynamic=dynamic, options={"fallback": "eager", "strict": True})
     for batch, d, k in ((2, 6, 3), (3, 5, 4)) if dynamic else ((2, 6, 3),):
-        x, cache, w, kernel = torch.randn(batch, d), torch.randn(batch, d, k), torch.randn(d, d), torch.randn(d, k)
-        leaves = [x.requires_grad_(), w.requires_grad_(), kernel.requires_grad_()]
-        ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
-        ref_cache = cache.clone()
-        got = compiled(leaves[0], cache, *leaves[1:])
-        report = hecate.last_report()
-        ref = step(ref_leaves[0], ref_cache, *ref_leaves[1:])
-        assert_close("the cache after the step", cache, ref_cache, 0.0)
-        assert_outputs_and_gradients_close(got, ref, leaves, ref_leaves, TOL)
-        assert report.count("qk_preprocess") == 1 and not report.misses, str(report)
+        leaves = [torch.randn(batch, d), torch.randn(d, d), torch.randn(d, k)]
+        _compare_step_writing_its_cache(step, compiled, torch.randn(batch, d, k), leaves)
     torch._dynamo.reset()
+
+
+def _compare_step_writing_its_cache(step, compiled, cache, leaves):
+    """A decode step compiled against eager: the cache it writes in place, its outputs and the gradients of
+    ``leaves`` (x, then the weights), and one qk_preprocess fusion with no miss."""
+    leaves = [t.requires_grad_() for t in leaves]
+    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    ref_cache = cache.clone()
+    got = compiled(leaves[0], cache, *leaves[1:])
+    report = hecate.last_report()
+    ref = step(ref_leaves[0], ref_cache, *ref_leaves[1:])
+    assert_close("the cache after the step", cache, ref_cache, 0.0)
+    assert_outputs_and_gradients_close(got, ref, leaves, ref_leaves, TOL)
+    assert report.count("qk_preprocess") == 1 and not report.misses, str(report)
 
 
 def _steps_on_the_cache_passed_in(x, cache, w, kernel):  # a loop of decode steps, each shifting the cache in place
@@ -941,17 +947,8 @@ def test_causal_conv1d_update_reference_fuses_and_writes_the_state(dynamic):
     compiled = torch.compile(_conv1d_update_reference, backend="hecate", dynamic=dynamic,
                              options={"fallback": "eager", "strict": True})
     for batch, d, k in ((2, 6, 4), (3, 5, 3)) if dynamic else ((2, 6, 4),):
-        state = torch.randn(batch, d, k - 1)
-        leaves = [torch.randn(batch, d).requires_grad_(), torch.randn(d, k).requires_grad_(),
-                  torch.randn(d).requires_grad_()]
-        ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
-        ref_state = state.clone()
-        got = compiled(leaves[0], state, *leaves[1:])
-        report = hecate.last_report()
-        ref = _conv1d_update_reference(ref_leaves[0], ref_state, *ref_leaves[1:])
-        assert_close("the state after the step", state, ref_state, 0.0)
-        assert_outputs_and_gradients_close(got, ref, leaves, ref_leaves, TOL)
-        assert report.count("qk_preprocess") == 1 and not report.misses, str(report)
+        _compare_step_writing_its_cache(_conv1d_update_reference, compiled, torch.randn(batch, d, k - 1),
+                                        [torch.randn(batch, d), torch.randn(d, k), torch.randn(d)])
     torch._dynamo.reset()
 
 
