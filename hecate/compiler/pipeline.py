@@ -35,7 +35,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import operator
 import os
 import re
 import warnings
@@ -53,7 +52,7 @@ from hecate.compiler.logs import log, stage
 from hecate.compiler.loops import RolledGraph, roll_loops
 from hecate.compiler.normalize import collapse_captured, normalize
 from hecate.compiler.options import Options
-from hecate.passes.matching import eliminate_dead_code, free_attribute, is_register_hook
+from hecate.passes.matching import eliminate_dead_code, free_attribute, is_register_hook, mutates
 from hecate.passes.memory_step import forms_outer_product
 from hecate.passes.report import FusionReport, source_line
 
@@ -256,7 +255,7 @@ def _held_tensors_written(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     code takes. Found by a run of ``gm`` on fake copies of them, whose version counters count the writes."""
     held = {n: t for n in gm.graph.find_nodes(op="get_attr")
             if isinstance(t := _attribute(gm, n.target), torch.Tensor)}
-    if not held or not any(_may_write_in_place(n) for n in gm.graph.nodes):
+    if not held or not any(mutates(n) for n in gm.graph.nodes):
         return []
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -282,21 +281,6 @@ def _attribute(gm: fx.GraphModule, target: str):
     for name in target.split("."):
         value = getattr(value, name, None)
     return value
-
-
-_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                       operator.ipow}
-
-
-def _may_write_in_place(node: fx.Node) -> bool:
-    """Whether ``node`` calls something that may write into a tensor (``x.add_(1)``, ``torch._foreach_mul_``,
-    ``x[i] = y``): a trailing underscore, by torch's convention, or an in-place operator."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    if node.target in _IN_PLACE_OPERATORS:
-        return True
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
 
 
 def _hooks_in_checkpoints(gm: fx.GraphModule) -> list[fx.Node]:
