@@ -121,6 +121,8 @@ def _random_inputs(placeholders: list[fx.Node], seed: int, states: set[fx.Node],
                 values[ph] = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:  # inputs in (0.1, 0.9): gates stay gates, roots and logs stay real
                 values[ph] = 0.1 + 0.8 * torch.rand(shape, generator=gen, dtype=torch.float64)
+        elif v.dtype == torch.bool:  # flags of either value (a reset that is never set would read as no reset)
+            values[ph] = torch.rand(shape, generator=gen) < 0.5
         else:
             values[ph] = torch.zeros(shape, dtype=v.dtype)
     return values
@@ -156,20 +158,22 @@ def _as(value: Any, shape: tuple[int, ...]) -> torch.Tensor | None:
 
 # ---------------------------------------------------------------- reading sums of products
 
-def _terms(node: Any, sign: float = 1.0, stop: frozenset = frozenset()) -> list[tuple[float, Any]]:
-    """``node`` as Σ sign·term, through add/sub/neg (and ``alpha=`` of add/sub), not into ``stop``."""
+def _terms(node: Any, sign: float = 1.0, stop: frozenset = frozenset(),
+           views: bool = False) -> list[tuple[float, Any]]:
+    """``node`` as Σ sign·term, through add/sub/neg (and ``alpha=`` of add/sub), not into ``stop``; with ``views``,
+    a view of a sum as the sum of its terms (each read through the view by :func:`_product`)."""
     if isinstance(node, fx.Node) and node.op == "call_function" and node not in stop:
         if node.target in (aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2:
             alpha = node.kwargs.get("alpha", 1)
             if set(node.kwargs) <= {"alpha"} and isinstance(alpha, (int, float)):
                 second = alpha * (1 if node.target is aten.add.Tensor else -1)
-                return _terms(node.args[0], sign, stop) + _terms(node.args[1], sign * second, stop)
+                return _terms(node.args[0], sign, stop, views) + _terms(node.args[1], sign * second, stop, views)
         if node.target is aten.neg.default:
-            return _terms(node.args[0], -sign, stop)
+            return _terms(node.args[0], -sign, stop, views)
         if node.target is aten.rsub.Scalar and len(node.args) == 2 and isinstance(node.args[1], (int, float)) \
                 and set(node.kwargs) <= {"alpha"} and isinstance(node.kwargs.get("alpha", 1), (int, float)):
             # c − x (``1 - a`` of a tensor a): the number c is a term of its own
-            return [(sign, node.args[1])] + _terms(node.args[0], -sign * node.kwargs.get("alpha", 1), stop)
+            return [(sign, node.args[1])] + _terms(node.args[0], -sign * node.kwargs.get("alpha", 1), stop, views)
         if node.target in (aten.mul.Tensor, aten.div.Tensor) and len(node.args) == 2 and not node.kwargs:
             # c·(a − b) and (a − b)/c for a number c: distributed, c·a − c·b (an EMA written M + λ(X − M))
             x, c = node.args
@@ -177,17 +181,21 @@ def _terms(node: Any, sign: float = 1.0, stop: frozenset = frozenset()) -> list[
                 x, c = c, x
             if isinstance(c, (int, float)) and not isinstance(c, bool) and c != 0 and isinstance(x, fx.Node) \
                     and x.op == "call_function" and x.target in (aten.add.Tensor, aten.sub.Tensor, aten.neg.default):
-                return _terms(x, sign * (c if node.target is aten.mul.Tensor else 1 / c), stop)
+                return _terms(x, sign * (c if node.target is aten.mul.Tensor else 1 / c), stop, views)
+        if views and node.target in _VIEWS and isinstance(node.args[0], fx.Node):  # the sum of the views of a sum
+            inner = _terms(node.args[0], sign, stop, views)
+            if len(inner) > 1:
+                return inner
         if node.target in (aten.clone.default, aten.alias.default):
-            return _terms(node.args[0], sign, stop)
+            return _terms(node.args[0], sign, stop, views)
         if node.target in (aten.lerp.Tensor, aten.lerp.Scalar) and len(node.args) == 3 and not node.kwargs:
             # lerp(a, b, w) = a + w·(b − a): a gated write, M ← (1 − w)·M + w·v kᵀ
             a, b, w = node.args
-            return _terms(a, sign, stop) + [(sign, ("mul", w, b)), (-sign, ("mul", w, a))]
+            return _terms(a, sign, stop, views) + [(sign, ("mul", w, b)), (-sign, ("mul", w, a))]
         if node.target in (aten.addcmul.default, aten.addcdiv.default) and len(node.args) == 3:
             value = node.kwargs.get("value", 1)  # self + value·t1·t2 (or t1/t2): a term that is a product
             kind = "mul" if node.target is aten.addcmul.default else "div"
-            return _terms(node.args[0], sign, stop) + [(sign * value, (kind, node.args[1], node.args[2]))]
+            return _terms(node.args[0], sign, stop, views) + [(sign * value, (kind, node.args[1], node.args[2]))]
     return [(sign, node)]
 
 
@@ -268,9 +276,12 @@ class PerStep:
         """The value from the body's values ``env``, as [*lead] (a gate) or [*lead, size] (a vector), in the dtype
         of ``like`` (float64 by default)."""
         shape = tuple(lead) + (() if size is None else (size,))
+        dtype = torch.float64 if like is None else like.dtype
         out = None
         for f in self.factors:
             x = _broadcastable(env[f], shape, lead)
+            if isinstance(x, torch.Tensor) and not x.is_floating_point():  # a flag (M * ~reset_t): 0 or 1
+                x = x.to(dtype)
             out = x if out is None else out * x
         for d in self.divisors:
             x = _broadcastable(env[d], shape, lead)
@@ -278,8 +289,7 @@ class PerStep:
         for f in self.features:
             out = env[f] if out is None else out * env[f]
         if out is None:
-            out = torch.full(shape, float(self.coef), dtype=torch.float64 if like is None else like.dtype,
-                             device=None if like is None else like.device)
+            out = torch.full(shape, float(self.coef), dtype=dtype, device=None if like is None else like.device)
         elif self.coef != 1.0:
             out = out * self.coef
         out = out.expand(shape) if tuple(out.shape) != shape else out
@@ -602,7 +612,7 @@ def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_n
     # M_out = Σ terms: a·M (retention), the update, and with momentum the new buffer c·S (any number c ≠ 0:
     # M ← a·M − S with S ← β·S + η·g kᵀ, as torch.optim.SGD writes it, is the op's S' = c·S)
     retention, update, momentum = [], [], None
-    for sign, term in _terms(M_out, stop=frozenset(b.carry_out) - {M_out}):
+    for sign, term in _terms(M_out, stop=frozenset(b.carry_out) - {M_out}, views=True):
         prod = _gates_as_read(b, _product(term), lead)
         prod.coef *= sign
         if prod.factors.count(M_in) == 1 and all(not b.depends[f] for f in prod.factors + prod.divisors
@@ -1157,6 +1167,8 @@ def recognise(gm: fx.GraphModule, node: fx.Node) -> Recurrence | NotFused:
             found = _combined(gm, node, why)
             if isinstance(found, NotFused):
                 found = _without_derived(gm, node, found)
+            if isinstance(found, NotFused):
+                found = _per_row(gm, node, found)
             node.meta["hecate_memory_step"] = found
     return node.meta["hecate_memory_step"]
 
@@ -1191,6 +1203,33 @@ def _combined_body(body: fx.GraphModule, n_carries: int, n_xs: int, identities: 
             why = other if "update term" in str(why) else why
             continue
         return rec, rewritten
+    return why
+
+
+def _per_row(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | NotFused:
+    """The memory step of scan ``node`` whose decay is one per row of a memory, once the body carries
+    that memory as one per row (:mod:`memory_heads`: Mamba-1's h [B, D, N] with A [D] as D heads of Dv = 1); the
+    scan then rewritten. Else ``why`` it is none, as is."""
+    from hecate.passes import memory_heads, memory_update
+
+    if "decay has a factor of shape" not in str(why):
+        return why
+    body, n_carries, n_xs = getattr(gm, node.args[0].target), len(node.args[1]), len(node.args[2])
+    identities = memory_update.identity_inputs(gm, node)
+    for state, init in enumerate(node.args[1]):
+        value = init.meta.get("val") if isinstance(init, fx.Node) else None
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() < 2:
+            continue
+        rewritten = memory_heads.per_row(body, state)
+        try:
+            rec = analyse(rewritten, n_carries, n_xs)
+        except NotFused as other:
+            found = _combined_body(rewritten, n_carries, n_xs, identities, other)
+            if isinstance(found, NotFused):
+                continue
+            rec, rewritten = found
+        memory_heads.install(gm, node, state, rewritten)
+        return rec
     return why
 
 
@@ -1385,12 +1424,13 @@ def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> 
     inputs = [n for n in body.nodes if n.op == "placeholder"][len(init):]
     outer = list(xs) + list(invariants) + [init[rec.state]]  # the initial memory: its shape gives the value's
     needed = set().union(*(_ancestors(f) for f in per_step.nodes)) if per_step.nodes else set()
-    like_node = (per_step.nodes + [xs[0]])[0]
 
     def one_step(*values):
         *values, M = values
         env = _evaluate(body, dict(zip(inputs, values)), upto=needed)
-        like = env.get(like_node) if like_node in env else values[0]
+        # (the dtype of the value: its first floating factor's, else the first floating input's, else the memory's)
+        like = next(x for x in [env.get(n) for n in per_step.nodes] + list(values) + [M]
+                    if isinstance(x, torch.Tensor) and x.is_floating_point())
         return per_step.value(env, *_per_step_shape(rec, role, M), like=like)
 
     traced = _trace_vmapped(one_step, [_value_of(n) for n in outer],

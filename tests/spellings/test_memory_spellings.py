@@ -1224,6 +1224,47 @@ def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn
     return torch.stack(ys, 1), M
 
 
+def hebbian_decay_per_value_row(k, v, q, alpha, eta):
+    """A decay per row of the memory (σ(v_t) [B, H, Dv, 1]): each row is a memory of its own, Dv = 1."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = torch.sigmoid(v[:, t]).unsqueeze(-1) * M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def hebbian_decay_per_value_column_stored_kv(k, v, q, alpha, eta):
+    """The memory stored [Dk, Dv], its decay one per column (per value): a memory per value column, which is not
+    split as one per row is (a recognition gap, reported)."""
+    M, ys = _m0(k, v, "kv"), []
+    for t in range(k.shape[1]):
+        M = torch.sigmoid(v[:, t])[..., None, :] * M + k[:, t, ..., :, None] * v[:, t, ..., None, :]
+        ys.append((q[:, t].unsqueeze(-2) @ M).squeeze(-2))
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_decay_per_value_row(k, v, q, alpha, eta):
+    """The delta rule with a forget gate and a step size per value row: row d's error reads row d alone, so rows
+    are heads."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = torch.sigmoid(v[:, t])[..., None] * M - 0.1 * F.softplus(v[:, t])[..., None] * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def mamba1_scan_decay_per_channel(k, v, q, alpha, eta):
+    """Mamba-1's selective scan with one decay rate per channel: h [B, D, N] (D = H·Dv channels, N = Dk), the key
+    B_t and query C_t one per sequence (head 0's), h ← exp(−Δ_t) h + Δ_t x_t B_tᵀ, y_t = Σ_n h C_t."""
+    x, dt = v.flatten(2), F.softplus(v.flatten(2))  # [B, T, D]
+    h, ys = k.new_zeros(k.shape[0], x.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        h = torch.exp(-dt[:, t])[:, :, None] * h + (dt[:, t] * x[:, t])[:, :, None] * k[:, t, 0][:, None, :]
+        ys.append((h * q[:, t, 0][:, None, :]).sum(-1))
+    return torch.stack(ys, 1), h
+
+
 SPELLINGS = {
     "hebbian_outputs_stacked_and_the_last_returned": (hebbian_outputs_stacked_and_the_last_returned,
                                                       "linear_attention"),
@@ -1343,6 +1384,9 @@ SPELLINGS = {
     "hebbian_in_place_on_a_clone_read_through_a_transpose": (hebbian_in_place_on_a_clone_read_through_a_transpose,
                                                              "linear_attention"),
     "hebbian_normalised_read_before_the_write": (hebbian_normalised_read_before_the_write, "linear_attention"),
+    "hebbian_decay_per_value_row": (hebbian_decay_per_value_row, "linear_attention"),
+    "delta_rule_decay_per_value_row": (delta_rule_decay_per_value_row, "memory_scan"),
+    "mamba1_scan_decay_per_channel": (mamba1_scan_decay_per_channel, "linear_attention"),
 }
 
 
@@ -1567,7 +1611,8 @@ def test_momentum_buffer_carried_between_chunks_fuses(dynamic, fresh_dynamo):
 
 @pytest.mark.parametrize("name", ["hebbian_in_place_on_a_clone_read_through_a_transpose", "l2_normalised_keys",
                                   "gated_first_step_before_the_loop", "delta_rule_from_none", "delta_rule_householder_form",
-                                  "delta_rule_normalised_keys", "l2_in_place_on_step_temporaries"])
+                                  "delta_rule_normalised_keys", "l2_in_place_on_step_temporaries",
+                                  "mamba1_scan_decay_per_channel", "delta_rule_decay_per_value_row"])
 def test_spelling_fuses_under_dynamic_shapes(name, fresh_dynamo):
     """dynamic=True: the clone of each step stays after the in-place writes of the step before (moved before
     them, a step read the state before its update: 0.33 relative off eager, silently); F.normalize's sizes are
@@ -2476,7 +2521,34 @@ def delta_rule_written_under_no_grad(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_decay_per_key_feature(k, v, q, alpha, eta):
+    """Gated linear attention's gate per key feature (σ(k_t) [B, H, 1, Dk]): each row decays alike, across
+    features unalike, so the memory is no per-row one either."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = torch.sigmoid(k[:, t]).unsqueeze(-2) * M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_decay_per_value_row_step_size_per_head(k, v, q, alpha, eta):
+    """A decay per value row beside a step size per head [B, H]: every gate of a memory split per row is read per
+    row, so this one is not (a recognition gap, reported)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = torch.sigmoid(v[:, t])[..., None] * M - eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 REPORTED = {
+    "hebbian_decay_per_value_column_stored_kv": (hebbian_decay_per_value_column_stored_kv,
+                                                 ["the memory's decay has a factor of shape [2, 2, 5]"]),
+    "delta_rule_decay_per_value_row_step_size_per_head": (delta_rule_decay_per_value_row_step_size_per_head,
+                                                          ["the memory's decay has a factor of shape [2, 2, 5]"]),
+    "hebbian_decay_per_key_feature": (hebbian_decay_per_key_feature,
+                                      ["the memory's decay has a factor of shape [2, 2, 3], neither one number"]),
     "delta_rule_truncated_backpropagation": (delta_rule_truncated_backpropagation, ["gradients stop inside it"]),
     "delta_rule_written_under_no_grad": (delta_rule_written_under_no_grad, ["gradients stop inside it"]),
     "momentum_with_the_error_of_the_decayed_memory": (momentum_with_the_error_of_the_decayed_memory,
@@ -3001,3 +3073,54 @@ def test_outputs_written_at_two_indices_are_reported_with_how_to_collect_them(fr
     report = _compile_and_compare(heads_inside_time_written_at_two_indices)
     assert not report.fusions and report.misses, str(report)
     assert "written at two (out[:, h, t] = y" in report.misses[0].reason, str(report)
+
+
+def _reset_by_flags(k, v, q, reset, family, where, flag):
+    """A loop whose memory is cleared where a bool input flags a new document: ``M * ~reset_t`` or
+    ``M * (1 - reset_t.float())``, at the start of the step (before its write: a gate) or at its end (after its
+    read: the next step's gate, which the op has no place for)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        keep = (~reset[:, t] if flag == "not" else 1 - reset[:, t].float())[:, :, None, None]
+        if where == "start":
+            M = M * keep
+        if family == "memory_scan":
+            M = M - 0.5 * ((M @ k[:, t, ..., None])[..., 0] - v[:, t])[..., None] * k[:, t, ..., None, :]
+        else:
+            M = M + v[:, t, ..., None] * k[:, t, ..., None, :]
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+        if where == "end":
+            M = M * keep
+    return torch.stack(ys, 1), M
+
+
+@pytest.mark.parametrize("flag", ["not", "one_minus_float"])
+@pytest.mark.parametrize("where", ["start", "end"])
+@pytest.mark.parametrize("family", ["memory_scan", "linear_attention"])
+def test_a_reset_by_bool_flags_fuses_where_it_is_a_gate(family, where, flag, fresh_dynamo):
+    """The step is checked at flags of either value (at flags all False, a reset after the read looked like no
+    reset: probe r33 fused it with the read taken after the reset, 27% off eager; and a flag read as a gate was
+    handed to the op as a bool tensor). At the start of the step the flag is the memory's decay, which fuses; at
+    its end it is not, which is said."""
+    torch.manual_seed(0)
+    k, q, v = (torch.randn(B, T, H, d) for d in (DK, DK, DV))
+    k = 0.5 * k
+    reset = torch.zeros(B, T, H, dtype=torch.bool)
+    reset[0, 1], reset[1, 2] = True, True
+    inputs = [x.requires_grad_() for x in (k, v, q)]
+
+    def run(fn):
+        y, M = fn(*inputs, reset, family, where, flag)
+        return y, M, torch.autograd.grad(y.square().sum() + M.sum(), inputs)
+
+    y_ref, m_ref, g_ref = run(_reset_by_flags)
+    y, m, g = run(torch.compile(_reset_by_flags, backend="hecate", options={"fallback": "eager", "strict": True}))
+    report = hecate.last_report()
+    assert_close("y", y, y_ref, TOL)
+    assert_close("M", m, m_ref, TOL)
+    for what, a, b in zip("kvq", g, g_ref):
+        assert_close(f"grad {what}", a, b, TOL)
+    if where == "start":
+        assert report.count(family) == 1 and not report.misses, str(report)
+    else:
+        assert report.count(family) == 0 and report.misses, str(report)
