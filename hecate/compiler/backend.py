@@ -66,7 +66,7 @@ def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
     if aten_gm is gm:
         return _compile_rest(gm, example_inputs, opts, mode_config)
     try:
-        return _compile_rest(aten_gm, example_inputs, opts, mode_config)
+        return _compile_rest(aten_gm, example_inputs, opts, {**_FUSED_GRAPH_CONFIG, **mode_config})
     except torch._dynamo.exc.RestartAnalysis:
         raise  # Dynamo asks to trace again (e.g. Inductor tensorifying a float): a request, not a failure
     except Exception as e:  # the fused graph must never cost the user the compile
@@ -77,6 +77,13 @@ def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
         report.add_miss("hecate", reason)
         warn_once("fallback compile", e, reason)
         return _compile_rest(gm, example_inputs, opts, mode_config)
+
+
+# Inductor settings for a graph with Hecate's ops. A cat whose inputs Inductor computes into the cat's buffer (the
+# fused ops join the tensors β weighs into one operand) leaves those inputs as strided views of it; one saved for
+# the backward under dynamic shapes then had its stride fixed at the first size (42 for 7·6), and the backward
+# failed at the next size ("expected size 4==4, stride 30==42"). A pointwise cat writes a buffer of its own.
+_FUSED_GRAPH_CONFIG = {"force_pointwise_cat": True}
 
 
 def _saved_tensors_hooks_paused():

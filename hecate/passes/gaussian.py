@@ -310,6 +310,8 @@ def _computed_from(node: fx.Node, others: set, depth: int) -> bool:
             for i in n.all_input_nodes:
                 if i in others:
                     found = True
+                elif isinstance(i.meta.get("val"), (torch.SymInt, int)):
+                    continue  # a size (read off a tensor under dynamic shapes): no value it is computed from
                 elif i.op in ("placeholder", "get_attr") and isinstance(i.meta.get("val"), torch.Tensor) \
                         or _fused(i):
                     return False

@@ -209,6 +209,9 @@ def _branch_at_zero(node: fx.Node) -> bool:
     return False
 
 
+_SIZE_OF = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default}
+
+
 def nodes_between(sources: Iterable[fx.Node], sinks: Iterable[fx.Node]) -> list[fx.Node]:
     """The nodes computed from one of ``sources`` that one of ``sinks`` is computed from (sinks included), not
     through another source, in graph order: what a fusion from those inputs to those outputs replaces (what
@@ -219,7 +222,8 @@ def nodes_between(sources: Iterable[fx.Node], sinks: Iterable[fx.Node]) -> list[
         for i in stack.pop().all_input_nodes:
             if i not in up:
                 up.add(i)
-                if i not in sources:
+                # (a size read off a tensor, under dynamic shapes, is no path from its values)
+                if i not in sources and i.target not in _SIZE_OF:
                     stack.append(i)
     down, stack = set(), list(sources)
     while stack:
@@ -709,6 +713,11 @@ def replace_with_op(gm: fx.GraphModule, match: Match, op: torch._ops.OpOverload,
     return call
 
 
+# the meta key of the nodes a fusion emits (the op's call and the code around it): not the user's code, so no
+# signature of a family among them is reported as a miss
+EMITTED = "hecate_emitted"
+
+
 def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node], fn: Callable,
                           args: Sequence[Any], outputs: Sequence[fx.Node] | None = None) -> list[fx.Node]:
     """Replace a subgraph by what the plain PyTorch function ``fn(*args)`` computes.
@@ -760,6 +769,7 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
                 new_outputs = list(pytree.tree_leaves(fx.node.map_arg(node.args[0], env.__getitem__)))
             else:
                 env[node] = graph.node_copy(node, env.__getitem__)
+                env[node].meta[EMITTED] = True
                 if source is not None:
                     env[node].meta["stack_trace"] = source
     if len(new_outputs) != len(old_outputs):

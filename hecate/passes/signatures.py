@@ -34,7 +34,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hecate.passes.matching import (aliases, descendants, is_pointwise, mutates, pad_fill, padded_dims,
+from hecate.passes.matching import (EMITTED, aliases, descendants, is_pointwise, mutates, pad_fill, padded_dims,
                                     zero_padded_dims)
 from hecate.passes.report import FusionReport, source_line
 from hecate.passes.shifts import shifted_copy
@@ -85,6 +85,8 @@ def report_unfused_signatures(gm: fx.GraphModule, enabled: Iterable[str], report
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_pairs(gm.graph)]
         found += [("kl_decode", reason, nodes) for reason, nodes in _decode_scores_by_products(gm.graph)]
     for family, reason, nodes in found:
+        if all(n.meta.get(EMITTED) for n in nodes):
+            continue  # (the windows of a cat a fusion made to join its operands, say: not the user's code)
         if not _already_reported(gm.graph, report, family, nodes):
             report.add_miss(family, reason, nodes=nodes)
 

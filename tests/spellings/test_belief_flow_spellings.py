@@ -187,7 +187,51 @@ def test_decode_after_a_step_moving_means_and_variances_fuses(fresh_dynamo):
     assert_outputs_and_gradients_close(got, model(xe), [xc, *params], [xe, *params], TOL)
 
 
+class PrecisionsMove(nn.Module):
+    """Beliefs in precision form λ = 1/σ², the KL written over λ, and both μ and λ averaged by β each step."""
+
+    def __init__(self, steps=3):
+        super().__init__()
+        self.steps, self.enc = steps, nn.Linear(D, 2 * D)
+
+    def forward(self, x):
+        mu, rho = self.enc(x).chunk(2, -1)
+        lam = F.softplus(rho) + 0.5
+        for _ in range(self.steps):
+            var = 1.0 / lam
+            kl = 0.5 * ((lam[:, :, None] / lam[:, None]).log()
+                        + lam[:, None] * (var[:, :, None] + (mu[:, :, None] - mu[:, None]) ** 2) - 1).sum(-1)
+            beta = torch.softmax(-kl / 2.0, -1)
+            mu, lam = beta @ mu, beta @ lam
+        return mu, lam
+
+
+class HeadsUnderAPaddingMask(nn.Module):
+    """Heads [B, H, N, D/H], a causal mask and a key-padding mask of the zero tokens, κ = exp(log κ) learned; μ and
+    σ² both averaged by β (the second step reads the first step's fused outputs)."""
+
+    def __init__(self, steps=2, heads=2):
+        super().__init__()
+        self.steps, self.heads, self.enc = steps, heads, nn.Linear(D, 2 * D)
+        self.log_kappa = nn.Parameter(torch.tensor(0.1))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        mu, rho = self.enc(x).view(b, n, 2 * self.heads, -1).transpose(1, 2).chunk(2, 1)
+        var = F.softplus(rho) + 0.1
+        padded = x.abs().sum(-1) == 0  # [B, N]: padding tokens are zero vectors
+        allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & ~padded[:, None, None, :]
+        for _ in range(self.steps):
+            kl = 0.5 * (var.log()[:, :, None] - var.log()[:, :, :, None]
+                        + (var[:, :, :, None] + (mu[:, :, :, None] - mu[:, :, None]) ** 2) / var[:, :, None] - 1).sum(-1)
+            beta = torch.softmax((-kl / self.log_kappa.exp()).masked_fill(~allowed, float("-inf")), dim=-1)
+            mu, var = beta @ mu, beta @ var
+        return mu, var
+
+
 FLOWS = {
+    "precisions_move": (PrecisionsMove, 3),
+    "heads_under_a_padding_mask": (HeadsUnderAPaddingMask, 2),
     "means_follow_attention": (MeansFollowAttention, 3),
     "means_and_variances_move": (MeansAndVariancesMove, 3),
     "gradient_of_the_alignment_by_einsum": (GradientOfTheAlignmentByEinsum, 3),
@@ -225,3 +269,23 @@ def test_energies_fuse_under_dynamic_shapes_at_other_sizes(name, fresh_dynamo):
         assert report.count("kl_attention") == 2 and not report.misses, str(report)
         for i, (g, r) in enumerate(zip(got, ref)):
             assert_close(f"output {i} at {batch}x{length}", g, r, TOL)
+
+
+@pytest.mark.parametrize("name", ["means_and_variances_move", "precisions_move", "heads_under_a_padding_mask"])
+def test_chained_steps_fuse_under_dynamic_shapes(name, fresh_dynamo):
+    """Each step's beliefs are the step before's fused outputs, whose sizes (read off tensors under dynamic=True)
+    are no values the next step is computed from, and whose code is Hecate's own, not a family's signature (probe
+    r33: the last step refused as "a bound or branch on data", a precision flow's second step as no KL, a conv
+    reported over the cat that joins the fused operands)."""
+    make, steps = FLOWS[name]
+    torch.manual_seed(0)
+    model = make()
+    compiled = torch.compile(model, backend="hecate", dynamic=True, options={"strict": True})
+    for batch, length in [(2, 7), (2, 5)]:
+        x = torch.randn(batch, length, D)
+        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, ref = compiled(xc), model(xe)
+        report = hecate.last_report()
+        assert report.count("kl_attention") == steps and not report.misses, str(report)
+        params = list(model.parameters())
+        assert_outputs_and_gradients_close(got, ref, [xc, *params], [xe, *params], TOL)
