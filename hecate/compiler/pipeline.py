@@ -52,7 +52,7 @@ from hecate.compiler.logs import log, stage
 from hecate.compiler.loops import RolledGraph, roll_loops
 from hecate.compiler.normalize import collapse_captured, normalize
 from hecate.compiler.options import Options
-from hecate.passes.matching import eliminate_dead_code, free_attribute, is_register_hook, mutates
+from hecate.passes.matching import eliminate_dead_code, free_attribute, is_register_hook, mutates, writes_into
 from hecate.passes.memory_step import forms_outer_product
 from hecate.passes.report import FusionReport, source_line
 
@@ -271,8 +271,8 @@ def _held_tensors_written(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
 
         try:
             OnCopies(gm).run(*inputs)
-        except Exception:  # noqa: BLE001  (not runnable on fakes: the re-trace finds out, and says so)
-            return []
+        except Exception:  # noqa: BLE001  (not runnable on fakes: under dynamic shapes, say) the writes the graph
+            return [n for n in held if writes_into(n)]  # spells out (an optimizer's add_ into a parameter)
     return [n for n in held if copies[n.target]._version != versions[n.target]]
 
 
