@@ -1110,9 +1110,23 @@ def _out_of_place(node: fx.Node) -> tuple[str, Any] | None:
 _NO_TWIN = {"fill", "copy", "zero", "set", "resize", "resize_as", "fill_diagonal"}
 
 
+def _assignment(node: fx.Node) -> bool:
+    """``x.copy_(y)`` with y of x's shape, dtype and device (as Dynamo writes ``x.addcmul_(a, b, value=c)``: an
+    ``fma`` copied into x): what x holds after it is y's values, which a clone of y holds too (and its gradient
+    flows to y, as the copy's does)."""
+    if not (node.op == "call_method" and node.target == "copy_" or node.target is aten.copy_.default) \
+            or len(node.args) != 2 or node.kwargs.get("non_blocking"):
+        return False
+    dst, src = (_val(a) if isinstance(a, fx.Node) else None for a in node.args)
+    return isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.shape == src.shape \
+        and dst.dtype == src.dtype and dst.device == src.device
+
+
 def _same_as_out_of_place(node: fx.Node) -> bool:
     """Whether ``node``'s out-of-place twin exists, is differentiable and computes what the write stores: an
     in-place op keeps its tensor's dtype, the out-of-place one promotes it (``y.add_(w64)`` of a float32 y)."""
+    if _assignment(node):
+        return True
     op, target = _out_of_place(node)
     name = target if isinstance(target, str) else getattr(target, "__name__", "").split(".")[0]
     if name in _NO_TWIN or op == "call_method" and not hasattr(torch.Tensor, target):
@@ -1178,7 +1192,12 @@ def functionalize(graph: fx.Graph) -> bool:
         changed = True
         for node in mutations:  # in program order: each reads the previous one's result
             current = node.args[0]
-            node.op, node.target = _out_of_place(node)
+            if _assignment(node):  # x.copy_(y): x is y's values from here on, a tensor of its own
+                node.op, node.target = ("call_function", aten.clone.default) if isinstance(
+                    node.target, torch._ops.OpOverload) else ("call_method", "clone")
+                node.args, node.kwargs = (node.args[1],), {}
+            else:
+                node.op, node.target = _out_of_place(node)
             position = order[node]
             current.replace_all_uses_with(node, delete_user_cb=lambda u: order.get(u, -1) > position)
             if isinstance(node.target, torch._ops.OpOverload):

@@ -192,6 +192,9 @@ def _terms(node: Any, sign: float = 1.0, stop: frozenset = frozenset(),
             # lerp(a, b, w) = a + w·(b − a): a gated write, M ← (1 − w)·M + w·v kᵀ
             a, b, w = node.args
             return _terms(a, sign, stop, views) + [(sign, ("mul", w, b)), (-sign, ("mul", w, a))]
+        if node.target is torch.ops.prims.fma.default and len(node.args) == 3 and not node.kwargs:
+            a, b, c = node.args  # a·b + c (Dynamo's spelling of x.addcmul_(a, b, value=v): fma(a·b, v, x))
+            return _terms(c, sign, stop, views) + [(sign, ("mul", a, b))]
         if node.target in (aten.addcmul.default, aten.addcdiv.default) and len(node.args) == 3:
             value = node.kwargs.get("value", 1)  # self + value·t1·t2 (or t1/t2): a term that is a product
             kind = "mul" if node.target is aten.addcmul.default else "div"

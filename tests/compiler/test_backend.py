@@ -124,7 +124,8 @@ def test_torch_compile_mode_reaches_inductor_and_still_fuses(mode, fresh_dynamo,
     x = torch.randn(2, 5, 8)
     got = torch.compile(model, backend="hecate", mode=mode)(x)
     assert hecate.last_report().count("qk_preprocess") == 2, str(hecate.last_report())  # keys and queries
-    assert patches and patches[0] == torch._inductor.list_mode_options(mode), patches  # the outer call; Inductor recurses
+    # the outer call (Inductor recurses): the mode's settings, beside Hecate's own for a graph with its ops
+    assert patches and patches[0].items() >= torch._inductor.list_mode_options(mode).items(), patches
     for g, r in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(model(x))):
         assert_close("output", g, r, 1e-5)
 

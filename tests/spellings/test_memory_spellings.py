@@ -1224,6 +1224,27 @@ def hebbian_read_through_dropout_of_zero_in_training(k, v, q, alpha, eta):  # nn
     return torch.stack(ys, 1), M
 
 
+def delta_rule_addcmul_in_place_with_a_value(k, v, q, alpha, eta):
+    """``M.addcmul_(e, k, value=-0.5)``: Dynamo writes it as ``M.copy_(fma(e·k, -0.5, M))`` (probe r33: the loop
+    was not rolled up, the copy_ into the state not read as an assignment). Inference only: eager's backward
+    raises, the state read by the error being written after."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, ..., None])[..., 0] - v[:, t]
+        M.addcmul_(e[..., None], k[:, t, ..., None, :], value=-0.5)
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_state_assigned_by_copy(k, v, q, alpha, eta):
+    """The new state copied into the old one, ``M.copy_(a·M + v kᵀ)``."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M.copy_(alpha[:, t, :, None, None] * M + v[:, t, ..., None] * k[:, t, ..., None, :])
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def hebbian_decay_per_value_row(k, v, q, alpha, eta):
     """A decay per row of the memory (σ(v_t) [B, H, Dv, 1]): each row is a memory of its own, Dv = 1."""
     M, ys = _m0(k, v), []
@@ -3124,3 +3145,16 @@ def test_a_reset_by_bool_flags_fuses_where_it_is_a_gate(family, where, flag, fre
         assert report.count(family) == 1 and not report.misses, str(report)
     else:
         assert report.count(family) == 0 and report.misses, str(report)
+
+
+@pytest.mark.parametrize("fn, op", [(delta_rule_addcmul_in_place_with_a_value, "memory_scan"),
+                                    (hebbian_state_assigned_by_copy, "linear_attention")],
+                         ids=["addcmul_in_place", "assigned_by_copy"])
+def test_a_state_written_in_place_by_a_copy_fuses(fn, op, fresh_dynamo):
+    inputs = [x.detach() for x in _inputs()]
+    y_ref, m_ref = fn(*inputs)
+    y, m = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})(*inputs)
+    report = hecate.last_report()
+    assert report.count(op) == 1 and not report.misses, str(report)
+    assert_close("y", y, y_ref, TOL)
+    assert_close("M", m, m_ref, TOL)
