@@ -519,6 +519,8 @@ def check_gradients_flow(args: Sequence[Any], outputs: Sequence[fx.Node]) -> Non
         if is_register_hook(node.target):
             raise NotFused(hook_reason(node))
         stop = _gradient_stop(node, inputs)
+        if stop is not None and stop in replaced:
+            continue  # (an output read through detach, made under no_grad: the fused op's is detached too)
         if stop is None:
             stop = next((s for body in _bodies(node) if (s := first_gradient_stop(body)) is not None), None)
         if stop is not None:
@@ -775,9 +777,25 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
     if len(new_outputs) != len(old_outputs):
         raise ValueError(f"replace_with_function: {getattr(fn, '__name__', fn)} returned {len(new_outputs)} "
                          f"tensor(s) for {len(old_outputs)} output(s) of the replaced subgraph")
+    new_outputs = _detached_where_they_were(graph, old_outputs, new_outputs)
     new_outputs = _copies_for_writers(graph, old_outputs, new_outputs, written)
     _substitute(graph, nodes, old_outputs, new_outputs)
     return new_outputs
+
+
+def _detached_where_they_were(graph: fx.Graph, old_outputs: Sequence[fx.Node],
+                              new_outputs: list[fx.Node]) -> list[fx.Node]:
+    """``new_outputs``, each read through ``detach`` where the output it replaces is a detach (a value made under
+    no_grad and read after it): no gradient flows back through the fused op's either."""
+    out = []
+    for old, new in zip(old_outputs, new_outputs):
+        if old.target is aten.detach.default and isinstance(new, fx.Node):
+            with graph.inserting_after(new):
+                detached = graph.call_function(aten.detach.default, (new,))
+            detached.meta = {**new.meta, "val": val(new).detach()}
+            new = detached
+        out.append(new)
+    return out
 
 
 def _in_eagers_precision(fn: Callable, nodes: Sequence[fx.Node], values: Sequence[Any]) -> Callable:

@@ -69,6 +69,37 @@ def test_a_score_whose_gradient_the_user_stops_is_reported_not_fused(fn, fresh_d
     assert_close("grad mu", g_mu, r_mu, 1e-5)
 
 
+def attention_and_decode_under_no_grad_read_after(mu, var, prior_mean, prior_log_var):
+    """KL attention and KL decode logits made inside ``with torch.no_grad():`` and returned from it, beside a term
+    with gradients: every fused output is read through detach, as eager's are (probe r33: kl_decode refused, as if
+    the fused op would let gradients through)."""
+    with torch.no_grad():
+        mu_next = F.softmax(-_kl(mu, var), -1) @ mu
+        d = mu_next[..., None, :] - prior_mean
+        logits = -0.5 * (prior_log_var - var.log()[..., None, :] + (var[..., None, :] + d ** 2)
+                         / prior_log_var.exp() - 1).sum(-1)
+    return logits, (mu * var).sum()
+
+
+def test_fused_ops_made_under_no_grad_and_read_after_it_fuse_without_gradients(fresh_dynamo):
+    torch.manual_seed(0)
+    mu, var = torch.randn(2, 5, 3, requires_grad=True), (torch.rand(2, 5, 3) + 0.2).requires_grad_()
+    prior_mean, prior_log_var = torch.randn(7, 3, requires_grad=True), (0.2 * torch.randn(7, 3)).requires_grad_()
+    inputs = [mu, var, prior_mean, prior_log_var]
+    refs = [x.detach().clone().requires_grad_() for x in inputs]
+    fn = attention_and_decode_under_no_grad_read_after
+    (logits, energy) = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})(*inputs)
+    report = hecate.last_report()
+    assert report.count("kl_attention") == 1 and report.count("kl_decode") == 1 and not report.misses, str(report)
+    ref_logits, ref_energy = fn(*refs)
+    assert not logits.requires_grad and not ref_logits.requires_grad
+    assert_close("logits", logits, ref_logits, 1e-5)
+    got = torch.autograd.grad(energy, [mu, var])
+    want = torch.autograd.grad(ref_energy, refs[:2])
+    for name, g, r in zip(("mu", "var"), got, want):
+        assert_close(f"grad {name}", g, r, 1e-6)
+
+
 def shifted_by_detached_row_max(mu, var):  # the stable-softmax idiom: the shift does not change β or its gradient
     s = -_kl(mu, var)
     return F.softmax(s - s.amax(-1, keepdim=True).detach(), -1) @ mu
