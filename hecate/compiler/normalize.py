@@ -998,8 +998,11 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
             continue
         (dim,) = dims
         size = value.shape[dim]
-        every = {(dim, t) for t in range(int(size))} if is_concrete_int(size) else None
-        if every is None or not set(slots) <= every or set(slots) != every and not _zeros_made(out):
+        # a symbolic size (dynamic=True: the buffer zeros_like(v), the loop over k.shape[1], specialised): the
+        # slots written are the first ones, the rest read from out as it was made, as long as it is
+        written = len(slots) if is_concrete_int(size) or set(slots) == {(dim, t) for t in range(len(slots))} else None
+        every = {(dim, t) for t in range(int(size) if is_concrete_int(size) else len(slots))}
+        if written is None or not set(slots) <= every or set(slots) != every and not _zeros_made(out):
             continue
         last = max(order[w] for w in writes)
         readers = [u for u in out.users if u not in writes]
@@ -1009,12 +1012,16 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
         first_reader = min(readers, key=order.__getitem__, default=next(iter(reversed(graph.nodes))))
         unwritten = []  # the slots left as made (zeros), read from out (not from a step's value: a loop's own)
         with graph.inserting_before(first_reader):
-            for t in range(int(size)):
+            for t in range(len(every)):
                 if (dim, t) not in slots:
                     slots[(dim, t)] = graph.call_function(torch.select, (out, dim, t))
                     slots[(dim, t)].meta["example_value"] = _val(out).select(dim, t)
                     unwritten.append(slots[(dim, t)])
-            stack = graph.call_function(torch.stack, ([slots[(dim, t)] for t in range(int(size))], dim))
+            stack = graph.call_function(torch.stack, ([slots[(dim, t)] for t in range(len(every))], dim))
+            if not is_concrete_int(size):
+                stack.meta["example_value"] = torch.stack([_val(slots[(dim, t)]) for t in range(len(every))], dim)
+                unwritten += _with_the_rest_of(graph, out, dim, len(every), stack)
+                stack = unwritten[-1]
         stack.meta.update(out.meta)
         out.replace_all_uses_with(stack, delete_user_cb=lambda u: u not in writes and u not in unwritten)
         for node in sorted(writes, key=order.__getitem__, reverse=True):
@@ -1023,6 +1030,21 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
             source = out.args[0] if out.op == "call_method" and out.target in _STILL_FRESH else None
             graph.erase_node(out)
             out = source if isinstance(source, fx.Node) and not source.users else None
+
+
+def _with_the_rest_of(graph: fx.Graph, out: fx.Node, dim: int, n: int, stack: fx.Node) -> list[fx.Node]:
+    """The nodes of ``cat([stack, out.narrow(dim, n, out.size(dim) − n)], dim)``: the first n slots stacked, the
+    rest as ``out`` was made (none where its symbolic size is n)."""
+    value = _val(out)  # (its fake values computed as the graph's are, by the fake tensors' own mode)
+    size = graph.call_method("size", (out, dim))
+    rest = graph.call_function(operator.sub, (size, n))
+    tail = graph.call_method("narrow", (out, dim, n, rest))
+    whole = graph.call_function(torch.cat, ([stack, tail], dim))
+    size.meta["example_value"] = value.size(dim)
+    rest.meta["example_value"] = size.meta["example_value"] - n
+    tail.meta["example_value"] = value.narrow(dim, n, rest.meta["example_value"])
+    whole.meta["example_value"] = torch.cat([_val(stack), tail.meta["example_value"]], dim)
+    return [size, rest, tail, whole]
 
 
 def _zeros_made(node: fx.Node) -> bool:

@@ -59,6 +59,8 @@ aten = torch.ops.aten
 
 _TOL = 1e-9  # float64 agreement required between the body and the op's equations
 
+_WHERE = {aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar}
+
 # views through which a product's factors are read (they move no value across elements)
 _VIEWS = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.view.default,
           aten.reshape.default, aten._unsafe_view.default, aten.expand.default, aten.alias.default,
@@ -190,8 +192,9 @@ def _terms(node: Any, sign: float = 1.0, stop: frozenset = frozenset(),
             return _terms(node.args[0], sign, stop, views)
         if node.target in (aten.lerp.Tensor, aten.lerp.Scalar) and len(node.args) == 3 and not node.kwargs:
             # lerp(a, b, w) = a + w·(b − a): a gated write, M ← (1 − w)·M + w·v kᵀ
-            a, b, w = node.args
-            return _terms(a, sign, stop, views) + [(sign, ("mul", w, b)), (-sign, ("mul", w, a))]
+            a, b, w = node.args  # (b a sum: each of its terms times w, lerp(M, M − e kᵀ, η) = M − η e kᵀ)
+            return _terms(a, sign, stop, views) + [(s, ("mul", w, t)) for s, t in _terms(b, sign, stop, views)] \
+                + [(-sign, ("mul", w, a))]
         if node.target is torch.ops.prims.fma.default and len(node.args) == 3 and not node.kwargs:
             a, b, c = node.args  # a·b + c (Dynamo's spelling of x.addcmul_(a, b, value=v): fma(a·b, v, x))
             return _terms(c, sign, stop, views) + [(sign, ("mul", a, b))]
@@ -607,6 +610,10 @@ def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_n
     Mv = b.env[M_in]
     lead, (A, C) = tuple(Mv.shape[:-2]), tuple(Mv.shape[-2:])
     (layout, qn, z_index, norm_eps), before = found
+    reset = next((n for n in b.compute if n.target in _WHERE and _resets(n, M_in)), None)
+    if reset is not None:
+        raise NotFused("the memory is reset by where(flag, 0, M), which clears a NaN or inf it holds where a gate (the op's decay) multiplies it: write the "
+                       "reset M * (1 - flag) or M * ~flag, which fuses where that is what is meant")
     dv, dk = (A, C) if layout == "vk" else (C, A)
     rec = Recurrence("lp", layout, lead, dv, dk, m, params={"q_norm": q_norm}, read_before_update=before,
                      read_node=read_node)
@@ -695,6 +702,19 @@ def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_n
     return rec
 
 
+def _resets(where: fx.Node, M: fx.Node) -> bool:
+    """``where(flag, 0, M)`` or ``where(flag, M, 0)`` (M read directly or through a view)."""
+    def is_memory(a):
+        return a is M or isinstance(a, fx.Node) and a.target in _VIEWS and a.args[0] is M
+
+    def is_zero(a):
+        return isinstance(a, (int, float)) and not isinstance(a, bool) and a == 0 or isinstance(a, fx.Node) and is_zeros(a)
+
+    branches = where.args[1:3]
+    return len(branches) == 2 and (is_memory(branches[0]) and is_zero(branches[1])
+                                   or is_memory(branches[1]) and is_zero(branches[0]))
+
+
 def _scaled_buffer(b: _Body, prod: _Product, M_out: fx.Node) -> tuple[int, list[fx.Node]] | None:
     """(index of the carry S, the tensors scaling it) when ``prod`` is c·S for another carry's new value S, c a
     number times what every step reads alike (a learned step size: M ← M − lr·S); None if it is no such term;
@@ -740,7 +760,12 @@ def _keep(retention: list) -> PerStep:
     """What the new memory keeps of the old: none (0), terms c·M with numbers c (summed: ``M − 0.1·M``), and
     at most one gate a·M (``M − α·M``: a number and a gate)."""
     constant = [r for r in retention if not r.factors and not r.divisors]
-    gated = [r for r in retention if r.factors or r.divisors]
+    gated: dict[tuple, _Product] = {}  # the terms of one gate summed (w·M − w·M of a lerp: none)
+    for r in retention:
+        if r.factors or r.divisors:
+            key = (tuple(r.factors), tuple(r.divisors))
+            gated[key] = _Product(gated[key].coef + r.coef, r.factors, r.divisors) if key in gated else r
+    gated = [r for r in gated.values() if r.coef != 0]
     kept = sum(r.coef for r in constant)
     if not gated:
         return PerStep(kept, [])

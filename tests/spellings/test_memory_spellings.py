@@ -1245,6 +1245,16 @@ def hebbian_state_assigned_by_copy(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_lerp_towards_the_corrected_memory(k, v, q, alpha, eta):
+    """``lerp(M, M − (M k − v) kᵀ, η)`` = M − η (M k − v) kᵀ: the memory's own terms cancel (probe r33: refused)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        target = M - ((M @ k[:, t, ..., None])[..., 0] - v[:, t])[..., None] * k[:, t, ..., None, :]
+        M = torch.lerp(M, target, eta[:, t, :, None, None])
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def hebbian_decay_per_value_row(k, v, q, alpha, eta):
     """A decay per row of the memory (σ(v_t) [B, H, Dv, 1]): each row is a memory of its own, Dv = 1."""
     M, ys = _m0(k, v), []
@@ -1406,6 +1416,7 @@ SPELLINGS = {
                                                              "linear_attention"),
     "hebbian_normalised_read_before_the_write": (hebbian_normalised_read_before_the_write, "linear_attention"),
     "hebbian_decay_per_value_row": (hebbian_decay_per_value_row, "linear_attention"),
+    "delta_rule_lerp_towards_the_corrected_memory": (delta_rule_lerp_towards_the_corrected_memory, "memory_scan"),
     "delta_rule_decay_per_value_row": (delta_rule_decay_per_value_row, "memory_scan"),
     "mamba1_scan_decay_per_channel": (mamba1_scan_decay_per_channel, "linear_attention"),
 }
@@ -2563,7 +2574,20 @@ def delta_rule_decay_per_value_row_step_size_per_head(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_reset_by_where(k, v, q, alpha, eta):
+    """A document reset written ``where(flag, 0, M)``: it clears a NaN or inf the memory holds, which the op's
+    decay (a product) would keep, so it is said, not fused (probe r33: reported as two update terms)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = torch.where(alpha[:, t, :, None, None] > 0.1, 0.0, M)
+        M = M + v[:, t, ..., None] * k[:, t, ..., None, :]
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 REPORTED = {
+    "hebbian_reset_by_where": (hebbian_reset_by_where, ["the memory is reset by where(flag, 0, M)",
+                                                        "write the reset M * (1 - flag)"]),
     "hebbian_decay_per_value_column_stored_kv": (hebbian_decay_per_value_column_stored_kv,
                                                  ["the memory's decay has a factor of shape [2, 2, 5]"]),
     "delta_rule_decay_per_value_row_step_size_per_head": (delta_rule_decay_per_value_row_step_size_per_head,
@@ -3158,3 +3182,36 @@ def test_a_state_written_in_place_by_a_copy_fuses(fn, op, fresh_dynamo):
     assert report.count(op) == 1 and not report.misses, str(report)
     assert_close("y", y, y_ref, TOL)
     assert_close("M", m, m_ref, TOL)
+
+
+def delta_rule_outputs_into_zeros_like(k, v, q, alpha, eta):
+    """Outputs written into ``torch.zeros_like(v)`` [B, T', H, Dv], slot t for t < T = k.shape[1]; under
+    dynamic=True T is specialised (the loop's range) while T' is symbolic: the slots past T read as made."""
+    M, out = _m0(k, v), torch.zeros_like(v)
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = M - eta[:, t, :, None, None] * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        out[:, t] = (M @ q[:, t].unsqueeze(-1)).squeeze(-1)
+    return out, M
+
+
+@pytest.mark.parametrize("extra", [0, 2], ids=["every_slot", "slots_left_as_zeros"])
+def test_outputs_into_a_buffer_of_symbolic_length_fuse_at_every_length(extra, fresh_dynamo):
+    """Probe r33: fused at the first length, refused at the recompile for another ("the steps write into a tensor
+    in place"), the buffer's length then a symbol the written slots could not be counted against."""
+    compiled = torch.compile(delta_rule_outputs_into_zeros_like, backend="hecate", dynamic=True,
+                             options={"fallback": "eager", "strict": True})
+    for batch, length in [(2, 4), (3, 5)]:
+        torch.manual_seed(length)
+        k, q = torch.randn(batch, length, H, DK), torch.randn(batch, length, H, DK)
+        v = torch.randn(batch, length + extra, H, DV)
+        alpha, eta = 0.2 * torch.rand(batch, length, H), 0.3 * torch.rand(batch, length, H)
+        inputs = [x.requires_grad_() for x in (k, v, q, alpha, eta)]
+        y_ref, m_ref, g_ref = _run(delta_rule_outputs_into_zeros_like, inputs)
+        y, m, g = _run(compiled, inputs)
+        report = hecate.last_report()
+        assert report.count("memory_scan") == 1 and not report.misses, str(report)
+        assert_close(f"y at {batch}x{length}", y, y_ref, TOL)
+        assert_close(f"M at {batch}x{length}", m, m_ref, TOL)
+        for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
+            assert_close(f"grad {what} at {batch}x{length}", a, b, TOL)
