@@ -559,10 +559,25 @@ def _final_carry(node: fx.Node, inside: set[fx.Node]) -> bool:
     return scan in inside and scan.target is torch.ops.higher_order.scan and node.args[1] < len(scan.args[1])
 
 
+# the meta key of a node a pass keeps though nothing reads it (a memory split per row: its gates read per row)
+KEEP = "hecate_keep"
+
+
 def eliminate_dead_code(graph: fx.Graph) -> None:
-    """``graph.eliminate_dead_code()`` keeping the gradient hooks registered in it: a hook on a value read before
-    it is registered (or not at all afterwards) has no reader, and still acts in backward."""
-    graph.eliminate_dead_code(is_impure_node=lambda node: node.is_impure() or is_register_hook(node.target))
+    """``graph.eliminate_dead_code()`` keeping the gradient hooks registered in it (a hook on a value read before
+    it is registered, or not at all afterwards, has no reader, and still acts in backward) and the nodes marked
+    :data:`KEEP`, in it and in the graphs it calls (a scan's body), which torch's own recursion would not."""
+    for node in reversed(graph.nodes):
+        if not node.users and not (node.is_impure() or is_register_hook(node.target) or node.meta.get(KEEP)):
+            graph.erase_node(node)
+    owner = graph.owning_module
+    if owner is None:
+        return
+    called = {n.target for n in graph.find_nodes(op="get_attr")}
+    for name, child in owner.named_children():
+        if name in called and isinstance(child, fx.GraphModule):
+            eliminate_dead_code(child.graph)
+            child.recompile()
 
 
 def hook_reason(hook: fx.Node) -> str:

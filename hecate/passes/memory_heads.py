@@ -10,9 +10,9 @@ C_t every row shares. That is D heads of the Hebbian step (spec eq. 7 with a gat
 l_p step. Here a copy of the body carries the memory as [.., A, 1, C], a view of it on either side; the step is
 recognised on the copy, which is installed only if it is one.
 
-Every gate of the step is then read per row: a decay per row beside a step size per head (η_t [B, H] read as
-[B, H, 1, 1]) is not recognised, and a memory stored [.., Dk, Dv] with a decay per column (per value) is not
-split; both stay reported as they were.
+The step's other gates are then read per row: a value one number across the memory's columns ([B, 1, 1] of a step
+size per sequence, [D, 1] of a decay parameter per row) is read without that dim against the rows (`_row_gates`).
+A memory stored [.., Dk, Dv] with a decay per column (per value) is not split, and stays reported as it was.
 """
 
 from __future__ import annotations
@@ -54,9 +54,42 @@ def per_row(body: fx.GraphModule, state: int) -> fx.GraphModule:
     with graph.inserting_before(output):
         outputs[state] = _emit(graph, outputs[state], split=True)
     output.args = (outputs,) + tuple(output.args[1:])
+    body.meta[ROW_GATES] = _row_gates(graph, M, rank=M.meta["val"].dim())
     graph.lint()
     body.recompile()
     return body
+
+
+# the meta key of a per-row body's gates read per row: {the name of a value [.., 1] as it broadcasts against the
+# memory [.., A, C]: the name of the same without its last dim, [..] against the rows [.., A]} (names: a copy of
+# the body keeps them)
+ROW_GATES = "hecate_row_gates"
+
+
+def _row_gates(graph: fx.Graph, M: fx.Node, rank: int) -> dict[str, str]:
+    """For each value of the memory's rank that is one number across its columns ([B, 1, 1] of a step size per
+    sequence, [D, 1] of a decay per row), its select of that one column: the value per row, as the memory split
+    per row reads it (the gates of a memory [B, D, N] read as [B] and [D] against [B, D], from the right)."""
+    from hecate.passes.matching import KEEP, computed_from
+
+    gates = {}
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for node in list(graph.nodes):
+        value = node.meta.get("val")
+        if node.op not in ("placeholder", "call_function") or node is M or not isinstance(value, torch.Tensor) \
+                or not value.is_floating_point() or not 1 <= value.dim() <= rank or not _one(value.shape[-1]) \
+                or computed_from([node], {M}):
+            continue
+        with graph.inserting_before(first if node.op == "placeholder" else node.next):
+            gates[node] = graph.call_function(aten.select.int, (node, -1, 0))
+        gates[node].meta[KEEP] = True  # (read by the op's inputs, made from the body after the pass that found it)
+        with detect_fake_mode([value]) or contextlib.nullcontext():
+            gates[node].meta["val"] = value.select(-1, 0)
+    return {node.name: gate.name for node, gate in gates.items()}
+
+
+def _one(size) -> bool:
+    return isinstance(size, int) and size == 1
 
 
 def install(gm: fx.GraphModule, node: fx.Node, state: int, body: fx.GraphModule) -> None:
