@@ -41,6 +41,7 @@ batch or length stays dynamic in the fused graph.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import math
@@ -123,8 +124,16 @@ def _random_inputs(placeholders: list[fx.Node], seed: int, states: set[fx.Node],
                 values[ph] = torch.randn(shape, generator=gen, dtype=torch.float64)
             else:  # inputs in (0.1, 0.9): gates stay gates, roots and logs stay real
                 values[ph] = 0.1 + 0.8 * torch.rand(shape, generator=gen, dtype=torch.float64)
-        elif v.dtype == torch.bool:  # flags of either value (a reset that is never set would read as no reset)
-            values[ph] = torch.rand(shape, generator=gen) < 0.5
+        elif v.dtype == torch.bool:
+            # flags of both values in every draw: a reset never set reads as no reset, and one always set as a
+            # reset on either side of the error; a single flag is set at the check of the whole step (seed 1)
+            n = math.prod(shape)
+            flags = torch.zeros(n, dtype=torch.bool)
+            if n > 1:
+                flags[torch.randperm(n, generator=gen)[:n // 2]] = True
+            else:
+                flags[:] = seed % 2 == 1
+            values[ph] = flags.reshape(shape)
         else:
             values[ph] = torch.zeros(shape, dtype=v.dtype)
     return values
@@ -250,6 +259,9 @@ def _gates_as_read(b: "_Body", prod: _Product, lead: tuple) -> _Product:
     an α [B, T] and λ[:, None, None] of a λ [H] both reach [2] through the views)."""
     def as_read(f):
         top = prod.read_as.get(f)
+        for read in (top, f):  # a memory split per row (memory_heads): a gate of its columns read per row
+            if read in b.row_gates:
+                return b.row_gates[read]
         value = b.env.get(top) if top is not None else None
         spans_leading = isinstance(value, torch.Tensor) and value.dim() == len(lead) + 2 \
             and tuple(value.shape[-2:]) == (1, 1)
@@ -343,6 +355,9 @@ def _shared_by(value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | No
     """``value`` with dims of 1 where it lacks dims of ``shape`` [*lead, D] but has the first and the last (a step's
     C_t [B, N] as [B, 1, N] against [B, H, N]: one per sequence, shared by the heads), or None."""
     have = list(value.shape)
+    if len(have) == len(shape) >= 3 and have[0] == shape[0] and have[-1] == shape[-1] \
+            and all(h == 1 or h == n for h, n in zip(have, shape)):
+        return value  # (the dims of 1 already in place: B_t read as [B, 1, N] against [B, H, N])
     if not 2 <= len(have) < len(shape) or have[0] != shape[0] or have[-1] != shape[-1]:
         return None
     placed, i = [], 0
@@ -392,6 +407,7 @@ class Recurrence:
     read_before_update: bool = False  # y_t reads M_{t−1} (retrieve, then write) instead of M_t
     read_node: fx.Node | None = None  # the read, where the step's output is a per-step function of it
     generated: set = field(default_factory=set)  # the nodes of g(e) where the op generates it from them
+    detached: bool = False  # the new state detached at every step (test-time training): gradients reach q alone
 
     @property
     def name(self) -> str:
@@ -428,7 +444,12 @@ def _bias(e: torch.Tensor, p: float, a: float, eps: float) -> torch.Tensor:
 
 class _Body:
     def __init__(self, body: fx.GraphModule, n_carries: int, n_xs: int | None = None):
+        from hecate.passes.memory_heads import ROW_GATES
+
         self.graph = body.graph
+        by_name = {n.name: n for n in body.graph.nodes} if ROW_GATES in body.meta else {}
+        self.row_gates = {by_name[a]: by_name[g] for a, g in body.meta.get(ROW_GATES, {}).items()
+                          if a in by_name and g in by_name}
         self.placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         self.outputs = list(next(iter(reversed(body.graph.nodes))).args[0])
         self.carries = self.placeholders[:n_carries]
@@ -1188,17 +1209,95 @@ def scans(gm: fx.GraphModule) -> list[fx.Node]:
 def recognise(gm: fx.GraphModule, node: fx.Node) -> Recurrence | NotFused:
     """The memory step of scan ``node``, or why it is none (analysed once per scan, kept in its meta)."""
     if "hecate_memory_step" not in node.meta:
-        body = getattr(gm, node.args[0].target)
-        try:
-            node.meta["hecate_memory_step"] = analyse(body, len(node.args[1]), len(node.args[2]))
-        except NotFused as why:
-            found = _combined(gm, node, why)
-            if isinstance(found, NotFused):
-                found = _without_derived(gm, node, found)
-            if isinstance(found, NotFused):
-                found = _per_row(gm, node, found)
-            node.meta["hecate_memory_step"] = found
+        found = _recognised(gm, node)
+        if isinstance(found, NotFused):
+            found = _with_products_sunk(gm, node, found)
+        node.meta["hecate_memory_step"] = found
     return node.meta["hecate_memory_step"]
+
+
+def _recognised(gm: fx.GraphModule, node: fx.Node) -> Recurrence | NotFused:
+    """The memory step of scan ``node`` as written, or once its body is rewritten by one of the readings below."""
+    body = getattr(gm, node.args[0].target)
+    stripped = _state_detach_stripped(body, len(node.args[1]))
+    if stripped is not None:
+        return _with_state_detached(gm, node, stripped)
+    try:
+        return analyse(body, len(node.args[1]), len(node.args[2]))
+    except NotFused as why:
+        found = _combined(gm, node, why)
+        if isinstance(found, NotFused):
+            found = _without_derived(gm, node, found)
+        if isinstance(found, NotFused):
+            found = _per_row(gm, node, found)
+        return found
+
+
+def _state_detach_stripped(body: fx.GraphModule, n_carries: int) -> fx.GraphModule | None:
+    """A copy of scan ``body`` without its gradient stops, where each is a new state detached as the step carries
+    it (``M = (a·M + u).detach()``, or the update made under ``torch.no_grad()``, the grad mode's switches dropped
+    too); None where the body has no stop or another one (a read under no_grad, M.detach() at the step's start)."""
+    from hecate.passes.matching import _gradient_stop
+
+    inputs = set(body.graph.find_nodes(op="placeholder"))
+    stops = [n for n in body.graph.nodes if _gradient_stop(n, inputs) is not None]
+    carried = list(body.graph.output_node().args[0])[:n_carries]
+    if not stops or any(n not in carried for n in stops):
+        return None
+    body = copy.deepcopy(body)
+    graph = body.graph
+    carried = list(graph.output_node().args[0])[:n_carries]
+    for n in list(graph.nodes):
+        if n in carried and n.target is aten.detach.default:
+            n.replace_all_uses_with(n.args[0])
+            graph.erase_node(n)
+        elif n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            graph.erase_node(n)
+    graph.lint()
+    body.recompile()
+    return body
+
+
+def _with_state_detached(gm: fx.GraphModule, node: fx.Node, stripped: fx.GraphModule) -> Recurrence | NotFused:
+    """The memory step of scan ``node`` whose new state is detached at every step, as the step is without the
+    detach, the op then run on inputs detached but the queries (so that gradients reach what eager's reach: the
+    reads' queries); the scan's body the stripped one until the op replaces it (put back where it does not)."""
+    original = getattr(gm, node.args[0].target)
+    setattr(gm, node.args[0].target, stripped)
+    rec = _recognised(gm, node)
+    if isinstance(rec, NotFused):
+        setattr(gm, node.args[0].target, original)
+        stop = first_gradient_stop(original)
+        return NotFused(gradient_stop_reason(stop) + f"; read without the stop, the step is none either: {rec}")
+    rec.detached = True
+    node.meta["hecate_body_as_written"] = original
+    return rec
+
+
+def _with_products_sunk(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | NotFused:
+    """The memory step of scan ``node`` whose update is made for every step before the loop (:mod:`sunk_products`:
+    transformers' Mamba-1), once its body forms it; the scan then rewritten. Else ``why`` it is none, as is."""
+    from hecate.passes import sunk_products
+
+    if forms_outer_product(getattr(gm, node.args[0].target).graph):
+        return why
+    try:  # nothing here may fail the pass: any error leaves the scan exactly as it was
+        found = sunk_products.sunk(gm, node)
+    except Exception:
+        return why
+    if found is None:
+        return why
+    body, xs, invariants, emitted = found
+    before = (node.args, getattr(gm, node.args[0].target))
+    sunk_products.install(gm, node, body, xs, invariants)
+    rec = _recognised(gm, node)
+    if isinstance(rec, NotFused):
+        node.args = before[0]
+        setattr(gm, node.args[0].target, before[1])
+        sunk_products.discard(gm, emitted)
+        node.meta["hecate_update_made_before"] = True  # (a loop of the family's shape: reported with this reason)
+        return NotFused(f"{rec} (the update made before the loop, read as formed in the step)")
+    return rec
 
 
 def _combined(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | NotFused:
@@ -1352,8 +1451,9 @@ def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
     for node in scans(gm):
         rec = recognise(gm, node)
         if isinstance(rec, NotFused):
-            if not node.meta.get("hecate_memory_step_reported") \
-                    and forms_outer_product(getattr(gm, node.args[0].target).graph):
+            if not node.meta.get("hecate_memory_step_reported") and (
+                    forms_outer_product(getattr(gm, node.args[0].target).graph)
+                    or node.meta.get("hecate_update_made_before")):
                 node.meta["hecate_memory_step_reported"] = True
                 heads = _HEADS_ADVICE if _reads_per_head(getattr(gm, node.args[0].target)) else ""
                 family = _family(getattr(gm, node.args[0].target).graph, len(node.args[1]))
@@ -1369,6 +1469,8 @@ def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
         try:
             _replace(gm, node, rec, op)
         except NotFused as why:
+            if "hecate_body_as_written" in node.meta:  # (a body read without its detach: put back)
+                setattr(gm, node.args[0].target, node.meta.pop("hecate_body_as_written"))
             report.add_miss(op, f"{form} over a {rec.name} step: {why}", node.name, nodes=_body_nodes(gm, node))
             continue
         report.add_fusion(op, f"hecate.{op}", replaced, f"{describe(rec)}; {_runs_as(rec)}; {form} rolled up {over}")
@@ -1532,6 +1634,8 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
 
     def fused(*tensors):
         x = dict(zip(names, tensors))
+        if rec.detached:  # no gradient through the states: to the queries alone
+            x = {name: t if name == "q" or not isinstance(t, torch.Tensor) else t.detach() for name, t in x.items()}
         M0 = x["M0"]
         lead = tuple(M0.shape[:-2])
         B = lead[0] if lead else 1
@@ -1600,6 +1704,8 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
         if "S" in reads:
             s = (s / rec.momentum_scale).transpose(-1, -2) if rec.layout == "kv" else s / rec.momentum_scale
             results.append(s.reshape(x["S0"].shape).to(x["S0"].dtype))
+        if rec.detached:  # the states carried out detached, as the step made them (the reads keep q's gradient)
+            results = [r if i == 0 and "y" in reads else r.detach() for i, r in enumerate(results)]
         return tuple(results)
 
     return fused

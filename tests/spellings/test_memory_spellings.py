@@ -1245,6 +1245,20 @@ def hebbian_state_assigned_by_copy(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def mamba1_scan_update_made_before_the_loop(k, v, q, alpha, eta):
+    """transformers' Mamba-1 reference (A one per channel): the decay and the update Δ x Bᵀ made for every step
+    before the loop [B, D, T, N], one step of each read in it, h [B, D, N], y = h C_t (probe r31: silent)."""
+    x, dt = v.flatten(2).transpose(1, 2), F.softplus(v.flatten(2)).transpose(1, 2)  # [B, D, T]
+    Bm, Cm = k[:, :, 0], q[:, :, 0]  # [B, T, N]
+    decay = torch.exp(-dt)[..., None]  # [B, D, T, 1]
+    update = dt[:, :, :, None] * Bm[:, None, :, :] * x[:, :, :, None]  # [B, D, T, N]
+    h, ys = k.new_zeros(k.shape[0], x.shape[1], k.shape[-1]), []
+    for i in range(k.shape[1]):
+        h = decay[:, :, i, :] * h + update[:, :, i, :]
+        ys.append(torch.matmul(h, Cm[:, i, :].unsqueeze(-1))[:, :, 0])
+    return torch.stack(ys, -1), h
+
+
 def delta_rule_lerp_towards_the_corrected_memory(k, v, q, alpha, eta):
     """``lerp(M, M − (M k − v) kᵀ, η)`` = M − η (M k − v) kᵀ: the memory's own terms cancel (probe r33: refused)."""
     M, ys = _m0(k, v), []
@@ -1419,6 +1433,7 @@ SPELLINGS = {
     "delta_rule_lerp_towards_the_corrected_memory": (delta_rule_lerp_towards_the_corrected_memory, "memory_scan"),
     "delta_rule_decay_per_value_row": (delta_rule_decay_per_value_row, "memory_scan"),
     "mamba1_scan_decay_per_channel": (mamba1_scan_decay_per_channel, "linear_attention"),
+    "mamba1_scan_update_made_before_the_loop": (mamba1_scan_update_made_before_the_loop, "linear_attention"),
 }
 
 
@@ -1644,7 +1659,8 @@ def test_momentum_buffer_carried_between_chunks_fuses(dynamic, fresh_dynamo):
 @pytest.mark.parametrize("name", ["hebbian_in_place_on_a_clone_read_through_a_transpose", "l2_normalised_keys",
                                   "gated_first_step_before_the_loop", "delta_rule_from_none", "delta_rule_householder_form",
                                   "delta_rule_normalised_keys", "l2_in_place_on_step_temporaries",
-                                  "mamba1_scan_decay_per_channel", "delta_rule_decay_per_value_row"])
+                                  "mamba1_scan_decay_per_channel", "delta_rule_decay_per_value_row",
+                                  "mamba1_scan_update_made_before_the_loop"])
 def test_spelling_fuses_under_dynamic_shapes(name, fresh_dynamo):
     """dynamic=True: the clone of each step stays after the in-place writes of the step before (moved before
     them, a step read the state before its update: 0.33 relative off eager, silently); F.normalize's sizes are
@@ -2543,13 +2559,23 @@ def delta_rule_truncated_backpropagation(k, v, q, alpha, eta):
 
 
 def delta_rule_written_under_no_grad(k, v, q, alpha, eta):
-    """The memory written under torch.no_grad(), read with gradients."""
+    """The memory written under torch.no_grad(), read with gradients (test-time training): the op runs on inputs
+    detached but the queries, so gradients reach the queries alone, as eager's do (probe r33: refused)."""
     M, ys = _m0(k, v), []
     for t in range(k.shape[1]):
         with torch.no_grad():
             e = (M @ k[:, t, :, :, None])[..., 0] - v[:, t]
             M = (1 - alpha[:, t, :, None, None]) * M - 2 * eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
         ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_new_state_detached(k, v, q, alpha, eta):
+    """The new state detached as it is carried, ``M = (a·M + v kᵀ).detach()``: gradients reach the queries alone."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = (alpha[:, t, :, None, None] * M + v[:, t, ..., None] * k[:, t, ..., None, :]).detach()
+        ys.append((M @ q[:, t, ..., None])[..., 0])
     return torch.stack(ys, 1), M
 
 
@@ -2564,8 +2590,8 @@ def hebbian_decay_per_key_feature(k, v, q, alpha, eta):
 
 
 def delta_rule_decay_per_value_row_step_size_per_head(k, v, q, alpha, eta):
-    """A decay per value row beside a step size per head [B, H]: every gate of a memory split per row is read per
-    row, so this one is not (a recognition gap, reported)."""
+    """A decay per value row beside a step size per head [B, H] (read as [B, H, 1, 1]): the memory split per row
+    reads the step size per row too, the same for the rows of a head (probe r34: refused)."""
     M, ys = _m0(k, v), []
     for t in range(k.shape[1]):
         e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
@@ -2585,17 +2611,32 @@ def hebbian_reset_by_where(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def mamba1_scan_decay_per_state_element(k, v, q, alpha, eta):
+    """transformers' Mamba-1 reference with A [D, N] as the paper has it: a decay per element of h, outside the
+    family (gated linear attention with a gate per key feature); the update made before the loop."""
+    x, dt = v.flatten(2).transpose(1, 2), F.softplus(v.flatten(2)).transpose(1, 2)  # [B, D, T]
+    Bm, Cm = k[:, :, 0], q[:, :, 0]  # [B, T, N]
+    A = -torch.linspace(0.5, 2.0, x.shape[1] * k.shape[-1]).view(x.shape[1], k.shape[-1])  # [D, N]
+    decay = torch.exp(A[None, :, None, :] * dt[..., None])  # [B, D, T, N]
+    update = dt[:, :, :, None] * Bm[:, None, :, :] * x[:, :, :, None]
+    h, ys = k.new_zeros(k.shape[0], x.shape[1], k.shape[-1]), []
+    for i in range(k.shape[1]):
+        h = decay[:, :, i, :] * h + update[:, :, i, :]
+        ys.append(torch.matmul(h, Cm[:, i, :].unsqueeze(-1))[:, :, 0])
+    return torch.stack(ys, -1), h
+
+
 REPORTED = {
+    "mamba1_scan_decay_per_state_element": (mamba1_scan_decay_per_state_element,
+                                            ["the memory's decay has a factor of shape",
+                                             "the update made before the loop, read as formed in the step"]),
     "hebbian_reset_by_where": (hebbian_reset_by_where, ["the memory is reset by where(flag, 0, M)",
                                                         "write the reset M * (1 - flag)"]),
     "hebbian_decay_per_value_column_stored_kv": (hebbian_decay_per_value_column_stored_kv,
                                                  ["the memory's decay has a factor of shape [2, 2, 5]"]),
-    "delta_rule_decay_per_value_row_step_size_per_head": (delta_rule_decay_per_value_row_step_size_per_head,
-                                                          ["the memory's decay has a factor of shape [2, 2, 5]"]),
     "hebbian_decay_per_key_feature": (hebbian_decay_per_key_feature,
                                       ["the memory's decay has a factor of shape [2, 2, 3], neither one number"]),
     "delta_rule_truncated_backpropagation": (delta_rule_truncated_backpropagation, ["gradients stop inside it"]),
-    "delta_rule_written_under_no_grad": (delta_rule_written_under_no_grad, ["gradients stop inside it"]),
     "momentum_with_the_error_of_the_decayed_memory": (momentum_with_the_error_of_the_decayed_memory,
                                                       ["formed from the decayed memory", "in a step with momentum"]),
     "momentum_step_size_per_token_outside_the_buffer": (momentum_step_size_per_token_outside_the_buffer,
@@ -3215,3 +3256,70 @@ def test_outputs_into_a_buffer_of_symbolic_length_fuse_at_every_length(extra, fr
         assert_close(f"M at {batch}x{length}", m, m_ref, TOL)
         for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
             assert_close(f"grad {what} at {batch}x{length}", a, b, TOL)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn, op", [(delta_rule_written_under_no_grad, "memory_scan"),
+                                    (hebbian_new_state_detached, "linear_attention")],
+                         ids=["written_under_no_grad", "new_state_detached"])
+def test_a_memory_detached_at_every_step_fuses_with_gradients_to_the_queries_alone(fn, op, dynamic, fresh_dynamo):
+    inputs = _inputs()
+    y_ref, m_ref, g_ref = _run(fn, inputs)
+    y, m, g = _run(torch.compile(fn, backend="hecate", dynamic=dynamic, options={"fallback": "eager", "strict": True}),
+                   inputs)
+    report = hecate.last_report()
+    assert report.count(op) == 1 and not report.misses, str(report)
+    assert not m.requires_grad and not m_ref.requires_grad
+    assert_close("y", y, y_ref, TOL)
+    assert_close("M", m, m_ref, TOL)
+    for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
+        assert_close(f"grad {what}", a, b, TOL)  # (all zeros but q's, in both)
+    assert g_ref[2].abs().sum() > 0
+
+
+def _delta_rule_reset_per_sequence(k, v, q, reset):
+    """The delta rule with one reset flag per sequence [B, T], at the start of the step (the error then reads the
+    cleared memory)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = M * (~reset[:, t])[:, None, None, None]
+        e = (M @ k[:, t, ..., None])[..., 0] - v[:, t]
+        M = M - 0.5 * e[..., None] * k[:, t, ..., None, :]
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_a_reset_flag_per_sequence_is_checked_set_and_unset_at_every_batch_size(batch, fresh_dynamo):
+    """The flags are drawn half set in every draw (probe r34: at batch 2 a draw with no flag set read the decay
+    after the error, and the fused loop was 12-35% off eager from the first reset on); a single flag is unset at
+    the first draw and set at the check. Fused or not, compiled equals eager."""
+    torch.manual_seed(batch)
+    k, q, v = 0.5 * torch.randn(batch, T + 2, H, DK), torch.randn(batch, T + 2, H, DK), torch.randn(batch, T + 2, H, DV)
+    reset = torch.zeros(batch, T + 2, dtype=torch.bool)
+    reset[0, 2] = True
+    reset[-1, 4] = True
+    inputs = [x.requires_grad_() for x in (k, v, q)]
+
+    def run(fn):
+        y, M = fn(*inputs, reset)
+        return y, M, torch.autograd.grad(y.square().sum() + M.sum(), inputs)
+
+    y_ref, m_ref, g_ref = run(_delta_rule_reset_per_sequence)
+    y, m, g = run(torch.compile(_delta_rule_reset_per_sequence, backend="hecate",
+                                options={"fallback": "eager", "strict": True}))
+    assert_close("y", y, y_ref, TOL)
+    assert_close("M", m, m_ref, TOL)
+    for what, a, b in zip("kvq", g, g_ref):
+        assert_close(f"grad {what}", a, b, TOL)
+    report = hecate.last_report()
+    if batch > 1:
+        assert report.count("memory_scan") == 1 and "the error read from the decayed memory" in str(report), \
+            str(report)
+
+
+@pytest.mark.parametrize("fn, op", [(delta_rule_decay_per_value_row_step_size_per_head, "memory_scan")],
+                         ids=["step_size_per_head"])
+def test_a_memory_split_per_row_reads_its_other_gates_per_row(fn, op, fresh_dynamo):
+    report = _compile_and_compare(fn)
+    assert report.count(op) == 1 and not report.misses, str(report)
