@@ -28,6 +28,7 @@ kl_decode_ce taking τ as a number.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -268,7 +269,8 @@ def _matched(logits, queries, priors, scalars, k, v, shape, featureless) -> _Dec
     constants = {x: torch.tensor(c, dtype=torch.float64) for x in scalars
                  if (c := number_of(x)) is not None}  # torch.tensor(K) in the model: read, not drawn
     scalars = [x for x in scalars if x not in constants]
-    decode = _match(logits, queries, priors + scalars, k, v, shape, constants or None, featureless)
+    why: list[str] = []  # the nearest decode the logits are not, said where they are none
+    decode = _match(logits, queries, priors + scalars, k, v, shape, constants or None, featureless, why)
     if decode is None:  # drawn where each value is first read apart (var = −0.5/η₂ of natural parameters)
         lifted_queries, lifted_priors = _read_apart(queries), _read_apart(priors)
         if lifted_queries != queries or lifted_priors != priors:
@@ -280,6 +282,8 @@ def _matched(logits, queries, priors, scalars, k, v, shape, featureless) -> _Dec
         bound = first_threshold(nodes_between([x for x in inputs if x is not None], [logits]), decode.values)
         if bound is not None:
             raise NotFused(bound_reason(bound, "the logits (the KL at the points checked)"))
+    if decode is None and why:
+        raise NotFused(why[0])
     if decode is not None or not scalars:
         return decode
     # the KL when the 0-d tensors are 1: it is read besides the beliefs and priors, as a temperature
@@ -326,17 +330,20 @@ def _with_sources(priors: list, k: int, v: int) -> list:
 _MAX_OWN_SIZE_DRAW = 2 ** 18
 
 
-def _match(logits, queries, priors, k, v, shape, fixed=None, featureless=False) -> _Decode | None:
+def _match(logits, queries, priors, k, v, shape, fixed=None, featureless=False, why=None) -> _Decode | None:
     """The decode whose KL the logits are at two random draws of the beliefs [2, .., 3, K] and the
     priors (at their own sizes: [V, K], shared [1, K] / [K] / 0-d), the tensors ``fixed`` held. ``featureless``:
-    K = 1 without its dim, beliefs [2, .., 3] and priors [V] (or shared [1], 0-d)."""
+    K = 1 without its dim, beliefs [2, .., 3] and priors [V] (or shared [1], 0-d). ``why``: a list, given, to
+    which the nearest decode the logits are not (:func:`_near_decode`) is added when they are none."""
     def own(x):  # a prior's own size: per token [V, K], or shared by the tokens
         if featureless is not False:
             return tuple(1 if _is(s, 1) else v for s in shape_of(x))
         return tuple(1 if _is(s, 1) else v if i == len(shape_of(x)) - 2 else k for i, s in enumerate(shape_of(x)))
 
-    def feature(x):  # a belief's own last dims: K, none (featureless), or the column's 1
-        return (k,) if featureless is False else (1,) if x in featureless else ()
+    def feature(x):  # a belief's own last dims: K (1 where it has 1: an isotropic variance, a τ per position),
+        if featureless is False:  # none (featureless), or the column's 1
+            return (1,) if _is(shape_of(x)[-1], 1) and k != 1 else (k,)
+        return (1,) if x in featureless else ()
 
     def draw(positions, expand):
         gen = torch.Generator().manual_seed(20251123)
@@ -366,38 +373,76 @@ def _match(logits, queries, priors, k, v, shape, fixed=None, featureless=False) 
     near_one_only = None
     per_token = [x for x in priors if own(x) == ((v,) if featureless is not False else (v, k))]  # means per token
     shared = [x for x in priors if x not in per_token]  # [K], [1, K], 0-d: a variance of the beliefs' or the priors'
-    for mu in queries:
-        for scale in queries + shared + [None]:  # the beliefs' variance per position, the same at every one, or 1
-            for prior_mu in per_token:
-                for prior_scale in priors + [None]:  # None: priors of unit variance, N(π_v, I)
-                    if scale is mu or prior_scale is prior_mu:
-                        continue
-                    for param in (_UNIT if scale is None else VARIANCE_FROM):
-                        for prior_param in (_UNIT if prior_scale is None else VARIANCE_FROM):
-                            alphas = []
-                            for _, memo, value in draws:
-                                kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries,
-                                                featureless)
-                                alphas.append(proportion(value, kl) if kl is not None else None)
-                            if not all(a is not None and a < 0 for a in alphas):
-                                continue
-                            tau = float(f"{-1.0 / alphas[0]:.12g}") if math.isclose(*alphas, rel_tol=1e-9) else \
-                                run_time_temperature([-1.0 / a for a in alphas], [memo for _, memo, _ in draws],
-                                                     [x for x in priors if x not in (prior_mu, prior_scale)])
-                            if tau is not None:
-                                if not _far_from_one(logits, draws[0][0], draws[0][1], fixed, alphas[0], queries,
-                                                     mu, scale, param, prior_mu, prior_scale, prior_param,
-                                                     featureless):
-                                    near_one_only = (mu, prior_mu)
-                                    continue
-                                return _Decode(logits, mu, scale, param, prior_mu, prior_scale, prior_param, tau,
-                                               draws[0][1], featureless)
+    def roles():  # (made as they are tried: there may be many)
+        return ((mu, scale, param, prior_mu, prior_scale, prior_param)
+                for mu in queries
+                for scale in queries + shared + [None]  # the beliefs' variance per position, the same at each, or 1
+                for prior_mu in per_token
+                for prior_scale in priors + [None]  # None: priors of unit variance, N(π_v, I)
+                if scale is not mu and prior_scale is not prior_mu
+                for param in (_UNIT if scale is None else VARIANCE_FROM)
+                for prior_param in (_UNIT if prior_scale is None else VARIANCE_FROM))
+
+    for mu, scale, param, prior_mu, prior_scale, prior_param in roles():
+        alphas = []
+        for _, memo, value in draws:
+            kl = _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries, featureless)
+            alphas.append(proportion(value, kl) if kl is not None else None)
+        if not all(a is not None and a < 0 for a in alphas):
+            continue
+        tau = float(f"{-1.0 / alphas[0]:.12g}") if math.isclose(*alphas, rel_tol=1e-9) else \
+            run_time_temperature([-1.0 / a for a in alphas], [memo for _, memo, _ in draws],
+                                 [x for x in priors if x not in (prior_mu, prior_scale)])
+        if tau is not None:
+            if not _far_from_one(logits, draws[0][0], draws[0][1], fixed, alphas[0], queries, mu, scale, param,
+                                 prior_mu, prior_scale, prior_param, featureless):
+                near_one_only = (mu, prior_mu)
+                continue
+            return _Decode(logits, mu, scale, param, prior_mu, prior_scale, prior_param, tau, draws[0][1],
+                           featureless)
+    if why is not None and draws[0][2].numel() <= _MAX_DIAGNOSED:  # (drawn small: each role's KL is formed)
+        near = (w for role in itertools.islice(roles(), _MAX_DIAGNOSED_ROLES)
+                if (w := _near_decode(draws, role, queries, featureless)) is not None)
+        why += [w for w in [next(near, None)] if w is not None]
     if near_one_only is not None:
         mu, prior_mu = near_one_only
         raise NotFused(f"the logits are −KL(q_i ‖ π_v)/τ of {mu.name} and {prior_mu.name} where the means and "
                        "variances are near 1, but not at means of either sign and variances far from 1 (e^-8..e^8): "
                        "they compute something the KL does not there (a relu, abs, clamp or floor of a mean, a "
                        "variance or the logits themselves?)")
+    return None
+
+
+_MAX_DIAGNOSED = 1 << 16  # logits drawn larger than this (at the graph's own sizes) are not diagnosed
+_MAX_DIAGNOSED_ROLES = 4096  # nor more readings of the candidates as beliefs and priors than this
+
+
+def _near_decode(draws, role, queries, featureless) -> str | None:
+    """Why the logits are not the decode of ``role`` (beliefs and priors in these parts) where they are one the op
+    does not compute, at both draws: the KL the other way, KL(π_v ‖ q_i); or −KL/τ with τ one per token or one per
+    position, not one number. None where they are neither."""
+    def at_both(test):
+        return all(test(value, memo) for _, memo, value in draws)
+
+    def proportional(value, kl):
+        return kl is not None and (alpha := proportion(value, kl)) is not None and alpha < 0
+
+    if at_both(lambda value, memo: proportional(value, _decode_kl(memo, *role, queries, featureless, reverse=True))):
+        return ("the logits are −KL(π_v ‖ q_i)/τ, the KL from each token's prior to the belief; kl_decode computes "
+                "−KL(q_i ‖ π_v)/τ, from the belief to the prior, and the two differ; compiled as written")
+    # −1/τ the same along the tokens: a τ per position; along the positions: a τ per token
+    for dims, what in (((-1,), "position"), (tuple(range(-len(draws[0][2].shape), -1)), "token")):
+        def varies_along_the_other(value, memo, dims=dims):
+            kl = _decode_kl(memo, *role, queries, featureless)
+            if kl is None or kl.shape != value.shape or not bool((kl.abs() > 1e-9).all()):
+                return False
+            ratio = value / kl  # −1/τ where it is −KL/τ
+            constant = torch.allclose(ratio, ratio.mean(dims, keepdim=True).expand_as(ratio), rtol=1e-7, atol=0.0)
+            return constant and bool((ratio < 0).all()) and not torch.allclose(
+                ratio, ratio.flatten()[:1].expand_as(ratio), rtol=1e-7, atol=0.0)
+        if at_both(varies_along_the_other):
+            return (f"the logits are −KL(q_i ‖ π_v)/τ with τ one per {what}; kl_decode divides by one temperature "
+                    "(a number, or a 0-d tensor read at run time); compiled as written")
     return None
 
 
@@ -423,17 +468,19 @@ def _with_feature(value, node, featureless):
 
 
 def _decode_kl(memo, mu, scale, param, prior_mu, prior_scale, prior_param, queries,
-               featureless=False) -> torch.Tensor | None:
-    """KL(q_i ‖ π_v) [..., N, V] of the beliefs and priors drawn or evaluated (``memo``) in these roles; None
-    where their values do not broadcast so. ``featureless``: their K = 1 is added (the columns have it)."""
+               featureless=False, reverse=False) -> torch.Tensor | None:
+    """KL(q_i ‖ π_v) [..., N, V] (``reverse``: KL(π_v ‖ q_i)) of the beliefs and priors drawn or evaluated
+    (``memo``) in these roles; None where their values do not broadcast so. ``featureless``: their K = 1 is added
+    (the columns have it)."""
     if featureless is not False:
         memo = {x: _with_feature(memo[x], x, featureless) for x in (mu, scale, prior_mu, prior_scale) if x is not None}
     belief_var = (_UNIT if scale is None else VARIANCE_FROM)[param](memo.get(scale, memo[mu]))
     belief_var = belief_var.unsqueeze(-2) if scale in queries or scale is None else belief_var
     prior_to_var = (_UNIT if prior_scale is None else VARIANCE_FROM)[prior_param]
+    belief, prior = (memo[mu].unsqueeze(-2), belief_var), (memo[prior_mu],
+                                                           prior_to_var(memo.get(prior_scale, memo[prior_mu])))
     try:
-        return gaussian_kl(memo[mu].unsqueeze(-2), belief_var, memo[prior_mu],
-                           prior_to_var(memo.get(prior_scale, memo[prior_mu])))
+        return gaussian_kl(*prior, *belief) if reverse else gaussian_kl(*belief, *prior)
     except RuntimeError:  # shapes that do not broadcast: not these roles
         return None
 
