@@ -1261,7 +1261,7 @@ def _state_detach_stripped(body: fx.GraphModule, n_carries: int) -> fx.GraphModu
 def _with_state_detached(gm: fx.GraphModule, node: fx.Node, stripped: fx.GraphModule) -> Recurrence | NotFused:
     """The memory step of scan ``node`` whose new state is detached at every step, as the step is without the
     detach, the op then run on inputs detached but the queries (so that gradients reach what eager's reach: the
-    reads' queries); the scan's body the stripped one until the op replaces it (put back where it does not)."""
+    reads' queries). The scan keeps its body as written: the one read is installed only as the op replaces it."""
     original = getattr(gm, node.args[0].target)
     setattr(gm, node.args[0].target, stripped)
     rec = _recognised(gm, node)
@@ -1269,8 +1269,9 @@ def _with_state_detached(gm: fx.GraphModule, node: fx.Node, stripped: fx.GraphMo
         setattr(gm, node.args[0].target, original)
         stop = first_gradient_stop(original)
         return NotFused(gradient_stop_reason(stop) + f"; read without the stop, the step is none either: {rec}")
-    rec.detached = True
-    node.meta["hecate_body_as_written"] = original
+    rec.detached = True  # (the body as read is installed only to be replaced: gradients flow through it)
+    node.meta["hecate_body_as_read"] = getattr(gm, node.args[0].target)
+    setattr(gm, node.args[0].target, original)
     return rec
 
 
@@ -1466,11 +1467,13 @@ def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
         compute = sum(n.op == "call_function" for n in body.graph.nodes)
         form, over = _form(node), _over(node)
         replaced = _steps(node) * compute + 1 if "hecate_rolled_loop" in node.meta else compute + 1
+        as_written = getattr(gm, node.args[0].target)
+        if "hecate_body_as_read" in node.meta:  # (read without its detach: the op's inputs traced from it)
+            setattr(gm, node.args[0].target, node.meta["hecate_body_as_read"])
         try:
             _replace(gm, node, rec, op)
         except NotFused as why:
-            if "hecate_body_as_written" in node.meta:  # (a body read without its detach: put back)
-                setattr(gm, node.args[0].target, node.meta.pop("hecate_body_as_written"))
+            setattr(gm, node.args[0].target, as_written)
             report.add_miss(op, f"{form} over a {rec.name} step: {why}", node.name, nodes=_body_nodes(gm, node))
             continue
         report.add_fusion(op, f"hecate.{op}", replaced, f"{describe(rec)}; {_runs_as(rec)}; {form} rolled up {over}")
