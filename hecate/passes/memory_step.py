@@ -633,8 +633,9 @@ def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_n
     (layout, qn, z_index, norm_eps), before = found
     reset = next((n for n in b.compute if n.target in _WHERE and _resets(n, M_in)), None)
     if reset is not None:
-        raise NotFused("the memory is reset by where(flag, 0, M), which clears a NaN or inf it holds where a gate (the op's decay) multiplies it: write the "
-                       "reset M * (1 - flag) or M * ~flag, which fuses where that is what is meant")
+        raise NotFused("the memory is reset by where(flag, 0, M), which clears a NaN or inf it holds where a gate "
+                       "(the op's decay) multiplies it: write the reset M * (1 - flag) or M * ~flag, which fuses "
+                       "where that is what is meant")
     dv, dk = (A, C) if layout == "vk" else (C, A)
     rec = Recurrence("lp", layout, lead, dv, dk, m, params={"q_norm": q_norm}, read_before_update=before,
                      read_node=read_node)
@@ -729,7 +730,8 @@ def _resets(where: fx.Node, M: fx.Node) -> bool:
         return a is M or isinstance(a, fx.Node) and a.target in _VIEWS and a.args[0] is M
 
     def is_zero(a):
-        return isinstance(a, (int, float)) and not isinstance(a, bool) and a == 0 or isinstance(a, fx.Node) and is_zeros(a)
+        return isinstance(a, fx.Node) and is_zeros(a) or isinstance(a, (int, float)) and not isinstance(a, bool) \
+            and a == 0
 
     branches = where.args[1:3]
     return len(branches) == 2 and (is_memory(branches[0]) and is_zero(branches[1])
