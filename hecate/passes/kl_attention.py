@@ -70,7 +70,7 @@ from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals
                                     gaussian_kl, independent, nearest_sources, proportion, run_time_temperature,
                                     shape_of, short, sources_shaped, strip_noops, where_read_apart)
 from hecate.passes.matching import (NotFused, bound_reason, constant_tensor, depends_on_sizes_only, first_threshold,
-                                    is_zeros, nodes_between, number_of, replace_with_function,
+                                    is_one, is_zeros, nodes_between, number_of, replace_with_function,
                                     shifted_size, size_hint, tensors_read, written_in_place)
 
 PATTERN = "kl_attention"
@@ -931,12 +931,8 @@ def _run_time_mask(node: fx.Node, kind: str, shape, made_here: bool = False) -> 
         return False
     lead, pairs = value.shape[:-2], value.shape[-2:]
     n = shape[-1]
-    return all(_is_one(d) or statically_known_true(d == s) for d, s in zip(reversed(lead), reversed(shape[:-2]))) \
-        and all(_is_one(d) or statically_known_true(d == n) for d in pairs)
-
-
-def _is_one(size) -> bool:
-    return statically_known_true(size == 1)
+    return all(is_one(d) or statically_known_true(d == s) for d, s in zip(reversed(lead), reversed(shape[:-2]))) \
+        and all(is_one(d) or statically_known_true(d == n) for d in pairs)
 
 
 def _mask_kind(allowed: torch.Tensor) -> tuple[bool, bool]:
@@ -1382,7 +1378,7 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
             if score is not None:
                 _refill(score.unfilled)
             shape = shape_of(softmax)
-            if shape and _is_one(shape[-1]):  # torch.compile specialises a length of 1: a graph for N = 1 alone
+            if shape and is_one(shape[-1]):  # torch.compile specialises a length of 1: a graph for N = 1 alone
                 # (why the match failed is not told: a pair tensor [B, 1, 1] has no size that tells it from a
                 # per-query one, so the reason found may name the wrong tensor)
                 e = NotFused("a softmax over one key (N = 1, in the graph torch.compile makes for length 1 alone): "

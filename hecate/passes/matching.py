@@ -25,6 +25,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.utils.matcher_utils import InternalMatch, SubgraphMatcher
 from torch.utils import _pytree as pytree
 
@@ -518,7 +519,7 @@ def check_gradients_flow(args: Sequence[Any], outputs: Sequence[fx.Node]) -> Non
             continue  # a detached input read by the replaced outputs alone (β @ mu.detach()): the op reads it so
         if is_register_hook(node.target):
             raise NotFused(hook_reason(node))
-        stop = _gradient_stop(node, inputs)
+        stop = gradient_stop(node, inputs)
         if stop is not None and stop in replaced:
             continue  # (an output read through detach, made under no_grad: the fused op's is detached too)
         if stop is None:
@@ -531,7 +532,7 @@ def first_gradient_stop(body: fx.GraphModule) -> fx.Node | None:
     """The first detach in a loop body of what its inputs compute (``M.detach()`` at every step; what is computed
     under torch.no_grad() reaches the rest through one), or None."""
     inputs = set(body.graph.find_nodes(op="placeholder"))
-    return next((s for n in body.graph.nodes if (s := _gradient_stop(n, inputs)) is not None), None)
+    return next((s for n in body.graph.nodes if (s := gradient_stop(n, inputs)) is not None), None)
 
 
 def is_register_hook(target: Any) -> bool:
@@ -590,7 +591,7 @@ def gradient_stop_reason(stop: fx.Node) -> str:
             "torch.no_grad(), or a number read by .item()); the fused op would let them through; compiled as written")
 
 
-def _gradient_stop(node: fx.Node, inputs: set[fx.Node]) -> fx.Node | None:
+def gradient_stop(node: fx.Node, inputs: set[fx.Node]) -> fx.Node | None:
     """``node`` if it is a detach of something computed from ``inputs``."""
     if node.target is torch.ops.aten.detach.default and inputs & _differentiable_ancestors(node.args, inputs) \
             and any(n.op == "placeholder" for n in tensors_read(node.args[:1])):
@@ -599,6 +600,11 @@ def _gradient_stop(node: fx.Node, inputs: set[fx.Node]) -> fx.Node | None:
             and any(n.op == "placeholder" and n.meta.get("requires_grad", True) for n in tensors_read(node.args[:1])):
         return node  # (Dynamo's 0-d input for a float attribute under dynamic=True requires no gradient)
     return None
+
+
+def is_one(size: Any) -> bool:
+    """``size`` is 1 for every input the graph is compiled for (not a dynamic size that is 1 now)."""
+    return statically_known_true(size == 1)
 
 
 _READ_AS_A_NUMBER = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)  # .item()

@@ -25,6 +25,8 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
+from hecate.passes.matching import KEEP, computed_from, is_one
+
 aten = torch.ops.aten
 
 
@@ -70,14 +72,12 @@ def _row_gates(graph: fx.Graph, M: fx.Node, rank: int) -> dict[str, str]:
     """For each value of the memory's rank that is one number across its columns ([B, 1, 1] of a step size per
     sequence, [D, 1] of a decay per row), its select of that one column: the value per row, as the memory split
     per row reads it (the gates of a memory [B, D, N] read as [B] and [D] against [B, D], from the right)."""
-    from hecate.passes.matching import KEEP, computed_from
-
     gates = {}
     first = next(n for n in graph.nodes if n.op != "placeholder")
     for node in list(graph.nodes):
         value = node.meta.get("val")
         if node.op not in ("placeholder", "call_function") or node is M or not isinstance(value, torch.Tensor) \
-                or not value.is_floating_point() or not 1 <= value.dim() <= rank or not _one(value.shape[-1]) \
+                or not value.is_floating_point() or not 1 <= value.dim() <= rank or not is_one(value.shape[-1]) \
                 or computed_from([node], {M}):
             continue
         with graph.inserting_before(first if node.op == "placeholder" else node.next):
@@ -86,10 +86,6 @@ def _row_gates(graph: fx.Graph, M: fx.Node, rank: int) -> dict[str, str]:
         with detect_fake_mode([value]) or contextlib.nullcontext():
             gates[node].meta["val"] = value.select(-1, 0)
     return {node.name: gate.name for node, gate in gates.items()}
-
-
-def _one(size) -> bool:
-    return isinstance(size, int) and size == 1
 
 
 def install(gm: fx.GraphModule, node: fx.Node, state: int, body: fx.GraphModule) -> None:

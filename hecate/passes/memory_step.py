@@ -53,7 +53,8 @@ import torch
 from torch import fx
 
 from hecate.passes.matching import NotFused, bound_reason, computed_from, first_gradient_stop, first_threshold, \
-    free_attribute, gradient_stop_reason, is_register_hook, is_zeros, op_name, replace_with_function, snapped
+    free_attribute, gradient_stop, gradient_stop_reason, is_one, is_register_hook, is_zeros, op_name, \
+    replace_with_function, snapped
 from hecate.passes.report import source_line
 
 aten = torch.ops.aten
@@ -1239,10 +1240,8 @@ def _state_detach_stripped(body: fx.GraphModule, n_carries: int) -> fx.GraphModu
     """A copy of scan ``body`` without its gradient stops, where each is a new state detached as the step carries
     it (``M = (a·M + u).detach()``, or the update made under ``torch.no_grad()``, the grad mode's switches dropped
     too); None where the body has no stop or another one (a read under no_grad, M.detach() at the step's start)."""
-    from hecate.passes.matching import _gradient_stop
-
     inputs = set(body.graph.find_nodes(op="placeholder"))
-    stops = [n for n in body.graph.nodes if _gradient_stop(n, inputs) is not None]
+    stops = [n for n in body.graph.nodes if gradient_stop(n, inputs) is not None]
     carried = list(body.graph.output_node().args[0])[:n_carries]
     if not stops or any(n not in carried for n in stops):
         return None
@@ -1440,10 +1439,10 @@ def _outer_products(body: fx.Graph) -> list[fx.Node]:
         if any(s is None or len(s) < 2 for s in shapes):
             continue
         a, b = shapes
-        if node.target is aten.mul.Tensor and (_is_one(a[-1]) and _is_one(b[-2])
-                                               or _is_one(a[-2]) and _is_one(b[-1])):
+        if node.target is aten.mul.Tensor and (is_one(a[-1]) and is_one(b[-2])
+                                               or is_one(a[-2]) and is_one(b[-1])):
             found.append(node)
-        elif node.target is not aten.mul.Tensor and _is_one(a[-1]):  # a product that sums over one element
+        elif node.target is not aten.mul.Tensor and is_one(a[-1]):  # a product that sums over one element
             found.append(node)
     return found
 
@@ -1619,10 +1618,6 @@ def _emit_traced(gm: fx.GraphModule, traced: fx.GraphModule, outer: list) -> tup
     return result, emitted
 
 
-def _is_one(size: Any) -> bool:
-    return isinstance(size, int) and size == 1
-
-
 def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_ones: list[bool] | None,
                       reads: set[str], y_static: list[int] | None = None) -> Any:
     """The scan's results computed by the op, as a plain PyTorch function of the tensors ``names`` say.
@@ -1696,7 +1691,7 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
         results = []
         if "y" in reads:  # [B, T, H, Dv] → [T, *lead, Dv], with the size-1 dims the body's y has
             y = y.movedim(1, 0)
-            sizes = iter(s for s in (y.shape[0], *lead, y.shape[-1]) if not _is_one(s))
+            sizes = iter(s for s in (y.shape[0], *lead, y.shape[-1]) if not is_one(s))
             # (y_static: the body's own static shape, where its y splits a dim of the memory's batch)
             y = y.reshape(y_static if y_static is not None else [1 if one else next(sizes) for one in y_ones])
             # the reads a function of the read takes next, traced on a contiguous tensor: one, not a strided view
@@ -1753,12 +1748,12 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
         raise NotFused("the momentum buffer enters the memory scaled by a tensor (M ← a·M − lr·S, lr a parameter or "
                        "buffer), and is carried in from before the loop or read after it: the op's buffer is lr·S, "
                        "which it could give back only divided by lr")
-    y_ones = [_is_one(s) for s in read["y"].meta["val"].shape] if "y" in read else None
+    y_ones = [is_one(s) for s in read["y"].meta["val"].shape] if "y" in read else None
     y_static = None
     if "y" in read and rec.read_node is None:
         lead, dv = _per_step_shape(rec, "v", M0.meta["val"])
         steps = read["y"].meta["val"].shape[0]
-        if sum(not one for one in y_ones) != sum(not _is_one(s) for s in (steps, *lead, dv)):
+        if sum(not one for one in y_ones) != sum(not is_one(s) for s in (steps, *lead, dv)):
             # the body's y splits the memory's batch (k[:, t].reshape(B·H, D) read back as [B, H, Dv])
             y_static = [s for s in read["y"].meta["val"].shape]
             if not all(isinstance(s, int) for s in y_static):
@@ -1767,10 +1762,10 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
     after = None
     if rec.read_node is not None and "y" in read:  # the op gives the reads; the output's function follows them
         steps = read["y"].meta["val"].shape[0]
-        y_ones = [_is_one(steps)] + [_is_one(s) for s in rec.read_node.meta["val"].shape]
+        y_ones = [is_one(steps)] + [is_one(s) for s in rec.read_node.meta["val"].shape]
         M = M0.meta["val"]  # the reads [T, *lead, Dv] with the read's size-1 dims, sizes as the memory's
         lead, dv = _per_step_shape(rec, "v", M)
-        sizes = iter(s for s in (steps, *lead, dv) if not _is_one(s))
+        sizes = iter(s for s in (steps, *lead, dv) if not is_one(s))
         reads = M.new_empty([1 if one else next(sizes) for one in y_ones], dtype=rec.read_node.meta["val"].dtype)
         # traced before anything changes: where it cannot be, NotFused leaves the graph as it is
         after = _after_the_reads(getattr(gm, node.args[0].target).graph, n_carries, list(xs) + list(invariants),

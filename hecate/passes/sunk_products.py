@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from hecate.passes.matching import is_one
+
 aten = torch.ops.aten
 
 
@@ -93,8 +95,8 @@ def sunk(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.GraphModule, list, list,
                                                          [1] * (rank - value.dim()) + list(value.shape))
             size = aligned.meta["val"].shape[time]
             with graph.inserting_before(first):
-                read[f] = graph.placeholder(f"{f.name}_{'step' if not _is_one(size) else 'every_step'}")
-            if _is_one(size):  # no time: every step reads it whole
+                read[f] = graph.placeholder(f"{f.name}_{'step' if not is_one(size) else 'every_step'}")
+            if is_one(size):  # no time: every step reads it whole
                 outer = emit(aten.select.int, aligned, time, 0)
                 new_invariants.append(outer)
                 every.append(read[f])
@@ -119,10 +121,6 @@ def sunk(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.GraphModule, list, list,
     graph.lint()
     body.recompile()
     return body, new_xs, new_invariants, emitted
-
-
-def _is_one(size: Any) -> bool:
-    return isinstance(size, int) and size == 1
 
 
 def install(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule, xs: list, invariants: list) -> None:
