@@ -731,6 +731,7 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
         unbind_as_selects(graph)
         unpacked_pieces_together(graph)
         slot_writes_as_stacks(graph)
+        whole_writes_as_assignments(graph)
         functionalize(graph)
     merges = common_subexpressions(graph, apart=_step_slice)
     if graph is gm.graph:
@@ -938,7 +939,9 @@ def _unpacked_apart(graph: fx.Graph) -> Iterator[tuple[fx.Node, list[fx.Node]]]:
 
 
 # calls that make a tensor nothing else holds (its values are never read here: every slot is written)
-_FRESH = (torch.empty, torch.zeros, torch.empty_like, torch.zeros_like, "new_empty", "new_zeros")
+_FILLED = (torch.zeros, torch.zeros_like, "new_zeros", torch.ones, torch.ones_like, "new_ones", torch.full,
+           torch.full_like, "new_full")  # fresh tensors of known values
+_FRESH = (torch.empty, torch.empty_like, "new_empty") + _FILLED
 # methods whose result, taken of a fresh tensor nothing else reads, is fresh too (it is that tensor, or a copy):
 # ``torch.zeros(B, T, D).to(v)``, as reference code allocates outputs
 _STILL_FRESH = ("to", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "cpu", "cuda")
@@ -954,11 +957,11 @@ def _fresh(node: fx.Node) -> bool:
 
 
 def slot_writes_as_stacks(graph: fx.Graph) -> None:
-    """``out = torch.empty(B, T, D)`` (or zeros), then ``out[:, t] = y_t`` (or ``out[:, t].copy_(y_t)``) for
+    """``out = torch.empty(B, T, D)`` (or zeros, ones, a fill), then ``out[:, t] = y_t`` (or ``out[:, t].copy_(y_t)``) for
     every t → ``out = torch.stack([y_0, .., y_{T−1}], 1)``, made where out is first read.
 
     Exact where: out is made fresh, each of its T slots along one dim is written exactly once (or, where out
-    is made of zeros, at most once: a slot left unwritten, as a loop over ``range(1, T)`` leaves slot 0, is
+    is made of known values, at most once: a slot left unwritten, as a loop over ``range(1, T)`` leaves slot 0, is
     read from out), by a value of the slot's shape, dtype and device (no broadcast, no cast), out is read
     only after the last write, no y_t is written to afterwards, and grad mode and autocast stay
     as they are throughout. Then out holds the y_t, and stack makes the same values (and gradients); a loop's
@@ -1002,7 +1005,7 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
         # slots written are the first ones, the rest read from out as it was made, as long as it is
         written = len(slots) if is_concrete_int(size) or set(slots) == {(dim, t) for t in range(len(slots))} else None
         every = {(dim, t) for t in range(int(size) if is_concrete_int(size) else len(slots))}
-        if written is None or not set(slots) <= every or set(slots) != every and not _zeros_made(out):
+        if written is None or not set(slots) <= every or set(slots) != every and not _filled(out):
             continue
         last = max(order[w] for w in writes)
         readers = [u for u in out.users if u not in writes]
@@ -1010,7 +1013,7 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
                 or any(n.target in _MODE_CHANGES for n in graph.nodes if order[out] < order[n] < last):
             continue
         first_reader = min(readers, key=order.__getitem__, default=next(iter(reversed(graph.nodes))))
-        unwritten = []  # the slots left as made (zeros), read from out (not from a step's value: a loop's own)
+        unwritten = []  # the slots left as made (zeros, a fill), read from out (not from a step's value: a loop's own)
         with graph.inserting_before(first_reader):
             for t in range(len(every)):
                 if (dim, t) not in slots:
@@ -1047,11 +1050,12 @@ def _with_the_rest_of(graph: fx.Graph, out: fx.Node, dim: int, n: int, stack: fx
     return [size, rest, tail, whole]
 
 
-def _zeros_made(node: fx.Node) -> bool:
-    """Whether ``node`` (fresh, :func:`_fresh`) is made of zeros, or is a cast or copy of such a tensor."""
+def _filled(node: fx.Node) -> bool:
+    """Whether ``node`` (fresh, :func:`_fresh`) is made of known values (zeros, ones, a fill), or is a cast or
+    copy of such a tensor."""
     while node.op == "call_method" and node.target in _STILL_FRESH:
         node = node.args[0]
-    return node.target in (torch.zeros, torch.zeros_like, "new_zeros")
+    return node.target in _FILLED
 
 
 def _written_after(graph: fx.Graph, values: list[fx.Node], order: dict[fx.Node, int], start: int) -> bool:
@@ -1176,6 +1180,68 @@ def _storage(node: Any) -> StorageWeakRef | None:
         return StorageWeakRef(value.untyped_storage())
     except Exception:  # e.g. a tensor subclass without storage
         return None
+
+
+def whole_writes_as_assignments(graph: fx.Graph) -> None:
+    """A write into all of x through a view, ``x[:] = y``, ``x[...].copy_(y)``, ``x.view(B * H, D, D).copy_(y)``
+    → ``x.copy_(y')`` with y' y laid out as x (``y.reshape_as(x)`` for a view that reshapes), which
+    :func:`functionalize` reads as an assignment: x holds y' from there on.
+
+    Exact where the view is x's every element once, in x's order (the same sizes and strides, or both
+    contiguous: a reshape), y has the view's shape, dtype and device (no broadcast, no cast), and nothing else
+    reads the view or the write's result."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is operator.setitem and len(node.args) == 3 \
+                and not node.users and isinstance(node.args[0], fx.Node) and _whole_index(node.args[1]):
+            x, view, y = node.args[0], node.args[0], node.args[2]
+        elif (node.op == "call_method" and node.target == "copy_" or node.target is aten.copy_.default) \
+                and len(node.args) == 2 and not node.kwargs and not node.users \
+                and isinstance(node.args[0], fx.Node) and node.args[0].op in ("call_function", "call_method") \
+                and node.args[0].args and isinstance(node.args[0].args[0], fx.Node) and len(node.args[0].users) == 1:
+            view, y = node.args
+            x = view.args[0]
+        else:
+            continue
+        x_value, view_value, y_value = _val(x), _val(view), _val(y)
+        if not all(isinstance(v, torch.Tensor) for v in (x_value, view_value, y_value)) \
+                or _storage(view) != _storage(x) or y_value.shape != view_value.shape \
+                or y_value.dtype != x_value.dtype or y_value.device != x_value.device:
+            continue
+        as_laid_out = view_value.shape == x_value.shape and view_value.stride() == x_value.stride()
+        if view_value.storage_offset() != x_value.storage_offset() or not (as_laid_out or (
+                view_value.numel() == x_value.numel() and view_value.is_contiguous() and x_value.is_contiguous())):
+            continue
+        with graph.inserting_before(node):
+            if not as_laid_out and _reshaped_from(y, x_value.shape) is not None:
+                y = _reshaped_from(y, x_value.shape)  # new.reshape(B * H, D, D) written into M.view(B * H, D, D)
+            elif not as_laid_out:
+                y = graph.call_method("reshape_as", (y, x))
+                y.meta["example_value"] = y_value.reshape(x_value.shape)
+            write = graph.call_method("copy_", (x, y))
+        write.meta["example_value"] = x_value
+        graph.erase_node(node)
+        if view is not x and not view.users:
+            graph.erase_node(view)
+
+
+# Dynamo's spellings of a reshape (ATen's: _RESHAPES)
+_CAPTURED_RESHAPES = ("view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", torch.reshape,
+                      torch.flatten, torch.unflatten)
+
+
+def _reshaped_from(node: fx.Node, shape: torch.Size) -> fx.Node | None:
+    """z where ``node`` reshapes a z of ``shape`` (its elements in the same order: reshaped back, it is z)."""
+    source = node.args[0] if node.op in ("call_method", "call_function") and node.target in _CAPTURED_RESHAPES \
+        and node.args and isinstance(node.args[0], fx.Node) else None
+    value = _val(source) if source is not None else None
+    return source if isinstance(value, torch.Tensor) and value.shape == shape else None
+
+
+def _whole_index(index: Any) -> bool:
+    """Whether ``x[index]`` is all of x as it is laid out: ``x[:]``, ``x[...]``, ``x[:, :]``."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return sum(p is Ellipsis for p in parts) <= 1 and all(
+        p is Ellipsis or isinstance(p, slice) and p == slice(None) for p in parts)
 
 
 def _has_in_place_ops(graph: fx.Graph) -> bool:

@@ -458,6 +458,66 @@ def test_outputs_written_into_every_slot_once_are_a_stack():
         assert torch.equal(collapsed(*[a.clone() for a in args])[0], fn(*args))
 
 
+def _written_whole(write):
+    def fn(x):
+        state = torch.zeros(2, 3, 4)
+        for _ in range(2):
+            write(state, (state * 0.5 + x).sin())
+        return state * 2
+    return fn
+
+
+def _written_in_part(write):
+    def fn(x):
+        state = torch.ones(2, 3, 4)
+        view = write(state, (state * 0.5 + x).sin())
+        return state * 2, view * 3
+    return fn
+
+
+WHOLE_WRITES = {
+    "slice": lambda s, y: s.__setitem__(slice(None), y),
+    "ellipsis": lambda s, y: s.__setitem__(Ellipsis, y),
+    "two_slices": lambda s, y: s.__setitem__((slice(None), slice(None)), y),
+    "copy_into_an_ellipsis": lambda s, y: s[...].copy_(y),
+    "copy_into_a_flat_view": lambda s, y: s.view(-1).copy_(y.flatten()),
+    "copy_into_a_view_of_a_new_shape": lambda s, y: s.view(6, 4).copy_(y.reshape(6, 4)),
+    "copy_of_a_value_made_in_the_view's_shape": lambda s, y: s.view(6, 4).copy_(y.reshape(6, 4).cos()),
+}
+PART_WRITES = {  # each writes part of the state, or a view read after the write, or broadcasts or casts y
+    "a_slice_of_the_first_dim": lambda s, y: s.__setitem__(slice(1, None), y[1:]) or s[:1],
+    "the_last_column": lambda s, y: (s[..., -1].copy_(y[..., 0]), s[..., :1])[1],
+    "a_broadcast_row": lambda s, y: s.__setitem__(slice(None), y[:1]) or s,
+    "a_cast_from_double": lambda s, y: s.__setitem__(slice(None), y.double()) or s,
+    "a_transposed_view": lambda s, y: s.transpose(1, 2).copy_(y.transpose(1, 2)),
+    "a_flat_view_read_after": lambda s, y: s.view(-1).copy_(y.flatten()),
+    "every_other_row": lambda s, y: s[:, ::2].copy_(y[:, ::2]),
+}
+
+
+@pytest.mark.parametrize("name", list(WHOLE_WRITES))
+def test_a_write_into_all_of_a_fresh_tensor_is_an_assignment(name):
+    """``x[:] = y``, ``x[...].copy_(y)``, ``x.view(s).copy_(y.reshape(s))``: x holds y from there on (the
+    loop roller then reads the state as reassigned, ``x = y``)."""
+    fn, x = _written_whole(WHOLE_WRITES[name]), torch.randn(2, 3, 4)
+    gm = _dynamo_graph(fn, x)
+    collapsed = collapse_captured(gm)
+    writes = [n for n in collapsed.graph.nodes if n.target in ("copy_", operator.setitem)]
+    assert not writes, collapsed.code
+    assert torch.equal(collapsed(x)[0], fn(x))
+
+
+@pytest.mark.parametrize("name", list(PART_WRITES))
+def test_a_write_into_part_of_a_tensor_or_a_view_read_after_it_is_kept(name):
+    fn, x = _written_in_part(PART_WRITES[name]), torch.randn(2, 3, 4)
+    gm = _dynamo_graph(fn, x)
+    collapsed = collapse_captured(gm)
+    writes = [n for n in collapsed.graph.nodes if n.target in ("copy_", operator.setitem)]
+    assert writes, collapsed.code
+    for got, expected in zip(collapsed(x), fn(x)):
+        assert torch.equal(got, expected)
+
+
 class _Scalars(torch.nn.Module):
     """Float attributes read by float and int tensors: under dynamic=True Dynamo passes each as a 0-d input."""
 

@@ -1245,6 +1245,48 @@ def hebbian_state_assigned_by_copy(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_state_assigned_through_a_slice(k, v, q, alpha, eta):
+    """The new state written into all of the old one, ``M[:] = a·M − η e kᵀ`` (probe r34: not rolled up, the
+    steps read as different). Inference only, as every in-place write of a state its error reads."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, ..., None])[..., 0] - v[:, t]
+        M[:] = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_state_copied_into_a_view_of_its_heads(k, v, q, alpha, eta):
+    """The new state, heads flattened, copied into the state viewed the same way:
+    ``M.view(B * H, Dv, Dk).copy_(new.reshape(B * H, Dv, Dk))`` (probe r34: not rolled up)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, ..., None])[..., 0] - v[:, t]
+        new = M - eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        M.view(-1, *M.shape[-2:]).copy_(new.reshape(-1, *M.shape[-2:]))
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_state_assigned_through_an_ellipsis(k, v, q, alpha, eta):
+    """``M[...] = a·M + v kᵀ``."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M[...] = alpha[:, t, :, None, None] * M + v[:, t, ..., None] * k[:, t, ..., None, :]
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_state_copied_into_a_flat_view(k, v, q, alpha, eta):
+    """The state [B, H, Dv, Dk] updated as a flat [B·H·Dv·Dk] vector: ``M.view(-1).copy_(new.flatten())``."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        new = alpha[:, t, :, None, None] * M + v[:, t, ..., None] * k[:, t, ..., None, :]
+        M.view(-1).copy_(new.flatten())
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def mamba1_scan_update_made_before_the_loop(k, v, q, alpha, eta):
     """transformers' Mamba-1 reference (A one per channel): the decay and the update Δ x Bᵀ made for every step
     before the loop [B, D, T, N], one step of each read in it, h [B, D, N], y = h C_t (probe r31: silent)."""
@@ -3212,13 +3254,21 @@ def test_a_reset_by_bool_flags_fuses_where_it_is_a_gate(family, where, flag, fre
         assert report.count(family) == 0 and report.misses, str(report)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("fn, op", [(delta_rule_addcmul_in_place_with_a_value, "memory_scan"),
-                                    (hebbian_state_assigned_by_copy, "linear_attention")],
-                         ids=["addcmul_in_place", "assigned_by_copy"])
-def test_a_state_written_in_place_by_a_copy_fuses(fn, op, fresh_dynamo):
+                                    (hebbian_state_assigned_by_copy, "linear_attention"),
+                                    (delta_rule_state_assigned_through_a_slice, "memory_scan"),
+                                    (delta_rule_state_copied_into_a_view_of_its_heads, "memory_scan"),
+                                    (hebbian_state_assigned_through_an_ellipsis, "linear_attention"),
+                                    (hebbian_state_copied_into_a_flat_view, "linear_attention")],
+                         ids=["addcmul_in_place", "assigned_by_copy", "assigned_through_a_slice",
+                              "copied_into_a_view_of_its_heads", "assigned_through_an_ellipsis",
+                              "copied_into_a_flat_view"])
+def test_a_state_written_in_place_by_a_copy_fuses(fn, op, dynamic, fresh_dynamo):
     inputs = [x.detach() for x in _inputs()]
     y_ref, m_ref = fn(*inputs)
-    y, m = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})(*inputs)
+    y, m = torch.compile(fn, backend="hecate", dynamic=dynamic,
+                         options={"fallback": "eager", "strict": True})(*inputs)
     report = hecate.last_report()
     assert report.count(op) == 1 and not report.misses, str(report)
     assert_close("y", y, y_ref, TOL)
@@ -3234,6 +3284,44 @@ def delta_rule_outputs_into_zeros_like(k, v, q, alpha, eta):
         M = M - eta[:, t, :, None, None] * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
         out[:, t] = (M @ q[:, t].unsqueeze(-1)).squeeze(-1)
     return out, M
+
+
+def delta_rule_outputs_into_a_fill(k, v, q, alpha, eta):
+    """Outputs written into a buffer filled with NaN, ``torch.full_like(v, nan)``, every slot (probe r34: a fill
+    was not read as a fresh buffer, the loop not rolled up)."""
+    M, out = _m0(k, v), torch.full_like(v, float("nan"))
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = M - eta[:, t, :, None, None] * e.unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        out[:, t] = (M @ q[:, t].unsqueeze(-1)).squeeze(-1)
+    return out, M
+
+
+def hebbian_outputs_after_a_slot_of_ones(k, v, q, alpha, eta):
+    """Outputs written into ``v.new_ones(B, T + 1, H, Dv)`` from slot 1: slot 0 stays ones, read from the buffer."""
+    M, out = _m0(k, v), v.new_ones(v.shape[0], v.shape[1] + 1, *v.shape[2:])
+    for t in range(k.shape[1]):
+        M = alpha[:, t, :, None, None] * M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        out[:, t + 1] = (M @ q[:, t].unsqueeze(-1)).squeeze(-1)
+    return out, M
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fn, op", [(delta_rule_outputs_into_a_fill, "memory_scan"),
+                                    (hebbian_outputs_after_a_slot_of_ones, "linear_attention")],
+                         ids=["every_slot_of_a_nan_fill", "after_a_slot_of_ones"])
+def test_outputs_into_a_filled_buffer_fuse(fn, op, dynamic, fresh_dynamo):
+    inputs = _inputs()
+    y_ref, m_ref, g_ref = _run(fn, inputs)
+    y, m, g = _run(torch.compile(fn, backend="hecate", dynamic=dynamic, options={"fallback": "eager", "strict": True}),
+                   inputs)
+    report = hecate.last_report()
+    assert report.count(op) == 1 and not report.misses, str(report)
+    assert not y_ref.isnan().any()
+    assert_close("y", y, y_ref, TOL)
+    assert_close("M", m, m_ref, TOL)
+    for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
+        assert_close(f"grad {what}", a, b, TOL)
 
 
 @pytest.mark.parametrize("extra", [0, 2], ids=["every_slot", "slots_left_as_zeros"])
