@@ -1002,10 +1002,10 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
         (dim,) = dims
         size = value.shape[dim]
         # a symbolic size (dynamic=True: the buffer zeros_like(v), the loop over k.shape[1], specialised): the
-        # slots written are the first ones, the rest read from out as it was made, as long as it is
-        written = len(slots) if is_concrete_int(size) or set(slots) == {(dim, t) for t in range(len(slots))} else None
-        every = {(dim, t) for t in range(int(size) if is_concrete_int(size) else len(slots))}
-        if written is None or not set(slots) <= every or set(slots) != every and not _filled(out):
+        # slots up to the last one written are stacked, the rest read from out as it was made, as long as it is
+        last_slot = max(t for _, t in slots)
+        every = {(dim, t) for t in range(int(size) if is_concrete_int(size) else last_slot + 1)}
+        if not set(slots) <= every or set(slots) != every and not _filled(out):
             continue
         last = max(order[w] for w in writes)
         readers = [u for u in out.users if u not in writes]

@@ -3306,6 +3306,37 @@ def hebbian_outputs_after_a_slot_of_ones(k, v, q, alpha, eta):
     return out, M
 
 
+def hebbian_outputs_from_the_second_token(k, v, q, alpha, eta):
+    """The loop from t = 1 over a zeros buffer as long as the input, ``out = torch.zeros_like(v)``: slot 0 stays 0."""
+    M, out = _m0(k, v), torch.zeros_like(v)
+    for t in range(1, k.shape[1]):
+        M = alpha[:, t, :, None, None] * M + v[:, t].unsqueeze(-1) * k[:, t].unsqueeze(-2)
+        out[:, t] = (M @ q[:, t].unsqueeze(-1)).squeeze(-1)
+    return out, M
+
+
+@pytest.mark.parametrize("fn", [hebbian_outputs_after_a_slot_of_ones, hebbian_outputs_from_the_second_token],
+                         ids=["after_a_slot_of_ones", "from_the_second_token"])
+def test_outputs_from_slot_1_fuse_after_the_recompile_for_another_length(fn, fresh_dynamo):
+    """Probe r34: fused at the first length; at the next, compiled with a symbolic buffer length, the slots
+    written (1 to T, not 0 to T − 1) were not read as a stack and the loop was not rolled up."""
+    compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})
+    for batch, length in [(2, 4), (3, 5), (2, 6)]:
+        torch.manual_seed(length)
+        k, q = torch.randn(batch, length, H, DK), torch.randn(batch, length, H, DK)
+        v = torch.randn(batch, length, H, DV)
+        alpha, eta = torch.rand(batch, length, H), torch.rand(batch, length, H)
+        inputs = [x.requires_grad_() for x in (k, v, q, alpha, eta)]
+        y_ref, m_ref, g_ref = _run(fn, inputs)
+        y, m, g = _run(compiled, inputs)
+        report = hecate.last_report()
+        assert report.count("linear_attention") == 1 and not report.misses, str(report)
+        assert_close(f"y at {batch}x{length}", y, y_ref, TOL)
+        assert_close(f"M at {batch}x{length}", m, m_ref, TOL)
+        for what, a, b in zip(("k", "v", "q", "alpha"), g, g_ref):
+            assert_close(f"grad {what} at {batch}x{length}", a, b, TOL)
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("fn, op", [(delta_rule_outputs_into_a_fill, "memory_scan"),
                                     (hebbian_outputs_after_a_slot_of_ones, "linear_attention")],
