@@ -248,20 +248,23 @@ def _recognise(logits: fx.Node) -> _Decode | None:
             return None
         return _matched(logits, queries, priors, scalars, k, v, shape, columns)
     # a number per token [V] (Σ_k log s_vk summed apart) is drawn through the [V, K] tensors it is computed from
-    numbers = [x for x in priors if len(shape_of(x)) == 1 and size_hint(shape_of(x)[0]) == v and k != v]
+    numbers = [x for x in priors if _per_token_number(shape_of(x), k, v)]
     priors = _with_sources([x for x in priors if x not in numbers], k, v)
+    own_numbers = []  # an input [V] of its own (a temperature per token): drawn as it is, for the diagnosis
     for number in numbers:  # (Σ_k m_vk² / s_vk + Σ_k log s_vk: through the [V] sums, the nearest [V, K] tensors)
         nearest = nearest_sources(number, lambda shape: len(shape) == 2 and size_hint(shape[-1]) == k
                                   and size_hint(shape[0]) in (v, 1))
         sources = _with_sources(nearest, k, v)
-        if not sources:
+        if not sources and number.op in ("placeholder", "get_attr"):
+            own_numbers.append(number)
+        elif not sources:
             return None
         priors += [x for x in sources if x not in priors]
     priors = [x for x in priors if x not in numbers]
     if any(size_hint(shape_of(x)[-1]) not in (k, 1) for x in priors) \
             or len(queries) + len(priors) < 2:  # means on each side (a variance each, or unit ones)
         return None
-    return _matched(logits, queries, priors, scalars, k, v, shape, False)
+    return _matched(logits, queries, priors + own_numbers, scalars, k, v, shape, False)
 
 
 def _matched(logits, queries, priors, scalars, k, v, shape, featureless) -> _Decode | None:
@@ -318,6 +321,11 @@ def _read_apart(tensors: list) -> list:
     return list(dict.fromkeys([t for t in tensors if t not in on_the_way] + list(lifted.values())))
 
 
+def _per_token_number(shape: tuple, k: int, v: int) -> bool:
+    """Whether a tensor of ``shape`` is one number per token against logits [..., N, V]: [V], [1, V] (K ≠ V)."""
+    return k != v and len(shape) >= 1 and size_hint(shape[-1]) == v and all(_is(s, 1) for s in shape[:-1])
+
+
 def _with_sources(priors: list, k: int, v: int) -> list:
     """``priors`` and the per-token or shared tensors ([V, K], [1, K], [K]) they are computed from."""
     def per_token(shape):
@@ -335,8 +343,8 @@ def _match(logits, queries, priors, k, v, shape, fixed=None, featureless=False, 
     priors (at their own sizes: [V, K], shared [1, K] / [K] / 0-d), the tensors ``fixed`` held. ``featureless``:
     K = 1 without its dim, beliefs [2, .., 3] and priors [V] (or shared [1], 0-d). ``why``: a list, given, to
     which the nearest decode the logits are not (:func:`_near_decode`) is added when they are none."""
-    def own(x):  # a prior's own size: per token [V, K], or shared by the tokens
-        if featureless is not False:
+    def own(x):  # a prior's own size: per token [V, K], or shared by the tokens; a number per token [V]
+        if featureless is not False or _per_token_number(shape_of(x), k, v):
             return tuple(1 if _is(s, 1) else v for s in shape_of(x))
         return tuple(1 if _is(s, 1) else v if i == len(shape_of(x)) - 2 else k for i, s in enumerate(shape_of(x)))
 

@@ -705,7 +705,7 @@ def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_n
     keep = _keep(retention)
     for f in keep.factors + keep.divisors:
         if not _is_gate(b.env[f], lead):
-            raise NotFused(f"the memory's decay has a factor of shape {list(b.env[f].shape)}, neither one number, nor "
+            raise NotFused(f"the memory's {_PER_ROW_DECAY} {list(b.env[f].shape)}, neither one number, nor "
                            f"one per batch and head {list(lead)}, nor one per head broadcast over the batch")
     if any(b.depends[f] - {m} for f in update.factors + update.divisors):
         raise NotFused("the update reads another state")
@@ -1328,11 +1328,15 @@ def _combined_body(body: fx.GraphModule, n_carries: int, n_xs: int, identities: 
             continue
         try:
             rec = analyse(rewritten, n_carries, n_xs)
-        except NotFused as other:
-            why = other if "update term" in str(why) else why
+        except NotFused as other:  # (the rewritten body's reason where it is nearer: one update term now, or a
+            # decay that is one per row, which :func:`_per_row` reads)
+            why = other if "update term" in str(why) or _PER_ROW_DECAY in str(other) else why
             continue
         return rec, rewritten
     return why
+
+
+_PER_ROW_DECAY = "decay has a factor of shape"  # (the reason :func:`_per_row` reads as a decay it may split per row)
 
 
 def _per_row(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | NotFused:
@@ -1341,7 +1345,7 @@ def _per_row(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | N
     scan then rewritten. Else ``why`` it is none, as is."""
     from hecate.passes import memory_heads, memory_update
 
-    if "decay has a factor of shape" not in str(why):
+    if _PER_ROW_DECAY not in str(why):
         return why
     body, n_carries, n_xs = getattr(gm, node.args[0].target), len(node.args[1]), len(node.args[2])
     identities = memory_update.identity_inputs(gm, node)

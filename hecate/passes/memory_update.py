@@ -31,6 +31,7 @@ from torch import fx
 
 from hecate.compiler.normalize import emit
 from hecate.passes.matching import eliminate_dead_code, written_in_place
+from hecate.passes.memory_heads import ROW_GATES
 from hecate.passes.memory_step import _VIEWS, _Product, _product, _terms
 
 aten = torch.ops.aten
@@ -46,6 +47,8 @@ def combined(body: fx.GraphModule, state: int, identities: set[int]) -> fx.Graph
     graph = body.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     M_in, M_out = placeholders[state], next(iter(reversed(graph.nodes))).args[0][state]
+    if ROW_GATES in body.meta and M_out.target is aten.unsqueeze.default:
+        M_out = M_out.args[0]  # a memory carried per row: the new state as the step writes it
     eyes = {placeholders[i] for i in identities}
     build = _Builder(graph, M_out.next)
     terms, written = [], _terms(M_out)
@@ -107,13 +110,13 @@ def _is_ones(node: Any) -> bool:
 
 
 def _distributed(build: _Builder, terms: list[tuple[float, Any]]) -> list[tuple[float, Any]]:
-    """Each term c · (Σ s_i t_i), c numbers per matrix (a gate outside the step: ``a (M (I − β k kᵀ) + β v kᵀ)``),
-    as the terms Σ s_i · c · t_i."""
+    """Each term c · (Σ s_i t_i), c elementwise factors (a gate outside the step: ``a (M (I − β k kᵀ) + β v kᵀ)``,
+    one per matrix, or per row, ``exp(−Δ)[:, :, None] (h + x Bᵀ)``), as the terms Σ s_i · c · t_i."""
     out = []
     for sign, term in terms:
         prod = _factors(term) if isinstance(term, fx.Node) else None
         sums = [f for f in prod.factors if len(_terms(f)) > 1 and not _is_number(f)] if prod is not None else []
-        if len(sums) != 1 or not all(map(_is_number, [f for f in prod.factors if f is not sums[0]] + prod.divisors)):
+        if len(sums) != 1:
             out.append((sign, term))
             continue
         rest = [f for f in prod.factors if f is not sums[0]]

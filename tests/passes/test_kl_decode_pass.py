@@ -120,22 +120,27 @@ def _kl_prior_to_belief(mu, log_var, prior_mu, prior_log_var):  # KL(π_v ‖ q_
                   + (mu[..., None, :] - prior_mu) ** 2) / log_var[..., None, :].exp() - 1).sum(-1)
 
 
-NEAR_DECODES = {
-    "kl_from_the_prior": (lambda mu, lv, pm, plv, tau: -_kl_prior_to_belief(mu, lv, pm, plv) / 0.5,
+def _over_tau(mu, lv, pm, plv, tau):
+    return -_kl_belief_to_prior(mu, lv, pm, plv) / tau
+
+
+NEAR_DECODES = {  # (logits, the temperature's shape, the reason)
+    "kl_from_the_prior": (lambda mu, lv, pm, plv, tau: -_kl_prior_to_belief(mu, lv, pm, plv) / 0.5, (2, 5, 1),
                           "the logits are −KL(π_v ‖ q_i)/τ"),
-    "temperature_per_position": (lambda mu, lv, pm, plv, tau: -_kl_belief_to_prior(mu, lv, pm, plv) / tau,
-                                 "with τ one per position; kl_decode divides by one temperature"),
+    "temperature_per_position": (_over_tau, (2, 5, 1), "with τ one per position; kl_decode divides by one "),
+    "temperature_per_token": (_over_tau, (7,), "with τ one per token; kl_decode divides by one temperature"),
+    "temperature_per_token_as_a_row": (_over_tau, (1, 7), "with τ one per token; kl_decode divides by one "),
 }
 
 
 @pytest.mark.parametrize("name", list(NEAR_DECODES))
 def test_logits_near_a_decode_say_what_the_op_does_not_compute(name, fresh_dynamo):
-    """The KL from each prior to the belief, or a temperature per position [B, N, 1]: not what kl_decode computes,
-    compiled as written, the report naming which (probe r33: one generic text for both)."""
-    fn, reason = NEAR_DECODES[name]
+    """The KL from each prior to the belief, or a temperature per position [B, N, 1] or per token [V]: not what
+    kl_decode computes, compiled as written, the report naming which (probe r33: one generic text for each)."""
+    fn, tau_shape, reason = NEAR_DECODES[name]
     torch.manual_seed(0)
     inputs = [torch.randn(2, 5, 3), 0.3 * torch.randn(2, 5, 3), torch.randn(7, 3), 0.3 * torch.randn(7, 3),
-              torch.rand(2, 5, 1) + 0.5]
+              torch.rand(*tau_shape) + 0.5]
     inputs = [x.requires_grad_() for x in inputs]
     got = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})(*inputs)
     report = hecate.last_report()

@@ -1352,6 +1352,36 @@ def mamba1_scan_decay_per_channel(k, v, q, alpha, eta):
     return torch.stack(ys, 1), h
 
 
+def delta_rule_decay_per_value_row_on_the_whole_step(k, v, q, alpha, eta):
+    """A decay per value row multiplying the whole delta-rule step, a ⊙ (M − η e kᵀ) (probe r34: refused as "not
+    an outer product"): per row, a·M − (a η) e kᵀ, a step size per row."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t].unsqueeze(-1)).squeeze(-1) - v[:, t]
+        M = torch.sigmoid(v[:, t])[..., None] * (M - eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :])
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def mamba1_scan_decay_on_the_whole_step(k, v, q, alpha, eta):
+    """Mamba-1 with the decay per channel applied after the input is added, h ← exp(−Δ_t) ⊙ (h + x_t B_tᵀ)."""
+    x, dt = v.flatten(2), F.softplus(v.flatten(2))  # [B, T, D]
+    h, ys = k.new_zeros(k.shape[0], x.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        h = torch.exp(-dt[:, t])[:, :, None] * (h + x[:, t][:, :, None] * k[:, t, 0][:, None, :])
+        ys.append((h * q[:, t, 0][:, None, :]).sum(-1))
+    return torch.stack(ys, 1), h
+
+
+def hebbian_decay_per_value_row_on_the_whole_step(k, v, q, alpha, eta):
+    """M ← a_t ⊙ (M + v kᵀ) with a_t one per value row [B, H, Dv, 1]."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = torch.sigmoid(v[:, t] + alpha[:, t, :, None])[..., None] * (M + v[:, t, ..., None] * k[:, t, :, None, :])
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 SPELLINGS = {
     "hebbian_outputs_stacked_and_the_last_returned": (hebbian_outputs_stacked_and_the_last_returned,
                                                       "linear_attention"),
@@ -1475,6 +1505,11 @@ SPELLINGS = {
     "delta_rule_lerp_towards_the_corrected_memory": (delta_rule_lerp_towards_the_corrected_memory, "memory_scan"),
     "delta_rule_decay_per_value_row": (delta_rule_decay_per_value_row, "memory_scan"),
     "mamba1_scan_decay_per_channel": (mamba1_scan_decay_per_channel, "linear_attention"),
+    "delta_rule_decay_per_value_row_on_the_whole_step": (delta_rule_decay_per_value_row_on_the_whole_step,
+                                                         "memory_scan"),
+    "mamba1_scan_decay_on_the_whole_step": (mamba1_scan_decay_on_the_whole_step, "linear_attention"),
+    "hebbian_decay_per_value_row_on_the_whole_step": (hebbian_decay_per_value_row_on_the_whole_step,
+                                                      "linear_attention"),
     "mamba1_scan_update_made_before_the_loop": (mamba1_scan_update_made_before_the_loop, "linear_attention"),
 }
 
@@ -1702,6 +1737,8 @@ def test_momentum_buffer_carried_between_chunks_fuses(dynamic, fresh_dynamo):
                                   "gated_first_step_before_the_loop", "delta_rule_from_none", "delta_rule_householder_form",
                                   "delta_rule_normalised_keys", "l2_in_place_on_step_temporaries",
                                   "mamba1_scan_decay_per_channel", "delta_rule_decay_per_value_row",
+                                  "delta_rule_decay_per_value_row_on_the_whole_step",
+                                  "mamba1_scan_decay_on_the_whole_step",
                                   "mamba1_scan_update_made_before_the_loop"])
 def test_spelling_fuses_under_dynamic_shapes(name, fresh_dynamo):
     """dynamic=True: the clone of each step stays after the in-place writes of the step before (moved before
