@@ -1256,6 +1256,10 @@ def functionalize(graph: fx.Graph) -> bool:
     not a view of another node) and every other node holding it is an in-place op on it:
     then no view can observe the mutations, and reading each op's result wherever the
     tensor is read afterwards is exactly what the mutation did.
+
+    An input written in place (a module's buffer, ``self.M.mul_(a).add_(u)`` at every step) qualifies
+    too where it requires no gradient, is not returned and nothing else holds its storage: its ops
+    are made out of place and the last value copied into it where the graph returns, as the writes left it.
     """
     if not _has_in_place_ops(graph):  # most graphs: no need to group every node by its storage
         return False
@@ -1263,14 +1267,20 @@ def functionalize(graph: fx.Graph) -> bool:
     grad_enabled = _grad_modes(graph)
     changed = False
     groups: dict[StorageWeakRef, list[fx.Node]] = {}
+    returned = set(graph.output_node().all_input_nodes)
     for node in graph.nodes:
         key = _storage(node)
         if key is not None:
             groups.setdefault(key, []).append(node)
     for members in groups.values():
         root, *mutations = members
-        if root.op in ("placeholder", "get_attr") or _out_of_place(root) is not None or not mutations:
+        if root.op == "get_attr" or _out_of_place(root) is not None or not mutations \
+                or all(n.meta.get(_WRITTEN_BACK) for n in mutations):
             continue
+        written_back = root.op == "placeholder"  # an input (a module's buffer) written in place: written back
+        if written_back and (_val(root).requires_grad or any(n in returned for n in members) or any(
+                _out_of_place(n) is None or not n.args or n.args[0] not in members for n in mutations)):
+            continue  # (an input returned is returned as itself, which a copy is not)
         if any(_out_of_place(n) is None or not n.args or n.args[0] not in members for n in mutations):
             mutations = _mutation_of_a_view(members, order) or _views_after_the_writes(members, order)
             if not mutations:
@@ -1290,7 +1300,17 @@ def functionalize(graph: fx.Graph) -> bool:
             current.replace_all_uses_with(node, delete_user_cb=lambda u: order.get(u, -1) > position)
             if isinstance(node.target, torch._ops.OpOverload):
                 _refake(node)  # a fresh tensor now
+        if written_back:  # the input holds the last value when the graph returns, as it did
+            with graph.inserting_before(graph.output_node()):
+                last = mutations[-1]
+                write = graph.call_function(aten.copy_.default, (root, last)) \
+                    if isinstance(last.target, torch._ops.OpOverload) else graph.call_method("copy_", (root, last))
+            write.meta.update({key: root.meta[key] for key in ("val", "example_value") if key in root.meta},
+                              **{_WRITTEN_BACK: True})
     return changed
+
+
+_WRITTEN_BACK = "hecate_written_back"  # the meta key of an input's write-back (:func:`functionalize`)
 
 
 def _mutation_of_a_view(members: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:

@@ -518,6 +518,63 @@ def test_a_write_into_part_of_a_tensor_or_a_view_read_after_it_is_kept(name):
         assert torch.equal(got, expected)
 
 
+def input_scaled_in_place_every_step(state, x):
+    for t in range(3):
+        state.mul_(0.5).add_(x[t])
+    return state.sin() * 2
+
+
+def input_assigned_whole(state, x):
+    for t in range(3):
+        state[:] = state * 0.5 + x[t]
+    return state.sum(0)
+
+
+def input_written_and_returned(state, x):
+    state.add_(x[0])
+    return state
+
+
+def input_written_and_read_through_a_view(state, x):
+    row = state[0]
+    state.add_(x[0])
+    return row * 2
+
+
+@pytest.mark.parametrize("fn", [input_scaled_in_place_every_step, input_assigned_whole], ids=lambda f: f.__name__)
+def test_an_input_written_in_place_is_made_functional_and_written_back_once(fn):
+    """A module's buffer updated in place at every step of a loop: the steps read as a state reassigned (a loop
+    the roller sees), the input written once where the graph returns, to what the writes left in it."""
+    state, x = torch.randn(4, 5), torch.randn(3, 4, 5)
+    gm = _dynamo_graph(fn, state.clone(), x)
+    collapsed = collapse_captured(gm)
+    writes = [n for n in collapsed.graph.nodes if n.op == "call_method" and n.target.endswith("_")
+              or n.target is operator.setitem]
+    assert [n.target for n in writes] == ["copy_"] and writes[0].next.op == "output", collapsed.code
+    ours, eager = state.clone(), state.clone()
+    got, want = collapsed(ours, x)[0], fn(eager, x)
+    assert torch.equal(got, want) and torch.equal(ours, eager)
+
+
+@pytest.mark.parametrize("fn", [input_written_and_returned, input_written_and_read_through_a_view],
+                         ids=lambda f: f.__name__)
+def test_an_input_written_in_place_and_returned_or_viewed_is_kept(fn):
+    state, x = torch.randn(4, 5), torch.randn(3, 4, 5)
+    gm = _dynamo_graph(fn, state.clone(), x)
+    collapsed = collapse_captured(gm)
+    assert "add_" in [n.target for n in collapsed.graph.nodes], collapsed.code
+    ours, eager = state.clone(), state.clone()
+    assert torch.equal(collapsed(ours, x)[0], fn(eager, x)) and torch.equal(ours, eager)
+
+
+def test_an_input_that_requires_grad_written_in_place_is_kept():
+    state, x = torch.randn(4, 5), torch.randn(3, 4, 5)
+    gm = _dynamo_graph(input_scaled_in_place_every_step, state.clone(), x)
+    next(n for n in gm.graph.nodes if n.op == "placeholder").meta["example_value"].requires_grad_()
+    collapsed = collapse_captured(gm)
+    assert "mul_" in [n.target for n in collapsed.graph.nodes], collapsed.code
+
+
 class _Scalars(torch.nn.Module):
     """Float attributes read by float and int tensors: under dynamic=True Dynamo passes each as a 0-d input."""
 

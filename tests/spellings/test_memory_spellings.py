@@ -3323,6 +3323,49 @@ def delta_rule_outputs_into_zeros_like(k, v, q, alpha, eta):
     return out, M
 
 
+class MemoryInABuffer(torch.nn.Module):
+    """The memory a registered buffer carried from call to call, written in place at every step (probe r33: not
+    rolled up, the steps writing into an input). Inference: the state is carried, not trained through."""
+
+    def __init__(self, write, delta):
+        super().__init__()
+        self.write, self.delta = write, delta
+        self.register_buffer("M", torch.zeros(B, H, DV, DK))
+
+    def forward(self, k, v, q, alpha, eta):
+        ys = []
+        for t in range(k.shape[1]):
+            if self.delta:
+                e = (self.M @ k[:, t, ..., None])[..., 0] - v[:, t]
+                u = -eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+            else:
+                u = v[:, t, ..., None] * k[:, t, :, None, :]
+            decay = 1 - alpha[:, t, :, None, None]
+            if self.write == "mul_add":
+                self.M.mul_(decay).add_(u)
+            elif self.write == "copy":
+                self.M.copy_(decay * self.M + u)
+            else:
+                self.M[:] = decay * self.M + u
+            ys.append((self.M @ q[:, t, ..., None])[..., 0])
+        return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("write", ["mul_add", "copy", "assigned_through_a_slice"])
+@pytest.mark.parametrize("delta, op", [(True, "memory_scan"), (False, "linear_attention")],
+                         ids=["delta_rule", "hebbian"])
+def test_a_memory_held_in_a_buffer_and_written_in_place_fuses_and_carries_its_state(write, delta, op, fresh_dynamo):
+    eager, ours = MemoryInABuffer(write, delta), MemoryInABuffer(write, delta)
+    compiled = torch.compile(ours, backend="hecate", options={"fallback": "eager", "strict": True})
+    for call in range(2):  # the second call starts from the state the first one left
+        inputs = [x.detach() for x in _inputs()]
+        want, got = eager(*inputs), compiled(*inputs)
+        report = hecate.last_report()
+        assert report.count(op) == 1 and not report.misses, str(report)
+        assert_close(f"y at call {call}", got, want, TOL)
+        assert_close(f"the buffer after call {call}", ours.M, eager.M, TOL)
+
+
 def delta_rule_outputs_into_a_fill(k, v, q, alpha, eta):
     """Outputs written into a buffer filled with NaN, ``torch.full_like(v, nan)``, every slot (probe r34: a fill
     was not read as a fresh buffer, the loop not rolled up)."""
