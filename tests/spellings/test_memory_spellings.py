@@ -1528,11 +1528,13 @@ def _run(fn, inputs):
     return y, M, torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
 
 
-def _compile_and_compare(fn):
-    """Run fn eagerly and compiled by Hecate; assert equal outputs and gradients; return the report."""
+def _compile_and_compare(fn, dynamic=False, strict=False):
+    """Run fn eagerly and compiled by Hecate; assert equal outputs and gradients (NaN in either fails); return the
+    report."""
     inputs = _inputs()
     y_ref, m_ref, g_ref = _run(fn, inputs)
-    y, m, g = _run(torch.compile(fn, backend="hecate", options={"fallback": "eager"}), inputs)
+    y, m, g = _run(torch.compile(fn, backend="hecate", dynamic=dynamic,
+                                 options={"fallback": "eager", "strict": strict}), inputs)
     report = hecate.last_report()
     assert_close("y", y, y_ref, TOL)
     assert_close("M", m, m_ref, TOL)
@@ -3401,20 +3403,7 @@ def test_outputs_from_slot_1_fuse_after_the_recompile_for_another_length(fn, fre
     """Probe r34: fused at the first length; at the next, compiled with a symbolic buffer length, the slots
     written (1 to T, not 0 to T − 1) were not read as a stack and the loop was not rolled up."""
     compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})
-    for batch, length in [(2, 4), (3, 5), (2, 6)]:
-        torch.manual_seed(length)
-        k, q = torch.randn(batch, length, H, DK), torch.randn(batch, length, H, DK)
-        v = torch.randn(batch, length, H, DV)
-        alpha, eta = torch.rand(batch, length, H), torch.rand(batch, length, H)
-        inputs = [x.requires_grad_() for x in (k, v, q, alpha, eta)]
-        y_ref, m_ref, g_ref = _run(fn, inputs)
-        y, m, g = _run(compiled, inputs)
-        report = hecate.last_report()
-        assert report.count("linear_attention") == 1 and not report.misses, str(report)
-        assert_close(f"y at {batch}x{length}", y, y_ref, TOL)
-        assert_close(f"M at {batch}x{length}", m, m_ref, TOL)
-        for what, a, b in zip(("k", "v", "q", "alpha"), g, g_ref):
-            assert_close(f"grad {what} at {batch}x{length}", a, b, TOL)
+    _assert_fused_and_equal_at_every_size(fn, compiled, "linear_attention", [(2, 4), (3, 5), (2, 6)])
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
@@ -3422,17 +3411,8 @@ def test_outputs_from_slot_1_fuse_after_the_recompile_for_another_length(fn, fre
                                     (hebbian_outputs_after_a_slot_of_ones, "linear_attention")],
                          ids=["every_slot_of_a_nan_fill", "after_a_slot_of_ones"])
 def test_outputs_into_a_filled_buffer_fuse(fn, op, dynamic, fresh_dynamo):
-    inputs = _inputs()
-    y_ref, m_ref, g_ref = _run(fn, inputs)
-    y, m, g = _run(torch.compile(fn, backend="hecate", dynamic=dynamic, options={"fallback": "eager", "strict": True}),
-                   inputs)
-    report = hecate.last_report()
+    report = _compile_and_compare(fn, dynamic, strict=True)
     assert report.count(op) == 1 and not report.misses, str(report)
-    assert not y_ref.isnan().any()
-    assert_close("y", y, y_ref, TOL)
-    assert_close("M", m, m_ref, TOL)
-    for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
-        assert_close(f"grad {what}", a, b, TOL)
 
 
 @pytest.mark.parametrize("extra", [0, 2], ids=["every_slot", "slots_left_as_zeros"])
@@ -3441,16 +3421,23 @@ def test_outputs_into_a_buffer_of_symbolic_length_fuse_at_every_length(extra, fr
     in place"), the buffer's length then a symbol the written slots could not be counted against."""
     compiled = torch.compile(delta_rule_outputs_into_zeros_like, backend="hecate", dynamic=True,
                              options={"fallback": "eager", "strict": True})
-    for batch, length in [(2, 4), (3, 5)]:
+    _assert_fused_and_equal_at_every_size(delta_rule_outputs_into_zeros_like, compiled, "memory_scan",
+                                          [(2, 4), (3, 5)], extra)
+
+
+def _assert_fused_and_equal_at_every_size(fn, compiled, op, sizes, extra=0):
+    """``compiled`` fuses ``fn`` into one ``op`` and equals it, forward and gradients, at each (batch, length) of
+    ``sizes`` in turn (v ``extra`` tokens longer than the loop)."""
+    for batch, length in sizes:
         torch.manual_seed(length)
         k, q = torch.randn(batch, length, H, DK), torch.randn(batch, length, H, DK)
         v = torch.randn(batch, length + extra, H, DV)
         alpha, eta = 0.2 * torch.rand(batch, length, H), 0.3 * torch.rand(batch, length, H)
         inputs = [x.requires_grad_() for x in (k, v, q, alpha, eta)]
-        y_ref, m_ref, g_ref = _run(delta_rule_outputs_into_zeros_like, inputs)
+        y_ref, m_ref, g_ref = _run(fn, inputs)
         y, m, g = _run(compiled, inputs)
         report = hecate.last_report()
-        assert report.count("memory_scan") == 1 and not report.misses, str(report)
+        assert report.count(op) == 1 and not report.misses, str(report)
         assert_close(f"y at {batch}x{length}", y, y_ref, TOL)
         assert_close(f"M at {batch}x{length}", m, m_ref, TOL)
         for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
