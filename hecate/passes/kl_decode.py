@@ -136,8 +136,7 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
             priors.append(product[1]) if product[1] not in priors else None
         elif q is not None:
             queries.append(q) if q not in queries else None
-        elif shape is not None and len(shape) == len(score) and all(_is(a, b) for a, b in zip(shape, score[:-1])) \
-                and _is(shape[-1], 1) and not _is(score[-1], 1):
+        elif shape is not None and _per_position_number(shape, score):
             numbers.append(node)  # [..., N, 1]: a number per position (−Σ_k log v_k summed apart); before the
             # priors' [V, K] below, which [N, 1] of one sequence's [N, V] logits would otherwise be taken for
         elif _is(score[-1], 1) and shape is not None and len(shape) == len(score) - 1 >= 2 \
@@ -183,6 +182,17 @@ def _inputs(logits: fx.Node) -> tuple[list, list, list] | None:
     sources = [x for s in scalars for x in sources_shaped(s, lambda shape: shape == ()) if x not in scalars]
     scalars = list(dict.fromkeys(scalars + sources)) if sources else independent(scalars)
     return queries, independent(priors), scalars
+
+
+def _per_position_number(shape: tuple, score: tuple) -> bool:
+    """Whether a tensor of ``shape`` is one number per position against logits ``score`` [..., N, V]: [..., N, 1],
+    or with fewer leading dims where N ≠ V ([N, 1] of a τ per position every sequence shares)."""
+    if _is(score[-1], 1) or len(shape) < 2 or not _is(shape[-1], 1):
+        return False
+    if len(shape) == len(score):
+        return all(_is(a, b) for a, b in zip(shape, score[:-1]))
+    return len(shape) < len(score) and _is(shape[-2], score[-2]) and not _is(score[-2], score[-1]) \
+        and all(_is(a, 1) or _is(a, b) for a, b in zip(shape[-3::-1], score[-3::-1]))
 
 
 def _per_position_sources(node: fx.Node, lead: tuple) -> list[fx.Node]:
@@ -621,7 +631,8 @@ def _cross_entropy_user(logits: fx.Node, shape: tuple):
     ignore_index = ce.kwargs.get("ignore_index", -100 if ignore_index is None else ignore_index)
     smoothing = ce.kwargs.get("label_smoothing", 0.0 if smoothing is None else smoothing)
     if weight is not None or smoothing not in (0, 0.0) or reduction not in _REDUCTIONS:
-        return (f"cross-entropy {ce.name} has weight={weight}, label_smoothing={smoothing}, reduction={reduction}; "
+        return (f"cross-entropy {ce.name} has weight={weight}, label_smoothing={smoothing}, "
+                f"reduction={_REDUCTIONS.get(reduction, reduction)!r}; "
                 "the fused op supports no class weights and no smoothing")
     targets = args[1]
     if shape_of(targets) != tuple(shape[:-1] if view is not logits and _classes_at_dim_one(view, shape) else (rows,)):

@@ -48,7 +48,7 @@ def test_label_smoothing_keeps_the_cross_entropy_and_says_why(fresh_dynamo):
     args = _inputs()
     report = hecate.explain(fn, *args)
     assert [f.op for f in report.fusions] == ["hecate.kl_decode_logits"]
-    assert "label_smoothing=0.1" in report.fusions[0].detail
+    assert "label_smoothing=0.1, reduction='mean'" in report.fusions[0].detail
     compiled = torch.compile(fn, backend="hecate", options={"fallback": "eager"})
     assert_close("loss", compiled(*args), fn(*args), 1e-5)
 
@@ -128,6 +128,7 @@ NEAR_DECODES = {  # (logits, the temperature's shape, the reason)
     "kl_from_the_prior": (lambda mu, lv, pm, plv, tau: -_kl_prior_to_belief(mu, lv, pm, plv) / 0.5, (2, 5, 1),
                           "the logits are −KL(π_v ‖ q_i)/τ"),
     "temperature_per_position": (_over_tau, (2, 5, 1), "with τ one per position; kl_decode divides by one "),
+    "temperature_per_position_every_sequence_shares": (_over_tau, (5, 1), "with τ one per position; kl_decode"),
     "temperature_per_token": (_over_tau, (7,), "with τ one per token; kl_decode divides by one temperature"),
     "temperature_per_token_as_a_row": (_over_tau, (1, 7), "with τ one per token; kl_decode divides by one "),
 }
@@ -135,8 +136,9 @@ NEAR_DECODES = {  # (logits, the temperature's shape, the reason)
 
 @pytest.mark.parametrize("name", list(NEAR_DECODES))
 def test_logits_near_a_decode_say_what_the_op_does_not_compute(name, fresh_dynamo):
-    """The KL from each prior to the belief, or a temperature per position [B, N, 1] or per token [V]: not what
-    kl_decode computes, compiled as written, the report naming which (probe r33: one generic text for each)."""
+    """The KL from each prior to the belief, or a temperature per position ([B, N, 1], [N, 1]) or per token [V]:
+    not what kl_decode computes, compiled as written, the report naming which (probes r33, r35: one generic text
+    for each)."""
     fn, tau_shape, reason = NEAR_DECODES[name]
     torch.manual_seed(0)
     inputs = [torch.randn(2, 5, 3), 0.3 * torch.randn(2, 5, 3), torch.randn(7, 3), 0.3 * torch.randn(7, 3),
