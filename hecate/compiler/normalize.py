@@ -1275,12 +1275,14 @@ def functionalize(graph: fx.Graph) -> bool:
     for members in groups.values():
         root, *mutations = members
         if root.op == "get_attr" or _out_of_place(root) is not None or not mutations \
-                or all(n.meta.get(_WRITTEN_BACK) for n in mutations):
+                or all(n.meta.get(WRITTEN_BACK) for n in mutations):
             continue
         written_back = root.op == "placeholder"  # an input (a module's buffer) written in place: written back
-        if written_back and (_val(root).requires_grad or any(n in returned for n in members) or any(
+        if written_back and (_val(root).requires_grad and torch.is_grad_enabled() or any(
+                n in returned for n in members) or any(
                 _out_of_place(n) is None or not n.args or n.args[0] not in members for n in mutations)):
-            continue  # (an input returned is returned as itself, which a copy is not)
+            continue  # (an input returned is returned as itself, which a copy is not; a write into an input that
+            # requires a gradient is recorded by autograd, unless the graph is compiled to run without gradients)
         if any(_out_of_place(n) is None or not n.args or n.args[0] not in members for n in mutations):
             mutations = _mutation_of_a_view(members, order) or _views_after_the_writes(members, order)
             if not mutations:
@@ -1306,11 +1308,11 @@ def functionalize(graph: fx.Graph) -> bool:
                 write = graph.call_function(aten.copy_.default, (root, last)) \
                     if isinstance(last.target, torch._ops.OpOverload) else graph.call_method("copy_", (root, last))
             write.meta.update({key: root.meta[key] for key in ("val", "example_value") if key in root.meta},
-                              **{_WRITTEN_BACK: True})
+                              **{WRITTEN_BACK: True})
     return changed
 
 
-_WRITTEN_BACK = "hecate_written_back"  # the meta key of an input's write-back (:func:`functionalize`)
+WRITTEN_BACK = "hecate_written_back"  # the meta key of an input's write-back (:func:`functionalize`)
 
 
 def _mutation_of_a_view(members: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:

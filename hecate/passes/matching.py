@@ -602,6 +602,13 @@ def gradient_stop(node: fx.Node, inputs: set[fx.Node]) -> fx.Node | None:
     return None
 
 
+# why an input's in-place writes stay writes, and what to write instead (the loop then rolls up)
+INPUT_WRITTEN_ADVICE = ("Hecate reads in-place writes into an input as a state reassigned only where nothing else "
+                        "holds the input (no view of it read or written, not returned) and it requires no gradient "
+                        "or the call runs without them: update a tensor of the function's own, M = state.clone(), "
+                        "and write it back once after the loop, state.copy_(M)")
+
+
 def is_one(size: Any) -> bool:
     """``size`` is 1 for every input the graph is compiled for (not a dynamic size that is 1 now)."""
     return statically_known_true(size == 1)

@@ -52,8 +52,9 @@ from typing import Any, Iterator
 import torch
 from torch import fx
 
+from hecate.compiler.normalize import WRITTEN_BACK
 from hecate.passes.matching import NotFused, bound_reason, computed_from, first_gradient_stop, first_threshold, \
-    free_attribute, gradient_stop, gradient_stop_reason, is_one, is_register_hook, is_zeros, op_name, \
+    INPUT_WRITTEN_ADVICE, free_attribute, gradient_stop, gradient_stop_reason, is_one, is_register_hook, is_zeros, op_name, \
     replace_with_function, snapped
 from hecate.passes.report import source_line
 
@@ -1845,6 +1846,17 @@ def _read_at_two_indices(gm: fx.GraphModule) -> bool:
     return any(len({i for i, _ in pairs}) > 1 and len({j for _, j in pairs}) > 1 for pairs in reads.values())
 
 
+def _written_into(write: fx.Node) -> fx.Node:
+    """The tensor an in-place write goes into, through the views and the writes before it (``flat.view(..).mul_``:
+    flat)."""
+    target = write.args[0]
+    while isinstance(target, fx.Node) and target.args and isinstance(target.args[0], fx.Node) and (
+            target.target in _VIEWS - {aten.clone.default} or isinstance(target.target, torch._ops.OpOverload)
+            and target.target._schema.is_mutable):
+        target = target.args[0]
+    return target
+
+
 def _written_at_two_indices(write: fx.Node) -> bool:
     """Whether an in-place write goes into ``out[.., i, .., j]``: a select of a select at integer indices."""
     target = write.args[0] if write.args else None
@@ -1894,7 +1906,7 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
     if updates:
         gm.meta["hecate_unrolled_reported"] = True
         writes = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                  and n.target._schema.is_mutable]
+                  and n.target._schema.is_mutable and not n.meta.get(WRITTEN_BACK)]  # (not an input's write-back)
         why = ("the steps differ (an op, a literal such as p, or a gate's form changes between steps), an "
                "intermediate state is read outside the loop, or there is a single step")
         if _read_at_two_indices(gm):
@@ -1902,7 +1914,12 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
                    "inside or around the loop over time, one memory per head, gates read as alpha[:, t, h]); Hecate "
                    "rolls up one loop over time: write the heads as a batch dim of one memory [B, H, Dv, Dk], read "
                    "k[:, t] [B, H, Dk] and alpha[:, t] [B, H] per step, or flatten them into the batch [B·H, Dv, Dk]")
-        if writes:  # what the loop proof refuses first: steps that write into a tensor
+        inputs = [w for w in writes if _written_into(w).op == "placeholder"]
+        if inputs:  # the state an input (a module's buffer) written in place, not made functional
+            why = (f"the steps write into an input in place ({len(inputs)} in-place call(s) such as "
+                   f"{inputs[0].target._schema.name.replace('::', '.')} into {_written_into(inputs[0]).name}); "
+                   f"{INPUT_WRITTEN_ADVICE}")
+        elif writes:  # what the loop proof refuses first: steps that write into a tensor
             why = (f"the steps write into a tensor in place ({len(writes)} in-place call(s) such as "
                    f"{writes[0].target._schema.name.replace('::', '.')}); outputs written into a fresh tensor, "
                    "out[:, t] = y, are read as collected only when every slot is written exactly once, by a value "

@@ -34,8 +34,8 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hecate.passes.matching import (EMITTED, aliases, descendants, is_pointwise, mutates, pad_fill, padded_dims,
-                                    zero_padded_dims)
+from hecate.passes.matching import (EMITTED, INPUT_WRITTEN_ADVICE, aliases, descendants, is_pointwise, mutates,
+                                    pad_fill, padded_dims, zero_padded_dims)
 from hecate.passes.report import FusionReport, source_line
 from hecate.passes.shifts import shifted_copy
 
@@ -411,6 +411,7 @@ def _rolled_states(gm: fx.GraphModule) -> Iterator[tuple[str, list[fx.Node]]]:
 def _unrolled_states(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
     """Chains of matrix updates ``S' = f(S, u ⊗ w)``, each reading the previous one."""
     updates = {}  # pointwise node combining an outer product into a matrix -> that outer product
+    inputs = {}  # a state written in place that is (a view of) an input -> that input
     for node in graph.nodes:
         if is_pointwise(node) and _is_matrix(_shape(node)) and len(_tensor_args(node)) == 2 \
                 and not _is_outer_product(node):
@@ -428,6 +429,12 @@ def _unrolled_states(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
             state = state.args[0]
         if outer is not None and state is not node.args[0] and _is_matrix(_shape(state)):
             updates[state] = outer
+        base = state
+        while isinstance(base, fx.Node) and base.args and isinstance(base.args[0], fx.Node) \
+                and (aliases(base) or mutates(base)):
+            base = base.args[0]
+        if outer is not None and isinstance(base, fx.Node) and base.op == "placeholder":
+            inputs[node] = inputs[state] = base  # (the chain holds the write, or the view it writes)
     previous = {}
     for node in updates:
         earlier = _previous_state(node, updates)
@@ -439,9 +446,11 @@ def _unrolled_states(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
         while chain[-1] in previous:
             chain.append(previous[chain[-1]])
         first = chain[-1]
+        written = next((inputs[n] for n in chain if n in inputs), None)
         yield (f"a {_dims(_shape(first))} state is updated by an outer product in {len(chain)} chained "
                "steps (an unrolled loop), but the step is not one memory_scan or linear_attention "
-               "fuses", [first] + chain[::-1][1:])
+               "fuses" + (f"; the steps write into the input {written.name} in place: {INPUT_WRITTEN_ADVICE}"
+                          if written is not None else ""), [first] + chain[::-1][1:])
 
 
 def _previous_state(update: fx.Node, updates: dict[fx.Node, fx.Node]) -> fx.Node | None:

@@ -3368,6 +3368,80 @@ def test_a_memory_held_in_a_buffer_and_written_in_place_fuses_and_carries_its_st
         assert_close(f"the buffer after call {call}", ours.M, eager.M, TOL)
 
 
+def hebbian_on_a_state_passed_in(k, v, q, state):
+    """The caller's state updated in place, ``state.mul_(0.8).add_(v kᵀ)``, the caller reading it after the call."""
+    ys = []
+    for t in range(k.shape[1]):
+        state.mul_(0.8).add_(v[:, t, ..., None] * k[:, t, :, None, :])
+        ys.append((state @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1)
+
+
+def hebbian_on_a_flat_state_passed_in(k, v, q, state):
+    """The caller's flat state [B·H·Dv·Dk] viewed as the memory and updated in place through the view."""
+    M, ys = state.view(k.shape[0], k.shape[2], v.shape[-1], k.shape[-1]), []
+    for t in range(k.shape[1]):
+        M.mul_(0.8).add_(v[:, t, ..., None] * k[:, t, :, None, :])
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1)
+
+
+def _state_passed_in(fn, requires_grad):
+    """fn compiled and eager under torch.no_grad(), each on its own copy of the caller's state: the outputs and
+    the state after the call compared; the report returned."""
+    k, v, q = (x.detach().requires_grad_(requires_grad) for x in _inputs()[:3])
+    state = 0.1 * torch.randn(B * H * DV * DK if fn is hebbian_on_a_flat_state_passed_in else (B, H, DV, DK))
+    ours, eager = state.clone().requires_grad_(requires_grad), state.clone().requires_grad_(requires_grad)
+    with torch.no_grad():
+        want = fn(k, v, q, eager)
+        got = torch.compile(fn, backend="hecate", options={"fallback": "eager", "strict": True})(k, v, q, ours)
+    assert_close("y", got, want, TOL)
+    assert_close("the state after the call", ours, eager, TOL)
+    return hecate.last_report()
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["plain", "requiring_grad_called_under_no_grad"])
+def test_a_state_passed_in_and_written_in_place_fuses_and_is_written_back(requires_grad, fresh_dynamo):
+    """Probe r35: a state that requires a gradient, written under no_grad, was not made functional (its write-back
+    then blamed in the reason)."""
+    report = _state_passed_in(hebbian_on_a_state_passed_in, requires_grad)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+
+
+def test_a_state_passed_in_and_written_through_a_view_says_how_to_write_it(fresh_dynamo):
+    report = _state_passed_in(hebbian_on_a_flat_state_passed_in, False)
+    assert report.count("linear_attention") == 0, str(report)
+    assert any("write into the input" in m.reason and "M = state.clone()" in m.reason for m in report.misses), \
+        str(report)
+
+
+class MemoryInABufferViewedBeforeTheLoop(torch.nn.Module):
+    """A flat view of the buffer taken before the loop and read after it (it sees the writes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("M", torch.zeros(B, H, DV, DK))
+
+    def forward(self, k, v, q):
+        flat, ys = self.M.view(B, -1), []
+        for t in range(k.shape[1]):
+            self.M.copy_(0.6 * self.M + v[:, t, ..., None] * k[:, t, :, None, :])
+            ys.append((self.M @ q[:, t, ..., None])[..., 0])
+        return torch.stack(ys, 1), flat.sum(-1)
+
+
+def test_a_buffer_whose_view_is_read_says_why_its_writes_stay(fresh_dynamo):
+    eager, ours = MemoryInABufferViewedBeforeTheLoop(), MemoryInABufferViewedBeforeTheLoop()
+    inputs = [x.detach() for x in _inputs()[:3]]
+    want, got = eager(*inputs), torch.compile(ours, backend="hecate", options={"fallback": "eager"})(*inputs)
+    for what, a, b in zip(("y", "the view's sums"), got, want):
+        assert_close(what, a, b, TOL)
+    assert_close("the buffer", ours.M, eager.M, TOL)
+    report = hecate.last_report()
+    assert any("write into an input in place" in m.reason and "M = state.clone()" in m.reason
+               for m in report.misses), str(report)
+
+
 def delta_rule_outputs_into_a_fill(k, v, q, alpha, eta):
     """Outputs written into a buffer filled with NaN, ``torch.full_like(v, nan)``, every slot (probe r34: a fill
     was not read as a fresh buffer, the loop not rolled up)."""
