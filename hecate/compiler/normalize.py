@@ -958,7 +958,8 @@ def _fresh(node: fx.Node) -> bool:
 
 def slot_writes_as_stacks(graph: fx.Graph) -> None:
     """``out = torch.empty(B, T, D)`` (or zeros, ones, a fill), then ``out[:, t] = y_t`` (or ``out[:, t].copy_(y_t)``) for
-    every t → ``out = torch.stack([y_0, .., y_{T−1}], 1)``, made where out is first read.
+    every t → ``out = torch.stack([y_0, .., y_{T−1}], 1)``, made where out is first read (slots of width 1,
+    ``out[:, t:t + 1] = y_t``, → ``torch.cat``).
 
     Exact where: out is made fresh, each of its T slots along one dim is written exactly once (or, where out
     is made of known values, at most once: a slot left unwritten, as a loop over ``range(1, T)`` leaves slot 0, is
@@ -974,8 +975,8 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
         value = _val(out)
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
-        writes, slots = [], {}  # the nodes that write (and the views they write into), slot -> value written
-        for user in out.users:
+        writes, slots, kept = [], {}, set()  # the nodes that write (and the views they write into), slot -> value
+        for user in out.users:  # written, whether each slot keeps its dim
             if user.op == "call_function" and user.target is operator.setitem and user.args[0] is out \
                     and len(user.args) == 3 and not user.users:
                 readings = _getitem_slices(out, value.dim(), user.args[1])  # one slot: one integer index
@@ -990,16 +991,18 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
             else:
                 continue
             y_value = _val(y)
-            if where is None or where[3] is not None or not isinstance(y_value, torch.Tensor) \
+            if where is None or where[3] not in (None, ("keep",)) or not isinstance(y_value, torch.Tensor) \
                     or (where[1], where[2]) in slots or y_value.dtype != value.dtype or y_value.device != value.device \
-                    or tuple(y_value.shape) != tuple(value.shape[:where[1]] + value.shape[where[1] + 1:]):
+                    or tuple(y_value.shape) != tuple(value.shape[:where[1]] + ((1,) if where[3] else ())
+                                                     + value.shape[where[1] + 1:]):
                 continue
             slots[(where[1], where[2])] = y
+            kept.add(where[3] is not None)
             writes += written
         dims = {dim for dim, _ in slots}
-        if len(dims) != 1:
+        if len(dims) != 1 or len(kept) != 1:
             continue
-        (dim,) = dims
+        (dim,), (keep,) = dims, kept  # keep: slots of width 1, out[:, t:t + 1] = y, joined by cat
         size = value.shape[dim]
         # a symbolic size (dynamic=True: the buffer zeros_like(v), the loop over k.shape[1], specialised): the
         # slots up to the last one written are stacked, the rest read from out as it was made, as long as it is
@@ -1017,12 +1020,14 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
         with graph.inserting_before(first_reader):
             for t in range(len(every)):
                 if (dim, t) not in slots:
-                    slots[(dim, t)] = graph.call_function(torch.select, (out, dim, t))
-                    slots[(dim, t)].meta["example_value"] = _val(out).select(dim, t)
+                    slot = (torch.narrow, (out, dim, t, 1)) if keep else (torch.select, (out, dim, t))
+                    slots[(dim, t)] = graph.call_function(*slot)
+                    slots[(dim, t)].meta["example_value"] = slot[0](_val(out), *slot[1][1:])
                     unwritten.append(slots[(dim, t)])
-            stack = graph.call_function(torch.stack, ([slots[(dim, t)] for t in range(len(every))], dim))
+            join = torch.cat if keep else torch.stack
+            stack = graph.call_function(join, ([slots[(dim, t)] for t in range(len(every))], dim))
             if not is_concrete_int(size):
-                stack.meta["example_value"] = torch.stack([_val(slots[(dim, t)]) for t in range(len(every))], dim)
+                stack.meta["example_value"] = join([_val(slots[(dim, t)]) for t in range(len(every))], dim)
                 unwritten += _with_the_rest_of(graph, out, dim, len(every), stack)
                 stack = unwritten[-1]
         stack.meta.update(out.meta)

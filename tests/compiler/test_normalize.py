@@ -447,14 +447,24 @@ def outputs_into_slots_read_early(x):
     return out
 
 
+def outputs_into_slots_of_width_one(x):
+    out = torch.full((3, 3, 4), 7.0)
+    for t in range(1, 3):  # slot 0 left as made
+        out[:, t:t + 1] = x[:, t - 1:t] * 2
+    return out + 1
+
+
 def test_outputs_written_into_every_slot_once_are_a_stack():
-    """``out[:, t] = y_t`` into a fresh tensor, every slot once, out read after: ``torch.stack`` of the y_t."""
+    """``out[:, t] = y_t`` into a fresh tensor, every slot once, out read after: ``torch.stack`` of the y_t
+    (``torch.cat`` of slots of width 1, ``out[:, t:t + 1] = y_t``)."""
     args = (torch.randn(3, 2, 4),)
-    for fn, stacked in ((outputs_into_slots, True), (outputs_into_slots_read_early, False)):
+    for fn, joined in ((outputs_into_slots, torch.stack), (outputs_into_slots_read_early, None),
+                       (outputs_into_slots_of_width_one, torch.cat)):
         gm = _dynamo_graph(fn, *args)
         collapsed = collapse_captured(gm)
         targets = [n.target for n in collapsed.graph.nodes]
-        assert (torch.stack in targets) is stacked and (operator.setitem in targets) is not stacked, collapsed.graph
+        assert (joined in targets if joined else operator.setitem in targets), collapsed.graph
+        assert (operator.setitem in targets) is (joined is None), collapsed.graph
         assert torch.equal(collapsed(*[a.clone() for a in args])[0], fn(*args))
 
 

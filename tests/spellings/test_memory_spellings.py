@@ -1382,6 +1382,18 @@ def hebbian_decay_per_value_row_on_the_whole_step(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def delta_rule_outputs_into_slots_of_width_one(k, v, q, alpha, eta):
+    """Every read a slice of width 1 and outputs written into ``out[:, t:t + 1]`` of ``torch.zeros_like(v)``
+    (probe r35: the writes were not read as collected, the loop not rolled up)."""
+    M, out = _m0(k, v), torch.zeros_like(v)
+    for t in range(k.shape[1]):
+        kt = k[:, t:t + 1].transpose(1, 2)  # [B, H, 1, Dk]
+        e = (kt @ M.transpose(-1, -2)) - v[:, t:t + 1].transpose(1, 2)  # [B, H, 1, Dv]
+        M = M - eta[:, t:t + 1].transpose(1, 2)[..., None] * e.transpose(-1, -2) * kt
+        out[:, t:t + 1] = (q[:, t:t + 1].transpose(1, 2) @ M.transpose(-1, -2)).transpose(1, 2)
+    return out, M
+
+
 SPELLINGS = {
     "hebbian_outputs_stacked_and_the_last_returned": (hebbian_outputs_stacked_and_the_last_returned,
                                                       "linear_attention"),
@@ -1508,6 +1520,7 @@ SPELLINGS = {
     "delta_rule_decay_per_value_row_on_the_whole_step": (delta_rule_decay_per_value_row_on_the_whole_step,
                                                          "memory_scan"),
     "mamba1_scan_decay_on_the_whole_step": (mamba1_scan_decay_on_the_whole_step, "linear_attention"),
+    "delta_rule_outputs_into_slots_of_width_one": (delta_rule_outputs_into_slots_of_width_one, "memory_scan"),
     "hebbian_decay_per_value_row_on_the_whole_step": (hebbian_decay_per_value_row_on_the_whole_step,
                                                       "linear_attention"),
     "mamba1_scan_update_made_before_the_loop": (mamba1_scan_update_made_before_the_loop, "linear_attention"),
@@ -1740,7 +1753,7 @@ def test_momentum_buffer_carried_between_chunks_fuses(dynamic, fresh_dynamo):
                                   "delta_rule_normalised_keys", "l2_in_place_on_step_temporaries",
                                   "mamba1_scan_decay_per_channel", "delta_rule_decay_per_value_row",
                                   "delta_rule_decay_per_value_row_on_the_whole_step",
-                                  "mamba1_scan_decay_on_the_whole_step",
+                                  "mamba1_scan_decay_on_the_whole_step", "delta_rule_outputs_into_slots_of_width_one",
                                   "mamba1_scan_update_made_before_the_loop"])
 def test_spelling_fuses_under_dynamic_shapes(name, fresh_dynamo):
     """dynamic=True: the clone of each step stays after the in-place writes of the step before (moved before
