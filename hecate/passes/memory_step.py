@@ -1404,10 +1404,11 @@ def _without_derived(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurr
     return rec
 
 
-_HEADS_ADVICE = ("; the step reads its inputs or state at several fixed indices of one dim (x[:, h], M[:, h]), as "
-                 "a Python loop over heads inside the loop over time does: write the heads as a batch dim of one "
-                 "memory [B, H, Dv, Dk], keep one memory per head (a list: the loop is then split per head), or "
-                 "put the loop over heads around the loop over time (each head's loop then fuses)")
+_HEADS_ADVICE = ("; the step reads its inputs or state at several fixed indices of one dim (x[:, h], M[:, h], "
+                 "W[l]), as a Python loop over heads or layers inside the loop over time does: write the heads as a "
+                 "batch dim of one memory [B, H, Dv, Dk], keep one memory per head (a list: the loop is then split "
+                 "per head), or put the loop over heads around the loop over time (each head's loop then fuses); "
+                 "for layers, each reading the one before, run each layer's loop over time in turn (each then fuses)")
 
 
 def _reads_per_head(body: fx.GraphModule) -> bool:

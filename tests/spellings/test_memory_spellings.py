@@ -2342,9 +2342,32 @@ def hebbian_loop_over_heads_inside_time(k, v, q, alpha, eta):
     return torch.stack(ys, 1), torch.stack(memories, 1)
 
 
-HEADS_LOOP = ["is not a memory step", "as a Python loop over heads inside the loop over time does",
+HEADS_LOOP = ["is not a memory step", "as a Python loop over heads or layers inside the loop over time does",
               "write the heads as a batch dim of one memory [B, H, Dv, Dk]",
               "put the loop over heads around the loop over time"]
+
+
+def hebbian_layers_inside_the_loop_over_time(k, v, q, alpha, eta):
+    """Two layers, each with its memory, stepped inside the loop over time, the second reading the first's output
+    (probe r35: the advice spoke of heads alone)."""
+    x, W = v[:, :, 0], torch.linspace(-0.5, 0.5, 2 * DV * DV).view(2, DV, DV)
+    memories, ys = [x.new_zeros(x.shape[0], DV, DV) for _ in range(2)], []
+    for t in range(x.shape[1]):
+        h = x[:, t]
+        for layer in range(2):
+            key, query = torch.tanh(h @ W[layer]), h @ W[layer].T
+            memories[layer] = 0.8 * memories[layer] + h[:, :, None] * key[:, None, :]
+            h = h + (memories[layer] @ query[:, :, None])[..., 0]
+        ys.append(h)
+    return torch.stack(ys, 1), torch.stack(memories, 1)
+
+
+def test_layers_stepped_inside_the_loop_over_time_are_told_how_to_fuse(fresh_dynamo):
+    report = _compile_and_compare(hebbian_layers_inside_the_loop_over_time)
+    assert any("for layers, each reading the one before, run each layer's loop over time in turn" in m.reason
+               for m in report.misses), str(report)
+
+
 def gated_delta_decay_before_the_error(k, v, q, alpha, eta):
     """Gated DeltaNet as its paper writes it: M ← a·M first, then the delta rule on the decayed memory."""
     M, ys = _m0(k, v), []
