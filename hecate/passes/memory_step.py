@@ -528,6 +528,12 @@ def analyse(body: fx.GraphModule, n_carries: int, n_xs: int | None = None) -> Re
         sizes = " and ".join(str(list(b.env[b.carries[i]].shape)) for i in candidates or matrices)
         raise NotFused(f"the carried state {sizes} has no elements (a batch of 0 sequences, say): there is no "
                        "step to check, and nothing to compute")
+    skipped = next((c for i in candidates or matrices if (c := _kept_where(b.carry_out[i], b.carries[i]))), None)
+    if skipped is not None:
+        raise NotFused(f"the new memory is chosen by torch.where ({source_line([skipped]) or skipped.name}): the "
+                       "step's memory where a flag is set, the old one where not (a step skipped at padding or past "
+                       "a sequence's end); the op has no such select: write it as a gate, M + f·(new − M) with "
+                       "f = flag.float(), which fuses (it differs where new is not finite)")
     found = _first_fit(b, candidates or matrices)  # one sequence's memory [Dv, Dk] (torch.addr) where no batched one
     if isinstance(found, Recurrence):
         return found
@@ -724,6 +730,18 @@ def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_n
                        ", which the memory step does not update")
     _verify(b, rec)
     return rec
+
+
+def _kept_where(M_out: fx.Node, M_in: fx.Node) -> fx.Node | None:
+    """The ``where(flag, new, M)`` (or ``where(flag, M, new)``) the new memory is, new not zero (a reset, which
+    :func:`_resets` reads); None if it is none."""
+    node = M_out
+    while isinstance(node, fx.Node) and node.target in _VIEWS:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.target not in _WHERE or _resets(node, M_in):
+        return None
+    return node if any(a is M_in or isinstance(a, fx.Node) and a.target in _VIEWS and a.args[0] is M_in
+                       for a in node.args[1:3]) else None
 
 
 def _resets(where: fx.Node, M: fx.Node) -> bool:

@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from hecate.compiler.normalize import emit
-from hecate.passes.matching import eliminate_dead_code, written_in_place
+from hecate.passes.matching import computed_from, eliminate_dead_code, written_in_place
 from hecate.passes.memory_heads import ROW_GATES
 from hecate.passes.memory_step import _VIEWS, _Product, _product, _terms
 
@@ -61,6 +61,8 @@ def combined(body: fx.GraphModule, state: int, identities: set[int]) -> fx.Graph
     keeps = [_product(t).factors.count(M_in) == 1 for _, t in terms]
     kept = [term for term, keep in zip(terms, keeps) if keep]
     update = [term for term, keep in zip(terms, keeps) if not keep]
+    together = _retention_together(build, kept, M_in)
+    expanded, kept = expanded or together is not kept, together
     products = _collected(build, update)
     factored = _common_factored(build, products) if products and (len(products) > 1 or len(update) > 1) else None
     if factored is None and not expanded:
@@ -70,6 +72,30 @@ def combined(body: fx.GraphModule, state: int, identities: set[int]) -> fx.Graph
     eliminate_dead_code(graph)
     body.recompile()
     return body
+
+
+def _retention_together(build: _Builder, kept: list[tuple[float, Any]], M_in: fx.Node) -> list[tuple[float, Any]]:
+    """The terms Σ s_i c_i · M that keep the old memory (``M + f·(a·M + u − M)``: M, f·a·M and −f·M) as one,
+    (Σ s_i c_i) · M, the c_i gates that do not read M; ``kept`` as it is where there is one, or another term."""
+    if len(kept) < 2:
+        return kept
+    gates, number = [], 0.0
+    for sign, term in kept:
+        prod = _factors(term) if isinstance(term, fx.Node) else None
+        if prod is None or prod.factors.count(M_in) != 1:
+            return kept
+        others = [f for f in prod.factors if f is not M_in]
+        if any(computed_from([f], {M_in}) for f in others + prod.divisors) or prod.divisors and not others:
+            return kept
+        if others:
+            gates.append((sign * prod.coef, build.product(1.0, others, prod.divisors)))
+        else:
+            number += sign * prod.coef
+    if not gates:
+        return [(1.0, build.product(number, [M_in], []))]
+    decay = build.sum(gates)
+    decay = decay if number == 0 else build.call(aten.add.Tensor, decay, number)
+    return [(1.0, build.call(aten.mul.Tensor, decay, M_in))]
 
 
 def identity_inputs(gm: fx.GraphModule, node: fx.Node) -> set[int]:

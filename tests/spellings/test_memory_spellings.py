@@ -1277,6 +1277,17 @@ def hebbian_state_assigned_through_an_ellipsis(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_state_written_by_out_arguments(k, v, q, alpha, eta):
+    """``torch.mul(M, a, out=M)`` then ``torch.add(M, v kᵀ, out=M)`` (probe r35: not rolled up). Inference only:
+    eager refuses ``out=`` where an argument requires a gradient."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        torch.mul(M, alpha[:, t, :, None, None], out=M)
+        torch.add(M, v[:, t, ..., None] * k[:, t, ..., None, :], out=M)
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def hebbian_state_copied_into_a_flat_view(k, v, q, alpha, eta):
     """The state [B, H, Dv, Dk] updated as a flat [B·H·Dv·Dk] vector: ``M.view(-1).copy_(new.flatten())``."""
     M, ys = _m0(k, v), []
@@ -1392,6 +1403,52 @@ def delta_rule_outputs_into_slots_of_width_one(k, v, q, alpha, eta):
         M = M - eta[:, t:t + 1].transpose(1, 2)[..., None] * e.transpose(-1, -2) * kt
         out[:, t:t + 1] = (q[:, t:t + 1].transpose(1, 2) @ M.transpose(-1, -2)).transpose(1, 2)
     return out, M
+
+
+def _valid(k):
+    """[B, T] flags: the second sequence two tokens shorter (its last steps padding)."""
+    valid = torch.ones(k.shape[0], k.shape[1], dtype=torch.bool)
+    valid[1:, -2:] = False
+    return valid
+
+
+def hebbian_skipped_past_the_end_by_a_gate(k, v, q, alpha, eta):
+    """M + f·(a·M + v kᵀ − M), f = valid_t.float(): the step taken where the token is valid, skipped at padding."""
+    M, ys, valid = _m0(k, v), [], _valid(k)
+    for t in range(k.shape[1]):
+        new = alpha[:, t, :, None, None] * M + v[:, t, ..., None] * k[:, t, :, None, :]
+        M = M + valid[:, t, None, None, None].float() * (new - M)
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def delta_rule_skipped_past_the_end_by_a_gate(k, v, q, alpha, eta):
+    """The delta rule taken where the token is valid, M + f·(new − M)."""
+    M, ys, valid = _m0(k, v), [], _valid(k)
+    for t in range(k.shape[1]):
+        e = (M @ k[:, t, ..., None])[..., 0] - v[:, t]
+        new = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * e[..., None] * k[:, t, :, None, :]
+        M = M + valid[:, t, None, None, None].float() * (new - M)
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def hebbian_skipped_past_the_end_by_where(k, v, q, alpha, eta):
+    """``M = torch.where(valid_t, a·M + v kᵀ, M)``: reported, with the gate form that fuses."""
+    M, ys, valid = _m0(k, v), [], _valid(k)
+    for t in range(k.shape[1]):
+        new = alpha[:, t, :, None, None] * M + v[:, t, ..., None] * k[:, t, :, None, :]
+        M = torch.where(valid[:, t, None, None, None], new, M)
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def test_a_step_skipped_by_where_says_how_to_write_it_as_a_gate(fresh_dynamo):
+    """Probe r35: the l_p text ("no error is formed") for a Hebbian step skipped by where."""
+    report = _compile_and_compare(hebbian_skipped_past_the_end_by_where)
+    assert report.count("linear_attention") == 0, str(report)
+    assert any("the new memory is chosen by torch.where" in m.reason and "M + f·(new − M)" in m.reason
+               for m in report.misses), str(report)
 
 
 SPELLINGS = {
@@ -1521,6 +1578,8 @@ SPELLINGS = {
                                                          "memory_scan"),
     "mamba1_scan_decay_on_the_whole_step": (mamba1_scan_decay_on_the_whole_step, "linear_attention"),
     "delta_rule_outputs_into_slots_of_width_one": (delta_rule_outputs_into_slots_of_width_one, "memory_scan"),
+    "hebbian_skipped_past_the_end_by_a_gate": (hebbian_skipped_past_the_end_by_a_gate, "linear_attention"),
+    "delta_rule_skipped_past_the_end_by_a_gate": (delta_rule_skipped_past_the_end_by_a_gate, "memory_scan"),
     "hebbian_decay_per_value_row_on_the_whole_step": (hebbian_decay_per_value_row_on_the_whole_step,
                                                       "linear_attention"),
     "mamba1_scan_update_made_before_the_loop": (mamba1_scan_update_made_before_the_loop, "linear_attention"),
@@ -1754,6 +1813,7 @@ def test_momentum_buffer_carried_between_chunks_fuses(dynamic, fresh_dynamo):
                                   "mamba1_scan_decay_per_channel", "delta_rule_decay_per_value_row",
                                   "delta_rule_decay_per_value_row_on_the_whole_step",
                                   "mamba1_scan_decay_on_the_whole_step", "delta_rule_outputs_into_slots_of_width_one",
+                                  "delta_rule_skipped_past_the_end_by_a_gate",
                                   "mamba1_scan_update_made_before_the_loop"])
 def test_spelling_fuses_under_dynamic_shapes(name, fresh_dynamo):
     """dynamic=True: the clone of each step stays after the in-place writes of the step before (moved before
@@ -3335,10 +3395,11 @@ def test_a_reset_by_bool_flags_fuses_where_it_is_a_gate(family, where, flag, fre
                                     (delta_rule_state_assigned_through_a_slice, "memory_scan"),
                                     (delta_rule_state_copied_into_a_view_of_its_heads, "memory_scan"),
                                     (hebbian_state_assigned_through_an_ellipsis, "linear_attention"),
-                                    (hebbian_state_copied_into_a_flat_view, "linear_attention")],
+                                    (hebbian_state_copied_into_a_flat_view, "linear_attention"),
+                                    (hebbian_state_written_by_out_arguments, "linear_attention")],
                          ids=["addcmul_in_place", "assigned_by_copy", "assigned_through_a_slice",
                               "copied_into_a_view_of_its_heads", "assigned_through_an_ellipsis",
-                              "copied_into_a_flat_view"])
+                              "copied_into_a_flat_view", "written_by_out_arguments"])
 def test_a_state_written_in_place_by_a_copy_fuses(fn, op, dynamic, fresh_dynamo):
     inputs = [x.detach() for x in _inputs()]
     y_ref, m_ref = fn(*inputs)
