@@ -731,6 +731,7 @@ def collapse_captured(gm: fx.GraphModule) -> fx.GraphModule:
         unbind_as_selects(graph)
         unpacked_pieces_together(graph)
         slot_writes_as_stacks(graph)
+        out_arguments_as_assignments(graph)
         whole_writes_as_assignments(graph)
         functionalize(graph)
     merges = common_subexpressions(graph, apart=_step_slice)
@@ -794,7 +795,7 @@ def _step_slice(node: fx.Node) -> tuple | None:
 def _has_captured_spellings(graph: fx.Graph) -> bool:
     """Whether one of the rewrites of Dynamo's spellings below may have something to do."""
     return any(n.op == "call_method" and n.target == "item" or n.op != "placeholder" and n.target in _UNBINDS
-               or n.op == "call_function" and n.target is operator.setitem
+               or n.op == "call_function" and (n.target is operator.setitem or isinstance(n.kwargs.get("out"), fx.Node))
                or n.op == "call_function" and n.target in _SCALAR_ARITHMETIC and not n.all_input_nodes
                for n in graph.nodes) or any(True for _ in _unpacked_apart(graph))
 
@@ -1185,6 +1186,30 @@ def _storage(node: Any) -> StorageWeakRef | None:
         return StorageWeakRef(value.untyped_storage())
     except Exception:  # e.g. a tensor subclass without storage
         return None
+
+
+def out_arguments_as_assignments(graph: fx.Graph) -> None:
+    """``torch.add(M, u, out=M)`` → ``M.copy_(torch.add(M, u))``: the result computed, then copied into ``out``
+    (an assignment :func:`functionalize` reads). Exact where the result has out's shape, dtype and device (no
+    resize, no cast). (Where an argument requires a gradient eager refuses ``out=``, and Dynamo captures no graph.)"""
+    for node in list(graph.nodes):
+        out = node.kwargs.get("out") if node.op == "call_function" else None
+        if not isinstance(out, fx.Node) or not isinstance(_val(out), torch.Tensor):
+            continue
+        kwargs = {key: value for key, value in node.kwargs.items() if key != "out"}
+        fakes = fx.node.map_arg((node.args, kwargs), _val)
+        try:  # (in the mode of out's own fake value: Dynamo's, which the tracing context's may not be)
+            with getattr(_val(out), "fake_mode", None) or contextlib.nullcontext():
+                value = node.target(*fakes[0], **fakes[1])
+        except Exception:  # noqa: BLE001  (not a call its fake values run: left as written)
+            continue
+        if not isinstance(value, torch.Tensor) or value.shape != _val(out).shape or value.dtype != _val(out).dtype \
+                or value.device != _val(out).device:
+            continue
+        with graph.inserting_before(node):
+            result = graph.call_function(node.target, node.args, kwargs)
+        result.meta["example_value"] = value
+        node.op, node.target, node.args, node.kwargs = "call_method", "copy_", (out, result), {}
 
 
 def whole_writes_as_assignments(graph: fx.Graph) -> None:

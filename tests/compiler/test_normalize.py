@@ -505,6 +505,24 @@ PART_WRITES = {  # each writes part of the state, or a view read after the write
 }
 
 
+def written_by_out_arguments(x, y):
+    state = torch.zeros(3, 4)
+    for t in range(2):
+        torch.mul(state, 0.5, out=state)
+        torch.add(state, x[t] * y[t], out=state)
+    return state * 2
+
+
+def test_a_call_with_an_out_argument_is_an_assignment():
+    """``torch.add(M, u, out=M)`` → ``M.copy_(torch.add(M, u))``, then made functional."""
+    x, y = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    gm = _dynamo_graph(written_by_out_arguments, x, y)
+    collapsed = collapse_captured(gm)
+    writes = [n for n in collapsed.graph.nodes if "out" in n.kwargs or n.op == "call_method" and n.target == "copy_"]
+    assert not writes, collapsed.code
+    assert torch.equal(collapsed(x, y)[0], written_by_out_arguments(x, y))
+
+
 @pytest.mark.parametrize("name", list(WHOLE_WRITES))
 def test_a_write_into_all_of_a_fresh_tensor_is_an_assignment(name):
     """``x[:] = y``, ``x[...].copy_(y)``, ``x.view(s).copy_(y.reshape(s))``: x holds y from there on (the
