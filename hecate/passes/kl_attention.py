@@ -451,6 +451,16 @@ def _describe_other(node: fx.Node) -> str:
         return (f"{node.name}, a pair-shaped tensor {list(value.shape)} read from {_source_names(node)} at run time "
                 "and added to the score (a score bias, or a 0/−inf mask kept in a buffer): the op takes no bias, "
                 "and a mask as bool, masked_fill(mask == 0, float('-inf')), which fuses")
+    along = ("query" if is_one(value.shape[-1]) else "key" if is_one(value.shape[-2]) else None) \
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
+    how = {u.target for u in node.users}
+    if along is not None and how & {aten.add.Tensor, aten.sub.Tensor}:
+        return (f"{node.name}, a tensor {list(value.shape)} of one number per {along} added to the score (an additive "
+                "mask, 0/−inf per key, or a bias): the op takes no bias; a padding mask as bool, "
+                "masked_fill(~keep, float('-inf')), fuses")
+    if along is not None and how & {aten.mul.Tensor, aten.div.Tensor}:
+        return (f"{node.name}, a tensor {list(value.shape)} of one number per {along} that scales the score (a "
+                "temperature κ per position): kl_attention takes one κ, a number or a 0-d tensor read at run time")
     if isinstance(value, torch.Tensor):
         return (f"{node.name}, a tensor of shape {list(value.shape)} that is neither laid out per position like "
                 "the means ([..., N, K]) nor the same at every position (size 1 or absent at the position dim, "
@@ -534,6 +544,10 @@ def _recognise(softmax: fx.Node) -> _Score | None:
     both = {size_hint(shape_of(b)[-1]) for b, sides in bases.items() if len(shape_of(b)) == rank and len(sides) == 2}
     if len(k) > 1 and len(both) == 1:  # (the beliefs, read on both sides, under features joined from them:
         k = both                       # the KL expanded by hand into [v + μ², μ]·[1/2v, −μ/v])
+    if len(k) == 2 and 1 in k:  # (a variance one number per position, σ² [.., N, 1] against means [.., N, K])
+        raise NotFused(f"the score reads per-position tensors of one feature [..., N, 1] beside ones of {max(k)} "
+                       "(an isotropic variance, one per position for every feature?): kl_attention reads the KL of "
+                       "per-feature variances; expand it to the means' features, var.expand_as(mu), which fuses")
     if len(k) != 1:
         raise NotFused(f"the score's per-position tensors have different feature sizes {sorted(k)}")
     kappa, mean, scale, param, memo = _match_kl(logits, list(bases), shared, rank - 2, k.pop())

@@ -1886,6 +1886,33 @@ def m_additive_mask_read_at_run_time(mu, var, bias):  # a 0/−inf bias passed i
     return torch.softmax(bias - kl_spec(mu, var), -1) @ mu
 
 
+def m_additive_key_padding_mask(mu, var, bias):  # a 0/−inf bias per key [B, 1, N] passed in (probe r35)
+    return torch.softmax(-kl_spec(mu, var) / 2 + bias, -1) @ mu
+
+
+def m_temperature_per_query(mu, var, kappa):  # κ one per query position [N] passed in (probe r35)
+    return torch.softmax(-kl_spec(mu, var) / kappa[:, None], -1) @ mu
+
+
+def m_isotropic_variance(mu, var):  # σ² one per position [B, N, 1], broadcast over the K features (probe r35)
+    s2 = var[..., :1]
+    d = mu.unsqueeze(2) - mu.unsqueeze(1)
+    kl = 0.5 * (torch.log(s2.unsqueeze(1) / s2.unsqueeze(2)) + (s2.unsqueeze(2) + d * d) / s2.unsqueeze(1) - 1)
+    return torch.softmax(-kl.sum(-1), -1) @ mu
+
+
+def a_isotropic_variance_expanded(mu, var):  # the same, σ² expanded to the means' features first: fuses
+    s2 = var[..., :1].expand_as(mu)
+    d = mu.unsqueeze(2) - mu.unsqueeze(1)
+    kl = 0.5 * (torch.log(s2.unsqueeze(1) / s2.unsqueeze(2)) + (s2.unsqueeze(2) + d * d) / s2.unsqueeze(1) - 1)
+    return torch.softmax(-kl.sum(-1), -1) @ mu
+
+
+def test_an_isotropic_variance_expanded_to_the_features_fuses(fresh_dynamo):
+    report = _compare(a_isotropic_variance_expanded, (torch.randn(B, N, K), _var((B, N, K))), "kl_attention")
+    assert report.count("kl_attention") == 1 and not report.misses, str(report)
+
+
 def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     """κ = exp(log κ).clamp(min=0.05): the clamp is κ's own, read at run time, not a bound inside the score."""
     def fn(mu, var, log_kappa):
@@ -1922,6 +1949,11 @@ def test_a_floored_learned_temperature_fuses(fresh_dynamo):
     (m_score_bias, (), "holds 1, neither 0 nor a mask value"),
     (m_additive_mask_read_at_run_time, (torch.full((N, N), float("-inf")).triu(1),),
      "read from l_bias_ at run time and added to the score"),
+    (m_additive_key_padding_mask, (torch.zeros(B, 1, N).index_fill(2, torch.tensor([N - 1]), float("-inf")),),
+     "of one number per key added to the score (an additive mask, 0/−inf per key, or a bias)"),
+    (m_isotropic_variance, (), "expand it to the means' features, var.expand_as(mu), which fuses"),
+    (m_temperature_per_query, (torch.linspace(0.5, 2.0, N),),
+     "of one number per query that scales the score (a temperature κ per position)"),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_near_miss_is_reported_with_the_users_line(fn, extra, reason, fresh_dynamo):
     mu, var = torch.randn(B, N, K), _var((B, N, K))
