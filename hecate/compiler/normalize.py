@@ -958,7 +958,8 @@ def _fresh(node: fx.Node) -> bool:
 
 
 def slot_writes_as_stacks(graph: fx.Graph) -> None:
-    """``out = torch.empty(B, T, D)`` (or zeros, ones, a fill), then ``out[:, t] = y_t`` (or ``out[:, t].copy_(y_t)``) for
+    """``out = torch.empty(B, T, D)`` (or zeros, ones, a fill, or a buffer the caller passes in, in a call that
+    records no gradients: written back once), then ``out[:, t] = y_t`` (or ``out[:, t].copy_(y_t)``) for
     every t → ``out = torch.stack([y_0, .., y_{T−1}], 1)``, made where out is first read (slots of width 1,
     ``out[:, t:t + 1] = y_t``, → ``torch.cat``).
 
@@ -971,11 +972,16 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
     from hecate.compiler.loops import _getitem_slices, _time_slice
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-    for out in [n for n in graph.nodes if _fresh(n) and not (len(n.users) == 1 and _fresh(next(iter(n.users))))]:
+    grad = torch.is_grad_enabled()
+    for out in [n for n in graph.nodes if _fresh(n) and not (len(n.users) == 1 and _fresh(next(iter(n.users))))
+                or n.op == "placeholder"]:
         order = {n: i for i, n in enumerate(graph.nodes)}  # (again for each: a rewrite before adds nodes)
         value = _val(out)
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            continue
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or out.op == "placeholder" and (grad or any(
+                n is not out and n.op == "placeholder" and _storage(n) == _storage(out) for n in graph.nodes)):
+            continue  # (a caller's buffer written where gradients are recorded would record them, or another input
+            # sees its writes: left as written)
+        written_back = out.op == "placeholder"  # the caller's buffer: its values written back once after the stack
         writes, slots, kept = [], {}, set()  # the nodes that write (and the views they write into), slot -> value
         for user in out.users:  # written, whether each slot keeps its dim
             if user.op == "call_function" and user.target is operator.setitem and user.args[0] is out \
@@ -1009,7 +1015,7 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
         # slots up to the last one written are stacked, the rest read from out as it was made, as long as it is
         last_slot = max(t for _, t in slots)
         every = {(dim, t) for t in range(int(size) if is_concrete_int(size) else last_slot + 1)}
-        if not set(slots) <= every or set(slots) != every and not _filled(out):
+        if not set(slots) <= every or set(slots) != every and not (_filled(out) or written_back):
             continue
         last = max(order[w] for w in writes)
         readers = [u for u in out.users if u not in writes]
@@ -1032,9 +1038,15 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
                 unwritten += _with_the_rest_of(graph, out, dim, len(every), stack)
                 stack = unwritten[-1]
         stack.meta.update(out.meta)
-        out.replace_all_uses_with(stack, delete_user_cb=lambda u: u not in writes and u not in unwritten)
+        out.replace_all_uses_with(stack, delete_user_cb=lambda u: u not in writes and u not in unwritten
+                                  and not (written_back and u.op == "output"))  # (a buffer returned is itself)
         for node in sorted(writes, key=order.__getitem__, reverse=True):
             graph.erase_node(node)
+        if written_back:
+            with graph.inserting_before(graph.output_node()):
+                write = graph.call_method("copy_", (out, stack))
+            write.meta.update({"example_value": value, WRITTEN_BACK: True})
+            continue
         while out is not None and not out.users:  # the allocation, and what it was cast or copied from
             source = out.args[0] if out.op == "call_method" and out.target in _STILL_FRESH else None
             graph.erase_node(out)

@@ -603,6 +603,24 @@ def test_an_input_that_requires_grad_written_in_place_is_kept():
     assert "mul_" in [n.target for n in collapsed.graph.nodes], collapsed.code
 
 
+def outputs_into_a_buffer_passed_in(x, out):
+    for t in range(2):
+        out[:, t] = x[:, t] * 2
+    return out.sum(1)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_outputs_into_a_buffer_passed_in_are_a_stack_written_back_where_no_gradient_is_recorded(grad):
+    x, out = torch.randn(3, 2, 4), torch.zeros(3, 2, 4)
+    with torch.set_grad_enabled(grad):
+        gm = _dynamo_graph(outputs_into_a_buffer_passed_in, x, out.clone())
+        collapsed = collapse_captured(gm)
+    targets = [n.target for n in collapsed.graph.nodes]
+    assert (torch.stack in targets) is not grad and (operator.setitem in targets) is grad, collapsed.code
+    ours, eager = out.clone(), out.clone()
+    assert torch.equal(collapsed(x, ours)[0], outputs_into_a_buffer_passed_in(x, eager)) and torch.equal(ours, eager)
+
+
 class _Scalars(torch.nn.Module):
     """Float attributes read by float and int tensors: under dynamic=True Dynamo passes each as a 0-d input."""
 

@@ -3512,6 +3512,31 @@ def test_a_state_passed_in_and_written_through_a_view_says_how_to_write_it(fresh
         str(report)
 
 
+def hebbian_outputs_into_the_callers_buffer(k, v, q, out):
+    """Outputs written into a buffer the caller passes in, ``out[:, t] = y``, the buffer returned."""
+    M = _m0(k, v)
+    for t in range(k.shape[1]):
+        M = 0.8 * M + v[:, t, ..., None] * k[:, t, :, None, :]
+        out[:, t] = (M @ q[:, t, ..., None])[..., 0]
+    return out, M
+
+
+def test_outputs_into_the_callers_buffer_fuse_and_are_written_into_it(fresh_dynamo):
+    """Probe r35: a buffer passed in was not read as the outputs collected (the reason asked for a fresh tensor).
+    In a call that records no gradients the buffer holds the outputs after the call, and is what is returned."""
+    k, v, q = (x.detach() for x in _inputs()[:3])
+    ours, eager = torch.full((B, T, H, DV), float("nan")), torch.full((B, T, H, DV), float("nan"))
+    with torch.no_grad():
+        want = hebbian_outputs_into_the_callers_buffer(k, v, q, eager)
+        got = torch.compile(hebbian_outputs_into_the_callers_buffer, backend="hecate",
+                            options={"fallback": "eager", "strict": True})(k, v, q, ours)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    assert got[0] is ours
+    for what, a, b in (("y", got[0], want[0]), ("M", got[1], want[1]), ("the buffer", ours, eager)):
+        assert_close(what, a, b, TOL)
+
+
 class MemoryInABufferViewedBeforeTheLoop(torch.nn.Module):
     """A flat view of the buffer taken before the loop and read after it (it sees the writes)."""
 
