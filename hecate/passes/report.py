@@ -102,6 +102,11 @@ class FusionReport:
                     lines.append(f"{indent}at {m.source}")
                 if m.where and (verbose or not m.source):
                     lines.append(f"{indent}graph nodes: {', '.join(x.where for x in same if x.where)}")
+        if self.graphs == 1 and not self.fusions and all(m.pattern == "hecate" for m in self.misses) \
+                and not self.graph_breaks:  # (a miss of "hecate" is the pipeline's own note, of no pattern)
+            lines.append("(the report of one graph: where Dynamo splits a call into several graphs, as a training "
+                         "step's optimizer step or a graph break does, each has its own report; "
+                         "hecate.explain(fn, *args) reports them all)")
         if self.graph_breaks:
             lines += ["", "Dynamo graph breaks (each piece is compiled as its own graph: a pattern split across "
                       "pieces cannot be fused):"]

@@ -16,6 +16,28 @@ def test_report_table_lists_fusions_and_misses():
     assert r.count("qk_preprocess") == 1 and r.count("kl_attention") == 0
 
 
+def _train_step_inside(model, opt, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_a_graph_with_nothing_to_fuse_says_where_the_others_are(fresh_dynamo):
+    """Probe r35: a training step compiled whole left last_report() with the optimizer's graph alone, "0 fused",
+    nothing saying the forward had a report of its own."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.compile(_train_step_inside, backend="hecate", options={"fallback": "eager"})(model, opt, torch.randn(4, 3))
+    report = hecate.last_report()
+    assert not report.fusions and all(m.pattern == "hecate" for m in report.misses), str(report)
+    assert "each has its own report; hecate.explain(fn, *args) reports them all" in str(report)
+    fused = FusionReport(graphs=1)
+    fused.add_fusion("kl_attention", "hecate.kl_attention", 9)
+    assert "each has its own report" not in str(fused)
+
+
 def test_extend_merges_graphs():
     a, b = FusionReport(graphs=1), FusionReport(graphs=1)
     b.add_miss("memory_scan", "p changes between steps")
