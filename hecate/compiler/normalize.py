@@ -978,7 +978,7 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}  # (again for each: a rewrite before adds nodes)
         value = _val(out)
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or out.op == "placeholder" and (grad or any(
-                n is not out and n.op == "placeholder" and _storage(n) == _storage(out) for n in graph.nodes)):
+                n is not out and n.op == "placeholder" and _same_storage(n, out) for n in graph.nodes)):
             continue  # (a caller's buffer written where gradients are recorded would record them, or another input
             # sees its writes: left as written)
         written_back = out.op == "placeholder"  # the caller's buffer: its values written back once after the stack
@@ -1246,7 +1246,7 @@ def whole_writes_as_assignments(graph: fx.Graph) -> None:
             continue
         x_value, view_value, y_value = _val(x), _val(view), _val(y)
         if not all(isinstance(v, torch.Tensor) for v in (x_value, view_value, y_value)) \
-                or _storage(view) != _storage(x) or y_value.shape != view_value.shape \
+                or not _same_storage(view, x) or y_value.shape != view_value.shape \
                 or y_value.dtype != x_value.dtype or y_value.device != x_value.device:
             continue
         as_laid_out = view_value.shape == x_value.shape and view_value.stride() == x_value.stride()
@@ -1284,6 +1284,12 @@ def _whole_index(index: Any) -> bool:
     parts = index if isinstance(index, tuple) else (index,)
     return sum(p is Ellipsis for p in parts) <= 1 and all(
         p is Ellipsis or isinstance(p, slice) and p == slice(None) for p in parts)
+
+
+def _same_storage(a: fx.Node, b: fx.Node) -> bool:
+    """Whether ``a`` and ``b`` hold tensors of one storage (not where either holds none: a size, a number)."""
+    first, second = _storage(a), _storage(b)
+    return first is not None and second is not None and first == second
 
 
 def _has_in_place_ops(graph: fx.Graph) -> bool:
