@@ -456,6 +456,15 @@ def aliases(node: fx.Node) -> bool:
         return False
 
 
+
+def written_tensor(node: fx.Node) -> fx.Node:
+    """The tensor a write into ``node`` lands in: followed through views and through the in-place writes before
+    it (a write into ``flat.view(..).mul_(a)`` lands in ``flat``)."""
+    while isinstance(node, fx.Node) and node.args and isinstance(node.args[0], fx.Node) \
+            and (aliases(node) or mutates(node)):
+        node = node.args[0]
+    return node
+
 def _is_size(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val", node.meta.get("example_value")), (int, torch.SymInt)) \
         and not isinstance(node.meta.get("val"), bool)

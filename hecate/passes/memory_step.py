@@ -55,7 +55,7 @@ from torch import fx
 from hecate.compiler.normalize import WRITTEN_BACK
 from hecate.passes.matching import NotFused, bound_reason, computed_from, first_gradient_stop, first_threshold, \
     INPUT_WRITTEN_ADVICE, free_attribute, gradient_stop, gradient_stop_reason, is_one, is_register_hook, is_zeros, op_name, \
-    replace_with_function, snapped
+    replace_with_function, snapped, written_tensor
 from hecate.passes.report import source_line
 
 aten = torch.ops.aten
@@ -1865,17 +1865,6 @@ def _read_at_two_indices(gm: fx.GraphModule) -> bool:
     return any(len({i for i, _ in pairs}) > 1 and len({j for _, j in pairs}) > 1 for pairs in reads.values())
 
 
-def _written_into(write: fx.Node) -> fx.Node:
-    """The tensor an in-place write goes into, through the views and the writes before it (``flat.view(..).mul_``:
-    flat)."""
-    target = write.args[0]
-    while isinstance(target, fx.Node) and target.args and isinstance(target.args[0], fx.Node) and (
-            target.target in _VIEWS - {aten.clone.default} or isinstance(target.target, torch._ops.OpOverload)
-            and target.target._schema.is_mutable):
-        target = target.args[0]
-    return target
-
-
 def _written_at_two_indices(write: fx.Node) -> bool:
     """Whether an in-place write goes into ``out[.., i, .., j]``: a select of a select at integer indices."""
     target = write.args[0] if write.args else None
@@ -1933,10 +1922,10 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
                    "inside or around the loop over time, one memory per head, gates read as alpha[:, t, h]); Hecate "
                    "rolls up one loop over time: write the heads as a batch dim of one memory [B, H, Dv, Dk], read "
                    "k[:, t] [B, H, Dk] and alpha[:, t] [B, H] per step, or flatten them into the batch [B·H, Dv, Dk]")
-        inputs = [w for w in writes if _written_into(w).op == "placeholder"]
+        inputs = [w for w in writes if written_tensor(w.args[0]).op == "placeholder"]
         if inputs:  # the state an input (a module's buffer) written in place, not made functional
             why = (f"the steps write into an input in place ({len(inputs)} in-place call(s) such as "
-                   f"{inputs[0].target._schema.name.replace('::', '.')} into {_written_into(inputs[0]).name}); "
+                   f"{inputs[0].target._schema.name.replace('::', '.')} into {written_tensor(inputs[0].args[0]).name}); "
                    f"{INPUT_WRITTEN_ADVICE}")
         elif writes:  # what the loop proof refuses first: steps that write into a tensor
             why = (f"the steps write into a tensor in place ({len(writes)} in-place call(s) such as "

@@ -35,7 +35,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.passes.matching import (EMITTED, INPUT_WRITTEN_ADVICE, aliases, descendants, is_pointwise, mutates,
-                                    pad_fill, padded_dims, zero_padded_dims)
+                                    pad_fill, padded_dims, written_tensor, zero_padded_dims)
 from hecate.passes.report import FusionReport, source_line
 from hecate.passes.shifts import shifted_copy
 
@@ -429,10 +429,7 @@ def _unrolled_states(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
             state = state.args[0]
         if outer is not None and state is not node.args[0] and _is_matrix(_shape(state)):
             updates[state] = outer
-        base = state
-        while isinstance(base, fx.Node) and base.args and isinstance(base.args[0], fx.Node) \
-                and (aliases(base) or mutates(base)):
-            base = base.args[0]
+        base = written_tensor(state)
         if outer is not None and isinstance(base, fx.Node) and base.op == "placeholder":
             inputs[node] = inputs[state] = base  # (the chain holds the write, or the view it writes)
     previous = {}
