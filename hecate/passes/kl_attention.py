@@ -153,27 +153,32 @@ def _peel_masks(x: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, str]], list[fx
             else:
                 break
         elif t == aten.sub.Tensor and x.kwargs.get("alpha", 1) == 1 and all(isinstance(a, fx.Node) for a in args) \
-                and depends_on_sizes_only(args[0]) and not depends_on_sizes_only(args[1]):
-            # c − s, a mask c made from sizes: rewritten −s + c (exact in IEEE), the spelling the op reads
-            total, negated = _as_sum_of_the_negated_score(x)
+                and depends_on_sizes_only(args[0]) != depends_on_sizes_only(args[1]):
+            # c − s or s − c, a mask c made from sizes: rewritten −s + c or −c + s (exact in IEEE), the spellings
+            # the op reads
+            total, negated = _as_sum_of_the_negation(x)
             peeled = [total if p is x else p for p in peeled]
-            masks.append((args[0], "additive"))
-            x = negated
+            if depends_on_sizes_only(args[0]):
+                masks.append((args[0], "additive"))
+                x = negated
+            else:
+                masks.append((negated, _additive_kind(negated)))
+                x = args[0]
         else:
             break
         peeled.append(x)
     return x, masks, peeled, added
 
 
-def _as_sum_of_the_negated_score(difference: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """Replace ``c − s`` by ``(−s) + c`` in the graph (the same values: IEEE subtraction is the addition of the
-    negation); returns (the sum, −s)."""
-    constant, score = difference.args
+def _as_sum_of_the_negation(difference: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Replace ``a − b`` by ``(−b) + a`` in the graph (the same values: IEEE subtraction is the addition of the
+    negation); returns (the sum, −b)."""
+    a, b = difference.args
     graph = difference.graph
     with graph.inserting_before(difference):
-        negated = graph.call_function(aten.neg.default, (score,))
-        total = graph.call_function(aten.add.Tensor, (negated, constant))
-    negated.meta.update({k: v for k, v in score.meta.items() if k in ("val", "tensor_meta")})
+        negated = graph.call_function(aten.neg.default, (b,))
+        total = graph.call_function(aten.add.Tensor, (negated, a))
+    negated.meta.update({k: v for k, v in b.meta.items() if k in ("val", "tensor_meta")})
     total.meta.update(difference.meta)
     if "stack_trace" in difference.meta:
         negated.meta["stack_trace"] = difference.meta["stack_trace"]

@@ -476,11 +476,26 @@ def an_added_causal_mask_of_minus_1e9(mu, var):  # the future's −1e9 added, th
     return torch.softmax(-kl_spec(mu, var) / 0.7 + torch.ones(n, n).triu(1) * -1e9, -1) @ mu
 
 
-@pytest.mark.parametrize("fn", [an_added_causal_mask_of_the_float32_minimum, an_added_causal_mask_of_minus_1e9],
-                         ids=lambda f: f.__name__)
+def a_causal_mask_times_1e4_subtracted(mu, var):  # −KL − (1 − tril)·1e4: the mask's positive multiple subtracted
+    n = mu.shape[1]
+    return torch.softmax(-kl_spec(mu, var) - (1 - torch.tril(torch.ones(n, n))) * 1e4, -1) @ mu
+
+
+def an_energy_of_a_subtracted_mask_by_a_hand_written_softmax(mu, var):  # Σ β·KL, β = exp(s − max) / Σ (probe a15)
+    n = mu.shape[1]
+    kl = kl_spec(mu, var)
+    s = -kl - (1 - torch.tril(torch.ones(n, n))) * 1e4
+    e = (s - s.amax(-1, keepdim=True)).exp()
+    return (e / e.sum(-1, keepdim=True) * kl).sum(-1)
+
+
+@pytest.mark.parametrize("fn", [an_added_causal_mask_of_the_float32_minimum, an_added_causal_mask_of_minus_1e9,
+                                a_causal_mask_times_1e4_subtracted,
+                                an_energy_of_a_subtracted_mask_by_a_hand_written_softmax], ids=lambda f: f.__name__)
 def test_a_finite_mask_added_where_every_query_keeps_its_own_key_fuses(fn, fresh_dynamo):
     """A mask of 0 and a number ≤ −1000 made from sizes and added to the score is the finite fill above written as
-    a sum (probe r23: reported as a score bias)."""
+    a sum (probe r23: reported as a score bias), or its negation subtracted, s − c read as s + (−c) (probe r35:
+    reported as no KL)."""
     report = _compare(fn, (torch.randn(B, N, K), _var((B, N, K))), "kl_attention")
     assert report.count("kl_attention") == 1 and not report.misses, str(report)
 
