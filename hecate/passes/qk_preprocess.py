@@ -54,7 +54,7 @@ the reason, and the graph around it is left as it was.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -1063,11 +1063,44 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
                     report.add_miss(PATTERN, f"decode step's window product: {reason}", window.output.name)
                 else:
                     chains.append(chain)
-    for chain in chains:
+    # Replaced from the last: a chain's op then reads the inputs its match found (a chain fed by the one before it
+    # reads that chain's output, which the earlier chain's op takes over when it is replaced after).
+    for chain in reversed(_without_overlaps(chains, report)):
         try:
             _replace(gm, chain, op, report)
         except NotFused as why:  # found only when replacing: gradients that stop inside the chain
             report.add_miss(PATTERN, str(why), nodes=[n for part in chain.parts for n in part.match.nodes])
+
+
+def _without_overlaps(chains: list[_Chain], report: FusionReport) -> list[_Chain]:
+    """The chains, each claiming nodes no earlier one claims. Stacked chains meet where one's matrix φ is the
+    next one's projection (``chain(chain(x, W1), W2)``: silu(..) @ W2.T is both): the earlier chain keeps it as its
+    φ, the later one reads the product as its input."""
+    claimed: set[fx.Node] = set()
+    kept = []
+    for chain in chains:
+        if chain.projection is not None and claimed & set(chain.projection.match.nodes):
+            chain = replace(chain, projection=None, batch_swap=None)
+        nodes = _nodes(chain)
+        if claimed & nodes:  # (no known spelling: any other overlap leaves the later chain as it is)
+            report.add_miss(PATTERN, "the chain shares nodes with another preprocessing chain fused before it",
+                            nodes=sorted(claimed & nodes, key=lambda n: n.name))
+            continue
+        claimed |= nodes
+        kept.append(chain)
+    return kept
+
+
+def _nodes(chain: _Chain) -> set[fx.Node]:
+    """Every node a chain's op stands for."""
+    nodes = {node for part in chain.parts for node in part.match.nodes}
+    if chain.batch_swap is not None:
+        nodes.add(chain.batch_swap)
+    if chain.state is not None:
+        nodes |= set(chain.state.covered)
+    if chain.window is not None:
+        nodes |= {chain.window.cat, *chain.window.nodes}
+    return nodes
 
 
 def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> None:

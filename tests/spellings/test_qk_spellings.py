@@ -432,6 +432,48 @@ def test_spelling_fuses_and_matches_eager(name):
     spelling, detail = SPELLINGS[name]
     _fuses_and_matches_eager(Block(spelling), (torch.randn(B, T, D_IN),), detail, ("x",))
 
+class _Preprocess(nn.Module):  # Linear → causal conv → SiLU → ReLU, [B, T, C] in and out
+    def __init__(self, c):
+        super().__init__()
+        self.lin = nn.Linear(c, c, bias=False)
+        self.conv = nn.Conv1d(c, c, K, groups=c, padding=K - 1)
+
+    def forward(self, x):
+        return F.relu(F.silu(self.conv(self.lin(x).transpose(1, 2))[..., :x.shape[1]])).transpose(1, 2)
+
+
+def test_two_preprocessing_modules_stacked_both_fuse(fresh_dynamo):
+    """b(a(x)): the second chain projects the first one's output (probe r36: replacing the first chain erased the
+    output the second one's match read, an internal error, nothing fused)."""
+    model = nn.Sequential(_Preprocess(D), _Preprocess(D))
+    x = torch.randn(B, T, D)
+    inputs, ref_inputs = [x.clone().requires_grad_()], [x.clone().requires_grad_()]
+    got = torch.compile(model, backend="hecate", options={"fallback": "eager"})(*inputs)
+    report = hecate.last_report()
+    assert report.count("qk_preprocess") == 2 and not report.misses, str(report)
+    params = list(model.parameters())
+    assert_outputs_and_gradients_close(got, model(*ref_inputs), inputs + params, ref_inputs + params, TOL)
+
+
+def _stacked_chains(x, w1, c1, b1, w2, c2, b2):  # no φ: the next chain's x @ W.T is also a matrix φ of the first
+    def chain(h, w, c, b):
+        u = F.conv1d((h @ w.T).transpose(1, 2), c, b, padding=K - 1, groups=D)[..., :h.shape[1]]
+        return F.silu(u).transpose(1, 2)
+    return chain(chain(x, w1, c1, b1), w2, c2, b2)
+
+
+def test_a_chain_whose_projection_is_the_matrix_phi_of_the_one_before_fuses_as_its_own(fresh_dynamo):
+    """silu(..) @ W2.T both ends the first chain (a matrix φ) and starts the second (its projection): the first
+    keeps it as its φ, the second reads the product as its input (probe r36: both claimed it, an internal error)."""
+    args = [torch.randn(B, T, D)] + [torch.randn(D, D) / D ** 0.5, torch.randn(D, 1, K), torch.randn(D)] * 2
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(_stacked_chains, backend="hecate", options={"fallback": "eager"})(*inputs)
+    report = hecate.last_report()
+    assert report.count("qk_preprocess") == 2 and not report.misses, str(report)
+    assert sorted(f.detail.split(" → ")[0] for f in report.fusions) == ["conv(K=4)", "x @ W.T"], str(report)
+    assert_outputs_and_gradients_close(got, _stacked_chains(*ref_inputs), inputs, ref_inputs, TOL)
+
+
 SHIFTED_COPIES = ["by hand, shift-and-add: each tap's copy F.pad(u[..., :-i], (i, 0)) after the transpose",
                   "by hand, shift-and-add: each tap's copy torch.cat([zeros, h[:, :-i]], 1)",
                   "by hand, torch.where(t >= i, torch.roll(h, i, 1), 0)"]
