@@ -888,7 +888,7 @@ def _hebbian(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, z_index
     others = [f for f in factors if _as(b.env[f], rec.lead + (rec.dk,)) is None
               and _as(b.env[f], rec.lead + (rec.dv,)) is None and not _is_gate(b.env[f], rec.lead)]
     raise NotFused("the update adds a term that is not an outer product of two per-step vectors b·v kᵀ" + (
-        f" (its factor {others[0].name}, of shape {list(b.env[others[0]].shape)}, is neither a per-step vector, "
+        f" (its factor, {_named(b, others[0])}, is neither a per-step vector, "
         "nor one number per head, nor a vector every step shares that scales the key or the value by feature)"
         if others else ""))
 
@@ -989,7 +989,7 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     update.divisors = [d for d in update.divisors if d not in key[1]]
     for f in gates + update.divisors:
         if not _is_gate(b.env[f], rec.lead):
-            raise NotFused(f"the update's factor {f.name} is neither the key, nor a function of e, nor one "
+            raise NotFused(f"the update's factor, {_named(b, f)}, is neither the key, nor a function of e, nor one "
                            "number per head (a gate)")
     # G: the g-factors as a function of e alone
     inside = b.between(en, g_factors + g_divisors)
@@ -997,13 +997,13 @@ def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Nod
     if outside:
         scalar = any(b.env[p].dim() == 0 for p in outside if isinstance(b.env.get(p), torch.Tensor))
         raise NotFused("the update's error factor g(e) also reads other inputs (" +
-                       ", ".join(sorted(p.name for p in outside)) + "): the op generates g from e alone" +
+                       ", ".join(sorted(_named(b, p) for p in outside)) + "): the op generates g from e alone" +
                        ("; a 0-d one is a number held in a tensor (a buffer, a parameter, or a float attribute "
                         "torch.compile(dynamic=True) passes in as a tensor), which it cannot read (a Python number "
                         "fuses)" if scalar else ""))
     for g in g_factors + g_divisors:
         if b.env[g].numel() != b.env[en].numel():
-            raise NotFused(f"the update's error factor g(e) is not elementwise in e: {g.name} has "
+            raise NotFused(f"the update's error factor g(e) is not elementwise in e: {_named(b, g)} has "
                            f"{b.env[g].numel()} values where e has {b.env[en].numel()}")
     grid = torch.cat([torch.linspace(-3, 3, 61, dtype=torch.float64),
                       torch.tensor([1e-4, -1e-4, 0.03, -0.07, 7.5, -11.0], dtype=torch.float64)])
@@ -1863,6 +1863,14 @@ def _read_at_two_indices(gm: fx.GraphModule) -> bool:
         if isinstance(inner, fx.Node) and inner.target is aten.select.int:
             reads.setdefault((inner.args[0], inner.args[1], n.args[1]), set()).add((inner.args[2], n.args[2]))
     return any(len({i for i, _ in pairs}) > 1 and len({j for _, j in pairs}) > 1 for pairs in reads.values())
+
+
+def _named(b: _Body, node: fx.Node) -> str:
+    """A node of the step in the user's terms (its graph name means nothing to them): the op computing it, or an
+    input of the loop, and its shape."""
+    value = b.env.get(node)
+    shape = f" of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else ""
+    return ("an input of the loop" if node.op == "placeholder" else op_name(node)) + shape
 
 
 def _written_at_two_indices(write: fx.Node) -> bool:
