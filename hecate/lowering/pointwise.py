@@ -24,8 +24,8 @@ functions give equal strings and the op's caches hit. From it:
 * :func:`to_onnx` writes it with onnxscript ops.
 
 The operations (the canonical language; composite ATen ops such as ``silu``, ``elu``,
-``gelu``, ``softplus``, ``leaky_relu``, ``clamp``, ``square``, ``masked_fill`` are written
-in it when read from a graph): add sub mul div pow neg exp log log1p expm1 sqrt rsqrt tanh
+``gelu``, ``softplus``, ``hardswish``, ``log_sigmoid``, ``leaky_relu``, ``clamp``, ``square``,
+``masked_fill`` are written in it when read from a graph): add sub mul div pow neg exp log log1p expm1 sqrt rsqrt tanh
 sigmoid relu abs sign cos sin erf maximum minimum clamp_min clamp_max gt ge lt le eq ne
 and or not where. NaN propagates as in torch (maximum/minimum/clamp/relu of NaN are NaN).
 """
@@ -508,6 +508,13 @@ def _read(node: fx.Node, k: dict[str, Any], operand: Callable[[Any], Expr]) -> E
         return make("where", make("gt", a, float(k["threshold"])), a, float(k["value"]))
     if packet == "softplus":
         return _softplus(operand(self_), float(k.get("beta", 1.0)), float(k.get("threshold", 20.0)))
+    if packet in ("hardsigmoid", "hardswish"):  # (x + 3) / 6 between −3 and 3 (times x), 0 and 1 (x) outside: as
+        a = operand(self_)                        # branches, so the derivative at ±3 is ATen's (the outer one's)
+        ramp = make("div", make("mul", a, make("add", a, 3.0)) if packet == "hardswish" else make("add", a, 3.0), 6.0)
+        return make("where", make("le", a, -3.0), 0.0, make("where", make("ge", a, 3.0),
+                                                            a if packet == "hardswish" else 1.0, ramp))
+    if packet == "log_sigmoid":
+        return _log_sigmoid(operand(self_))
     if packet == "gelu":
         return _gelu(operand(self_), k.get("approximate", "none"))
     if packet in ("clamp", "hardtanh", "clamp_min", "clamp_max"):
@@ -524,6 +531,12 @@ def _read(node: fx.Node, k: dict[str, Any], operand: Callable[[Any], Expr]) -> E
             return make("where", operand(k["mask"]), operand(k["value"]), operand(self_))
         return make("where", operand(k["condition"]), operand(self_), operand(k["other"]))
     raise NotPointwise(f"{_describe(node)} is not one of the pointwise operations Hecate generates", node)
+
+
+def _log_sigmoid(a: Expr) -> Expr:
+    """ATen's min(x, 0) − log1p(exp(−|x|)) per sign of x: smooth in each branch, so the derivative at 0 is ATen's ½."""
+    return make("where", make("lt", a, 0.0), make("sub", a, make("log1p", make("exp", a))),
+                make("neg", make("log1p", make("exp", make("neg", a)))))
 
 
 def _softplus(a: Expr, beta: float, threshold: float) -> Expr:
@@ -628,11 +641,17 @@ def _ancestors_within(node: fx.Node, region: set[fx.Node]) -> set[fx.Node]:
     return found
 
 
+# make_fx splits F.logsigmoid into log_sigmoid_forward's two outputs (the second a buffer its backward reads): the
+# first is read as the graph's aten.log_sigmoid is
+_TRACE_DECOMPOSITIONS = {aten.log_sigmoid_forward.default: lambda x: (
+    evaluate(serialise(_log_sigmoid(X)), x), x.new_empty((0,)))}
+
+
 def trace(fn: Callable[[torch.Tensor], torch.Tensor]) -> str:
     """The expression of a Python function of one tensor (traced on zeros: no RNG is moved)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    gm = make_fx(lambda z: fn(z))(torch.zeros(4))
+    gm = make_fx(lambda z: fn(z), decomposition_table=_TRACE_DECOMPOSITIONS)(torch.zeros(4))
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
     output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     if isinstance(output, (list, tuple)):

@@ -66,8 +66,8 @@ from torch.fx.passes.utils.matcher_utils import InternalMatch
 from hecate.passes.report import FusionReport
 from hecate.lowering import pointwise
 from hecate.passes.gaussian import evaluate
-from hecate.passes.matching import (Match, NotFused, computed_from, descendants, find_matches, is_register_hook,
-                                    pad_fill, pattern_graph, replace_with_op, size_hint, val)
+from hecate.passes.matching import (Match, NotFused, computed_from, descendants, find_matches, is_pointwise,
+                                    is_register_hook, pad_fill, pattern_graph, replace_with_op, size_hint, val)
 
 PATTERN = "qk_preprocess"
 OP_NAME = "hecate.qk_preprocess"
@@ -1064,29 +1064,28 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
                 else:
                     chains.append(chain)
     # Replaced from the last: a chain's op then reads the inputs its match found (a chain fed by the one before it
-    # reads that chain's output, which the earlier chain's op takes over when it is replaced after).
-    for chain in reversed(_without_overlaps(chains, report)):
+    # reads that chain's output, which the earlier chain's op takes over when it is replaced after). The report
+    # lists them in the graph's order.
+    first = len(report.fusions)
+    for chain in reversed(_without_overlaps(chains)):
         try:
             _replace(gm, chain, op, report)
         except NotFused as why:  # found only when replacing: gradients that stop inside the chain
             report.add_miss(PATTERN, str(why), nodes=[n for part in chain.parts for n in part.match.nodes])
+    report.fusions[first:] = report.fusions[first:][::-1]
 
 
-def _without_overlaps(chains: list[_Chain], report: FusionReport) -> list[_Chain]:
-    """The chains, each claiming nodes no earlier one claims. Stacked chains meet where one's matrix φ is the
+def _without_overlaps(chains: list[_Chain]) -> list[_Chain]:
+    """The chains, none computing a value an earlier one computes. Stacked chains meet where one's matrix φ is the
     next one's projection (``chain(chain(x, W1), W2)``: silu(..) @ W2.T is both): the earlier chain keeps it as its
-    φ, the later one reads the product as its input."""
-    claimed: set[fx.Node] = set()
+    φ, the later one reads the product as its input. (Chains may share views of a weight, W.T of one φ for q and
+    k: each op reads it.)"""
+    computed: set[fx.Node] = set()
     kept = []
     for chain in chains:
-        if chain.projection is not None and claimed & set(chain.projection.match.nodes):
+        if chain.projection is not None and chain.projection.output in computed:
             chain = replace(chain, projection=None, batch_swap=None)
-        nodes = _nodes(chain)
-        if claimed & nodes:  # (no known spelling: any other overlap leaves the later chain as it is)
-            report.add_miss(PATTERN, "the chain shares nodes with another preprocessing chain fused before it",
-                            nodes=sorted(claimed & nodes, key=lambda n: n.name))
-            continue
-        claimed |= nodes
+        computed |= _nodes(chain)
         kept.append(chain)
     return kept
 
@@ -1230,8 +1229,10 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
         layout = layout.replace("T,", "")
     text = " → ".join(steps) + " " + layout
     if phi_kind == "identity":  # what reads the output where φ would be (a view of it, a head split, is no φ)
-        readers = sorted({str(u.target) for u in chain.output.users
-                          if u.op == "call_function" and not getattr(u.target, "is_view", False)})
-        if readers:
-            text += f"; read by {', '.join(readers)}, left to the fallback (not a φ the op fuses)"
+        readers = [u for u in chain.output.users if u.op == "call_function" and not getattr(u.target, "is_view", False)]
+        names = ", ".join(sorted({str(u.target) for u in readers}))
+        if len(readers) == 1 and is_pointwise(readers[0]) and readers[0].all_input_nodes == [chain.output]:
+            text += f"; read by {names}, elementwise but not an operation Hecate generates into the kernel"
+        elif readers:
+            text += f"; read by {names}, left to the fallback (not a φ the op fuses)"
     return text

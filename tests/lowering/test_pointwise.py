@@ -33,6 +33,8 @@ FUNCTIONS = {
     "leaky_relu": F.leaky_relu,
     "silu": F.silu,
     "mish": F.mish,
+    "hardswish": F.hardswish,
+    "log_sigmoid": lambda z: F.logsigmoid(-2 * z),
     "identity": lambda z: z,
     "powers": lambda z: (z.abs() + 0.5) ** 1.7 + z ** 5 + 2 ** z - (z.abs() + 1) ** -2,
     "masked_fill": lambda z: z.masked_fill(z < -1, 0.0) * (z != 0.5),

@@ -198,6 +198,18 @@ def test_projection_read_elsewhere_is_left_out_of_the_fusion():
                                 "(not a φ the op fuses)"]
 
 
+def test_why_no_phi_is_fused_names_an_elementwise_op_not_generated():
+    """probe r36: "(not a φ the op fuses)" where the reader is elementwise (atan is no operation of the generated
+    language)."""
+    def not_generated(m, x):
+        return torch.atan(F.silu(_causal(m, F.linear(x, m.w, m.b).transpose(1, 2))))
+
+    report = _compare_with_eager(Chain(not_generated), torch.randn(2, 7, 5))
+    assert _details(report) == ["linear → conv(K=4) → silu [B,D,T], the op's [B,T,D] transposed; read by "
+                                "aten.atan.default, elementwise but not an operation Hecate generates into the "
+                                "kernel"], str(report)
+
+
 def test_an_output_read_only_through_a_view_is_described_without_a_phi_left_out():
     """φ = identity and the output read by a permute (heads or time moved first for the memory): a view is no
     φ, so the detail names no reader "left to the fallback" (it did, and read like a near-miss)."""

@@ -210,6 +210,12 @@ SPELLINGS = {
         lambda m, x: (lambda a: a.abs() ** 1.5 * torch.sign(a) + a)(
             F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2))),
         "linear → conv(K=4) → silu → φ = abs(x);pow(%0,1.5);sign(x);mul(%1,%2);add(x,%3) [B,T,D]"),
+    "hardswish, hardsigmoid and log-sigmoid in φ (probe r36: reported as not a φ)": (
+        lambda m, x: (lambda z: F.hardswish(z) + F.hardsigmoid(z) - F.logsigmoid(z))(
+            F.silu(_conv_slice(m, m.proj(x).transpose(1, 2)).transpose(1, 2))),
+        "linear → conv(K=4) → silu → φ = le(x,-3.0);ge(x,3.0);add(3.0,x);div(%2,6.0);where(%1,1.0,%3);"
+        "where(%0,0.0,%4);mul(x,%2);div(%6,6.0);where(%1,x,%7);where(%0,0.0,%8);add(%5,%9);lt(x,0.0);exp(x);"
+        "log1p(%12);sub(x,%13);neg(x);exp(%15);log1p(%16);neg(%17);where(%11,%14,%18);sub(%10,%19) [B,T,D]"),
     "no projection, conv on the input, cosine features": (
         lambda m, x: torch.cos(F.silu(_pad_conv(m, torch.cat([x, x[..., :1]], -1).transpose(1, 2)).transpose(1, 2))),
         "conv(K=4) → silu → φ = cos(x) [B,T,D]"),
