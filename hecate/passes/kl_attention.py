@@ -1877,8 +1877,11 @@ def _replacement(algebra, roots, plan, score, leaf_values, escaping, mean, scale
     from hecate.lowering.kl_attention.matmul_form import scores_and_beta
     from hecate.lowering.kl_attention.naive import allowed_keys
 
-    # μ and σ² may share leading dims by broadcasting (one variance for every head): the op takes both whole
+    # μ and σ² may share leading dims by broadcasting (one variance for every head): the op takes both whole, in
+    # the dtype the graph's KL has (means of a bf16 Linear under autocast beside float32 variances: float32)
     mean, var = torch.broadcast_tensors(mean, {**VARIANCE_FROM, **_UNIT}[score.parameterisation](scale))
+    dtype = torch.result_type(mean, var)
+    mean, var = mean.to(dtype), var.to(dtype)
     *lead, n, k = mean.shape
     root_values: dict[fx.Node, torch.Tensor] = {}
 

@@ -544,8 +544,12 @@ def _fuse(gm: fx.GraphModule, d: _Decode, report: FusionReport) -> None:
         # row i of each), or shared by the positions (its gradient sums)
         var = var.reshape(mu.shape) if var.numel() == mu.numel() else var.expand_as(mu)
         prior_var = _UNIT[d.prior_param](prior_mu) if prior_scale is None else VARIANCE_FROM[d.prior_param](prior_scale)
-        # a prior variance shared by the tokens ([1, K], [K], 0-d) broadcast to [V, K]: its gradient sums back
-        return mu.reshape(-1, k), var.reshape(-1, k), prior_mu, prior_var.to(prior_mu.dtype).expand_as(prior_mu)
+        # a prior variance shared by the tokens ([1, K], [K], 0-d) broadcast to [V, K]: its gradient sums back; all
+        # in the dtype the graph's KL has (means of a bf16 Linear under autocast beside float32 variances: float32)
+        dtype = torch.result_type(mu, var)
+        dtype = torch.promote_types(dtype, torch.result_type(prior_mu, prior_var))
+        return (mu.reshape(-1, k).to(dtype), var.reshape(-1, k).to(dtype), prior_mu.to(dtype),
+                prior_var.to(dtype).expand_as(prior_mu))
 
     what = f"{d.param} beliefs, {d.prior_param} priors, τ={tau if run_time else format(tau, 'g')}"
     ce = _cross_entropy_user(logits, shape_of(logits))

@@ -2062,6 +2062,52 @@ def test_autocast_gives_eager_dtypes(fn, fresh_dynamo):
     assert_close("output", got.float(), ref.float(), 2e-2)
 
 
+def _beliefs_from_linears(x, w_mu, w_logvar):  # under autocast the means come out bf16, exp's variances float32
+    return F.linear(x, w_mu), F.linear(x, w_logvar).exp()
+
+
+def an_attention_over_beliefs_from_linears(x, w_mu, w_logvar):
+    return a_matmul_causal(*_beliefs_from_linears(x, w_mu, w_logvar))
+
+
+def a_decode_over_beliefs_from_linears(x, w_mu, w_logvar, prior_mu, prior_var):
+    return a_decode_with_fixed_targets(*_beliefs_from_linears(x, w_mu, w_logvar), prior_mu, prior_var)
+
+
+def a_decode_with_fixed_targets(mu, var, prior_mu, prior_var):
+    return d_spec_ce(mu, var, prior_mu, prior_var, torch.arange(mu.shape[0] * mu.shape[1]).reshape(mu.shape[:2]) % V)
+
+
+def _compiled_and_eager(fn, args, tol, fallback="eager"):
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    with torch.autocast("cpu", torch.bfloat16, enabled=tol > 1e-3):
+        ref = fn(*ref_inputs)
+        got = torch.compile(fn, backend="hecate", options={"fallback": fallback})(*inputs)
+    report = hecate.last_report()
+    assert report.fusions and not report.misses, str(report)
+    assert got.dtype == ref.dtype
+    assert_outputs_and_gradients_close(got.float(), ref.float(), inputs, ref_inputs, tol)
+
+
+@pytest.mark.parametrize("fn", [an_attention_over_beliefs_from_linears, a_decode_over_beliefs_from_linears],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fallback", ["eager", "inductor"])
+def test_means_and_variances_of_two_dtypes_under_autocast_fuse_in_the_dtype_of_the_kl(fn, fallback, fresh_dynamo):
+    """Means of a bf16 Linear beside float32 variances: eager computes the KL in float32, and so does the op, to
+    bf16 precision (probe r36: the op refused the two dtypes when the model ran, or the graph fell back unfused)."""
+    args = [torch.randn(B, N, 4), torch.randn(K, 4) / 2, torch.randn(K, 4) / 4, torch.randn(V, K), _var((V, K))]
+    _compiled_and_eager(fn, args[:3] if fn is an_attention_over_beliefs_from_linears else args, 2e-2, fallback)
+
+
+@pytest.mark.parametrize("fn", [a_matmul_causal, a_decode_with_fixed_targets], ids=lambda f: f.__name__)
+def test_means_in_float64_beside_float32_variances_fuse_in_float64(fn, fresh_dynamo):
+    """Without autocast, KL(float64 means, float32 variances) is float64 in eager, and the op's too (probe r36: an
+    internal error in kl_decode)."""
+    args = [torch.randn(B, N, K, dtype=torch.float64), _var((B, N, K)), torch.randn(V, K, dtype=torch.float64),
+            _var((V, K))]
+    _compiled_and_eager(fn, args[:2] if fn is a_matmul_causal else args, 1e-5)
+
+
 # --- a variance shared across positions: one per feature [K], per head [H, 1, K], per sequence [B, 1, K], 0-d ---
 
 
