@@ -158,12 +158,30 @@ class _GatedBlock(torch.nn.Module):
         return x + torch.stack(ys, 1).reshape(b, t, d)
 
 
+class _BeliefsThenMemory(torch.nn.Module):
+    """Causal KL attention over beliefs from Linear layers, then the gated delta-rule layer (probe r36: together,
+    the length came out fixed: a NaN literal the KL fusion writes compared unequal to itself across exports)."""
+
+    def __init__(self, d=12):
+        super().__init__()
+        self.mu, self.logvar, self.memory = torch.nn.Linear(d, d), torch.nn.Linear(d, d), _GatedBlock(d)
+
+    def forward(self, x):
+        mu, var = self.mu(x), self.logvar(x).exp()
+        mi, vi, mj, vj = mu[:, :, None], var[:, :, None], mu[:, None], var[:, None]
+        kl = 0.5 * (vi / vj + (mi - mj) ** 2 / vj - 1 + vj.log() - vi.log()).sum(-1)
+        n = x.shape[1]
+        beta = (-kl).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        return self.memory(x + beta @ mu)
+
+
 LOOPS = {  # Python loops over T: torch.export unrolls them (fixing T); once fused, the length is dynamic again
     "lp_memory": (lambda: LpMemory(12, n_heads=2, d_k=4, d_v=3), _x(12, scale=0.5), "hecate.memory_scan"),
     "hebbian_memory": (lambda: HebbianMemory(12, n_heads=2, d_k=4, d_v=3), _x(12), "hecate.linear_attention"),
     "unbind_loop": (_UnbindLoop, lambda b, t: (torch.randn(b, t, 4), torch.randn(b, t, 3), torch.randn(b, t, 4)),
                     "hecate.memory_scan"),
     "gated_block": (_GatedBlock, _x(12, scale=0.5), "hecate.memory_scan"),
+    "beliefs_then_memory": (_BeliefsThenMemory, _x(12, scale=0.5), "hecate.memory_scan"),
 }
 
 
