@@ -71,7 +71,8 @@ def parse_options(options: Mapping[str, Any] | None) -> Options:
     patterns = options.get("patterns", "all")
     if patterns == "all":
         patterns = tuple(PASSES)
-    elif isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+    elif isinstance(patterns, str) or not isinstance(patterns, (list, tuple, set, frozenset)) \
+            or not all(isinstance(p, str) for p in patterns):
         raise HecateOptionsError(
             f"option 'patterns' must be \"all\" or a list of pattern names, got {patterns!r}; "
             f"valid names are {list(PASSES)}")

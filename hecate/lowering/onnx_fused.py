@@ -203,6 +203,8 @@ def onnx_translations(opset_version: int | None = None,
     """
     if fused_domain not in FUSED_DOMAINS:
         raise ValueError(f"fused_domain must be one of {list(FUSED_DOMAINS)}, got {fused_domain!r}")
+    if opset_version is not None and (type(opset_version) is not int or opset_version < 18):
+        raise ValueError(f"opset_version must be None (the newest supported) or an int ≥ 18, got {opset_version!r}")
     if opset_version is None:
         opset_version = default_opset()
     elif opset_version >= FUSED_OPSET:

@@ -28,9 +28,18 @@ def test_unknown_pattern_names_the_registered_ones():
         parse_options({"patterns": ["nope"]})
 
 
-def test_patterns_must_be_a_list_not_a_bare_name():
-    with pytest.raises(hecate.HecateOptionsError, match="must be \"all\" or a list"):
-        parse_options({"patterns": "qk_preprocess"})
+@pytest.mark.parametrize("patterns", ["qk_preprocess", None, 3], ids=["bare_name", "none", "int"])
+def test_patterns_must_be_a_list_not_a_bare_name(patterns):
+    """None and a number raised a bare TypeError (probe r36)."""
+    with pytest.raises(hecate.HecateOptionsError, match=f"must be \"all\" or a list of pattern names, got {patterns!r}"):
+        parse_options({"patterns": patterns})
+
+
+@pytest.mark.parametrize("opset", ["27", 17, 27.0])
+def test_an_export_opset_that_is_not_an_int_from_18_is_named(opset, tmp_path):
+    """opset_version="27" raised a bare TypeError from a comparison (probe r36)."""
+    with pytest.raises(ValueError, match=f"opset_version must be None .* or an int ≥ 18, got {opset!r}"):
+        hecate.export_onnx(torch.nn.Linear(2, 2), (torch.randn(1, 2),), tmp_path / "m.onnx", opset_version=opset)
 
 
 def test_options_must_be_a_dict():
