@@ -118,7 +118,7 @@ def _scores(qa, kb, r0: int, kappa, causal: bool, mask_diagonal: bool, dtype, ma
     m = logits.amax(-1, keepdim=True)
     if square is not None or masked is not None:
         m = m.masked_fill(torch.isinf(m), 0.0)
-    if tracing():
+    if tracing() or logits.requires_grad:  # (autograd through the decomposition: a gradient differentiated again)
         p = torch.exp(logits - m)
         total = p.sum(-1, keepdim=True)
         beta = p / total.clamp_min(torch.finfo(p.dtype).tiny)

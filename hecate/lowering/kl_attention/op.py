@@ -61,6 +61,7 @@ from triton.runtime.errors import OutOfResources
 
 from hecate.lowering.dispatch import check_devices, dense, use_triton
 from hecate.lowering.kl_attention import matmul_form
+from hecate.lowering.registry import differentiable_backward
 
 OUTPUT_NAMES = ("row_sum", "row_kl_sum", "energy", "col_sum", "col_kl_sum", "col_energy_sum", "lse")
 
@@ -279,6 +280,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, *grads):
     mu, var, row_values, col_values, row_sum, row_kl_sum, energy, lse, temperature, allowed = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: this gradient is differentiated again
+        return differentiable_backward(torch.ops.hecate.kl_attention.default, (
+            mu, var, row_values, col_values, *ctx.config, temperature, allowed, ctx.inverse_temperature), grads)
     col_shape = row_sum.new_empty(col_values.shape)
     outputs = (row_sum, row_kl_sum, energy, col_shape, col_shape, col_shape, lse)
     read_outputs = sum(1 << i for i, g in enumerate(grads) if g is not None)

@@ -31,6 +31,7 @@ import triton
 
 from hecate.lowering.dispatch import check_devices, dense, interpreting, use_triton
 from hecate.lowering.kl_decode import matmul_form
+from hecate.lowering.registry import differentiable_backward
 
 
 def check_inputs(mu, var, prior_mu, prior_var, tau, targets=None) -> None:
@@ -108,6 +109,9 @@ def _logits_setup(ctx, inputs, output):
 
 def _logits_backward(ctx, grad_logits):
     mu, var, prior_mu, prior_var = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: this gradient is differentiated again
+        return differentiable_backward(torch.ops.hecate.kl_decode_logits.default,
+                                       (mu, var, prior_mu, prior_var, ctx.tau), (grad_logits,))
     grads = torch.ops.hecate.kl_decode_logits_backward(mu, var, prior_mu, prior_var, grad_logits, ctx.tau)
     return (*grads, None)
 
@@ -161,6 +165,9 @@ def _ce_setup(ctx, inputs, output):
 def _ce_backward(ctx, grad_loss, grad_lse):
     """Gradient of the loss only: lse is an auxiliary output (marked non-differentiable)."""
     mu, var, prior_mu, prior_var, targets, lse = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: this gradient is differentiated again
+        return differentiable_backward(torch.ops.hecate.kl_decode_ce.default,
+                                       (mu, var, prior_mu, prior_var, targets, *ctx.config), (grad_loss, None))
     if grad_loss is None:
         grad_loss = torch.zeros_like(lse)
     grads = torch.ops.hecate.kl_decode_ce_backward(mu, var, prior_mu, prior_var, targets, lse, grad_loss,

@@ -36,6 +36,7 @@ from hecate.lowering.autocast import register_autocast
 from hecate.lowering.dispatch import check_devices, dense, use_triton_kernels
 from hecate.lowering.memory_scan import chunked, cpu
 from hecate.lowering.memory_scan.op import check_kvq_shapes
+from hecate.lowering.registry import differentiable_backward
 
 
 def check_inputs(k, v, q, alpha, m0, z0, normalize, eps, causal) -> None:
@@ -218,6 +219,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, dm_final, dz_final):
     k, v, q, alpha, m0, z0 = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: this gradient is differentiated again
+        return differentiable_backward(torch.ops.hecate.linear_attention.default, (k, v, q, alpha, m0, z0, *ctx.flags),
+                                       (dy, dm_final, dz_final))
     dk, dv, dq, dalpha, dm0, dz0 = torch.ops.hecate.linear_attention_backward(
         dy.contiguous(), dm_final.contiguous(), dz_final.contiguous(), k, v, q, alpha, m0, z0, *ctx.flags)
     grads = [g.to(dt) if dt is not None else None for g, dt in zip((dalpha, dm0, dz0), ctx.dtypes)]

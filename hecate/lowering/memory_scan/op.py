@@ -66,6 +66,7 @@ from hecate.lowering import pointwise
 from hecate.lowering.autocast import register_autocast
 from hecate.lowering.dispatch import check_devices, dense, use_triton_kernels
 from hecate.lowering.memory_scan import chunked, cpu
+from hecate.lowering.registry import differentiable_backward
 
 
 def _state_dtype(k: Tensor) -> torch.dtype:
@@ -232,6 +233,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, dm_final, ds_final):
     k, v, q, alpha, eta, m0, cu_seqlens, s0, beta = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: this gradient is differentiated again
+        return differentiable_backward(torch.ops.hecate.memory_scan.default, (
+            k, v, q, alpha, eta, m0, cu_seqlens, *ctx.scalars, s0, beta, ctx.decay_first), (dy, dm_final, ds_final))
     momentum = ctx.scalars[3]
     dk, dv, dq, dalpha, deta, dm0, ds0, dbeta = torch.ops.hecate.memory_scan_backward(
         dy.contiguous(), dm_final.contiguous(), k, v, q, alpha, eta, m0, cu_seqlens, *ctx.scalars, s0,

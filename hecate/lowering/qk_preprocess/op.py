@@ -56,6 +56,7 @@ from hecate.lowering.autocast import register_autocast
 from hecate.lowering.dispatch import dense, use_triton_kernels
 from hecate.lowering.qk_preprocess.naive import (ACTIVATIONS, MATRIX_PHI, PHI_KINDS, PHI_PARAM_COUNT,
                                                  apply_activation, apply_phi, is_pointwise_phi)
+from hecate.lowering.registry import differentiable_backward
 
 GRAD_INPUTS = ("x", "proj_weight", "proj_bias", "conv_weight", "conv_bias", "phi_weight", "phi_bias", "conv_state")
 
@@ -370,6 +371,10 @@ def _backward(ctx, grad_out):
     x, proj_weight, proj_bias, conv_weight, conv_bias, conv_state, *phi_params = ctx.saved_tensors
     activation, phi, phi_scalar = ctx.attrs
     needs = ctx.needs_input_grad
+    if torch.is_grad_enabled():  # create_graph=True: this gradient is differentiated again
+        return differentiable_backward(torch.ops.hecate.qk_preprocess.default, (
+            x, proj_weight, proj_bias, conv_weight, conv_bias, activation, phi, phi_params, phi_scalar,
+            conv_state)[:len(needs)], (grad_out,))
     output_mask = ([bool(n) for n in needs[:5]] + [bool(n) for n in needs[7]] + [False] * (2 - len(phi_params))
                    + [len(needs) > 9 and bool(needs[9])])      # conv_state, when it was passed
     grads = torch.ops.hecate.qk_preprocess_backward(grad_out.contiguous(), x, proj_weight, proj_bias, conv_weight,
