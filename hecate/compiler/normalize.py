@@ -98,6 +98,7 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
 def normalize_graph(graph_module: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``graph_module`` (not the graphs it calls) into the normal form, in place; return it."""
     graph = graph_module.graph
+    slot_writes_as_stacks(graph)  # (Dynamo's graph had them made stacks before it was traced to ATen)
     functionalize(graph)
     windows_shifted_in_place_as_cats(graph)
     detach_no_grad_results(graph)
@@ -941,8 +942,12 @@ def _unpacked_apart(graph: fx.Graph) -> Iterator[tuple[fx.Node, list[fx.Node]]]:
 
 # calls that make a tensor nothing else holds (its values are never read here: every slot is written)
 _FILLED = (torch.zeros, torch.zeros_like, "new_zeros", torch.ones, torch.ones_like, "new_ones", torch.full,
-           torch.full_like, "new_full")  # fresh tensors of known values
-_FRESH = (torch.empty, torch.empty_like, "new_empty") + _FILLED
+           torch.full_like, "new_full",  # fresh tensors of known values, as Dynamo and (below) torch.export write them
+           aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default, aten.ones.default,
+           aten.ones_like.default, aten.new_ones.default, aten.full.default, aten.full_like.default,
+           aten.new_full.default)
+_FRESH = (torch.empty, torch.empty_like, "new_empty", aten.empty.memory_format, aten.empty_like.default,
+          aten.new_empty.default) + _FILLED
 # methods whose result, taken of a fresh tensor nothing else reads, is fresh too (it is that tensor, or a copy):
 # ``torch.zeros(B, T, D).to(v)``, as reference code allocates outputs
 _STILL_FRESH = ("to", "type_as", "float", "double", "half", "bfloat16", "contiguous", "clone", "cpu", "cuda")
@@ -991,8 +996,8 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
                 written = [user]
             elif _time_slice(user) is not None and len(user.users) == 1:
                 (copy,) = user.users
-                if not (copy.op == "call_method" and copy.target == "copy_" and copy.args[0] is user
-                        and len(copy.args) == 2 and not copy.kwargs and not copy.users):
+                if not ((copy.op, copy.target) in (("call_method", "copy_"), ("call_function", aten.copy_.default))
+                        and copy.args[0] is user and len(copy.args) == 2 and not copy.kwargs and not copy.users):
                     continue
                 where, y, written = _time_slice(user), copy.args[1], [user, copy]
             else:
@@ -1011,9 +1016,9 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
             continue
         (dim,), (keep,) = dims, kept  # keep: slots of width 1, out[:, t:t + 1] = y, joined by cat
         size = value.shape[dim]
+        last_slot = max(t for _, t in slots)
         # a symbolic size (dynamic=True: the buffer zeros_like(v), the loop over k.shape[1], specialised): the
         # slots up to the last one written are stacked, the rest read from out as it was made, as long as it is
-        last_slot = max(t for _, t in slots)
         every = {(dim, t) for t in range(int(size) if is_concrete_int(size) else last_slot + 1)}
         if not set(slots) <= every or set(slots) != every and not (_filled(out) or written_back):
             continue
@@ -1024,18 +1029,22 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
             continue
         first_reader = min(readers, key=order.__getitem__, default=next(iter(reversed(graph.nodes))))
         unwritten = []  # the slots left as made (zeros, a fill), read from out (not from a step's value: a loop's own)
+        aten_graph = "val" in out.meta  # (torch.export's graph: ATen calls, fake values as ``val``)
+        key = "val" if aten_graph else "example_value"
         with graph.inserting_before(first_reader):
             for t in range(len(every)):
                 if (dim, t) not in slots:
-                    slot = (torch.narrow, (out, dim, t, 1)) if keep else (torch.select, (out, dim, t))
+                    slot = ((aten.narrow.default if aten_graph else torch.narrow, (out, dim, t, 1)) if keep
+                            else (aten.select.int if aten_graph else torch.select, (out, dim, t)))
                     slots[(dim, t)] = graph.call_function(*slot)
-                    slots[(dim, t)].meta["example_value"] = slot[0](_val(out), *slot[1][1:])
+                    slots[(dim, t)].meta[key] = slot[0](_val(out), *slot[1][1:])
                     unwritten.append(slots[(dim, t)])
-            join = torch.cat if keep else torch.stack
+            join = (aten.cat.default if keep else aten.stack.default) if aten_graph else torch.cat if keep \
+                else torch.stack
             stack = graph.call_function(join, ([slots[(dim, t)] for t in range(len(every))], dim))
             if not is_concrete_int(size):
-                stack.meta["example_value"] = join([_val(slots[(dim, t)]) for t in range(len(every))], dim)
-                unwritten += _with_the_rest_of(graph, out, dim, len(every), stack)
+                stack.meta[key] = join([_val(slots[(dim, t)]) for t in range(len(every))], dim)
+                unwritten += _with_the_rest_of(graph, out, dim, len(every), stack, aten_graph)
                 stack = unwritten[-1]
         stack.meta.update(out.meta)
         out.replace_all_uses_with(stack, delete_user_cb=lambda u: u not in writes and u not in unwritten
@@ -1053,18 +1062,26 @@ def slot_writes_as_stacks(graph: fx.Graph) -> None:
             out = source if isinstance(source, fx.Node) and not source.users else None
 
 
-def _with_the_rest_of(graph: fx.Graph, out: fx.Node, dim: int, n: int, stack: fx.Node) -> list[fx.Node]:
+def _with_the_rest_of(graph: fx.Graph, out: fx.Node, dim: int, n: int, stack: fx.Node,
+                      aten_graph: bool) -> list[fx.Node]:
     """The nodes of ``cat([stack, out.narrow(dim, n, out.size(dim) − n)], dim)``: the first n slots stacked, the
-    rest as ``out`` was made (none where its symbolic size is n)."""
+    rest as ``out`` was made (none where its symbolic size is n); ATen calls in ``aten_graph`` (torch.export's)."""
     value = _val(out)  # (its fake values computed as the graph's are, by the fake tensors' own mode)
-    size = graph.call_method("size", (out, dim))
-    rest = graph.call_function(operator.sub, (size, n))
-    tail = graph.call_method("narrow", (out, dim, n, rest))
-    whole = graph.call_function(torch.cat, ([stack, tail], dim))
-    size.meta["example_value"] = value.size(dim)
-    rest.meta["example_value"] = size.meta["example_value"] - n
-    tail.meta["example_value"] = value.narrow(dim, n, rest.meta["example_value"])
-    whole.meta["example_value"] = torch.cat([_val(stack), tail.meta["example_value"]], dim)
+    if aten_graph:
+        size = graph.call_function(aten.sym_size.int, (out, dim))
+        rest = graph.call_function(operator.sub, (size, n))
+        tail = graph.call_function(aten.narrow.default, (out, dim, n, rest))
+        whole = graph.call_function(aten.cat.default, ([stack, tail], dim))
+    else:
+        size = graph.call_method("size", (out, dim))
+        rest = graph.call_function(operator.sub, (size, n))
+        tail = graph.call_method("narrow", (out, dim, n, rest))
+        whole = graph.call_function(torch.cat, ([stack, tail], dim))
+    key = "val" if aten_graph else "example_value"
+    size.meta[key] = value.size(dim)
+    rest.meta[key] = size.meta[key] - n
+    tail.meta[key] = value.narrow(dim, n, rest.meta[key])
+    whole.meta[key] = torch.cat([_val(stack), tail.meta[key]], dim)
     return [size, rest, tail, whole]
 
 

@@ -158,6 +158,23 @@ class _GatedBlock(torch.nn.Module):
         return x + torch.stack(ys, 1).reshape(b, t, d)
 
 
+class _OutputsIntoABuffer(torch.nn.Module):
+    """The delta rule writing each step's read into a buffer made before the loop, out[:, t] = y (probe r36: export
+    left it unfused, and the length fixed, where torch.compile fuses it)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def forward(self, k, v, q):
+        M, out = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), self.make(v)
+        for t in range(k.shape[1]):
+            e = (M @ k[:, t, :, None]).squeeze(-1) - v[:, t]
+            M = M - 0.5 * e[:, :, None] * k[:, t, None, :]
+            out[:, t] = (M @ q[:, t, :, None]).squeeze(-1)
+        return out
+
+
 class _BeliefsThenMemory(torch.nn.Module):
     """Causal KL attention over beliefs from Linear layers, then the gated delta-rule layer (probe r36: together,
     the length came out fixed: a NaN literal the KL fusion writes compared unequal to itself across exports)."""
@@ -175,13 +192,19 @@ class _BeliefsThenMemory(torch.nn.Module):
         return self.memory(x + beta @ mu)
 
 
+def _SEQUENCES(b, t):  # k, v, q
+    return torch.randn(b, t, 4), torch.randn(b, t, 3), torch.randn(b, t, 4)
+
+
 LOOPS = {  # Python loops over T: torch.export unrolls them (fixing T); once fused, the length is dynamic again
     "lp_memory": (lambda: LpMemory(12, n_heads=2, d_k=4, d_v=3), _x(12, scale=0.5), "hecate.memory_scan"),
     "hebbian_memory": (lambda: HebbianMemory(12, n_heads=2, d_k=4, d_v=3), _x(12), "hecate.linear_attention"),
-    "unbind_loop": (_UnbindLoop, lambda b, t: (torch.randn(b, t, 4), torch.randn(b, t, 3), torch.randn(b, t, 4)),
-                    "hecate.memory_scan"),
+    "unbind_loop": (_UnbindLoop, _SEQUENCES, "hecate.memory_scan"),
     "gated_block": (_GatedBlock, _x(12, scale=0.5), "hecate.memory_scan"),
     "beliefs_then_memory": (_BeliefsThenMemory, _x(12, scale=0.5), "hecate.memory_scan"),
+    "outputs_into_zeros": (lambda: _OutputsIntoABuffer(torch.zeros_like), _SEQUENCES, "hecate.memory_scan"),
+    "outputs_into_empty": (lambda: _OutputsIntoABuffer(lambda v: torch.empty(v.shape)), _SEQUENCES,
+                           "hecate.memory_scan"),
 }
 
 
