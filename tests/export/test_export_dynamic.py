@@ -218,6 +218,33 @@ def test_python_loop_over_the_length_exports_with_the_length_dynamic(name, tmp_p
     assert [i.name for i in graph.input] == names, [i.name for i in graph.input]  # the model's names, as unrolled
 
 
+class _GatedHebbian(torch.nn.Module):
+    def forward(self, k, v, q):
+        M, ys = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), []
+        for t in range(k.shape[1]):
+            M = 0.9 * M + v[:, t, :, None] * k[:, t, None, :]
+            ys.append((M @ q[:, t, :, None]).squeeze(-1))
+        return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("opset", [None, 18], ids=["opset_default", "opset_18"])
+@pytest.mark.parametrize("model", [_UnbindLoop, _GatedHebbian], ids=["delta_rule", "hebbian"])
+def test_a_float64_model_loads_and_runs_in_onnxruntime(model, opset, tmp_path):
+    """The translations compute in float32; the final state leaves in the op's own dtype, float64 for float64
+    inputs (probe r36: at opset 18 onnxruntime refused the file, a Scan's state typed float where the graph said
+    double). Values to float32 precision."""
+    model = model().double().eval()
+    path = tmp_path / "model.onnx"
+    report = hecate.export_onnx(model, tuple(a.double() for a in _SEQUENCES(2, 5)), path, opset_version=opset)
+    assert report.fusions, str(report)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch, length in ((2, 5), (3, 7)):
+        args = tuple(a.double() for a in _SEQUENCES(batch, length))
+        (got,) = session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
+        with torch.no_grad():
+            assert_close(f"output at batch {batch}, length {length}", torch.from_numpy(got), model(*args), TOL)
+
+
 class _LengthInTheArithmetic(torch.nn.Module):
     """A loop whose outputs are scaled by the step's index t + 1, a Python number each step: the steps differ, the
     loop stays unrolled, and the graph holds T steps. (Scaled by 1/T, the read's function is fused, T symbolic.)"""

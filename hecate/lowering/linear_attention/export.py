@@ -10,7 +10,7 @@ from onnxscript import ir
 from onnxscript import opset18 as op
 
 from hecate.lowering.linear_attention.naive import linear_attention_naive
-from hecate.lowering.memory_scan.export import recurrence_onnx, zeros_state
+from hecate.lowering.memory_scan.export import as_state, recurrence_onnx, zeros_state
 from hecate.lowering.onnx_fused import call_fused, dims, fused_translation, note, static_dim, use_fused
 from hecate.lowering.registry import decomposition, onnx_translation
 
@@ -54,7 +54,7 @@ def linear_attention_onnx(k, v, q, alpha=None, m0=None, z0=None, normalize=False
         return _split_value_column(y_rows, A, v, normalize, eps, out_dtype)
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
-    return y, M, z
+    return y, as_state(M, out_dtype), as_state(z, out_dtype)
 
 
 def _split_value_column(y_rows, A, v, normalize, eps, out_dtype):
@@ -72,7 +72,7 @@ def _split_value_column(y_rows, A, v, normalize, eps, out_dtype):
         z = op.Mul(op.ReduceSum(A, _axes(2), keepdims=0), op.Constant(value_float=0.0))
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
-    return y, M, z
+    return y, as_state(M, out_dtype), as_state(z, out_dtype)
 
 
 @decomposition(torch.ops.hecate.linear_attention.default)

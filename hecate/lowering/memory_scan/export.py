@@ -130,6 +130,13 @@ def zeros_state(k, v):
     return op.ConstantOfShape(shape, value=ir.tensor([0.0], dtype=ir.DataType.FLOAT))
 
 
+def as_state(state, inputs_dtype):
+    """A final state in the dtype the op returns it in: float32 (its state's, at any input precision), float64
+    for float64 inputs. The translation computes in float32 either way: a float64 model runs these ops in float32
+    in onnxruntime."""
+    return op.Cast(state, to=int(inputs_dtype)) if inputs_dtype == ir.DataType.DOUBLE else state
+
+
 def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbian=False, bias="", S0=None,
                     beta=None, decay_first=False):
     """One ONNX ``Scan`` over T for FLOAT k, v, q [B, T, H, ·], gates [B, T, H] (a per-step momentum decay
@@ -172,7 +179,7 @@ def memory_scan_onnx(k, v, q, alpha, eta, m0=None, cu_seqlens=None, p=2.0, a=10.
         y = op.Cast(y, to=int(out_dtype))
     if S_final is None:   # no momentum buffer: an empty [0]
         S_final = _empty_state()
-    return y, A_final, S_final
+    return y, as_state(A_final, out_dtype), as_state(S_final, out_dtype)
 
 
 def _empty_state():
@@ -237,4 +244,5 @@ def memory_scan_fused_onnx(*args, **kwargs):
     y = op.Reshape(y, op.Shape(a["v"]))
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
-    return y, op.Transpose(state, perm=[0, 1, 3, 2]), _empty_state()   # gated delta: no momentum buffer
+    return (y, as_state(op.Transpose(state, perm=[0, 1, 3, 2]), out_dtype),
+            as_state(_empty_state(), out_dtype))   # gated delta: no momentum buffer
