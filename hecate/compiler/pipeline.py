@@ -231,7 +231,8 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
                                "re-trace of the region would drop", "hook in a checkpoint", hooked)
     written = _held_tensors_written(gm, example_inputs)
     if written:
-        names = ", ".join(sorted({n.target for n in written}))
+        names = sorted({n.target for n in written})
+        names = ", ".join(names) if len(names) <= 3 else f"{len(names)} of them, such as {', '.join(names[:2])}"
         raise UntraceableGraph(f"the graph writes in place into tensors it holds as constants ({names}: an "
                                "optimizer's state and parameters under a compiled opt.step(), say); the re-trace to "
                                "ATen would write into them while compiling", "tensors held by the graph written",
