@@ -47,8 +47,12 @@ def explain(model_or_fn: Callable, *args: Any, options: Mapping[str, Any] | None
 
 
 def _break_reasons(reasons: collections.Counter) -> list[str]:
-    """Dynamo's graph-break messages, each by its first line (the rest is Dynamo's advice and links)."""
+    """Dynamo's graph-break messages, each by its first line and its explanation, which names what was called
+    ("Failed to trace builtin operator: ... `print` ..."; the rest is Dynamo's advice and links)."""
     firsts = collections.Counter()
     for message, n in reasons.items():
-        firsts[message.strip().splitlines()[0]] += n
+        lines = [line.strip() for line in message.strip().splitlines()]
+        explained = next((line.removeprefix("Explanation:").strip() for line in lines[1:]
+                          if line.startswith("Explanation:")), "")
+        firsts[lines[0] + (f": {explained}" if explained else "")] += n
     return [reason + (f" ({n}×)" if n > 1 else "") for reason, n in firsts.items()]

@@ -92,9 +92,23 @@ def _split_by_the_user(x):
 
 def test_explain_says_why_dynamo_split_the_code(fresh_dynamo):
     report = hecate.explain(_split_by_the_user, torch.randn(3))
-    assert report.graphs == 2 and report.graph_breaks == ["Call to `torch._dynamo.graph_break()`"], report.graph_breaks
+    assert report.graphs == 2 and report.graph_breaks == [
+        "Call to `torch._dynamo.graph_break()`: User-inserted graph break. Message: None"], report.graph_breaks
     assert "Dynamo graph breaks" in str(report) and "torch._dynamo.graph_break()" in str(report)
     assert hecate.explain(lambda x: x.sin(), torch.randn(3)).graph_breaks == []
+
+
+def _printing(x):
+    y = x.sin()
+    print("between the layers")
+    return y.cos()
+
+
+def test_a_graph_break_is_named_by_what_dynamo_could_not_trace(fresh_dynamo, capsys):
+    """probe r36: a print gave only "Failed to trace builtin operator", naming neither print nor its line."""
+    report = hecate.explain(_printing, torch.randn(3))
+    assert report.graphs == 2 and len(report.graph_breaks) == 1 and "`print`" in report.graph_breaks[0], \
+        report.graph_breaks
 
 
 def _memory_loop_broken_at_every_step(q, k, v):
