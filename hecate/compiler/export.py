@@ -382,8 +382,9 @@ def export_onnx(model: torch.nn.Module, args: Sequence[Any], path: str | os.Path
     27 every recurrence is a ``Scan``. ``fused_domain="com.microsoft"`` writes those two operators
     as onnxruntime's native kernels (:mod:`hecate.lowering.onnx_fused`).
     """
-    from hecate.lowering.onnx_fused import finish_model, onnx_translations
+    from hecate.lowering.onnx_fused import check_arguments, finish_model, onnx_translations
 
+    check_arguments(opset_version, fused_domain)
     program, report, (flat_args, input_names, output_names) = _export(
         model, args, kwargs, options, dynamic_shapes, mode)
     with _quiet_onnx_exporter(), onnx_translations(opset_version, fused_domain) as (table, opset_version, forms):

@@ -194,6 +194,14 @@ def dims(value, *axes):
 
 
 @contextlib.contextmanager
+def check_arguments(opset_version: int | None, fused_domain: str) -> None:
+    """Raise for an opset or a fused domain the export cannot write, naming it (before the model is exported)."""
+    if fused_domain not in FUSED_DOMAINS:
+        raise ValueError(f"fused_domain must be one of {list(FUSED_DOMAINS)}, got {fused_domain!r}")
+    if opset_version is not None and (type(opset_version) is not int or opset_version < 18):
+        raise ValueError(f"opset_version must be None (the newest supported) or an int ≥ 18, got {opset_version!r}")
+
+
 def onnx_translations(opset_version: int | None = None,
                       fused_domain: str = "") -> Iterator[tuple[dict, int | None, list[OnnxForm]]]:
     """(translation table, opset for torch.onnx.export, the list of forms filled during the export).
@@ -201,10 +209,7 @@ def onnx_translations(opset_version: int | None = None,
     ``opset_version`` None: 27 where supported, else torch.onnx's default. Below 27 every
     recurrence is a ``Scan`` (and the conv a ``Conv``), as before opset 27 existed.
     """
-    if fused_domain not in FUSED_DOMAINS:
-        raise ValueError(f"fused_domain must be one of {list(FUSED_DOMAINS)}, got {fused_domain!r}")
-    if opset_version is not None and (type(opset_version) is not int or opset_version < 18):
-        raise ValueError(f"opset_version must be None (the newest supported) or an int ≥ 18, got {opset_version!r}")
+    check_arguments(opset_version, fused_domain)
     if opset_version is None:
         opset_version = default_opset()
     elif opset_version >= FUSED_OPSET:
