@@ -193,7 +193,6 @@ def dims(value, *axes):
     return None if value.shape is None else [value.shape[a] for a in axes]
 
 
-@contextlib.contextmanager
 def check_arguments(opset_version: int | None, fused_domain: str) -> None:
     """Raise for an opset or a fused domain the export cannot write, naming it (before the model is exported)."""
     if fused_domain not in FUSED_DOMAINS:
@@ -202,6 +201,7 @@ def check_arguments(opset_version: int | None, fused_domain: str) -> None:
         raise ValueError(f"opset_version must be None (the newest supported) or an int ≥ 18, got {opset_version!r}")
 
 
+@contextlib.contextmanager
 def onnx_translations(opset_version: int | None = None,
                       fused_domain: str = "") -> Iterator[tuple[dict, int | None, list[OnnxForm]]]:
     """(translation table, opset for torch.onnx.export, the list of forms filled during the export).
