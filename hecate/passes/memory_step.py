@@ -286,6 +286,10 @@ class PerStep:
     divisors: list[fx.Node] = field(default_factory=list)
     offset: float | None = None  # the value is offset − (coef · Π ...) (memory_scan's α = 1 − keep)
     features: list[fx.Node] = field(default_factory=list)
+    # a vector's factors of [*lead]'s size read as vectors every row shares, not one number per row: a memory
+    # split per row (GLA's decay per key, stored [Dk, Dv]) has its rows in lead, and with Dk = Dv the step's
+    # v [B, H, Dv] has the size of [B, H, rows]; evaluation tells which (:func:`_outer_roles`)
+    shared: bool = False
 
     @property
     def nodes(self) -> list[fx.Node]:
@@ -299,12 +303,12 @@ class PerStep:
         dtype = torch.float64 if like is None else like.dtype
         out = None
         for f in self.factors:
-            x = _broadcastable(env[f], shape, lead)
+            x = _broadcastable(env[f], shape, lead, self.shared)
             if isinstance(x, torch.Tensor) and not x.is_floating_point():  # a flag (M * ~reset_t): 0 or 1
                 x = x.to(dtype)
             out = x if out is None else out * x
         for d in self.divisors:
-            x = _broadcastable(env[d], shape, lead)
+            x = _broadcastable(env[d], shape, lead, self.shared)
             out = 1.0 / x if out is None else out / x
         for f in self.features:
             out = env[f] if out is None else out * env[f]
@@ -372,15 +376,18 @@ def _shared_by(value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | No
     return value.reshape(placed) if i == len(have) else None
 
 
-def _broadcastable(value: Any, shape: tuple[int, ...], lead: tuple[int, ...]) -> Any:
+def _broadcastable(value: Any, shape: tuple[int, ...], lead: tuple[int, ...], shared: bool = False) -> Any:
     """A factor's value viewed to broadcast against ``shape`` ([*lead] or [*lead, D]): whole, one per batch and
-    head ([*lead, 1]), one number, or one per head (:func:`_heads`, broadcast over the batch)."""
+    head ([*lead, 1]), one number, or one per head (:func:`_heads`, broadcast over the batch); ``shared``: a
+    vector the last of the lead's dims shares before one per batch and head (:attr:`PerStep.shared`)."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value
     if value.numel() == 1:
         return value.reshape(())
     if value.numel() == math.prod(shape):
         return value.reshape(shape)
+    if shared and len(shape) > len(lead) and (placed := _shared_by(value, shape)) is not None:
+        return placed
     tail = (1,) * (len(shape) - len(lead))
     if value.numel() == math.prod(lead):
         return value.reshape(tuple(lead) + tail)
@@ -924,12 +931,15 @@ def _outer_roles(b: _Body, rec: Recurrence, M_out: torch.Tensor, v: PerStep, k: 
         readings.append(roles)
     if sum(len(r) > 1 for r in readings) > 3:
         return
-    for reading in itertools.product(*readings):
-        vv = PerStep(v.coef, list(v.factors), list(v.divisors), features=list(v.features))
+    for reading, shared in itertools.product(itertools.product(*readings), (False, True)):
+        vv = PerStep(v.coef, list(v.factors), list(v.divisors), features=list(v.features), shared=shared)
         kk = PerStep(k.coef, list(k.factors), list(k.divisors), features=list(k.features))
         for f, (role, side) in zip(rest, reading):
             target = vv if side is v else kk
             (target.factors if role == "gate" else target.features).append(f)
+        if shared and not any(b.env[f].numel() == math.prod(rec.lead) for f in vv.factors + vv.divisors
+                              if isinstance(b.env[f], torch.Tensor)):
+            continue  # (no factor the lead's size: the same reading as before)
         if _close(M_out, _outer(vv.value(b.env, rec.lead, rec.dv), kk.value(b.env, rec.lead, rec.dk), rec.layout)):
             yield vv, kk
 

@@ -3705,3 +3705,37 @@ def test_a_reset_flag_per_sequence_is_checked_set_and_unset_at_every_batch_size(
 def test_a_memory_split_per_row_reads_its_other_gates_per_row(fn, op, fresh_dynamo):
     report = _compile_and_compare(fn)
     assert report.count(op) == 1 and not report.misses, str(report)
+
+
+def gated_linear_attention(q, k, v, g):  # GLA: S [Dk, Dv] ← α_t[:, None] ⊙ S + k_t v_tᵀ, a gate per key dim
+    a = torch.sigmoid(g) ** (1 / 16)
+    S, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
+    for t in range(q.shape[2]):
+        S = a[:, :, t, :, None] * S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
+    return torch.stack(outs, 2)
+
+
+def hgrn2(q, v, g):  # HGRN2: the forget gate f_t per key dim, the key its complement 1 − f_t
+    f = torch.sigmoid(g)
+    S, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
+    for t in range(q.shape[2]):
+        S = f[:, :, t, :, None] * S + (1 - f[:, :, t, :, None]) * v[:, :, t, None, :]
+        outs.append((q[:, :, t, None, :] @ S).squeeze(-2))
+    return torch.stack(outs, 2)
+
+
+@pytest.mark.parametrize("dv", [4, 3], ids=["square", "wide_keys"])
+@pytest.mark.parametrize("fn", [gated_linear_attention, hgrn2], ids=lambda f: f.__name__)
+def test_a_gate_per_key_dim_of_a_memory_stored_keys_first_fuses(fn, dv, fresh_dynamo):
+    """GLA / HGRN2 [B, H, T, D]: split per row (a row per key dim), each row a memory of its own; the step's v
+    [B, H, Dv] is a vector the rows share, which with Dv = Dk has the size of one number per row (probe r37: the
+    square state, the usual one, was refused with its decay's shape as the reason)."""
+    b, h, t, dk = 2, 2, 5, 4
+    args = [torch.randn(b, h, t, dk) / 2, torch.randn(b, h, t, dk), torch.randn(b, h, t, dv), torch.randn(b, h, t, dk)]
+    args = args if fn is gated_linear_attention else [args[0]] + args[2:]
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 1, str(report)
+    assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, TOL)
