@@ -4,7 +4,7 @@
 #     STAGES=tests,qk,memory,fep OUT=/tmp/gpu benchmarks/gpu_check.sh
 #
 # Runs from the repository root with the machine's own python3 (its torch and triton; nothing is installed).
-# FEP_SIZES, FEP_TRAIN_SIZES, TILES_KS, TILES_LAUNCHES (kl_attention_tiles.py --launches), MEMORY_LENGTHS and MEMORY_UNROLLED ('' for none) narrow the benchmarks' sizes.
+# WORKERS (pytest-xdist workers of the test stage), FEP_SIZES, FEP_TRAIN_SIZES, TILES_KS, TILES_LAUNCHES (kl_attention_tiles.py --launches), MEMORY_LENGTHS and MEMORY_UNROLLED ('' for none) narrow the benchmarks' sizes.
 # Each stage has its own time limit (seconds, env TESTS_S, QK_S, MEMORY_S, FEP_S, PROFILE_S, TILES_S), so one slow
 # stage cannot eat the others. Logs, the tests' JUnit XML and the benchmark JSON/PNG files end up in $OUT (a tarball
 # of benchmarks/results/*-cuda* as gpu_results.tar.gz, remade after every stage: a call stopped at its limit keeps
@@ -41,8 +41,11 @@ TESTS=${TESTS:-tests/test_cuda.py tests/test_cuda_spellings.py tests/lowering/me
     tests/lowering/memory_scan/test_chunk_kernels.py tests/lowering/qk_preprocess/test_qk_preprocess_numerics.py \
     tests/lowering/qk_preprocess/test_qk_preprocess_triton.py}
 # shellcheck disable=SC2086  # TESTS is a list of paths
-# 8 workers share 16 cores: the float64 references on the CPU would otherwise each take all of them
-stage tests "${TESTS_S:-240}" env OMP_NUM_THREADS=2 python3 -m pytest -m cuda -v -n 8 -p no:cacheprovider --timeout=150 --durations=30 -rfE --tb=short \
+# WORKERS (default 8) share the machine's cores: each worker's float64 references on the CPU get
+# cores / WORKERS threads, which would otherwise each take all of them
+WORKERS=${WORKERS:-8}
+stage tests "${TESTS_S:-240}" env OMP_NUM_THREADS=$(( $(nproc) / WORKERS > 0 ? $(nproc) / WORKERS : 1 )) \
+    python3 -m pytest -m cuda -v -n "$WORKERS" -p no:cacheprovider --timeout=150 --durations=30 -rfE --tb=short \
     --junitxml="$OUT/cuda_tests.xml" $TESTS
 stage fep "${FEP_S:-120}" python3 benchmarks/fep.py --device cuda --sizes "${FEP_SIZES:-1024x16,1024x64,4096x64}" \
     --compiled-train-sizes "${FEP_TRAIN_SIZES:-1024x16}" --merge --no-progress
