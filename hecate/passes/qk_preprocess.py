@@ -1090,14 +1090,14 @@ def _without_overlaps(chains: list[_Chain]) -> list[_Chain]:
     return kept
 
 
-def _nodes(chain: _Chain) -> set[fx.Node]:
-    """Every node a chain's op stands for."""
+def _nodes(chain: _Chain, window: bool = True) -> set[fx.Node]:
+    """Every node a chain's op stands for (``window=False``: but those of its step's window)."""
     nodes = {node for part in chain.parts for node in part.match.nodes}
     if chain.batch_swap is not None:
         nodes.add(chain.batch_swap)
     if chain.state is not None:
         nodes |= set(chain.state.covered)
-    if chain.window is not None:
+    if chain.window is not None and window:
         nodes |= {chain.window.cat, *chain.window.nodes}
     return nodes
 
@@ -1108,16 +1108,16 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
     phi_params = phi.match.inputs[1:] if phi is not None else []  # W_phi (and b_phi) of a matrix φ
     args = _op_tensor_args(chain) + [
         "silu" if chain.stage("activation") else "none", phi_kind, phi_params, _phi_scalar(phi)]
-    # One match covering every part's computation nodes. They key themselves: two parts may come
+    # One match covering every node the op stands for. They key themselves: two parts may come
     # from the same piece (the swap in and the swap back), whose pattern nodes would collide.
-    covered = {node: node for part in chain.parts for node in part.match.nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    covered = {node: node for node in sorted(_nodes(chain), key=order.__getitem__)}
+    nodes_replaced = len(_nodes(chain, window=False))
     if chain.batch_swap is not None:
-        covered[chain.batch_swap] = chain.batch_swap
         x = chain.projection.input
         with gm.graph.inserting_before(chain.batch_swap):
             args[0] = gm.graph.call_function(aten.transpose.int, (x, 0, 1))
         args[0].meta["val"] = val(x).transpose(0, 1)
-    nodes_replaced = len(covered)
     if chain.swap_in is None and chain.window is None:  # x [B, D, T] read as it is: the op's [B, T, D] its transpose
         with gm.graph.inserting_after(args[0]):
             transposed = gm.graph.call_function(aten.transpose.int, (args[0], 1, 2))
@@ -1125,9 +1125,8 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
         args[0] = transposed
     if chain.state is not None:
         args.append(_state_argument(gm, chain.state))
-        covered.update({node: node for node in chain.state.covered})
-        # a cat another node reads stays, and with it x's transpose
-        nodes_replaced = len(covered) - (len(chain.swap_in.match.nodes) if not chain.state.covered else 0)
+        if not chain.state.covered:  # a cat another node reads stays, and with it x's transpose
+            nodes_replaced -= len(chain.swap_in.match.nodes)
     if chain.window is not None:
         args[3] = _window_weight(gm, chain.window)
         args.append(chain.window.state)
@@ -1138,9 +1137,7 @@ def _replace(gm: fx.GraphModule, chain: _Chain, op, report: FusionReport) -> Non
                 swapped.meta["val"] = val(args[i]).transpose(1, 2)
                 args[i] = swapped
         # the window itself stays when the step also returns window[:, 1:] as its next state
-        window_nodes = [chain.window.cat, *chain.window.nodes]
-        covered.update({node: node for node in window_nodes})
-        nodes_replaced += _erased(window_nodes, chain.window.output)
+        nodes_replaced += _erased([chain.window.cat, *chain.window.nodes], chain.window.output)
     match = Match(fx.Graph(), InternalMatch(anchors=[], nodes_map=covered, returning_nodes=[chain.output]))
     detail = _describe(chain, phi_kind, _phi_scalar(phi))
     result = val(chain.output)  # [B, T, H, Dh or d_phi] when the chain splits heads; [B, (H,) D] for a window step
