@@ -1228,8 +1228,11 @@ def _describe(chain: _Chain, phi_kind: str, phi_scalar: float) -> str:
     if phi_kind == "identity":  # what reads the output where φ would be (a view of it, a head split, is no φ)
         readers = [u for u in chain.output.users if u.op == "call_function" and not getattr(u.target, "is_view", False)]
         names = ", ".join(sorted({str(u.target) for u in readers}))
-        if len(readers) == 1 and is_pointwise(readers[0]) and readers[0].all_input_nodes == [chain.output]:
+        elementwise = [u for u in readers if is_pointwise(u) and u.all_input_nodes == [chain.output]]
+        if len(readers) == 1 and elementwise:
             text += f"; read by {names}, elementwise but not an operation Hecate generates into the kernel"
+        elif elementwise:  # (an elementwise reader beside others: the value they share is what the op gives)
+            text += f"; read by {names}: a value more than one op reads ends the chain, each reading the op's output"
         elif readers:
             text += f"; read by {names}, left to the fallback (not a φ the op fuses)"
     return text

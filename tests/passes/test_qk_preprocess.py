@@ -229,6 +229,19 @@ def test_intermediate_read_elsewhere_stops_the_chain_there():
     assert _details(report)[0].startswith("linear → conv(K=4) → silu [B,T,D]")
 
 
+def test_a_conv_output_read_by_silu_and_another_op_ends_the_chain_and_says_so():
+    """probe r36 p17: the conv's output is also averaged; SiLU then reads the op's output. The detail said SiLU
+    was "not a φ the op fuses"; it names the shared value instead."""
+    def spelling(m, x):
+        c = _causal(m, F.linear(x, m.w, m.b).transpose(1, 2))
+        return F.elu(F.silu(c)) + 1, c.mean(1)
+
+    report = _compare_with_eager(Chain(spelling), torch.randn(2, 7, 5))
+    assert _details(report) == ["linear → conv(K=4) [B,D,T], the op's [B,T,D] transposed; read by aten.mean.dim, "
+                                "aten.silu.default: a value more than one op reads ends the chain, each reading the "
+                                "op's output"], str(report)
+
+
 # ---------------------------------------------------------------- matrix φ
 
 MATRIX_PHI_DETAIL = {"linear": "linear φ", "random_fourier": "random Fourier φ", "performer": "Performer φ"}
