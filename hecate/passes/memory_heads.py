@@ -12,6 +12,10 @@ recognised on the copy, which is installed only if it is one.
 
 The step's other gates are then read per row: a value one number across the memory's columns ([B, 1, 1] of a step
 size per sequence, [D, 1] of a decay parameter per row) is read without that dim against the rows (`_row_gates`).
+Gated linear attention stores its state [Dk, Dv] with a decay per key dim, a row each, and reads it across the rows,
+o_t = q_t S_t = Σ_a q_t[a] S_t[a, :]: there the read is written as one read per row memory, its query q_t's number
+for the row, summed after (`_reads_per_row`), and a read of S + X, X made from the step's inputs (RWKV-6's bonus for
+the current token, r_t (S_{t−1} + diag(u) k_tᵀ v_t)), as a read of S plus r_t X.
 A memory stored [.., Dk, Dv] with a decay per column (per value) is not split, and stays reported as it was.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+from typing import Any
 
 import torch
 from torch import fx
@@ -48,11 +53,12 @@ def per_row(body: fx.GraphModule, state: int) -> fx.GraphModule:
     M_in = [n for n in graph.nodes if n.op == "placeholder"][state]
     with detect_fake_mode([M_in.meta["val"]]) or contextlib.nullcontext():
         M_in.meta["val"] = M_in.meta["val"].unsqueeze(-2)
-    output = graph.output_node()
-    outputs = list(output.args[0])
     with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
         M = _emit(graph, M_in, split=False)
     M_in.replace_all_uses_with(M, delete_user_cb=lambda user: user is not M)
+    _reads_per_row(graph, M, state)
+    output = graph.output_node()
+    outputs = list(output.args[0])
     with graph.inserting_before(output):
         outputs[state] = _emit(graph, outputs[state], split=True)
     output.args = (outputs,) + tuple(output.args[1:])
@@ -60,6 +66,82 @@ def per_row(body: fx.GraphModule, state: int) -> fx.GraphModule:
     graph.lint()
     body.recompile()
     return body
+
+
+def _reads_per_row(graph: fx.Graph, M: fx.Node, state: int) -> None:
+    """Each read across the memory's rows, y = Σ_a x_a Y[a, :] with Y [.., A, C] the memory or computed from it
+    (``einsum("bhk,bhkv->bhv", q, S)``, ``q[.., None, :] @ S``: GLA's read of its state stored [Dk, Dv]), written
+    as ``(x[.., :, None] * Y).sum(-2)``: one read per row memory, its query x's number for the row, summed after."""
+    shape = M.meta["val"].shape
+    for node in list(graph.nodes):
+        operands = _row_contraction(node, shape)
+        if operands is None or not computed_from([operands[1]], {M}) or computed_from([operands[0]], {M}):
+            continue
+        x, Y = operands
+        matmul = node.target is aten.matmul.default  # x [.., 1, A]: its column against the rows, keeping the 1
+        with graph.inserting_before(node):
+            column = _call(graph, aten.transpose.int, (x, -1, -2)) if matmul else _call(graph, aten.unsqueeze.default,
+                                                                                         (x, -1))
+            read = _call(graph, aten.sum.dim_IntList, (_call(graph, aten.mul.Tensor, (column, Y)), [-2], matmul))
+        read.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        node.replace_all_uses_with(read)
+        graph.erase_node(node)
+    # x·(M + X) as x·M + x·X, X made from the step's inputs (RWKV-6's bonus: r (S + diag(u) kᵀv)), where the new
+    # memory is not made from it: the read of the memory apart
+    new_memory = graph.output_node().args[0][state]
+    for node in list(graph.find_nodes(op="call_function", target=aten.mul.Tensor)):
+        if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args) \
+                or computed_from([new_memory], {node}):
+            continue
+        for c, Y in (node.args, node.args[::-1]):
+            terms = _terms(Y, M, shape)
+            if len(terms) == 2 and not computed_from([c], {M}):
+                with graph.inserting_before(node):
+                    parts = [_call(graph, aten.mul.Tensor, (c, term)) for term in terms]
+                    total = _call(graph, aten.add.Tensor, tuple(parts))
+                total.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+                node.replace_all_uses_with(total)
+                graph.erase_node(node)
+                break
+
+
+def _terms(Y: fx.Node, M: fx.Node, shape: torch.Size) -> list[fx.Node]:
+    """[A, X] where Y = A + X of ``shape`` each, only A computed from the memory M; else [Y]."""
+    if Y.target is not aten.add.Tensor or Y.kwargs or len(Y.args) != 2 \
+            or not all(isinstance(t, fx.Node) and getattr(t.meta.get("val"), "shape", None) == shape for t in Y.args):
+        return [Y]
+    from_memory = [computed_from([t], {M}) for t in Y.args]
+    return list(Y.args) if from_memory.count(True) == 1 else [Y]
+
+
+def _row_contraction(node: fx.Node, shape: torch.Size) -> tuple[fx.Node, fx.Node] | None:
+    """(x, Y) where ``node`` contracts Y of ``shape`` [.., A, C] over its rows A with a vector x [.., A] (an einsum
+    of the two, the lead dims kept in order) or a row x [.., 1, A] (a matmul)."""
+    if node.target is aten.matmul.default and len(node.args) == 2:
+        x, Y = node.args
+        xv, Yv = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in (x, Y))
+        if isinstance(xv, torch.Tensor) and isinstance(Yv, torch.Tensor) and Yv.shape == shape \
+                and xv.dim() == Yv.dim() and is_one(xv.shape[-2]) and xv.shape[:-2] == Yv.shape[:-2]:
+            return x, Y
+        return None
+    if node.target is not aten.einsum.default or len(node.args[1]) != 2 or "..." in node.args[0]:
+        return None
+    ins, out = node.args[0].replace(" ", "").split("->")
+    for (xs, ys), (x, Y) in ((ins.split(","), node.args[1]), (ins.split(",")[::-1], node.args[1][::-1])):
+        Yv = Y.meta.get("val") if isinstance(Y, fx.Node) else None
+        if isinstance(Yv, torch.Tensor) and Yv.shape == shape and len(ys) == len(shape) \
+                and xs == ys[:-1] and out == ys[:-2] + ys[-1] and len(set(ys)) == len(ys):
+            return x, Y
+    return None
+
+
+def _call(graph: fx.Graph, target: Any, args: tuple) -> fx.Node:
+    """``target(*args)`` at the graph's insertion point, with its value."""
+    node = graph.call_function(target, args)
+    values = fx.node.map_arg(args, lambda a: a.meta["val"])
+    with detect_fake_mode(values) or contextlib.nullcontext():
+        node.meta["val"] = target(*values)
+    return node
 
 
 # the meta key of a per-row body's gates read per row: {the name of a value [.., 1] as it broadcasts against the

@@ -415,6 +415,7 @@ class Recurrence:
     params: dict[str, float] = field(default_factory=dict)
     read_before_update: bool = False  # y_t reads M_{t−1} (retrieve, then write) instead of M_t
     read_node: fx.Node | None = None  # the read, where the step's output is a per-step function of it
+    per_row: bool = False  # the memory carried as one per row (:mod:`memory_heads`): its decay is one per row
     generated: set = field(default_factory=set)  # the nodes of g(e) where the op generates it from them
     detached: bool = False  # the new state detached at every step (test-time training): gradients reach q alone
 
@@ -720,7 +721,8 @@ def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_n
     for f in keep.factors + keep.divisors:
         if not _is_gate(b.env[f], lead):
             raise NotFused(f"the memory's {_PER_ROW_DECAY} {list(b.env[f].shape)}, neither one number, nor "
-                           f"one per batch and head {list(lead)}, nor one per head broadcast over the batch")
+                           f"one per batch and head {list(lead)}, nor one per head broadcast over the batch"
+                           + (_PER_COLUMN_ADVICE if _scaled_per(M_in) == "column" else ""))
     if any(b.depends[f] - {m} for f in update.factors + update.divisors):
         raise NotFused("the update reads another state")
     if z_index is not None or not any(b.depends[f] for f in update.factors + update.divisors):
@@ -1374,14 +1376,15 @@ def _per_row(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | N
     scan then rewritten. Else ``why`` it is none, as is."""
     from hecate.passes import memory_heads, memory_update
 
-    if _PER_ROW_DECAY not in str(why):
-        return why
     body, n_carries, n_xs = getattr(gm, node.args[0].target), len(node.args[1]), len(node.args[2])
     identities = memory_update.identity_inputs(gm, node)
     for state, init in enumerate(node.args[1]):
         value = init.meta.get("val") if isinstance(init, fx.Node) else None
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() < 2:
             continue
+        if _PER_ROW_DECAY not in str(why) and \
+                _scaled_per([n for n in body.graph.nodes if n.op == "placeholder"][state]) != "row":
+            continue  # (a reason found before the decay's, where the state is scaled per row: its reads apart)
         rewritten = memory_heads.per_row(body, state)
         try:
             rec = analyse(rewritten, n_carries, n_xs)
@@ -1391,8 +1394,25 @@ def _per_row(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | N
                 continue
             rec, rewritten = found
         memory_heads.install(gm, node, state, rewritten)
+        rec.per_row = True
         return rec
     return why
+
+
+_PER_COLUMN_ADVICE = ("; it is one per column of the memory, and Hecate splits a memory into one per row where its "
+                      "decay is one per row: store the memory transposed, its columns as rows (GLA's state as [Dk, Dv], "
+                      "S ← α[..., :, None] ⊙ S + k vᵀ, its decay per key dim a row each)")
+
+
+def _scaled_per(M: fx.Node) -> str | None:
+    """"row" where the step multiplies its state M [.., A, C] by a value of one number per row [.., A, 1] (A > 1), as
+    a decay per row does; "column" where by one per column [.., 1, C] (C > 1); else None."""
+    for node in M.users:
+        other = [a for a in node.args if a is not M] if node.target is aten.mul.Tensor else []
+        shape = getattr(other[0].meta.get("val"), "shape", None) if other and isinstance(other[0], fx.Node) else None
+        if shape is not None and len(shape) >= 2 and is_one(shape[-1]) != is_one(shape[-2]):
+            return "row" if is_one(shape[-1]) else "column"
+    return None
 
 
 _DERIVED_UNPROVEN = ("; the step recomputes a carried W from the new memory (W = f(M), as MONETA's normalised W) "
@@ -1554,8 +1574,7 @@ def describe(rec: Recurrence) -> str:
         if rec.normaliser_state is not None:
             what += ", normalised by z ← α z + φ(k)" + (", ε read at run time" if isinstance(rec.params.get("eps"),
                                                                                                tuple) else "")
-        return (what + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
-                + (", read before the update" if rec.read_before_update else ""))
+        return what + (", M stored [Dk, Dv]" if rec.layout == "kv" else "") + _read_as(rec)
     p = rec.params["p"]
     bias = {2.0: "l_2 bias p=2 (2e fast path)", 1.0: "l_1 bias p=1 (tanh fast path)"}.get(
         p, f"l_p bias p={p:g} (general form)")
@@ -1570,7 +1589,19 @@ def describe(rec: Recurrence) -> str:
         retention = "GD"
     return (f"{retention}, {bias}" + (", the error read from the decayed memory" if rec.params.get("decay_first")
                                       else "") + (", M stored [Dk, Dv]" if rec.layout == "kv" else "")
-            + (", read before the update" if rec.read_before_update else ""))
+            + _read_as(rec))
+
+
+def _read_as(rec: Recurrence) -> str:
+    """What the op reads of the memory, where the user would not guess it from their code."""
+    per_row = ", one memory per row of M (a decay per row)" if rec.per_row else ""
+    if rec.read_node is not None and rec.read_before_update and "q" in rec.per_step \
+            and rec.per_step["q"].factors == rec.per_step["alpha"].factors:
+        # the step's output read the new memory across its rows: the op gives each step's α_t M_{t−1}, and the
+        # step's own ops make the output from it
+        return (per_row + "; the op gives every step's decayed memory α_t M_{t−1}, the outer product and the "
+                "read run after it for all steps at once")
+    return per_row + (", read before the update" if rec.read_before_update else "")
 
 
 def _per_step_shape(rec: Recurrence, role: str, M: torch.Tensor) -> tuple:
@@ -1812,8 +1843,13 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
         reads = new[list(read).index("y")]
         with gm.graph.inserting_before(reads.next):
             out, emitted = _emit_traced(gm, after, [reads, *xs, *invariants])
+        for n in emitted:  # (the fused loop's own steps, over all steps at once: no update left unrolled)
+            n.meta[_AFTER_THE_READS] = True
         inside = set(emitted)
         reads.replace_all_uses_with(out, delete_user_cb=lambda user: user not in inside)
+
+
+_AFTER_THE_READS = "hecate_after_the_reads"  # the meta key of the nodes a fused op's reads are made outputs by
 
 
 def _after_the_reads(body: fx.Graph, n_carries: int, outer: list[fx.Node], n_xs: int, rec: Recurrence,
@@ -1916,7 +1952,7 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
         return
     updates = []
     for node in gm.graph.nodes:
-        if node.target not in (aten.add.Tensor, aten.sub.Tensor):
+        if node.target not in (aten.add.Tensor, aten.sub.Tensor) or node.meta.get(_AFTER_THE_READS):
             continue
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor) or value.dim() < 2 or min(value.shape[-2:]) < 2:
