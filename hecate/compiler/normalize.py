@@ -28,6 +28,9 @@ whole graph and the body of every ``scan`` in it in this form:
 * an ``einsum`` that is a tensor times a matrix (``einsum("btd,ed->bte", x, W)``) is that
   ``matmul`` (``x @ W.permute(1, 0)``), in any index layout: with the output's indices in another
   order (``einsum("btd,ed->bet", x, W)``) it is that matmul, then one ``permute`` into the output's order;
+* a product with a diagonal matrix, ``X @ torch.diag_embed(d)`` (or ``torch.diag(d)``), is the broadcast multiply
+  ``X * d[..., None, :]`` (``diag(d) @ X``: ``d[..., :, None] * X``): the same for finite X, where the matmul's
+  zeros times an inf of X would make NaN;
 * ``baddbmm(M, a, b, beta=β, alpha=α)``, ``addmm``, ``addr`` → ``β·M + α·(a @ b)`` (``addr``: α·a bᵀ), the
   product then read as above (the same sums, which the fused call may round once fewer);
 * ``x.expand_as(y)`` → ``x.expand(y.shape)``: a gate broadcast as the memory does not read the memory;
@@ -1067,16 +1070,16 @@ def _with_the_rest_of(graph: fx.Graph, out: fx.Node, dim: int, n: int, stack: fx
     """The nodes of ``cat([stack, out.narrow(dim, n, out.size(dim) − n)], dim)``: the first n slots stacked, the
     rest as ``out`` was made (none where its symbolic size is n); ATen calls in ``aten_graph`` (torch.export's)."""
     value = _val(out)  # (its fake values computed as the graph's are, by the fake tensors' own mode)
-    if aten_graph:
-        size = graph.call_function(aten.sym_size.int, (out, dim))
-        rest = graph.call_function(operator.sub, (size, n))
-        tail = graph.call_function(aten.narrow.default, (out, dim, n, rest))
-        whole = graph.call_function(aten.cat.default, ([stack, tail], dim))
-    else:
-        size = graph.call_method("size", (out, dim))
-        rest = graph.call_function(operator.sub, (size, n))
-        tail = graph.call_method("narrow", (out, dim, n, rest))
-        whole = graph.call_function(torch.cat, ([stack, tail], dim))
+
+    def call(aten_op: Any, dynamo_op: Any, args: tuple) -> fx.Node:  # (Dynamo's graph: a method by its name)
+        if aten_graph:
+            return graph.call_function(aten_op, args)
+        return graph.call_method(dynamo_op, args) if isinstance(dynamo_op, str) else graph.call_function(dynamo_op,
+                                                                                                         args)
+    size = call(aten.sym_size.int, "size", (out, dim))
+    rest = graph.call_function(operator.sub, (size, n))
+    tail = call(aten.narrow.default, "narrow", (out, dim, n, rest))
+    whole = call(aten.cat.default, torch.cat, ([stack, tail], dim))
     key = "val" if aten_graph else "example_value"
     size.meta[key] = value.size(dim)
     rest.meta[key] = size.meta[key] - n
@@ -1720,6 +1723,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
                 and a.shape[-1] == 1 and b.shape[-2] == 1 and a.dtype == b.dtype:
             with graph.inserting_before(node):
                 return emit(graph, aten.mul.Tensor, args[0], args[1])
+        if (scaled := _diagonal_product(graph, node)) is not None:
+            return scaled
         if (rows := _row_scaled(args[0], outputs)) is not None:
             scaled, divide = rows  # (a / n) @ v → (a @ v) / n for n one number per row of a: the row's scale
             with graph.inserting_before(node):
@@ -1835,6 +1840,31 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
         with graph.inserting_before(node):
             return emit(graph, view.target, emit(graph, target, view.args[0], *args[1:]), *view.args[1:],
                          **view.kwargs)
+    return None
+
+
+def _diagonal_of(x: Any) -> fx.Node | None:
+    """d where ``x`` is the diagonal matrix of a vector d: ``torch.diag_embed(d)`` on the last two dims, or
+    ``torch.diag(d)`` of a d [n]."""
+    if not isinstance(x, fx.Node) or x.kwargs or not isinstance(_val(x.args[0]) if x.args else None, torch.Tensor):
+        return None
+    if x.target is aten.diag_embed.default and tuple(x.args[1:]) in ((), (0,), (0, -2), (0, -2, -1)):
+        return x.args[0]
+    if x.target is aten.diag.default and _val(x.args[0]).dim() == 1 and tuple(x.args[1:]) in ((), (0,)):
+        return x.args[0]
+    return None
+
+
+def _diagonal_product(graph: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """``X @ diag(d)`` → ``X * d[..., None, :]`` and ``diag(d) @ X`` → ``d[..., :, None] * X`` (a column or row
+    scaled per entry, GLA's M ← M diag(α_t) + v kᵀ): the sum of one product and zeros."""
+    a, b = node.args[:2]
+    if (d := _diagonal_of(b)) is not None and _val(a).dim() >= 2:
+        with graph.inserting_before(node):
+            return emit(graph, aten.mul.Tensor, a, emit(graph, aten.unsqueeze.default, d, -2))
+    if (d := _diagonal_of(a)) is not None and _val(b).dim() >= 2:
+        with graph.inserting_before(node):
+            return emit(graph, aten.mul.Tensor, emit(graph, aten.unsqueeze.default, d, -1), b)
     return None
 
 

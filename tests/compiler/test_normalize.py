@@ -1100,3 +1100,28 @@ def test_a_permute_also_read_by_a_clone_stays_before_its_pointwise_readers():
     (move,) = _moves(gm)
     assert {u.target for u in move.users} == {aten.silu.default, aten.clone.default}, gm.graph
     _check_exact(heads_laid_out_for_a_view, args, gm)
+
+
+def products_with_diagonal_matrices(M, a, d):
+    return M @ torch.diag_embed(a), torch.diag_embed(a) @ M, M[0] @ torch.diag(d), torch.diag(d) @ M[1]
+
+
+def test_a_product_with_a_diagonal_matrix_is_a_broadcast_multiply():
+    """GLA's M diag(α_t) is M with each column scaled (probe r37: the decay read as a second update term)."""
+    args = (torch.randn(2, 4, 4), torch.rand(2, 4), torch.randn(4))
+    gm = normalize_graph(_traced(products_with_diagonal_matrices, *args))
+    targets = _targets(gm)
+    assert aten.matmul.default not in targets and aten.diag_embed.default not in targets \
+        and aten.diag.default not in targets, gm.graph
+    _check_exact(products_with_diagonal_matrices, args, gm)  # one product plus zeros: the same numbers
+
+
+def product_with_a_diagonal_off_the_main_one(M, a):
+    return M @ torch.diag_embed(a, offset=1)
+
+
+def test_a_product_with_a_matrix_of_another_diagonal_is_kept():
+    args = (torch.randn(2, 5, 5), torch.rand(2, 4))
+    gm = normalize_graph(_traced(product_with_a_diagonal_off_the_main_one, *args))
+    assert aten.matmul.default in _targets(gm) or aten.bmm.default in _targets(gm), gm.graph
+    _check_exact(product_with_a_diagonal_off_the_main_one, args, gm)
