@@ -37,7 +37,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hecate.compiler.normalize import emit
+from hecate.compiler.normalize import emit, is_row_max, undetached
 from hecate.passes.gaussian import evaluate
 from hecate.passes.matching import (NotFused, bound_reason, descendants, first_threshold, made_in_forward,
                                     nodes_between, replace_with_function, shifted_size, size_hint, snapped,
@@ -431,7 +431,29 @@ def _decays(form: _Form, size=size_hint) -> _Decay:
         found = _per_token_decay(form, values, tensor, size, inputs) or _scale_read(form, values, tensor, size)
         if found is not None:
             return found
-    raise NotFused(why)
+    raise NotFused(_STABILISED if _stabilised(form) else why)
+
+
+_STABILISED = ("its mask D has its exponent's maximum over the keys subtracted, exp(log D − max_s log D) (xLSTM's "
+               "stabiliser), so that each D_ts depends on every key of its row: the op takes no such mask; without "
+               "the stabiliser, D = exp(F_t − F_s + i_s) of gates per step fuses")
+
+
+def _stabilised(form: _Form) -> bool:
+    """Whether the mask is computed from ``x − max(x, keys)``: a row max subtracted from the values it is of."""
+    seen, stack = set(), [form.a]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in (form.score, form.q, form.k, form.v):
+            continue
+        seen.add(node)
+        if node.target is aten.sub.Tensor and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
+            x, peak = node.args
+            rank = getattr(x.meta.get("val"), "dim", lambda: 0)()
+            if rank and any(is_row_max(undetached(peak), x, dim) for dim in (-1, rank - 1)):
+                return True
+        stack += node.all_input_nodes
+    return False
 
 
 def _scale_read(form: _Form, values: dict, tensor: fx.Node, size) -> _Decay | None:

@@ -1267,6 +1267,31 @@ def test_a_mask_read_from_an_input_that_is_not_gates_per_step_is_reported(fn, fr
     assert_close("output", got, fn(*args), TOL)
 
 
+def mlstm_stabilised(q, k, v, f, i):  # xLSTM's parallel_stabilized_simple: the row max out of the exponent
+    total = F.logsigmoid(f).cumsum(-1)
+    n = total.shape[-1]
+    log_d = (total[..., :, None] - total[..., None, :] + i[..., None, :]).masked_fill(
+        ~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    peak = log_d.max(dim=-1, keepdim=True).values
+    c = (q @ k.mT / 2.0) * torch.exp(log_d - peak)
+    normaliser = torch.maximum(c.sum(-1, keepdim=True).abs(), torch.exp(-peak))
+    return (c / (normaliser + 1e-6)) @ v
+
+
+def test_the_stabilised_mlstm_mask_is_reported_as_stabilised(fresh_dynamo):
+    """exp(log D − max_s log D) depends on every key of the row: reported as such, not as gates read from inputs
+    (probe r37: the reason named the gates, which fuse in the mask without the stabiliser)."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(B, 3, T, D, generator=g) for _ in range(3)] + [torch.randn(B, 3, T, generator=g) + 2,
+                                                                       0.5 * torch.randn(B, 3, T, generator=g)]
+    got = torch.compile(mlstm_stabilised, backend="hecate", options={"fallback": "eager"})(*args)
+    report = hecate.last_report()
+    reasons = [m.reason for m in report.misses if m.pattern == "linear_attention"]
+    assert report.count("linear_attention") == 0 and len(reasons) == 1, str(report)
+    assert "xLSTM's stabiliser" in reasons[0] and "taken by the graph as input" not in reasons[0], reasons[0]
+    assert_close("output", got, mlstm_stabilised(*args), TOL)
+
+
 # --- the score scaled by one number learned -------------------------------------------------------------------------
 
 
