@@ -1341,6 +1341,25 @@ def hebbian_decay_per_value_column_stored_kv(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def gla_stored_value_major(k, v, q, alpha, eta):
+    """GLA's decay per key dim on a memory stored [Dv, Dk]: one per column, which is not split (probe r37: the
+    reason now says to store the memory transposed, where the decay is one per row and fuses)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = M * torch.sigmoid(k[:, t])[..., None, :] + v[:, t, ..., :, None] * k[:, t, ..., None, :]
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
+def gla_stored_value_major_decay_as_a_diagonal_matrix(k, v, q, alpha, eta):
+    """The same, M ← M diag(α_t) + v kᵀ (probe r37: the product read as a second update term)."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = M @ torch.diag_embed(torch.sigmoid(k[:, t])) + v[:, t, ..., :, None] * k[:, t, ..., None, :]
+        ys.append((M @ q[:, t].unsqueeze(-1)).squeeze(-1))
+    return torch.stack(ys, 1), M
+
+
 def delta_rule_decay_per_value_row(k, v, q, alpha, eta):
     """The delta rule with a forget gate and a step size per value row: row d's error reads row d alone, so rows
     are heads."""
@@ -2810,7 +2829,13 @@ REPORTED = {
     "hebbian_reset_by_where": (hebbian_reset_by_where, ["the memory is reset by where(flag, 0, M)",
                                                         "write the reset M * (1 - flag)"]),
     "hebbian_decay_per_value_column_stored_kv": (hebbian_decay_per_value_column_stored_kv,
-                                                 ["the memory's decay has a factor of shape [2, 2, 5]"]),
+                                                 ["the memory's decay has a factor of shape [2, 2, 5]",
+                                                  "one per column of the memory", "store the memory transposed"]),
+    "gla_stored_value_major": (gla_stored_value_major, ["the memory's decay has a factor of shape [2, 2, 3]",
+                                                        "one per column of the memory", "store the memory transposed"]),
+    "gla_stored_value_major_decay_as_a_diagonal_matrix": (
+        gla_stored_value_major_decay_as_a_diagonal_matrix, ["the memory's decay has a factor of shape [2, 2, 3]",
+                                                            "one per column of the memory", "store the memory transposed"]),
     "hebbian_decay_per_key_feature": (hebbian_decay_per_key_feature,
                                       ["the memory's decay has a factor of shape [2, 2, 3], neither one number"]),
     "delta_rule_truncated_backpropagation": (delta_rule_truncated_backpropagation, ["gradients stop inside it"]),
@@ -3716,6 +3741,33 @@ def gated_linear_attention(q, k, v, g):  # GLA: S [Dk, Dv] ← α_t[:, None] ⊙
     return torch.stack(outs, 2)
 
 
+def gla_read_first(q, k, v, g):  # GLA reading the state before the step's write, o_t = q_t S_{t−1} (probe r37)
+    a = torch.sigmoid(g) ** (1 / 16)
+    S, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
+    for t in range(q.shape[2]):
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
+        S = a[:, :, t, :, None] * S + k[:, :, t, :, None] * v[:, :, t, None, :]
+    return torch.stack(outs, 2)
+
+
+def gla_read_by_the_transpose(q, k, v, g):  # o_t = S_tᵀ q_t: a product with the transposed state
+    a = torch.sigmoid(g) ** (1 / 16)
+    S, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
+    for t in range(q.shape[2]):
+        S = a[:, :, t, :, None] * S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        outs.append((S.transpose(-1, -2) @ q[:, :, t, :, None]).squeeze(-1))
+    return torch.stack(outs, 2)
+
+
+def gla_decay_as_a_diagonal_matrix(q, k, v, g):  # S ← diag(α_t) S + k_t v_tᵀ
+    a = torch.sigmoid(g) ** (1 / 16)
+    S, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
+    for t in range(q.shape[2]):
+        S = torch.diag_embed(a[:, :, t]) @ S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
+    return torch.stack(outs, 2)
+
+
 def hgrn2(q, v, g):  # HGRN2: the forget gate f_t per key dim, the key its complement 1 − f_t
     f = torch.sigmoid(g)
     S, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
@@ -3725,17 +3777,67 @@ def hgrn2(q, v, g):  # HGRN2: the forget gate f_t per key dim, the key its compl
     return torch.stack(outs, 2)
 
 
+# what the op reads, as the fusion's detail says it (each also says "one memory per row")
+_PER_KEY_READS = {gated_linear_attention: "; chunked", gla_read_first: ", read before the update",
+                  gla_decay_as_a_diagonal_matrix: "; chunked",
+                  gla_read_by_the_transpose: "; the op gives every step's decayed memory α_t M_{t−1}", hgrn2: "; chunked"}
+
+
 @pytest.mark.parametrize("dv", [4, 3], ids=["square", "wide_keys"])
-@pytest.mark.parametrize("fn", [gated_linear_attention, hgrn2], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", list(_PER_KEY_READS), ids=lambda f: f.__name__)
 def test_a_gate_per_key_dim_of_a_memory_stored_keys_first_fuses(fn, dv, fresh_dynamo):
     """GLA / HGRN2 [B, H, T, D]: split per row (a row per key dim), each row a memory of its own; the step's v
     [B, H, Dv] is a vector the rows share, which with Dv = Dk has the size of one number per row (probe r37: the
-    square state, the usual one, was refused with its decay's shape as the reason)."""
+    square state, the usual one, was refused with its decay's shape as the reason). The read across the rows,
+    q_t S, is one read per row memory summed after, before or after the update (probe r37: read first, refused);
+    a read the pass does not split so (Sᵀ q) is made from each step's decayed memory, which the op gives, and
+    the detail says so (probe r37: it said "read before the update", and reported the update as left unrolled)."""
     b, h, t, dk = 2, 2, 5, 4
     args = [torch.randn(b, h, t, dk) / 2, torch.randn(b, h, t, dk), torch.randn(b, h, t, dv), torch.randn(b, h, t, dk)]
-    args = args if fn is gated_linear_attention else [args[0]] + args[2:]
+    args = [args[0]] + args[2:] if fn is hgrn2 else args
     inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
     got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
     report = hecate.last_report()
-    assert report.count("linear_attention") == 1, str(report)
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    detail = report.fusions[0].detail
+    assert ", one memory per row of M (a decay per row)" + _PER_KEY_READS[fn] in detail, detail
+    assert fn is gla_read_first or "read before the update" not in detail, detail
+    assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, TOL)
+
+
+def rwkv6(r, k, v, w_log, u):  # RWKV-6's wkv: y_t = r_t (S_{t−1} + diag(u) k_tᵀ v_t), S_t = diag(w_t) S_{t−1} + k_tᵀ v_t
+    w = torch.exp(-torch.exp(w_log))
+    S = r.new_zeros(*r.shape[:2], r.shape[-1], v.shape[-1])
+    out = torch.empty(*v.shape)
+    for t in range(r.shape[2]):
+        kv = k[:, :, t, :, None] * v[:, :, t, None, :]
+        out[:, :, t] = (r[:, :, t, :, None] * (S + u[None, :, :, None] * kv)).sum(-2)
+        S = w[:, :, t, :, None] * S + kv
+    return out
+
+
+def rwkv6_bonus_apart(r, k, v, w_log, u):  # the same with the bonus its own term, (r_t · (u ⊙ k_t)) v_t
+    w = torch.exp(-torch.exp(w_log))
+    S, outs = r.new_zeros(*r.shape[:2], r.shape[-1], v.shape[-1]), []
+    for t in range(r.shape[2]):
+        rt, kt, vt = r[:, :, t], k[:, :, t], v[:, :, t]
+        outs.append(torch.einsum("bhk,bhkv->bhv", rt, S) + (rt * u * kt).sum(-1, keepdim=True) * vt)
+        S = w[:, :, t].unsqueeze(-1) * S + torch.einsum("bhk,bhv->bhkv", kt, vt)
+    return torch.stack(outs, 2)
+
+
+@pytest.mark.parametrize("fn", [rwkv6, rwkv6_bonus_apart], ids=lambda f: f.__name__)
+def test_rwkv6_with_its_bonus_for_the_current_token_fuses(fn, fresh_dynamo):
+    """RWKV-6 reads the state before the step's write, plus a bonus u per head and key dim for the current token,
+    written into the read (r (S + diag(u) kᵀv)) or beside it; its decay is one per key dim (probe r37: refused,
+    the output named as no read of the state)."""
+    b, h, t, d = 2, 2, 5, 4
+    args = [torch.randn(b, h, t, d), torch.randn(b, h, t, d) / 2, torch.randn(b, h, t, d),
+            torch.randn(b, h, t, d) / 2 - 0.5, torch.randn(h, d) / 2]
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    assert "one memory per row of M (a decay per row), read before the update" in report.fusions[0].detail, \
+        str(report)
     assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, TOL)
