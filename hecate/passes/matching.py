@@ -758,7 +758,8 @@ EMITTED = "hecate_emitted"
 
 
 def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node], fn: Callable,
-                          args: Sequence[Any], outputs: Sequence[fx.Node] | None = None) -> list[fx.Node]:
+                          args: Sequence[Any], outputs: Sequence[fx.Node] | None = None,
+                          as_computed: Sequence[fx.Node] = ()) -> list[fx.Node]:
     """Replace a subgraph by what the plain PyTorch function ``fn(*args)`` computes.
 
     ``replaced`` is a :class:`Match`, or the graph nodes to replace with ``outputs`` the
@@ -768,7 +769,8 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
     reads (``x.shape[0]``) becomes a ``sym_size`` node of the graph under ``dynamic=True``,
     never a SymInt frozen into the generated code. The new nodes carry their fake values
     and the user's source line of the replaced subgraph. Returns the nodes that now stand
-    for the outputs.
+    for the outputs. Each is cast to the dtype of the output it replaces, but those in ``as_computed``: values
+    something else is computed from (a fused loop's reads, before the step's function of them).
     """
     nodes, old_outputs = (replaced.nodes, replaced.outputs) if isinstance(replaced, Match) \
         else (list(replaced), list(outputs or ()))
@@ -788,7 +790,8 @@ def replace_with_function(gm: fx.GraphModule, replaced: Match | Sequence[fx.Node
         raise ValueError("replace_with_function: no argument has a fake value (node.meta['val']); "
                          "the graph must come from the pipeline's re-trace")
     with fake_mode:
-        traced = make_fx(_in_dtypes_of(_in_eagers_precision(fn, nodes, values), old_outputs),
+        traced = make_fx(_in_dtypes_of(_in_eagers_precision(fn, nodes, values),
+                                       [None if o in as_computed else o for o in old_outputs]),
                          pre_dispatch=True)(*values)
     graph = gm.graph
     source = next((n.meta["stack_trace"] for n in reversed(nodes) if n.meta.get("stack_trace")), None)
@@ -853,10 +856,11 @@ def _in_eagers_precision(fn: Callable, nodes: Sequence[fx.Node], values: Sequenc
     return in_float32
 
 
-def _in_dtypes_of(fn: Callable, outputs: Sequence[fx.Node]) -> Callable:
-    """``fn`` with each output cast to the dtype of the node it replaces where they differ: under autocast a
-    read rounded to bf16 and divided by a float32 normaliser is float32, and so must the fused result be."""
-    dtypes = [getattr(val(o), "dtype", None) for o in outputs]
+def _in_dtypes_of(fn: Callable, outputs: Sequence[fx.Node | None]) -> Callable:
+    """``fn`` with each output cast to the dtype of the node it replaces where they differ (None: as fn gives it):
+    under autocast a read rounded to bf16 and divided by a float32 normaliser is float32, and so must the fused
+    result be."""
+    dtypes = [getattr(val(o), "dtype", None) if o is not None else None for o in outputs]
 
     def in_dtypes(*args):
         leaves, spec = pytree.tree_flatten(fn(*args))

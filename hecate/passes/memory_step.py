@@ -91,8 +91,25 @@ def _evaluate(graph: fx.Graph, inputs: dict[fx.Node, Any], overrides: dict[fx.No
         if node.target is aten.sym_size.int:  # through the tensor's size: under vmap that has no batching rule
             env[node] = args[0].size(args[1])
             continue
+        if _float_cast(node.target, args, kwargs):  # x.float() of a bf16 input: the sample points stay float64
+            env[node] = args[0]
+            continue
         env[node] = node.target(*args, **kwargs)
     return env
+
+
+def _float_cast(target: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the call casts a float64 tensor to another floating dtype (``.float()``, ``.to(torch.bfloat16)``
+    on the sample points, which are float64: the step's values at its own precision would mix the two)."""
+    if target not in (aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
+                      torch.ops.prims.convert_element_type.default) or not args \
+            or not isinstance(args[0], torch.Tensor) or args[0].dtype != torch.float64:
+        return False
+    dtype = kwargs.get("dtype", args[1] if len(args) > 1 and target is not aten._to_copy.default else None)
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point and set(kwargs) <= {"dtype", "layout", "device",
+                                                                                            "pin_memory", "copy",
+                                                                                            "non_blocking",
+                                                                                            "memory_format"}
 
 
 def _concrete(size: int | torch.SymInt) -> int:
@@ -1838,7 +1855,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
     names = list(inputs)
     fused = _fused_recurrence(rec, names, initial, y_ones, set(read), y_static)
     new = replace_with_function(gm, [node, *results.values()], fused, [inputs[n] for n in names],
-                                outputs=list(read.values()))
+                                outputs=list(read.values()), as_computed=[read["y"]] if after is not None else [])
     if after is not None:
         reads = new[list(read).index("y")]
         with gm.graph.inserting_before(reads.next):
