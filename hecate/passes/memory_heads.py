@@ -106,12 +106,18 @@ def _reads_per_row(graph: fx.Graph, M: fx.Node, state: int) -> None:
 
 
 def _terms(Y: fx.Node, M: fx.Node, shape: torch.Size) -> list[fx.Node]:
-    """[A, X] where Y = A + X of ``shape`` each, only A computed from the memory M; else [Y]."""
-    if Y.target is not aten.add.Tensor or Y.kwargs or len(Y.args) != 2 \
-            or not all(isinstance(t, fx.Node) and getattr(t.meta.get("val"), "shape", None) == shape for t in Y.args):
+    """[A, X] where Y = A + X of ``shape``, A of that shape computed from the memory M, X not; else [Y]."""
+    if Y.target is not aten.add.Tensor or Y.kwargs or len(Y.args) != 2 or _shape(Y) != shape \
+            or not all(isinstance(t, fx.Node) for t in Y.args):
         return [Y]
     from_memory = [computed_from([t], {M}) for t in Y.args]
-    return list(Y.args) if from_memory.count(True) == 1 else [Y]
+    if from_memory.count(True) != 1 or _shape(Y.args[from_memory.index(True)]) != shape:
+        return [Y]
+    return list(Y.args)
+
+
+def _shape(node: fx.Node) -> torch.Size | None:
+    return getattr(node.meta.get("val"), "shape", None)
 
 
 def _row_contraction(node: fx.Node, shape: torch.Size) -> tuple[fx.Node, fx.Node] | None:

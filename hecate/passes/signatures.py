@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import fx
@@ -239,10 +239,9 @@ def _decode_scores_by_pairs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node
             dims, out = _pair_dims(node), _shape(node)
             if not dims or len(out) <= len(logits) or _is(out[dims[0]], out[dims[1]]):
                 continue
-            width = out[-1]
+            width, vocab = out[-1], logits[-1]
             if any(a.target in (aten.log.default, aten.exp.default) and _is((_shape(a) or (None,))[-1], width)
-                   for a in ancestors):
-                vocab = logits[-1]
+                   for a in ancestors) and any(_token_bank(a, vocab, width) for a in ancestors):
                 tokens_first = _is(out[dims[0]], vocab) and not _is(out[dims[1]], vocab)
                 layout = (f" (here the tokens come first: the pairs are laid out [{out[dims[0]]}, {out[dims[1]]}], "
                           "tokens by positions)") if tokens_first else ""
@@ -255,6 +254,13 @@ def _decode_scores_by_pairs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node
                        "written",
                        [reader, node])
                 break
+
+
+def _token_bank(node: fx.Node, vocab: Any, width: Any) -> bool:
+    """Whether ``node`` is a per-token tensor [V, K] (leading dims of 1 allowed): a bank of token priors."""
+    shape = _shape(node)
+    return shape is not None and len(shape) >= 2 and _is(shape[-2], vocab) and _is(shape[-1], width) \
+        and all(_is(s, 1) for s in shape[:-2])
 
 
 def _decode_scores_by_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
