@@ -56,7 +56,8 @@ def per_row(body: fx.GraphModule, state: int) -> fx.GraphModule:
     with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
         M = _emit(graph, M_in, split=False)
     M_in.replace_all_uses_with(M, delete_user_cb=lambda user: user is not M)
-    _reads_per_row(graph, M, state)
+    _reads_per_row(graph, M)
+    reads_apart(graph, M, state)
     output = graph.output_node()
     outputs = list(output.args[0])
     with graph.inserting_before(output):
@@ -68,7 +69,7 @@ def per_row(body: fx.GraphModule, state: int) -> fx.GraphModule:
     return body
 
 
-def _reads_per_row(graph: fx.Graph, M: fx.Node, state: int) -> None:
+def _reads_per_row(graph: fx.Graph, M: fx.Node) -> None:
     """Each read across the memory's rows, y = Σ_a x_a Y[a, :] with Y [.., A, C] the memory or computed from it
     (``einsum("bhk,bhkv->bhv", q, S)``, ``q[.., None, :] @ S``: GLA's read of its state stored [Dk, Dv]), written
     as ``(x[.., :, None] * Y).sum(-2)``: one read per row memory, its query x's number for the row, summed after."""
@@ -78,7 +79,7 @@ def _reads_per_row(graph: fx.Graph, M: fx.Node, state: int) -> None:
         if operands is None or not computed_from([operands[1]], {M}) or computed_from([operands[0]], {M}):
             continue
         x, Y = operands
-        matmul = node.target is aten.matmul.default  # x [.., 1, A]: its column against the rows, keeping the 1
+        matmul = node.target is not aten.einsum.default  # x [.., 1, A]: its column against the rows, keeping the 1
         with graph.inserting_before(node):
             column = _call(graph, aten.transpose.int, (x, -1, -2)) if matmul else _call(graph, aten.unsqueeze.default,
                                                                                          (x, -1))
@@ -86,23 +87,41 @@ def _reads_per_row(graph: fx.Graph, M: fx.Node, state: int) -> None:
         read.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         node.replace_all_uses_with(read)
         graph.erase_node(node)
-    # x·(M + X) as x·M + x·X, X made from the step's inputs (RWKV-6's bonus: r (S + diag(u) kᵀv)), where the new
-    # memory is not made from it: the read of the memory apart
-    new_memory = graph.output_node().args[0][state]
-    for node in list(graph.find_nodes(op="call_function", target=aten.mul.Tensor)):
-        if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args) \
+
+
+_BILINEAR = (aten.mul.Tensor, aten.matmul.default, aten.bmm.default, aten.einsum.default)
+
+
+def reads_apart(graph: fx.Graph, M: fx.Node, state: int) -> bool:
+    """Each product of a value c with M + X, X made from the step's inputs (RWKV's bonus for the current token:
+    r (S + diag(u) kᵀv)), written as c·M + c·X (a product, matmul or einsum of two: linear in each), where the
+    new memory (carry ``state``) is made from neither: the read of the memory apart (a read of the new memory, its
+    update's terms, stays one read). Whether any was."""
+    shape, new_memory, changed = M.meta["val"].shape, graph.output_node().args[0][state], False
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _BILINEAR]:
+        einsum = node.target is aten.einsum.default
+        operands = list(node.args[1]) if einsum else list(node.args)
+        if len(operands) != 2 or not all(isinstance(a, fx.Node) for a in operands) or node.kwargs \
                 or computed_from([new_memory], {node}):
             continue
-        for c, Y in (node.args, node.args[::-1]):
+        for i in (0, 1):
+            c, Y = operands[1 - i], operands[i]
             terms = _terms(Y, M, shape)
-            if len(terms) == 2 and not computed_from([c], {M}):
-                with graph.inserting_before(node):
-                    parts = [_call(graph, aten.mul.Tensor, (c, term)) for term in terms]
-                    total = _call(graph, aten.add.Tensor, tuple(parts))
-                total.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-                node.replace_all_uses_with(total)
-                graph.erase_node(node)
-                break
+            if len(terms) != 2 or computed_from([c], {M}) or computed_from([new_memory], {Y}) \
+                    or node.target is not aten.mul.Tensor and _shape(terms[1]) != shape:  # (no broadcast there)
+                continue
+            with graph.inserting_before(node):
+                parts = []
+                for term in terms:
+                    pair = [c, term] if i == 1 else [term, c]
+                    parts.append(_call(graph, node.target, (node.args[0], pair) if einsum else tuple(pair)))
+                total = _call(graph, aten.add.Tensor, tuple(parts))
+            total.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            node.replace_all_uses_with(total)
+            graph.erase_node(node)
+            changed = True
+            break
+    return changed
 
 
 def _terms(Y: fx.Node, M: fx.Node, shape: torch.Size) -> list[fx.Node]:
@@ -123,7 +142,7 @@ def _shape(node: fx.Node) -> torch.Size | None:
 def _row_contraction(node: fx.Node, shape: torch.Size) -> tuple[fx.Node, fx.Node] | None:
     """(x, Y) where ``node`` contracts Y of ``shape`` [.., A, C] over its rows A with a vector x [.., A] (an einsum
     of the two, the lead dims kept in order) or a row x [.., 1, A] (a matmul)."""
-    if node.target is aten.matmul.default and len(node.args) == 2:
+    if node.target in (aten.matmul.default, aten.bmm.default) and len(node.args) == 2:
         x, Y = node.args
         xv, Yv = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in (x, Y))
         if isinstance(xv, torch.Tensor) and isinstance(Yv, torch.Tensor) and Yv.shape == shape \

@@ -53,7 +53,7 @@ import torch
 from torch import fx
 
 from hecate.compiler.normalize import WRITTEN_BACK
-from hecate.passes.matching import NotFused, bound_reason, computed_from, first_gradient_stop, first_threshold, \
+from hecate.passes.matching import NotFused, bound_reason, computed_from, eliminate_dead_code, first_gradient_stop, first_threshold, \
     INPUT_WRITTEN_ADVICE, free_attribute, gradient_stop, gradient_stop_reason, is_one, is_register_hook, is_zeros, op_name, \
     replace_with_function, snapped, written_tensor
 from hecate.passes.report import source_line
@@ -650,7 +650,7 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
     if found is None and (after := _read_then_per_step(b, m, q_norm, lq_eps)) is not None:
         read_node, found = after
     if found is None:
-        raise NotFused("the per-step output is not the memory read y = M·q of the new or the old state, nor "
+        raise NotFused(f"{_NO_READ} y = M·q of the new or the old state, nor "
                        "y / (z·q + eps) of the new or the old state and normaliser, nor a function of such a read "
                        "and the step's inputs alone, for any per-step input q")
     return _analyse_step(b, m, found, read_node, q_norm, lq_eps, W_in)
@@ -739,7 +739,7 @@ def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_n
         if not _is_gate(b.env[f], lead):
             raise NotFused(f"the memory's {_PER_ROW_DECAY} {list(b.env[f].shape)}, neither one number, nor "
                            f"one per batch and head {list(lead)}, nor one per head broadcast over the batch"
-                           + (_PER_COLUMN_ADVICE if _scaled_per(M_in) == "column" else ""))
+                           + _decay_advice(_scaled_per(M_in), b.env[M_in].shape))
     if any(b.depends[f] - {m} for f in update.factors + update.divisors):
         raise NotFused("the update reads another state")
     if z_index is not None or not any(b.depends[f] for f in update.factors + update.divisors):
@@ -1280,8 +1280,40 @@ def _recognised(gm: fx.GraphModule, node: fx.Node) -> Recurrence | NotFused:
         if isinstance(found, NotFused):
             found = _without_derived(gm, node, found)
         if isinstance(found, NotFused):
+            found = _with_reads_apart(gm, node, found)
+        if isinstance(found, NotFused):
             found = _per_row(gm, node, found)
         return found
+
+
+_NO_READ = "the per-step output is not the memory read"  # (the reason :func:`_with_reads_apart` reads)
+
+
+def _with_reads_apart(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | NotFused:
+    """The memory step of scan ``node`` once each read of M + X is read as M's plus X's (:func:`memory_heads.
+    reads_apart`: RWKV's bonus for the current token, r (S + diag(u) kᵀv)), its body then replaced; else ``why``
+    it is none, as is."""
+    from hecate.passes import memory_heads
+
+    if _NO_READ not in str(why):
+        return why
+    body, n_carries, n_xs = getattr(gm, node.args[0].target), len(node.args[1]), len(node.args[2])
+    for state in range(n_carries):
+        rewritten = copy.deepcopy(body)
+        M = [n for n in rewritten.graph.nodes if n.op == "placeholder"][state]
+        value = M.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 \
+                or not memory_heads.reads_apart(rewritten.graph, M, state):
+            continue
+        eliminate_dead_code(rewritten.graph)
+        rewritten.recompile()
+        try:
+            rec = analyse(rewritten, n_carries, n_xs)
+        except NotFused:
+            continue
+        setattr(gm, node.args[0].target, rewritten)
+        return rec
+    return why
 
 
 def _state_detach_stripped(body: fx.GraphModule, n_carries: int) -> fx.GraphModule | None:
@@ -1416,19 +1448,31 @@ def _per_row(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | N
     return why
 
 
-_PER_COLUMN_ADVICE = ("; it is one per column of the memory, and Hecate splits a memory into one per row where its "
-                      "decay is one per row: store the memory transposed, its columns as rows (GLA's state as [Dk, Dv], "
-                      "S ← α[..., :, None] ⊙ S + k vᵀ, its decay per key dim a row each)")
+def _decay_advice(scaled_per: str | None, memory: torch.Size) -> str:
+    """What to write instead, for a memory [.., A, C] whose decay is one per column; what the ops take, for one
+    whose decay is one per element."""
+    *_, rows, columns = memory
+    if scaled_per == "element":
+        return ("; it is one per element of the memory (Mamba-1's exp(Δ A) with A [D, N]), which no op takes: a "
+                "decay per row fuses (A one per channel, [D]), the memory split into one per row")
+    if scaled_per != "column":
+        return ""
+    return (f"; it is one per column of the memory [.., {rows}, {columns}], and Hecate splits a memory into one per "
+            f"row where its decay is one per row: store the memory transposed, [.., {columns}, {rows}], its "
+            "columns as rows (GLA's state [Dv, Dk] as [Dk, Dv], S ← α[..., :, None] ⊙ S + k vᵀ)")
 
 
 def _scaled_per(M: fx.Node) -> str | None:
     """"row" where the step multiplies its state M [.., A, C] by a value of one number per row [.., A, 1] (A > 1), as
-    a decay per row does; "column" where by one per column [.., 1, C] (C > 1); else None."""
+    a decay per row does; "column" where by one per column [.., 1, C] (C > 1); "element" where by one per element
+    [.., A, C]; else None."""
     for node in M.users:
         other = [a for a in node.args if a is not M] if node.target is aten.mul.Tensor else []
         shape = getattr(other[0].meta.get("val"), "shape", None) if other and isinstance(other[0], fx.Node) else None
         if shape is not None and len(shape) >= 2 and is_one(shape[-1]) != is_one(shape[-2]):
             return "row" if is_one(shape[-1]) else "column"
+        if shape is not None and len(shape) >= 2 and tuple(shape[-2:]) == tuple(M.meta["val"].shape[-2:]):
+            return "element"
     return None
 
 

@@ -2825,7 +2825,8 @@ def mamba1_scan_decay_per_state_element(k, v, q, alpha, eta):
 REPORTED = {
     "mamba1_scan_decay_per_state_element": (mamba1_scan_decay_per_state_element,
                                             ["the memory's decay has a factor of shape",
-                                             "the update made before the loop, read as formed in the step"]),
+                                             "the update made before the loop, read as formed in the step",
+                                             "one per element of the memory", "a decay per row fuses"]),
     "hebbian_reset_by_where": (hebbian_reset_by_where, ["the memory is reset by where(flag, 0, M)",
                                                         "write the reset M * (1 - flag)"]),
     "hebbian_decay_per_value_column_stored_kv": (hebbian_decay_per_value_column_stored_kv,
@@ -3759,6 +3760,16 @@ def gla_read_by_the_transpose(q, k, v, g):  # o_t = S_tᵀ q_t: a product with t
     return torch.stack(outs, 2)
 
 
+def gla_heads_in_the_batch_read_first_by_bmm(q, k, v, g):  # [B·H, Dk, Dv], o_t = bmm(q_t, S_{t−1}) (probe r38)
+    a = (torch.sigmoid(g) ** (1 / 16)).flatten(0, 1)
+    q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+    S, outs = q.new_zeros(q.shape[0], q.shape[-1], v.shape[-1]), []
+    for t in range(q.shape[1]):
+        outs.append(torch.bmm(q[:, t, None, :], S)[:, 0])
+        S = a[:, t, :, None] * S + torch.bmm(k[:, t, :, None], v[:, t, None, :])
+    return torch.stack(outs, 1).unflatten(0, (g.shape[0], g.shape[1]))
+
+
 def gla_decay_as_a_diagonal_matrix(q, k, v, g):  # S ← diag(α_t) S + k_t v_tᵀ
     a = torch.sigmoid(g) ** (1 / 16)
     S, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
@@ -3780,6 +3791,7 @@ def hgrn2(q, v, g):  # HGRN2: the forget gate f_t per key dim, the key its compl
 # what the op reads, as the fusion's detail says it (each also says "one memory per row")
 _PER_KEY_READS = {gated_linear_attention: "; chunked", gla_read_first: ", read before the update",
                   gla_decay_as_a_diagonal_matrix: "; chunked",
+                  gla_heads_in_the_batch_read_first_by_bmm: ", read before the update",
                   gla_read_by_the_transpose: "; the op gives every step's decayed memory α_t M_{t−1}", hgrn2: "; chunked"}
 
 
@@ -3801,7 +3813,7 @@ def test_a_gate_per_key_dim_of_a_memory_stored_keys_first_fuses(fn, dv, fresh_dy
     assert report.count("linear_attention") == 1 and not report.misses, str(report)
     detail = report.fusions[0].detail
     assert ", one memory per row of M (a decay per row)" + _PER_KEY_READS[fn] in detail, detail
-    assert fn is gla_read_first or "read before the update" not in detail, detail
+    assert "read before the update" in _PER_KEY_READS[fn] or "read before the update" not in detail, detail
     assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, TOL)
 
 
@@ -3867,6 +3879,16 @@ def rwkv6_bonus_apart(r, k, v, w_log, u):  # the same with the bonus its own ter
     return torch.stack(outs, 2)
 
 
+def rwkv5(r, k, v, w_log, u):  # RWKV-5's decay is one per head: the bonus read apart without a split per row
+    w = torch.exp(-torch.exp(w_log.mean(-1)))
+    S, outs = r.new_zeros(*r.shape[:2], r.shape[-1], v.shape[-1]), []
+    for t in range(r.shape[2]):
+        kv = k[:, :, t, :, None] * v[:, :, t, None, :]
+        outs.append((r[:, :, t, None, :] @ (S + u[None, :, :, None] * kv)).squeeze(-2))
+        S = w[:, :, t, None, None] * S + kv
+    return torch.stack(outs, 2)
+
+
 def read_of_the_state_plus_a_bias(r, k, v, w_log, b):  # q_t (S_{t−1} + b): a learned bias per head and value column
     w = torch.exp(-torch.exp(w_log))
     S, outs = r.new_zeros(*r.shape[:2], r.shape[-1], v.shape[-1]), []
@@ -3876,7 +3898,14 @@ def read_of_the_state_plus_a_bias(r, k, v, w_log, b):  # q_t (S_{t−1} + b): a 
     return torch.stack(outs, 2)
 
 
-@pytest.mark.parametrize("fn", [rwkv6, rwkv6_bonus_apart, read_of_the_state_plus_a_bias], ids=lambda f: f.__name__)
+# the read each fuses as (probe r38: RWKV-5's, a decay per head, was refused with the output named as no read)
+_BONUS_READS = {rwkv6: "one memory per row of M (a decay per row), read before the update",
+                rwkv6_bonus_apart: "one memory per row of M (a decay per row), read before the update",
+                read_of_the_state_plus_a_bias: "one memory per row of M (a decay per row), read before the update",
+                rwkv5: "M stored [Dk, Dv], read before the update"}
+
+
+@pytest.mark.parametrize("fn", list(_BONUS_READS), ids=lambda f: f.__name__)
 def test_rwkv6_with_its_bonus_for_the_current_token_fuses(fn, fresh_dynamo):
     """RWKV-6 reads the state before the step's write, plus a bonus u per head and key dim for the current token,
     written into the read (r (S + diag(u) kᵀv)) or beside it; its decay is one per key dim (probe r37: refused,
@@ -3888,6 +3917,5 @@ def test_rwkv6_with_its_bonus_for_the_current_token_fuses(fn, fresh_dynamo):
     got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
     report = hecate.last_report()
     assert report.count("linear_attention") == 1 and not report.misses, str(report)
-    assert "one memory per row of M (a decay per row), read before the update" in report.fusions[0].detail, \
-        str(report)
+    assert _BONUS_READS[fn] in report.fusions[0].detail, str(report)
     assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, TOL)
