@@ -187,11 +187,18 @@ def _row_gates(graph: fx.Graph, M: fx.Node, rank: int) -> dict[str, str]:
                 or not value.is_floating_point() or not 1 <= value.dim() <= rank or not is_one(value.shape[-1]) \
                 or computed_from([node], {M}):
             continue
-        with graph.inserting_before(first if node.op == "placeholder" else node.next):
-            gates[node] = graph.call_function(aten.select.int, (node, -1, 0))
-        gates[node].meta[KEEP] = True  # (read by the op's inputs, made from the body after the pass that found it)
-        with detect_fake_mode([value]) or contextlib.nullcontext():
-            gates[node].meta["val"] = value.select(-1, 0)
+        # its leading dims of 1 made explicit: a decay [H, A, 1] read as [1, H, A] against [B, H, A], from the
+        # right as it broadcasts (as [H, A] it would read as one per sequence [B, 1, A] where B = H)
+        with graph.inserting_before(first if node.op == "placeholder" else node.next), \
+                detect_fake_mode([value]) or contextlib.nullcontext():
+            gate = graph.call_function(aten.select.int, (node, -1, 0))
+            gate.meta["val"] = value.select(-1, 0)
+            for _ in range(rank - value.dim()):
+                gate.meta[KEEP] = True  # (read by the op's inputs, made from the body after the pass that found it)
+                gate = graph.call_function(aten.unsqueeze.default, (gate, 0))
+                gate.meta["val"] = gate.args[0].meta["val"].unsqueeze(0)
+        gate.meta[KEEP] = True
+        gates[node] = gate
     return {node.name: gate.name for node, gate in gates.items()}
 
 

@@ -3858,6 +3858,43 @@ def test_bf16_inputs_cast_to_an_fp32_state_in_the_step_fuse(fn, fresh_dynamo):
         assert_close(f"grad {i}", g.float(), r.float(), 1e-2)  # bf16 gradients
 
 
+class LearnedDecayPerKeyDim(torch.nn.Module):
+    """A decay per head and key dim learned, w [H, Dk] (RWKV-5's, data-independent), the state [B, H, Dk, Dv]."""
+
+    def __init__(self, heads, d):
+        super().__init__()
+        self.w_log = torch.nn.Parameter(torch.randn(heads, d))
+
+    def forward(self, r, k, v):
+        w = torch.exp(-torch.exp(self.w_log))
+        S, outs = r.new_zeros(r.shape[0], r.shape[2], r.shape[3], v.shape[3]), []
+        for t in range(r.shape[1]):
+            S = w[..., None] * S + k[:, t].unsqueeze(-1) @ v[:, t].unsqueeze(-2)
+            outs.append(torch.einsum("bhk,bhkv->bhv", r[:, t], S))
+        return torch.stack(outs, 1)
+
+
+@pytest.mark.parametrize("batch", [2, 3], ids=["batch_as_many_as_heads", "batch_not_heads"])
+def test_a_decay_per_key_dim_learned_per_head_fuses(batch, fresh_dynamo):
+    """w [H, Dk, 1] against the state [B, H, Dk, Dv] is one number per row, shared by the sequences: split per row,
+    it is read from the right, [1, H, Dk] (probe r38: with B = H it was read as one per sequence, [B, 1, Dk], and
+    refused)."""
+    torch.manual_seed(0)
+    model = LearnedDecayPerKeyDim(2, 4)
+    args = [torch.randn(batch, 5, 2, 4) / 2, torch.randn(batch, 5, 2, 4), torch.randn(batch, 5, 2, 3)]
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(model, backend="hecate", options={"fallback": "eager"})(*inputs)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    ref = model(*ref_inputs)
+    assert_close("output", got, ref, TOL)
+    weight = torch.randn(got.shape)
+    grads = torch.autograd.grad((got * weight).sum(), [*inputs, model.w_log])
+    ref_grads = torch.autograd.grad((ref * weight).sum(), [*ref_inputs, model.w_log])
+    for name, g, r in zip(("r", "k", "v", "w_log"), grads, ref_grads):
+        assert_close(f"grad {name}", g, r, TOL)
+
+
 def rwkv6(r, k, v, w_log, u):  # RWKV-6's wkv: y_t = r_t (S_{t−1} + diag(u) k_tᵀ v_t), S_t = diag(w_t) S_{t−1} + k_tᵀ v_t
     w = torch.exp(-torch.exp(w_log))
     S = r.new_zeros(*r.shape[:2], r.shape[-1], v.shape[-1])
