@@ -117,6 +117,21 @@ def test_memory_spelling_on_cuda(name):
     _fuses_on_cuda_as_in_eager(fn, [x.detach() for x in memory._inputs()], op)
 
 
+@pytest.mark.parametrize("fn", list(memory._PER_KEY_READS) + list(memory._BONUS_READS), ids=lambda f: f.__name__)
+def test_a_decay_per_key_dim_on_cuda(fn):
+    """GLA, HGRN2 and RWKV-5/6 [B, H, T, D]: the memory split per row, the op's reads per row summed after it, and
+    the bonus read apart, with Inductor's CUDA code around the kernels."""
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 2, 5, 4)
+    if fn in memory._BONUS_READS:  # r, k, v, the decay's log-log, the bonus u [H, D]
+        args = [torch.randn(shape, generator=g), torch.randn(shape, generator=g) / 2, torch.randn(shape, generator=g),
+                torch.randn(shape, generator=g) / 2 - 0.5, torch.randn(shape[1], shape[3], generator=g) / 2]
+    else:  # q, k, v, the gate's logits (HGRN2: no k)
+        args = [torch.randn(shape, generator=g) / 2] + [torch.randn(shape, generator=g) for _ in range(3)]
+        args = [args[0]] + args[2:] if fn is memory.hgrn2 else args
+    _fuses_on_cuda_as_in_eager(fn, args, "linear_attention")
+
+
 @pytest.mark.parametrize("name", list(qk.SPELLINGS))
 def test_qk_spelling_on_cuda(name):
     spelling, _ = qk.SPELLINGS[name]

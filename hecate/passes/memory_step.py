@@ -53,9 +53,9 @@ import torch
 from torch import fx
 
 from hecate.compiler.normalize import WRITTEN_BACK
-from hecate.passes.matching import NotFused, bound_reason, computed_from, eliminate_dead_code, first_gradient_stop, first_threshold, \
-    INPUT_WRITTEN_ADVICE, free_attribute, gradient_stop, gradient_stop_reason, is_one, is_register_hook, is_zeros, op_name, \
-    replace_with_function, snapped, written_tensor
+from hecate.passes.matching import NotFused, bound_reason, computed_from, eliminate_dead_code, first_gradient_stop, \
+    first_threshold, INPUT_WRITTEN_ADVICE, free_attribute, gradient_stop, gradient_stop_reason, is_one, \
+    is_register_hook, is_zeros, op_name, replace_with_function, snapped, written_tensor
 from hecate.passes.report import source_line
 
 aten = torch.ops.aten
