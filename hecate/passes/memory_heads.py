@@ -24,12 +24,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
-from typing import Any
 
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
+from hecate.compiler.normalize import emit
 from hecate.passes.matching import KEEP, computed_from, is_one
 
 aten = torch.ops.aten
@@ -38,12 +38,7 @@ aten = torch.ops.aten
 def _emit(graph: fx.Graph, node: fx.Node, split: bool) -> fx.Node:
     """``node`` [.., A, C] split into one memory per row [.., A, 1, C] (or put back together), at the graph's
     insertion point, with its value."""
-    target = aten.unsqueeze.default if split else aten.squeeze.dim
-    value = node.meta["val"]
-    out = graph.call_function(target, (node, -2))
-    with detect_fake_mode([value]) or contextlib.nullcontext():
-        out.meta["val"] = target(value, -2)
-    return out
+    return emit(graph, aten.unsqueeze.default if split else aten.squeeze.dim, node, -2)
 
 
 def per_row(body: fx.GraphModule, state: int) -> fx.GraphModule:
@@ -81,9 +76,8 @@ def _reads_per_row(graph: fx.Graph, M: fx.Node) -> None:
         x, Y = operands
         matmul = node.target is not aten.einsum.default  # x [.., 1, A]: its column against the rows, keeping the 1
         with graph.inserting_before(node):
-            column = _call(graph, aten.transpose.int, (x, -1, -2)) if matmul else _call(graph, aten.unsqueeze.default,
-                                                                                         (x, -1))
-            read = _call(graph, aten.sum.dim_IntList, (_call(graph, aten.mul.Tensor, (column, Y)), [-2], matmul))
+            column = emit(graph, aten.transpose.int, x, -1, -2) if matmul else emit(graph, aten.unsqueeze.default, x, -1)
+            read = emit(graph, aten.sum.dim_IntList, emit(graph, aten.mul.Tensor, column, Y), [-2], matmul)
         read.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         node.replace_all_uses_with(read)
         graph.erase_node(node)
@@ -114,8 +108,8 @@ def reads_apart(graph: fx.Graph, M: fx.Node, state: int) -> bool:
                 parts = []
                 for term in terms:
                     pair = [c, term] if i == 1 else [term, c]
-                    parts.append(_call(graph, node.target, (node.args[0], pair) if einsum else tuple(pair)))
-                total = _call(graph, aten.add.Tensor, tuple(parts))
+                    parts.append(emit(graph, node.target, *((node.args[0], pair) if einsum else pair)))
+                total = emit(graph, aten.add.Tensor, *parts)
             total.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             node.replace_all_uses_with(total)
             graph.erase_node(node)
@@ -158,15 +152,6 @@ def _row_contraction(node: fx.Node, shape: torch.Size) -> tuple[fx.Node, fx.Node
                 and xs == ys[:-1] and out == ys[:-2] + ys[-1] and len(set(ys)) == len(ys):
             return x, Y
     return None
-
-
-def _call(graph: fx.Graph, target: Any, args: tuple) -> fx.Node:
-    """``target(*args)`` at the graph's insertion point, with its value."""
-    node = graph.call_function(target, args)
-    values = fx.node.map_arg(args, lambda a: a.meta["val"])
-    with detect_fake_mode(values) or contextlib.nullcontext():
-        node.meta["val"] = target(*values)
-    return node
 
 
 # the meta key of a per-row body's gates read per row: {the name of a value [.., 1] as it broadcasts against the
