@@ -65,6 +65,8 @@ def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
         print(report)
     if aten_gm is gm:
         return _compile_rest(gm, example_inputs, opts, mode_config)
+    if opts.fallback == "eager":
+        return _outputs_as_dynamo_gave(aten_gm, gm)
     try:
         return _compile_rest(aten_gm, example_inputs, opts, {**_FUSED_GRAPH_CONFIG, **mode_config})
     except torch._dynamo.exc.RestartAnalysis:
@@ -84,6 +86,31 @@ def hecate_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
 # the backward under dynamic shapes then had its stride fixed at the first size (42 for 7·6), and the backward
 # failed at the next size ("expected size 4==4, stride 30==42"). A pointwise cat writes a buffer of its own.
 _FUSED_GRAPH_CONFIG = {"force_pointwise_cat": True}
+
+
+def _outputs_as_dynamo_gave(aten_gm: fx.GraphModule, gm: fx.GraphModule) -> Callable:
+    """``aten_gm`` run as it is (the eager fallback), each output that is a view where Dynamo's own graph gave a
+    tensor of its own returned as one (a copy). The fused graph's outputs are views eager's are not: the memory a
+    fused loop returns is a reshape of one of the op's outputs, a qk chain's φ a transpose where the user's code made
+    a new tensor after it. The caller may write into what eager gives it (M.add_(1), S.detach_() between
+    truncated-backpropagation chunks), which autograd refuses on such a view."""
+    outputs = list(gm.graph.output_node().args[0])
+    own = [not _is_view(o.meta.get("example_value")) if isinstance(o, fx.Node) else False for o in outputs]
+    if not any(own):
+        return aten_gm
+
+    def run(*args):
+        results = aten_gm(*args)
+        if not isinstance(results, (tuple, list)) or len(results) != len(own):
+            return results
+        return type(results)(r.clone() if mine and isinstance(r, torch.Tensor) and r._is_view() else r
+                             for r, mine in zip(results, own))
+
+    return run
+
+
+def _is_view(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value._is_view()
 
 
 def _saved_tensors_hooks_paused():
