@@ -432,6 +432,8 @@ class Recurrence:
     params: dict[str, float] = field(default_factory=dict)
     read_before_update: bool = False  # y_t reads M_{t−1} (retrieve, then write) instead of M_t
     read_node: fx.Node | None = None  # the read, where the step's output is a per-step function of it
+    # the normaliser's read z·q, where the output is a function of it and the read (mLSTM's M q / max(|z·q|, 1))
+    normaliser_read: fx.Node | None = None
     per_row: bool = False  # the memory carried as one per row (:mod:`memory_heads`): its decay is one per row
     generated: set = field(default_factory=set)  # the nodes of g(e) where the op generates it from them
     detached: bool = False  # the new state detached at every step (test-time training): gradients reach q alone
@@ -607,30 +609,59 @@ def _find_read(b: _Body, m: int, y: fx.Node, q_norm: float, lq_eps: float) -> tu
 
 
 def _read_then_per_step(b: _Body, m: int, q_norm: float, lq_eps: float) -> tuple | None:
-    """(read node, its read) when the step's output is a per-step function of a read of the memory (plain or
-    normalised) and of per-step inputs alone (y_t = W_o (M q_t), LayerNorm(M q_t), silu(M q_t) + q_t): the op
+    """(read node, its read, the normaliser's read node or None) when the step's output is a per-step function of
+    a read of the memory (plain or normalised) and of per-step inputs alone (y_t = W_o (M q_t), LayerNorm(M q_t),
+    silu(M q_t) + q_t), or of a plain read and the normaliser's read z·q (mLSTM's M q / max(|z·q|, 1)): the op
     reads, the function runs after it, step by step."""
     y = b.ys[0]
     for n in reversed(b.compute):
-        if n is y or m not in b.depends[n] or n not in b.between(b.carries[m], [y]) or not _only_through(b, y, n):
+        if n is y or m not in b.depends[n] or n not in b.between(b.carries[m], [y]):
             continue
-        found = _find_read(b, m, n, q_norm, lq_eps)
-        if found is not None:
-            return n, found
+        if _only_through(b, y, n):
+            found = _find_read(b, m, n, q_norm, lq_eps)
+            if found is not None:
+                return n, found, None
+        elif q_norm == 2.0 and (found := _find_read(b, m, n, q_norm, lq_eps)) is not None and found[0][2] is None \
+                and found[0][1] is not None and (normaliser := _normaliser_read(b, m, n, found)) is not None:
+            z_read, z_index = normaliser
+            (layout, qn, _, _), before = found
+            return n, ((layout, qn, z_index, None), before), z_read
     return None
 
 
-def _only_through(b: _Body, y: fx.Node, via: fx.Node) -> bool:
-    """Whether ``y`` reads the loop's carries only through ``via``."""
-    return not _upstream(y, via) & set(b.carries)
+def _normaliser_read(b: _Body, m: int, read: fx.Node, found: tuple) -> tuple[fx.Node, int] | None:
+    """(the node, the carry z's index) of the first node that is z·q, the read's query q against a carried z
+    (z_new after the update, z_old where the memory is read before it), where the step's output reads the carries
+    only through it and ``read``."""
+    (layout, qn, _, _), before = found
+    lead = tuple(b.env[b.carries[m]].shape[:-2])
+    q = _as(b.env[qn], lead + (b.env[b.carries[m]].shape[-1 if layout == "vk" else -2],))
+    for node in b.compute:
+        s = _as(b.env[node], lead + (1,))
+        if s is None or node is read or not b.depends[node] or not _only_through(b, b.ys[0], read, node):
+            continue
+        for i, (z_in, z_out) in enumerate(zip(b.carries, b.carry_out)):
+            z = _as(b.env[z_in if before else z_out], q.shape) if i != m else None
+            if z is not None and _close(s, (z * q).sum(-1, keepdim=True)):
+                return node, i
+    return None
 
 
-def _upstream(y: fx.Node, via: fx.Node) -> set[fx.Node]:
-    """``y`` and what it is computed from, not looking past ``via``."""
+def _only_through(b: _Body, y: fx.Node, *via: fx.Node) -> bool:
+    """Whether ``y`` reads the loop's carries only through ``via`` (or their sizes: ones_like(n[..., 0]) under
+    dynamic shapes reads the size of a carry, which is every step's)."""
+    return not _upstream(y, *via, sizes=False) & set(b.carries)
+
+
+def _upstream(y: fx.Node, *via: fx.Node, sizes: bool = True) -> set[fx.Node]:
+    """``y`` and what it is computed from, not looking past ``via`` (nor, without ``sizes``, past a size read)."""
     seen, stack = {y}, [y]
     while stack:
-        for i in stack.pop().all_input_nodes:
-            if i not in seen and i is not via:
+        node = stack.pop()
+        if not sizes and node.target is aten.sym_size.int:
+            continue
+        for i in node.all_input_nodes:
+            if i not in seen and i not in via:
                 seen.add(i)
                 stack.append(i)
     return seen
@@ -646,20 +677,21 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
             except NotFused as why:
                 first = first or why
         raise first
-    found, read_node = _find_read(b, m, b.ys[0], q_norm, lq_eps), None
+    found, read_node, z_read = _find_read(b, m, b.ys[0], q_norm, lq_eps), None, None
     if found is None and (after := _read_then_per_step(b, m, q_norm, lq_eps)) is not None:
-        read_node, found = after
+        read_node, found, z_read = after
     if found is None:
         raise NotFused(f"{_NO_READ} y = M·q of the new or the old state, nor "
                        "y / (z·q + eps) of the new or the old state and normaliser, nor a function of such a read "
-                       "and the step's inputs alone, for any per-step input q")
-    return _analyse_step(b, m, found, read_node, q_norm, lq_eps, W_in)
+                       "(or of M·q and z·q) and the step's inputs alone, for any per-step input q")
+    return _analyse_step(b, m, found, read_node, q_norm, lq_eps, W_in, z_read)
 
 
 def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_norm: float, lq_eps: float,
-                  W_in: fx.Node) -> Recurrence:
+                  W_in: fx.Node, z_read: fx.Node | None = None) -> Recurrence:
     """The memory step of state ``m`` read as ``found`` (see :func:`_find_read`; its q None where no step reads
-    the memory: the op then reads with the keys, and its reads are dropped)."""
+    the memory: the op then reads with the keys, and its reads are dropped); ``z_read``: the normaliser's read z·q
+    the output is a function of beside the read ``read_node``."""
     M_in, M_out = b.carries[m], b.carry_out[m]
     Mv = b.env[M_in]
     lead, (A, C) = tuple(Mv.shape[:-2]), tuple(Mv.shape[-2:])
@@ -671,7 +703,7 @@ def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_n
                        "where that is what is meant")
     dv, dk = (A, C) if layout == "vk" else (C, A)
     rec = Recurrence("lp", layout, lead, dv, dk, m, params={"q_norm": q_norm}, read_before_update=before,
-                     read_node=read_node)
+                     read_node=read_node, normaliser_read=z_read)
     if qn is not None:
         rec.per_step["q"] = PerStep(1.0, [qn])
     # M_out = Σ terms: a·M (retention), the update, and with momentum the new buffer c·S (any number c ≠ 0:
@@ -1185,7 +1217,7 @@ def _no_bound_dropped(b: _Body, rec: Recurrence) -> None:
         for node in value.nodes:
             kept |= _ancestors(node)
     if rec.read_node is not None:  # what the output computes from the read runs as the body computes it
-        kept |= _upstream(b.ys[0], rec.read_node)
+        kept |= _upstream(b.ys[0], rec.read_node, rec.normaliser_read)
     dropped = first_threshold((n for n in b.compute if n not in kept), b.env)
     if dropped is not None:
         raise NotFused(bound_reason(dropped, f"the step (a {rec.name} step at sample points)"))
@@ -1212,9 +1244,12 @@ def _verify(b: _Body, rec: Recurrence) -> None:
             z_in = _as(env[b.carries[rec.normaliser_state]], lead + (rec.dk,))
             z = alpha[..., 0] * z_in + k
             expect[b.carry_out[rec.normaliser_state]] = z
+            z_q = ((z_in if rec.read_before_update else z) * q).sum(-1, keepdim=True)
             eps = rec.params["eps"]
-            y = y / (((z_in if rec.read_before_update else z) * q).sum(-1, keepdim=True)
-                     + (env[b.placeholders[eps[1]]].reshape(()) if isinstance(eps, tuple) else eps))
+            if rec.normaliser_read is not None:  # (the output a function of it and the read, which run after)
+                expect[rec.normaliser_read] = z_q
+            else:
+                y = y / (z_q + (env[b.placeholders[eps[1]]].reshape(()) if isinstance(eps, tuple) else eps))
     else:
         eta = rec.per_step["eta"].value(env, lead)[..., None, None]
         p, a, eps, qn = rec.params["p"], rec.params["a"], rec.params["eps"], rec.params["q_norm"]
@@ -1283,7 +1318,23 @@ def _recognised(gm: fx.GraphModule, node: fx.Node) -> Recurrence | NotFused:
             found = _with_reads_apart(gm, node, found)
         if isinstance(found, NotFused):
             found = _per_row(gm, node, found)
+        if isinstance(found, NotFused) and _stabilised(body, len(node.args[1])):
+            found = NotFused("the step is stabilised by a carried running max, m ← max(log f + m, log i) (xLSTM's "
+                             "mLSTM), which its gates exp(log i − m), exp(log f + m_old − m) read: a state no op "
+                             "carries. The recurrent form without it, h = C q / max(|n·q|, 1), fuses (it can overflow "
+                             "where exp(log i) is large, where this form does not)")
         return found
+
+
+def _stabilised(body: fx.GraphModule, n_carries: int) -> bool:
+    """Whether a carry's new value is max(·, ·) of what reads that carry itself (xLSTM's stabiliser m ← max(log f +
+    m, log i)) where another carry is a memory (updated by an outer product)."""
+    carries = [n for n in body.graph.nodes if n.op == "placeholder"][:n_carries]
+    new = list(body.graph.output_node().args[0])[:n_carries]
+    outers = set(_outer_products(body.graph))
+    return any(isinstance(out, fx.Node) and computed_from([out], outers) for out in new) and any(
+        isinstance(out, fx.Node) and out.target in (aten.maximum.default, aten.max.other)
+        and computed_from([a for a in out.args if isinstance(a, fx.Node)], {carry}) for carry, out in zip(carries, new))
 
 
 _NO_READ = "the per-step output is not the memory read"  # (the reason :func:`_with_reads_apart` reads)
@@ -1536,13 +1587,50 @@ def forms_outer_product(body: fx.Graph) -> bool:
     return bool(_outer_products(body))
 
 
+def channel_recurrences(body: fx.GraphModule, n_carries: int) -> bool:
+    """Whether a loop's step updates every floating carry as a linear recurrence of one number per channel,
+    s ← d ⊙ s + x with d and x free of every carry and d not all ones (RWKV-4's wkv numerator and denominator, an
+    exponential moving average). A loop of a memory's family without its outer product
+    (each channel a memory of one number), where a Q-flow's belief update is not linear in the beliefs and a running
+    sum has no decay. Checked at sample points: the step's change from carries at zero is d ⊙ s with one d for two
+    draws of s."""
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    carries = [n for n in placeholders[:n_carries] if isinstance(n.meta.get("val"), torch.Tensor)
+               and n.meta["val"].is_floating_point()]
+    outputs = list(body.graph.output_node().args[0])[:n_carries]
+    if not carries or any(n.meta["val"].numel() < 2 for n in carries):
+        return False
+
+    def step(states: list[torch.Tensor]) -> list[torch.Tensor]:
+        env = _evaluate(body.graph, {**inputs, **dict(zip(carries, states))})
+        return [env[outputs[placeholders.index(c)]] for c in carries]
+
+    gen = torch.Generator().manual_seed(1)
+    try:
+        inputs = _random_inputs(placeholders, 0, set(carries), signed=False)
+        zeros = [torch.zeros_like(inputs[c]) for c in carries]
+        draws = [[torch.where(torch.rand(z.shape, generator=gen, dtype=z.dtype) < 0.5, -1.0, 1.0)
+                  * (0.5 + torch.rand(z.shape, generator=gen, dtype=z.dtype)) for z in zeros] for _ in range(2)]
+        at_zero = step(zeros)
+        decays = [[(new - x) / s for new, x, s in zip(step(states), at_zero, states)] for states in draws]
+    except Exception:  # (a step that does not run on its sample points, a size with no example: none read here)
+        return False
+    return all(isinstance(d, torch.Tensor) and d.shape == s.shape and _close(d, e)
+               for d, e, s in zip(decays[0], decays[1], draws[0])) \
+        and not all(_close(d, torch.ones_like(d)) for d in decays[0])
+
+
 def _family(body: fx.Graph, n_carries: int) -> str:
     """The family a loop that is no memory step is reported under: memory_scan where an outer product it forms reads
-    the carried state (an error e = M k − v written into it), linear_attention where none does (Hebbian)."""
+    a carried memory (an error e = M k − v written into it), linear_attention where none does (Hebbian; a gate
+    computed from another carry, mLSTM's stabiliser m, is no error)."""
     carries = [n for n in body.nodes if n.op == "placeholder"][:n_carries]
-    reads_state = any(computed_from([a for a in node.args[:2] if isinstance(a, fx.Node)], set(carries))
-                      for node in _outer_products(body))
-    return "memory_scan" if reads_state else "linear_attention"
+    outers = _outer_products(body)
+    new = list(body.output_node().args[0])[:n_carries]
+    memories = {c for c, out in zip(carries, new) if isinstance(out, fx.Node) and computed_from([out], set(outers))}
+    reads_memory = any(computed_from([a for a in node.args[:2] if isinstance(a, fx.Node)], memories)
+                       for node in outers)
+    return "memory_scan" if reads_memory else "linear_attention"
 
 
 def _outer_products(body: fx.Graph) -> list[fx.Node]:
@@ -1568,9 +1656,17 @@ def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
     for node in scans(gm):
         rec = recognise(gm, node)
         if isinstance(rec, NotFused):
-            if not node.meta.get("hecate_memory_step_reported") and (
-                    forms_outer_product(getattr(gm, node.args[0].target).graph)
-                    or node.meta.get("hecate_update_made_before")):
+            if node.meta.get("hecate_memory_step_reported"):
+                continue
+            outer = forms_outer_product(getattr(gm, node.args[0].target).graph) \
+                or node.meta.get("hecate_update_made_before")  # (the loop's outer products made before it)
+            if not outer and channel_recurrences(getattr(gm, node.args[0].target), len(node.args[1])):
+                node.meta["hecate_memory_step_reported"] = True
+                report.add_miss("linear_attention", f"{_form(node)} of {_over(node)} is not a memory step: its state is "
+                                "a recurrence of one number per channel, s ← d ⊙ s + x (RWKV-4's wkv, a moving "
+                                "average), with no outer product v kᵀ, and no Hecate op takes a memory of one number "
+                                "per channel", node.name, nodes=_body_nodes(gm, node))
+            elif outer:
                 node.meta["hecate_memory_step_reported"] = True
                 heads = _HEADS_ADVICE if _reads_per_head(getattr(gm, node.args[0].target)) else ""
                 family = _family(getattr(gm, node.args[0].target).graph, len(node.args[1]))
@@ -1635,6 +1731,8 @@ def describe(rec: Recurrence) -> str:
         if rec.normaliser_state is not None:
             what += ", normalised by z ← α z + φ(k)" + (", ε read at run time" if isinstance(rec.params.get("eps"),
                                                                                                tuple) else "")
+            if rec.normaliser_read is not None:
+                what += " (the output a function of M q and z·q, run after the op)"
         return what + (", M stored [Dk, Dv]" if rec.layout == "kv" else "") + _read_as(rec)
     p = rec.params["p"]
     bias = {2.0: "l_2 bias p=2 (2e fast path)", 1.0: "l_1 bias p=1 (tanh fast path)"}.get(
@@ -1780,14 +1878,15 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
             # forward and in q_0's gradient, as here). The op's last read is of no step: its query is zeros, or the
             # last query again where the read is normalised (a zero one would be 0/0 at ε = 0, and NaN in the
             # backward through the read nothing uses)
-            normalised = rec.normaliser_state is not None
+            normalised = rec.normaliser_state is not None and rec.normaliser_read is None  # (divided in the op)
             q_first, q = q[:, :1], torch.cat([q[:, 1:], q[:, -1:] if normalised else torch.zeros_like(q[:, :1])], 1)
             m_first = m0 if m0 is not None else q.new_zeros(B, H, v.shape[-1], k.shape[-1])
             first = (m_first.unsqueeze(1) @ q_first.unsqueeze(-1).to(m_first.dtype)).squeeze(-1)
-            if normalised:
+            if rec.normaliser_state is not None:
                 z_first = x["z0"].reshape(B, 1, H, -1) if "z0" in initial else q.new_zeros(B, 1, H, k.shape[-1])
-                first = first / ((z_first * q_first).sum(-1, keepdim=True)
-                                 + (x["eps"].reshape(()) if "eps" in x else p["eps"]))
+                z_q = (z_first * q_first).sum(-1, keepdim=True)
+                first = torch.cat([first, z_q.to(first.dtype)], -1) if not normalised else \
+                    first / (z_q + (x["eps"].reshape(()) if "eps" in x else p["eps"]))
         if rec.kind == "lp":
             s0 = None
             if "S0" in initial:  # the op's buffer is the model's times its scale (M ← a·M + c·S)
@@ -1798,7 +1897,9 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
                                                    p.get("bias", ""), s0, bthd(x["beta"]) if "beta" in x else None,
                                                    bool(p.get("decay_first")))
             z = None
-        elif "eps" in x:  # ε read at run time: z·q is the op's read of a value column of ones, divided after
+        elif "eps" in x or rec.normaliser_read is not None:
+            # ε read at run time, or the output a function of M q and z·q: z·q is the op's read of a value column
+            # of ones, divided after (the function of both given the reads [M q; z·q] whole)
             dv = v.shape[-1]
             if m0 is not None or "z0" in initial:  # the state [M; zᵀ]: [B, H, Dv + 1, Dk]
                 zeros = M0.new_zeros(B, H, 1, k.shape[-1])
@@ -1806,7 +1907,8 @@ def _fused_recurrence(rec: Recurrence, names: list[str], initial: set[str], y_on
                 m0 = torch.cat([zeros.expand(B, H, dv, -1) if m0 is None else m0, z0], -2)
             y, m, _ = torch.ops.hecate.linear_attention(k, torch.cat([v, torch.ones_like(v[..., :1])], -1), q,
                                                         bthd(x["alpha"]), m0, None, False, 1e-6, True)
-            y = y[..., :dv] / (y[..., dv:] + x["eps"].reshape(()).to(y.dtype))
+            if "eps" in x:
+                y = y[..., :dv] / (y[..., dv:] + x["eps"].reshape(()).to(y.dtype))
             m, z = m[..., :dv, :], m[..., dv, :]
         else:
             z0 = x["z0"].reshape(B, H, -1) if "z0" in initial else None
@@ -1891,11 +1993,13 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
         y_ones = [is_one(steps)] + [is_one(s) for s in rec.read_node.meta["val"].shape]
         M = M0.meta["val"]  # the reads [T, *lead, Dv] with the read's size-1 dims, sizes as the memory's
         lead, dv = _per_step_shape(rec, "v", M)
+        if rec.normaliser_read is not None:  # [T, *lead, Dv + 1]: the reads and z·q after them
+            y_ones, dv = [is_one(s) for s in (steps, *lead)] + [False], dv + 1
         sizes = iter(s for s in (steps, *lead, dv) if not is_one(s))
         reads = M.new_empty([1 if one else next(sizes) for one in y_ones], dtype=rec.read_node.meta["val"].dtype)
         # traced before anything changes: where it cannot be, NotFused leaves the graph as it is
-        after = _after_the_reads(getattr(gm, node.args[0].target).graph, n_carries, list(xs) + list(invariants),
-                                 len(xs), rec, reads)
+        after = _after_the_reads(getattr(gm, node.args[0].target).graph, n_carries,
+                                 list(xs) + list(invariants) + list(init), len(xs), rec, reads)
     names = list(inputs)
     fused = _fused_recurrence(rec, names, initial, y_ones, set(read), y_static)
     new = replace_with_function(gm, [node, *results.values()], fused, [inputs[n] for n in names],
@@ -1903,7 +2007,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, op: str) -> Non
     if after is not None:
         reads = new[list(read).index("y")]
         with gm.graph.inserting_before(reads.next):
-            out, emitted = _emit_traced(gm, after, [reads, *xs, *invariants])
+            out, emitted = _emit_traced(gm, after, [reads, *xs, *invariants, *init])
         for n in emitted:  # (the fused loop's own steps, over all steps at once: no update left unrolled)
             n.meta[_AFTER_THE_READS] = True
         inside = set(emitted)
@@ -1916,13 +2020,27 @@ _AFTER_THE_READS = "hecate_after_the_reads"  # the meta key of the nodes a fused
 def _after_the_reads(body: fx.Graph, n_carries: int, outer: list[fx.Node], n_xs: int, rec: Recurrence,
                      reads: torch.Tensor) -> fx.GraphModule:
     """The step's output computed from the op's ``reads`` [T, ...] (a fake value) and the step's inputs ``outer``
-    (its per-step inputs first, then what every step reads), step by step: vmapped, traced on fake values."""
-    inputs = [n for n in body.nodes if n.op == "placeholder"][n_carries:]
+    (its per-step inputs first, then what every step reads, then the carries' initial values, whose sizes alone
+    the output may read), step by step: vmapped, traced on fake values."""
+    placeholders = [n for n in body.nodes if n.op == "placeholder"]
+    inputs = placeholders[n_carries:] + placeholders[:n_carries]
     y = list(body.output_node().args[0])[n_carries]
-    upto = _upstream(y, rec.read_node)
+    upto = _upstream(y, rec.read_node, rec.normaliser_read)
+    # which dims are 1, read here: in the trace, a size compared with 1 would be a size the trace does not hold
+    lead_ones, dv_one = [is_one(s) for s in reads.shape[1:-1]], is_one(reads.shape[-1] - 1)
+    like = {n: [is_one(s) for s in n.meta["val"].shape] for n in (rec.read_node, rec.normaliser_read) if n is not None}
+
+    def shaped(t, last_one, node):  # t [*lead, D] with the size-1 dims the step's own value has
+        sizes = iter(s for s, one in zip(t.shape, lead_ones + [last_one]) if not one)
+        return t.reshape([1 if one else next(sizes) for one in like[node]])
 
     def one_step(read_t, *values):
-        return _evaluate(body, dict(zip(inputs, values)), {rec.read_node: read_t}, upto=upto)[y]
+        reads = {rec.read_node: read_t}
+        if rec.normaliser_read is not None:  # read_t [*lead, Dv + 1]: M q, then z·q
+            dv = read_t.shape[-1] - 1
+            reads = {rec.read_node: shaped(read_t[..., :dv], dv_one, rec.read_node),
+                     rec.normaliser_read: shaped(read_t[..., dv:], True, rec.normaliser_read)}
+        return _evaluate(body, dict(zip(inputs, values)), reads, upto=upto)[y]
 
     return _trace_vmapped(one_step, [reads] + [_value_of(n) for n in outer],
                           tuple([0] * (1 + n_xs) + [None] * (len(outer) - n_xs)), "the step's output")
@@ -2032,6 +2150,10 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
                   and n.target._schema.is_mutable and not n.meta.get(WRITTEN_BACK)]  # (not an input's write-back)
         why = ("the steps differ (an op, a literal such as p, or a gate's form changes between steps), an "
                "intermediate state is read outside the loop, or there is a single step")
+        lines = [source_line([u]) for u in updates]
+        if all(lines) and len(set(lines)) == len(lines):  # each update written once: one step, or steps by hand
+            why = ("each update is a line of code of its own: there is a single step (a loop over one token), or the "
+                   "steps are written out by hand; Hecate rolls up the steps a Python loop repeats")
         if _read_at_two_indices(gm):
             why = ("one tensor is read at two integer indices that both change, x[:, t, h] (a Python loop over heads "
                    "inside or around the loop over time, one memory per head, gates read as alpha[:, t, h]); Hecate "
@@ -2051,6 +2173,13 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
                 why += (", and at one integer index: here slots are written at two (out[:, h, t] = y, a loop over "
                         "heads inside the loop over time); collect each head's outputs in a list and stack them")
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        draws = [n for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
+                 and torch.Tag.nondeterministic_seeded in n.target.tags and order[updates[0]] < order[n]
+                 < order[updates[-1]]]  # between the first step's update and the last's: drawn by a step
+        if draws:
+            why = (f"the steps draw random numbers (each step calls {draws[0].target._schema.name.replace('aten::', '')}"
+                   "), which one fused op would not draw as the code does; without them (dropout in eval(), or "
+                   "moved before or after the loop) the loop is rolled up")
         hooks = [n for n in gm.graph.nodes if is_register_hook(n.target) and order[n] < order[updates[-1]]
                  and computed_from([n.args[0]], {updates[0]})]  # on a value of the steps, before the last
         if hooks:

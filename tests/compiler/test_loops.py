@@ -572,7 +572,8 @@ def test_one_token_memory_forward_with_momentum_is_reported_as_a_single_step(fre
     report = hecate.last_report()
     assert report.count("memory_scan") == 0
     (miss,) = [m for m in report.misses if m.pattern == "memory_scan"]
-    assert "a single step" in miss.reason and "compiled as written" in miss.reason
+    assert "there is a single step (a loop over one token), or the steps are written out by hand" in miss.reason \
+        and "compiled as written" in miss.reason
     for name, a, b in zip(("out", "M"), got, model(x)):
         assert_close(name, a, b, 1e-6)
 

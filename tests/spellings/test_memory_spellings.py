@@ -651,6 +651,61 @@ def hebbian_normalised_read_before_the_write(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def mlstm_recurrent(k, v, q, alpha, eta):
+    """xLSTM's mLSTM, recurrent and without its stabiliser: C ← f C + i v kᵀ, n ← f n + i k, h = C q / max(|n·q|, 1),
+    exponential input gate. The output is a function of the read and of the normaliser's read n·q, not M q /
+    (z·q + ε) (probe r39: refused as "the per-step output is not the memory read")."""
+    C, n, hs = _m0(k, v), torch.zeros_like(k[:, 0]), []
+    for t in range(k.shape[1]):
+        f, i = torch.sigmoid(alpha[:, t] + 2), torch.exp(eta[:, t])
+        C = f[..., None, None] * C + i[..., None, None] * v[:, t, :, :, None] * k[:, t, :, None, :]
+        n = f[..., None] * n + i[..., None] * k[:, t]
+        den = torch.maximum((n * q[:, t]).sum(-1).abs(), torch.ones_like(n[..., 0]))
+        hs.append((C @ q[:, t, :, :, None])[..., 0] / den[..., None])
+    return torch.stack(hs, 1), C
+
+
+def mlstm_recurrent_read_before_the_write(k, v, q, alpha, eta):
+    """The same read from the state before the token is written: h_t = C_{t−1} q_t / max(|n_{t−1}·q_t|, 1)."""
+    C, n, hs = _m0(k, v), torch.zeros_like(k[:, 0]), []
+    for t in range(k.shape[1]):
+        den = torch.clamp((n * q[:, t]).sum(-1, keepdim=True).abs(), min=1.0)
+        hs.append((C @ q[:, t, :, :, None])[..., 0] / den)
+        f, i = torch.sigmoid(alpha[:, t] + 2), torch.exp(eta[:, t])
+        C = f[..., None, None] * C + i[..., None, None] * v[:, t, :, :, None] * k[:, t, :, None, :]
+        n = f[..., None] * n + i[..., None] * k[:, t]
+    return torch.stack(hs, 1), C
+
+
+def mlstm_recurrent_stabilised(k, v, q, alpha, eta):
+    """xLSTM's mLSTM as its paper writes the recurrent form: the gates stabilised by a carried running max m (probe
+    r39: refused as "not the memory read", and reported under memory_scan)."""
+    C, n, m, hs = _m0(k, v), torch.zeros_like(k[:, 0]), torch.zeros_like(alpha[:, 0]), []
+    for t in range(k.shape[1]):
+        log_f, log_i = F.logsigmoid(alpha[:, t] + 2), eta[:, t]
+        m_new = torch.maximum(log_f + m, log_i)
+        i, f = torch.exp(log_i - m_new), torch.exp(log_f + m - m_new)
+        C = f[..., None, None] * C + i[..., None, None] * v[:, t, :, :, None] * k[:, t, :, None, :]
+        n = f[..., None] * n + i[..., None] * k[:, t]
+        den = torch.maximum((n * q[:, t]).sum(-1).abs(), torch.exp(-m_new))
+        hs.append((C @ q[:, t, :, :, None])[..., 0] / den[..., None])
+        m = m_new
+    return torch.stack(hs, 1), C
+
+
+def hebbian_normaliser_floored_and_gated(k, v, q, alpha, eta):
+    """A normaliser floored by clamp and the output gated by it: silu(y) · sigmoid(z·q) with y = M q /
+    clamp(z·q, 0.1), a function of both reads and of no step input but them."""
+    k, q = F.elu(k) + 1, F.elu(q) + 1
+    M, z, ys = _m0(k, v, layout="kv"), torch.zeros_like(k[:, 0]), []
+    for t in range(k.shape[1]):
+        M = alpha[:, t, :, None, None] * M + k[:, t, :, :, None] * v[:, t, :, None, :]
+        z = alpha[:, t, :, None] * z + k[:, t]
+        zq = torch.einsum("bhk,bhk->bh", z, q[:, t])[..., None]
+        ys.append(F.silu(torch.einsum("bhk,bhkv->bhv", q[:, t], M) / zq.clamp(min=0.1)) * torch.sigmoid(zq))
+    return torch.stack(ys, 1), M
+
+
 def hebbian_single_head_bmm(k, v, q, alpha, eta):
     """One head, [B, Dv, Dk] state, bmm for the read and the outer product, a gate scaling the write."""
     k, v, q, alpha, eta = k[:, :, 0], v[:, :, 0], q[:, :, 0], alpha[:, :, 0], eta[:, :, 0]
@@ -1589,6 +1644,9 @@ SPELLINGS = {
     "hebbian_in_place_on_a_clone_read_through_a_transpose": (hebbian_in_place_on_a_clone_read_through_a_transpose,
                                                              "linear_attention"),
     "hebbian_normalised_read_before_the_write": (hebbian_normalised_read_before_the_write, "linear_attention"),
+    "mlstm_recurrent": (mlstm_recurrent, "linear_attention"),
+    "mlstm_recurrent_read_before_the_write": (mlstm_recurrent_read_before_the_write, "linear_attention"),
+    "hebbian_normaliser_floored_and_gated": (hebbian_normaliser_floored_and_gated, "linear_attention"),
     "hebbian_decay_per_value_row": (hebbian_decay_per_value_row, "linear_attention"),
     "delta_rule_lerp_towards_the_corrected_memory": (delta_rule_lerp_towards_the_corrected_memory, "memory_scan"),
     "delta_rule_decay_per_value_row": (delta_rule_decay_per_value_row, "memory_scan"),
@@ -1833,7 +1891,8 @@ def test_momentum_buffer_carried_between_chunks_fuses(dynamic, fresh_dynamo):
                                   "delta_rule_decay_per_value_row_on_the_whole_step",
                                   "mamba1_scan_decay_on_the_whole_step", "delta_rule_outputs_into_slots_of_width_one",
                                   "delta_rule_skipped_past_the_end_by_a_gate",
-                                  "mamba1_scan_update_made_before_the_loop"])
+                                  "mamba1_scan_update_made_before_the_loop", "mlstm_recurrent",
+                                  "mlstm_recurrent_read_before_the_write"])
 def test_spelling_fuses_under_dynamic_shapes(name, fresh_dynamo):
     """dynamic=True: the clone of each step stays after the in-place writes of the step before (moved before
     them, a step read the state before its update: 0.33 relative off eager, silently); F.normalize's sizes are
@@ -1847,6 +1906,22 @@ def test_spelling_fuses_under_dynamic_shapes(name, fresh_dynamo):
     assert_close("M", m, m_ref, TOL)
     for what, a, b in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
         assert_close(f"grad {what}", a, b, TOL)
+
+
+@pytest.mark.parametrize("fn", [mlstm_recurrent, mlstm_recurrent_read_before_the_write], ids=lambda f: f.__name__)
+def test_a_function_of_both_reads_fuses_at_other_sizes_under_dynamic_shapes(fn, fresh_dynamo):
+    """The reads [M q; z·q] are split where the value dim ends, a size read off the op's reads: a second call with
+    other batch, length and value sizes reuses the graph (or recompiles) and equals eager, forward and gradients."""
+    compiled = torch.compile(fn, backend="hecate", dynamic=True, options={"fallback": "eager"})
+    for b, t, dv in ((2, 4, 5), (3, 6, 2)):
+        k, q, v = torch.randn(b, t, H, DK), torch.randn(b, t, H, DK), torch.randn(b, t, H, dv)
+        inputs = [x.requires_grad_() for x in (k, v, q, 0.2 * torch.rand(b, t, H), 0.3 * torch.rand(b, t, H))]
+        (y, m, g), (y_ref, m_ref, g_ref) = _run(compiled, inputs), _run(fn, inputs)
+        assert hecate.last_report().count("linear_attention") == 1, str(hecate.last_report())
+        assert_close("y", y, y_ref, TOL)
+        assert_close("M", m, m_ref, TOL)
+        for what, a, b_ in zip(("k", "v", "q", "alpha", "eta"), g, g_ref):
+            assert_close(f"grad {what}", a, b_, TOL)
 
 
 def _normalised_loop(k, v, q, alpha, eps, read_before, M, z):
@@ -2822,7 +2897,27 @@ def mamba1_scan_decay_per_state_element(k, v, q, alpha, eta):
     return torch.stack(ys, -1), h
 
 
+def rwkv4_wkv(k, v, q, alpha, eta):
+    """RWKV-4's wkv as its paper writes it: per channel a numerator and a denominator, decayed by e^{−w} and weighted
+    by e^{k}, the current token read with its bonus e^{u + k}. One number per channel, no outer product (probe r38:
+    neither fused nor reported)."""
+    decay = torch.exp(-torch.linspace(0.2, 1.0, v.shape[-1]))
+    num = den = v.new_zeros(v.shape[0], *v.shape[2:])
+    ys = []
+    for t in range(v.shape[1]):
+        key = eta[:, t, :, None] * v[:, t]
+        ek, euk = torch.exp(key), torch.exp(0.3 + key)
+        ys.append((num + euk * v[:, t]) / (den + euk))
+        num, den = decay * num + ek * v[:, t], decay * den + ek
+    return torch.stack(ys, 1), num
+
+
 REPORTED = {
+    "mlstm_recurrent_stabilised": (mlstm_recurrent_stabilised,
+                                   ["stabilised by a carried running max, m ← max(log f + m, log i)",
+                                    "h = C q / max(|n·q|, 1), fuses"]),
+    "rwkv4_wkv": (rwkv4_wkv, ["a recurrence of one number per channel, s ← d ⊙ s + x", "with no outer product",
+                              "no Hecate op takes a memory of one number per channel"]),
     "mamba1_scan_decay_per_state_element": (mamba1_scan_decay_per_state_element,
                                             ["the memory's decay has a factor of shape",
                                              "the update made before the loop, read as formed in the step",
@@ -2906,6 +3001,61 @@ def test_unfused_spelling_says_why_and_matches_eager(name, fresh_dynamo):
     assert not report.fusions, str(report)
     reason = report.misses[0].reason if report.misses else ""
     assert all(r in reason for r in reasons), str(report)
+
+
+@pytest.mark.parametrize("fn", [mlstm_recurrent_stabilised, rwkv4_wkv], ids=lambda f: f.__name__)
+def test_a_hebbian_loop_not_fused_is_reported_as_linear_attention(fn, fresh_dynamo):
+    """A Hebbian loop whose write is gated by another carry (mLSTM's stabiliser m) writes no error M k − v: it is
+    reported under linear_attention, not memory_scan (probe r39); so is a recurrence of one number per channel."""
+    report = _compile_and_compare(fn)
+    assert not report.fusions and {m.pattern for m in report.misses} == {"linear_attention"}, str(report)
+
+
+def delta_rule_with_dropout_on_the_key(k, v, q, alpha, eta):
+    """Dropout on each step's key in training: every step draws random numbers."""
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        key = F.dropout(k[:, t], 0.3, training=True)
+        e = (M @ key[..., None])[..., 0] - v[:, t]
+        M = (1 - alpha[:, t, :, None, None]) * M - eta[:, t, :, None, None] * e[..., None] * key[..., None, :]
+        ys.append((M @ q[:, t, ..., None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
+def test_steps_that_draw_random_numbers_are_reported_as_such_and_match_eager(fresh_dynamo):
+    """The steps are not rolled up (a fused op would not draw as the code does) and the report names the draw,
+    not the generic list of what stops a loop (probe r39); compiled equals eager for the same seed, gradients too."""
+    inputs = _inputs()
+    torch.manual_seed(3)
+    expected = _run(delta_rule_with_dropout_on_the_key, inputs)
+    torch.manual_seed(3)
+    got = _run(torch.compile(delta_rule_with_dropout_on_the_key, backend="hecate", options={"fallback": "eager"}),
+               inputs)
+    report = hecate.last_report()
+    assert not report.fusions and len(report.misses) == 1, str(report)
+    assert "the steps draw random numbers (each step calls " in report.misses[0].reason, str(report)
+    assert "dropout in eval()" in report.misses[0].reason, str(report)
+    for what, a, b in zip(("y", "M", "grads"), got, expected):
+        for x, y in zip(*((a, b) if what == "grads" else ((a,), (b,)))):
+            assert_close(what, x, y, TOL)
+
+
+def running_sum_and_softmax_flow(k, v, q, alpha, eta):
+    """A loop of the same rank with no memory in it: a running sum (no decay) and a state moved by a softmax of
+    itself (a belief update, not linear in the state)."""
+    total, belief, ys = v.new_zeros(v.shape[0], *v.shape[2:]), v[:, 0], []
+    for t in range(v.shape[1]):
+        total = total + v[:, t]
+        belief = belief - 0.1 * (torch.softmax(belief, -1) - v[:, t])
+        ys.append(total * belief)
+    return torch.stack(ys, 1), belief
+
+
+def test_a_loop_without_a_memory_is_not_reported_as_one(fresh_dynamo):
+    """Where the loop's state is neither a memory nor a recurrence of one number per channel with a decay, the
+    memory passes say nothing of it (the running sum has no decay; the softmax step is not linear in its state)."""
+    report = _compile_and_compare(running_sum_and_softmax_flow)
+    assert not report.fusions and not report.misses, str(report)
 
 
 class NormalisedLinearAttention(torch.nn.Module):
@@ -3814,6 +3964,46 @@ def test_a_gate_per_key_dim_of_a_memory_stored_keys_first_fuses(fn, dv, fresh_dy
     detail = report.fusions[0].detail
     assert ", one memory per row of M (a decay per row)" + _PER_KEY_READS[fn] in detail, detail
     assert "read before the update" in _PER_KEY_READS[fn] or "read before the update" not in detail, detail
+    assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, TOL)
+
+
+def gla_normalised(q, k, v, g):  # GLA with a normaliser z decayed per key dim too: y = q S / (q·z + ε)
+    a, q, k = torch.sigmoid(g) ** (1 / 16), F.elu(q) + 1, F.elu(k) + 1
+    S, z, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), q.new_zeros(*q.shape[:2], q.shape[-1]), []
+    for t in range(q.shape[2]):
+        S = a[:, :, t, :, None] * S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        z = a[:, :, t] * z + k[:, :, t]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S) / ((q[:, :, t] * z).sum(-1, keepdim=True) + 1e-6))
+    return torch.stack(outs, 2)
+
+
+def gla_normaliser_as_a_value_column(q, k, v, g):  # the same, z carried as S's last column: S ← α S + k [v, 1]ᵀ
+    a, q, k = torch.sigmoid(g) ** (1 / 16), F.elu(q) + 1, F.elu(k) + 1
+    v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    S, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
+    for t in range(q.shape[2]):
+        S = a[:, :, t, :, None] * S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        read = torch.einsum("bhk,bhkv->bhv", q[:, :, t], S)
+        outs.append(read[..., :-1] / (read[..., -1:] + 1e-6))
+    return torch.stack(outs, 2)
+
+
+@pytest.mark.parametrize("fn, detail", [
+    (gla_normalised, "normalised by z ← α z + φ(k) (the output a function of M q and z·q, run after the op)"),
+    (gla_normaliser_as_a_value_column, "Hebbian M ← α M + v φ(k)ᵀ, M stored [Dk, Dv]")],
+    ids=["z_beside_the_state", "z_as_a_value_column"])
+def test_gla_with_a_normaliser_fuses(fn, detail, fresh_dynamo):
+    """A normaliser decayed per key dim beside GLA's state: split per row with the memory, each row's z_a q_a is
+    one row's normaliser read, summed over the rows after the op as the reads are (probe r38: refused, the reason
+    blaming the decay's shape, which fuses without the normaliser). Or z carried as S's last value column. Both
+    fuse and equal eager, forward and gradients."""
+    b, h, t, dk, dv = 2, 2, 5, 4, 3
+    args = [torch.randn(b, h, t, dk), torch.randn(b, h, t, dk), torch.randn(b, h, t, dv), torch.randn(b, h, t, dk)]
+    inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 1 and not report.misses, str(report)
+    assert detail in report.fusions[0].detail and "one memory per row of M (a decay per row)" in report.fusions[0].detail
     assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, TOL)
 
 
