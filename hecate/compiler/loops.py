@@ -227,7 +227,7 @@ def _hoist_invariants(graph: fx.Graph) -> bool:
 
     Once common subexpressions are merged, ``1 - self.decay`` written in every step is computed in
     the first step only and read by all of them. A node is such a shared invariant when it depends on
-    no per-step slice (nor on anything impure) and nodes of at least two time indices read it, directly
+    no per-step slice (nor on anything impure) and two or more nodes of the steps read it, directly
     or through other invariants (``self.eta[:, None, None]`` merged, each step's ``· 2`` of it not); it
     moves, with the invariants it reads, right after the graph's inputs; returns whether any moved. Exact: a
     pure call computes the same value earlier when nothing is written in between and in the same modes, so only
@@ -249,13 +249,15 @@ def _hoist_invariants(graph: fx.Graph) -> bool:
         step[node] = sliced[2] if sliced else max([step[i] for i in node.all_input_nodes] + [-1])
         if node.op in _TENSOR_OPS and not _pure(node) or any(i in impure for i in node.all_input_nodes):
             impure.add(node)
-    read_at: dict[fx.Node, set[int]] = {}  # the time indices of the nodes that read a node, through invariants
+    # the nodes of the steps that read a node, through invariants (nodes, not time indices: at two steps, the
+    # second step's (1 − a)·M reads M of step 0 and no slice of its own, and has step 0's index)
+    read_by: dict[fx.Node, set[fx.Node]] = {}
     for node in reversed(graph.nodes):
-        read_at[node] = set().union(*({step[u]} if step[u] >= 0 else read_at[u] for u in node.users))
+        read_by[node] = set().union(*({u} if step[u] >= 0 else read_by[u] for u in node.users))
     shared = [n for n in graph.nodes
               if n.op in _TENSOR_OPS and step[n] < 0 and n not in impure
               and isinstance(_value(n), (torch.Tensor, torch.SymFloat))  # a scan's invariants (see _scan_operand)
-              and len(read_at[n]) >= 2 and position[n] < first_write]
+              and len(read_by[n]) >= 2 and position[n] < first_write]
     hoist: set[fx.Node] = set()
     pending = list(shared)
     while pending:

@@ -1817,14 +1817,17 @@ class LearnedScalars(_ScalarGates):
         return torch.sigmoid(self.decay_logit)
 
 
+@pytest.mark.parametrize("steps", [T, 2], ids=[f"T{T}", "T2"])
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("module", [FloatAttributes, ScalarBuffers, LearnedScalars, FloatStepSizeAsAlpha],
                          ids=lambda m: m.__name__)
-def test_scalar_hyperparameters_fuse_at_every_batch_size(module, dynamic, fresh_dynamo):
+def test_scalar_hyperparameters_fuse_at_every_batch_size(module, dynamic, steps, fresh_dynamo):
+    """At two steps too: there the second step's (1 − decay)·M reads no slice of its own, and under dynamic=True
+    the decay, a float read by .item(), was left in the first step, the steps then unequal (probe r39)."""
     model = module()
     compiled = torch.compile(model, backend="hecate", dynamic=dynamic, options={"fallback": "eager"})
     for batch in (2, 3):
-        k, q, v = torch.randn(batch, T, H, DK), torch.randn(batch, T, H, DK), torch.randn(batch, T, H, DV)
+        k, q, v = torch.randn(batch, steps, H, DK), torch.randn(batch, steps, H, DK), torch.randn(batch, steps, H, DV)
         inputs = [x.requires_grad_() for x in (k, v, q)]
         params = list(model.parameters())
         results = []
