@@ -771,7 +771,8 @@ def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_n
         if not _is_gate(b.env[f], lead):
             raise NotFused(f"the memory's {_PER_ROW_DECAY} {list(b.env[f].shape)}, neither one number, nor "
                            f"one per batch and head {list(lead)}, nor one per head broadcast over the batch"
-                           + _decay_advice(_scaled_per(M_in), b.env[M_in].shape))
+                           + _decay_advice(_scaled_per(M_in), b.env[M_in].shape,
+                                           any(b.depends[f] for f in update.factors + update.divisors)))
     if any(b.depends[f] - {m} for f in update.factors + update.divisors):
         raise NotFused("the update reads another state")
     if z_index is not None or not any(b.depends[f] for f in update.factors + update.divisors):
@@ -1499,10 +1500,14 @@ def _per_row(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | N
     return why
 
 
-def _decay_advice(scaled_per: str | None, memory: torch.Size) -> str:
+def _decay_advice(scaled_per: str | None, memory: torch.Size, error_driven: bool) -> str:
     """What to write instead, for a memory [.., A, C] whose decay is one per column; what the ops take, for one
-    whose decay is one per element."""
+    whose decay is one per element, or one per row of a memory whose update reads it (an error)."""
     *_, rows, columns = memory
+    if scaled_per == "row" and error_driven:
+        return ("; it is one per row of the memory (a decay per key dim: Gated DeltaNet's with a gate per key "
+                "channel, KDA), and a memory is split into one per row only where its update reads none of it "
+                "(Hebbian): this step's error reads every row at once, and no op takes its decay")
     if scaled_per == "element":
         return ("; it is one per element of the memory (Mamba-1's exp(Δ A) with A [D, N]), which no op takes: a "
                 "decay per row fuses (A one per channel, [D]), the memory split into one per row")

@@ -677,6 +677,19 @@ def mlstm_recurrent_read_before_the_write(k, v, q, alpha, eta):
     return torch.stack(hs, 1), C
 
 
+def gated_delta_rule_decay_per_key_dim(k, v, q, alpha, eta):
+    """KDA-like: Gated DeltaNet with a gate per key dim on S [Dk, Dv], then the delta rule on the decayed state; its
+    error reads every row, so the state is no set of memories of one row each (probe r38: the reason named the
+    decay's shape alone)."""
+    S, ys = _m0(k, v, layout="kv"), []
+    for t in range(k.shape[1]):
+        S = torch.sigmoid(q[:, t] + 2)[..., None] * S
+        e = torch.einsum("bhk,bhkv->bhv", k[:, t], S) - v[:, t]
+        S = S - eta[:, t, :, None, None] * k[:, t, :, :, None] * e[:, :, None, :]
+        ys.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(ys, 1), S
+
+
 def mlstm_recurrent_stabilised(k, v, q, alpha, eta):
     """xLSTM's mLSTM as its paper writes the recurrent form: the gates stabilised by a carried running max m (probe
     r39: refused as "not the memory read", and reported under memory_scan)."""
@@ -2916,6 +2929,9 @@ def rwkv4_wkv(k, v, q, alpha, eta):
 
 
 REPORTED = {
+    "gated_delta_rule_decay_per_key_dim": (gated_delta_rule_decay_per_key_dim,
+                                           ["one per row of the memory (a decay per key dim",
+                                            "this step's error reads every row at once"]),
     "mlstm_recurrent_stabilised": (mlstm_recurrent_stabilised,
                                    ["stabilised by a carried running max, m ← max(log f + m, log i)",
                                     "h = C q / max(|n·q|, 1), fuses"]),
