@@ -82,7 +82,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from hecate.passes.shifts import shifted_copy
 from hecate.passes.matching import (aliases, computed_from, depends_on_sizes_only, eliminate_dead_code, is_pointwise,
-                                    mutates, number_of, size_hint, written_in_place, zero_pad_amounts, zero_padded_dims)
+                                    mutates, number_of, same_shape, size_hint, written_in_place, zero_pad_amounts,
+                                    zero_padded_dims)
 
 aten = torch.ops.aten
 
@@ -315,7 +316,7 @@ def _pointwise_region(permute: fx.Node, order: list[int]) -> list[fx.Node]:
                 or _val(node).dim() != rank:
             continue
         operands = [a for a in node.all_input_nodes if isinstance(_val(a), torch.Tensor) and _val(a).dim() > 0]
-        if all(a in region or _permutation(a) == order and _same_shape(a.args[0], source) for a in operands):
+        if all(a in region or _permutation(a) == order and same_shape(a.args[0], source) for a in operands):
             region.add(node)
             pending.extend(node.users)
     # a node read both inside and outside the region ends it there: moved on, the region's part would read it
@@ -679,8 +680,8 @@ def _windowed_conv(pad: fx.Node, taps: int, time: int) -> tuple[fx.Node, list[fx
         return isinstance(x, fx.Node) and _per_channel(x, channels, pad_val.dtype, 0, time)
 
     def zeros_leaf(x, total):  # zeros the sum starts from: the windows' shape and dtype, read by the sum alone
-        return isinstance(x, fx.Node) and x.target in _ZEROS and len(x.users) == 1 and _same_shape(total, x) \
-            and _same_shape(next(iter(products)), x) and _val(x).dtype == _val(total).dtype == pad_val.dtype
+        return isinstance(x, fx.Node) and x.target in _ZEROS and len(x.users) == 1 and same_shape(total, x) \
+            and same_shape(next(iter(products)), x) and _val(x).dtype == _val(total).dtype == pad_val.dtype
 
     # the products summed by a tree of adds and nothing else (a literal 0: Python's sum starts there; zeros;
     # or a bias)
@@ -1694,7 +1695,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
     if target in _DROPOUTS and len(args) == 3 and (args[2] is False or args[1] == 0) and not node.kwargs \
             and node not in outputs:
         return args[0]  # F.dropout(x, p, training=False), nn.Dropout in eval(), or p = 0: x itself
-    if target in _RESHAPES and node not in outputs and _same_shape(node, args[0]):
+    if target in _RESHAPES and node not in outputs and same_shape(node, args[0]):
         return args[0]  # h.view(B, T, D) of an h [B, T, D]: h itself
     if target in _AXIS_MOVES and not node.kwargs and isinstance(_val(node), torch.Tensor):
         with graph.inserting_before(node):  # swapaxes, movedim: the transpose or permute they are
@@ -1923,13 +1924,6 @@ def _switches_autocast(graph: fx.Graph) -> bool:
     """Whether ``graph`` enters autocast itself (``with torch.autocast(...)`` in the compiled code): the re-trace
     records the region but not its casts, so a dtype in the graph's values may not be the one at run time."""
     return bool(graph.find_nodes(op="call_function", target=torch.amp.autocast_mode._enter_autocast))
-
-
-def _same_shape(node: fx.Node, x: Any) -> bool:
-    """``node``'s value has ``x``'s shape, provably (sizes compared without a guard)."""
-    a, b = _val(node), _val(x)
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() \
-        and all(statically_known_true(m == n) for m, n in zip(a.shape, b.shape))
 
 
 def _cat_of_zeros(graph: fx.Graph, node: fx.Node) -> fx.Node | None:

@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from hecate.passes.matching import (NotFused, depends_on_sizes_only, hook_reason, is_pointwise, is_register_hook,
-                                    made_in_forward, writes_into)
+                                    made_in_forward, same_shape, writes_into)
 
 aten = torch.ops.aten
 
@@ -163,7 +163,7 @@ def _is_noop(node: fx.Node) -> bool:
     if node.target == aten.expand.default:
         return True
     if node.target in _SHAPE_ONLY:
-        return shape_of(node) == shape_of(node.args[0])
+        return same_shape(node, node.args[0])
     if node.target == aten.slice.Tensor:
         args = list(node.args) + [None] * (5 - len(node.args))
         dim, start, end, step = args[1] or 0, args[2], args[3], args[4]
@@ -279,7 +279,7 @@ def where_read_apart(node: fx.Node, within: set | None = None) -> fx.Node:
     value keeps the sign and range the KL needs whatever it is computed from."""
     while len(node.users) == 1:
         (user,) = node.users
-        if within is not None and user not in within or shape_of(user) != shape_of(node) or not is_pointwise(user) \
+        if within is not None and user not in within or not same_shape(user, node) or not is_pointwise(user) \
                 or any(i is not node and not depends_on_sizes_only(i) for i in user.all_input_nodes):
             break
         node = user

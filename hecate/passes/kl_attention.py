@@ -71,7 +71,7 @@ from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, _is_noop, equals
                                     shape_of, short, sources_shaped, strip_noops, where_read_apart)
 from hecate.passes.matching import (NotFused, bound_reason, constant_tensor, depends_on_sizes_only, first_threshold,
                                     is_one, is_zeros, nodes_between, number_of, replace_with_function,
-                                    shifted_size, size_hint, tensors_read, written_in_place)
+                                    same_shape, shifted_size, size_hint, tensors_read, written_in_place)
 
 PATTERN = "kl_attention"
 OP_NAME = "hecate.kl_attention"
@@ -984,7 +984,7 @@ def _unfill_weighted_by_beta(beta: fx.Node, alloweds, lengths) -> list:
             continue
         other = product.args[1] if product.args[0] is beta else product.args[0]
         fill = _zero_fill(other)
-        if fill is None or shape_of(fill[0]) != shape_of(other) or len(other.users) != 1:
+        if fill is None or not same_shape(fill[0], other) or len(other.users) != 1:
             continue
         x, cond, filled_where = fill
         filled = [_filled_pairs(cond, filled_where, a.shape, size) for a, size in zip(alloweds, lengths)]

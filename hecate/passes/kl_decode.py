@@ -41,7 +41,7 @@ from hecate.passes.gaussian import (VARIANCE_FROM, Temperature, equals_scaled, e
                                     independent, nearest_sources, proportion, run_time_temperature, shape_of, short,
                                     sources_shaped, strip_noops, where_read_apart)
 from hecate.passes.matching import (NotFused, bound_reason, computed_from, first_threshold, is_register_hook,
-                                    nodes_between, number_of, replace_with_function, size_hint)
+                                    nodes_between, number_of, replace_with_function, same_shape, size_hint)
 
 PATTERN = "kl_decode"
 aten = torch.ops.aten
@@ -510,7 +510,7 @@ def run(gm: fx.GraphModule, report: FusionReport) -> None:
         # the last node of the score: something other than an elementwise step of it reads it
         if node.op != "call_function" or not any(
                 u.op == "output" or u.target in _CONSUMERS or is_register_hook(u.target)
-                or shape_of(u) != shape_of(node) for u in node.users):
+                or not same_shape(u, node) for u in node.users):
             continue
         try:
             decode = _recognise(node)

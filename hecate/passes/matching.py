@@ -623,6 +623,14 @@ def is_one(size: Any) -> bool:
     return statically_known_true(size == 1)
 
 
+def same_shape(node: Any, x: Any) -> bool:
+    """``node``'s value has ``x``'s shape, provably (sizes compared without a guard: a symbolic size equal to
+    another only now is not the same)."""
+    a, b = (n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else n for n in (node, x))
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() \
+        and all(statically_known_true(m == n) for m, n in zip(a.shape, b.shape))
+
+
 _READ_AS_A_NUMBER = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)  # .item()
 
 

@@ -51,6 +51,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.compiler.normalize import WRITTEN_BACK
 from hecate.passes.matching import NotFused, bound_reason, computed_from, eliminate_dead_code, first_gradient_stop, \
@@ -2139,7 +2140,8 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
         if node.target not in (aten.add.Tensor, aten.sub.Tensor) or node.meta.get(_AFTER_THE_READS):
             continue
         value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor) or value.dim() < 2 or min(value.shape[-2:]) < 2:
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 \
+                or any(statically_known_true(s < 2) for s in value.shape[-2:]):  # (a size compared, no guard)
             continue
         terms = [t for _, t in _terms(node)]
         outer = [t for t in terms if _is_outer_product(t)]
