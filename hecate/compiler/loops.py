@@ -63,8 +63,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from hecate.compiler.normalize import functional_op, functionalize, mutates
-from hecate.passes.matching import aliases, written_in_place
+from hecate.compiler.normalize import emit, functional_op, functionalize, mutates
+from hecate.passes.matching import aliases, free_attribute, written_in_place
 
 _TENSOR_OPS = ("call_function", "call_method")
 # words of the names of calls that draw random numbers (``F.normalize`` is none: a name matches by whole words)
@@ -116,6 +116,68 @@ class RolledGraph:
                                     for n in body.graph.nodes if n.op == "call_function")
                 loops.append((node.meta["hecate_rolled_loop"], list(ops)))
         return loops
+
+
+def unroll_split_parts(aten_gm: fx.GraphModule, rolled: RolledGraph) -> set[str]:
+    """Each scan left in ``aten_gm`` that is one part of a split loop (fission) whose other parts the passes fused,
+    written out step by step in its place (its length static): a plain Hebbian memory whose loop also carries a
+    normaliser no read uses (z, handed to a decoder after a prefill) stays fused, the normaliser's steps unrolled.
+    Otherwise a loop that is not fused whole is compiled unrolled whole (rolled again without it, see the caller).
+    Returns the names of the scans written out."""
+    left = [n for n in _scans(aten_gm.graph) if "hecate_rolled_index" in n.meta]
+    unrolled = set()
+    for node in left:
+        index = node.meta["hecate_rolled_index"]
+        siblings = sum(n.meta["hecate_rolled_index"] == index for n in left)
+        if rolled.indices.count(index) > siblings and isinstance(_value_of_scan_length(node), int) \
+                and _plain_body(getattr(aten_gm, node.args[0].target)):
+            unrolled.add(node.name)
+            _unroll(aten_gm, node)
+    aten_gm.recompile()
+    return unrolled
+
+
+def _plain_body(body: fx.GraphModule) -> bool:
+    """A body of ATen calls and tensor constants alone (no graph of its own inside, which a copy would not carry)."""
+    return all(n.op in ("placeholder", "output") or n.op == "call_function" and (
+        isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem)
+        or n.op == "get_attr" and isinstance(getattr(body, n.target, None), torch.Tensor) for n in body.graph.nodes)
+
+
+def _value_of_scan_length(node: fx.Node) -> Any:
+    xs = node.args[2]
+    value = xs[0].meta.get("val") if xs and isinstance(xs[0], fx.Node) else None
+    return value.shape[0] if isinstance(value, torch.Tensor) else None
+
+
+def _unroll(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Scan ``node`` (an ATen graph's: body, init, xs, invariants) written out as its steps, each a copy of the
+    body reading its slices of xs, the per-step outputs stacked after the last."""
+    body = getattr(gm, node.args[0].target)
+    init, xs, invariants = list(node.args[1]), list(node.args[2]), list(node.args[3])
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    outputs = list(body.graph.output_node().args[0])
+    graph, carries, ys = gm.graph, init, [[] for _ in outputs[len(init):]]
+    with graph.inserting_before(node):
+        for t in range(_value_of_scan_length(node)):
+            env = dict(zip(placeholders, carries + [emit(graph, torch.ops.aten.select.int, x, 0, t) for x in xs] + invariants))
+            for n in body.graph.nodes:
+                if n.op == "call_function":
+                    env[n] = graph.node_copy(n, lambda a: env[a])
+                elif n.op == "get_attr":  # a constant the body holds: one of gm's
+                    name = free_attribute(gm, n.target)
+                    gm.register_buffer(name, getattr(body, n.target), persistent=False)
+                    env[n] = graph.get_attr(name)
+                    env[n].meta = dict(n.meta)
+            step = [env[o] if isinstance(o, fx.Node) else o for o in outputs]
+            carries = step[:len(init)]
+            for stacked, y in zip(ys, step[len(init):]):
+                stacked.append(y)
+        results = carries + [emit(graph, torch.ops.aten.stack.default, stacked) for stacked in ys]
+    for user in list(node.users):
+        user.replace_all_uses_with(results[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
 
 
 def _scans(graph: fx.Graph) -> list[fx.Node]:

@@ -49,7 +49,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from hecate.compiler.logs import log, stage
-from hecate.compiler.loops import RolledGraph, roll_loops
+from hecate.compiler.loops import RolledGraph, roll_loops, unroll_split_parts
 from hecate.compiler.normalize import collapse_captured, normalize
 from hecate.compiler.options import Options
 from hecate.passes.matching import eliminate_dead_code, free_attribute, is_register_hook, mutates, writes_into
@@ -333,6 +333,9 @@ def fuse_rolled_loops(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
     if fused is None:
         return None
     aten_gm, rolled_report, rolled = fused
+    unrolled = unroll_split_parts(aten_gm, rolled)
+    rolled_report.misses = [dataclasses.replace(m, reason=f"{m.reason}; its steps are compiled unrolled")
+                            if unrolled & set(m.where.split(", ")) else m for m in rolled_report.misses]
     unfused = RolledGraph.unfused(aten_gm)
     if not unfused:
         return aten_gm, rolled_report

@@ -678,13 +678,23 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
             except NotFused as why:
                 first = first or why
         raise first
-    found, read_node, z_read = _find_read(b, m, b.ys[0], q_norm, lq_eps), None, None
-    if found is None and (after := _read_then_per_step(b, m, q_norm, lq_eps)) is not None:
-        read_node, found, z_read = after
-    if found is None:
+    found = _find_read(b, m, b.ys[0], q_norm, lq_eps)
+    if found is not None:
+        try:
+            return _analyse_step(b, m, found, None, q_norm, lq_eps, W_in)
+        except NotFused as why:  # the output equal to a read at the sample points only (|z·q| of positive
+            # features read as z·q, a bound the op would drop): read as a function of the reads, or refused so
+            if (after := _read_then_per_step(b, m, q_norm, lq_eps)) is None:
+                raise
+            try:
+                return _analyse_step(b, m, after[1], after[0], q_norm, lq_eps, W_in, after[2])
+            except NotFused:
+                raise why from None
+    if (after := _read_then_per_step(b, m, q_norm, lq_eps)) is None:
         raise NotFused(f"{_NO_READ} y = M·q of the new or the old state, nor "
                        "y / (z·q + eps) of the new or the old state and normaliser, nor a function of such a read "
                        "(or of M·q and z·q) and the step's inputs alone, for any per-step input q")
+    read_node, found, z_read = after
     return _analyse_step(b, m, found, read_node, q_norm, lq_eps, W_in, z_read)
 
 
@@ -786,7 +796,7 @@ def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_n
         rec.per_step["q"] = rec.per_step["k"]
     others = set(range(len(b.carries))) - {m, rec.momentum_state, rec.normaliser_state}
     if others:
-        raise NotFused("the loop also carries " + ", ".join(b.carries[i].name for i in sorted(others)) +
+        raise NotFused("the loop also carries " + ", ".join(_carry_named(b, i) for i in sorted(others)) +
                        ", which the memory step does not update")
     _verify(b, rec)
     return rec
@@ -1480,12 +1490,13 @@ def _per_row(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | N
 
     body, n_carries, n_xs = getattr(gm, node.args[0].target), len(node.args[1]), len(node.args[2])
     identities = memory_update.identity_inputs(gm, node)
+    split_why = None  # why a memory scaled per row is no step split per row either
     for state, init in enumerate(node.args[1]):
         value = init.meta.get("val") if isinstance(init, fx.Node) else None
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() < 2:
             continue
-        if _PER_ROW_DECAY not in str(why) and \
-                _scaled_per([n for n in body.graph.nodes if n.op == "placeholder"][state]) != "row":
+        per_row = _scaled_per([n for n in body.graph.nodes if n.op == "placeholder"][state]) == "row"
+        if _PER_ROW_DECAY not in str(why) and not per_row:
             continue  # (a reason found before the decay's, where the state is scaled per row: its reads apart)
         rewritten = memory_heads.per_row(body, state)
         try:
@@ -1493,11 +1504,15 @@ def _per_row(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | N
         except NotFused as other:
             found = _combined_body(rewritten, n_carries, n_xs, identities, other)
             if isinstance(found, NotFused):
+                split_why = split_why or (found if per_row else None)
                 continue
             rec, rewritten = found
         memory_heads.install(gm, node, state, rewritten)
         rec.per_row = True
         return rec
+    if split_why is not None and _PER_ROW_DECAY in str(why):  # (the decay is no reason: split, it is one)
+        return NotFused(f"{why}; it is one per row of the memory, and split into one memory per row the step is "
+                        f"none either: {split_why}")
     return why
 
 
@@ -2102,6 +2117,13 @@ def _named(b: _Body, node: fx.Node) -> str:
     value = b.env.get(node)
     shape = f" of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else ""
     return ("an input of the loop" if node.op == "placeholder" else op_name(node)) + shape
+
+
+def _carry_named(b: _Body, i: int) -> str:
+    """Carry ``i`` in the user's terms: its shape and the line that computes its new value."""
+    value, line = b.env.get(b.carries[i]), source_line([b.carry_out[i]])
+    return "a state" + (f" of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else "") + \
+        (f" ({line})" if line else "")
 
 
 def _written_at_two_indices(write: fx.Node) -> bool:
