@@ -16,19 +16,9 @@ import torch.nn.functional as F
 
 import hecate
 from hecate.testing import assert_close
+from tests.compiler.test_output_written_in_place import D, QK
 
 TOL = 1e-5
-D = 5
-
-
-class QK(nn.Module):  # projection → causal depthwise conv → SiLU → elu + 1, the result made after a transpose
-    def __init__(self):
-        super().__init__()
-        self.proj, self.conv = nn.Linear(D, D), nn.Conv1d(D, D, 3, groups=D, padding=2)
-
-    def forward(self, x):
-        h = self.conv(self.proj(x).transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
-        return F.elu(F.silu(h)) + 1
 
 
 class HebbianReadFirst(nn.Module):  # y_t = M_{t−1} q_t, then M ← 0.9 M + v kᵀ; the final memory returned
