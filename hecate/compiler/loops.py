@@ -64,7 +64,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hecate.compiler.normalize import emit, functional_op, functionalize, mutates
-from hecate.passes.matching import aliases, free_attribute, written_in_place
+from hecate.passes.matching import aliases, inline, written_in_place
 
 _TENSOR_OPS = ("call_function", "call_method")
 # words of the names of calls that draw random numbers (``F.normalize`` is none: a name matches by whole words)
@@ -155,21 +155,12 @@ def _unroll(gm: fx.GraphModule, node: fx.Node) -> None:
     body reading its slices of xs, the per-step outputs stacked after the last."""
     body = getattr(gm, node.args[0].target)
     init, xs, invariants = list(node.args[1]), list(node.args[2]), list(node.args[3])
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    outputs = list(body.graph.output_node().args[0])
-    graph, carries, ys = gm.graph, init, [[] for _ in outputs[len(init):]]
+    graph, carries, ys = gm.graph, init, [[] for _ in list(body.graph.output_node().args[0])[len(init):]]
     with graph.inserting_before(node):
         for t in range(_value_of_scan_length(node)):
-            env = dict(zip(placeholders, carries + [emit(graph, torch.ops.aten.select.int, x, 0, t) for x in xs] + invariants))
-            for n in body.graph.nodes:
-                if n.op == "call_function":
-                    env[n] = graph.node_copy(n, lambda a: env[a])
-                elif n.op == "get_attr":  # a constant the body holds: one of gm's
-                    name = free_attribute(gm, n.target)
-                    gm.register_buffer(name, getattr(body, n.target), persistent=False)
-                    env[n] = graph.get_attr(name)
-                    env[n].meta = dict(n.meta)
-            step = [env[o] if isinstance(o, fx.Node) else o for o in outputs]
+            step, _ = inline(gm, body, carries + [emit(graph, torch.ops.aten.select.int, x, 0, t) for x in xs]
+                             + invariants)
+            step = list(step)
             carries = step[:len(init)]
             for stacked, y in zip(ys, step[len(init):]):
                 stacked.append(y)

@@ -623,6 +623,26 @@ def is_one(size: Any) -> bool:
     return statically_known_true(size == 1)
 
 
+def inline(gm: fx.GraphModule, sub: fx.GraphModule, inputs: Sequence[Any]) -> tuple[Any, list[fx.Node]]:
+    """Copy graph ``sub`` into ``gm`` at its insertion point, its placeholders read as ``inputs`` in order: (its
+    output as the graph returns it, the nodes emitted). A constant ``sub`` holds becomes one of ``gm``'s."""
+    env: dict[fx.Node, Any] = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], inputs))
+    graph, result, emitted = gm.graph, None, []
+    for n in sub.graph.nodes:
+        if n.op == "call_function":
+            env[n] = graph.node_copy(n, lambda a: env[a])
+            emitted.append(env[n])
+        elif n.op == "get_attr":
+            name = free_attribute(gm, n.target)
+            gm.register_buffer(name, getattr(sub, n.target), persistent=False)
+            env[n] = graph.get_attr(name)
+            env[n].meta = dict(n.meta)
+            emitted.append(env[n])
+        elif n.op == "output":
+            result = fx.node.map_arg(n.args[0], lambda a: env[a])
+    return result, emitted
+
+
 def same_shape(node: Any, x: Any) -> bool:
     """``node``'s value has ``x``'s shape, provably (sizes compared without a guard: a symbolic size equal to
     another only now is not the same)."""

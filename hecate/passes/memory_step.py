@@ -55,7 +55,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hecate.compiler.normalize import WRITTEN_BACK
 from hecate.passes.matching import NotFused, bound_reason, computed_from, eliminate_dead_code, first_gradient_stop, \
-    first_threshold, INPUT_WRITTEN_ADVICE, free_attribute, gradient_stop, gradient_stop_reason, is_one, \
+    first_threshold, INPUT_WRITTEN_ADVICE, gradient_stop, gradient_stop_reason, inline, is_one, \
     is_register_hook, is_zeros, op_name, replace_with_function, snapped, written_tensor
 from hecate.passes.report import source_line
 
@@ -678,24 +678,23 @@ def _analyse_state(b: _Body, m: int) -> Recurrence:
             except NotFused as why:
                 first = first or why
         raise first
-    found = _find_read(b, m, b.ys[0], q_norm, lq_eps)
+    found, first = _find_read(b, m, b.ys[0], q_norm, lq_eps), None
     if found is not None:
         try:
             return _analyse_step(b, m, found, None, q_norm, lq_eps, W_in)
         except NotFused as why:  # the output equal to a read at the sample points only (|z·q| of positive
-            # features read as z·q, a bound the op would drop): read as a function of the reads, or refused so
-            if (after := _read_then_per_step(b, m, q_norm, lq_eps)) is None:
-                raise
-            try:
-                return _analyse_step(b, m, after[1], after[0], q_norm, lq_eps, W_in, after[2])
-            except NotFused:
-                raise why from None
+            first = why  # features read as z·q, a bound the op would drop): read as a function of the reads
     if (after := _read_then_per_step(b, m, q_norm, lq_eps)) is None:
-        raise NotFused(f"{_NO_READ} y = M·q of the new or the old state, nor "
-                       "y / (z·q + eps) of the new or the old state and normaliser, nor a function of such a read "
-                       "(or of M·q and z·q) and the step's inputs alone, for any per-step input q")
+        raise first or NotFused(f"{_NO_READ} y = M·q of the new or the old state, nor "
+                                "y / (z·q + eps) of the new or the old state and normaliser, nor a function of such "
+                                "a read (or of M·q and z·q) and the step's inputs alone, for any per-step input q")
     read_node, found, z_read = after
-    return _analyse_step(b, m, found, read_node, q_norm, lq_eps, W_in, z_read)
+    try:
+        return _analyse_step(b, m, found, read_node, q_norm, lq_eps, W_in, z_read)
+    except NotFused:
+        if first is None:
+            raise
+        raise first from None
 
 
 def _analyse_step(b: _Body, m: int, found: tuple, read_node: fx.Node | None, q_norm: float, lq_eps: float,
@@ -1840,24 +1839,9 @@ def _trace_vmapped(step: Any, values: list, in_dims: tuple, what: str) -> fx.Gra
 
 
 def _emit_traced(gm: fx.GraphModule, traced: fx.GraphModule, outer: list) -> tuple[Any, list]:
-    """Copy ``traced`` into ``gm`` at its insertion point, its inputs ``outer``: (its result, the nodes emitted)."""
-    env: dict[fx.Node, Any] = {}
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    env.update(zip(placeholders, outer))
-    graph = gm.graph
-    result, emitted = None, []
-    for n in traced.graph.nodes:
-        if n.op == "call_function":
-            env[n] = graph.node_copy(n, lambda a: env[a])
-            emitted.append(env[n])
-        elif n.op == "get_attr":  # a constant the step holds (torch.tensor(1e-6)): one of gm's too
-            name = free_attribute(gm, n.target)
-            gm.register_buffer(name, getattr(traced, n.target), persistent=False)
-            env[n] = graph.get_attr(name)
-            env[n].meta = dict(n.meta)
-            emitted.append(env[n])
-        elif n.op == "output":
-            result = fx.node.map_arg(n.args[0], lambda a: env[a])
+    """Copy ``traced`` into ``gm`` at its insertion point, its inputs ``outer``: (its one result, the nodes
+    emitted)."""
+    result, emitted = inline(gm, traced, outer)
     if isinstance(result, (list, tuple)):
         (result,) = result
     return result, emitted
