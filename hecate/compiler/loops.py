@@ -706,7 +706,8 @@ class _Loop:
     steps: dict[int, int] = field(default_factory=dict)
     flipped: set = field(default_factory=set)  # stacks of the steps' values last step first (``stack(ys[::-1])``)
     # (offset, leaf) of a number that differs between steps where a floating tensor is multiplied by it, divided
-    # by it or added to it (η_t = 0.5 / (t + 1) of a Python schedule, x * t): read per step, as the scan's inputs are
+    # by it, added to it or raised to it (η_t = 0.5 / (t + 1) of a Python schedule, x * t, γ ** t): read per step,
+    # as the scan's inputs are
     literals: set = field(default_factory=set)
     stacks: dict[fx.Node, int] = field(default_factory=dict)  # torch.stack after the loop -> offset
     finals: dict[fx.Node, int] = field(default_factory=dict)  # last block's carry read after -> offset
@@ -871,14 +872,16 @@ _CATS = (torch.cat, torch.concat, torch.ops.aten.cat.default)
 _ARITHMETIC = (operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div, torch.add, torch.sub,
                "mul", "div", "add", "sub", "__mul__", "__rmul__", "__truediv__", "__add__", "__radd__", "__sub__",
                "__rsub__")
+# a power whose exponent (γ ** (t + 1) of a discount) or base differs between steps
+_POWERS = (operator.pow, torch.pow, "pow", "__pow__", "__rpow__")
 
 
 def _number_of_a_step(node: fx.Node, j: int) -> bool:
-    """Whether leaf ``j`` of ``node`` is a Python number one operand of a product, quotient, sum or difference
-    whose other operand is a float32 or float64 tensor: there a 0-d tensor of that dtype holding the number
+    """Whether leaf ``j`` of ``node`` is a Python number one operand of a product, quotient, sum, difference or
+    power whose other operand is a float32 or float64 tensor: there a 0-d tensor of that dtype holding the number
     computes the same values (ATen casts the number to the tensor's dtype; the dtype of the result is the
     tensor's either way)."""
-    if node.target not in _ARITHMETIC or node.kwargs or len(node.args) != 2 or j > 1:
+    if node.target not in _ARITHMETIC + _POWERS or node.kwargs or len(node.args) != 2 or j > 1:
         return False
     other = _value(node.args[1 - j]) if isinstance(node.args[1 - j], fx.Node) else None
     return isinstance(other, torch.Tensor) and other.dtype in (torch.float32, torch.float64)

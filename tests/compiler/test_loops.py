@@ -217,17 +217,30 @@ def test_numbers_of_a_python_schedule_are_read_per_step():
     _check_rolled(python_schedule, torch.randn(3, 6), steps=[6])
 
 
-def int_exponent_differs(x):
-    h = x[:, 0] * 0
+def powers_of_a_step(x, a):
+    """A discounted sum whose factor is a power of the step (γ^(t+1)), plus a term raised to the step's number and
+    a number raised to a tensor: each exponent or base differs between steps."""
+    h, gamma = x[:, 0] * 0, torch.sigmoid(a)
     for t in range(x.shape[1]):
-        h = h * 0.9 + x[:, t] ** (1 if t < 3 else 2)
+        h = gamma ** (t + 1) * h + x[:, t] ** (1 if t < 3 else 2) + 0.5 ** (x[:, t] * t)
     return h
 
 
-def test_a_number_that_is_no_factor_or_term_still_ends_the_loop():
-    """An exponent that differs is not read per step (only a product's, quotient's, sum's or difference's
-    number is): steps 0-2 and 3-5 are two loops."""
-    _check_rolled(int_exponent_differs, torch.randn(3, 6), steps=[3, 3])
+def test_exponents_and_bases_that_differ_between_steps_are_read_per_step():
+    _check_rolled(powers_of_a_step, torch.randn(3, 6), torch.randn(3), steps=[6])
+
+
+def bound_differs(x):
+    h = x[:, 0] * 0
+    for t in range(x.shape[1]):
+        h = h * 0.9 + x[:, t].clamp(max=1.0 if t < 3 else 2.0)
+    return h
+
+
+def test_a_number_that_is_no_operand_of_arithmetic_still_ends_the_loop():
+    """A clamp's bound that differs is not read per step (only an operand of a product, quotient, sum, difference
+    or power is): steps 0-2 and 3-5 are two loops."""
+    _check_rolled(bound_differs, torch.randn(3, 6), steps=[3, 3])
 
 
 def _outer(v, k):

@@ -731,6 +731,17 @@ def hebbian_normaliser_capped(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
+def hebbian_decay_a_power_of_the_step(k, v, q, alpha, eta):
+    """A memory forgotten by γ^(t+1), γ learned per head: the exponent differs per step, read per step like a
+    Python schedule's numbers (a loop with it was not rolled up before)."""
+    gamma = torch.sigmoid(eta[:, 0])[..., None, None]
+    M, ys = _m0(k, v), []
+    for t in range(k.shape[1]):
+        M = gamma ** (t + 1) * M + v[:, t, :, :, None] * k[:, t, :, None, :]
+        ys.append((M @ q[:, t, :, :, None])[..., 0])
+    return torch.stack(ys, 1), M
+
+
 def hebbian_single_head_bmm(k, v, q, alpha, eta):
     """One head, [B, Dv, Dk] state, bmm for the read and the outer product, a gate scaling the write."""
     k, v, q, alpha, eta = k[:, :, 0], v[:, :, 0], q[:, :, 0], alpha[:, :, 0], eta[:, :, 0]
@@ -1671,6 +1682,7 @@ SPELLINGS = {
     "hebbian_normalised_read_before_the_write": (hebbian_normalised_read_before_the_write, "linear_attention"),
     "mlstm_recurrent": (mlstm_recurrent, "linear_attention"),
     "hebbian_normaliser_capped": (hebbian_normaliser_capped, "linear_attention"),
+    "hebbian_decay_a_power_of_the_step": (hebbian_decay_a_power_of_the_step, "linear_attention"),
     "mlstm_recurrent_read_before_the_write": (mlstm_recurrent_read_before_the_write, "linear_attention"),
     "hebbian_normaliser_floored_and_gated": (hebbian_normaliser_floored_and_gated, "linear_attention"),
     "hebbian_decay_per_value_row": (hebbian_decay_per_value_row, "linear_attention"),
@@ -2930,7 +2942,23 @@ def rwkv4_wkv(k, v, q, alpha, eta):
     return torch.stack(ys, 1), num
 
 
+def running_mean_beside_a_discounted_sum(k, v, q, alpha, eta):
+    """Two per-channel states decayed by functions of the step: a running mean, s ← t/(t+1) s + v/(t+1), and a sum
+    discounted by γ^(t+1) (probe r40 c28: the power's exponent differed per step, so the loop was not rolled up
+    and nothing was reported)."""
+    gamma = torch.sigmoid(eta[:, 0, :, None])
+    mean = disc = torch.zeros_like(v[:, 0])
+    ys = []
+    for t in range(v.shape[1]):
+        mean = (t / (t + 1)) * mean + v[:, t] / (t + 1)
+        disc = gamma ** (t + 1) * disc + v[:, t]
+        ys.append(mean + disc)
+    return torch.stack(ys, 1)
+
+
 REPORTED = {
+    "running_mean_beside_a_discounted_sum": (running_mean_beside_a_discounted_sum,
+                                             ["a recurrence of one number per channel, s ← d ⊙ s + x"]),
     "gated_delta_rule_decay_per_key_dim": (gated_delta_rule_decay_per_key_dim,
                                            ["one per row of the memory (a decay per key dim",
                                             "this step's error reads every row at once"]),
@@ -3023,7 +3051,8 @@ def test_unfused_spelling_says_why_and_matches_eager(name, fresh_dynamo):
     assert all(r in reason for r in reasons), str(report)
 
 
-@pytest.mark.parametrize("fn", [mlstm_recurrent_stabilised, rwkv4_wkv], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [mlstm_recurrent_stabilised, rwkv4_wkv, running_mean_beside_a_discounted_sum],
+                         ids=lambda f: f.__name__)
 def test_a_hebbian_loop_not_fused_is_reported_as_linear_attention(fn, fresh_dynamo):
     """A Hebbian loop whose write is gated by another carry (mLSTM's stabiliser m) writes no error M k − v: it is
     reported under linear_attention, not memory_scan (probe r39); so is a recurrence of one number per channel."""
