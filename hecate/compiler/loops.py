@@ -791,7 +791,8 @@ class _Loop:
                 return False
             if a == a0 and (o, j) not in self.literals:
                 return True
-            if type(a0) in (int, float) and _number_of_a_step(self.at(0, o), j):
+            if type(a0) in (int, float) and _number_of_a_step(self.at(0, o), j) \
+                    and (self.at(0, o).target not in _POWERS or self._new_at_every_step(o, j, t)):
                 self.literals.add((o, j))
                 return True
             return False
@@ -809,6 +810,13 @@ class _Loop:
         if what == "invariant":
             return a is a0
         return self.block(a) == (t - 1, ref)  # carry
+
+    def _new_at_every_step(self, o: int, j: int, t: int) -> bool:
+        """Whether a power's number differs from the step before's, as it has from step 1 on (γ ** (t + 1)). An
+        exponent that changes once (p = 2 for some steps, then 3) ends the loop there instead: each run of one
+        exponent is a loop of its own, which a memory op takes (it takes no p per step)."""
+        before = _flatten(self.at(t - 1, o))[0][j]
+        return _flatten(self.at(t, o))[0][j] != before and (t == 1 or (o, j) in self.literals)
 
     def _classify(self, a0: fx.Node, a1: fx.Node) -> tuple[str, Any] | None:
         b0, b1 = self.block(a0), self.block(a1)
@@ -872,7 +880,7 @@ _CATS = (torch.cat, torch.concat, torch.ops.aten.cat.default)
 _ARITHMETIC = (operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div, torch.add, torch.sub,
                "mul", "div", "add", "sub", "__mul__", "__rmul__", "__truediv__", "__add__", "__radd__", "__sub__",
                "__rsub__")
-# a power whose exponent (γ ** (t + 1) of a discount) or base differs between steps
+# a power whose exponent (γ ** (t + 1) of a discount) or base differs at every step
 _POWERS = (operator.pow, torch.pow, "pow", "__pow__", "__rpow__")
 
 

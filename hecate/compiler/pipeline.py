@@ -3,7 +3,8 @@
 Dynamo graph (torch-level, many spellings)
   → compute each subexpression once (:func:`hecate.compiler.normalize.collapse_captured`), so an
     expression written again at each use reads as one node from here on
-  → each ``torch.utils.checkpoint`` region's body through this same pipeline, the region kept
+  → each ``torch.utils.checkpoint`` region's body and each ``torch.cond`` branch through this same
+    pipeline, the call kept
   → roll the loops Dynamo unrolled back up into scans (:mod:`hecate.compiler.loops`), so
     what follows sees a loop body once, not T times
   → canonicalise: re-trace to the pre-autograd ATen graph (``make_fx(pre_dispatch=True)``),
@@ -66,14 +67,26 @@ def canonicalize(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> 
     """Re-trace a Dynamo graph to the pre-autograd ATen graph the passes match on."""
     with _checkpoint_bodies_traceable(gm):
         traced = _retrace(gm, example_inputs)
-    for node in traced.graph.find_nodes(op="call_function", target=_CHECKPOINT):  # the trace copies it over
-        body = getattr(traced, node.args[0].target)
+    for body in _checkpoint_bodies(traced):  # the trace copies it over
         if body.meta.get("_checkpoint_context_fn") is _PLAIN_CHECKPOINT:
             del body.meta["_checkpoint_context_fn"]
     return traced
 
 
 _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+
+
+_COND = torch.ops.higher_order.cond
+
+
+def _checkpoint_bodies(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The bodies of ``gm``'s checkpoint regions, and of those nested in them or in a ``torch.cond`` branch."""
+    found = []
+    for node, names, _ in _regions(gm):
+        for name in names:
+            body = getattr(gm, name)
+            found += ([body] if node.target is _CHECKPOINT else []) + _checkpoint_bodies(body)
+    return found
 
 
 def _recompute_all(ctx, op, *args, **kwargs):
@@ -87,13 +100,12 @@ _PLAIN_CHECKPOINT = functools.partial(create_selective_checkpoint_contexts, _rec
 
 @contextlib.contextmanager
 def _checkpoint_bodies_traceable(gm: fx.GraphModule):
-    """Let the pre-dispatch re-trace through a plain ``torch.utils.checkpoint`` region.
+    """Let the pre-dispatch re-trace through a plain ``torch.utils.checkpoint`` region (and the regions in it).
 
     torch's pre-dispatch rule for ``tag_activation_checkpoint`` reads the body's
     ``_checkpoint_context_fn``, which Dynamo sets only when the user passed a ``context_fn``;
     a plain checkpoint is given the context it means (recompute everything) while tracing."""
-    given = [body for node in gm.graph.find_nodes(op="call_function", target=_CHECKPOINT)
-             if "_checkpoint_context_fn" not in (body := getattr(gm, node.args[0].target)).meta]
+    given = [body for body in _checkpoint_bodies(gm) if "_checkpoint_context_fn" not in body.meta]
     for body in given:
         body.meta["_checkpoint_context_fn"] = _PLAIN_CHECKPOINT
     # torch then warns that the user passed a context_fn, which they did not
@@ -240,7 +252,7 @@ def fuse(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],
     report = FusionReport(graphs=1)
     with stage("common subexpressions", options.progress):
         gm = collapse_captured(gm)
-    gm = _fuse_checkpointed(gm, options, report)
+    gm = _fuse_regions(gm, options, report)
     rolled = fuse_rolled_loops(gm, example_inputs, options, report)
     if rolled is not None:
         return rolled
@@ -291,22 +303,24 @@ def _hooks_in_checkpoints(gm: fx.GraphModule) -> list[fx.Node]:
             for n in getattr(gm, node.args[0].target).graph.nodes if is_register_hook(n.target)]
 
 
-def _fuse_checkpointed(gm: fx.GraphModule, options: Options, report: FusionReport) -> fx.GraphModule:
-    """``gm`` with each ``torch.utils.checkpoint`` region fused inside.
+def _fuse_regions(gm: fx.GraphModule, options: Options, report: FusionReport) -> fx.GraphModule:
+    """``gm`` with the code inside each ``torch.utils.checkpoint`` region and each ``torch.cond`` branch fused.
 
-    Dynamo keeps a checkpointed region as a ``tag_activation_checkpoint`` call on a body
-    graph; each body goes through this pipeline on its own (its fusions and misses join
-    ``report``) and the call stays, so the region is still recomputed in the backward."""
+    Dynamo keeps such a region as a higher-order call on body graphs (``tag_activation_checkpoint(body, *args)``,
+    ``cond(pred, true_body, false_body, args)``); each body goes through this pipeline on its own (its fusions and
+    misses join ``report``) and the call stays, so a checkpointed region is still recomputed in the backward and a
+    branch still runs only where its predicate says."""
     fused_bodies = {}
-    for node in gm.graph.find_nodes(op="call_function", target=_CHECKPOINT):
-        body = getattr(gm, node.args[0].target)
-        examples = [a.meta.get("example_value") if isinstance(a, fx.Node) else a for a in node.args[1:]]
-        fused, body_report = fuse_or_original(body, examples, options)
-        report.fusions += body_report.fusions
-        report.misses += body_report.misses
-        if fused is not body:
-            fused.meta.update(body.meta)  # a user's context_fn (selective checkpointing) stays
-            fused_bodies[node.args[0].target] = fused
+    for node, bodies, operands in _regions(gm):
+        examples = [a.meta.get("example_value") if isinstance(a, fx.Node) else a for a in operands]
+        for name in bodies:
+            body = getattr(gm, name)
+            fused, body_report = fuse_or_original(body, examples, options)
+            report.fusions += body_report.fusions
+            report.misses += body_report.misses
+            if fused is not body:
+                fused.meta.update(body.meta)  # a user's context_fn (selective checkpointing) stays
+                fused_bodies[name] = fused
     if not fused_bodies:
         return gm
     graph = fx.Graph()
@@ -315,6 +329,16 @@ def _fuse_checkpointed(gm: fx.GraphModule, options: Options, report: FusionRepor
     for name, fused in fused_bodies.items():
         setattr(copied, name, fused)
     return copied
+
+
+def _regions(gm: fx.GraphModule) -> list[tuple[fx.Node, list[str], list]]:
+    """(call, the names of its body graphs, its operands) of each checkpoint region and ``torch.cond`` in ``gm``."""
+    found = []
+    for node in gm.graph.find_nodes(op="call_function", target=_CHECKPOINT):
+        found.append((node, [node.args[0].target], list(node.args[1:])))
+    for node in gm.graph.find_nodes(op="call_function", target=_COND):
+        found.append((node, [node.args[1].target, node.args[2].target], list(node.args[3])))
+    return found
 
 
 def fuse_rolled_loops(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], options: Options,

@@ -14,7 +14,8 @@ The step's other gates are then read per row: a value one number across the memo
 size per sequence, [D, 1] of a decay parameter per row) is read without that dim against the rows (`_row_gates`).
 Gated linear attention stores its state [Dk, Dv] with a decay per key dim, a row each, and reads it across the rows,
 o_t = q_t S_t = Σ_a q_t[a] S_t[a, :]: there the read is written as one read per row memory, its query q_t's number
-for the row, summed after (`_reads_per_row`), and a read of S + X, X made from the step's inputs (RWKV-6's bonus for
+for the row, summed after (`_reads_per_row`; so is a normaliser z [.., Dk] decayed with the rows, read q·z by a
+matmul: each row's z_a q_a), and a read of S + X, X made from the step's inputs (RWKV-6's bonus for
 the current token, r_t (S_{t−1} + diag(u) k_tᵀ v_t)), as a read of S plus r_t X.
 A memory stored [.., Dk, Dv] with a decay per column (per value) is not split, and stays reported as it was.
 """
@@ -41,17 +42,23 @@ def _emit(graph: fx.Graph, node: fx.Node, split: bool) -> fx.Node:
     return emit(graph, aten.unsqueeze.default if split else aten.squeeze.dim, node, -2)
 
 
-def per_row(body: fx.GraphModule, state: int) -> fx.GraphModule:
+def per_row(body: fx.GraphModule, state: int, n_carries: int) -> fx.GraphModule:
     """A copy of scan ``body`` that carries its state ``state`` [.., A, C] as one memory per row [.., A, 1, C]."""
     body = copy.deepcopy(body)
     graph = body.graph
-    M_in = [n for n in graph.nodes if n.op == "placeholder"][state]
+    carries = [n for n in graph.nodes if n.op == "placeholder"][:n_carries]
+    M_in = carries[state]
+    rows = M_in.meta["val"].shape[:-1]
+    # a normaliser z [.., A] decayed with the rows (GLA's): its read q·z by a matmul, each row's z_a q_a apart
+    for z in carries:
+        if z is not M_in and getattr(z.meta.get("val"), "shape", None) == rows:
+            _reads_per_row(graph, z, rows + (1,))
     with detect_fake_mode([M_in.meta["val"]]) or contextlib.nullcontext():
         M_in.meta["val"] = M_in.meta["val"].unsqueeze(-2)
     with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
         M = _emit(graph, M_in, split=False)
     M_in.replace_all_uses_with(M, delete_user_cb=lambda user: user is not M)
-    _reads_per_row(graph, M)
+    _reads_per_row(graph, M, M.meta["val"].shape)
     reads_apart(graph, M, state)
     output = graph.output_node()
     outputs = list(output.args[0])
@@ -64,11 +71,11 @@ def per_row(body: fx.GraphModule, state: int) -> fx.GraphModule:
     return body
 
 
-def _reads_per_row(graph: fx.Graph, M: fx.Node) -> None:
-    """Each read across the memory's rows, y = Σ_a x_a Y[a, :] with Y [.., A, C] the memory or computed from it
-    (``einsum("bhk,bhkv->bhv", q, S)``, ``q[.., None, :] @ S``: GLA's read of its state stored [Dk, Dv]), written
-    as ``(x[.., :, None] * Y).sum(-2)``: one read per row memory, its query x's number for the row, summed after."""
-    shape = M.meta["val"].shape
+def _reads_per_row(graph: fx.Graph, M: fx.Node, shape: torch.Size) -> None:
+    """Each read across the memory's rows, y = Σ_a x_a Y[a, :] with Y [.., A, C] (``shape``) the memory or computed
+    from it (``einsum("bhk,bhkv->bhv", q, S)``, ``q[.., None, :] @ S``: GLA's read of its state stored [Dk, Dv]),
+    written as ``(x[.., :, None] * Y).sum(-2)``: one read per row memory, its query x's number for the row, summed
+    after."""
     for node in list(graph.nodes):
         operands = _row_contraction(node, shape)
         if operands is None or not computed_from([operands[1]], {M}) or computed_from([operands[0]], {M}):

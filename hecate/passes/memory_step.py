@@ -1497,7 +1497,7 @@ def _per_row(gm: fx.GraphModule, node: fx.Node, why: NotFused) -> Recurrence | N
         per_row = _scaled_per([n for n in body.graph.nodes if n.op == "placeholder"][state]) == "row"
         if _PER_ROW_DECAY not in str(why) and not per_row:
             continue  # (a reason found before the decay's, where the state is scaled per row: its reads apart)
-        rewritten = memory_heads.per_row(body, state)
+        rewritten = memory_heads.per_row(body, state, n_carries)
         try:
             rec = analyse(rewritten, n_carries, n_xs)
         except NotFused as other:

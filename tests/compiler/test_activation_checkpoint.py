@@ -97,3 +97,21 @@ def test_a_compiled_model_first_called_inside_a_checkpoint_equals_eager(name, fa
     assert hecate.last_report().count(pattern) == 1, str(hecate.last_report())
     params = list(model.parameters())
     assert_outputs_and_gradients_close(got, model(xe), [xc, *params], [xe, *params], TOL)
+
+
+@pytest.mark.parametrize("fallback", ["inductor", "eager"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_checkpoint_inside_a_checkpoint_is_fused_and_equals_eager(name, fallback, fresh_dynamo):
+    """Nested regions: the inner body is fused through the pipeline of the outer one, and the outer body's
+    re-trace goes through the inner region too, which needs the same context as the outer one (probe r41: the
+    re-trace failed on the inner region, and the whole graph was left unfused as an internal error)."""
+    make, shape, pattern = CASES[name]
+    torch.manual_seed(0)
+    model = Checkpointed(Checkpointed(make()))
+    x = torch.randn(*shape)
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = torch.compile(model, backend="hecate", options={"fallback": fallback, "strict": True})(xc)
+    report = hecate.last_report()
+    assert report.count(pattern) == 1 and not report.misses, str(report)
+    params = list(model.parameters())
+    assert_outputs_and_gradients_close(got, model(xe), [xc, *params], [xe, *params], TOL)

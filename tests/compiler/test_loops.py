@@ -218,16 +218,23 @@ def test_numbers_of_a_python_schedule_are_read_per_step():
 
 
 def powers_of_a_step(x, a):
-    """A discounted sum whose factor is a power of the step (γ^(t+1)), plus a term raised to the step's number and
-    a number raised to a tensor: each exponent or base differs between steps."""
+    """A discounted sum whose factor is a power of the step (γ^(t+1)), plus a term raised to the step's number
+    and a number raised to a tensor that the step scales: exponents that differ at every step."""
     h, gamma = x[:, 0] * 0, torch.sigmoid(a)
     for t in range(x.shape[1]):
-        h = gamma ** (t + 1) * h + x[:, t] ** (1 if t < 3 else 2) + 0.5 ** (x[:, t] * t)
+        h = gamma ** (t + 1) * h + torch.tanh(x[:, t]) ** (t + 2) + 0.5 ** (x[:, t].abs() * t)
     return h
 
 
-def test_exponents_and_bases_that_differ_between_steps_are_read_per_step():
+def test_powers_that_differ_at_every_step_are_read_per_step():
     _check_rolled(powers_of_a_step, torch.randn(3, 6), torch.randn(3), steps=[6])
+
+
+def exponent_changes_once(x):
+    h = x[:, 0] * 0
+    for t in range(x.shape[1]):
+        h = h * 0.9 + x[:, t] ** (1 if t < 3 else 2)
+    return h
 
 
 def bound_differs(x):
@@ -237,10 +244,11 @@ def bound_differs(x):
     return h
 
 
-def test_a_number_that_is_no_operand_of_arithmetic_still_ends_the_loop():
-    """A clamp's bound that differs is not read per step (only an operand of a product, quotient, sum, difference
-    or power is): steps 0-2 and 3-5 are two loops."""
-    _check_rolled(bound_differs, torch.randn(3, 6), steps=[3, 3])
+@pytest.mark.parametrize("fn", [exponent_changes_once, bound_differs], ids=["exponent", "clamp_bound"])
+def test_a_number_that_changes_once_or_is_no_operand_of_arithmetic_ends_the_loop(fn):
+    """An exponent that changes once (p of a schedule: a memory op takes one p, so each run is a loop of its own)
+    and a clamp's bound are not read per step: steps 0-2 and 3-5 are two loops."""
+    _check_rolled(fn, torch.randn(3, 6), steps=[3, 3])
 
 
 def _outer(v, k):

@@ -4060,6 +4060,17 @@ def gla_normalised(q, k, v, g):  # GLA with a normaliser z decayed per key dim t
     return torch.stack(outs, 2)
 
 
+def gla_normalised_read_first_by_matmul(q, k, v, g):  # read before the write, both reads by matmul, |q·z| ≥ 1
+    a, q, k = torch.exp(-torch.exp(g)), F.elu(q) + 1, F.elu(k) + 1
+    S, z, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), q.new_zeros(*q.shape[:2], q.shape[-1]), []
+    for t in range(q.shape[2]):
+        qt = q[:, :, t].unsqueeze(-2)
+        outs.append((qt @ S).squeeze(-2) / (qt @ z.unsqueeze(-1)).squeeze(-1).abs().clamp_min(1.0))
+        S = a[:, :, t].unsqueeze(-1) * S + k[:, :, t].unsqueeze(-1) * v[:, :, t].unsqueeze(-2)
+        z = a[:, :, t] * z + k[:, :, t]
+    return torch.stack(outs, 2)
+
+
 def gla_normaliser_as_a_value_column(q, k, v, g):  # the same, z carried as S's last column: S ← α S + k [v, 1]ᵀ
     a, q, k = torch.sigmoid(g) ** (1 / 16), F.elu(q) + 1, F.elu(k) + 1
     v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
@@ -4073,13 +4084,15 @@ def gla_normaliser_as_a_value_column(q, k, v, g):  # the same, z carried as S's 
 
 @pytest.mark.parametrize("fn, detail", [
     (gla_normalised, "normalised by z ← α z + φ(k) (the output a function of M q and z·q, run after the op)"),
+    (gla_normalised_read_first_by_matmul, "the output a function of M q and z·q, run after the op"),
     (gla_normaliser_as_a_value_column, "Hebbian M ← α M + v φ(k)ᵀ, M stored [Dk, Dv]")],
-    ids=["z_beside_the_state", "z_as_a_value_column"])
+    ids=["z_beside_the_state", "read_first_by_matmul", "z_as_a_value_column"])
 def test_gla_with_a_normaliser_fuses(fn, detail, fresh_dynamo):
     """A normaliser decayed per key dim beside GLA's state: split per row with the memory, each row's z_a q_a is
     one row's normaliser read, summed over the rows after the op as the reads are (probe r38: refused, the reason
-    blaming the decay's shape, which fuses without the normaliser). Or z carried as S's last value column. Both
-    fuse and equal eager, forward and gradients."""
+    blaming the decay's shape, which fuses without the normaliser); also read before the write with z·q by a
+    matmul, whose contraction over the rows is written as each row's z_a q_a summed (probe r40 c22). Or z carried
+    as S's last value column. Each fuses and equals eager, forward and gradients."""
     b, h, t, dk, dv = 2, 2, 5, 4, 3
     args = [torch.randn(b, h, t, dk), torch.randn(b, h, t, dk), torch.randn(b, h, t, dv), torch.randn(b, h, t, dk)]
     inputs, ref_inputs = ([a.clone().requires_grad_() for a in args] for _ in range(2))
