@@ -54,8 +54,8 @@ from hecate.compiler.loops import RolledGraph, roll_loops, unroll_split_parts
 from hecate.compiler.normalize import collapse_captured, normalize
 from hecate.compiler.options import Options
 from hecate.passes.matching import eliminate_dead_code, free_attribute, is_register_hook, mutates, writes_into
-from hecate.passes.memory_step import forms_outer_product
-from hecate.passes.report import FusionReport, source_line
+from hecate.passes.memory_step import UNROLLED_UPDATES, forms_outer_product
+from hecate.passes.report import FusionReport, Miss, source_line
 
 # the passes that fuse a scan; rolling loops up serves no other
 _SCAN_PASSES = ("memory_scan", "linear_attention")
@@ -310,17 +310,30 @@ def _fuse_regions(gm: fx.GraphModule, options: Options, report: FusionReport) ->
     ``cond(pred, true_body, false_body, args)``); each body goes through this pipeline on its own (its fusions and
     misses join ``report``) and the call stays, so a checkpointed region is still recomputed in the backward and a
     branch still runs only where its predicate says."""
-    fused_bodies = {}
+    fused_bodies, steps = {}, {}
     for node, bodies, operands in _regions(gm):
         examples = [a.meta.get("example_value") if isinstance(a, fx.Node) else a for a in operands]
         for name in bodies:
             body = getattr(gm, name)
             fused, body_report = fuse_or_original(body, examples, options)
             report.fusions += body_report.fusions
-            report.misses += body_report.misses
+            for miss in body_report.misses:  # one memory update step per region: gathered by the line it is on
+                if UNROLLED_UPDATES in miss.reason:
+                    steps.setdefault((node.target, miss.pattern, miss.source), []).append(miss)
+                else:
+                    report.misses.append(miss)
             if fused is not body:
                 fused.meta.update(body.meta)  # a user's context_fn (selective checkpointing) stays
                 fused_bodies[name] = fused
+    for (target, pattern, source), misses in steps.items():
+        if len(misses) == 1:
+            report.misses += misses
+            continue
+        what, advice = _REGION_WORDS[target]
+        report.misses.append(Miss(pattern, f"the memory update runs inside a {what} called at every step of a loop "
+                                  f"({len(misses)} calls): Hecate rolls up a loop whose steps are plain code, and "
+                                  f"reads each {what} on its own, where it is a single step; {advice}, which fuses; "
+                                  "compiled as written", misses[0].where, source))
     if not fused_bodies:
         return gm
     graph = fx.Graph()
@@ -329,6 +342,13 @@ def _fuse_regions(gm: fx.GraphModule, options: Options, report: FusionReport) ->
     for name, fused in fused_bodies.items():
         setattr(copied, name, fused)
     return copied
+
+
+# what a region is, in the user's words, and how to write its loop so that it fuses
+_REGION_WORDS = {
+    _CHECKPOINT: ("torch.utils.checkpoint region", "checkpoint the whole loop instead"),
+    _COND: ("torch.cond branch", "choose between whole loops instead (a torch.cond whose branches each run the loop)"),
+}
 
 
 def _regions(gm: fx.GraphModule) -> list[tuple[fx.Node, list[str], list]]:

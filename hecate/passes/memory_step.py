@@ -2130,6 +2130,9 @@ def _reads_the_state(update: fx.Node) -> bool:
     return bool(states) and computed_from(outer, states)
 
 
+UNROLLED_UPDATES = "memory update step(s) M ← a·M + (outer product) are written out step by step"
+
+
 def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
     """Report (once per graph) memory updates ``M ← a·M ± outer product`` left in the graph unrolled: under
     memory_scan where a step's outer product is computed from the state before it (an error M k − v), else under
@@ -2199,6 +2202,6 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
             why = (f"a gradient hook is registered inside the steps ({source_line(hooks[:1]) or hooks[0].name}), "
                    "which a fused loop's backward would not call")
         op = "memory_scan" if any(map(_reads_the_state, updates)) else "linear_attention"
-        report.add_miss(op, f"{len(updates)} memory update step(s) M ← a·M + (outer product) are written out step by "
-                        f"step and could not be rolled up into one loop: {why}; compiled as written",
+        report.add_miss(op, f"{len(updates)} {UNROLLED_UPDATES} and could not be rolled up into one loop: {why}; "
+                        "compiled as written",
                         f"{updates[0].name} .. {updates[-1].name}", nodes=updates)

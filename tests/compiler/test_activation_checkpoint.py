@@ -115,3 +115,31 @@ def test_a_checkpoint_inside_a_checkpoint_is_fused_and_equals_eager(name, fallba
     assert report.count(pattern) == 1 and not report.misses, str(report)
     params = list(model.parameters())
     assert_outputs_and_gradients_close(got, model(xe), [xc, *params], [xe, *params], TOL)
+
+
+def hebbian_step(S, k, v):
+    return 0.9 * S + v[..., None] * k[:, None, :]
+
+
+def hebbian_checkpointed_every_step(q, k, v):
+    S, ys = q.new_zeros(q.shape[0], v.shape[-1], k.shape[-1]), []
+    for t in range(q.shape[1]):
+        S = checkpoint(hebbian_step, S, k[:, t], v[:, t], use_reentrant=False)
+        ys.append((S @ q[:, t, :, None])[..., 0])
+    return torch.stack(ys, 1)
+
+
+def test_a_step_checkpointed_inside_the_loop_is_reported_once_with_the_loop_to_checkpoint(fresh_dynamo):
+    """Each step its own region: each region holds one update, which is no loop. One reason for the 5 regions,
+    saying to checkpoint the whole loop (probe r41: five reasons, each calling the step one written by hand)."""
+    args = [torch.randn(2, 5, 3) for _ in range(3)]
+    xc, xe = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(hebbian_checkpointed_every_step, backend="hecate",
+                        options={"fallback": "eager", "strict": True})(*xc)
+    report = hecate.last_report()
+    assert not report.fusions and len(report.misses) == 1, str(report)
+    (miss,) = report.misses
+    assert miss.pattern == "linear_attention" and "checkpoint the whole loop instead" in miss.reason, str(report)
+    assert "inside a torch.utils.checkpoint region called at every step of a loop (5 calls)" in miss.reason
+    assert "return 0.9 * S + v[..., None] * k[:, None, :]" in miss.source, str(report)
+    assert_outputs_and_gradients_close(got, hebbian_checkpointed_every_step(*xe), xc, xe, TOL)
