@@ -1806,8 +1806,9 @@ def _sequence(gm: fx.GraphModule, node: fx.Node, rec: Recurrence, role: str) -> 
     def one_step(*values):
         *values, M = values
         env = _evaluate(body, dict(zip(inputs, values)), upto=needed)
-        # (the dtype of the value: its first floating factor's, else the first floating input's, else the memory's)
-        like = next(x for x in [env.get(n) for n in per_step.nodes] + list(values) + [M]
+        # (the dtype of the value: its first floating factor's, else the memory's, as eager casts a number to the
+        # dtype of the tensor it scales: 0.9 · M of an fp32 M is fp32's 0.9 where a bf16 input's would be 0.8984)
+        like = next(x for x in [env.get(n) for n in per_step.nodes] + [M]
                     if isinstance(x, torch.Tensor) and x.is_floating_point())
         return per_step.value(env, *_per_step_shape(rec, role, M), like=like)
 
@@ -2170,6 +2171,15 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
         if all(lines) and len(set(lines)) == len(lines):  # each update written once: one step, or steps by hand
             why = ("each update is a line of code of its own: there is a single step (a loop over one token), or the "
                    "steps are written out by hand; Hecate rolls up the steps a Python loop repeats")
+        promoted = next(((u, t) for u in updates for _, t in _terms(u) if isinstance(t, fx.Node)
+                         and isinstance(t.meta.get("val"), torch.Tensor) and t.meta["val"].shape == u.meta["val"].shape
+                         and t.meta["val"].dtype != u.meta["val"].dtype), None)
+        if promoted is not None:  # (a bf16 state from new_zeros of a bf16 tensor, made float32 by its first update)
+            new, old = (str(n.meta["val"].dtype).removeprefix("torch.") for n in promoted)
+            why = (f"the state is {old} before this update and {new} after it (mixed dtypes promote), so this step "
+                   f"computes in another dtype than the steps after it, which are rolled up as the loop; start the "
+                   f"state as {new} (torch.zeros(..., dtype=torch.{new}), not new_zeros of a {old} tensor) and the "
+                   "whole loop rolls up")
         if _read_at_two_indices(gm):
             why = ("one tensor is read at two integer indices that both change, x[:, t, h] (a Python loop over heads "
                    "inside or around the loop over time, one memory per head, gates read as alpha[:, t, h]); Hecate "

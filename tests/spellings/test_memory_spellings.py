@@ -4112,6 +4112,43 @@ def gla_bf16_cast_in_the_step(q, k, v, g):  # bf16 inputs, an fp32 state: each s
     return torch.stack(outs, 2)
 
 
+def hebbian_bf16_query_first(q, k, v, g, start=torch.zeros):
+    """A constant decay, the bf16 query cast where it is read, the first thing each step reads; k, v and the state
+    fp32 (probe r41: the op took the 0.9 in the query's dtype, bf16's 0.8984, 3e-3 off eager)."""
+    S, outs = start(q.shape[0], q.shape[1], v.shape[-1], k.shape[-1], dtype=torch.float32), []
+    for t in range(q.shape[2]):
+        qt = q[:, :, t].float()
+        S = 0.9 * S + v[:, :, t, :, None] * k[:, :, t, None, :]
+        outs.append((S @ qt[..., None])[..., 0])
+    return torch.stack(outs, 2)
+
+
+def hebbian_bf16_state_from_the_query(q, k, v, g):
+    """The same, its state started by ``q.new_zeros``: bf16 before the first update, fp32 after it (promoted by
+    the fp32 outer product), so the first step differs from the rest: the steps after it fuse, and the first is
+    reported with the dtype to start the state in."""
+    return hebbian_bf16_query_first(q, k, v, g, start=lambda *shape, dtype: q.new_zeros(shape))
+
+
+@pytest.mark.parametrize("fn, missed", [(hebbian_bf16_query_first, None),
+                                        (hebbian_bf16_state_from_the_query,
+                                         "the state is bfloat16 before this update and float32 after it")],
+                         ids=["state_fp32", "state_bf16_first"])
+def test_a_constant_decay_is_taken_in_the_memorys_dtype(fn, missed, fresh_dynamo):
+    """Everything after the query's cast is fp32, so compiled equals eager to fp32 rounding, forward and
+    gradients."""
+    b, h, t, d = 2, 2, 5, 3
+    args = [torch.randn(b, h, t, d).bfloat16(), torch.randn(b, h, t, d), torch.randn(b, h, t, d), torch.zeros(1)]
+    inputs, ref_inputs = ([a.clone().requires_grad_(a.dtype == torch.float32 and a.dim() > 1) for a in args]
+                          for _ in range(2))
+    got = torch.compile(fn, backend="hecate", options={"fallback": "eager"})(*inputs)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 1, str(report)
+    assert ([m.reason for m in report.misses] == []) if missed is None else \
+        (len(report.misses) == 1 and missed in report.misses[0].reason), str(report)
+    assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs[1:3], ref_inputs[1:3], TOL)
+
+
 def decay_per_head_bf16_cast_in_the_step(q, k, v, g):  # the same with one decay per head and step
     a = torch.sigmoid(g.float()).mean(-1)
     S, outs = torch.zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
