@@ -207,7 +207,9 @@ def transform_calls(gm: fx.GraphModule) -> list[fx.Node]:
             and getattr(n.target, "__module__", "").startswith(("torch._functorch", "torch._C._functorch"))]
 
 
-_TRANSFORMS = "the graph calls functorch transforms (torch.vmap, torch.func.grad) that Hecate cannot re-trace to ATen"
+_TRANSFORMS = ("the graph calls functorch transforms (torch.vmap, torch.func.grad) that Hecate cannot re-trace to ATen "
+               "(to have the rest of the graph fused, call the transformed function through a function decorated with "
+               "@torch.compiler.disable, or write it batched, without the transform)")
 
 
 def fuse_or_original(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor],

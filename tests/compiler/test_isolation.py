@@ -6,7 +6,7 @@ import torch
 from torch import fx
 
 import hecate
-from hecate.testing import assert_close
+from hecate.testing import assert_close, assert_outputs_and_gradients_close
 import hecate.compiler.pipeline as pipeline
 from hecate.compiler.options import parse_options
 from hecate.passes import PASSES
@@ -150,4 +150,33 @@ def test_graph_the_retrace_cannot_follow_runs_as_captured_and_says_why(fn, line,
     assert_close("output", got, expected, 1e-6)
     [miss] = hecate.last_report().misses
     assert "functorch transforms" in miss.reason and "compiled as Dynamo captured it" in miss.reason
+    assert "@torch.compiler.disable" in miss.reason, miss.reason
     assert miss.source.startswith("test_isolation.py:") and line in miss.source, miss.source
+
+
+@torch.compiler.disable
+def keys_normalised_one_by_one(k):
+    return torch.vmap(lambda x: x / x.norm(dim=-1, keepdim=True))(k)
+
+
+def hebbian_after_a_vmap(q, k, v, transform_apart):
+    k = keys_normalised_one_by_one(k) if transform_apart else torch.vmap(lambda x: x / x.norm(dim=-1, keepdim=True))(k)
+    S, ys = q.new_zeros(q.shape[0], v.shape[-1], k.shape[-1]), []
+    for t in range(q.shape[1]):
+        S = 0.9 * S + v[:, t, :, None] * k[:, t, None, :]
+        ys.append((S @ q[:, t, :, None])[..., 0])
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("transform_apart", [False, True], ids=["in_the_graph", "through_disable"])
+def test_the_advice_for_a_transform_lets_the_rest_fuse(transform_apart, fresh_dynamo):
+    """A vmap anywhere in the graph leaves the whole graph unfused (the Hebbian loop after it too); called
+    through a function under @torch.compiler.disable, as the reason advises, the loop fuses. Equal to eager
+    either way, forward and gradients."""
+    args = [torch.randn(2, 5, 3) for _ in range(3)]
+    xc, xe = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(hebbian_after_a_vmap, backend="hecate", options={"fallback": "eager", "strict": True})(
+        *xc, transform_apart)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == int(transform_apart), str(report)
+    assert_outputs_and_gradients_close(got, hebbian_after_a_vmap(*xe, transform_apart), xc, xe, 1e-5)
