@@ -114,8 +114,9 @@ class FusionReport:
             lines += [f"  {hint}" for text, hint in _BREAK_HINTS.items() if any(text in r for r in self.graph_breaks)]
             if not self.graphs:
                 lines += ["  Dynamo compiled no graph: it ran the code eagerly around these breaks (a break inside a "
-                          "loop does this), so nothing in it was fused; move the break (graph_break(), print, "
-                          ".item(), float(tensor)) out of the loop"]
+                          "loop does this, and one inside a torch.utils.checkpoint region or a torch.cond branch, "
+                          "which Dynamo then runs whole as Python), so nothing in it was fused; move the break "
+                          "(graph_break(), print, .item(), float(tensor)) out of the loop or region"]
         return "\n".join(lines)
 
 

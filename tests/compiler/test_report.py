@@ -163,3 +163,15 @@ def test_a_memory_stepped_by_autograd_grad_is_told_what_fuses(fresh_dynamo):
     assert "write the gradient in closed form" in str(report) and "memory_scan" in str(report), str(report)
     assert "closed form" not in str(hecate.explain(_memory_loop_broken_at_every_step,
                                                    *[torch.randn(2, 2, 7, 4) for _ in range(3)]))
+
+
+def _printing_in_a_checkpoint(x):
+    return torch.utils.checkpoint.checkpoint(_printing, x, use_reentrant=False)
+
+
+def test_a_break_inside_a_checkpoint_region_names_the_region(fresh_dynamo):
+    """A print inside a checkpointed region: Dynamo runs the region whole as Python, no graph; the note names
+    regions beside loops (probe r41: it spoke of a loop only)."""
+    report = hecate.explain(_printing_in_a_checkpoint, torch.randn(3, requires_grad=True))
+    assert report.graphs == 0 and report.graph_breaks, str(report)
+    assert "one inside a torch.utils.checkpoint region" in str(report) and "out of the loop or region" in str(report)
