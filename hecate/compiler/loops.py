@@ -996,7 +996,8 @@ def _one_step(nodes: list[fx.Node], position: dict[fx.Node, int], stack: fx.Node
         if not isinstance(node, fx.Node) or node in seen or node.op not in _TENSOR_OPS:
             continue
         seen.add(node)
-        if _one_step_slice(node) is not None:
+        sliced = _one_step_slice(node)
+        if sliced is not None and not _computed_in_a_step(sliced[0]):
             first = node if first is None or position[node] < position[first] else first
         else:
             todo.extend(node.all_input_nodes)
@@ -1023,7 +1024,9 @@ def _one_step(nodes: list[fx.Node], position: dict[fx.Node, int], stack: fx.Node
     for o in range(loop.L):
         node = loop.at(0, o)
         after = [user for user in node.users if loop.block(user) is None]
-        loop.stacks.update({user: o for user in after if loop._is_stack_of(user, o)})
+        # (a stack of this one value: one of several values, two states returned side by side, is no step's
+        # output stacked, at one step no more than at many)
+        loop.stacks.update({user: o for user in after if loop._is_stack_of(user, o) and len(user.args[0]) == 1})
         if all(user in loop.stacks for user in after):
             continue
         inits = [a for a in reads if _same_meta(a, node)]  # node is read after the step: a carry's next value
@@ -1038,6 +1041,23 @@ def _one_step(nodes: list[fx.Node], position: dict[fx.Node, int], stack: fx.Node
             loop.carries[o] = init
             loop.args.update({where: ("carry", o) for where in reads[init]})
     return loop if loop.carries and loop.slices else None
+
+
+def _computed_in_a_step(x: fx.Node) -> bool:
+    """Whether ``x`` is, or is computed from, a slice ``x[.., 0, ..]`` of a size-1 dim (not looking past a stack:
+    the outputs of a step before): a slice of it, the ``[..., 0]`` of a read ``M @ q_t[..., None]``, is computed in
+    the step, no per-step input of it."""
+    todo, seen = [x], set()
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, fx.Node) or node in seen or node.op not in _TENSOR_OPS:
+            continue
+        seen.add(node)
+        if _one_step_slice(node) is not None:
+            return True
+        if node.target not in _STACKS + _CATS:
+            todo.extend(node.all_input_nodes)
+    return False
 
 
 def _last_values_of(loop: _Loop, init: fx.Node) -> list[int]:

@@ -6,6 +6,7 @@ inputs, so a wrong carry, slice or stack shows as a numerical difference.
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hecate
 
@@ -14,7 +15,7 @@ from hecate.compiler.normalize import normalize_graph
 from hecate.compiler.options import parse_options
 from hecate.compiler.pipeline import fuse
 from hecate.models.memory import LpMemory
-from hecate.testing import assert_close
+from hecate.testing import assert_close, assert_outputs_and_gradients_close
 
 SCAN = torch.ops.higher_order.scan
 
@@ -584,6 +585,35 @@ def test_one_token_memory_forward_is_fused_as_a_loop_of_one(fresh_dynamo):
         assert_close(name, a, b, 1e-5)
     for (name, _), a, b in zip([("x", x), *model.named_parameters()], grads, expected_grads):
         assert_close(f"grad {name}", a, b, 1e-5)
+
+
+def two_memories_decoding_one_token(x, S, M, W1, W2):
+    """A decode step of two layers, a Hebbian memory and then a delta rule reading its output, each with its
+    projections, each state passed in and returned side by side (two returned tensors of one shape)."""
+    q, k, v = (x @ W1).chunk(3, -1)
+    ys = []
+    for t in range(x.shape[1]):
+        S = 0.9 * S + v[:, t, :, None] * k[:, t, None, :]
+        ys.append((S @ q[:, t, :, None])[..., 0])
+    q, k, v = (torch.stack(ys, 1) @ W2).chunk(3, -1)
+    k, zs = F.normalize(k, dim=-1), []
+    for t in range(x.shape[1]):
+        M = M - 0.5 * ((M @ k[:, t, :, None])[..., 0] - v[:, t])[..., None] * k[:, t, None, :]
+        zs.append((M @ q[:, t, :, None])[..., 0])
+    return torch.stack(zs, 1), S, M
+
+
+def test_a_decode_step_of_two_memory_layers_fuses_both(fresh_dynamo):
+    """Each layer's loop is a loop of one step. The two states returned side by side were read as the steps'
+    outputs stacked, so each step had two outputs (probe r39 c19); and the read's ``[..., 0]`` of a size-1 dim
+    was taken for the step's first per-step slice, so the step began there. Neither fused; both do now."""
+    args = [torch.randn(2, 1, 3), torch.randn(2, 3, 3), torch.randn(2, 3, 3), torch.randn(3, 9), torch.randn(3, 9)]
+    xc, xe = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(two_memories_decoding_one_token, backend="hecate", options={"fallback": "eager"})(*xc)
+    report = hecate.last_report()
+    assert report.count("linear_attention") == 1 and report.count("memory_scan") == 1 and not report.misses, \
+        str(report)
+    assert_outputs_and_gradients_close(got, two_memories_decoding_one_token(*xe), xc, xe, 1e-5)
 
 
 def test_one_token_memory_forward_with_momentum_is_reported_as_a_single_step(fresh_dynamo):
