@@ -188,6 +188,39 @@ def static_dim(value, axis: int) -> int | None:
     return value.shape[axis]
 
 
+def merge_heads(x):
+    """[B, T, H, D] as [B, T, H·D], the merged size computed from the shape: a -1 is not inferred beside a dim of 0
+    (T = 0, a loop of one token whose first step was written before the loop, runs no step)."""
+    from onnxscript import opset18 as op
+
+    return op.Reshape(x, op.Concat(op.Shape(x, start=0, end=2), op.ReduceProd(op.Shape(x, start=2), keepdims=1),
+                                   axis=0))
+
+
+def may_run_no_step(x) -> bool:
+    """Whether ``x`` [B, T, ...] may have T = 0 (not a static length of at least 1): a loop of one token whose last
+    write is dead (the state not returned) rolls into T − 1 = 0 steps, which onnxruntime's Scan and its
+    LinearAttention refuse."""
+    return x.shape is None or not (isinstance(x.shape[1], int) and x.shape[1] >= 1)
+
+
+def with_a_last_step(x, fill: float):
+    """``x`` [B, T, ...] FLOAT with one more step at the end, every element ``fill``: given a write of zero
+    (k = 0) and a decay of one, the step keeps the state as it is, and its output is sliced off."""
+    from onnxscript import ir
+    from onnxscript import opset18 as op
+
+    shape = op.Concat(op.Shape(x, start=0, end=1), op.Constant(value_ints=[1]), op.Shape(x, start=2), axis=0)
+    return op.Concat(x, op.Expand(op.Constant(value=ir.tensor([fill], dtype=ir.DataType.FLOAT)), shape), axis=1)
+
+
+def first_steps(y, like):
+    """``y`` [B, T + 1, ...] without its last step: as many steps as ``like`` [B, T, ...] has."""
+    from onnxscript import opset18 as op
+
+    return op.Slice(y, op.Constant(value_ints=[0]), op.Shape(like, start=1, end=2), op.Constant(value_ints=[1]))
+
+
 def dims(value, *axes):
     """The dims of ``value`` at ``axes`` (ints or symbolic), or None when its shape is unknown."""
     return None if value.shape is None else [value.shape[a] for a in axes]

@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.export import Dim
 
 import hecate
@@ -240,6 +241,40 @@ def test_a_float64_model_loads_and_runs_in_onnxruntime(model, opset, tmp_path):
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for batch, length in ((2, 5), (3, 7)):
         args = tuple(a.double() for a in _SEQUENCES(batch, length))
+        (got,) = session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
+        with torch.no_grad():
+            assert_close(f"output at batch {batch}, length {length}", torch.from_numpy(got), model(*args), TOL)
+
+
+class _ReadFirst(torch.nn.Module):
+    """y_t = M_{t−1} q_t, the memory not returned: torch.export drops the last step's write (dead), so the loop
+    rolls into T − 1 steps and the last read follows it; at T = 1 the fused op runs no step."""
+
+    def __init__(self, delta: bool):
+        super().__init__()
+        self.delta = delta
+
+    def forward(self, k, v, q):
+        M, ys = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), []
+        for t in range(k.shape[1]):
+            ys.append((M @ q[:, t, :, None])[..., 0])
+            kt = F.normalize(k[:, t], dim=-1) if self.delta else k[:, t]
+            write = v[:, t] - (M @ kt[..., None])[..., 0] if self.delta else v[:, t]
+            M = 0.9 * M + 0.5 * write[..., None] * kt[:, None, :]
+        return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("opset", [None, 18], ids=["opset_default", "opset_18"])
+@pytest.mark.parametrize("delta", [False, True], ids=["hebbian", "delta_rule"])
+def test_a_loop_that_runs_no_step_at_one_token_runs_in_onnxruntime(delta, opset, tmp_path):
+    """onnxruntime refuses a Scan or a LinearAttention over 0 steps (a Reshape of -1 beside a 0, or SIGFPE at
+    opset 18: probe r42); the translations run one more step that writes 0 without decay, and drop its output."""
+    model, path = _ReadFirst(delta).eval(), tmp_path / "model.onnx"
+    report = hecate.export_onnx(model, _SEQUENCES(2, 5), path, opset_version=opset)
+    assert report.fusions, str(report)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch, length in ((2, 1), (1, 2), (3, 6)):
+        args = _SEQUENCES(batch, length)
         (got,) = session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
         with torch.no_grad():
             assert_close(f"output at batch {batch}, length {length}", torch.from_numpy(got), model(*args), TOL)

@@ -25,7 +25,8 @@ from onnxscript import opset18 as op
 
 from hecate.lowering import pointwise
 from hecate.lowering.memory_scan.naive import memory_scan_naive
-from hecate.lowering.onnx_fused import MIN_RETENTION, call_fused, dims, fused_translation, note, static_dim, use_fused
+from hecate.lowering.onnx_fused import (MIN_RETENTION, call_fused, dims, first_steps, fused_translation,
+                                        may_run_no_step, merge_heads, note, static_dim, use_fused, with_a_last_step)
 from hecate.lowering.registry import decomposition, onnx_translation
 
 _FLOAT = 1  # onnx TensorProto.FLOAT
@@ -151,6 +152,10 @@ def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbia
     if k.shape is not None and v.shape is not None:
         A0.shape = ir.Shape([k.shape[0], k.shape[2], v.shape[3], k.shape[3]])
     use_momentum = momentum != 0.0
+    given = k
+    padded = not use_momentum and may_run_no_step(k)  # (momentum would carry on through a step with k = 0)
+    if padded:
+        k, v, q, alpha, eta = (with_a_last_step(x, 0.0) for x in (k, v, q, alpha, eta))
     body = _scan_body(_core.current_tracer.opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian,
                       bias, beta, decay_first)
     if use_momentum and S0 is None:
@@ -159,7 +164,8 @@ def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbia
     scanned = [x for x in (k, v, q, alpha, eta, beta) if x is not None]
     outputs = call_op("Scan", *inits, *scanned, _num_outputs=len(inits) + 1, body=body,
                       num_scan_inputs=len(scanned), scan_input_axes=[1] * len(scanned), scan_output_axes=[1])
-    return outputs[-1], outputs[0], outputs[1] if use_momentum else None
+    y = first_steps(outputs[-1], given) if padded else outputs[-1]
+    return y, outputs[0], outputs[1] if use_momentum else None
 
 
 @onnx_translation(torch.ops.hecate.memory_scan.default)
@@ -230,18 +236,21 @@ def memory_scan_fused_onnx(*args, **kwargs):
     else:
         beta = op.Div(op.Mul(eta, op.Constant(value_float=2.0)), keep)    # β = 2η/γ
         v_kept = op.Mul(v, op.Unsqueeze(keep, op.Constant(value_ints=[-1])))   # v' = γ v
-    packed = [op.Reshape(x, op.Constant(value_ints=[0, 0, -1])) for x in (q, k, v_kept)]
+    log_keep, padded = op.Log(keep), may_run_no_step(a["k"])
+    if padded:
+        q, k, v_kept, log_keep, beta = (with_a_last_step(x, 0.0) for x in (q, k, v_kept, log_keep, beta))
+    packed = [merge_heads(x) for x in (q, k, v_kept)]
     past = None if a["m0"] is None else op.Transpose(op.Cast(a["m0"], to=_FLOAT), perm=[0, 1, 3, 2])
     B, T, _, Dk = dims(a["k"], 0, 1, 2, 3) or (None,) * 4
     Dv = static_dim(a["v"], 3)
-    y, state = call_fused("LinearAttention", *packed, past, op.Log(keep), beta,
-                          shapes=([B, T, H * Dv if Dv else None], [B, H, Dk, Dv]),
+    y, state = call_fused("LinearAttention", *packed, past, log_keep, beta,
+                          shapes=([B, None if padded else T, H * Dv if Dv else None], [B, H, Dk, Dv]),
                           update_rule="gated_delta", q_num_heads=H, kv_num_heads=H, scale=1.0)
     note("hecate.memory_scan", "LinearAttention(gated_delta)",
          "p = 2, decay first: M ← γM − 2η(γMk − v)kᵀ with γ = 1 − α is gated delta with g = log γ, β = 2η"
          if a["decay_first"] else
          "p = 2: M ← γM − 2η(Mk − v)kᵀ with γ = 1 − α is gated delta with g = log γ, β = 2η/γ, v' = γv")
-    y = op.Reshape(y, op.Shape(a["v"]))
+    y = op.Reshape(first_steps(y, a["k"]) if padded else y, op.Shape(a["v"]))
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
     return (y, as_state(op.Transpose(state, perm=[0, 1, 3, 2]), out_dtype),
