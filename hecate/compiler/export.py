@@ -214,6 +214,7 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
         if shapes is not None:
             _plain_shape_reads(program)
         report = FusionReport(graphs=1)
+        _fuse_branches(program.graph_module, opts, report)
         normalize_graph(program.graph_module)  # what the passes read, and loops roll in this form
         placeholders = [n.meta["val"] for n in program.graph.find_nodes(op="placeholder")]
         rolled = fuse_rolled_loops(program.graph_module, placeholders, opts, report, dump_name="export")
@@ -238,6 +239,24 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
                       "the fused graph still depends on it; write the loop with torch's scan to keep it dynamic)",
                       stacklevel=3)
     return program, report, (flat_args, input_names, output_names)
+
+
+def _fuse_branches(gm: torch.fx.GraphModule, opts, report: FusionReport) -> None:
+    """Each ``torch.cond`` branch of an exported graph fused as the graph itself is, in place (its fusions and
+    misses join ``report``; the cond stays, so each branch still runs only where its predicate says)."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.cond):
+        for branch in node.args[1:3]:
+            body, branch_report = getattr(gm, branch.target), FusionReport()
+            normalize_graph(body)
+            values = [n.meta["val"] for n in body.graph.find_nodes(op="placeholder")]
+            rolled = fuse_rolled_loops(body, values, opts, branch_report, dump_name="export")
+            if rolled is not None:
+                fused, branch_report = rolled
+                setattr(gm, branch.target, fused)
+            else:
+                run_passes(body, opts, branch_report, dump_name="export")
+            report.fusions += branch_report.fusions
+            report.misses += branch_report.misses
 
 
 def _lift_constants(program: torch.export.ExportedProgram) -> None:

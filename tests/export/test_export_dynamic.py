@@ -280,6 +280,37 @@ def test_a_loop_that_runs_no_step_at_one_token_runs_in_onnxruntime(delta, opset,
             assert_close(f"output at batch {batch}, length {length}", torch.from_numpy(got), model(*args), TOL)
 
 
+class _MemoryChosenByCond(torch.nn.Module):
+    """torch.cond between a Hebbian loop and a delta rule, on the data: its operands are chunks of one projection,
+    cloned so that they do not alias (torch.cond's rule)."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        operands = (q.clone(), F.normalize(k, dim=-1), v.clone())
+        return torch.cond(x.mean() > 0, _GatedHebbian().forward, _UnbindLoop().forward, operands)
+
+
+def test_each_branch_of_a_cond_is_fused_on_export(tmp_path):
+    """Both branches fused (probe r42: the clones were dropped as no-op copies, and the ONNX exporter's re-trace
+    refused operands that alias; nothing was fused or reported); onnxruntime equals eager on either branch."""
+    torch.manual_seed(0)
+    model, path = _MemoryChosenByCond().eval(), tmp_path / "cond.onnx"
+    x = torch.randn(2, 5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the length stays fixed: the loops sit inside the branches)
+        report = hecate.export_onnx(model, (x,), path)
+    assert sorted(f.pattern for f in report.fusions) == ["linear_attention", "memory_scan"], str(report)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for sample in (x.abs() + 0.1, -x.abs() - 0.1):  # the predicate true, then false
+        (got,) = session.run(None, {session.get_inputs()[0].name: sample.numpy()})
+        with torch.no_grad():
+            assert_close("onnxruntime", torch.from_numpy(got), model(sample), TOL)
+
+
 class _LengthInTheArithmetic(torch.nn.Module):
     """A loop whose outputs are scaled by the step's index t + 1, a Python number each step: the steps differ, the
     loop stays unrolled, and the graph holds T steps. (Scaled by 1/T, the read's function is fused, T symbolic.)"""
