@@ -40,7 +40,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from hecate.compiler.lengths import generic_in_length
-from hecate.compiler.normalize import normalize_graph
+from hecate.compiler.normalize import normalize, normalize_graph
 from hecate.compiler.options import parse_options
 from hecate.compiler.pipeline import fuse_rolled_loops, run_passes
 from hecate.passes.report import FusionReport
@@ -215,7 +215,7 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
             _plain_shape_reads(program)
         report = FusionReport(graphs=1)
         _fuse_branches(program.graph_module, opts, report)
-        normalize_graph(program.graph_module)  # what the passes read, and loops roll in this form
+        normalize(program.graph_module)  # what the passes read (the bodies of a user's scan too); loops roll in it
         placeholders = [n.meta["val"] for n in program.graph.find_nodes(op="placeholder")]
         rolled = fuse_rolled_loops(program.graph_module, placeholders, opts, report, dump_name="export")
         if rolled is not None:

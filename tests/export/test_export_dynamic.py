@@ -311,6 +311,27 @@ def test_each_branch_of_a_cond_is_fused_on_export(tmp_path):
             assert_close("onnxruntime", torch.from_numpy(got), model(sample), TOL)
 
 
+class _DeltaRuleByScan(torch.nn.Module):
+    """The delta rule written with torch's scan, the error's outer product a matmul of [B, D, 1] by [B, 1, D]."""
+
+    def forward(self, k, v, q):
+        from torch._higher_order_ops.scan import scan
+
+        def step(M, xs):
+            kt, vt, qt = xs
+            M = M - 0.5 * (M @ kt[:, :, None] - vt[:, :, None]) @ kt[:, None, :]
+            return M, (M @ qt[:, :, None]).squeeze(-1)
+
+        k = F.normalize(k, dim=-1)
+        return scan(step, k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), (k, v, q), dim=1)[1]
+
+
+def test_a_users_scan_is_fused_on_export_as_under_compile(tmp_path):
+    """The scan's body is put in the normal form on export as under torch.compile (probe r42: it was not, so the
+    matmul outer product was no outer product, and the unfused dynamic scan then failed in the ONNX exporter)."""
+    _export_and_check(tmp_path, _DeltaRuleByScan(), _SEQUENCES, "hecate.memory_scan")
+
+
 class _LengthInTheArithmetic(torch.nn.Module):
     """A loop whose outputs are scaled by the step's index t + 1, a Python number each step: the steps differ, the
     loop stays unrolled, and the graph holds T steps. (Scaled by 1/T, the read's function is fused, T symbolic.)"""
