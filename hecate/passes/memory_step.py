@@ -1673,6 +1673,10 @@ def _outer_products(body: fx.Graph) -> list[fx.Node]:
 def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
     """Replace every scan whose body is a step ``op`` computes; report (once) the scans that are no memory step."""
     kind = {"memory_scan": "lp", "linear_attention": "hebbian"}[op]
+    # the loops (their rolled indices) split into parts of which one is a memory (forms an outer product): the
+    # other parts carry what the memory's loop also carried (a normaliser no output divides by, say)
+    with_a_memory = {n.meta["hecate_rolled_index"] for n in scans(gm) if "hecate_rolled_index" in n.meta
+                     and forms_outer_product(getattr(gm, n.args[0].target).graph)}
     for node in scans(gm):
         rec = recognise(gm, node)
         if isinstance(rec, NotFused):
@@ -1682,10 +1686,17 @@ def fuse_scans(gm: fx.GraphModule, report: Any, op: str) -> None:
                 or node.meta.get("hecate_update_made_before")  # (the loop's outer products made before it)
             if not outer and channel_recurrences(getattr(gm, node.args[0].target), len(node.args[1])):
                 node.meta["hecate_memory_step_reported"] = True
-                report.add_miss("linear_attention", f"{_form(node)} of {_over(node)} is not a memory step: its state is "
-                                "a recurrence of one number per channel, s ← d ⊙ s + x (RWKV-4's wkv, a moving "
-                                "average), with no outer product v kᵀ, and no Hecate op takes a memory of one number "
-                                "per channel", node.name, nodes=_body_nodes(gm, node))
+                channels = "a recurrence of one number per channel, s ← d ⊙ s + x"
+                if node.meta.get("hecate_rolled_index", -1) in with_a_memory:
+                    why = (f"{_form(node)} of {_over(node)} also carries, apart from its memory, a state that is {channels}"
+                           " (a normaliser z the memory's reads are not divided by, say: a normaliser fuses with its "
+                           "memory where one per-step output is a function of M q and z·q); the loop is split, the "
+                           "memory's part fused on its own, and no Hecate op takes this part")
+                else:
+                    why = (f"{_form(node)} of {_over(node)} is not a memory step: its state is {channels} (RWKV-4's wkv, "
+                           "a moving average), with no outer product v kᵀ, and no Hecate op takes a memory of one "
+                           "number per channel")
+                report.add_miss("linear_attention", why, node.name, nodes=_body_nodes(gm, node))
             elif outer:
                 node.meta["hecate_memory_step_reported"] = True
                 heads = _HEADS_ADVICE if _reads_per_head(getattr(gm, node.args[0].target)) else ""

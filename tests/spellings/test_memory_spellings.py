@@ -3085,7 +3085,8 @@ def hebbian_reads_and_normaliser_reads_returned_apart(k, v, q, alpha, eta):
                                 hebbian_reads_and_normaliser_reads_returned_apart], ids=lambda f: f.__name__)
 def test_a_memory_fuses_where_its_loop_also_carries_a_normaliser_it_does_not_divide_by(fn, fresh_dynamo):
     """The loop is split into one per carry (M's, z's); M's fuses and z's, a recurrence of one number per channel
-    that no op takes, is reported and its steps written out after the passes. Before, one part left unfused
+    that no op takes, is reported as the part split from the memory (probe r42: as if the loop were RWKV-4's wkv)
+    and its steps written out after the passes. Before, one part left unfused
     unrolled the whole loop, M's too (probe r40: reported as "2 chained steps" of a 5-step loop)."""
     inputs = _inputs()
     ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
@@ -3093,6 +3094,7 @@ def test_a_memory_fuses_where_its_loop_also_carries_a_normaliser_it_does_not_div
     report = hecate.last_report()
     assert report.count("linear_attention") == 1 and len(report.misses) == 1, str(report)
     assert "a recurrence of one number per channel" in report.misses[0].reason, str(report)
+    assert "the loop is split, the memory's part fused on its own" in report.misses[0].reason, str(report)
     assert report.misses[0].reason.endswith("its steps are compiled unrolled"), str(report)
     assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs[:4], ref_inputs[:4], TOL)  # (η unread)
 
