@@ -140,7 +140,7 @@ def _fixed_dims(program: torch.export.ExportedProgram, args: Sequence[Any], name
         if not spec or not isinstance(val, torch.Tensor):
             continue
         fixed += [(name, d, x.shape[d]) for d in spec
-                  if is_concrete_int(val.shape[d]) and x.shape[d] > 1 and x.shape[d] == first.shape[d]]
+                  if is_concrete_int(val.shape[d]) and x.shape[d] >= 1 and x.shape[d] == first.shape[d]]
     return fixed
 
 
@@ -234,10 +234,12 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
             input_names = input_names or list(program.graph_signature.user_inputs)
             program, fixed = generic, []
     for name, d, size in fixed:
+        why = ("torch.export specialises a dimension of size 1 in the example; export with an example of at least 2 "
+               "to keep it dynamic") if size == 1 else (
+               "the model's code specialises it (a Python loop over it does, where the fused graph still depends on "
+               "it; write the loop with torch's scan to keep it dynamic)")
         warnings.warn(f"export: the {_DIM_NAMES[d]} dimension (dim {d}) of input {name!r} is fixed at {size} in "
-                      "the exported graph: the model's code specialises it (a Python loop over it does, where "
-                      "the fused graph still depends on it; write the loop with torch's scan to keep it dynamic)",
-                      stacklevel=3)
+                      f"the exported graph: {why}", stacklevel=3)
     return program, report, (flat_args, input_names, output_names)
 
 

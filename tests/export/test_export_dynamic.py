@@ -374,6 +374,13 @@ def test_a_length_the_fused_graph_still_depends_on_stays_fixed_and_warns(tmp_pat
     assert_close("onnxruntime", torch.from_numpy(session.run(None, feeds)[0]), model(*args), 1e-5)
 
 
+def test_an_example_of_size_one_warns_that_the_dimension_is_fixed(tmp_path):
+    """torch.export specialises a dim of size 1 in the example: the batch comes out static, said (probe r42: it
+    was silent)."""
+    with pytest.warns(UserWarning, match=r"batch dimension \(dim 0\) of input 'x' is fixed at 1 .* at least 2"):
+        hecate.export_onnx(QKPreprocess(), (torch.randn(1, 5, 7),), tmp_path / "batch_one.onnx")
+
+
 def test_static_opt_out(tmp_path):
     model, x = QKPreprocess(), torch.randn(2, 5, 7)
     hecate.export_onnx(model, (x,), tmp_path / "static.onnx", dynamic_shapes="static")
