@@ -1686,10 +1686,10 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
     """The node that computes what ``node`` computes in the normal form (None: keep ``node``)."""
     target, args = node.target, node.args
     if target in _COPIES:
-        # (a copy handed to a higher-order op stays: torch.cond's operands must not alias each other, and chunks of
-        # one projection do)
+        # (a copy handed to torch.cond stays: its operands must not alias each other, and chunks of one projection
+        # do)
         if node not in outputs and isinstance(args[0], fx.Node) and _same_layout_free(node) \
-                and not any(isinstance(user.target, torch._ops.HigherOrderOperator) for user in node.users):
+                and not any(user.target is torch.ops.higher_order.cond for user in node.users):
             return args[0]
         return None
     if target is aten.to.dtype and len(args) == 2 and not node.kwargs and isinstance(_val(args[0]), torch.Tensor) \
