@@ -1812,8 +1812,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node |
             return emit(graph, aten.transpose.int, emit(graph, aten.transpose.int, args[0], *first), *second)
     if target is aten.slice.Tensor and len(args) > 1 and _permutation(args[0]) is not None:
         return _slice_before_permute(graph, node, outputs)
-    if _permutation(node) is not None and isinstance(args[0], fx.Node) and zero_pad_amounts(args[0]) is not None \
-            and len(args[0].users) == 1 and args[0] not in outputs:
+    if _permutation(node) is not None and isinstance(args[0], fx.Node) and zero_pad_amounts(args[0]) is not None:
         return _pad_after_permute(graph, node, outputs)
     if target is aten.conv2d.default:
         return _conv2d_over_one_row(graph, node, outputs)
@@ -2447,7 +2446,8 @@ def _slice_before_permute(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node])
 def _pad_after_permute(graph: fx.Graph, node: fx.Node, outputs: set[fx.Node]) -> fx.Node:
     """``F.pad(h, (0, 0, K-1, 0)).transpose(1, 2)`` → ``F.pad(h.transpose(1, 2), (K-1, 0))``: each dim keeps its
     zeros, now on the dim it moved to. Exact: the same elements, the same zeros. So a causal conv's left padding
-    reads as one F.pad right before the conv, padded before or after transposing to [B, D, T]."""
+    reads as one F.pad right before the conv, padded before or after transposing to [B, D, T]. A pad read
+    elsewhere too (a streaming layer's conv state, the padded input's last K−1 steps) stays for those readers."""
     pad, order = node.args[0], _permutation(node)
     rank, amounts = len(order), zero_pad_amounts(node.args[0])
     per_dim = {rank - 1 - i // 2: amounts[i - i % 2:i - i % 2 + 2] for i in range(0, len(amounts), 2)}

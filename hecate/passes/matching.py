@@ -90,17 +90,20 @@ def find_matches(gm: fx.GraphModule, pattern: fx.Graph) -> list[Match]:
 
 
 class _SharedViewMatcher(SubgraphMatcher):
-    """SubgraphMatcher whose matches may share the views of their inputs with other nodes.
+    """SubgraphMatcher whose matches may share the views and pads of their inputs with other nodes.
 
-    Such a view costs nothing to keep for its other readers (a replacement erases only the
-    matched nodes nothing else reads), so it neither makes a match leak nor makes two overlap.
+    Such a view costs nothing to keep for its other readers, and such a pad (a streaming conv's
+    padded input, whose last K−1 steps are the state it returns) is what those readers computed
+    before: a replacement erases only the matched nodes nothing else reads, so it neither makes
+    a match leak nor makes two overlap.
     """
 
     def __init__(self, pattern: fx.Graph, **kwargs: Any):
         super().__init__(pattern, **kwargs)
         self.input_views: set[fx.Node] = set()
         for pn in pattern.nodes:  # in order: a view's inputs are classified before it
-            if _is_view(pn) and all(i.op == "placeholder" or i in self.input_views for i in pn.all_input_nodes):
+            if (_is_view(pn) or pn.target is torch.ops.aten.pad.default) \
+                    and all(i.op == "placeholder" or i in self.input_views for i in pn.all_input_nodes):
                 self.input_views.add(pn)
 
     def _match_literals(self, pn: Any, gn: Any, match: InternalMatch) -> bool:

@@ -689,7 +689,10 @@ def _build_chain(conv_node: fx.Node, index: _Index, report: FusionReport) -> _Ch
     if reason:
         return reason
 
-    swap_in = index.producer("swap", _conv_input_node(conv))
+    # a pad read beside the conv too (a prefill's state: the padded input's last K−1 steps) keeps what it pads,
+    # so the op reads that as it is rather than computing its producers again
+    padded_elsewhere = conv.piece.check is _check_pad_then_conv and len(conv.match.node(aten.pad.default).users) > 1
+    swap_in = None if padded_elsewhere else index.producer("swap", _conv_input_node(conv))
     if swap_in is None and _state_of(conv, index) is not None:
         return (f"conv1d input {_conv_input_node(conv).name} is not a [B, T, D] → [B, D, T] transpose used only by "
                 f"the conv; the fused op reads [B, T, D] and its carried state [B, K−1, D]")

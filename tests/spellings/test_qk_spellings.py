@@ -731,3 +731,37 @@ def test_generated_phi_compiles_with_inductor(fresh_dynamo):
     assert_close("output", got, ref, TOL)
     (g,), (r,) = torch.autograd.grad(got.sum(), x), torch.autograd.grad(ref.sum(), ref_x)
     assert_close("dx", g, r, TOL)
+
+
+@pytest.mark.parametrize("layout, detail", [
+    ("channels last, padded on time then transposed", "conv(K=4) → silu [B,T,D]"),
+    ("padded after the transpose", "conv(K=4) → silu [B,T,D] from x [B,D,T] read transposed")])
+def test_a_prefill_that_also_returns_its_conv_state_fuses_the_conv(layout, detail, fresh_dynamo):
+    """A streaming layer's prefill joins a zero state in front of the projected input, convolves, and returns
+    the padded input's last K−1 steps as the state to decode from: the padded tensor has a second reader, and
+    the conv is still the causal conv it is."""
+    class Prefill(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(D_IN, D)
+            self.conv = nn.Conv1d(D, D, K, groups=D)
+
+        def forward(self, x):
+            u = self.proj(x)
+            if layout.startswith("channels last"):
+                padded = torch.cat([torch.zeros(x.shape[0], K - 1, D), u], 1)              # [B, K-1+T, D]
+                y, state = self.conv(padded.transpose(1, 2)), padded[:, -(K - 1):]
+            else:
+                padded = torch.cat([u.new_zeros(x.shape[0], D, K - 1), u.transpose(1, 2)], -1)  # [B, D, K-1+T]
+                y, state = self.conv(padded), padded[..., -(K - 1):].transpose(1, 2)
+            return F.silu(y).transpose(1, 2), state
+
+    model, x = Prefill(), torch.randn(B, T, D_IN, requires_grad=True)
+    got = torch.compile(model, backend="hecate", options={"fallback": "eager"})(x)
+    report = hecate.last_report()
+    # the projection stays outside, computed once: the state reads its output too
+    assert [f.detail for f in report.fusions] == [detail], str(report)
+    assert report.misses == [], str(report)
+    x_ref = x.detach().clone().requires_grad_()
+    assert_outputs_and_gradients_close(got, model(x_ref), [x, *model.parameters()], [x_ref, *model.parameters()],
+                                       TOL)
