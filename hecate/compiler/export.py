@@ -28,6 +28,7 @@ Streaming (``mode``). A model that generates token by token implements
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import warnings
@@ -120,11 +121,38 @@ def _resolve_dynamic_shapes(dynamic_shapes: Any, args: Sequence[Any], mode: str)
     return dynamic_shapes
 
 
-def _fixed_dims(program: torch.export.ExportedProgram, args: Sequence[Any], names: Sequence[str] | None,
-                requested: tuple) -> list[tuple[str, int, int]]:
-    """(input name, dim, size) for each batch/sequence dim the model's code fixed.
+def _per_argument(dynamic_shapes: Any, module: torch.nn.Module, n_args: int) -> Any:
+    """A dynamic_shapes spec as one entry per argument (torch.export also takes it keyed by forward's parameter
+    names)."""
+    if isinstance(dynamic_shapes, Mapping):
+        return tuple(dynamic_shapes.get(name) for name in list(inspect.signature(module.forward).parameters)[:n_args])
+    return dynamic_shapes
 
-    The batch and the sequence length are those of the first tensor argument; a dim of
+
+def _quietly_fixable(dynamic_shapes: Any, shapes: Any, module: torch.nn.Module, n_args: int) -> tuple | None:
+    """Per flat argument, the dims torch.export may fix without a word: each batch/sequence dim under
+    ``"auto"``, and each dim a user's own spec marks ``Dim.AUTO`` (a ``Dim.DYNAMIC`` or named dim it
+    fixes raises instead)."""
+    if isinstance(dynamic_shapes, str):
+        return shapes if dynamic_shapes == "auto" else None
+    specs = _per_argument(dynamic_shapes, module, n_args)
+    if not isinstance(specs, (tuple, list)):
+        return None
+
+    def auto(spec):
+        dims = spec.items() if isinstance(spec, Mapping) else enumerate(spec) if isinstance(spec, (tuple, list)) \
+            else ()
+        return {d: hint for d, hint in dims if isinstance(hint, type(Dim.AUTO)) and hint == Dim.AUTO}
+
+    return tuple(auto(spec) for spec in specs)
+
+
+def _fixed_dims(program: torch.export.ExportedProgram, args: Sequence[Any], names: Sequence[str] | None,
+                requested: tuple, only_shared_sizes: bool) -> list[tuple[str, int, int]]:
+    """(input name, dim, size) for each requested dim the model's code fixed.
+
+    With ``only_shared_sizes`` (every tensor's dims 0 and 1 requested, as under "auto") only
+    the batch and the sequence length count, those of the first tensor argument: a dim of
     another size (a state's head count, a feature width) is not expected to be dynamic.
     """
     placeholders = [s.arg.name for s in program.graph_signature.input_specs
@@ -140,7 +168,8 @@ def _fixed_dims(program: torch.export.ExportedProgram, args: Sequence[Any], name
         if not spec or not isinstance(val, torch.Tensor):
             continue
         fixed += [(name, d, x.shape[d]) for d in spec
-                  if is_concrete_int(val.shape[d]) and x.shape[d] >= 1 and x.shape[d] == first.shape[d]]
+                  if d < val.ndim and is_concrete_int(val.shape[d]) and x.shape[d] >= 1
+                  and (not only_shared_sizes or d < first.ndim and x.shape[d] == first.shape[d])]
     return fixed
 
 
@@ -206,11 +235,12 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
     # a streaming forward is forward(x, *state): torch.export wants the state's shapes as one tuple
     export_shapes = (shapes[0], tuple(shapes[1:])) if mode == "decode" and isinstance(shapes, (tuple, list)) \
         else shapes
+    quiet = _quietly_fixable(dynamic_shapes, shapes, module, len(flat_args))
 
     def fused(example: tuple) -> tuple[torch.export.ExportedProgram, FusionReport, list]:
         program = torch.export.export(module, example, dict(kwargs or {}), dynamic_shapes=export_shapes)
-        auto = isinstance(dynamic_shapes, str) and dynamic_shapes == "auto"
-        fixed = _fixed_dims(program, example, input_names, shapes) if auto else []
+        fixed = _fixed_dims(program, example, input_names, quiet, only_shared_sizes=isinstance(dynamic_shapes, str)) \
+            if quiet else []
         if shapes is not None:
             _plain_shape_reads(program)
         report = FusionReport(graphs=1)
@@ -229,7 +259,8 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
     program, report, fixed = fused(flat_args)
     if fixed and {d for _, d, _ in fixed} == {1} and mode != "decode" and not kwargs:
         # a Python loop over T fixed the length: once fused, the graph may hold T only in its sizes
-        generic = generic_in_length(program, lambda example: fused(example)[0], module, flat_args, export_shapes)
+        generic = generic_in_length(program, lambda example: fused(example)[0], module, flat_args,
+                                    _per_argument(export_shapes, module, len(flat_args)))
         if generic is not None:  # its inputs are named by position: give them the model's names back
             input_names = input_names or list(program.graph_signature.user_inputs)
             program, fixed = generic, []
@@ -238,7 +269,9 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
                "to keep it dynamic") if size == 1 else (
                "the model's code specialises it (a Python loop over it does, where the fused graph still depends on "
                "it; write the loop with torch's scan to keep it dynamic)")
-        warnings.warn(f"export: the {_DIM_NAMES[d]} dimension (dim {d}) of input {name!r} is fixed at {size} in "
+        what = f"the {_DIM_NAMES[d]} dimension (dim {d})" if isinstance(dynamic_shapes, str) else \
+            f"dim {d}, marked Dim.AUTO,"
+        warnings.warn(f"export: {what} of input {name!r} is fixed at {size} in "
                       f"the exported graph: {why}", stacklevel=3)
     return program, report, (flat_args, input_names, output_names)
 

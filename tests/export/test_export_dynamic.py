@@ -374,6 +374,21 @@ def test_a_length_the_fused_graph_still_depends_on_stays_fixed_and_warns(tmp_pat
     assert_close("onnxruntime", torch.from_numpy(session.run(None, feeds)[0]), model(*args), 1e-5)
 
 
+@pytest.mark.parametrize("given_as", ["tuple", "dict by name"])
+def test_a_length_marked_dim_auto_in_the_users_own_spec_stays_dynamic_through_a_loop(given_as, tmp_path):
+    """The user's own dynamic_shapes marking the length Dim.AUTO gets what "auto" gets: a Python loop fixed it in
+    torch.export, the fused graph has it back (probe r42: it came out fixed at the example's 5, silently)."""
+    dims = {0: Dim.AUTO, 1: Dim.AUTO}
+    spec = (dims, dims, dims) if given_as == "tuple" else {"k": dims, "v": dims, "q": dims}
+    _export_and_check(tmp_path, _GatedHebbian(), _SEQUENCES, "hecate.linear_attention", dynamic_shapes=spec)
+
+
+def test_a_dim_marked_dim_auto_in_the_users_own_spec_that_stays_fixed_warns(tmp_path):
+    model, args = _LengthInTheArithmetic(), (torch.randn(2, 5, 4), torch.randn(2, 5, 3))
+    with pytest.warns(UserWarning, match=r"dim 1, marked Dim.AUTO, of input 'k' is fixed at 5"):
+        hecate.export_onnx(model, args, tmp_path / "fixed.onnx", dynamic_shapes=({1: Dim.AUTO}, {1: Dim.AUTO}))
+
+
 def test_an_example_of_size_one_warns_that_the_dimension_is_fixed(tmp_path):
     """torch.export specialises a dim of size 1 in the example: the batch comes out static, said (probe r42: it
     was silent)."""
