@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
@@ -262,7 +262,7 @@ def _rolled(gm: fx.GraphModule, only: set[int] | None) -> RolledGraph | None:
         if free(loop.s, loop.T, loop.L) == loop.T:
             loops.append(loop)
     for node in nodes:
-        loop = _one_step(nodes, position, node)
+        loop = _one_step(nodes, position, node, loops)
         if loop is not None and all(loop.end <= other.s or other.end <= loop.s for other in loops):
             loops.append(loop)
     loops.sort(key=lambda loop: loop.s)
@@ -975,7 +975,8 @@ def _same_meta(a: fx.Node, b: fx.Node) -> bool:
         and va.shape == vb.shape and va.dtype == vb.dtype and va.device == vb.device
 
 
-def _one_step(nodes: list[fx.Node], position: dict[fx.Node, int], stack: fx.Node) -> _Loop | None:
+def _one_step(nodes: list[fx.Node], position: dict[fx.Node, int], stack: fx.Node,
+              rolled: Sequence[_Loop] = ()) -> _Loop | None:
     """The loop of one step whose output ``stack`` collects, if it is one (else None).
 
     ``for t in range(T)`` at T = 1 leaves one copy of the step: no second copy tells the loop's
@@ -1003,6 +1004,7 @@ def _one_step(nodes: list[fx.Node], position: dict[fx.Node, int], stack: fx.Node
             todo.extend(node.all_input_nodes)
     if first is None:
         return None
+    first = _with_its_state_scalings(nodes, position, first, stack, rolled)
     loop = _Loop(nodes, position, position[first], position[stack] - position[first], 1)
     if not loop._is_stack_of(stack, position[stack.args[0][0]] - loop.s):
         return None
@@ -1041,6 +1043,39 @@ def _one_step(nodes: list[fx.Node], position: dict[fx.Node, int], stack: fx.Node
             loop.carries[o] = init
             loop.args.update({where: ("carry", o) for where in reads[init]})
     return loop if loop.carries and loop.slices else None
+
+
+def _with_its_state_scalings(nodes: list[fx.Node], position: dict[fx.Node, int], first: fx.Node, stack: fx.Node,
+                             rolled: Sequence[_Loop]) -> fx.Node:
+    """The one step's first node, once the scalings of its state computed before its first slice are moved into it.
+
+    ``M = 0.9 * M + v[:, t, :, None] * k[:, t, None, :]`` computes ``0.9 * M`` before the first slice: left
+    there, the step would start from 0.9·M, its decay lost to it, while the normaliser's, written after the
+    slice, stays in the step (and z ← a·z + k no longer matches M's decay). A pure node before ``first`` that
+    computes a tensor of the shape, dtype and device of one it reads (the state's scaling), read only by the
+    step and by no slice, moves to just before ``first``, past pure nodes alone and no loop already found.
+    Exact: it reads what it read, and is computed before each of its readers."""
+    start, end = position[first], position[stack]
+    moved = []
+    for n in reversed(nodes[:start]):
+        if n.op not in _TENSOR_OPS or not _pure(n):
+            break  # nothing moves past a write or a mode switch
+        if any(loop.s <= position[n] < loop.end for loop in rolled):
+            break
+        if n.users and all(start <= position.get(u, -1) < end or u in moved for u in n.users) \
+                and any(_same_meta(n, a) for a in n.all_input_nodes) \
+                and not any(_one_step_slice(u) is not None for u in n.users):
+            moved.insert(0, n)
+    if not moved:
+        return first
+    for n in moved:
+        first.prepend(n)
+    nodes[:] = list(first.graph.nodes)
+    position.clear()
+    position.update({n: i for i, n in enumerate(nodes)})
+    if first.graph.owning_module is not None:
+        first.graph.owning_module.recompile()
+    return moved[0]
 
 
 def _computed_in_a_step(x: fx.Node) -> bool:

@@ -616,6 +616,34 @@ def test_a_decode_step_of_two_memory_layers_fuses_both(fresh_dynamo):
     assert_outputs_and_gradients_close(got, two_memories_decoding_one_token(*xe), xc, xe, 1e-5)
 
 
+def normalised_hebbian_decoding_one_token(x, M, z, W):
+    """A linear transformer's decode step: the memory's decay written first in its line, so ``0.9 * M`` is computed
+    before the step's first slice, and the normaliser's after it."""
+    q, k, v = (x @ W).chunk(3, -1)
+    q, k = F.elu(q) + 1, F.elu(k) + 1
+    ys = []
+    for t in range(x.shape[1]):
+        M = 0.9 * M + v[:, t, :, None] * k[:, t, None, :]
+        z = 0.9 * z + k[:, t]
+        ys.append((M @ q[:, t, :, None]).squeeze(-1) / (z * q[:, t]).sum(-1, keepdim=True))
+    return torch.stack(ys, 1), M, z
+
+
+def test_a_one_token_step_whose_state_is_decayed_before_its_first_slice_fuses_with_its_normaliser(fresh_dynamo):
+    """The decay ``0.9 * M`` computed before the step's first slice was left outside the step of one: the step
+    started from 0.9·M and kept M whole, so its normaliser z ← 0.9·z + k no longer had the memory's decay and it
+    was reported as not one (probe r42 c19). The scaling belongs to the step."""
+    args = [torch.randn(2, 1, 3), torch.randn(2, 3, 3), torch.rand(2, 3) + 1, torch.randn(3, 9)]
+    xc, xe = ([a.clone().requires_grad_() for a in args] for _ in range(2))
+    got = torch.compile(normalised_hebbian_decoding_one_token, backend="hecate", options={"fallback": "eager"})(*xc)
+    report = hecate.last_report()
+    assert [f.detail for f in report.fusions] == [
+        "Hebbian M ← α M + v φ(k)ᵀ, normalised by z ← α z + φ(k); chunked at T >= 64; loop rolled up 1 step"], \
+        str(report)
+    assert not report.misses, str(report)
+    assert_outputs_and_gradients_close(got, normalised_hebbian_decoding_one_token(*xe), xc, xe, 1e-5)
+
+
 def test_one_token_memory_forward_with_momentum_is_reported_as_a_single_step(fresh_dynamo):
     model = LpMemory(8, n_heads=2, d_k=4, d_v=4, p=2.0, momentum=0.5)
     x = torch.randn(2, 1, 8)
