@@ -31,6 +31,7 @@ import contextlib
 import inspect
 import logging
 import os
+import sys
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -238,7 +239,8 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
     quiet = _quietly_fixable(dynamic_shapes, shapes, module, len(flat_args))
 
     def fused(example: tuple) -> tuple[torch.export.ExportedProgram, FusionReport, list]:
-        program = torch.export.export(module, example, dict(kwargs or {}), dynamic_shapes=export_shapes)
+        with _user_frames_recorded(model):
+            program = torch.export.export(module, example, dict(kwargs or {}), dynamic_shapes=export_shapes)
         fixed = _fixed_dims(program, example, input_names, quiet, only_shared_sizes=isinstance(dynamic_shapes, str)) \
             if quiet else []
         if shapes is not None:
@@ -274,6 +276,32 @@ def _export(model, args, kwargs, options, dynamic_shapes, mode):
         warnings.warn(f"export: {what} of input {name!r} is fixed at {size} in "
                       f"the exported graph: {why}", stacklevel=3)
     return program, report, (flat_args, input_names, output_names)
+
+
+@contextlib.contextmanager
+def _user_frames_recorded(model: torch.nn.Module):
+    """Let each node's stack trace keep the model's own frames, not only ``forward``'s.
+
+    torch.export records the frames of ``forward`` methods alone, so a line inside a
+    streaming model's ``prefill``/``step``, or a helper they call, reads as the caller's
+    (Hecate's own wrapper, in streaming modes). While exporting, every function defined by
+    the model's classes and their modules is one of torch's stack-trace anchors too."""
+    anchors = getattr(torch.fx.proxy, "_STACK_TRACE_ANCHORS", None)
+    if not isinstance(anchors, set):  # (a torch without them: the reports name forward's lines)
+        yield
+        return
+    added = set()
+    for cls in {type(m) for m in model.modules()}:
+        if cls.__module__.split(".")[0] == "torch":
+            continue
+        defined = [*vars(cls).values(), *vars(sys.modules.get(cls.__module__, cls)).values()]
+        added |= {(f.__code__.co_filename, f.__code__.co_name) for f in defined if inspect.isfunction(f)}
+    added -= anchors
+    anchors |= added
+    try:
+        yield
+    finally:
+        anchors -= added
 
 
 def _fuse_branches(gm: torch.fx.GraphModule, opts, report: FusionReport) -> None:

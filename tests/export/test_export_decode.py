@@ -125,6 +125,34 @@ def test_decode_of_a_block_with_tuple_output(tmp_path):
         assert_close(f"output {n}", torch.from_numpy(g), e, TOL)
 
 
+class _NonCausalPrefill(torch.nn.Module):
+    """A streaming layer whose prefill convolves with padding on both sides (not causal): a near-miss whose line
+    is in a helper the prefill calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(4, 4, 3, groups=4, padding=1)
+
+    def initial_state(self, batch):
+        return (torch.zeros(batch, 4),)
+
+    def _mix(self, x):
+        return torch.nn.functional.silu(self.conv(x.transpose(1, 2))).transpose(1, 2)  # the line reported
+
+    def prefill(self, x):
+        y = self._mix(x)
+        return y, (y[:, -1],)
+
+
+def test_a_streaming_reports_lines_are_the_models_own(tmp_path):
+    """torch.export keeps only forward's frames, and a streaming export's forward is Hecate's own wrapper: each
+    near-miss was placed at Hecate's export.py (probe r42). It names the model's line, inside its helper."""
+    report = hecate.export_onnx(_NonCausalPrefill(), (torch.randn(2, 5, 4),), tmp_path / "p.onnx", mode="prefill")
+    assert [m.pattern for m in report.misses] == ["qk_preprocess"], str(report)
+    assert report.misses[0].source.startswith("test_export_decode.py:"), report.misses[0].source
+    assert report.misses[0].source.endswith("# the line reported"), report.misses[0].source
+
+
 def test_streaming_mode_needs_the_protocol(tmp_path):
     with pytest.raises(TypeError, match=r"has no prefill\(\)"):
         hecate.export_onnx(torch.nn.Linear(3, 3), (torch.randn(2, 3),), tmp_path / "x.onnx", mode="prefill")
