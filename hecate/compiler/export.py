@@ -42,7 +42,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
 from hecate.compiler.lengths import generic_in_length
-from hecate.compiler.normalize import normalize, normalize_graph
+from hecate.compiler.normalize import normalize
 from hecate.compiler.options import parse_options
 from hecate.compiler.pipeline import fuse_rolled_loops, run_passes
 from hecate.passes.report import FusionReport
@@ -310,7 +310,7 @@ def _fuse_branches(gm: torch.fx.GraphModule, opts, report: FusionReport) -> None
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.cond):
         for branch in node.args[1:3]:
             body, branch_report = getattr(gm, branch.target), FusionReport()
-            normalize_graph(body)
+            normalize(body)  # (with the bodies of a scan in the branch)
             values = [n.meta["val"] for n in body.graph.find_nodes(op="placeholder")]
             rolled = fuse_rolled_loops(body, values, opts, branch_report, dump_name="export")
             if rolled is not None:

@@ -204,14 +204,14 @@ def may_run_no_step(x) -> bool:
     return x.shape is None or not (isinstance(x.shape[1], int) and x.shape[1] >= 1)
 
 
-def with_a_last_step(x, fill: float):
-    """``x`` [B, T, ...] FLOAT with one more step at the end, every element ``fill``: given a write of zero
-    (k = 0) and a decay of one, the step keeps the state as it is, and its output is sliced off."""
+def with_a_last_step(x):
+    """``x`` [B, T, ...] FLOAT with one more step at the end, every element zero: a zero key writes nothing and
+    a zero log-decay (or forget rate) keeps the state as it is; the step's output is sliced off."""
     from onnxscript import ir
     from onnxscript import opset18 as op
 
     shape = op.Concat(op.Shape(x, start=0, end=1), op.Constant(value_ints=[1]), op.Shape(x, start=2), axis=0)
-    return op.Concat(x, op.Expand(op.Constant(value=ir.tensor([fill], dtype=ir.DataType.FLOAT)), shape), axis=1)
+    return op.Concat(x, op.Expand(op.Constant(value=ir.tensor([0.0], dtype=ir.DataType.FLOAT)), shape), axis=1)
 
 
 def first_steps(y, like):

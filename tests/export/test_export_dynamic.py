@@ -332,6 +332,28 @@ def test_a_users_scan_is_fused_on_export_as_under_compile(tmp_path):
     _export_and_check(tmp_path, _DeltaRuleByScan(), _SEQUENCES, "hecate.memory_scan")
 
 
+class _ScanChosenByCond(torch.nn.Module):
+    """torch.cond between the delta rule by scan on the keys and on the keys negated."""
+
+    def forward(self, k, v, q):
+        scan = _DeltaRuleByScan()
+        return torch.cond(k.sum() > 0, lambda k, v, q: scan(k, v, q), lambda k, v, q: scan(-k, v, q), (k, v, q))
+
+
+def test_a_users_scan_inside_a_cond_branch_is_fused_on_export(tmp_path):
+    """A branch's scan body is put in the normal form too (it was not: each branch's graph was, not the scans in
+    it, so the matmul outer product was no outer product and neither branch fused)."""
+    model, path = _ScanChosenByCond(), tmp_path / "cond_scan.onnx"
+    args = _SEQUENCES(2, 5)
+    report = hecate.export_onnx(model, args, path)
+    assert [f.op for f in report.fusions] == ["hecate.memory_scan"] * 2, str(report)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for sign in (1, -1):  # the predicate true, then false
+        sample = (sign * args[0].abs(), *args[1:])
+        (got,) = session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), sample)})
+        assert_close("onnxruntime", torch.from_numpy(got), model(*sample), TOL)
+
+
 class _LengthInTheArithmetic(torch.nn.Module):
     """A loop whose outputs are scaled by the step's index t + 1, a Python number each step: the steps differ, the
     loop stays unrolled, and the graph holds T steps. (Scaled by 1/T, the read's function is fused, T symbolic.)"""

@@ -122,8 +122,8 @@ def linear_attention_fused_onnx(*args, **kwargs):
     rule = "linear" if decay is None else "gated"
     padded = may_run_no_step(a["k"])
     if padded:
-        q, k, v = (with_a_last_step(x, 0.0) for x in (q, k, v))
-        decay = None if decay is None else with_a_last_step(decay, 0.0)
+        q, k, v = (with_a_last_step(x) for x in (q, k, v))
+        decay = None if decay is None else with_a_last_step(decay)
     packed = [merge_heads(x) for x in (q, k, v)]
     y_rows, state = call_fused("LinearAttention", *packed, past, decay,
                                shapes=([B, None if padded else T, H * Dv_rows if Dv_rows else None], [B, H, Dk, Dv_rows]),

@@ -155,7 +155,7 @@ def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbia
     given = k
     padded = not use_momentum and may_run_no_step(k)  # (momentum would carry on through a step with k = 0)
     if padded:
-        k, v, q, alpha, eta = (with_a_last_step(x, 0.0) for x in (k, v, q, alpha, eta))
+        k, v, q, alpha, eta = (with_a_last_step(x) for x in (k, v, q, alpha, eta))
     body = _scan_body(_core.current_tracer.opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian,
                       bias, beta, decay_first)
     if use_momentum and S0 is None:
@@ -238,7 +238,7 @@ def memory_scan_fused_onnx(*args, **kwargs):
         v_kept = op.Mul(v, op.Unsqueeze(keep, op.Constant(value_ints=[-1])))   # v' = γ v
     log_keep, padded = op.Log(keep), may_run_no_step(a["k"])
     if padded:
-        q, k, v_kept, log_keep, beta = (with_a_last_step(x, 0.0) for x in (q, k, v_kept, log_keep, beta))
+        q, k, v_kept, log_keep, beta = (with_a_last_step(x) for x in (q, k, v_kept, log_keep, beta))
     packed = [merge_heads(x) for x in (q, k, v_kept)]
     past = None if a["m0"] is None else op.Transpose(op.Cast(a["m0"], to=_FLOAT), perm=[0, 1, 3, 2])
     B, T, _, Dk = dims(a["k"], 0, 1, 2, 3) or (None,) * 4
