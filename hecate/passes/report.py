@@ -137,11 +137,13 @@ def source_line(nodes: Iterable[Any]) -> str:
 
     Dynamo records each node's Python stack (``node.meta["stack_trace"]``); its last
     ``File ..., line N`` entry outside torch itself (``torch.vmap``'s own frames come last
-    inside a vmap) is the user's own line.
+    inside a vmap) is the user's own line. A frame of FX's generated code (``<eval_with_key>``,
+    where torch.export re-traces a scan's body) is nobody's line.
     """
     for node in nodes:
         trace = getattr(node, "meta", {}).get("stack_trace") or ""
-        frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+        frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+                  if not f[0].startswith("<eval_with_key>")]
         users = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
         if users:
             path, line, code = users[-1]

@@ -175,3 +175,18 @@ def test_a_break_inside_a_checkpoint_region_names_the_region(fresh_dynamo):
     report = hecate.explain(_printing_in_a_checkpoint, torch.randn(3, requires_grad=True))
     assert report.graphs == 0 and report.graph_breaks, str(report)
     assert "one inside a torch.utils.checkpoint region" in str(report) and "out of the loop or region" in str(report)
+
+
+def test_a_line_of_fx_generated_code_is_not_the_users():
+    """torch.export re-traces a scan's body from its generated code: that frame, last in the trace, was named as
+    the source (``<eval_with_key>.13:5: getitem = child_1[...]``). The line before it is the user's; with no
+    other frame there is no line to give."""
+    from hecate.passes.report import source_line
+
+    user = 'File "/home/me/model.py", line 12, in step\n    M = M + v[:, :, None] * k[:, None, :]\n'
+    generated = 'File "<eval_with_key>.13", line 5, in forward\n    getitem = child_1[(slice(None), None)]\n'
+    node = torch.fx.Graph().placeholder("x")
+    node.meta["stack_trace"] = user + generated
+    assert source_line([node]) == "model.py:12: M = M + v[:, :, None] * k[:, None, :]"
+    node.meta["stack_trace"] = generated
+    assert source_line([node]) == ""
