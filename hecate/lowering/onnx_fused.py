@@ -204,21 +204,27 @@ def may_run_no_step(x) -> bool:
     return x.shape is None or not (isinstance(x.shape[1], int) and x.shape[1] >= 1)
 
 
-def with_a_last_step(x):
-    """``x`` [B, T, ...] FLOAT with one more step at the end, every element zero: a zero key writes nothing and
-    a zero log-decay (or forget rate) keeps the state as it is; the step's output is sliced off."""
+def with_a_zero_step(x, first: bool = False):
+    """``x`` [B, T, ...] FLOAT with one more step at the end (``first``: at the start), every element zero: a zero
+    key writes nothing and a zero log-decay (or forget rate) keeps the state as it is; the step's output is
+    dropped (:func:`without_the_zero_step`). A momentum buffer moves the memory through any step unless it is
+    still zero: its zero step goes first."""
     from onnxscript import ir
     from onnxscript import opset18 as op
 
     shape = op.Concat(op.Shape(x, start=0, end=1), op.Constant(value_ints=[1]), op.Shape(x, start=2), axis=0)
-    return op.Concat(x, op.Expand(op.Constant(value=ir.tensor([0.0], dtype=ir.DataType.FLOAT)), shape), axis=1)
+    zeros = op.Expand(op.Constant(value=ir.tensor([0.0], dtype=ir.DataType.FLOAT)), shape)
+    return op.Concat(*((zeros, x) if first else (x, zeros)), axis=1)
 
 
-def first_steps(y, like):
-    """``y`` [B, T + 1, ...] without its last step: as many steps as ``like`` [B, T, ...] has."""
+def without_the_zero_step(y, like, first: bool = False):
+    """``y`` [B, T + 1, ...] without the step :func:`with_a_zero_step` added: as many steps as ``like`` [B, T, ...]
+    has."""
     from onnxscript import opset18 as op
 
-    return op.Slice(y, op.Constant(value_ints=[0]), op.Shape(like, start=1, end=2), op.Constant(value_ints=[1]))
+    length = op.Shape(like, start=1, end=2)
+    start = op.Constant(value_ints=[1 if first else 0])
+    return op.Slice(y, start, op.Add(length, start), op.Constant(value_ints=[1]))
 
 
 def dims(value, *axes):

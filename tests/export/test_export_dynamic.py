@@ -250,26 +250,35 @@ class _ReadFirst(torch.nn.Module):
     """y_t = M_{t−1} q_t, the memory not returned: torch.export drops the last step's write (dead), so the loop
     rolls into T − 1 steps and the last read follows it; at T = 1 the fused op runs no step."""
 
-    def __init__(self, delta: bool):
+    def __init__(self, rule: str):
         super().__init__()
-        self.delta = delta
+        self.rule = rule
 
     def forward(self, k, v, q):
         M, ys = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), []
+        S = torch.zeros_like(M)
         for t in range(k.shape[1]):
             ys.append((M @ q[:, t, :, None])[..., 0])
-            kt = F.normalize(k[:, t], dim=-1) if self.delta else k[:, t]
-            write = v[:, t] - (M @ kt[..., None])[..., 0] if self.delta else v[:, t]
-            M = 0.9 * M + 0.5 * write[..., None] * kt[:, None, :]
+            if self.rule == "hebbian":
+                M = 0.9 * M + 0.5 * v[:, t, :, None] * k[:, t, None, :]
+                continue
+            kt = F.normalize(k[:, t], dim=-1)
+            error = (M @ kt[..., None])[..., 0] - v[:, t]
+            if self.rule == "delta_rule":
+                M = 0.9 * M - 0.5 * error[..., None] * kt[:, None, :]
+            else:  # a momentum buffer (Titans)
+                S = 0.8 * S - 0.3 * error[..., None] * kt[:, None, :]
+                M = 0.9 * M + S
         return torch.stack(ys, 1)
 
 
 @pytest.mark.parametrize("opset", [None, 18], ids=["opset_default", "opset_18"])
-@pytest.mark.parametrize("delta", [False, True], ids=["hebbian", "delta_rule"])
-def test_a_loop_that_runs_no_step_at_one_token_runs_in_onnxruntime(delta, opset, tmp_path):
+@pytest.mark.parametrize("rule", ["hebbian", "delta_rule", "momentum"])
+def test_a_loop_that_runs_no_step_at_one_token_runs_in_onnxruntime(rule, opset, tmp_path):
     """onnxruntime refuses a Scan or a LinearAttention over 0 steps (a Reshape of -1 beside a 0, or SIGFPE at
-    opset 18: probe r42); the translations run one more step that writes 0 without decay, and drop its output."""
-    model, path = _ReadFirst(delta).eval(), tmp_path / "model.onnx"
+    opset 18: probe r42); the translations run one more step that writes 0 without decay, and drop its output.
+    A momentum buffer moves the memory even then: its zero step runs first, while the buffer is still zero."""
+    model, path = _ReadFirst(rule).eval(), tmp_path / "model.onnx"
     report = hecate.export_onnx(model, _SEQUENCES(2, 5), path, opset_version=opset)
     assert report.fusions, str(report)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

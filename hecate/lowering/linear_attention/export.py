@@ -11,8 +11,8 @@ from onnxscript import opset18 as op
 
 from hecate.lowering.linear_attention.naive import linear_attention_naive
 from hecate.lowering.memory_scan.export import as_state, recurrence_onnx, zeros_state
-from hecate.lowering.onnx_fused import (call_fused, dims, first_steps, fused_translation, may_run_no_step, merge_heads,
-                                        note, static_dim, use_fused, with_a_last_step)
+from hecate.lowering.onnx_fused import (call_fused, dims, fused_translation, may_run_no_step, merge_heads, note,
+                                        static_dim, use_fused, with_a_zero_step, without_the_zero_step)
 from hecate.lowering.registry import decomposition, onnx_translation
 
 _FLOAT = 1  # onnx TensorProto.FLOAT
@@ -122,8 +122,8 @@ def linear_attention_fused_onnx(*args, **kwargs):
     rule = "linear" if decay is None else "gated"
     padded = may_run_no_step(a["k"])
     if padded:
-        q, k, v = (with_a_last_step(x) for x in (q, k, v))
-        decay = None if decay is None else with_a_last_step(decay)
+        q, k, v = (with_a_zero_step(x) for x in (q, k, v))
+        decay = None if decay is None else with_a_zero_step(decay)
     packed = [merge_heads(x) for x in (q, k, v)]
     y_rows, state = call_fused("LinearAttention", *packed, past, decay,
                                shapes=([B, None if padded else T, H * Dv_rows if Dv_rows else None], [B, H, Dk, Dv_rows]),
@@ -132,7 +132,7 @@ def linear_attention_fused_onnx(*args, **kwargs):
          ("M ← αM + v kᵀ with g = log α" if decay is not None else "M ← M + v kᵀ")
          + ("; normaliser as value column v' = [v, 1]" if normalize else ""))
     if padded:
-        y_rows = first_steps(y_rows, a["k"])
+        y_rows = without_the_zero_step(y_rows, a["k"])
     rows = op.Shape(v, start=3, end=4)                                       # Dv (+ 1): no -1 beside a T of 0
     y_rows = op.Reshape(y_rows, op.Concat(head_shape, rows, axis=0))
     A = op.Transpose(state, perm=[0, 1, 3, 2])                               # [B, H, Dv (+ 1), Dk]

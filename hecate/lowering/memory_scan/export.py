@@ -25,8 +25,9 @@ from onnxscript import opset18 as op
 
 from hecate.lowering import pointwise
 from hecate.lowering.memory_scan.naive import memory_scan_naive
-from hecate.lowering.onnx_fused import (MIN_RETENTION, call_fused, dims, first_steps, fused_translation,
-                                        may_run_no_step, merge_heads, note, static_dim, use_fused, with_a_last_step)
+from hecate.lowering.onnx_fused import (MIN_RETENTION, call_fused, dims, fused_translation, may_run_no_step,
+                                        merge_heads, note, static_dim, use_fused, with_a_zero_step,
+                                        without_the_zero_step)
 from hecate.lowering.registry import decomposition, onnx_translation
 
 _FLOAT = 1  # onnx TensorProto.FLOAT
@@ -153,9 +154,11 @@ def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbia
         A0.shape = ir.Shape([k.shape[0], k.shape[2], v.shape[3], k.shape[3]])
     use_momentum = momentum != 0.0
     given = k
-    padded = not use_momentum and may_run_no_step(k)  # (momentum would carry on through a step with k = 0)
+    # (a momentum buffer given nonzero moves the memory through any step: no zero step then)
+    padded = may_run_no_step(k) and (not use_momentum or S0 is None)
     if padded:
-        k, v, q, alpha, eta = (with_a_last_step(x) for x in (k, v, q, alpha, eta))
+        k, v, q, alpha, eta = (with_a_zero_step(x, first=use_momentum) for x in (k, v, q, alpha, eta))
+        beta = None if beta is None else with_a_zero_step(beta, first=True)
     body = _scan_body(_core.current_tracer.opset, A0, k, v, q, alpha, eta, p, a, eps, momentum, q_norm, hebbian,
                       bias, beta, decay_first)
     if use_momentum and S0 is None:
@@ -164,7 +167,7 @@ def recurrence_onnx(k, v, q, alpha, eta, A0, p, a, eps, momentum, q_norm, hebbia
     scanned = [x for x in (k, v, q, alpha, eta, beta) if x is not None]
     outputs = call_op("Scan", *inits, *scanned, _num_outputs=len(inits) + 1, body=body,
                       num_scan_inputs=len(scanned), scan_input_axes=[1] * len(scanned), scan_output_axes=[1])
-    y = first_steps(outputs[-1], given) if padded else outputs[-1]
+    y = without_the_zero_step(outputs[-1], given, first=use_momentum) if padded else outputs[-1]
     return y, outputs[0], outputs[1] if use_momentum else None
 
 
@@ -238,7 +241,7 @@ def memory_scan_fused_onnx(*args, **kwargs):
         v_kept = op.Mul(v, op.Unsqueeze(keep, op.Constant(value_ints=[-1])))   # v' = γ v
     log_keep, padded = op.Log(keep), may_run_no_step(a["k"])
     if padded:
-        q, k, v_kept, log_keep, beta = (with_a_last_step(x) for x in (q, k, v_kept, log_keep, beta))
+        q, k, v_kept, log_keep, beta = (with_a_zero_step(x) for x in (q, k, v_kept, log_keep, beta))
     packed = [merge_heads(x) for x in (q, k, v_kept)]
     past = None if a["m0"] is None else op.Transpose(op.Cast(a["m0"], to=_FLOAT), perm=[0, 1, 3, 2])
     B, T, _, Dk = dims(a["k"], 0, 1, 2, 3) or (None,) * 4
@@ -250,7 +253,7 @@ def memory_scan_fused_onnx(*args, **kwargs):
          "p = 2, decay first: M ← γM − 2η(γMk − v)kᵀ with γ = 1 − α is gated delta with g = log γ, β = 2η"
          if a["decay_first"] else
          "p = 2: M ← γM − 2η(Mk − v)kᵀ with γ = 1 − α is gated delta with g = log γ, β = 2η/γ, v' = γv")
-    y = op.Reshape(first_steps(y, a["k"]) if padded else y, op.Shape(a["v"]))
+    y = op.Reshape(without_the_zero_step(y, a["k"]) if padded else y, op.Shape(a["v"]))
     if out_dtype != ir.DataType.FLOAT:
         y = op.Cast(y, to=int(out_dtype))
     return (y, as_state(op.Transpose(state, perm=[0, 1, 3, 2]), out_dtype),
