@@ -175,6 +175,7 @@ class _Program(torch.nn.Module):
                 self.register_buffer(name, value)
             self.lifted.append((i, name))
         self.n_inputs = len(specs.input_specs)
+        self.out_spec = program.call_spec.out_spec  # the user's output structure (a tensor, not a 1-tuple)
 
     def forward(self, *user_args):
         inputs: list[Any] = [None] * self.n_inputs
@@ -182,7 +183,8 @@ class _Program(torch.nn.Module):
             inputs[i] = getattr(self, name)
         rest = iter(user_args)
         inputs = [next(rest) if x is None else x for x in inputs]
-        return self.graph_module(*inputs)
+        outputs = self.graph_module(*inputs)
+        return torch.utils._pytree.tree_unflatten(list(outputs), self.out_spec) if self.out_spec else outputs
 
 
 def _checks_at(program: torch.export.ExportedProgram, module: torch.nn.Module, args: tuple, tol: float = 1e-5) -> bool:

@@ -289,6 +289,23 @@ def test_a_loop_that_runs_no_step_at_one_token_runs_in_onnxruntime(rule, opset, 
             assert_close(f"output at batch {batch}, length {length}", torch.from_numpy(got), model(*args), TOL)
 
 
+@pytest.mark.parametrize("rule", ["hebbian", "delta_rule"])
+def test_a_program_generalised_in_the_length_returns_what_the_model_returns(rule):
+    """The torch program re-exported with T symbolic returned its outputs as a tuple where the model returns one
+    tensor (probe r42)."""
+    from hecate.compiler.export import export_program
+
+    model = _ReadFirst(rule).eval()
+    program, report = export_program(model, _SEQUENCES(2, 5), dynamic_shapes="auto")
+    assert report.fusions, str(report)
+    for length in (5, 8):
+        args = _SEQUENCES(3, length)
+        with torch.no_grad():
+            got, expected = program.module()(*args), model(*args)
+        assert isinstance(got, torch.Tensor), type(got)
+        assert_close(f"length {length}", got, expected, TOL)
+
+
 class _MemoryChosenByCond(torch.nn.Module):
     """torch.cond between a Hebbian loop and a delta rule, on the data: its operands are chunks of one projection,
     cloned so that they do not alias (torch.cond's rule)."""
