@@ -874,12 +874,15 @@ class _Loop:
 
 
 _STACKS = (torch.stack, torch.ops.aten.stack.default)
-_CATS = (torch.cat, torch.concat, torch.ops.aten.cat.default)
 
 
 _ARITHMETIC = (operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div, torch.add, torch.sub,
                "mul", "div", "add", "sub", "__mul__", "__rmul__", "__truediv__", "__add__", "__radd__", "__sub__",
                "__rsub__")
+# a state's scaling (its decay written first: 0.9 * M, M / 2, -M), Dynamo's spellings and ATen's
+_SCALINGS = (operator.mul, operator.truediv, operator.neg, torch.mul, torch.div, torch.neg, "mul", "div", "neg",
+             "__mul__", "__rmul__", "__truediv__", "__neg__", torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor,
+             torch.ops.aten.neg.default)
 # a power whose exponent (γ ** (t + 1) of a discount) or base differs at every step
 _POWERS = (operator.pow, torch.pow, "pow", "__pow__", "__rpow__")
 
@@ -1051,9 +1054,10 @@ def _with_its_state_scalings(nodes: list[fx.Node], position: dict[fx.Node, int],
 
     ``M = 0.9 * M + v[:, t, :, None] * k[:, t, None, :]`` computes ``0.9 * M`` before the first slice: left
     there, the step would start from 0.9·M, its decay lost to it, while the normaliser's, written after the
-    slice, stays in the step (and z ← a·z + k no longer matches M's decay). A pure node before ``first`` that
-    computes a tensor of the shape, dtype and device of one it reads (the state's scaling), read only by the
-    step and by no slice, moves to just before ``first``, past pure nodes alone and no loop already found.
+    slice, stays in the step (and z ← a·z + k no longer matches M's decay). A product, quotient or negation
+    before ``first`` of a tensor of its own shape, dtype and device (the state's scaling; not ``zeros_like(M)``,
+    a second state's start), read only by the step and by no slice, moves to just before ``first``, past pure
+    nodes alone and no loop already found.
     Exact: it reads what it read, and is computed before each of its readers."""
     start, end = position[first], position[stack]
     moved = []
@@ -1062,7 +1066,8 @@ def _with_its_state_scalings(nodes: list[fx.Node], position: dict[fx.Node, int],
             break  # nothing moves past a write or a mode switch
         if any(loop.s <= position[n] < loop.end for loop in rolled):
             break
-        if n.users and all(start <= position.get(u, -1) < end or u in moved for u in n.users) \
+        if n.target in _SCALINGS and n.users and all(start <= position.get(u, -1) < end or u in moved
+                                                     for u in n.users) \
                 and any(_same_meta(n, a) for a in n.all_input_nodes) \
                 and not any(_one_step_slice(u) is not None for u in n.users):
             moved.insert(0, n)
