@@ -102,7 +102,7 @@ class _SharedViewMatcher(SubgraphMatcher):
         super().__init__(pattern, **kwargs)
         self.input_views: set[fx.Node] = set()
         for pn in pattern.nodes:  # in order: a view's inputs are classified before it
-            if (_is_view(pn) or pn.target is torch.ops.aten.pad.default) \
+            if (is_view(pn) or pn.target is torch.ops.aten.pad.default) \
                     and all(i.op == "placeholder" or i in self.input_views for i in pn.all_input_nodes):
                 self.input_views.add(pn)
 
@@ -130,7 +130,7 @@ class _SharedViewMatcher(SubgraphMatcher):
         return kept
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view(node: fx.Node) -> bool:
     """An ATen call whose result aliases its input without writing it (transpose, view, slice, ...)."""
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
     return schema is not None and not schema.is_mutable and len(schema.returns) == 1 \

@@ -56,7 +56,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from hecate.compiler.normalize import WRITTEN_BACK
 from hecate.passes.matching import NotFused, bound_reason, computed_from, eliminate_dead_code, first_gradient_stop, \
     first_threshold, INPUT_WRITTEN_ADVICE, gradient_stop, gradient_stop_reason, inline, is_one, \
-    is_register_hook, is_zeros, op_name, replace_with_function, snapped, written_tensor
+    is_register_hook, is_view, is_zeros, op_name, replace_with_function, snapped, written_tensor
 from hecate.passes.report import source_line
 
 aten = torch.ops.aten
@@ -2131,6 +2131,19 @@ def _written_at_two_indices(write: fx.Node) -> bool:
         and target.args[0].target is aten.select.int
 
 
+def _a_loops_final_state(node: fx.Node) -> bool:
+    """Whether ``node`` is (a view of) the final state of a loop rolled up (a scan) or fused (a Hecate op)."""
+    while node.op == "call_function" and (node.target is operator.getitem or is_view(node)):
+        node = node.args[0]
+    return node.op == "call_function" and (node.target is torch.ops.higher_order.scan or isinstance(
+        node.target, torch._ops.OpOverload) and node.target.namespace == "hecate")
+
+
+def _carried_on(update: fx.Node) -> bool:
+    """Whether the sum ``update`` is a state: returned, or a term of another such sum."""
+    return any(u.op == "output" or u.target in (aten.add.Tensor, aten.sub.Tensor) for u in update.users)
+
+
 def _reads_the_state(update: fx.Node) -> bool:
     """Whether the outer product of ``update`` (a·M ± outer product) is computed from the state M it updates (the
     error M k − v of a delta rule), not only from the step's tokens (a Hebbian v kᵀ)."""
@@ -2168,9 +2181,11 @@ def report_unrolled_updates(gm: fx.GraphModule, report: Any) -> None:
         outer = [t for t in terms if _is_outer_product(t)]
         if any(isinstance(t, fx.Node) and t.target == aten.cumsum.default and t.args[0] in outer for t in terms):
             continue  # every step's state at once, cumsum(v kᵀ) − v kᵀ: an exclusive prefix sum, no step
-        if outer and (any(isinstance(t, fx.Node) and not _is_outer_product(t) and isinstance(t.meta.get("val"),
-                                                                                              torch.Tensor)
-                          and t.meta["val"].shape == value.shape for t in terms) or _steps_apart(outer)):
+        states = [t for t in terms if isinstance(t, fx.Node) and not _is_outer_product(t)
+                  and isinstance(t.meta.get("val"), torch.Tensor) and t.meta["val"].shape == value.shape]
+        if states and all(map(_a_loops_final_state, states)) and not _carried_on(node):
+            continue  # the bonus of a read after a loop, r (S + u k vᵀ), its step's write dead: no update
+        if outer and (states or _steps_apart(outer)):
             updates.append(node)
     if updates:
         gm.meta["hecate_unrolled_reported"] = True

@@ -306,6 +306,35 @@ def test_a_program_generalised_in_the_length_returns_what_the_model_returns(rule
         assert_close(f"length {length}", got, expected, TOL)
 
 
+class _RWKV6(torch.nn.Module):
+    """RWKV-6's wkv: o_t = r_tᵀ (S + diag(u) k_t v_tᵀ), S ← diag(w_t) S + k_t v_tᵀ, the state stored [Dk, Dv]."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.rkvw = torch.nn.Linear(d, 4 * d)
+        self.u = torch.nn.Parameter(torch.randn(d) * 0.5)
+
+    def forward(self, x):
+        r, k, v, w = self.rkvw(x).chunk(4, -1)
+        w = torch.exp(-torch.exp(w))
+        S, outs = x.new_zeros(x.shape[0], x.shape[-1], x.shape[-1]), []
+        for t in range(x.shape[1]):
+            kv = k[:, t, :, None] * v[:, t, None, :]
+            outs.append(torch.einsum("bk,bkv->bv", r[:, t], S + self.u[:, None] * kv))
+            S = w[:, t, :, None] * S + kv
+        return torch.stack(outs, 1)
+
+
+def test_rwkv6_exports_fused_with_no_miss_for_its_last_bonus_read(tmp_path):
+    """torch.export drops the last step's dead write, so the last read, r (S + u k vᵀ), follows the rolled loop:
+    its bonus sum was reported as one memory update step not rolled up (probe r42 c06)."""
+    torch.manual_seed(0)
+    model, path = _RWKV6().eval(), tmp_path / "rwkv6.onnx"
+    report = hecate.export_onnx(model, _x(4)(2, 5), path)
+    assert [f.op for f in report.fusions] == ["hecate.linear_attention"] and not report.misses, str(report)
+    _run_grid(path, model, _x(4))
+
+
 class _MemoryChosenByCond(torch.nn.Module):
     """torch.cond between a Hebbian loop and a delta rule, on the data: its operands are chunks of one projection,
     cloned so that they do not alias (torch.cond's rule)."""
