@@ -222,9 +222,8 @@ def without_the_zero_step(y, like, first: bool = False):
     has."""
     from onnxscript import opset18 as op
 
-    length = op.Shape(like, start=1, end=2)
-    start = op.Constant(value_ints=[1 if first else 0])
-    return op.Slice(y, start, op.Add(length, start), op.Constant(value_ints=[1]))
+    start, end = ([1], op.Constant(value_ints=[2 ** 63 - 1])) if first else ([0], op.Shape(like, start=1, end=2))
+    return op.Slice(y, op.Constant(value_ints=start), end, op.Constant(value_ints=[1]))
 
 
 def dims(value, *axes):
