@@ -4281,3 +4281,43 @@ def test_rwkv6_with_its_bonus_for_the_current_token_fuses(fn, fresh_dynamo):
     assert report.count("linear_attention") == 1 and not report.misses, str(report)
     assert _BONUS_READS[fn] in report.fusions[0].detail, str(report)
     assert_outputs_and_gradients_close(got, fn(*ref_inputs), inputs, ref_inputs, TOL)
+
+
+def _square_memory_decayed_per_row(write):
+    """A delta rule on one memory per sequence [B, D, D] (no heads, Dv = Dk), decayed by a_t one per value row,
+    the error formed from the memory before the decay; ``write`` places the decay and the step size."""
+    def step(k, v, q, a, eta):
+        M, ys = k.new_zeros(k.shape[0], v.shape[-1], k.shape[-1]), []
+        for t in range(k.shape[1]):
+            e = (M @ k[:, t, :, None])[..., 0] - v[:, t]
+            M = write(M, e, k[:, t], a[:, t], eta[:, t])
+            ys.append((M @ q[:, t, :, None])[..., 0])
+        return torch.stack(ys, 1), M
+    return step
+
+
+SQUARE_PER_ROW = {  # name: M ← ... (a_t, η_t one per value row [B, D])
+    "a M − (η e) kᵀ": lambda M, e, k, a, eta: a[:, :, None] * M - (eta * e)[:, :, None] * k[:, None, :],
+    "a ⊙ (M − (η e) kᵀ)": lambda M, e, k, a, eta: a[:, :, None] * (M - (eta * e)[:, :, None] * k[:, None, :]),
+    "a M − η₀ e kᵀ (η one per sequence)":
+        lambda M, e, k, a, eta: a[:, :, None] * M - eta[:, 0, None, None] * e[:, :, None] * k[:, None, :],
+}
+
+
+@pytest.mark.parametrize("name", list(SQUARE_PER_ROW))
+def test_a_square_memory_decayed_per_value_row_fuses(name, fresh_dynamo):
+    """With Dv = Dk the key k_t [B, D] also has the size of one number per row [B, Dv]: read bare, it was taken as
+    one, so the rows split apart formed no step ("a decay per key dim, KDA" and "the error reads every row at
+    once", both false; probe r43). Where the step places its dims of 1 (k_t[:, None, :]) tells, and a key or
+    query is one every row shares."""
+    d = 4
+    step = _square_memory_decayed_per_row(SQUARE_PER_ROW[name])
+    k, v, q = F.normalize(torch.randn(B, T, d), dim=-1), torch.randn(B, T, d), torch.randn(B, T, d)
+    a, eta = torch.sigmoid(torch.randn(B, T, d)), torch.sigmoid(torch.randn(B, T, d))
+    inputs = [x.requires_grad_() for x in (k, v, q, a, eta)]
+    ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    got = torch.compile(step, backend="hecate", options={"fallback": "eager", "strict": True})(*inputs)
+    report = hecate.last_report()
+    assert report.count("memory_scan") == 1 and "one memory per row of M" in str(report) and not report.misses, \
+        str(report)
+    assert_outputs_and_gradients_close(got, step(*ref_inputs), inputs, ref_inputs, TOL)
