@@ -151,6 +151,30 @@ def _ancestors(node: fx.Node, limit: int = _SEARCH) -> Iterator[fx.Node]:
                 yield parent
 
 
+def _where_in(score: fx.Node, pairs: fx.Node) -> tuple[dict[int, int], list[int]] | None:
+    """Where each dim of the pair tensor ``pairs`` is in ``score``, which reduces it (pair dim → score dim), and
+    the pair dims reduced on the way; None where the way from one to the other is not pointwise ops and sums."""
+    rank, node, on_the_way = len(_shape(pairs)), pairs, set(_ancestors(score))
+    where, reduced = {d: d for d in range(rank)}, []
+    while node is not score:
+        users = [u for u in node.users if u is score or u in on_the_way]
+        if len(users) != 1:
+            return None
+        user, now = users[0], len(_shape(node) or ())
+        if is_pointwise(user):
+            grown = len(_shape(user) or ()) - now  # (leading dims a broadcast adds)
+            where = {d: at + grown for d, at in where.items()}
+        elif user.target is aten.sum.dim_IntList and len(user.args) >= 2 and not (len(user.args) > 2 and user.args[2]) \
+                and not user.kwargs:
+            gone = sorted(d % now for d in user.args[1])
+            reduced += [d for d, at in where.items() if at in gone]
+            where = {d: at - sum(g < at for g in gone) for d, at in where.items() if at not in gone}
+        else:
+            return None
+        node = user
+    return where, sorted(reduced)
+
+
 # ---- kl_attention: softmax over a pairwise score ------------------------------------------
 
 def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
@@ -161,6 +185,15 @@ def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
         for node in _ancestors(softmax):
             dims = _pair_dims(node)
             out = _shape(node)
+            if dims and len(out) > len(score) and not _is(out[dims[0]], out[dims[1]]) \
+                    and _is(score[-2], out[dims[0]]) and _is(score[-1], out[dims[1]]) and _per_sequence_keys(node, dims) \
+                    and any(a.target in (aten.log.default, aten.exp.default) for a in _ancestors(softmax)):
+                yield (f"a softmax over a pairwise [{out[dims[0]]}, {out[dims[1]]}] score between two sets of "
+                       f"positions, [.., {out[dims[0]]}, 1, ..] against [.., 1, {out[dims[1]]}, ..] (queries against "
+                       "other keys: cross-attention): kl_attention fuses self-attention, the KL between the beliefs "
+                       "of one sequence, KL(q_i‖q_j) over [..., N, K] at both ends; compiled as written",
+                       [softmax, node])
+                break
             if dims and len(out) > len(score) and _is(out[dims[0]], out[dims[1]]) \
                     and sum(_is(size, out[dims[0]]) for size in score) >= 2:  # (a score over the pairs)
                 n = out[dims[0]]
@@ -168,9 +201,19 @@ def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                          f"[.., {n}, 1, ..] against [.., 1, {n}, ..] and reducing a feature axis,")
                 over = softmax.args[1] % len(score) if len(softmax.args) > 1 and isinstance(softmax.args[1], int) \
                     else None
-                if over == dims[0]:  # (the pair dims keep their places in the score: its features are summed last)
-                    yield (f"{built} is normalised over its queries' dim {over} (i), not its keys' dim {dims[1]} (j): "
+                placed = _where_in(softmax.args[0], node)
+                i, j = (placed[0].get(dims[0]), placed[0].get(dims[1])) if placed else (None, None)
+                if over is not None and over == i:
+                    yield (f"{built} is normalised over its queries' dim {over} (i), not its keys' dim {j} (j): "
                            "kl_attention is a softmax over the keys for each query; compiled as written",
+                           [softmax, node])
+                    break
+                summed = [d for d in (placed[1] if placed else []) if d != len(out) - 1]
+                if placed and (i, j) == (len(score) - 2, len(score) - 1) and summed:
+                    yield (f"{built} also sums the pairs over their dim(s) {summed} of {list(out)} beside the "
+                           "features (one KL over the heads' features together): kl_attention reads one feature "
+                           "dim, [..., N, K]; move those dims into the features, the beliefs [..., N, H·K] "
+                           "(x.transpose(1, 2).flatten(-2) of [B, H, N, K]), for the same KL; compiled as written",
                            [softmax, node])
                     break
                 if dims != (len(out) - 3, len(out) - 2):  # the pair dims not just before the features
@@ -200,6 +243,17 @@ def _pairwise_softmaxes(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:
                        f"tensors, with the log of one (as a Gaussian KL expanded into products has): kl_attention "
                        "reads the KL written per pair, μ and σ² broadcast as [..., N, 1, K] against "
                        "[..., 1, N, K]; compiled as written", [softmax, product])
+
+
+def _per_sequence_keys(pairs: fx.Node, dims: tuple[int, int]) -> bool:
+    """Whether the keys' side of ``pairs`` (the operand of size 1 at the queries' dim) has a dim of its own before
+    the pair dims (a batch: keys of each sequence, not a bank of token priors)."""
+    out = _shape(pairs)
+    for arg in _tensor_args(pairs):
+        shape = (1,) * (len(out) - len(_shape(arg))) + _shape(arg)
+        if _is(shape[dims[0]], 1) and not _is(shape[dims[1]], 1):
+            return any(not _is(size, 1) for size in shape[:dims[0]])
+    return False
 
 
 def _gaussian_score_by_products(softmax: fx.Node, score: tuple) -> fx.Node | None:
@@ -239,7 +293,16 @@ def _decode_scores_by_pairs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node
             dims, out = _pair_dims(node), _shape(node)
             if not dims or len(out) <= len(logits) or _is(out[dims[0]], out[dims[1]]):
                 continue
-            width, vocab = out[-1], logits[-1]
+            width, vocab, features = out[-1], logits[-1], out[dims[1] + 1:]
+            if len(features) > 1 and any(a.target in (aten.log.default, aten.exp.default) for a in ancestors) \
+                    and any(_token_bank(a, vocab, *features) for a in ancestors) and _is(out[dims[1]], vocab):
+                yield (f"logits over {vocab} tokens built by broadcasting per-position beliefs against per-token "
+                       f"[{vocab}, {', '.join(map(str, features))}] tensors, the pairs summed over "
+                       f"{len(features)} dims after the tokens (heads and features): kl_decode reads one feature "
+                       f"dim, beliefs [..., N, K] against a bank [V, K]; flatten those dims into one (x.flatten(-"
+                       f"{len(features)}) of the beliefs and of the bank) for the same KL; compiled as written",
+                       [reader, node])
+                break
             if any(a.target in (aten.log.default, aten.exp.default) and _is((_shape(a) or (None,))[-1], width)
                    for a in ancestors) and any(_token_bank(a, vocab, width) for a in ancestors):
                 tokens_first = _is(out[dims[0]], vocab) and not _is(out[dims[1]], vocab)
@@ -256,11 +319,13 @@ def _decode_scores_by_pairs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node
                 break
 
 
-def _token_bank(node: fx.Node, vocab: Any, width: Any) -> bool:
-    """Whether ``node`` is a per-token tensor [V, K] (leading dims of 1 allowed): a bank of token priors."""
-    shape = _shape(node)
-    return shape is not None and len(shape) >= 2 and _is(shape[-2], vocab) and _is(shape[-1], width) \
-        and all(_is(s, 1) for s in shape[:-2])
+def _token_bank(node: fx.Node, vocab: Any, *features: Any) -> bool:
+    """Whether ``node`` is a per-token tensor [V, K] (or [V, H, K] for ``features`` (H, K); leading dims of 1
+    allowed): a bank of token priors."""
+    shape, n = _shape(node), len(features) + 1
+    return shape is not None and len(shape) >= n and _is(shape[-n], vocab) \
+        and all(_is(s, f) for s, f in zip(shape[-len(features):], features)) \
+        and all(_is(s, 1) for s in shape[:-n])
 
 
 def _decode_scores_by_products(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node]]]:

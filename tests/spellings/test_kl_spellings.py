@@ -1381,6 +1381,41 @@ def test_decode_expanded_into_products_is_reported(fresh_dynamo):
     assert_close("output", compiled(*args), m_decode_expanded_into_products(*args), 1e-6)
 
 
+def m_cross_attention_between_other_beliefs(mu_q, var_q, mu_k, var_k, v):  # −KL(q_i ‖ k_j), Nq ≠ Nk
+    kl = 0.5 * (torch.log(var_k[:, None] / var_q[:, :, None]) + var_q[:, :, None] / var_k[:, None]
+                + (mu_q[:, :, None] - mu_k[:, None]) ** 2 / var_k[:, None] - 1)
+    return F.softmax(-kl.sum(-1), dim=-1) @ v
+
+
+def test_kl_cross_attention_between_two_sets_of_beliefs_is_reported(fresh_dynamo):
+    """Queries' beliefs against other keys' beliefs, [B, 3, K] against [B, 5, K]: no square score, so no signature
+    fired and nothing was said (probe r43)."""
+    args = (torch.randn(B, 3, K), _var((B, 3, K)), torch.randn(B, 5, K), _var((B, 5, K)), torch.randn(B, 5, 2))
+    report = _compare(m_cross_attention_between_other_beliefs, args, "kl_attention")
+    misses = [m for m in report.misses if m.pattern == "kl_attention"]
+    assert report.count("kl_attention") == 0 and misses and "cross-attention" in misses[0].reason, str(report)
+    assert "test_kl_spellings.py" in misses[0].source, str(report)
+
+
+def d_kl_summed_over_heads_and_features(mu, var, prior_mu, prior_var, targets):  # beliefs [B, N, H, K], bank [V, H, K]
+    kl = 0.5 * (torch.log(prior_var / var[:, :, None]) + var[:, :, None] / prior_var
+                + (mu[:, :, None] - prior_mu) ** 2 / prior_var - 1)
+    return F.cross_entropy(-kl.sum((-2, -1)).view(-1, V), targets.view(-1))
+
+
+def test_decode_summed_over_heads_and_features_is_reported(fresh_dynamo):
+    """A per-head bank [V, H, K], the KL summed over both dims: no [V, K] bank, so nothing was said (probe r43)."""
+    args = (torch.randn(B, N, H, K), _var((B, N, H, K)), torch.randn(V, H, K), _var((V, H, K)),
+            torch.randint(0, V, (B, N)))
+    report = hecate.explain(d_kl_summed_over_heads_and_features, *args)
+    misses = [m for m in report.misses if m.pattern == "kl_decode"]
+    assert report.count("kl_decode") == 0 and misses, str(report)
+    assert "flatten those dims into one" in misses[0].reason and "test_kl_spellings.py" in misses[0].source, \
+        misses[0]
+    compiled = torch.compile(d_kl_summed_over_heads_and_features, backend="hecate", options={"fallback": "eager"})
+    assert_close("loss", compiled(*args), d_kl_summed_over_heads_and_features(*args), 1e-6)
+
+
 def d_prior_variance_floored(mu, var, prior_mu, prior_var, targets):  # floored in the Mahalanobis term only
     mi, vi = mu.unsqueeze(2), var.unsqueeze(2)
     kl = 0.5 * (torch.log(prior_var / vi) + vi / prior_var + (mi - prior_mu) ** 2 / prior_var.clamp(min=0.05) - 1)
@@ -1762,8 +1797,13 @@ def m_values_over_more_heads(mu, var):  # one attention per sequence [B, 1, N, N
     return beta @ _heads(mu)
 
 
+def m_kl_summed_over_heads(mu, var):  # one score per sequence, the KL of every head summed: over H·K features
+    return F.softmax(-kl_pairs(_heads(mu), _heads(var)).sum(1) / H, dim=-1) @ mu
+
+
 @pytest.mark.parametrize("fn,reason", [
     (m_multihead_reversed_kl, "KL(q_j ‖ q_i)"),
+    (m_kl_summed_over_heads, "also sums the pairs over their dim(s) [1] of"),
     (m_values_over_more_heads, "over more leading dims (sequences or heads) than the beliefs have"),
     (m_mask_per_head, "differs along the leading dims of the [B, H, N, N] score"),
     (m_score_spread_over_heads, "its leading dim 1 is not theirs"),
