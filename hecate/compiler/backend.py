@@ -146,6 +146,7 @@ def _source_hash() -> str:
 def last_report() -> FusionReport:
     """The fusion report of the graph the hecate backend compiled most recently."""
     if not _REPORTS:
-        raise RuntimeError("the hecate backend has not compiled a graph yet in this process; "
-                           "call the torch.compile'd model first, or use hecate.explain(model, *args)")
+        raise RuntimeError("the hecate backend has not compiled a graph yet in this process: call the "
+                           "torch.compile'd model first; where Dynamo hands it no graph (the code broken inside its "
+                           "loop, or at its start, runs eagerly), hecate.explain(model, *args) says why")
     return _REPORTS[-1]

@@ -123,9 +123,11 @@ class FusionReport:
 # what a user can do about a graph break Dynamo names, where a fusion depends on it
 _BREAK_HINTS = {
     "torch.autograd.grad": "torch.autograd.grad is not traced (torch._dynamo.config.trace_autograd_ops is off): a "
-                           "memory updated by the gradient of its loss runs eagerly; write the gradient in closed "
-                           "form, 2 (M k − v) kᵀ for ‖M k − v‖² (p·|e|^(p−1)·sign(e) kᵀ for the l_p loss), and "
-                           "the loop fuses as memory_scan",
+                           "step that follows the gradient of a loss runs eagerly; write the gradient in closed "
+                           "form: for a memory's ‖M k − v‖², 2 (M k − v) kᵀ (p·|e|^(p−1)·sign(e) kᵀ for the l_p "
+                           "loss), and the loop fuses as memory_scan; for a Q-flow's free energy, ∂F/∂μ written "
+                           "with the β-weighted mean differences Σ_j β_ij (μ_i − μ_j)/σ²_j, and each step fuses "
+                           "as kl_attention",
 }
 
 

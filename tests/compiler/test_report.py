@@ -161,6 +161,8 @@ def test_a_memory_stepped_by_autograd_grad_is_told_what_fuses(fresh_dynamo):
     report = hecate.explain(_memory_by_autograd_grad, *[torch.randn(2, 5, 4) for _ in range(3)])
     assert any("torch.autograd.grad" in r for r in report.graph_breaks), report.graph_breaks
     assert "write the gradient in closed form" in str(report) and "memory_scan" in str(report), str(report)
+    # the same break in a Q-flow: its advice is a free energy's (probe r43: told of a memory's ‖M k − v‖² alone)
+    assert "∂F/∂μ written with the β-weighted mean differences" in str(report) and "kl_attention" in str(report)
     assert "closed form" not in str(hecate.explain(_memory_loop_broken_at_every_step,
                                                    *[torch.randn(2, 2, 7, 4) for _ in range(3)]))
 
