@@ -1416,6 +1416,23 @@ def test_decode_summed_over_heads_and_features_is_reported(fresh_dynamo):
     assert_close("loss", compiled(*args), d_kl_summed_over_heads_and_features(*args), 1e-6)
 
 
+def d_logits_with_a_log_prior(mu, var, prior_mu, prior_var, log_prior):  # −KL/τ + log p(v), a bias per token
+    kl = 0.5 * (torch.log(prior_var / var[:, :, None]) + var[:, :, None] / prior_var
+                + (mu[:, :, None] - prior_mu) ** 2 / prior_var - 1)
+    return -kl.sum(-1) / 0.7 + log_prior
+
+
+def test_decode_logits_plus_a_per_token_bias_are_reported_as_such(fresh_dynamo):
+    """The reason was the generic "… these are not both" (probe r43): it names the bias now."""
+    args = (torch.randn(B, N, K), _var((B, N, K)), torch.randn(V, K), _var((V, K)), torch.randn(V))
+    report = hecate.explain(d_logits_with_a_log_prior, *args)
+    misses = [m for m in report.misses if m.pattern == "kl_decode"]
+    assert report.count("kl_decode") == 0 and misses and "plus a per-token tensor [7]" in misses[0].reason, \
+        str(report)
+    compiled = torch.compile(d_logits_with_a_log_prior, backend="hecate", options={"fallback": "eager"})
+    assert_close("logits", compiled(*args), d_logits_with_a_log_prior(*args), 1e-6)
+
+
 def d_prior_variance_floored(mu, var, prior_mu, prior_var, targets):  # floored in the Mahalanobis term only
     mi, vi = mu.unsqueeze(2), var.unsqueeze(2)
     kl = 0.5 * (torch.log(prior_var / vi) + vi / prior_var + (mi - prior_mu) ** 2 / prior_var.clamp(min=0.05) - 1)
