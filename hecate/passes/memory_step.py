@@ -404,8 +404,6 @@ def _broadcastable(value: Any, shape: tuple[int, ...], lead: tuple[int, ...], sh
         return value.reshape(())
     if value.numel() == math.prod(shape):
         return value.reshape(shape)
-    if value.dim() == len(shape) and all(h in (1, n) for h, n in zip(value.shape, shape)):
-        return value  # laid out as it broadcasts (k_t[:, None, :] [B, 1, C] against [B, A, C]), even where A = C
     if shared and len(shape) > len(lead) and (placed := _shared_by(value, shape)) is not None:
         return placed
     tail = (1,) * (len(shape) - len(lead))
@@ -1010,14 +1008,11 @@ def _outer_roles(b: _Body, rec: Recurrence, M_out: torch.Tensor, v: PerStep, k: 
             yield vv, kk
 
 
-def _error(b: _Body, rec: Recurrence, W: torch.Tensor, keyed: Callable[[fx.Node], bool] | None = None) -> tuple | None:
-    """(e, k, v, sign) for a body node e = sign · (read(W, k) − v) with per-step k and v, else None; the first
-    whose key ``keyed`` accepts where one does (a memory split per row, [.., A, 1, C] with A = C, reads k [B, C]
-    and k[:, :, None] alike as a key broadcast over its rows: the update's key tells which it is)."""
+def _error(b: _Body, rec: Recurrence, W: torch.Tensor) -> tuple | None:
+    """(e, k, v, sign) for a body node e = sign · (read(W, k) − v) with per-step k and v, else None."""
     ks = b.per_step_nodes(rec.lead + (rec.dk,))
     vs = b.per_step_nodes(rec.lead + (rec.dv,))
     reads = {kn: _read(W, _as(b.env[kn], rec.lead + (rec.dk,)), rec.layout) for kn in ks}
-    first = None
     for en in b.compute:
         e = _as(b.env[en], rec.lead + (rec.dv,)) if b.depends[en] == {rec.state} else None
         if e is None:
@@ -1026,25 +1021,18 @@ def _error(b: _Body, rec: Recurrence, W: torch.Tensor, keyed: Callable[[fx.Node]
             v = _as(b.env[vn], rec.lead + (rec.dv,))
             for sign in (1.0, -1.0):
                 if _close(e, sign * (r - v)):
-                    if keyed is None or keyed(kn):
-                        return en, kn, vn, sign
-                    first = first or (en, kn, vn, sign)
-    return first
+                    return en, kn, vn, sign
+    return None
 
 
 def _lp(b: _Body, rec: Recurrence, update: _Product, keep: PerStep, W_in: fx.Node, lq_eps: float) -> None:
     """update = −η·outer(G(e), k): find e = read(W, k) − v, k, the gates, and identify G."""
     m = rec.state
     W = b.env[W_in] if W_in is not b.carries[m] else b.env[b.carries[m]]
-    scales = [f for f in update.factors if not b.depends[f]], [d for d in update.divisors if not b.depends[d]]
-
-    def keyed(kn: fx.Node) -> bool:  # the update's key is the one that forms the error
-        return _key_factors(b, rec, *scales, kn) is not None
-
-    found = _error(b, rec, W, keyed)
+    found = _error(b, rec, W)
     decays = keep.factors or keep.coef != 1.0 or keep.offset is not None
     if found is None and decays:  # decay, then the delta rule: e = (a·M)·k − v, Gated DeltaNet's order
-        found = _error(b, rec, keep.value(b.env, rec.lead)[..., None, None] * W, keyed)
+        found = _error(b, rec, keep.value(b.env, rec.lead)[..., None, None] * W)
         if found is not None and (rec.momentum_state is not None or rec.params["q_norm"] != 2.0):
             raise NotFused("the error e = (a·M)·k − v is formed from the decayed memory (the decay applied before "
                            "the error, as Gated DeltaNet writes it) in a step with "
@@ -1156,10 +1144,7 @@ def _key_factors(b: _Body, rec: Recurrence, factors: list[fx.Node], divisors: li
         return scale if scale != 0.0 and _close(value, scale * k) else None
 
     for vector in factors:
-        # the key as the error reads it where that is a view of this factor (k[:, None, :] [B, 1, C]): bare, a
-        # key [B, C] reads as one number per row of a square memory split per row, [B, A] with A = C
-        read_as = kn if _a_view_of(kn, vector) else vector
-        if _as(b.env[read_as], shape) is None:
+        if _as(b.env[vector], shape) is None:
             continue
         for n in range(len(heads) + 1):
             for scales in itertools.combinations(heads, n):
@@ -1168,17 +1153,11 @@ def _key_factors(b: _Body, rec: Recurrence, factors: list[fx.Node], divisors: li
                 features = [x for x, div in scales if div is None and x is not vector]
                 if len(over) + len(under) + len(features) != n or len(set(over + features)) != len(over + features):
                     continue
-                found = [scale_of(PerStep(1.0, [read_as] + over, under, features=features), env) for env in draws]
+                found = [scale_of(PerStep(1.0, [vector] + over, under, features=features, shared=b.per_row), env)
+                         for env in draws]
                 if None not in found and math.isclose(found[0], found[1], rel_tol=1e-6):
                     return [vector] + over + features, under, found[0]
     return None
-
-
-def _a_view_of(node: fx.Node, base: fx.Node) -> bool:
-    """Whether ``node`` is ``base`` seen through views alone (unsqueeze, view, expand, ...)."""
-    while node is not base and node.op == "call_function" and is_view(node):
-        node = node.args[0]
-    return node is base
 
 
 def _bias_expression(e: fx.Node, g_factors: list[fx.Node], g_divisors: list[fx.Node], e_sign: float) -> str:
