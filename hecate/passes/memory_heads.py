@@ -177,8 +177,8 @@ def _row_gates(graph: fx.Graph, M: fx.Node, rank: int) -> dict[str, str]:
         value = node.meta.get("val")
         if node.op not in ("placeholder", "call_function") or node is M or not isinstance(value, torch.Tensor) \
                 or not value.is_floating_point() or not 1 <= value.dim() <= rank or not is_one(value.shape[-1]) \
-                or computed_from([node], {M}):
-            continue
+                or computed_from([node], {M}) or not any(_of_rank(user, rank) for user in node.users):
+            continue  # (one that broadcasts against a smaller tensor, b [B, H, 1] of b·v, is no gate of the rows)
         # its leading dims of 1 made explicit: a decay [H, A, 1] read as [1, H, A] against [B, H, A], from the
         # right as it broadcasts (as [H, A] it would read as one per sequence [B, 1, A] where B = H)
         with graph.inserting_before(first if node.op == "placeholder" else node.next), \
@@ -192,6 +192,11 @@ def _row_gates(graph: fx.Graph, M: fx.Node, rank: int) -> dict[str, str]:
         gate.meta[KEEP] = True
         gates[node] = gate
     return {node.name: gate.name for node, gate in gates.items()}
+
+
+def _of_rank(node: fx.Node, rank: int) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dim() == rank
 
 
 def install(gm: fx.GraphModule, node: fx.Node, state: int, body: fx.GraphModule) -> None:

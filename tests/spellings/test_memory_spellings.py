@@ -4321,3 +4321,32 @@ def test_a_square_memory_decayed_per_value_row_fuses(name, fresh_dynamo):
     assert report.count("memory_scan") == 1 and "one memory per row of M" in str(report) and not report.misses, \
         str(report)
     assert_outputs_and_gradients_close(got, step(*ref_inputs), inputs, ref_inputs, TOL)
+
+
+def gla_strength_folded_into_the_value(k, v, q, alpha, eta):
+    """M [Dk, Dv] decayed per key row, a write strength per head [B, T, H, 1] folded into the value: k (b·v)ᵀ
+    (Longhorn's scalar Δ, HGRN2's forms)."""
+    M, ys, b = _m0(k, v, layout="kv"), [], eta.unsqueeze(-1)
+    for t in range(k.shape[1]):
+        M = torch.sigmoid(k[:, t])[..., :, None] * M + k[:, t, ..., :, None] * (b[:, t] * v[:, t])[..., None, :]
+        ys.append((q[:, t][..., :, None] * M).sum(-2))
+    return torch.stack(ys, 1), M
+
+
+def gla_strength_folded_into_the_key(k, v, q, alpha, eta):
+    """The same with the strength on the key's side, (b·k) vᵀ."""
+    M, ys, b = _m0(k, v, layout="kv"), [], eta.unsqueeze(-1)
+    for t in range(k.shape[1]):
+        M = torch.sigmoid(k[:, t])[..., :, None] * M + (b[:, t] * k[:, t])[..., :, None] * v[:, t, ..., None, :]
+        ys.append((q[:, t][..., :, None] * M).sum(-2))
+    return torch.stack(ys, 1), M
+
+
+@pytest.mark.parametrize("fn", [gla_strength_folded_into_the_value, gla_strength_folded_into_the_key],
+                         ids=lambda f: f.__name__)
+def test_a_write_strength_folded_into_one_side_of_a_memory_split_per_row_fuses(fn, fresh_dynamo):
+    """The strength b [B, H, 1] multiplies a vector [B, H, D], not the memory: it was taken for a gate of the rows
+    read from the right against the memory [B, H, Dk, Dv], as [1, B, H], and the step was "not an outer product
+    b·v kᵀ" (probe r43: Longhorn with a scalar Δ). Written b·(k vᵀ) it fused already."""
+    report = _compile_and_compare(fn, strict=True)
+    assert report.count("linear_attention") == 1 and "one memory per row" in str(report), str(report)
