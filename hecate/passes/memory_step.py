@@ -285,7 +285,9 @@ def _gates_as_read(b: "_Body", prod: _Product, lead: tuple) -> _Product:
         value = b.env.get(top) if top is not None else None
         spans_leading = isinstance(value, torch.Tensor) and value.dim() == len(lead) + 2 \
             and tuple(value.shape[-2:]) == (1, 1)
-        return top if spans_leading else f
+        # a memory split per row, its lead [B, H, A]: a strength b_t[..., None] [B, H, 1] of b·v spans the rows
+        per_head = b.per_row and _same_rank_as(value, lead) and _as(value, lead) is None
+        return top if spans_leading or per_head else f
 
     prod.factors, prod.divisors = [as_read(f) for f in prod.factors], [as_read(f) for f in prod.divisors]
     return prod

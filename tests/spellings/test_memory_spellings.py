@@ -4342,8 +4342,17 @@ def gla_strength_folded_into_the_key(k, v, q, alpha, eta):
     return torch.stack(ys, 1), M
 
 
-@pytest.mark.parametrize("fn", [gla_strength_folded_into_the_value, gla_strength_folded_into_the_key],
-                         ids=lambda f: f.__name__)
+def gla_strength_made_per_head_inside_the_step(k, v, q, alpha, eta):
+    """The strength read as eta[:, t, :, None] inside the step, k (b·v)ᵀ: [B, H] made [B, H, 1] there."""
+    M, ys = _m0(k, v, layout="kv"), []
+    for t in range(k.shape[1]):
+        M = torch.sigmoid(k[:, t])[..., :, None] * M + k[:, t, ..., :, None] * (eta[:, t, :, None] * v[:, t])[..., None, :]
+        ys.append((q[:, t][..., :, None] * M).sum(-2))
+    return torch.stack(ys, 1), M
+
+
+@pytest.mark.parametrize("fn", [gla_strength_folded_into_the_value, gla_strength_folded_into_the_key,
+                                gla_strength_made_per_head_inside_the_step], ids=lambda f: f.__name__)
 def test_a_write_strength_folded_into_one_side_of_a_memory_split_per_row_fuses(fn, fresh_dynamo):
     """The strength b [B, H, 1] multiplies a vector [B, H, D], not the memory: it was taken for a gate of the rows
     read from the right against the memory [B, H, Dk, Dv], as [1, B, H], and the step was "not an outer product
