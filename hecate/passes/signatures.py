@@ -306,7 +306,7 @@ def _decode_scores_by_pairs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node
             if any(a.target in (aten.log.default, aten.exp.default) and _is((_shape(a) or (None,))[-1], width)
                    for a in ancestors) and any(_token_bank(a, vocab, width) for a in ancestors):
                 if any(a.target in (aten.add.Tensor, aten.sub.Tensor) and len(_shape(a) or ()) >= 2
-                       and any(_per_token(t, vocab) for t in _tensor_args(a)) for a in [reader, *ancestors]):
+                       and any(_token_bank(t, vocab) for t in _tensor_args(a)) for a in [reader, *ancestors]):
                     yield (f"logits over {vocab} tokens that are −KL(q_i‖π_v)/τ plus a per-token tensor [{vocab}] "
                            "(a log-prior, a bias): kl_decode fuses the −KL/τ logits alone, returned or read by a "
                            "softmax or cross-entropy; compiled as written", [reader, node])
@@ -325,18 +325,12 @@ def _decode_scores_by_pairs(graph: fx.Graph) -> Iterator[tuple[str, list[fx.Node
                 break
 
 
-def _per_token(node: fx.Node, vocab: Any) -> bool:
-    """Whether ``node`` is one number per token, [V] (leading dims of 1 allowed)."""
-    shape = _shape(node)
-    return bool(shape) and _is(shape[-1], vocab) and all(_is(s, 1) for s in shape[:-1])
-
-
 def _token_bank(node: fx.Node, vocab: Any, *features: Any) -> bool:
-    """Whether ``node`` is a per-token tensor [V, K] (or [V, H, K] for ``features`` (H, K); leading dims of 1
-    allowed): a bank of token priors."""
+    """Whether ``node`` is a per-token tensor [V, *features] (leading dims of 1 allowed): a bank of token priors
+    [V, K] (or [V, H, K]), or with no features one number per token [V] (a log-prior)."""
     shape, n = _shape(node), len(features) + 1
     return shape is not None and len(shape) >= n and _is(shape[-n], vocab) \
-        and all(_is(s, f) for s, f in zip(shape[-len(features):], features)) \
+        and all(_is(s, f) for s, f in zip(shape[len(shape) - len(features):], features)) \
         and all(_is(s, 1) for s in shape[:-n])
 
 
